@@ -1,0 +1,28 @@
+# Two commands set up a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+demo: $(STAMP)
+	$(BIN)/flashmemory demo
+
+bench: $(STAMP)
+	$(BIN)/flashmemory bench all --quick
+
+clean:
+	rm -rf $(VENV) demo_out bench_out .pytest_cache

@@ -1,0 +1,155 @@
+"""Level-1 selection: retriever scores -> resident chunks or pages.
+
+A chunk passes when its ensemble score is strictly above the threshold. The recency tail (last
+`last_keep` chunks) and the sink (first `first_keep` chunks) are always kept. Page mode scores a
+64-chunk page by its number of passing chunks, forces tail and sink pages in, and keeps the best
+`kmax` pages in ascending order. Unlike upstream, pages that score zero do not fill the budget
+unless `fill_zero_pages` is set: a resident page that nothing asked for only costs recall bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    threshold: float = 0.5        # keep if score > threshold (strict)
+    ensemble: str = "or"          # "or" = max over layers, "mean" = average
+    last_keep: int = 2048         # recency tail, chunks
+    first_keep: int = 0           # sink, chunks
+    max_resident: int = 0         # cap on resident chunks per request, 0 = none
+    page_chunks: int = 64         # chunks per page
+    kmax: int = 96                # resident pages per request
+    fill_zero_pages: bool = False # upstream behaviour: top-k always returns kmax pages
+
+    def __post_init__(self) -> None:
+        if self.ensemble not in ("or", "max", "mean"):
+            raise ValueError(f"ensemble must be 'or'/'max' or 'mean', got {self.ensemble!r}")
+        if self.page_chunks < 1 or self.kmax < 1:
+            raise ValueError("page_chunks and kmax must be >= 1")
+        if min(self.last_keep, self.first_keep, self.max_resident) < 0:
+            raise ValueError("last_keep, first_keep and max_resident must be >= 0")
+
+    @classmethod
+    def from_env(cls, env) -> "SelectionConfig":
+        """From a `flashmemory.env.FlashMemoryEnv`."""
+        return cls(threshold=env.threshold, ensemble=env.ensemble_mode, last_keep=env.last_keep,
+                   first_keep=env.first_keep, max_resident=env.max_resident, kmax=env.kmax())
+
+    @property
+    def page_cap(self) -> int:
+        """Pages a request may hold: kmax, tightened by max_resident when that is set."""
+        if self.max_resident > 0:
+            return max(1, min(self.kmax, self.max_resident // self.page_chunks))
+        return self.kmax
+
+
+def ensemble_scores(per_layer: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], mode: str = "or") -> torch.Tensor:
+    """Combine per-layer scores [B, N] into one [B, N]: max for "or"/"max", mean for "mean"."""
+    xs = list(per_layer.values()) if isinstance(per_layer, Mapping) else list(per_layer)
+    if not xs:
+        raise ValueError("ensemble_scores needs at least one layer")
+    stacked = torch.stack(xs, 0)
+    if mode in ("or", "max"):
+        return stacked.amax(0)
+    if mode == "mean":
+        return stacked.mean(0)
+    raise ValueError(f"unknown ensemble mode {mode!r}")
+
+
+def _valid(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def forced_mask(lengths: torch.Tensor, n: int, cfg: SelectionConfig) -> torch.Tensor:
+    """Bool [B, N]: recency tail (j >= len - last_keep) and sink (j < first_keep), inside each history."""
+    j = torch.arange(n, device=lengths.device).unsqueeze(0)
+    ln = lengths.unsqueeze(1)
+    tail = j >= ln - cfg.last_keep if cfg.last_keep > 0 else torch.zeros_like(j, dtype=torch.bool)
+    sink = j < cfg.first_keep
+    return (tail | sink) & (j < ln)
+
+
+def select_chunks(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+    """Chunk-granular selection: Bool [B, N] of resident chunks.
+
+    scores: [B, N] ensemble scores; lengths: [B] history length in chunks (columns past it are never kept).
+    With `max_resident`, forced chunks come first, then the highest-scoring passing chunks up to the cap.
+    """
+    b, n = scores.shape
+    valid = _valid(lengths, n)
+    forced = forced_mask(lengths, n, cfg)
+    passing = (scores > cfg.threshold) & valid & ~forced
+    if cfg.max_resident <= 0:
+        return forced | passing
+    room = (cfg.max_resident - forced.sum(1)).clamp_min(0)  # [B]
+    ranked = scores.masked_fill(~passing, float("-inf"))
+    order = ranked.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=scores.device).expand(b, n))
+    return forced | (passing & (rank < room.unsqueeze(1)))
+
+
+def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+    """Int64 [B, P] ranking keys per page; higher is better, -1 = not selectable.
+
+    Forced pages (tail, sink) rank above every scored page; then pages by their count of passing
+    chunks; ties go to the more recent page. Zero-count pages get a key only with fill_zero_pages.
+    """
+    b, n = scores.shape
+    pc = cfg.page_chunks
+    n_pages = -(-n // pc)
+    valid = _valid(lengths, n)
+    passing = (scores > cfg.threshold) & valid
+    pad = n_pages * pc - n
+    count = torch.nn.functional.pad(passing.to(torch.int64), (0, pad)).view(b, n_pages, pc).sum(-1)
+    forced = torch.nn.functional.pad(forced_mask(lengths, n, cfg), (0, pad)).view(b, n_pages, pc).any(-1)
+    p = torch.arange(n_pages, device=scores.device).unsqueeze(0).expand(b, n_pages)
+    stride = n_pages + 1
+    key = count * stride + p
+    key = torch.where(forced, (pc + 1) * stride + p, key)
+    live = p < (lengths.unsqueeze(1) + pc - 1) // pc
+    keep = live & (forced | (count > 0) | cfg.fill_zero_pages)
+    return torch.where(keep, key, torch.full_like(key, -1))
+
+
+def select_pages(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig,
+                 kmax: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page-granular selection.
+
+    scores: [B, N] ensemble scores; lengths: [B] chunks of history.
+    Returns (pages [B, K] int64, ascending, padded with -1; counts [B] int64), K = min(kmax, pages).
+    Never returns a page past a row's history.
+    """
+    cap = kmax if kmax is not None else cfg.page_cap
+    keys = page_keys(scores, lengths, cfg)
+    k = min(cap, keys.shape[1])
+    if k == 0:
+        return keys.new_empty(keys.shape[0], 0), keys.new_zeros(keys.shape[0])
+    top, idx = keys.topk(k, dim=1)
+    ok = top >= 0
+    pages = torch.where(ok, idx, torch.full_like(idx, torch.iinfo(torch.int64).max)).sort(dim=1).values
+    pages = pages.masked_fill(pages == torch.iinfo(torch.int64).max, -1)
+    return pages, ok.sum(1)
+
+
+class PagePolicy(Protocol):
+    """The pluggable Level-1 policy: (scores [N], history length, page budget) -> pages [K] ascending."""
+
+    def __call__(self, scores: torch.Tensor, n_hist: int, budget_pages: int) -> torch.Tensor: ...
+
+
+class ThresholdPagePolicy:
+    """The default policy: threshold, recency tail and sink, top pages by passing-chunk count."""
+
+    def __init__(self, cfg: SelectionConfig):
+        self.cfg = cfg
+
+    def __call__(self, scores: torch.Tensor, n_hist: int, budget_pages: int) -> torch.Tensor:
+        pages, count = select_pages(scores.unsqueeze(0), torch.tensor([n_hist], device=scores.device), self.cfg,
+                                    kmax=min(budget_pages, self.cfg.page_cap))
+        return pages[0, : int(count[0])]

@@ -1,0 +1,182 @@
+"""Read and write retriever checkpoints.
+
+Reads upstream joint `.pt` files (`retrievers.l{id}.{wq_a.weight, wq_b.weight, q_norm_weight,
+weights_proj.weight}`, with `torch.load(weights_only=True)`, which never runs pickled code),
+unprefixed single-layer files, and our `.safetensors`. Writes safetensors with the dims, layers
+and RoPE parameters in the metadata. Every failure is a `CheckpointError` naming the key or cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from flashmemory.retriever.model import JointRetriever, RetrieverDims
+from flashmemory.retriever.rope import RopeConfig
+
+PARAMS = ("wq_a.weight", "wq_b.weight", "q_norm_weight", "weights_proj.weight")
+FORMAT = "flashmemory-retriever/1"
+_JOINT_KEY = re.compile(r"^retrievers\.l(\d+)\.(.+)$")
+
+
+class CheckpointError(ValueError):
+    """A retriever checkpoint is missing, truncated, or does not match what was asked for."""
+
+
+def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load the raw tensors and metadata of a `.safetensors` or `.pt`/`.pth` file, on CPU."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such file")
+    if p.suffix == ".safetensors":
+        from safetensors import safe_open
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises several types for a bad header or short file
+            raise CheckpointError(f"{p}: unreadable safetensors file ({type(e).__name__}: {e}); truncated?") from e
+        return state, meta
+    if p.suffix in (".pt", ".pth", ".bin"):
+        try:
+            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{p}: unreadable torch file ({type(e).__name__}: {e}); truncated or not a "
+                                  "plain tensor state dict?") from e
+        if isinstance(obj, dict) and "model_state" in obj and isinstance(obj["model_state"], dict):
+            obj = obj["model_state"]  # a training epoch checkpoint
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CheckpointError(f"{p}: expected a dict of tensors (a state_dict)")
+        return dict(obj), {}
+    raise CheckpointError(f"{p}: unknown checkpoint type {p.suffix!r} (use .safetensors or .pt)")
+
+
+def split_layers(state: dict[str, torch.Tensor], single_layer_id: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Group a state dict by layer: joint keys by their `l{id}` prefix; unprefixed keys as `single_layer_id`."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        m = _JOINT_KEY.match(k)
+        if m:
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        else:
+            plain[k] = v
+    if not out and plain:
+        if single_layer_id is None:
+            raise CheckpointError("single-layer checkpoint (unprefixed keys): say which c4 layer it is for")
+        out[single_layer_id] = plain
+    return {lid: {k: v for k, v in sd.items() if k != "freqs_cis"} for lid, sd in out.items()}
+
+
+def infer_dims(sd: dict[str, torch.Tensor], lid: int, rope_dim: int) -> RetrieverDims:
+    missing = [k for k in PARAMS if k not in sd]
+    if missing:
+        raise CheckpointError(f"layer {lid}: missing key(s) {', '.join(f'retrievers.l{lid}.{k}' for k in missing)}")
+    rank, hidden = sd["wq_a.weight"].shape
+    n_heads = sd["weights_proj.weight"].shape[0]
+    hd = sd["wq_b.weight"].shape[0]
+    if n_heads == 0 or hd % n_heads:
+        raise CheckpointError(f"layer {lid}: wq_b.weight rows {hd} not divisible by n_heads {n_heads}")
+    return RetrieverDims(hidden=hidden, rank=rank, n_heads=n_heads, head_dim=hd // n_heads, rope_dim=rope_dim)
+
+
+def expected_shapes(d: RetrieverDims) -> dict[str, tuple[int, ...]]:
+    return {
+        "wq_a.weight": (d.rank, d.hidden),
+        "wq_b.weight": (d.n_heads * d.head_dim, d.rank),
+        "q_norm_weight": (d.rank,),
+        "weights_proj.weight": (d.n_heads, d.hidden),
+    }
+
+
+def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] | None = None,
+                   single_layer_id: int | None = None, rope: RopeConfig | None = None,
+                   logit_offset: float = 0.0, expect_hidden: int | None = None) -> JointRetriever:
+    """Build a `JointRetriever` from a checkpoint.
+
+    layers: c4-layer ids to load (default: all in the file); a missing one is an error.
+    rope: RoPE parameters; default from the file's metadata, else upstream's (rope_dim 64, or
+      head_dim // 2 when head_dim < 128 as in tiny models).
+    expect_hidden: if given, the model's hidden size, checked against wq_a.
+    """
+    state, meta = read_state(path)
+    by_layer = split_layers(state, single_layer_id)
+    if not by_layer:
+        raise CheckpointError(f"{path}: holds no retriever weights")
+    want = tuple(sorted(layers)) if layers else tuple(sorted(by_layer))
+    absent = [i for i in want if i not in by_layer]
+    if absent:
+        raise CheckpointError(f"{path}: layer(s) {absent} not in checkpoint (it has {sorted(by_layer)})")
+    if rope is None:
+        rope = rope_from_meta(meta, by_layer[want[0]])
+    dims = infer_dims(by_layer[want[0]], want[0], rope.rope_dim)
+    if expect_hidden is not None and dims.hidden != expect_hidden:
+        raise CheckpointError(f"{path}: retriever hidden size {dims.hidden} != model hidden size {expect_hidden}")
+    shapes = expected_shapes(dims)
+    for lid in want:
+        sd = by_layer[lid]
+        infer_dims(sd, lid, rope.rope_dim)  # raises on missing keys
+        for k, shp in shapes.items():
+            got = tuple(sd[k].shape)
+            if got != shp:
+                raise CheckpointError(f"retrievers.l{lid}.{k}: shape {got} does not match expected {shp}")
+    model = JointRetriever(want, dims, rope, logit_offset)
+    with torch.no_grad():
+        for lid in want:
+            layer = model.layer(lid)
+            for k in PARAMS:
+                layer.get_parameter(k).copy_(by_layer[lid][k].float())
+    return model
+
+
+def rope_from_meta(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> RopeConfig:
+    if "rope" in meta:
+        return RopeConfig(**json.loads(meta["rope"]))
+    n_heads = sd["weights_proj.weight"].shape[0] if "weights_proj.weight" in sd else 1
+    head_dim = sd["wq_b.weight"].shape[0] // max(n_heads, 1) if "wq_b.weight" in sd else 128
+    return RopeConfig(rope_dim=64 if head_dim >= 128 else max(2, head_dim // 2))
+
+
+def retriever_metadata(model: JointRetriever) -> dict[str, str]:
+    d, r = model.dims, model.rope
+    return {
+        "format": FORMAT,
+        "layers": ",".join(map(str, model.layers)),
+        "dims": json.dumps(d.__dict__),
+        "rope": json.dumps(r.__dict__),
+    }
+
+
+def save_retriever(model: JointRetriever, path: str | os.PathLike, extra_meta: dict[str, str] | None = None) -> Path:
+    """Write the joint state (fp32) to `path` as safetensors, atomically (temp file, then rename)."""
+    from safetensors.torch import save_file
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"retrievers.l{lid}.{k}": model.layer(lid).get_parameter(k).detach().float().contiguous().cpu()
+             for lid in model.layers for k in PARAMS}
+    meta = retriever_metadata(model) | (extra_meta or {})
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    save_file(state, str(tmp), metadata=meta)
+    os.replace(tmp, p)
+    return p
+
+
+def inspect_checkpoint(path: str | os.PathLike, single_layer_id: int | None = None) -> dict:
+    """Summary of a checkpoint: layers, dims, dtypes, parameter count, metadata."""
+    state, meta = read_state(path)
+    by_layer = split_layers(state, single_layer_id)
+    rope = rope_from_meta(meta, next(iter(by_layer.values()))) if by_layer else RopeConfig()
+    dims = {lid: infer_dims(sd, lid, rope.rope_dim).__dict__ for lid, sd in by_layer.items()}
+    return {
+        "path": str(path),
+        "layers": sorted(by_layer),
+        "dims": dims,
+        "dtypes": sorted({str(v.dtype) for v in state.values()}),
+        "n_params": sum(v.numel() for sd in by_layer.values() for v in sd.values()),
+        "ignored_keys": sorted(k for k in state if k.endswith("freqs_cis")),
+        "metadata": meta,
+    }
