@@ -1,0 +1,44 @@
+"""`flashmemory bench NAME`: each benchmark module exposes `add_args(parser)` and `run(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+BENCHES = {
+    "scorer": ("flashmemory.bench.scorer", "Level-1 scoring throughput vs the matmul ceiling and the native indexer"),
+    "labels": ("flashmemory.bench.labels", "golden-label construction vs a per-layer, per-token Python loop"),
+    "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
+    "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
+    "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
+}
+
+
+def available() -> dict[str, tuple[str, str]]:
+    return {k: v for k, v in BENCHES.items() if importlib.util.find_spec(v[0]) is not None}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (ratios measured side by side in one run)",
+                       description="Benchmarks. Every number is a ratio against a baseline measured in the same run.")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME")
+    for name, (mod, help_) in available().items():
+        bp = bsub.add_parser(name, help=help_, description=help_)
+        m = importlib.import_module(mod)
+        m.add_args(bp)
+        bp.set_defaults(func=m.run)
+    ap = bsub.add_parser("all", help="run every benchmark in turn")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.set_defaults(func=_run_all)
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    rc = 0
+    for name, (mod, _) in available().items():
+        print(f"\n=== bench {name} ===")
+        m = importlib.import_module(mod)
+        p = argparse.ArgumentParser()
+        m.add_args(p)
+        rc |= int(m.run(p.parse_args(["--quick"] if args.quick else [])) or 0)
+    return rc

@@ -1,0 +1,45 @@
+"""`flashmemory` command line. Each subcommand lives beside the code it drives.
+
+A command module exposes `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that add subcommands, in --help order.
+COMMANDS = [
+    "flashmemory.retriever.cli",   # checkpoint inspect|convert|download
+    "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashmemory",
+        description="FlashMemory for DeepSeek-V4: Memory-Indexer retriever, golden-label dumps, training, "
+                    "offload engine, benchmarks and the CPU demo.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
