@@ -76,6 +76,10 @@ def infer_dims(sd: dict[str, torch.Tensor], lid: int, rope_dim: int) -> Retrieve
     missing = [k for k in PARAMS if k not in sd]
     if missing:
         raise CheckpointError(f"layer {lid}: missing key(s) {', '.join(f'retrievers.l{lid}.{k}' for k in missing)}")
+    for k in PARAMS:
+        want = 1 if k == "q_norm_weight" else 2
+        if sd[k].dim() != want:
+            raise CheckpointError(f"retrievers.l{lid}.{k}: expected a {want}-D tensor, got shape {tuple(sd[k].shape)}")
     rank, hidden = sd["wq_a.weight"].shape
     n_heads = sd["weights_proj.weight"].shape[0]
     hd = sd["wq_b.weight"].shape[0]
@@ -135,7 +139,10 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
 
 def rope_from_meta(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> RopeConfig:
     if "rope" in meta:
-        return RopeConfig(**json.loads(meta["rope"]))
+        try:
+            return RopeConfig(**json.loads(meta["rope"]))
+        except (ValueError, TypeError) as e:  # bad JSON, unknown field or invalid value
+            raise CheckpointError(f"metadata 'rope' = {meta['rope']!r} is not a valid RopeConfig ({e})") from e
     n_heads = sd["weights_proj.weight"].shape[0] if "weights_proj.weight" in sd else 1
     head_dim = sd["wq_b.weight"].shape[0] // max(n_heads, 1) if "wq_b.weight" in sd else 128
     return RopeConfig(rope_dim=64 if head_dim >= 128 else max(2, head_dim // 2))

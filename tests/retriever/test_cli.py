@@ -1,0 +1,149 @@
+"""`flashmemory checkpoint inspect|convert|download`, driven through flashmemory.cli.main."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashmemory.cli import main
+from flashmemory.retriever.checkpoint import load_retriever, read_state
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_joint(path: Path, layers=(10, 12, 20), hidden=48, rank=24, heads=4, hd=16) -> dict[str, torch.Tensor]:
+    sd = {}
+    for lid in layers:
+        p = f"retrievers.l{lid}."
+        sd[p + "wq_a.weight"] = torch.randn(rank, hidden)
+        sd[p + "wq_b.weight"] = torch.randn(heads * hd, rank)
+        sd[p + "q_norm_weight"] = torch.rand(rank)
+        sd[p + "weights_proj.weight"] = torch.randn(heads, hidden)
+        sd[p + "freqs_cis"] = torch.polar(torch.ones(8, 4), torch.rand(8, 4))
+    torch.save(sd, path)
+    return sd
+
+
+def test_inspect_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_joint(tmp_path / "j.pt")
+    assert main(["checkpoint", "inspect", str(tmp_path / "j.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "10, 12, 20" in out and "heads 4 x 16" in out and "rank 24" in out and "hidden 48" in out
+    n = 3 * (24 * 48 + 64 * 24 + 24 + 4 * 48)
+    assert f"{n:,}" in out and "torch.float32" in out and "freqs_cis" in out
+    assert main(["checkpoint", "inspect", "--json", str(tmp_path / "j.pt")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layers"] == [10, 12, 20] and info["n_params"] == n
+    assert info["dims"]["12"] == {"hidden": 48, "rank": 24, "n_heads": 4, "head_dim": 16, "rope_dim": 8}
+
+
+def test_inspect_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["checkpoint", "inspect", str(tmp_path / "missing.pt")]) == 1
+    assert "missing.pt: no such file" in capsys.readouterr().err
+    sd = {k.removeprefix("retrievers.l10."): v for k, v in write_joint(tmp_path / "a.pt", layers=(10,)).items()}
+    torch.save(sd, tmp_path / "single.pt")
+    assert main(["checkpoint", "inspect", str(tmp_path / "single.pt")]) == 1
+    assert "single-layer" in capsys.readouterr().err
+    assert main(["checkpoint", "inspect", "--layer", "12", str(tmp_path / "single.pt")]) == 0
+    assert "l12" in capsys.readouterr().out
+
+
+def test_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sd = write_joint(tmp_path / "j.pt")
+    dst = tmp_path / "out" / "j.safetensors"
+    assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    state, meta = read_state(dst)
+    assert set(state) == {k for k in sd if not k.endswith("freqs_cis")}
+    for k, v in state.items():
+        assert torch.equal(v, sd[k])
+    assert meta["source"] == "j.pt" and json.loads(meta["rope"])["rope_dim"] == 8
+    # Refuses to overwrite without --force, and a non-safetensors output.
+    assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main(["checkpoint", "convert", "--force", "--layers", "12", "--rope-dim", "4",
+                 str(tmp_path / "j.pt"), str(dst)]) == 0
+    model = load_retriever(dst)
+    assert model.layers == (12,) and model.rope.rope_dim == 4
+    assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(tmp_path / "x.pt")]) == 1
+    assert ".safetensors" in capsys.readouterr().err
+    src = str(tmp_path / "j.pt")
+    assert main(["checkpoint", "convert", "--layers", "10,b", src, str(tmp_path / "y.safetensors")]) == 1
+    assert "--layers" in capsys.readouterr().err
+    assert main(["checkpoint", "convert", "--rope-dim", "7", src, str(tmp_path / "z.safetensors")]) == 1
+    assert "rope_dim" in capsys.readouterr().err
+    assert not (tmp_path / "z.safetensors").exists()
+
+
+def test_convert_single_layer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sd = {k.removeprefix("retrievers.l10."): v for k, v in write_joint(tmp_path / "a.pt", layers=(10,)).items()}
+    torch.save(sd, tmp_path / "single.pt")
+    dst = tmp_path / "single.safetensors"
+    assert main(["checkpoint", "convert", str(tmp_path / "single.pt"), str(dst)]) == 1
+    assert "single-layer" in capsys.readouterr().err and not dst.exists()
+    assert main(["checkpoint", "convert", "--layer", "20", str(tmp_path / "single.pt"), str(dst)]) == 0
+    model = load_retriever(dst)
+    assert model.layers == (20,) and torch.equal(model.layer(20).wq_b.weight.detach(), sd["wq_b.weight"])
+
+
+def test_download_offline_subprocess(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "flashmemory.cli", "checkpoint", "download", "--dest", str(tmp_path / "d")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert r.returncode == 1, r.stderr
+    assert "could not download libertywing/FlashMemory-Deepseek-V4/top3_R930_joint.pt" in r.stderr
+    assert "HF_HUB_OFFLINE" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "d" / "top3_R930_joint.pt").exists()
+
+
+def test_download_unreachable_endpoint_fails_before_the_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    called = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kw: called.append(kw))
+    assert main(["checkpoint", "download", "--dest", str(tmp_path), "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach 127.0.0.1:9" in err and not called
+
+
+def test_download_reports_hub_errors_and_success(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    import flashmemory.retriever.cli as cli
+    monkeypatch.setattr(cli, "_reachable", lambda timeout: "")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def boom(**kw):
+        raise LocalEntryNotFoundError("cannot find the requested files")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", boom)
+    assert main(["checkpoint", "download", "--repo", "me/x", "--file", "w.pt", "--dest", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "me/x/w.pt" in err and "LocalEntryNotFoundError" in err
+    seen = {}
+
+    def ok(**kw):
+        seen.update(kw)
+        return str(Path(kw["local_dir"]) / kw["filename"])
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", ok)
+    assert main(["checkpoint", "download", "--dest", str(tmp_path), "--timeout", "4"]) == 0
+    assert seen["repo_id"] == "libertywing/FlashMemory-Deepseek-V4" and seen["filename"] == "top3_R930_joint.pt"
+    assert seen["etag_timeout"] == 4.0 and Path(seen["local_dir"]) == tmp_path
+    assert str(tmp_path / "top3_R930_joint.pt") in capsys.readouterr().out
+
+
+def test_checkpoint_without_action_prints_help(capsys: pytest.CaptureFixture) -> None:
+    assert main(["checkpoint"]) == 2
+    assert "inspect" in capsys.readouterr().out
