@@ -1,0 +1,186 @@
+"""The hook callables registered with sglang's HookRegistry (see `targets.SPECS`). Glue only: each one reads
+sglang objects, calls the plain tensor functions in `level2` or the state in `runtime.RUNTIME`, and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from flashmemory.sglang.level2 import apply_resident_mask, remap_to_cells, resident_view
+from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
+
+logger = logging.getLogger(__name__)
+
+
+def _resident_metadata(md: Any) -> Any:
+    """Score-resident: the forward's indexer metadata with the resident page table and lengths (once per forward)."""
+    key = id(md)
+    if RUNTIME._rs_cache is not None and RUNTIME._rs_cache[0] == key:
+        return RUNTIME._rs_cache[1]
+    bs = md.page_table.shape[0]
+    if RUNTIME.bufs is None:
+        RUNTIME.bufs = Level2Buffers.allocate(max(bs, 1), RUNTIME.env.kmax(), md.page_table.device)
+    table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
+    # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
+    view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
+    RUNTIME._rs_cache = (key, view)
+    return view
+
+
+def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor,
+                              c4_indexer: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    mode = forward_batch.forward_mode
+    if mode.is_idle() or not mode.is_decode():
+        RUNTIME.decode_active = False
+        return original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+    pool = self.token_to_kv_pool
+    layer = RUNTIME.c4_layer(pool, c4_indexer.layer_id)
+    meta = self.forward_metadata
+    md = meta.indexer_metadata
+    RUNTIME.decode_active = True
+    if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
+        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, md.page_table, md.compressed_seq_lens)
+    engine = RUNTIME.engine
+    if RUNTIME.on("level2") and RUNTIME.env.score_resident:
+        meta.indexer_metadata = _resident_metadata(md)
+        try:
+            out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+        finally:
+            meta.indexer_metadata = md
+    elif RUNTIME.on("mask") and engine is not None:
+        RUNTIME.mask_resident = engine.resident_mask
+        try:
+            out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+        finally:
+            RUNTIME.mask_resident = None
+    else:
+        out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+    if engine is not None:
+        # Attention reads the reserve (get_extra_key_buffer below), so the picks become reserve cells.
+        meta.core_metadata.c4_sparse_page_indices = remap_to_cells(meta.core_metadata.c4_sparse_page_indices, engine.lut)
+    if RUNTIME.dump is not None and layer is not None:
+        _dump_observe(self, x, q_lora, c4_indexer, forward_batch, layer, md, meta)
+    return out
+
+
+def _dump_observe(backend: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexer: Any, forward_batch: Any,
+                  layer: int, md: Any, meta: Any) -> None:
+    """Recompute this layer's native logits (q, weights are locals of the indexer) and hand them to the recorder."""
+    from flashmemory.retriever.fp8 import pages_to_chunks
+    from flashmemory.sglang.level2 import paged_index_scores
+
+    rec = RUNTIME.dump
+    rids = list(forward_batch.rids or [])
+    if layer == 0:
+        rec.begin_step(rids)
+    if not rec.docs:
+        return
+    bs = len(rids)
+    positions = meta.core_metadata.positions[:bs]
+    weights = c4_indexer.compute_weights(x[:bs], skip_scale=True)
+    q, w = c4_indexer.compute_q(q_lora[:bs], positions, weights)
+    q = q[0] if isinstance(q, tuple) else q
+    kv = backend.token_to_kv_pool.get_index_k_with_scale_buffer(layer_id=c4_indexer.layer_id)
+    seq = md.compressed_seq_lens.reshape(-1)[:bs]
+    logits = paged_index_scores(q.float(), w.reshape(bs, -1).float(), kv, md.page_table[:bs], seq)
+    logits = logits.masked_fill(torch.arange(logits.shape[1], device=logits.device) >= seq.unsqueeze(1), float("-inf"))
+
+    def new_chunks(b: int, start: int, stop: int) -> torch.Tensor:
+        n_pages = -(-stop // 64)
+        rows = kv[md.page_table[b, :n_pages].long()]
+        return pages_to_chunks(rows, stop, kv.shape[1] // 64 - 4)[start:stop]
+
+    rec.observe_layer(layer, rids, logits, seq, positions, hidden=x[:bs], new_chunks=new_chunks)
+
+
+def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor, page_tables: torch.Tensor,
+                out_page_indices: torch.Tensor, page_size: int, *args: Any, **kwargs: Any) -> Any:
+    resident = RUNTIME.mask_resident
+    if resident is not None and scores.dtype == torch.float32:
+        apply_resident_mask(scores, page_tables, resident, page_size)
+    return original(scores, seq_lens, page_tables, out_page_indices, page_size, *args, **kwargs)
+
+
+def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    RUNTIME.attach_pool(self)
+
+
+def around_get_extra_key_buffer(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
+    engine = RUNTIME.engine
+    if engine is not None and self is RUNTIME.pool and RUNTIME.decode_active:
+        layer = RUNTIME.c4_layer(self, layer_id)
+        if layer is not None:
+            return engine.reserve_kv(layer)
+    return original(self, layer_id, *args, **kwargs)
+
+
+def after_set_extra_key(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    engine = RUNTIME.engine
+    if engine is not None and self is RUNTIME.pool:
+        layer = RUNTIME.c4_layer(self, layer_id)
+        if layer is not None:
+            engine.on_c4_store(layer, loc)
+
+
+def around_contiguous_buf_infos(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    infos = original(self, *args, **kwargs)
+    if RUNTIME.engine is not None and self is RUNTIME.pool:
+        return substitute_buf_infos(infos, RUNTIME.engine.mirror_buf_infos())
+    return infos
+
+
+def around_get_index_k(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
+    engine = RUNTIME.engine
+    if engine is not None and self is RUNTIME.pool and RUNTIME.decode_active:
+        layer = RUNTIME.c4_layer(self, layer_id)
+        if layer is not None and layer not in RUNTIME.env.retriever_layers:
+            buf = engine.reserve_index(layer)
+            if buf is not None:
+                return buf
+    return original(self, layer_id, *args, **kwargs)
+
+
+def after_set_index_k(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    engine = RUNTIME.engine
+    if engine is not None and self is RUNTIME.pool:
+        layer = RUNTIME.c4_layer(self, layer_id)
+        if layer is not None and layer not in RUNTIME.env.retriever_layers:
+            engine.on_index_store(layer, loc)
+
+
+def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
+    """Allocate the Level-2 static buffers before capture so the graph bakes them in."""
+    if getattr(self, "is_draft_worker", False):
+        return
+    sa = self.server_args
+    max_bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "max_running_requests", None) or 256
+    RUNTIME.bufs = Level2Buffers.allocate(int(max_bs), RUNTIME.env.kmax(), self.device)
+    logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated before CUDA graph capture", max_bs, RUNTIME.env.kmax())
+
+
+def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(self, "is_draft_worker", False):
+        RUNTIME.before_forward(forward_batch)
+
+
+def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(self, "is_draft_worker", False) and forward_batch.forward_mode.is_decode():
+        RUNTIME.after_decode_forward(forward_batch)
+
+
+def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    if RUNTIME.dump is None:
+        return
+    try:
+        RUNTIME.dump.admit(req.rid, getattr(req.sampling_params, "custom_params", None))
+    except ValueError as e:
+        logger.error("FlashMemory dump: %s; the request runs without dumping", e)
+
+
+def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    if RUNTIME.dump is not None and RUNTIME.dump.docs:
+        RUNTIME.dump.flush_all()

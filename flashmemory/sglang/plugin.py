@@ -1,0 +1,85 @@
+"""Entry point `flashmemory.sglang.plugin:register` (group `sglang.srt.plugins`).
+
+sglang's `load_plugins()` calls `register()` in the launcher, in every scheduler process and in a few
+helpers. With every gate off nothing is registered and sglang runs as shipped. Otherwise the hooks of
+the active features are registered, applied at once, and each target is checked to be really patched:
+sglang only logs a hook that fails to apply, and `load_plugins` swallows exceptions, so a failure here
+raises `PluginStartupError`, a SystemExit, which does stop the process with the message.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flashmemory.env import EnvError, FlashMemoryEnv
+from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
+
+logger = logging.getLogger(__name__)
+_STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...]}
+
+
+class PluginStartupError(SystemExit):
+    """FlashMemory cannot start with the requested gates; the message says which and why."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"FlashMemory startup error: {msg}")
+
+
+def verify_patched(specs: list[HookSpec], originals: dict[str, object]) -> list[str]:
+    """Targets whose current attribute is still the original (or does not wrap it): the hook did not apply."""
+    bad = []
+    for s in specs:
+        try:
+            _, _, now = resolve(s.target)
+        except TargetError as e:
+            bad.append(str(e))
+            continue
+        orig = originals[s.target]
+        if now is orig or unwrap(now) is not unwrap(orig):
+            bad.append(f"{s.target} is not patched (see the 'Failed to apply hooks' log line above)")
+    return bad
+
+
+def register() -> None:
+    """Idempotent: read the gates, register and apply the hooks of the active features, verify them."""
+    global _STATE
+    if _STATE is not None:
+        return
+    try:
+        env = FlashMemoryEnv.from_environ()
+    except EnvError as e:
+        raise PluginStartupError(str(e)) from None
+    features = features_for(env)
+    if not features:
+        _STATE = {"features": (), "targets": []}
+        logger.info("FlashMemory: all gates off; no hooks registered (stock sglang)")
+        return
+    specs = specs_for(features)
+    originals: dict[str, object] = {}
+    try:
+        for s in specs:
+            check_signature(s)
+            originals.setdefault(s.target, resolve(s.target)[2])
+    except TargetError as e:
+        raise PluginStartupError(f"{e}; active features {list(features)} need it") from None
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from flashmemory.sglang import hooks
+    from flashmemory.sglang.runtime import RUNTIME
+
+    RUNTIME.configure(env, features)
+    for s in specs:
+        HookRegistry.register(s.target, getattr(hooks, s.hook), HookType(s.hook_type))
+    HookRegistry.apply_hooks()
+    bad = verify_patched(specs, originals)
+    if bad:
+        raise PluginStartupError("hooks did not apply: " + "; ".join(bad))
+    _STATE = {"features": features, "targets": sorted({s.target for s in specs})}
+    logger.info("FlashMemory: active features: %s (%d hook targets)", ", ".join(env.active_features() or features),
+                len(_STATE["targets"]))
+
+
+def state() -> dict | None:
+    """What `register()` did in this process (None before it ran)."""
+    return _STATE

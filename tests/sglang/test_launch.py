@@ -1,0 +1,86 @@
+"""DRY_RUN commands of the launch scripts parse with sglang's / sglang_router's own parsers; bad knobs fail."""
+import argparse
+import os
+import shlex
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVERS = ["launch_decode.sh", "launch_prefill.sh", "data_generation/start_dump_server.sh"]
+
+
+def dry(script, **env):
+    e = {**os.environ, "DRY_RUN": "1", **env}
+    return subprocess.run(["bash", os.path.join(ROOT, script)], env=e, capture_output=True, text=True, timeout=60)
+
+
+def command(script, **env):
+    p = dry(script, **env)
+    assert p.returncode == 0, p.stderr
+    cmd = [ln for ln in p.stdout.splitlines() if ln.startswith("CMD ")]
+    envs = dict(ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))
+    return shlex.split(cmd[0][4:]), envs
+
+
+@pytest.mark.parametrize("script", SERVERS)
+def test_server_commands_parse(sg, script):
+    argv, envs = command(script)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    p = argparse.ArgumentParser()
+    sg["server_args"].ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv[3:])
+    assert ns.trust_remote_code and ns.tp_size == 8
+    if script == "launch_decode.sh":
+        assert ns.disaggregation_mode == "decode" and ns.disaggregation_transfer_backend == "nixl"
+        assert envs["SGLANG_DECODE_SWAP_P"] == "1" and envs["SGLANG_PATHP_PAGE_KMAX"] == "96"
+    else:
+        assert ns.cuda_graph_backend_decode == "disabled"
+    if "dump" in script:
+        assert envs["SGLANG_FLASHMEMORY_DUMP"] == "1" and envs["SGLANG_DECODE_SWAP_P"] == "0"
+
+
+def test_decode_knobs(sg):
+    argv, envs = command("launch_decode.sh", TRANSFER_BACKEND="mooncake", KMAX="192", CUDA_GRAPH="0")
+    p = argparse.ArgumentParser()
+    sg["server_args"].ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv[3:])
+    assert ns.disaggregation_transfer_backend == "mooncake" and ns.cuda_graph_backend_decode == "disabled"
+    assert envs["SGLANG_PATHP_PAGE_KMAX"] == "192"
+
+
+@pytest.mark.parametrize("mini", ["0", "1"])
+def test_router_command_parses(mini):
+    from sglang_router.launch_router import parse_router_args
+    argv, _ = command("launch_router.sh", MINI_LB=mini, PREFILL_IP="10.0.0.1", DECODE_IP="10.0.0.2")
+    assert argv[1:3] == ["-m", "sglang_router.launch_router"]
+    ra = parse_router_args(argv[3:])
+    assert ra.pd_disaggregation and ra.port == 31503 and ra.mini_lb == (mini == "1")
+    assert ra.prefill_urls == [("http://10.0.0.1:31100", 8998)] and ra.decode_urls == ["http://10.0.0.2:31200"]
+
+
+@pytest.mark.parametrize("script,env,msg", [
+    ("launch_decode.sh", {"KMAX": "abc"}, "KMAX=abc"),
+    ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
+    ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
+    ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
+    ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
+])
+def test_bad_knobs(script, env, msg):
+    p = dry(script, **env)
+    assert p.returncode != 0 and msg in p.stderr and "CMD" not in p.stdout
+
+
+def test_missing_model_is_error_without_dry_run():
+    e = {**os.environ, "MODEL": "/nonexistent/model"}
+    e.pop("DRY_RUN", None)
+    p = subprocess.run(["bash", os.path.join(ROOT, "launch_prefill.sh")], env=e, capture_output=True, text=True)
+    assert p.returncode != 0 and "/nonexistent/model does not exist" in p.stderr
+    assert "does not exist" in dry("launch_prefill.sh", MODEL="/nonexistent/model").stderr  # warning only
+
+
+def test_gpu_check_syntax_and_dry_run():
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts/gpu_check.sh")]).returncode == 0
+    p = dry("scripts/gpu_check.sh")
+    assert p.returncode == 0 and "case r10" in p.stdout

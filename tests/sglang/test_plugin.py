@@ -1,0 +1,80 @@
+"""sglang's own load_plugins() discovers and runs our entry point (subprocess: HookRegistry is global).
+
+Needs the entry point installed (`pip install -e .`); skipped otherwise.
+"""
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = r"""
+import json, logging
+from flashmemory.sglang import targets
+from flashmemory.sglang.targets import SPECS, resolve
+orig = {s.target: resolve(s.target)[2] for s in SPECS}
+import os, sglang.srt.plugins as plugins
+from flashmemory.sglang import plugin
+for gates in ({}, json.loads(os.environ["FM_GATES_ON"])):  # one process: importing sglang is slow
+    os.environ.update(gates)
+    plugins._plugins_loaded, plugin._STATE = False, None
+    try:
+        plugins.load_plugins()
+        err = None
+    except SystemExit as e:
+        err = str(e)
+    now = {s.target: resolve(s.target)[2] for s in SPECS}
+    print("RESULT" + json.dumps({"err": err, "state": plugin.state(),
+          "patched": sorted(t for t in orig if now[t] is not orig[t])}))
+"""
+
+
+def _run(gates_on):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
+    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_GATES_ON": json.dumps(gates_on)})
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+    lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(lines) == 2, p.stderr[-3000:]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def installed():
+    eps = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "flashmemory"]
+    if not eps:
+        pytest.skip("flashmemory entry point not installed (run make setup)")
+
+
+def test_gates_off_patch_nothing_and_on_patch_all(installed):
+    off, on = _run({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1"})
+    assert off["err"] is None and off["state"] == {"features": [], "targets": []}
+    assert off["patched"] == []
+    assert on["err"] is None, on["err"]
+    assert set(on["state"]["features"]) == {"level2", "cudagraph", "dump"}
+    assert on["patched"] == on["state"]["targets"] and len(on["patched"]) == 4
+
+
+def test_bad_gate_value_stops_startup(monkeypatch):
+    from flashmemory.sglang import plugin
+    monkeypatch.setattr(plugin, "_STATE", None)
+    monkeypatch.setenv("SGLANG_PATHP_PAGE_KMAX", "lots")
+    monkeypatch.setenv("SGLANG_FLASHMEMORY_DUMP", "1")
+    with pytest.raises(plugin.PluginStartupError, match="SGLANG_PATHP_PAGE_KMAX='lots'"):
+        plugin.register()
+    assert plugin.state() is None  # nothing registered
+
+
+def test_register_is_idempotent_and_verifies(sg, monkeypatch):
+    from flashmemory.sglang import plugin
+    from flashmemory.sglang.targets import SPECS, resolve
+    spec = SPECS[0]
+    orig = {spec.target: resolve(spec.target)[2]}
+    bad = plugin.verify_patched([spec], orig)   # nothing applied in this process
+    assert bad and "is not patched" in bad[0]
+    monkeypatch.setattr(plugin, "_STATE", {"features": (), "targets": []})
+    plugin.register()  # already ran: no-op, nothing imported or registered
+    assert plugin.state() == {"features": (), "targets": []}
