@@ -1,0 +1,246 @@
+"""The golden-label dump: one `doc_{idx:05d}.safetensors` per document plus `server_metadata.jsonl`.
+
+Tensors in a doc file (L = c4-layer id of a target CSA layer, T decode tokens, N chunks):
+  hidden_layer_{L}            [T, hidden] bf16   indexer-input hidden of decode step t
+  positions_layer_{L}         [T] int64          position of decode step t (= P + t, P = prompt length)
+  compk_layer_{L}             [N, D+4] uint8     stored index keys over prompt + response (Hadamard, fp8 chunk)
+  label_indices/label_scores  [E] int32          golden chunk ids / layer votes, CSR rows per decode step
+  label_pointers              [T+1] int32
+  logits_layer_{L}_token_{t}  [n_t] float32      native indexer logits of the first decode steps (verification)
+  input_ids                   [P+T] int64        optional: the tokens (prompt then response)
+Decode step t is the query at position P+t whose input is response token t; it sees chunks
+j < (P+t+1)//ratio. Scalars live in the safetensors metadata (all strings): format, doc_index, rid,
+n_prompt_blocks (= P//ratio, chunks made of prompt tokens only), ratio, topp, min_layers, target_csa_layers.
+A document is complete only once its line is in `server_metadata.jsonl` (the writer appends it last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashmemory.labels.csr import LabelsCSR, LabelsError
+
+FORMAT = "flashmemory-dump/1"
+METADATA_FILE = "server_metadata.jsonl"
+N_LOGIT_TOKENS = 3
+_DOC_RE = re.compile(r"^doc_(\d{5,})\.(safetensors|pkl)$")
+_KEY_RE = re.compile(r"^(hidden|positions|compk)_layer_(\d+)$")
+_LOGIT_RE = re.compile(r"^logits_layer_(\d+)_token_(\d+)$")
+
+
+class DumpFormatError(ValueError):
+    """A dump file or metadata line is missing, truncated, malformed, or inconsistent."""
+
+
+def doc_filename(doc_index: int, suffix: str = "safetensors") -> str:
+    return f"doc_{doc_index:05d}.{suffix}"
+
+
+@dataclass
+class DumpDoc:
+    """One dumped document, in memory. hidden is float32 after loading (bf16 on disk)."""
+
+    doc_index: int
+    rid: str
+    hidden: dict[int, torch.Tensor]           # L -> [T, hidden] float32
+    positions: dict[int, torch.Tensor]        # L -> [T] int64
+    compk: dict[int, torch.Tensor]            # L -> [N, D+4] uint8
+    label_indices: torch.Tensor               # [E] int32
+    label_scores: torch.Tensor                # [E] int32
+    label_pointers: torch.Tensor              # [T+1] int32
+    n_prompt_blocks: int
+    ratio: int = 4
+    native_logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (L, t) -> [n_t] float32
+    topp: float = 0.6
+    min_layers: int = 3
+    input_ids: torch.Tensor | None = None     # [P+T] int64
+
+    @property
+    def target_layers(self) -> list[int]:
+        return sorted(self.hidden)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.label_pointers.numel()) - 1
+
+    @property
+    def n_chunks_at(self) -> torch.Tensor:
+        """[T] int64: chunks visible to decode step t, (position + 1) // ratio."""
+        pos = self.positions[self.target_layers[0]] if self.positions else torch.zeros(0, dtype=torch.long)
+        return torch.div(pos.long() + 1, self.ratio, rounding_mode="floor")
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks in the dumped keys (prompt + response)."""
+        return int(next(iter(self.compk.values())).shape[0]) if self.compk else 0
+
+    @property
+    def labels(self) -> LabelsCSR:
+        return LabelsCSR(self.label_indices, self.label_scores, self.label_pointers)
+
+    def validate(self, source: str = "<memory>") -> None:
+        """Raise DumpFormatError naming the key if shapes or dtypes disagree."""
+        def bad(key: str, msg: str) -> DumpFormatError:
+            return DumpFormatError(f"{source}: {key}: {msg}")
+        try:
+            self.labels.validate(f"{source}: labels")
+        except LabelsError as e:
+            raise DumpFormatError(str(e)) from None
+        T = self.n_tokens
+        if set(self.hidden) != set(self.positions) or set(self.hidden) != set(self.compk):
+            raise bad("layers", f"hidden {sorted(self.hidden)}, positions {sorted(self.positions)} and compk "
+                                f"{sorted(self.compk)} name different target layers")
+        if not self.hidden:
+            raise bad("layers", "no target layer in the document")
+        for L in self.target_layers:
+            h, p, c = self.hidden[L], self.positions[L], self.compk[L]
+            if h.dim() != 2 or h.shape[0] != T:
+                raise bad(f"hidden_layer_{L}", f"shape {tuple(h.shape)}, expected [T={T}, hidden]")
+            if p.shape != (T,) or p.dtype != torch.int64:
+                raise bad(f"positions_layer_{L}", f"{p.dtype} {tuple(p.shape)}, expected int64 [{T}]")
+            if c.dim() != 2 or c.dtype != torch.uint8 or c.shape[1] < 5:
+                raise bad(f"compk_layer_{L}", f"{c.dtype} {tuple(c.shape)}, expected uint8 [N, D+4]")
+            L0 = self.target_layers[0]
+            if c.shape != self.compk[L0].shape:
+                raise bad(f"compk_layer_{L}", f"shape {tuple(c.shape)} != compk_layer_{L0} {tuple(self.compk[L0].shape)}")
+            if h.shape != self.hidden[L0].shape:
+                raise bad(f"hidden_layer_{L}", f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}")
+            if not torch.equal(p, self.positions[L0]):
+                raise bad(f"positions_layer_{L}", f"differs from positions_layer_{L0}")
+        if T and int(self.n_chunks_at.max()) > self.n_chunks:
+            raise bad("compk", f"{self.n_chunks} chunks but the last decode step sees {int(self.n_chunks_at.max())}")
+        if self.label_indices.numel() and int(self.label_indices.max()) >= self.n_chunks:
+            raise bad("label_indices", f"chunk {int(self.label_indices.max())} >= N={self.n_chunks}")
+        for (L, t), lg in self.native_logits.items():
+            if L not in self.hidden or not 0 <= t < T or lg.dim() != 1:
+                raise bad(f"logits_layer_{L}_token_{t}", f"shape {tuple(lg.shape)} for layer {L}, T={T}")
+
+
+def _meta_int(meta: dict[str, str], key: str, source: str, default: int | None = None) -> int:
+    if key not in meta:
+        if default is None:
+            raise DumpFormatError(f"{source}: metadata key {key!r} missing")
+        return default
+    try:
+        return int(meta[key])
+    except ValueError:
+        raise DumpFormatError(f"{source}: metadata {key}={meta[key]!r} is not an integer") from None
+
+
+def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> DumpDoc:
+    """Assemble (and validate) a DumpDoc from a flat key -> tensor dict and string metadata."""
+    hidden, positions, compk, logits = {}, {}, {}, {}
+    for k, v in tensors.items():
+        if not isinstance(v, torch.Tensor):
+            raise DumpFormatError(f"{source}: key {k!r} holds a {type(v).__name__}, not a tensor")
+        m = _KEY_RE.match(k)
+        if m:
+            {"hidden": hidden, "positions": positions, "compk": compk}[m.group(1)][int(m.group(2))] = v
+            continue
+        m = _LOGIT_RE.match(k)
+        if m:
+            logits[(int(m.group(1)), int(m.group(2)))] = v.float().reshape(-1)
+    for k in ("label_indices", "label_scores", "label_pointers"):
+        if k not in tensors:
+            raise DumpFormatError(f"{source}: key {k!r} missing")
+    doc = DumpDoc(
+        doc_index=_meta_int(meta, "doc_index", source),
+        rid=str(meta.get("rid", "")),
+        hidden={L: h.float() for L, h in hidden.items()},
+        positions={L: p.long().reshape(-1) for L, p in positions.items()},
+        compk={L: c.reshape(c.shape[0], -1) if c.dim() != 2 else c for L, c in compk.items()},
+        label_indices=tensors["label_indices"].to(torch.int32),
+        label_scores=tensors["label_scores"].to(torch.int32),
+        label_pointers=tensors["label_pointers"].to(torch.int32),
+        n_prompt_blocks=_meta_int(meta, "n_prompt_blocks", source),
+        ratio=_meta_int(meta, "ratio", source, 4),
+        native_logits=logits,
+        topp=float(meta.get("topp", 0.6)),
+        min_layers=_meta_int(meta, "min_layers", source, 3),
+        input_ids=tensors["input_ids"].long() if "input_ids" in tensors else None,
+    )
+    doc.validate(source)
+    return doc
+
+
+def _load_pickle(p: Path) -> DumpDoc:
+    try:
+        with open(p, "rb") as f:
+            obj = pickle.load(f)  # noqa: S301 - only reached with an explicit allow_pickle
+    except Exception as e:
+        raise DumpFormatError(f"{p}: unreadable pickle ({type(e).__name__}: {e}); truncated?") from e
+    if not isinstance(obj, dict):
+        raise DumpFormatError(f"{p}: expected a dict of tensors, got {type(obj).__name__}")
+    m = _DOC_RE.match(p.name)
+    meta = {"doc_index": m.group(1) if m else "0"}
+    for line in _metadata_lines(p.parent):  # upstream keeps rid / n_prompt_blocks only in the jsonl
+        if line.get("filename") == p.name:
+            meta.update({k: str(v) for k, v in line.items() if not isinstance(v, (dict, list))})
+    meta.setdefault("n_prompt_blocks", "0")
+    return doc_from_tensors(dict(obj), meta, str(p))
+
+
+def load_doc(path: str | os.PathLike, allow_pickle: bool = False) -> DumpDoc:
+    """Load one document. `.pkl` (upstream) files are refused unless allow_pickle=True."""
+    p = Path(path)
+    if not p.is_file():
+        raise DumpFormatError(f"{p}: no such file")
+    if p.suffix == ".pkl":
+        if not allow_pickle:
+            raise DumpFormatError(f"{p}: refusing to unpickle an upstream dump file (unpickling runs code from "
+                                  "the file). Pass allow_pickle=True / --allow-pickle only if you trust it.")
+        return _load_pickle(p)
+    if p.suffix != ".safetensors":
+        raise DumpFormatError(f"{p}: unknown dump file type {p.suffix!r} (expected .safetensors or .pkl)")
+    from safetensors import safe_open
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a short or corrupt file
+        raise DumpFormatError(f"{p}: unreadable safetensors file ({type(e).__name__}: {e}); truncated?") from e
+    if meta.get("format") != FORMAT:
+        raise DumpFormatError(f"{p}: metadata format={meta.get('format')!r}, expected {FORMAT!r}")
+    return doc_from_tensors(tensors, meta, str(p))
+
+
+def _metadata_lines(dump_dir: Path) -> list[dict]:
+    path = dump_dir / METADATA_FILE
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines):  # a torn last line (crash mid-append): that document is not complete
+                break
+            raise DumpFormatError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or "doc_index" not in rec or "filename" not in rec:
+            raise DumpFormatError(f"{path}:{i}: expected an object with doc_index and filename")
+        out.append(rec)
+    return out
+
+
+def read_metadata(dump_dir: str | os.PathLike) -> list[dict]:
+    """The metadata lines of complete documents, sorted by doc_index (a torn final line is ignored)."""
+    return sorted(_metadata_lines(Path(dump_dir)), key=lambda r: int(r["doc_index"]))
+
+
+def list_docs(dump_dir: str | os.PathLike) -> list[Path]:
+    """Paths of complete documents (file present and listed in the metadata), sorted by doc_index."""
+    d = Path(dump_dir)
+    if not d.is_dir():
+        raise DumpFormatError(f"{d}: no such dump directory")
+    return [d / r["filename"] for r in read_metadata(d) if (d / r["filename"]).is_file()]

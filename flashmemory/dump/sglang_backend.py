@@ -1,0 +1,146 @@
+"""The sglang dump backend: a client for a dump-mode sglang server's OpenAI-compatible API.
+
+Per batch: pass 1 runs the items concurrently (greedy, max_tokens) with a pass-1 `flashmemory_dump`
+block; pass 2 sends each item's messages plus the assistant response with max_tokens=1 and a pass-2
+block, one at a time; then the pass-2 keys replace pass 1's and the document is handed back for
+commit. The server writes the per-pass files under `<output_dir>/.staging/` (see `protocol.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from flashmemory.dump.backend import DumpBackendError, DumpConfig, DumpItemError
+from flashmemory.dump.format import DumpDoc, DumpFormatError, load_doc
+from flashmemory.dump.inputs import InputItem
+from flashmemory.dump.protocol import DumpRequest
+
+STAGING = ".staging"
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def read_compk(path: Path) -> dict[int, torch.Tensor]:
+    """The `compk_layer_{L}` tensors of a (pass-2) file, without requiring the rest of a document."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {int(k.rsplit("_", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("compk_layer_")}
+    except Exception as e:
+        raise DumpFormatError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); truncated?") from e
+    if not out:
+        raise DumpFormatError(f"{path}: no compk_layer_* key")
+    return out
+
+
+class SGLangBackend:
+    name = "sglang"
+    n_c4_layers = None  # the server checks the layers against the model it serves
+
+    def __init__(self, url: str, output_dir: Path, model: str = "default", concurrency: int = 4,
+                 thinking: bool = False, timeout: float = 3600.0, flush_timeout: float = 60.0):
+        self.url = url.rstrip("/")
+        self.staging = Path(output_dir).resolve() / STAGING
+        self.model = model
+        self.concurrency = max(1, concurrency)
+        self.thinking = thinking
+        self.timeout = timeout
+        self.flush_timeout = flush_timeout
+        self._check_reachable()
+        shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of an interrupted run are redone
+
+    def _check_reachable(self) -> None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
+                r.read()
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise DumpBackendError(f"cannot reach the sglang server at {self.url} ({reason}); start it with "
+                                   "data_generation/start_dump_server.sh or pass --url") from None
+
+    def _chat(self, messages: list[dict], max_tokens: int, req: DumpRequest) -> str:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "custom_params": req.to_custom_params()}
+        if self.thinking:
+            body["chat_template_kwargs"] = {"thinking": True}
+        try:
+            out = _post(f"{self.url}/chat/completions", body, self.timeout)
+        except urllib.error.HTTPError as e:
+            raise DumpItemError(f"server answered HTTP {e.code}: {e.read()[:300]!r}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise DumpBackendError(f"lost the sglang server at {self.url} ({getattr(e, 'reason', e)})") from None
+        try:
+            return out["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise DumpItemError(f"unexpected completion response: {str(out)[:300]}") from None
+
+    def _wait(self, path: Path) -> None:
+        deadline = time.monotonic() + self.flush_timeout
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise DumpItemError(f"the server did not write {path} within {self.flush_timeout:.0f} s "
+                                    "(is it running in dump mode, SGLANG_FLASHMEMORY_DUMP=1?)")
+            time.sleep(0.05)
+
+    def _request(self, pass_: int, doc_index: int, cfg: DumpConfig) -> DumpRequest:
+        return DumpRequest(pass_=pass_, doc_index=doc_index, output_dir=str(self.staging), topp=cfg.topp,
+                           min_layers=cfg.min_layers, target_csa_layers=cfg.target_layers,
+                           n_logit_tokens=cfg.n_logit_tokens)
+
+    def _pass1(self, item: InputItem, doc_index: int, cfg: DumpConfig) -> str | DumpItemError:
+        try:
+            resp = self._chat(item.messages, cfg.max_tokens, self._request(1, doc_index, cfg))
+            if not resp:
+                raise DumpItemError("empty response")
+            return resp
+        except DumpItemError as e:
+            return DumpItemError(f"{item.where}: pass 1: {e}")
+
+    def _pass2(self, item: InputItem, doc_index: int, rid: str, response: str, cfg: DumpConfig) -> DumpDoc:
+        r1, r2 = self._request(1, doc_index, cfg), self._request(2, doc_index, cfg)
+        self._chat(item.messages + [{"role": "assistant", "content": response}], 1, r2)
+        self._wait(r1.doc_path())
+        self._wait(r2.doc_path())
+        try:
+            doc = load_doc(r1.doc_path())
+            compk = read_compk(r2.doc_path())
+        except DumpFormatError as e:
+            raise DumpItemError(f"{item.where}: {e}") from None
+        if sorted(compk) != doc.target_layers:
+            raise DumpItemError(f"{item.where}: pass 2 has compk layers {sorted(compk)}, pass 1 {doc.target_layers}")
+        doc.compk = compk
+        doc.doc_index, doc.rid = doc_index, rid
+        try:
+            doc.validate(f"{item.where} (merged)")
+        except DumpFormatError as e:
+            raise DumpItemError(str(e)) from None
+        return doc
+
+    def dump_batch(self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
+                   ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]:
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            responses = list(pool.map(lambda j: self._pass1(j[0], j[1], cfg), jobs))
+        for (item, doc_index, rid), resp in zip(jobs, responses):
+            if isinstance(resp, DumpItemError):
+                yield item, resp
+                continue
+            try:
+                yield item, self._pass2(item, doc_index, rid, resp, cfg)
+            except DumpItemError as e:
+                yield item, e
+            for p in (1, 2):
+                self._request(p, doc_index, cfg).doc_path().unlink(missing_ok=True)
