@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from flashmemory.hf import HFEngine, load_model
+
+
+@pytest.fixture(scope="session")
+def micro():
+    """(model, config, engine) for the shipped micro config, seed 0."""
+    model, config = load_model("micro", seed=0)
+    return model, config, HFEngine(model, config)
+
+
+@pytest.fixture(scope="session")
+def micro_ids():
+    """A fixed 203-token prompt (S % 4 != 0 on purpose: a trailing partial window)."""
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(2, 1024, (203,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one torch thread is as fast uncontended and 5-10x faster on a busy CPU."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
