@@ -1,0 +1,85 @@
+"""`flashmemory eval`: a retriever checkpoint vs baselines on a dump, at equal resident budgets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def retriever_scores(model, ensemble: str = "max"):
+    """(doc, t) -> ensemble sigmoid scores [n_t] of `model`, cached per (doc, t)."""
+    from flashmemory.train.validate import score_rows
+    cache: dict = {}
+
+    def fn(doc, t: int) -> torch.Tensor:
+        key = (doc.doc_index, t)
+        if key not in cache:
+            n = min(int(doc.n_chunks_at[t]), doc.n_chunks)
+            s = score_rows(model, doc, torch.tensor([t]), torch.tensor([n]), "cpu")
+            st = torch.stack([s[L][0, :n] for L in model.layers])
+            cache[key] = st.amax(0) if ensemble == "max" else st.mean(0)
+        return cache[key]
+    return fn
+
+
+def run(a: argparse.Namespace) -> int:
+    from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
+    from flashmemory.eval.evaluate import EvalConfig, evaluate, format_table
+    from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
+    try:
+        model = load_retriever(a.checkpoint).eval()
+        paths = list_docs(a.dump)
+        if a.doc_ids:
+            want = {int(x) for x in a.doc_ids.split(",")}
+            paths = [p for p in paths if int(p.stem.split("_")[1]) in want]
+        if not paths:
+            raise DumpFormatError(f"{a.dump}: no complete documents" + (f" with ids {a.doc_ids}" if a.doc_ids else ""))
+        docs = [load_doc(p, allow_pickle=a.allow_pickle) for p in paths]
+        missing = [L for L in model.layers if L not in docs[0].hidden]
+        if missing:
+            raise CheckpointError(f"{a.checkpoint}: layers {missing} are not dumped in {a.dump} "
+                                  f"(it has {docs[0].target_layers})")
+        fractions = tuple(float(x) for x in a.budgets.split(",")) if a.budgets else ()
+        cfg = EvalConfig(tau=a.tau, stride=a.stride, fractions=fractions, threshold=a.threshold, seed=a.seed)
+    except (CheckpointError, DumpFormatError, ValueError) as e:
+        print(f"flashmemory eval: error: {e}", file=sys.stderr)
+        return 2
+    res = evaluate(docs, retriever_scores(model, a.ensemble), cfg)
+    n_mean = sum(min(int(d.n_chunks_at[t]), d.n_chunks) for d in docs for t in range(0, d.n_tokens, cfg.stride or cfg.tau))
+    n_rows = sum(len(range(0, d.n_tokens, cfg.stride or cfg.tau)) for d in docs)
+    print(f"{len(docs)} docs, {n_rows} cycles, mean {n_mean / max(n_rows, 1):.1f} existing chunks per cycle; "
+          f"tau {cfg.tau}, threshold {cfg.threshold}, ensemble {a.ensemble}")
+    print(format_table(res))
+    print("budget: fm@thr = FlashMemory's own count at its threshold, given to every policy; a number = that "
+          "fraction of the existing chunks. mass: native top-k softmax mass of the steps with dumped native logits "
+          "(first 3 decode steps, so the t=0 cycle only); nan where none.")
+    if a.json:
+        out = {"checkpoint": str(a.checkpoint), "dump": str(a.dump), "config": cfg.__dict__, "results": res}
+        p = Path(a.json)
+        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(out, indent=1, default=float))
+        os.replace(tmp, p)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a retriever checkpoint against residency baselines on a dump",
+                       description="Policies (FlashMemory, recency, random, reactive, oracle) at equal resident "
+                                   "budgets; golden recall, native top-k mass, resident fraction and pages.")
+    p.add_argument("--checkpoint", required=True, help="retriever checkpoint (.safetensors or .pt)")
+    p.add_argument("--dump", required=True, help="dump directory (flashmemory-dump/1)")
+    p.add_argument("--doc-ids", default=None, help="comma-separated doc indices (default: all)")
+    p.add_argument("--tau", type=int, default=64, help="lookahead window / cycle length (default %(default)s)")
+    p.add_argument("--stride", type=int, default=0, help="decode steps between cycle starts; 0 = tau")
+    p.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of existing chunks (default %(default)s)")
+    p.add_argument("--threshold", type=float, default=0.5, help="FlashMemory sigmoid threshold (default %(default)s)")
+    p.add_argument("--ensemble", choices=("max", "mean"), default="max", help="layer ensemble (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random-policy seed")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--allow-pickle", action="store_true", help="read upstream .pkl docs (runs pickled code)")
+    p.set_defaults(func=run)

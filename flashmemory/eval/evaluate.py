@@ -1,0 +1,125 @@
+"""Policy evaluation on a dump at equal resident budgets.
+
+At every cycle start t (every `stride` decode steps, default tau) each policy picks a resident set
+among the n_t existing chunks. Budgets: "fm@thr" is FlashMemory's own count at its threshold, given
+to every policy at that step (matched budget); "f" in `fractions` gives ceil(f * n_t) chunks.
+Metrics, averaged over cycles:
+  golden recall   share of the window union [t, t+tau) (existing chunks) that is resident
+  native mass     share of the native top-k softmax mass of steps s in [t, t+tau) on resident chunks;
+                  chunks created after t count as resident (recency tail). Only steps with dumped
+                  native logits contribute (the dump keeps the first 3 decode steps), so this is
+                  measured on the t = 0 cycle only; `mass_steps` says how many steps it averages
+  resident frac   resident / n_t;  chunks = mean resident count;  pages = mean 64-chunk pages touched
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.eval.policies import n_at, oracle, random_policy, reactive, recency
+from flashmemory.labels import lookahead_union
+
+PAGE_CHUNKS = 64
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tau: int = 64
+    stride: int = 0                  # 0 = tau
+    fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    threshold: float = 0.5
+    native_topk: int = 512           # native top-k whose softmax mass is measured
+    seed: int = 0
+
+
+def native_mass(doc, t: int, mask_t: torch.Tensor, tau: int, topk: int) -> list[float]:
+    """Per available step s in [t, t+tau): resident share of softmax(top-k native logits), averaged
+    over the dump's target layers. Chunks >= n_t (created after t) count as resident."""
+    out = []
+    for s in range(t, min(t + tau, doc.n_tokens)):
+        vals = []
+        for L in doc.target_layers:
+            lg = doc.native_logits.get((L, s))
+            if lg is None:
+                continue
+            v, idx = torch.topk(lg.float(), min(topk, lg.numel()))
+            p = torch.softmax(v, 0)
+            res = torch.ones(lg.numel(), dtype=torch.bool)
+            res[: mask_t.numel()] = mask_t
+            vals.append(float(p[res[idx]].sum()))
+        if vals:
+            out.append(sum(vals) / len(vals))
+    return out
+
+
+class Acc:
+    def __init__(self):
+        self.recall, self.frac, self.chunks, self.pages, self.mass, self.n = 0.0, 0.0, 0.0, 0.0, [], 0
+        self.recall_rows = 0
+
+    def add(self, mask: torch.Tensor, gold: torch.Tensor, mass: list[float]) -> None:
+        n = mask.numel()
+        if gold.any():
+            self.recall += float((mask & gold).sum()) / float(gold.sum())
+            self.recall_rows += 1
+        self.frac += float(mask.sum()) / max(n, 1)
+        self.chunks += float(mask.sum())
+        self.pages += float(torch.unique(mask.nonzero().squeeze(1) // PAGE_CHUNKS).numel())
+        self.mass.extend(mass)
+        self.n += 1
+
+    def result(self) -> dict:
+        nan = float("nan")
+        return {"golden_recall": self.recall / self.recall_rows if self.recall_rows else nan,
+                "native_mass": sum(self.mass) / len(self.mass) if self.mass else nan, "mass_steps": len(self.mass),
+                "resident_frac": self.frac / max(self.n, 1), "chunks": self.chunks / max(self.n, 1),
+                "pages": self.pages / max(self.n, 1), "cycles": self.n}
+
+
+def evaluate(docs: list, fm_scores, cfg: EvalConfig) -> dict:
+    """docs: DumpDocs; fm_scores(doc, t) -> ensemble scores [n_t]. Returns {budget: {policy: metrics}}."""
+    stride = cfg.stride or cfg.tau
+    budgets = ["fm@thr"] + [f"{f:g}" for f in cfg.fractions]
+    acc = {b: {} for b in budgets}
+    for doc in docs:
+        for t in range(0, doc.n_tokens, stride):
+            n = n_at(doc, t)
+            if n == 0:
+                continue
+            scores = fm_scores(doc, t)
+            fm_thr = scores > cfg.threshold
+            idx, _ = lookahead_union(doc.labels, t, cfg.tau, n)
+            gold = torch.zeros(n, dtype=torch.bool)
+            gold[idx.long()] = True
+            for b in budgets:
+                k = int(fm_thr.sum()) if b == "fm@thr" else math.ceil(float(b) * n)
+                masks = {
+                    "flashmemory": fm_thr if b == "fm@thr" else _top(scores, k),
+                    "recency": recency(doc, t, k),
+                    "random": random_policy(doc, t, k, cfg.seed),
+                    "reactive": reactive(doc, t, k),
+                    "oracle": oracle(doc, t, k, cfg.tau),
+                }
+                for name, m in masks.items():
+                    acc[b].setdefault(name, Acc()).add(m, gold, native_mass(doc, t, m, cfg.tau, cfg.native_topk))
+    # The unconstrained golden set, for reference: its size is what a perfect retriever keeps.
+    out = {b: {p: a.result() for p, a in pol.items()} for b, pol in acc.items()}
+    return out
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    from flashmemory.eval.policies import top_budget
+    return top_budget(scores, k)
+
+
+def format_table(res: dict) -> str:
+    head = f"{'budget':>8} {'policy':>12} {'frac':>6} {'chunks':>7} {'pages':>6} {'recall':>7} {'mass':>6} {'n':>4}"
+    lines = [head, "-" * len(head)]
+    for b, pol in res.items():
+        for p, m in pol.items():
+            lines.append(f"{b:>8} {p:>12} {m['resident_frac']:6.3f} {m['chunks']:7.1f} {m['pages']:6.2f} "
+                         f"{m['golden_recall']:7.3f} {m['native_mass']:6.3f} {m['cycles']:4d}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Retriever training: data configs, causal samples, losses, native init, the loop, DDP and verify."""

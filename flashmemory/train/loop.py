@@ -1,0 +1,307 @@
+"""The training loop: model setup, AdamW + cosine schedule, validation, checkpoints, resume, DDP.
+
+Outputs in `output_dir`:
+  ckpt_joint_best_ens_f1.safetensors / ckpt_joint_best_ens_rk.safetensors  best by ensemble F1 / r@512
+      (`save_retriever` format; `load_retriever` reads them)
+  ckpt_joint_epoch{E:03d}.pt  {"model_state", "optimizer", "scheduler", "epoch", "step", "best", "config"}:
+      tensors, numbers and strings only, so `torch.load(weights_only=True)` reads it; resume input
+  metrics.jsonl  one JSON object per log interval ("kind": "train") and per validation ("kind": "val")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
+from flashmemory.retriever.model import JointRetriever, RetrieverDims
+from flashmemory.retriever.rope import RopeConfig
+from flashmemory.train.data_config import load_data_config
+from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
+from flashmemory.train.ddp import DistInfo, barrier, broadcast_flag, init_distributed
+from flashmemory.train.losses import retrieval_loss
+from flashmemory.train.samples import SampleConfig
+from flashmemory.train.validate import Validator
+
+BEST_F1 = "ckpt_joint_best_ens_f1.safetensors"
+BEST_RK = "ckpt_joint_best_ens_rk.safetensors"
+RK_KEY = "r@512"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data_config: str
+    output_dir: str = "./checkpoints"
+    resume_from: str | None = None
+    weight_dir: str | None = "./weights"
+    no_pretrain: bool = False
+    max_position: int = 0                 # 0 = auto: max dumped position + 1, at least 131072
+    joint_layers: tuple[int, ...] = ()    # () = 10,12,20 if dumped, else every dumped target layer
+    n_heads: int = 64
+    q_lora_rank: int = 1024
+    rope_dim: int = 0                     # 0 = 64 for head_dim >= 128, else head_dim // 2
+    lr: float = 1e-4
+    wd: float = 1e-2
+    epochs: int = 3
+    batch_size: int = 8
+    bf16: bool = False
+    focal_loss: bool = False
+    pairwise: float = 0.0                 # weight of the BPR term (0 = off)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    val_stride: int = 4
+    threshold: float = 0.5
+    select_ensemble: str = "max"
+    patience_vals: int = 0
+    val_every_steps: int = 0
+    seed: int = 42
+    device: str = "cpu"
+    num_workers: int = 0
+    log_interval: int = 50
+    allow_pickle: bool = False
+
+
+class LogitsHead(nn.Module):
+    """Wraps the retriever so one forward (the unit DDP synchronises) yields {L: logits [B, n]}."""
+
+    def __init__(self, retriever: JointRetriever):
+        super().__init__()
+        self.retriever = retriever
+
+    def forward(self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, keys: dict[int, torch.Tensor]
+                ) -> dict[int, torch.Tensor]:
+        return {L: self.retriever.layer(L).logits(hidden[L], positions, keys[L]) for L in self.retriever.layers}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    out = {}
+    for k, v in batch.items():
+        out[k] = {L: x.to(device) for L, x in v.items()} if isinstance(v, dict) else v.to(device)
+    return out
+
+
+def batch_loss(head: nn.Module, batch: dict, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
+    """Forward + loss for one collated batch (already on `device`), under bf16 autocast if asked."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        logits = head(batch["hidden"], batch["positions"], batch["keys"])
+        return retrieval_loss(logits, batch, focal=cfg.focal_loss, pairwise=cfg.pairwise)
+
+
+def default_rope_dim(head_dim: int) -> int:
+    return 64 if head_dim >= 128 else max(2, head_dim // 2)
+
+
+def resolve_layers(requested: tuple[int, ...], first_doc: Path, allow_pickle: bool = False
+                   ) -> tuple[tuple[int, ...], str]:
+    """The c4 layers to train: as requested, or (when none) upstream's 10,12,20 if the dump has them,
+    else every target layer of the dump (tiny models have fewer c4 layers). Returns (layers, note)."""
+    if requested:
+        return tuple(requested), ""
+    from flashmemory.dump.format import load_doc
+    have = tuple(load_doc(first_doc, allow_pickle=allow_pickle).target_layers)
+    if all(L in have for L in (10, 12, 20)):
+        return (10, 12, 20), ""
+    return have, f"dump has target layers {list(have)} (not 10,12,20): training all of them"
+
+
+def build_model(cfg: TrainConfig, layers: tuple[int, ...], hidden: int, head_dim: int, max_position: int
+                ) -> JointRetriever:
+    dims = RetrieverDims(hidden=hidden, rank=cfg.q_lora_rank, n_heads=cfg.n_heads, head_dim=head_dim,
+                         rope_dim=cfg.rope_dim or default_rope_dim(head_dim))
+    rope = RopeConfig(rope_dim=dims.rope_dim, max_position=max_position)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return JointRetriever(layers, dims, rope)
+
+
+def init_from_native(model: JointRetriever, weight_dir: str) -> dict[int, str]:
+    """Native init from a checkpoint dir, or from a shipped HF model name (e.g. 'micro')."""
+    from flashmemory.train.native_init import NativeWeights, copy_native
+    if not Path(weight_dir).is_dir():
+        from flashmemory.hf.models import load_model, shipped_configs
+        if weight_dir not in shipped_configs():
+            raise FileNotFoundError(f"--weight-dir {weight_dir}: not a directory nor a shipped model "
+                                    f"{shipped_configs()} (use --no-pretrain for a random init)")
+        hf, config = load_model(weight_dir)
+        native = NativeWeights(hf.state_dict())
+        native.cfg = {"layer_types": list(config.layer_types)}
+    else:
+        native = NativeWeights(weight_dir)
+    return copy_native(model, native)
+
+
+def _write_jsonl(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, default=float) + "\n")
+
+
+def _atomic_torch_save(obj: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """Builds everything from a TrainConfig; `fit()` runs the epochs. One instance per process."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo | None = None):
+        self.cfg = cfg
+        self.info = info or init_distributed(cfg.device)
+        self.device = self.info.device
+        data = load_data_config(cfg.data_config)
+        train_paths = resolve_docs(data.train, "train split")
+        self.layers, self.layer_note = resolve_layers(cfg.joint_layers, train_paths[0], cfg.allow_pickle)
+        self.train_ds = SampleDataset(train_paths, self.layers, cfg.sample, seed=cfg.seed,
+                                      allow_pickle=cfg.allow_pickle)
+        if len(self.train_ds) == 0:
+            raise ValueError(f"{cfg.data_config}: the train split yields no samples (no decode step has a golden "
+                             "label among its existing chunks)")
+        self.validator = Validator(resolve_docs(data.val, "val split"), self.layers, cfg.sample,
+                                   cfg.val_stride, cfg.threshold, allow_pickle=cfg.allow_pickle)
+        max_pos = cfg.max_position or max(self.train_ds.max_position + 1, 131072)
+        self.model = build_model(cfg, self.layers, self.train_ds.hidden_size, self.train_ds.head_dim,
+                                 max_pos).to(self.device)
+        self.init_notes = {}
+        if not cfg.no_pretrain and not cfg.resume_from:
+            if not cfg.weight_dir:
+                raise ValueError("--weight-dir is required unless --no-pretrain is given")
+            self.init_notes = init_from_native(self.model, cfg.weight_dir)
+        self.head: nn.Module = LogitsHead(self.model)
+        if self.info.enabled:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.head = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
+        self.sampler = DistributedSampler(self.train_ds, num_replicas=self.info.world, rank=self.info.rank,
+                                          shuffle=True, seed=cfg.seed, drop_last=self.info.enabled)
+        self.loader = DataLoader(self.train_ds, batch_size=cfg.batch_size, sampler=self.sampler, collate_fn=collate,
+                                 num_workers=cfg.num_workers, drop_last=False)
+        self.steps_per_epoch = len(self.loader)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.wd)
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=max(1, self.steps_per_epoch * cfg.epochs))
+        self.step, self.start_epoch = 0, 0
+        self.best = {"f1": -1.0, "rk": -1.0, "stale": 0}
+        self.out = Path(cfg.output_dir)
+        if self.info.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out / "metrics.jsonl"
+        if cfg.resume_from:
+            self.load_checkpoint(cfg.resume_from)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def epoch_checkpoint(self, epoch: int) -> Path:
+        return self.out / f"ckpt_joint_epoch{epoch:03d}.pt"
+
+    def save_checkpoint(self, epoch: int) -> Path:
+        cfg_json = json.dumps(asdict(self.cfg), default=str)
+        obj = {"model_state": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+               "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+               "epoch": epoch, "step": self.step, "best": dict(self.best), "config": cfg_json,
+               "dims": json.dumps(self.model.dims.__dict__), "rope": json.dumps(self.model.rope.__dict__)}
+        p = self.epoch_checkpoint(epoch)
+        _atomic_torch_save(obj, p)
+        return p
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"--resume-from {path}: unreadable ({type(e).__name__}: {e})") from e
+        need = ("model_state", "optimizer", "scheduler", "epoch", "step")
+        missing = [k for k in need if k not in obj]
+        if missing:
+            raise CheckpointError(f"--resume-from {path}: not an epoch checkpoint (missing {missing})")
+        try:
+            self.model.load_state_dict(obj["model_state"])
+        except RuntimeError as e:
+            raise CheckpointError(f"--resume-from {path}: model shapes differ from this run's flags: {e}") from None
+        self.opt.load_state_dict(obj["optimizer"])
+        self.sched.load_state_dict(obj["scheduler"])
+        # The schedule follows this run's --epochs, continuing from the saved step.
+        self.sched.T_max = max(1, self.steps_per_epoch * self.cfg.epochs)
+        self.step, self.start_epoch = int(obj["step"]), int(obj["epoch"]) + 1
+        self.best = {k: (float(v) if k != "stale" else int(v)) for k, v in obj.get("best", self.best).items()}
+
+    # ---- validation --------------------------------------------------------------------------
+    def validate(self, epoch: int) -> bool:
+        """Rank 0 validates, logs and saves best checkpoints; returns the (broadcast) early-stop flag."""
+        stop = False
+        if self.info.is_main:
+            res = self.validator(self.model, self.device)
+            ens = res[self.cfg.select_ensemble]
+            f1, rk = ens["f1"], ens.get(RK_KEY, float("nan"))
+            improved = False
+            meta = {"step": str(self.step), "epoch": str(epoch)}
+            if f1 > self.best["f1"]:
+                self.best["f1"], improved = f1, True
+                save_retriever(self.model, self.out / BEST_F1, meta | {"ens_f1": repr(f1)})
+            if not math.isnan(rk) and rk > self.best["rk"]:
+                self.best["rk"], improved = rk, True
+                save_retriever(self.model, self.out / BEST_RK, meta | {"ens_r@512": repr(rk)})
+            self.best["stale"] = 0 if improved else self.best["stale"] + 1
+            _write_jsonl(self.metrics_path, {"kind": "val", "step": self.step, "epoch": epoch, **res})
+            tqdm.write(f"[val] step {self.step} ens-{self.cfg.select_ensemble}: f1 {f1:.4f} {RK_KEY} {rk:.4f} "
+                       f"auc {ens['auc']:.4f} P {ens['precision']:.4f} R {ens['recall']:.4f} "
+                       f"resident {ens['resident_frac']:.3f}")
+            stop = self.cfg.patience_vals > 0 and self.best["stale"] >= self.cfg.patience_vals
+        return broadcast_flag(stop, self.info)
+
+    # ---- loop --------------------------------------------------------------------------------
+    def train_one(self, batch: dict) -> float:
+        self.head.train()
+        batch = to_device(batch, self.device)
+        loss = batch_loss(self.head, batch, self.cfg, self.device)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return float(loss.detach())
+
+    def fit(self, max_epochs: int | None = None) -> dict:
+        """Train from `start_epoch` to `epochs` (or only `max_epochs` of them). Returns a summary."""
+        cfg = self.cfg
+        stop = False
+        if self.step == 0:
+            stop = self.validate(epoch=-1)
+        end = cfg.epochs if max_epochs is None else min(cfg.epochs, self.start_epoch + max_epochs)
+        losses: list[float] = []
+        for epoch in range(self.start_epoch, end):
+            if stop:
+                break
+            self.sampler.set_epoch(epoch)
+            self.train_ds.set_epoch(epoch)
+            bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=not self.info.is_main, leave=False)
+            t0, window = time.perf_counter(), []
+            for batch in bar:
+                loss = self.train_one(batch)
+                losses.append(loss)
+                window.append(loss)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.sched.get_last_lr()[0]:.2e}")
+                if self.info.is_main and self.step % max(cfg.log_interval, 1) == 0:
+                    dt = time.perf_counter() - t0
+                    rec = {"kind": "train", "step": self.step, "epoch": epoch, "loss": sum(window) / len(window),
+                           "lr": self.sched.get_last_lr()[0],
+                           "samples_per_s": len(window) * cfg.batch_size * self.info.world / max(dt, 1e-9)}
+                    _write_jsonl(self.metrics_path, rec)
+                    tqdm.write(f"[train] epoch {epoch} step {self.step} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                               f"{rec['samples_per_s']:.1f} samples/s")
+                    t0, window = time.perf_counter(), []
+                if cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
+                    stop = self.validate(epoch)
+                    if stop:
+                        break
+            if not stop and not (cfg.val_every_steps and self.step % cfg.val_every_steps == 0):
+                stop = self.validate(epoch)
+            if self.info.is_main:
+                self.save_checkpoint(epoch)
+            barrier(self.info)
+        return {"steps": self.step, "losses": losses, "best": dict(self.best), "early_stopped": stop,
+                "output_dir": str(self.out)}

@@ -1,0 +1,25 @@
+import json
+
+import pytest
+
+from flashmemory.train.synthetic import make_teacher, write_synthetic_dump
+
+
+@pytest.fixture(scope="session")
+def teacher():
+    return make_teacher(layers=(0, 1), seed=0)
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory, teacher):
+    """A real flashmemory-dump/1 directory pair written by the dump writer from a random teacher:
+    4 train docs and 1 val doc, plus a data config using relative paths."""
+    root = tmp_path_factory.mktemp("synth")
+    write_synthetic_dump(root / "train", teacher, n_docs=4, seed=0)
+    write_synthetic_dump(root / "val", teacher, n_docs=1, seed=7)
+    cfg = root / "data.json"
+    cfg.write_text(json.dumps({"train": [{"data_dir": "train", "doc_ids": None}],
+                               "val": [{"data_dir": "val", "doc_ids": [0]}], "test": []}))
+    # A fit check: validate on a training doc (the held-out doc's doc-level query is unseen).
+    (root / "fit.json").write_text(json.dumps({"train": ["train"], "val": [{"data_dir": "train", "doc_ids": [0]}]}))
+    return root
