@@ -1,0 +1,145 @@
+"""`flashmemory bench recall`: page recall and Level 2, each as a ratio against a baseline timed in the same run.
+
+1. page recall (one batched gather per layer group, mirror -> reserve) vs a raw contiguous copy of the same
+   bytes, for KMAX pages over all c4 layers (+ Path-I index pages);
+2. batched gather vs one copy per (layer, page);
+3. Level 2 at N chunks and 10% residency: mask mode and score-resident mode vs unmasked native top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
+from flashmemory.offload.recall import page_by_page_copy
+from flashmemory.retriever.fp8 import quantize_chunks
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a smaller Level-2 batch (< 60 s, < 3 GB)")
+    p.add_argument("--kmax", type=int, nargs="+", default=[96, 192, 384], help="pages recalled per measurement")
+    p.add_argument("--layers", type=int, default=21, help="c4 layers")
+    p.add_argument("--chunks", type=int, default=65536, help="history length for Level 2, in chunks")
+    p.add_argument("--residency", type=float, default=0.10, help="resident fraction of pages for Level 2")
+    p.add_argument("--batch", type=int, default=0, help="Level-2 batch (0 = 2 with --quick, else 8)")
+    p.add_argument("--heads", type=int, default=64, help="indexer heads")
+    p.add_argument("--topk", type=int, default=512)
+    p.add_argument("--reps", type=int, default=0, help="repeats per timing (0 = 2 with --quick, else 5)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _time(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
+    """Best of `reps` wall times after one warm-up, in seconds."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _recall_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str, str]]:
+    lay = OffloadLayout(n_layers=args.layers, target_layers=(min(10, args.layers - 1),))
+    kmax = max(args.kmax)
+    eng = OffloadEngine(lay, EngineConfig(max_rows=1, max_chunks=2 * kmax * 64, mirror_pages=2 * kmax,
+                                          recall_blocks=kmax, decode_pages=1, max_resident_pages=kmax), dev)
+    m, r = eng.mirror, eng.reserve
+    m.kv.random_(0, 256)
+    m.index.random_(0, 256)
+    rows = []
+    stage: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(0)
+    for k in sorted(args.kmax):
+        src = torch.randperm(2 * kmax, generator=g)[:k]
+        dst = torch.randperm(kmax, generator=g)[:k]
+        kv_b, ix_b = k * m.kv.shape[0] * m.kv.shape[2], k * m.index.shape[0] * m.index.shape[2]
+
+        def batched():  # staging reused across calls, as the engine does
+            stage["kv"] = gather_copy(m.kv, r.kv, src, dst, stage.get("kv")).view(-1)
+            if m.index.shape[0]:
+                stage["ix"] = gather_copy(m.index, r.index, src, dst, stage.get("ix")).view(-1)
+
+        def raw():
+            r.kv.view(-1)[:kv_b].copy_(m.kv.view(-1)[:kv_b], non_blocking=True)
+            if ix_b:
+                r.index.view(-1)[:ix_b].copy_(m.index.view(-1)[:ix_b], non_blocking=True)
+        t_b, t_r = _time(batched, reps, dev), _time(raw, reps, dev)
+        gbs = lambda t: f"{(kv_b + ix_b) / t / 1e9:.2f} GB/s"  # noqa: E731
+        rows.append((f"recall K={k} x {args.layers} layers ({(kv_b + ix_b) / 1e6:.0f} MB)",
+                     f"{gbs(t_b)} vs raw {gbs(t_r)}", f"{t_r / t_b:.2f}x of raw copy"))
+        bar.update(1)
+    k = min(args.kmax)
+    src, dst = torch.randperm(2 * kmax, generator=g)[:k], torch.randperm(kmax, generator=g)[:k]
+    t_loop = _time(lambda: page_by_page_copy(m.kv, r.kv, src.tolist(), dst.tolist()), max(1, reps // 2), dev)
+    t_b = _time(lambda: gather_copy(m.kv, r.kv, src, dst, stage.get("kv")), reps, dev)
+    rows.append((f"batched gather vs page-by-page, K={k} x {args.layers} layers (c4 KV)",
+                 f"{t_b * 1e3:.1f} ms vs {t_loop * 1e3:.1f} ms", f"speedup {t_loop / t_b:.2f}x"))
+    bar.update(1)
+    del eng
+    return rows
+
+
+def _level2_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str, str]]:
+    from flashmemory.residency.level2 import Level2, paged_index_logits
+    b = args.batch or (2 if args.quick else 8)
+    n, pc, d = args.chunks, 64, 128
+    n_pages = -(-n // pc)
+    kres = max(1, round(args.residency * n_pages))
+    lay = OffloadLayout(n_layers=2, target_layers=(0,), kv_widths=(8,), kv_align=1, index_head_dim=d)
+    eng = OffloadEngine(lay, EngineConfig(max_rows=b, max_chunks=n, recall_blocks=b * kres, decode_pages=1,
+                                          max_resident_pages=kres), dev)
+    g = torch.Generator().manual_seed(1)
+    for row in range(b):
+        ix = quantize_chunks(torch.randn(n, d, generator=g)).unsqueeze(0).expand(2, -1, -1).contiguous()
+        gen = eng.admit(row, torch.zeros(2, n, 8, dtype=torch.uint8), ix)
+        pages = torch.randperm(n_pages, generator=g)[:kres].tolist()
+        eng.recall([RecallRequest(row, gen, tuple(pages), tuple(1.0 for _ in pages))])
+    bar.update(1)
+    l2 = Level2(eng, max_batch=b, topk=args.topk)
+    rows_t = torch.arange(b, device=dev)
+    q = torch.randn(b, args.heads, d, generator=g).to(dev)
+    w = torch.rand(b, args.heads, generator=g).to(dev)
+    pages, table = eng.target.pages[0], eng.lut.row_pages[:b]
+
+    def native():
+        return paged_index_logits(q, w, pages, table, pc)[:, :n].topk(args.topk, dim=1)
+
+    def mask():
+        return l2.mask_topk(paged_index_logits(q, w, pages, table, pc)[:, :n], rows_t)
+
+    def score_res():
+        return l2.score_resident_topk(q, w, rows_t, 0)
+    t_n = _time(native, reps, dev)
+    t_m = _time(mask, reps, dev)
+    t_s = _time(score_res, reps, dev)
+    bar.update(1)
+    assert (l2.score_resident_topk(q, w, rows_t, 0).cells >= 0).all()
+    tag = f"N={n}, {args.residency:.0%} resident, B={b}, top-{args.topk}"
+    return [(f"Level-2 mask mode ({tag})", f"{t_m * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
+             f"{t_m / t_n:.2f}x native time"),
+            (f"Level-2 score-resident ({tag})", f"{t_s * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
+             f"speedup {t_n / t_s:.2f}x vs native")]
+
+
+def run(args: argparse.Namespace) -> int:
+    dev = torch.device(args.device)
+    reps = args.reps or (2 if args.quick else 5)
+    with tqdm(total=len(args.kmax) + 3, desc="bench recall", leave=False) as bar:
+        rows = _recall_rows(args, dev, reps, bar)
+        rows += _level2_rows(args, dev, reps, bar)
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    print(f"bench recall on {dev} (best of {reps}; ratios against baselines timed in this run)")
+    print(f"{'measurement':<{w0}}  {'time / throughput':<{w1}}  ratio")
+    for a, b_, c in rows:
+        print(f"{a:<{w0}}  {b_:<{w1}}  {c}")
+    return 0

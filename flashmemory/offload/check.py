@@ -1,0 +1,89 @@
+"""`check_invariants(engine)`: recompute the engine's safety invariants from its raw tensors (debug / tests).
+
+Cheap enough to run after every step at test sizes; at serving sizes it reads the whole reserve, so use it
+only in debug runs. Returns a list of violations (empty = consistent). Call it while no recall is being
+copied, or hold `engine.lock` (in-flight blocks are excluded from byte checks by construction: they are
+never in the lookup table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmemory.offload.engine import OffloadEngine
+
+
+def check_invariants(eng: OffloadEngine) -> list[str]:
+    bad: list[str] = []
+    lay, res, pc = eng.layout, eng.reserve, eng.layout.page_chunks
+    with eng.lock:
+        table = eng.lut.table.cpu()
+        if int(table[-1]) != -1:
+            bad.append("sentinel entry is not -1")
+        ms, cells = [], []
+        own = torch.tensor([o if o is not None else (-1, -1, -1) for o in eng.owner] + [(-1, -1, -1)],
+                           dtype=torch.int64)
+        row_pages, res_count = eng.lut.row_pages.cpu(), eng.res_count.cpu()
+        for r, st in enumerate(eng.rows):
+            rp = row_pages[r]
+            if st is None:
+                if (rp != -1).any():
+                    bad.append(f"row {r} is free but its page table is not cleared")
+                if int(res_count[r]) != 0:
+                    bad.append(f"row {r} is free but has {int(res_count[r])} resident pages in its table")
+                continue
+            if rp[:len(st.mpages)].tolist() != st.mpages or (rp[len(st.mpages):] != -1).any():
+                bad.append(f"row {r}: page table {rp.tolist()} != mirror pages {st.mpages}")
+            if len(st.recall) > eng.cfg.max_resident_pages:
+                bad.append(f"row {r}: {len(st.recall)} recalled pages > cap {eng.cfg.max_resident_pages}")
+            ring = {p for p in st.ring if p >= 0}
+            if ring & st.recall.keys():
+                bad.append(f"row {r}: pages {ring & st.recall.keys()} both recalled and in the decode region")
+            if int(res_count[r]) != len(st.recall) + len(ring):
+                bad.append(f"row {r}: compact table count {int(res_count[r])} != {len(st.recall) + len(ring)}")
+            for p, b in st.recall.items():
+                if eng.owner[b] != (r, st.gen, p) or b in eng.inflight:
+                    bad.append(f"row {r} page {p}: block {b} owner {eng.owner[b]} (inflight={b in eng.inflight})")
+            j = torch.arange(st.n_chunks)
+            m = torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
+            c = table[m].long()
+            live = c >= 0
+            ms.append(m[live])
+            cells.append(c[live])
+            blk = c[live] // pc
+            lo, hi = res.decode_block(r, 0), res.decode_block(r, res.decode_pages - 1)
+            o = own[blk.clamp(max=res.recall_blocks)]
+            mine = (o[:, 0] == r) & (o[:, 1] == st.gen) & (o[:, 2] == j[live] // pc)
+            if not (mine | ((blk >= lo) & (blk <= hi))).all():
+                bad.append(f"row {r}: a chunk's cell is neither in its page's recall block nor in the row's decode region")
+        m = torch.cat(ms) if ms else torch.zeros(0, dtype=torch.int64)
+        c = torch.cat(cells) if cells else torch.zeros(0, dtype=torch.int64)
+        if int((table[:-1] >= 0).sum()) != m.numel():
+            bad.append(f"{int((table[:-1] >= 0).sum())} table entries are set but only {m.numel()} belong to live history")
+        if c.numel() != c.unique().numel():
+            bad.append("a reserve cell is mapped by two chunks")
+        if c.numel() and (c.max() >= res.sink_cell or c.min() < 0):
+            bad.append(f"a cell lies outside [0, sink_cell={res.sink_cell})")
+        if c.numel():
+            kv_r = lay.kv.read_chunks(res.kv.cpu(), c // pc, c % pc)
+            kv_m = lay.kv.read_chunks(eng.mirror.kv, m // pc, m % pc)
+            if not torch.equal(kv_r, kv_m):
+                n_bad = int((kv_r != kv_m).any(-1).any(0).sum())
+                bad.append(f"{n_bad} resident chunks: c4 KV bytes in the reserve differ from the mirror")
+            if res.index.shape[0]:
+                ix_r = lay.index.read_chunks(res.index.cpu(), c // pc, c % pc)
+                ix_m = lay.index.read_chunks(eng.mirror.index, m // pc, m % pc)
+                if not torch.equal(ix_r, ix_m):
+                    bad.append("resident chunks: Path-I index bytes in the reserve differ from the mirror")
+        owned = [b for b, o in enumerate(eng.owner) if o is not None]
+        free = list(eng.blocks._free)
+        if len(set(free)) != len(free) or set(free) & set(owned) or len(free) + len(owned) != res.recall_blocks:
+            bad.append(f"recall blocks leak or double-book: {len(free)} free + {len(owned)} owned != {res.recall_blocks}")
+        for b in owned:
+            row, gen, page = eng.owner[b]
+            st = eng.rows[row]
+            if b not in eng.inflight and (st is None or st.gen != gen or st.recall.get(page) != b):
+                bad.append(f"block {b} owned by dead or mismatched request {eng.owner[b]} and not in flight")
+        if set(eng.lru) != {b for b in owned if b not in eng.inflight}:
+            bad.append("LRU does not hold exactly the published recall blocks")
+    return bad

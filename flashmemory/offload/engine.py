@@ -1,0 +1,329 @@
+"""`OffloadEngine`: request lifecycle (admit, decode, finish) over the mirror, the reserve and the lookup table.
+
+All host bookkeeping happens under `engine.lock`; Level-1 recall (`flashmemory.offload.recall`) takes the
+same lock only to plan and to publish, and copies bytes without it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from flashmemory.offload.layout import OffloadLayout
+from flashmemory.offload.lru import PageLRU
+from flashmemory.offload.lut import ChunkLUT
+from flashmemory.offload.metrics import OffloadMetrics
+from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
+from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacities, fixed at construction (never taken from a batch seen at run time)."""
+
+    max_rows: int = 128              # request rows; each owns one decode region
+    max_chunks: int = 65536          # history cap per request, in chunks (65,536 = 256K tokens)
+    mirror_pages: int = 0            # host mirror pages per layer; 0 = max_rows * pages(max_chunks)
+    recall_blocks: int = 8192        # reserve page blocks per layer for recalled pages
+    decode_pages: int = 8            # decode-region pages per row (512 chunks at 64-chunk pages)
+    max_resident_pages: int = 96     # per-request cap on recalled pages (KMAX)
+    pin_memory: bool | None = None   # None = pin when CUDA is present
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mirror_pages < 0:
+            raise ValueError("EngineConfig.mirror_pages must be >= 0")
+
+    @classmethod
+    def from_env(cls, env: Any, max_chunks: int = 65536, page_chunks: int = 64, **over: Any) -> "EngineConfig":
+        """From a `flashmemory.env.FlashMemoryEnv` (reserve pages, decode region, KMAX, max concurrency)."""
+        kw = dict(max_rows=env.decode_max_conc, max_chunks=max_chunks, recall_blocks=env.auto_reserve_pages(),
+                  decode_pages=math.ceil(env.decode_resident_chunks / page_chunks),
+                  max_resident_pages=env.kmax(page_chunks))
+        kw.update(over)
+        return cls(**kw)
+
+
+@dataclass
+class _Row:
+    rid: Hashable
+    gen: int
+    mpages: list[int]                      # logical page -> mirror page
+    n_chunks: int
+    recall: dict[int, int] = field(default_factory=dict)   # logical page -> recall block (published)
+    ring: list[int] = field(default_factory=list)          # decode slot -> logical page, -1 = empty
+    ring_next: int = 0
+    selection: frozenset[int] = frozenset()                # latest Level-1 selection: protected from eviction
+
+
+class OffloadEngine:
+    """The serving core. Chunk tensors are uint8 chunk rows for all `layout.n_layers` layers:
+    kv [n_layers, n, kv_chunk_bytes] (584 B), index [n_layers, n, index_chunk_bytes] (D+4 B).
+    """
+
+    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str = "cpu"):
+        self.layout, self.cfg = layout, cfg
+        self.device = torch.device(device)
+        pc = layout.page_chunks
+        self.max_pages = layout.pages_for(cfg.max_chunks)
+        n_mirror = cfg.mirror_pages or cfg.max_rows * self.max_pages
+        self.mirror = HostMirror(layout, n_mirror, cfg.pin_memory)
+        self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device)
+        self.target = TargetIndexPool(layout, n_mirror, self.device)
+        self.lut = ChunkLUT(n_mirror, pc, cfg.max_rows, self.max_pages, self.device)
+        self.blocks = BlockAllocator(cfg.recall_blocks)
+        self.lru = PageLRU()
+        self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
+        self.inflight: set[int] = set()
+        self.rows: list[_Row | None] = [None] * cfg.max_rows
+        # Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
+        self.res_cap = cfg.max_resident_pages + cfg.decode_pages
+        mk = lambda: torch.full((cfg.max_rows, self.res_cap), -1, dtype=torch.int32, device=self.device)  # noqa: E731
+        self.res_pages, self.res_blocks, self.res_mpages = mk(), mk(), mk()
+        self.res_count = torch.zeros(cfg.max_rows, dtype=torch.int32, device=self.device)
+        self.lock = threading.RLock()
+        self.stats = OffloadMetrics()
+        self.copy_hook: Callable[[], None] | None = None  # called between the KV and index copies (tests)
+        self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
+        self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
+        self._gen = 0
+        cuda = self.device.type == "cuda"
+        self.main_stream = torch.cuda.current_stream(self.device) if cuda else None
+        self.side_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _main(self):
+        return torch.cuda.stream(self.main_stream) if self.main_stream is not None else nullcontext()
+
+    def _live(self, row: int) -> _Row:
+        if not 0 <= row < self.cfg.max_rows:
+            raise IndexError(f"row {row} outside [0, {self.cfg.max_rows})")
+        st = self.rows[row]
+        if st is None:
+            raise KeyError(f"row {row} holds no request (admit it first)")
+        return st
+
+    def _check_chunks(self, what: str, t: torch.Tensor, n: int, width: int) -> None:
+        want = (self.layout.n_layers, n, width)
+        if t.dtype != torch.uint8 or tuple(t.shape) != want:
+            raise ValueError(f"{what}: expected uint8 {want} chunk rows, got {t.dtype} {tuple(t.shape)}")
+
+    def _mchunks(self, st: _Row, start: int, stop: int) -> torch.Tensor:
+        pc = self.layout.page_chunks
+        j = torch.arange(start, stop)
+        return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
+
+    def _rebuild_res(self, row: int) -> None:
+        st = self.rows[row]
+        items = [] if st is None else sorted(list(st.recall.items()) + [
+            (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
+        buf = torch.full((3, self.res_cap), -1, dtype=torch.int32)
+        if items:
+            pages = torch.tensor([p for p, _ in items], dtype=torch.int32)
+            buf[0, :len(items)] = pages
+            buf[1, :len(items)] = torch.tensor([b for _, b in items], dtype=torch.int32)
+            buf[2, :len(items)] = torch.tensor(st.mpages, dtype=torch.int32)[pages.long()]
+        with self._main():
+            self.res_pages[row].copy_(buf[0])
+            self.res_blocks[row].copy_(buf[1])
+            self.res_mpages[row].copy_(buf[2])
+            self.res_count[row] = len(items)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def admit(self, row: int, kv: torch.Tensor, index: torch.Tensor, rid: Hashable | None = None) -> int:
+        """Admit a request into a free row with its prefill chunks (written to the mirror; nothing resident yet).
+
+        kv: uint8 [n_layers, n, kv_chunk_bytes]; index: uint8 [n_layers, n, index_chunk_bytes]. Returns the
+        request's generation (pass it back to Level 1 so stale work is recognised).
+        """
+        n = kv.shape[1] if kv.dim() == 3 else -1
+        self._check_chunks("admit kv", kv, n, self.layout.kv.chunk_bytes)
+        self._check_chunks("admit index", index, n, self.layout.index.chunk_bytes)
+        if not 1 <= n <= self.cfg.max_chunks:
+            raise OffloadCapacityError(f"admit: {n} prefill chunks outside [1, max_chunks={self.cfg.max_chunks}]")
+        if not 0 <= row < self.cfg.max_rows:
+            raise IndexError(f"admit: row {row} outside [0, {self.cfg.max_rows})")
+        with self.lock:
+            if self.rows[row] is not None:
+                raise RuntimeError(f"admit: row {row} is busy with request {self.rows[row].rid!r}; finish it first")
+            mpages = self.mirror.alloc(self.layout.pages_for(n))
+            self._gen += 1
+            st = _Row(rid=rid if rid is not None else f"row{row}/gen{self._gen}", gen=self._gen, mpages=mpages,
+                      n_chunks=n, ring=[-1] * self.cfg.decode_pages)
+            m = self._mchunks(st, 0, n)
+            self.mirror.write(m, kv, index)
+            self.target.write(m, index)
+            with self._main():
+                for mp in mpages:  # freed pages are already clear; this keeps a reused page clean by construction
+                    self.lut.clear_page(mp)
+                self.lut.row_pages[row].fill_(-1)
+                self.lut.row_pages[row, :len(mpages)] = torch.tensor(mpages, dtype=torch.int32)
+            self.rows[row] = st
+            self.stats.per_req[st.rid]  # register the request in the metrics
+            self._rebuild_res(row)
+            return st.gen
+
+    def decode_append(self, rows: Sequence[int] | torch.Tensor, kv: torch.Tensor, index: torch.Tensor,
+                      valid: Sequence[bool] | torch.Tensor | None = None) -> torch.Tensor:
+        """Append one decode chunk per valid batch row. rows: [B] (-1 = padding); kv/index: [n_layers, B, bytes].
+
+        The chunk goes to the mirror and to its page's reserve block: the page's recall block if it is resident,
+        else a block of the row's decode region (opened by copying the page from the mirror, so a partial
+        prefill page is complete there). Padding rows write the sink cell. Returns int64 [B] cells written.
+        """
+        rows_l = [int(r) for r in (rows.tolist() if torch.is_tensor(rows) else rows)]
+        b = len(rows_l)
+        self._check_chunks("decode kv", kv, b, self.layout.kv.chunk_bytes)
+        self._check_chunks("decode index", index, b, self.layout.index.chunk_bytes)
+        ok = [r >= 0 for r in rows_l] if valid is None else [bool(v) and r >= 0 for v, r in zip(list(valid), rows_l)]
+        live = [r for r, v in zip(rows_l, ok) if v]
+        if len(set(live)) != len(live):
+            raise ValueError(f"decode_append: a row appears twice in one step: {rows_l}")
+        pc = self.layout.page_chunks
+        with self.lock:
+            sts = {r: self._live(r) for r in live}
+            for r, st in sts.items():
+                if st.n_chunks >= self.cfg.max_chunks:
+                    raise OffloadCapacityError(f"row {r}: history reached max_chunks={self.cfg.max_chunks}")
+                if st.n_chunks // pc == len(st.mpages):
+                    st.mpages += self.mirror.alloc(1)
+                    with self._main():
+                        self.lut.row_pages[r, len(st.mpages) - 1] = st.mpages[-1]
+            idx = [i for i in range(b) if ok[i]]
+            m = torch.tensor([sts[rows_l[i]].mpages[sts[rows_l[i]].n_chunks // pc] * pc
+                              + sts[rows_l[i]].n_chunks % pc for i in idx], dtype=torch.int64)
+            if idx:  # the mirror first: opening a decode page copies the page, new chunk included
+                self.mirror.write(m, kv[:, idx], index[:, idx])
+                self.target.write(m, index[:, idx])
+            cells = torch.full((b,), self.reserve.sink_cell, dtype=torch.int64)
+            with self._main():
+                for i in idx:
+                    r = rows_l[i]
+                    st = sts[r]
+                    p = st.n_chunks // pc
+                    blk = st.recall.get(p)
+                    if blk is None:
+                        blk = self._ring_block(r, st, p)
+                    cells[i] = blk * pc + st.n_chunks % pc
+                self.reserve.write_cells(cells, kv, index)
+                if idx:  # publish last: the entries appear once the bytes are in place
+                    self.lut.set(m, cells[idx])
+            for r, st in sts.items():
+                st.n_chunks += 1
+                self.stats.add(st.rid, "decode_chunks")
+            return cells
+
+    def _ring_block(self, row: int, st: _Row, page: int) -> int:
+        if page in st.ring:
+            return self.reserve.decode_block(row, st.ring.index(page))
+        slot = st.ring_next
+        if st.ring[slot] >= 0:
+            self._retire(row, st, slot)
+        blk = self.reserve.decode_block(row, slot)
+        mp = st.mpages[page]
+        src = torch.tensor([mp])
+        self.reserve.kv[:, blk] = self.mirror.kv[:, src].to(self.device)[:, 0]
+        if self.reserve.index.shape[0]:
+            self.reserve.index[:, blk] = self.mirror.index[:, src].to(self.device)[:, 0]
+        st.ring[slot] = page
+        st.ring_next = (slot + 1) % len(st.ring)
+        self.lut.set_range(mp, 0, min(self.layout.page_chunks, st.n_chunks + 1 - page * self.layout.page_chunks),
+                           blk * self.layout.page_chunks)
+        self.stats.add(st.rid, "decode_page_opens")
+        self._rebuild_res(row)
+        return blk
+
+    def _retire(self, row: int, st: _Row, slot: int) -> None:
+        """Free a decode slot. Its page is full (ring pages open in order), so it moves to a free recall block if
+        the request is under its cap; otherwise it just stops being resident (still in the mirror)."""
+        page = st.ring[slot]
+        mp = st.mpages[page]
+        nb = self.blocks.pop() if len(st.recall) < self.cfg.max_resident_pages else None
+        if nb is not None:
+            self.reserve.copy_block(self.reserve.decode_block(row, slot), nb)
+            self.owner[nb] = (row, st.gen, page)
+            st.recall[page] = nb
+            self.lru.touch(nb)
+            self.lut.set_range(mp, 0, self.layout.page_chunks, nb * self.layout.page_chunks)
+            self.stats.add(st.rid, "decode_promotions")
+        else:
+            self.lut.clear_page(mp)
+            self.stats.add(st.rid, "decode_spills")
+        st.ring[slot] = -1
+
+    def finish(self, row: int) -> None:
+        """Release a request: recall blocks back to the free list, table entries cleared, mirror pages freed.
+        A recall still in flight for it is discarded when it publishes (its blocks are freed then)."""
+        with self.lock:
+            st = self._live(row)
+            with self._main():
+                for blk in st.recall.values():
+                    self.lru.remove(blk)
+                    self.owner[blk] = None
+                    self.blocks.push(blk)
+                for mp in st.mpages:
+                    self.lut.clear_page(mp)
+                self.lut.row_pages[row].fill_(-1)
+            self.mirror.free(st.mpages)
+            self.rows[row] = None
+            self._rebuild_res(row)
+            self.stats.retire(st.rid)
+
+    # ---- queries -----------------------------------------------------------------------------------
+    def gen(self, row: int) -> int:
+        with self.lock:
+            return self._live(row).gen
+
+    def n_chunks(self, row: int) -> int:
+        with self.lock:
+            return self._live(row).n_chunks
+
+    def cells(self, rows: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """int32 [B, K] reserve cells of logical chunks [B, K] (-1: not resident / invalid) of rows [B]."""
+        with self.lock:
+            return self.lut.cells(rows, chunks)
+
+    def target_keys(self, row: int, layer: int) -> torch.Tensor:
+        """Dequantized index keys [n_chunks, D] fp32 of a target layer for a row's whole history."""
+        from flashmemory.retriever.fp8 import dequantize_chunks
+        with self.lock:
+            st = self._live(row)
+            m = self._mchunks(st, 0, st.n_chunks)
+            return dequantize_chunks(self.target.chunks(layer, m))
+
+    def note(self, row: int, name: str, n: int = 1) -> None:
+        """Add to a per-request counter of the request in `row` (ignored when the row is empty)."""
+        with self.lock:
+            st = self.rows[row] if 0 <= row < len(self.rows) else None
+            if st is not None:
+                self.stats.add(st.rid, name, n)
+
+    def metrics(self) -> dict[str, Any]:
+        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.metrics.COUNTERS`)."""
+        with self.lock:
+            res = {}
+            for r, st in enumerate(self.rows):
+                if st is not None:
+                    pages = len(st.recall) + sum(p >= 0 for p in st.ring)
+                    res[st.rid] = (pages, int((self.lut.cells(torch.tensor([r]),
+                                                              torch.arange(st.n_chunks).unsqueeze(0)) >= 0).sum()))
+            snap = self.stats.snapshot(res)
+            snap["total"].update(free_blocks=len(self.blocks), inflight_blocks=len(self.inflight),
+                                 free_mirror_pages=self.mirror.free_pages)
+            return snap
+
+    # ---- Level-1 recall (see flashmemory.offload.recall) -----------------------------------------
+    def recall(self, requests: Sequence["RecallRequest"]) -> "RecallPlan":  # noqa: F821
+        """Plan, copy and publish in one call (synchronous)."""
+        from flashmemory.offload.recall import execute_recall, plan_recall, publish_recall
+        plan = plan_recall(self, requests)
+        execute_recall(self, plan)
+        publish_recall(self, plan)
+        return plan

@@ -1,0 +1,37 @@
+"""The page LRU shared by all requests: recall blocks in use order, oldest first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+
+class PageLRU:
+    """Recall blocks holding a published page, least recently used first. Keys are block ids."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def touch(self, block: int) -> None:
+        """Insert or move to most recently used."""
+        self._order[block] = None
+        self._order.move_to_end(block)
+
+    def remove(self, block: int) -> None:
+        self._order.pop(block, None)
+
+    def victim(self, evictable: Callable[[int], bool]) -> int | None:
+        """Oldest block for which `evictable(block)` holds, or None. Does not remove it."""
+        for b in self._order:
+            if evictable(b):
+                return b
+        return None

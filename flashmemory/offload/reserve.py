@@ -1,0 +1,107 @@
+"""Device-side storage: the reserve (recall blocks | decode regions | sink) and the target-layer index-K pool.
+
+Cell space (one cell = one chunk; cell c is offset c % page_chunks of block c // page_chunks):
+
+    blocks [0, R)                       recall blocks, one recalled page each, handed out by `BlockAllocator`
+    blocks [R, R + max_rows * D)        decode regions: row r owns blocks R + r*D .. R + r*D + D - 1
+    block  R + max_rows * D             the sink block; rows that are padding in a static batch write there
+
+R = recall_blocks, D = decode_pages. The layout is fixed at construction, so every index the engine
+produces is < n_blocks by construction, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmemory.offload.layout import OffloadLayout
+
+
+class DeviceReserve:
+    """kv: uint8 [n_layers, n_blocks, kv_page_bytes]; index: uint8 [len(offload_index_layers), n_blocks, index_page_bytes].
+
+    Path-I index blocks use the same block ids as the c4 KV blocks.
+    """
+
+    def __init__(self, layout: OffloadLayout, recall_blocks: int, max_rows: int, decode_pages: int,
+                 device: torch.device | str = "cpu"):
+        if recall_blocks < 1 or max_rows < 1 or decode_pages < 1:
+            raise ValueError(f"DeviceReserve needs recall_blocks, max_rows, decode_pages >= 1, "
+                             f"got {recall_blocks}, {max_rows}, {decode_pages}")
+        self.layout = layout
+        self.recall_blocks = recall_blocks
+        self.max_rows = max_rows
+        self.decode_pages = decode_pages
+        self.decode_base = recall_blocks
+        self.sink_block = recall_blocks + max_rows * decode_pages
+        self.n_blocks = self.sink_block + 1
+        self.sink_cell = self.sink_block * layout.page_chunks
+        self.device = torch.device(device)
+        self.kv = torch.zeros(layout.n_layers, self.n_blocks, layout.kv_page_bytes, dtype=torch.uint8, device=self.device)
+        self.index = torch.zeros(len(layout.offload_index_layers), self.n_blocks, layout.index_page_bytes,
+                                 dtype=torch.uint8, device=self.device)
+
+    def decode_block(self, row: int, slot: int) -> int:
+        if not (0 <= row < self.max_rows and 0 <= slot < self.decode_pages):
+            raise IndexError(f"decode block (row {row}, slot {slot}) outside {self.max_rows} rows x {self.decode_pages}")
+        return self.decode_base + row * self.decode_pages + slot
+
+    def write_cells(self, cells: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Write chunk rows into cells [n]. kv: [n_layers, n, kv_chunk_bytes]; index: [n_layers, n, idx_chunk_bytes]."""
+        pc = self.layout.page_chunks
+        cells = cells.to(self.device).long()
+        self.layout.kv.write_chunks(self.kv, cells // pc, cells % pc, kv.to(self.device))
+        ol = self.layout.offload_index_layers
+        if ol and index is not None:
+            self.layout.index.write_chunks(self.index, cells // pc, cells % pc, index.to(self.device)[list(ol)])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Device-local copy of a whole block (all layers, c4 KV and Path-I index)."""
+        self.kv[:, dst].copy_(self.kv[:, src])
+        if self.index.shape[0]:
+            self.index[:, dst].copy_(self.index[:, src])
+
+
+class BlockAllocator:
+    """Free list of recall blocks [0, n)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._free = list(range(n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def pop(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def push(self, block: int) -> None:
+        if not 0 <= block < self.n:
+            raise IndexError(f"block {block} is not a recall block (0..{self.n - 1})")
+        self._free.append(block)
+
+
+class TargetIndexPool:
+    """Full index-K of the target layers on the device, by mirror page: uint8 [n_target, n_pages, index_page_bytes].
+
+    Level 1 scores it and Level 2 reads it for target layers; it is never offloaded.
+    """
+
+    def __init__(self, layout: OffloadLayout, n_pages: int, device: torch.device | str = "cpu"):
+        self.layout = layout
+        self.layers = tuple(layout.target_layers)
+        self.pages = torch.zeros(len(self.layers), n_pages, layout.index_page_bytes, dtype=torch.uint8, device=device)
+
+    def write(self, mchunks: torch.Tensor, index: torch.Tensor) -> None:
+        """index: [n_layers, n, idx_chunk_bytes] for all layers; only target layers are kept."""
+        pc = self.layout.page_chunks
+        m = mchunks.to(self.pages.device).long()
+        self.layout.index.write_chunks(self.pages, m // pc, m % pc, index.to(self.pages.device)[list(self.layers)])
+
+    def chunks(self, layer: int, mchunks: torch.Tensor) -> torch.Tensor:
+        """Chunk rows [n, D+4] uint8 of target layer `layer` at mirror chunks [n]."""
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} is not a target layer {self.layers}")
+        pc = self.layout.page_chunks
+        m = mchunks.to(self.pages.device).long()
+        return self.layout.index.read_chunks(self.pages[self.layers.index(layer)], m // pc, m % pc)

@@ -1,0 +1,181 @@
+"""Level 1: every tau decode steps per request, score the history, pick pages, recall them (off the decode path).
+
+Pipeline per due request: scorer (the retriever over the full target-layer index-K) -> scores [N] ->
+`PagePolicy` (scores, history length, budget) -> pages -> `RecallRequest` with page priorities (recency
+tail = +inf, then the page's best chunk score) -> engine plan / copy / publish. With `async_recall` the
+cycle runs on one worker thread and its result applies from a later window; decode keeps using the
+previously published set. A request that finishes or whose row is reused before publish is discarded
+by the engine's generation check; nothing it planned leaks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from flashmemory.offload.engine import OffloadEngine
+from flashmemory.offload.recall import RecallRequest, cancel_recall, execute_recall, plan_recall, publish_recall
+from flashmemory.residency.policy import PagePolicy, ensemble_scores
+
+# (row, n_hist, hidden {target layer: [hidden]}, position [] int) -> scores [n_hist] fp32
+Scorer = Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Level1Config:
+    tau: int = 64                   # decode steps between cycles of one request
+    stagger: bool = False           # spread requests over the tau phases (the first step is always due)
+    max_resident_pages: int = 96    # per-request page budget handed to the policy
+    last_keep: int = 2048           # recency tail in chunks: +inf priority, dropped last when degrading
+    async_recall: bool = True       # run cycles on a worker thread
+
+    def __post_init__(self) -> None:
+        if self.tau < 1 or self.max_resident_pages < 1 or self.last_keep < 0:
+            raise ValueError(f"Level1Config: tau and max_resident_pages must be >= 1, last_keep >= 0: {self}")
+
+
+def retriever_scorer(retriever, engine: OffloadEngine, ensemble: str = "or") -> Scorer:
+    """A `Scorer` from a `flashmemory.retriever.JointRetriever` over the engine's target-layer index-K."""
+    missing = [i for i in retriever.layers if i not in engine.layout.target_layers]
+    if missing:
+        raise ValueError(f"retriever layers {missing} are not target layers {engine.layout.target_layers}")
+
+    @torch.no_grad()
+    def score(row: int, n_hist: int, hidden: Mapping[int, torch.Tensor], position: torch.Tensor) -> torch.Tensor:
+        per = []
+        for lid in retriever.layers:
+            keys = engine.target_keys(row, lid)[:n_hist]
+            per.append(retriever.layer(lid)(hidden[lid].reshape(1, -1), position.reshape(1), keys)[0])
+        return ensemble_scores(per, ensemble)
+    return score
+
+
+def page_priority(scores: torch.Tensor, n_hist: int, pages: torch.Tensor, page_chunks: int, last_keep: int) -> list[float]:
+    """Priority of each page: +inf inside the recency tail, else the page's best chunk score."""
+    n_pages = -(-n_hist // page_chunks)
+    pad = torch.full((n_pages * page_chunks,), float("-inf"))
+    pad[:n_hist] = scores[:n_hist].float().cpu()
+    best = pad.view(n_pages, page_chunks).amax(1)
+    tail_page = max(0, n_hist - last_keep) // page_chunks if last_keep > 0 else n_pages
+    return [float("inf") if int(p) >= tail_page else float(best[int(p)]) for p in pages.tolist()]
+
+
+class Level1:
+    """Cadence + pipeline. Call `on_step` after every decode forward; `wait` joins pending cycles; `close` stops."""
+
+    def __init__(self, engine: OffloadEngine, scorer: Scorer, policy: PagePolicy, cfg: Level1Config = Level1Config()):
+        self.engine, self.scorer, self.policy, self.cfg = engine, scorer, policy, cfg
+        pc = getattr(getattr(policy, "cfg", None), "page_chunks", engine.layout.page_chunks)
+        if pc != engine.layout.page_chunks:
+            raise ValueError(f"policy pages hold {pc} chunks but the offload layout uses {engine.layout.page_chunks}")
+        self._state: dict[int, tuple[int, int, int]] = {}  # row -> (gen, step, phase)
+        self._pending: set[tuple[int, int]] = set()        # (row, gen) submitted, not yet published
+        self._next_phase = 0
+        self._mu = threading.Lock()
+        self._error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        if cfg.async_recall:
+            self._worker = threading.Thread(target=self._loop, name="flashmemory-level1", daemon=True)
+            self._worker.start()
+
+    def on_step(self, rows: Sequence[int], hidden: Mapping[int, torch.Tensor], positions: torch.Tensor) -> list[int]:
+        """rows: [B] engine rows (-1 = padding); hidden: {target layer: [B, hidden]}; positions: [B].
+        Advances each row's step and submits the due ones. Returns the rows submitted this step."""
+        self._raise()
+        due: list[tuple[int, int, int, int]] = []  # (batch index, row, gen, n_hist)
+        eng = self.engine
+        with self._mu:
+            for i, row in enumerate(int(r) for r in rows):
+                if row < 0:
+                    continue
+                with eng.lock:
+                    st = eng.rows[row]
+                    if st is None:
+                        continue
+                    gen, n_hist = st.gen, st.n_chunks
+                g, step, phase = self._state.get(row, (None, 0, 0))
+                if g != gen:  # new occupant of the row: its first step is due at once
+                    step, phase = 0, (self._next_phase if self.cfg.stagger else 0)
+                    self._next_phase = (self._next_phase + 1) % self.cfg.tau
+                if step == 0 or step % self.cfg.tau == phase:
+                    if (row, gen) in self._pending:
+                        eng.note(row, "cycles_skipped")
+                    else:
+                        self._pending.add((row, gen))
+                        due.append((i, row, gen, n_hist))
+                self._state[row] = (gen, step + 1, phase)
+            for row in [r for r in self._state if eng.rows[r] is None]:
+                del self._state[row]
+        if not due:
+            return []
+        idx = torch.tensor([d[0] for d in due])
+        job = [(row, gen, n, {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
+                positions.reshape(-1)[idx[j]].clone()) for j, (_, row, gen, n) in enumerate(due)]
+        if self._worker is None:
+            self._run(job)
+        else:
+            if self._q.unfinished_tasks:
+                for _, row, _, _ in due:
+                    eng.note(row, "cycles_late")
+            self._q.put(job)
+        return [d[1] for d in due]
+
+    def _run(self, job: list) -> None:
+        reqs = []
+        try:
+            for row, gen, n, hid, pos in job:
+                try:
+                    if self.engine.gen(row) != gen:
+                        continue
+                    scores = self.scorer(row, n, hid, pos)
+                except KeyError:  # finished while queued
+                    continue
+                pages = self.policy(scores, n, self.cfg.max_resident_pages).reshape(-1).cpu()
+                pages = pages[pages >= 0]
+                prio = page_priority(scores, n, pages, self.engine.layout.page_chunks, self.cfg.last_keep)
+                reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio)))
+            plan = plan_recall(self.engine, reqs)
+            try:
+                execute_recall(self.engine, plan)
+            except BaseException:
+                cancel_recall(self.engine, plan)  # blocks back to the free list, nothing published
+                raise
+            publish_recall(self.engine, plan)
+        finally:
+            with self._mu:
+                for row, gen, *_ in job:
+                    self._pending.discard((row, gen))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                self._run(job)
+            except BaseException as e:  # surfaced on the decode thread at the next call
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError("Level-1 worker failed") from e
+
+    def wait(self) -> None:
+        """Block until every submitted cycle has published (or been discarded)."""
+        if self._worker is not None:
+            self._q.join()
+        self._raise()
+
+    def close(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._q.put(None)
+            self._worker.join()
+        self._worker = None
