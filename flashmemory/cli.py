@@ -12,7 +12,12 @@ import sys
 # Modules that add subcommands, in --help order.
 COMMANDS = [
     "flashmemory.retriever.cli",   # checkpoint inspect|convert|download
+    "flashmemory.dump.cli",        # dump (golden-label training data)
+    "flashmemory.train.cli",       # train (joint retriever on golden-label dumps)
+    "flashmemory.eval.cli",        # eval (policies vs baselines on a dump)
+    "flashmemory.train.verify",    # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
+    "flashmemory.tasks.cli",       # tasks generate|score|list
 ]
 
 

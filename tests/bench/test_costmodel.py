@@ -1,0 +1,120 @@
+"""Cost model: reproduces upstream's per-token GFLOP table from the model functions, moves the right way with
+KMAX / context, keeps its byte accounting consistent, and the bench command runs and writes JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashmemory.bench import costmodel as bench
+from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, PolicyKnobs,
+                                   baseline_bytes, baseline_flops, constant_terms, estimate, fit_line,
+                                   flashmemory_bytes, flashmemory_flops, hisparse_bytes, n_chunks, resident_chunks)
+
+G = 1e9
+
+
+@pytest.mark.parametrize("ctx", sorted(UPSTREAM))
+def test_matches_upstream_gflop_table_within_5pct(ctx):
+    kmax, up_base, up_fm = UPSTREAM[ctx][:3]
+    base = baseline_flops(ctx).total / G
+    fm = flashmemory_flops(ctx, kmax).total / G
+    assert abs(base / up_base - 1) <= 0.05, (ctx, base, up_base)
+    assert abs(fm / up_fm - 1) <= 0.05, (ctx, fm, up_fm)
+    assert abs((fm / base) - (up_fm / up_base)) <= 0.03
+
+
+def test_constant_part_matches_upstream_and_is_shared():
+    const = baseline_flops(262144).constant / G
+    assert abs(const / UPSTREAM_CONSTANT_GFLOP - 1) <= 0.02
+    assert flashmemory_flops(1048576, 384).constant == baseline_flops(262144).constant
+    # the expert MACs dominate, as in any 13B-active MoE
+    experts = next(t for t in constant_terms(FlashShape()) if t.name == "moe experts")
+    assert experts.flops(CountRules()) / G > 0.5 * const
+
+
+def test_kmax_moves_flashmemory_flops_the_right_way():
+    ctx = 524288
+    small, mid, big = (flashmemory_flops(ctx, k).total for k in (48, 192, 768))
+    assert small < mid < big
+    assert big < baseline_flops(ctx).total
+    # once KMAX*64 covers the history, Level 2 scores the same chunks the baseline does
+    full = flashmemory_flops(ctx, n_chunks(ctx) // 64 + 10)
+    assert full.scoring == baseline_flops(ctx).scoring
+    assert resident_chunks(10**6, ctx) == n_chunks(ctx)
+
+
+def test_context_moves_baseline_linearly_and_level1_only_for_flashmemory():
+    xs = [262144, 524288, 1048576]
+    icpt, slope = fit_line(xs, [baseline_flops(c).total for c in xs])
+    assert icpt == pytest.approx(baseline_flops(4).constant, rel=1e-3)
+    assert slope == pytest.approx(2 * (64 * 128 + 64) * 21 / 4, rel=1e-6)
+    assert baseline_flops(xs[0]).level1 == 0
+    with_l1, without = flashmemory_flops(xs[0], 96), flashmemory_flops(xs[0], 96, rules=CountRules(count_level1=False))
+    assert with_l1.total > without.total and without.level1 == 0
+
+
+def test_counting_rules_change_the_answer():
+    # 1 FLOP per MAC halves everything: the table cannot be matched that way
+    half = baseline_flops(262144, rules=CountRules(flops_per_mac=1)).total
+    assert half == pytest.approx(baseline_flops(262144).total / 2)
+    core = flashmemory_flops(262144, 96, rules=CountRules(count_attention_core=True))
+    assert core.attention_core > 0 and core.total > flashmemory_flops(262144, 96).total
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="kmax"):
+        flashmemory_flops(262144, 0)
+    with pytest.raises(ValueError, match="ctx"):
+        n_chunks(-1)
+    with pytest.raises(ValueError, match="mem_fraction"):
+        Hardware(mem_fraction=1.5)
+    with pytest.raises(ValueError, match="fit_line"):
+        fit_line([1.0], [2.0])
+
+
+def test_byte_model_is_consistent():
+    ctx, kmax = 1048576, 384
+    b = baseline_bytes(ctx)
+    assert b.device_parts["c4 kv"] == 21 * (ctx // 4) * 584
+    assert b.device_parts["index keys"] == 21 * (ctx // 4) * 132
+    assert b.device_parts["c128 kv"] == 20 * (ctx // 128) * 584
+    assert b.device_parts["swa kv"] == 43 * 128 * 584
+    f = flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=True))
+    f_no = flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=False))
+    assert f.device < f_no.device < b.device
+    assert f.host > f_no.host == b.device_parts["c4 kv"]
+    # Level 2 reads far fewer index keys than the baseline; HiSparse reads as much as the baseline
+    assert f.hbm_read_step < 0.3 * b.hbm_read_step
+    h = hisparse_bytes(ctx, kmax, PolicyKnobs(hisparse_miss=0.1))
+    assert h.hbm_read_step == b.hbm_read_step
+    assert h.pcie_step > hisparse_bytes(ctx, kmax, PolicyKnobs(hisparse_miss=0.0)).pcie_step
+    assert flashmemory_bytes(ctx, kmax, PolicyKnobs(turnover=0.5)).recall_cycle == pytest.approx(f_no.recall_cycle / 2)
+    assert flashmemory_bytes(ctx, 2 * kmax).device > f_no.device
+
+
+def test_estimate_orders_policies():
+    hw = Hardware(overhead_ms=20.0)
+    for ctx, (kmax, *_rest) in UPSTREAM.items():
+        kn = PolicyKnobs(path_i=ctx >= 1048576)
+        base = estimate(baseline_bytes(ctx), baseline_flops(ctx).total, hw)
+        fm = estimate(flashmemory_bytes(ctx, kmax, kn), flashmemory_flops(ctx, kmax).total, hw)
+        assert fm.conc > base.conc and fm.tok_s > base.tok_s
+    # more HBM -> higher baseline ceiling
+    assert estimate(baseline_bytes(524288), 1e11, Hardware(hbm_gb=141)).conc > \
+        estimate(baseline_bytes(524288), 1e11, Hardware()).conc
+
+
+def test_bench_runs_and_writes_json(tmp_path, capsys):
+    import argparse
+    p = argparse.ArgumentParser()
+    bench.add_args(p)
+    out = tmp_path / "cm.json"
+    assert bench.run(p.parse_args(["--quick", "--json", str(out)])) == 0
+    text = capsys.readouterr().out
+    assert "ESTIMATE" in text and "upstream" in text
+    data = json.loads(out.read_text())
+    assert {"flops", "assumptions", "bytes", "throughput"} <= set(data)
+    assert len(data["flops"]["cases"]) == 3
+    assert bench.run(p.parse_args(["--contexts", "1024"])) == 2
