@@ -11,6 +11,7 @@ import sys
 
 # Modules that add subcommands, in --help order.
 COMMANDS = [
+    "flashmemory.demo.cli",        # demo (the CPU end-to-end run)
     "flashmemory.retriever.cli",   # checkpoint inspect|convert|download
     "flashmemory.dump.cli",        # dump (golden-label training data)
     "flashmemory.train.cli",       # train (joint retriever on golden-label dumps)

@@ -28,6 +28,12 @@ def retriever_scores(model, ensemble: str = "max"):
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.decode:
+        from flashmemory.eval.decode_run import run_decode
+        return run_decode(a)
+    if not a.dump:
+        print("flashmemory eval: error: --dump is required (or use --decode with --tasks)", file=sys.stderr)
+        return 2
     from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
     from flashmemory.eval.evaluate import EvalConfig, evaluate, format_table
     from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
@@ -72,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Policies (FlashMemory, recency, random, reactive, oracle) at equal resident "
                                    "budgets; golden recall, native top-k mass, resident fraction and pages.")
     p.add_argument("--checkpoint", required=True, help="retriever checkpoint (.safetensors or .pt)")
-    p.add_argument("--dump", required=True, help="dump directory (flashmemory-dump/1)")
+    p.add_argument("--dump", default=None, help="dump directory (flashmemory-dump/1); not with --decode")
     p.add_argument("--doc-ids", default=None, help="comma-separated doc indices (default: all)")
     p.add_argument("--tau", type=int, default=64, help="lookahead window / cycle length (default %(default)s)")
     p.add_argument("--stride", type=int, default=0, help="decode steps between cycle starts; 0 = tau")
@@ -82,4 +88,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random-policy seed")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--allow-pickle", action="store_true", help="read upstream .pkl docs (runs pickled code)")
+    from flashmemory.eval.decode_run import add_decode_args
+    add_decode_args(p)
     p.set_defaults(func=run)

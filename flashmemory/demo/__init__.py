@@ -1,0 +1,1 @@
+"""The CPU end-to-end demo (`flashmemory demo`, `make demo`); see `flashmemory.demo.pipeline`."""

@@ -1,0 +1,94 @@
+"""Replay one document's decode through the real offload engine and Level 1, on any device.
+
+The Full run's capture supplies what serving would produce step by step: the target-layer hidden
+states, the index keys of every c4 layer (stored as sglang stores them) and the chunk schedule
+(query at position P + t sees chunks j < (P + t + 1) // 4). Per decode step t:
+  1. Level 1 `on_step` with the hidden state of position P + t - 1 (the latest finished forward); a
+     due cycle (t % tau == 0) runs synchronously, so its set serves steps [t, t + tau);
+  2. a chunk completed by token P + t is appended to the row's decode region;
+  3. the resident set of step t is read back from the engine's lookup table (the single source of truth).
+Payload bytes: index-K rows are the real fp8 chunks; c4 KV rows are a deterministic pattern at the real
+584-byte DeepSeek-V4 entry size (the tiny model's KV is not in sglang's layout), so byte counts are real.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.offload.engine import EngineConfig, OffloadEngine
+from flashmemory.offload.layout import OffloadLayout
+from flashmemory.residency.level1 import Level1, Level1Config
+from flashmemory.residency.policy import PagePolicy
+
+KV_WIDTHS = (576, 8)  # DeepSeek-V4 c4 entry: 448 fp8 nope + 128 bf16 rope | 7 scales + 1 pad
+KV_ALIGN = 576
+
+
+@dataclass
+class ReplayResult:
+    resident: torch.Tensor     # [T, N_c] bool: chunk j resident at decode step t (False past n_t)
+    n_visible: torch.Tensor    # [T] int64: chunks visible at step t
+    level1_s: float            # wall time spent in Level-1 calls (cycles included)
+    metrics: dict              # engine.metrics()["total"] at the end of the replay
+    layout: OffloadLayout
+
+
+def kv_pattern(n_layers: int, n_chunks: int, width: int = sum(KV_WIDTHS)) -> torch.Tensor:
+    """uint8 [L, N, width] stand-in c4 KV rows, distinct per (layer, chunk) so misplaced bytes would show."""
+    l = torch.arange(n_layers).view(-1, 1, 1)
+    j = torch.arange(n_chunks).view(1, -1, 1)
+    b = torch.arange(width).view(1, 1, -1)
+    return ((l * 131 + j * 7 + b) % 251).to(torch.uint8)
+
+
+def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prompt_len: int, n_steps: int,
+               scorer, policy: PagePolicy, *, page_chunks: int, kmax: int, tau: int, last_keep: int,
+               target_layers: tuple[int, ...], ratio: int = 4, device: str | torch.device = "cpu",
+               make=None) -> ReplayResult:
+    """Replay `n_steps` decode steps of one document.
+
+    index_chunks: uint8 [n_c4, N_c, D+4] stored index keys of every c4 layer over prompt + response.
+    hidden: target layer -> [S, hidden] indexer-input hidden of every position (S = P + n_steps).
+    scorer/policy: a method (see `flashmemory.eval.methods`); `make(engine) -> (scorer, policy)` instead
+    builds them once the engine exists (the retriever scorer reads the engine's target keys).
+    """
+    n_layers, n_total, cb = index_chunks.shape
+    layout = OffloadLayout(n_layers=n_layers, page_chunks=page_chunks, kv_widths=KV_WIDTHS, kv_align=KV_ALIGN,
+                           index_head_dim=cb - 4, target_layers=tuple(target_layers), index_offload=True)
+    n_pages = -(-n_total // page_chunks)
+    decode_pages = -(-n_steps // (ratio * page_chunks)) + 2
+    cfg = EngineConfig(max_rows=1, max_chunks=n_total, mirror_pages=n_pages + 1, recall_blocks=kmax + 1,
+                       decode_pages=decode_pages, max_resident_pages=kmax, pin_memory=False)
+    engine = OffloadEngine(layout, cfg, device)
+    if make is not None:
+        scorer, policy = make(engine)
+    kv = kv_pattern(n_layers, n_total)
+    level1 = Level1(engine, scorer, policy, Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep,
+                                                         async_recall=False))
+    n0 = prompt_len // ratio
+    engine.admit(0, kv[:, :n0], index_chunks[:, :n0], rid="doc")
+    resident = torch.zeros(n_steps, n_total, dtype=torch.bool)
+    n_vis = torch.zeros(n_steps, dtype=torch.int64)
+    rows = torch.tensor([0])
+    spent = 0.0
+    try:
+        for t in range(n_steps):
+            pos = prompt_len + t - 1
+            t0 = time.perf_counter()
+            level1.on_step([0], {lid: hidden[lid][pos:pos + 1] for lid in target_layers}, torch.tensor([pos]))
+            spent += time.perf_counter() - t0
+            n_t = min((prompt_len + t + 1) // ratio, n_total)
+            while engine.n_chunks(0) < n_t:
+                j = engine.n_chunks(0)
+                engine.decode_append(rows, kv[:, j:j + 1], index_chunks[:, j:j + 1])
+            cells = engine.cells(rows, torch.arange(n_t).view(1, -1))[0]
+            resident[t, :n_t] = (cells >= 0).cpu()
+            n_vis[t] = n_t
+        metrics = engine.metrics()["total"]
+    finally:
+        level1.close()
+        engine.finish(0)
+    return ReplayResult(resident, n_vis, spent, metrics, layout)
