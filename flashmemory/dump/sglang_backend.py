@@ -1,8 +1,8 @@
 """The sglang dump backend: a client for a dump-mode sglang server's OpenAI-compatible API.
 
 Per batch: pass 1 runs the items concurrently (greedy, max_tokens) with a pass-1 `flashmemory_dump`
-block; pass 2 sends each item's messages plus the assistant response with max_tokens=1 and a pass-2
-block, one at a time; then the pass-2 keys replace pass 1's and the document is handed back for
+block; pass 2 sends each item's messages plus the assistant response with max_tokens=2 (the server
+records in decode steps; with 1 token the request ends after prefill) and a pass-2 block, one at a time; then the pass-2 keys replace pass 1's and the document is handed back for
 commit. The server writes the per-pass files under `<output_dir>/.staging/` (see `protocol.py`).
 """
 
@@ -25,6 +25,7 @@ from flashmemory.dump.inputs import InputItem
 from flashmemory.dump.protocol import DumpRequest
 
 STAGING = ".staging"
+PASS2_MAX_TOKENS = 2
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -45,6 +46,25 @@ def read_compk(path: Path) -> dict[int, torch.Tensor]:
     if not out:
         raise DumpFormatError(f"{path}: no compk_layer_* key")
     return out
+
+
+def merge_passes(r1: DumpRequest, r2: DumpRequest, rid: str, where: str = "") -> DumpDoc:
+    """The committed document: pass 1's file with pass 2's `compk_layer_*` (prompt + response keys).
+    Raises DumpItemError naming `where` when a file is unreadable or the passes disagree."""
+    try:
+        doc = load_doc(r1.doc_path())
+        compk = read_compk(r2.doc_path())
+    except DumpFormatError as e:
+        raise DumpItemError(f"{where}: {e}") from None
+    if sorted(compk) != doc.target_layers:
+        raise DumpItemError(f"{where}: pass 2 has compk layers {sorted(compk)}, pass 1 {doc.target_layers}")
+    doc.compk = compk
+    doc.doc_index, doc.rid = r1.doc_index, rid
+    try:
+        doc.validate(f"{where} (merged)")
+    except DumpFormatError as e:
+        raise DumpItemError(str(e)) from None
+    return doc
 
 
 class SGLangBackend:
@@ -112,23 +132,11 @@ class SGLangBackend:
 
     def _pass2(self, item: InputItem, doc_index: int, rid: str, response: str, cfg: DumpConfig) -> DumpDoc:
         r1, r2 = self._request(1, doc_index, cfg), self._request(2, doc_index, cfg)
-        self._chat(item.messages + [{"role": "assistant", "content": response}], 1, r2)
+        # max_tokens=2: the server records in decode steps, and with 1 token the request ends after prefill.
+        self._chat(item.messages + [{"role": "assistant", "content": response}], PASS2_MAX_TOKENS, r2)
         self._wait(r1.doc_path())
         self._wait(r2.doc_path())
-        try:
-            doc = load_doc(r1.doc_path())
-            compk = read_compk(r2.doc_path())
-        except DumpFormatError as e:
-            raise DumpItemError(f"{item.where}: {e}") from None
-        if sorted(compk) != doc.target_layers:
-            raise DumpItemError(f"{item.where}: pass 2 has compk layers {sorted(compk)}, pass 1 {doc.target_layers}")
-        doc.compk = compk
-        doc.doc_index, doc.rid = doc_index, rid
-        try:
-            doc.validate(f"{item.where} (merged)")
-        except DumpFormatError as e:
-            raise DumpItemError(str(e)) from None
-        return doc
+        return merge_passes(r1, r2, rid, item.where)
 
     def dump_batch(self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
                    ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]:

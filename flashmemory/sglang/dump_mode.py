@@ -1,77 +1,46 @@
-"""Dump mode: record golden-label training data per request, in the `flashmemory.dump.format` layout.
+"""Dump mode: the server side of `flashmemory.dump.protocol` (record golden-label data per request).
 
-A request opts in with sampling params `custom_params={"flashmemory_dump": {...}}`:
-  output_dir (absolute path, required), doc_index (int, default: next free in output_dir), topp (0.6),
-  min_layers (3), target_csa_layers ([6,8,...] list or "10,12,20"; c4-layer ids in [0, 21)).
-Per decode step the recorder takes, for every c4 layer, the native indexer logits of each dumping row and
-keeps only that layer's nucleus (`flashmemory.labels.golden.layer_nucleus`); at target layers it also keeps
-the indexer-input hidden, the position, the first 3 steps' logits, and the new index-K chunks. A request is
-finalized when a decode step runs without it (or the scheduler goes idle); its votes become the CSR labels
-and `DumpWriter.commit` writes the document atomically.
+A request opts in with `custom_params={"flashmemory_dump": {...}}` as `flashmemory.dump.protocol.DumpRequest`
+writes it (version, pass 1|2, doc_index, absolute output_dir, topp, min_layers, target_csa_layers,
+n_logit_tokens); the same parser reads it here. Per decode step the recorder takes, for every c4 layer, the
+native indexer logits of each dumping row and keeps only that layer's nucleus
+(`flashmemory.labels.golden.layer_nucleus`); at target layers it also keeps the indexer-input hidden, the
+position, the first n_logit_tokens steps' logits, and the new index-K chunks. A request is finalized when a
+decode step runs without it (or the scheduler goes idle): its votes become the CSR labels and the document
+is written atomically with `save_doc_file` to `DumpRequest.doc_path()` (`<output_dir>/pass{1,2}/doc_XXXXX
+.safetensors`). The client (`flashmemory.dump.sglang_backend`) merges pass 2's compk into pass 1 and
+commits; the server never touches `server_metadata.jsonl`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from flashmemory.dump.format import N_LOGIT_TOKENS, DumpDoc
-from flashmemory.dump.writer import DumpWriter
-from flashmemory.env import EnvError, parse_layers
+from flashmemory.dump.format import DumpDoc
+from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
+from flashmemory.dump.writer import save_doc_file
 from flashmemory.labels.csr import LabelsCSR
 from flashmemory.labels.golden import layer_nucleus
 
 logger = logging.getLogger(__name__)
-CUSTOM_KEY = "flashmemory_dump"
-_KEYS = {"output_dir", "doc_index", "topp", "min_layers", "target_csa_layers"}
+DumpRequestError = DumpProtocolError  # one parser, one error type: flashmemory.dump.protocol
 
 
-class DumpRequestError(ValueError):
-    """A request's `flashmemory_dump` custom param is malformed."""
-
-
-@dataclass(frozen=True)
-class DumpRequest:
-    output_dir: str
-    doc_index: int | None = None
-    topp: float = 0.6
-    min_layers: int = 3
-    target_csa_layers: tuple[int, ...] = (6, 8, 10, 12, 14, 16, 18, 20)
-
-    @classmethod
-    def from_custom_params(cls, custom: object, rid: str = "?", n_c4_layers: int = 21) -> "DumpRequest | None":
-        """None when the request does not dump; DumpRequestError naming the rid and key when malformed."""
-        if not isinstance(custom, dict) or CUSTOM_KEY not in custom:
-            return None
-        d = custom[CUSTOM_KEY]
-        where = f"request {rid}: custom_params[{CUSTOM_KEY!r}]"
-        if not isinstance(d, dict):
-            raise DumpRequestError(f"{where} must be an object, got {type(d).__name__}")
-        unknown = set(d) - _KEYS
-        if unknown:
-            raise DumpRequestError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_KEYS)})")
-        out = d.get("output_dir")
-        if not isinstance(out, str) or not os.path.isabs(out):
-            raise DumpRequestError(f"{where}.output_dir={out!r}: must be an absolute path (the server writes it)")
-        try:
-            topp = float(d.get("topp", 0.6))
-            min_layers = int(d.get("min_layers", 3))
-            doc_index = None if d.get("doc_index") is None else int(d["doc_index"])
-        except (TypeError, ValueError) as e:
-            raise DumpRequestError(f"{where}: topp/min_layers/doc_index must be numbers ({e})") from None
-        if not 0.0 < topp <= 1.0 or min_layers < 1 or (doc_index is not None and doc_index < 0):
-            raise DumpRequestError(f"{where}: need 0 < topp <= 1, min_layers >= 1, doc_index >= 0; got "
-                                   f"topp={topp}, min_layers={min_layers}, doc_index={doc_index}")
-        raw = d.get("target_csa_layers", cls.target_csa_layers)
-        raw = ",".join(str(x) for x in raw) if isinstance(raw, (list, tuple)) else str(raw)
-        try:
-            layers = parse_layers(raw, f"{where}.target_csa_layers", n_c4_layers)
-        except EnvError as e:
-            raise DumpRequestError(str(e)) from None
-        return cls(out, doc_index, topp, min_layers, layers)
+def parse_request(custom_params: object, rid: str = "?", n_c4_layers: int = 21) -> DumpRequest | None:
+    """The request's dump block via the shared protocol parser; None for a normal request. Errors name the rid."""
+    try:
+        req = DumpRequest.from_custom_params(custom_params if isinstance(custom_params, dict) else None)
+    except DumpProtocolError as e:
+        raise DumpProtocolError(f"request {rid}: {e}") from None
+    if req is not None:
+        bad = [x for x in req.target_csa_layers if not 0 <= x < n_c4_layers]
+        if bad:
+            raise DumpProtocolError(f"request {rid}: target_csa_layers {list(req.target_csa_layers)}: {bad} outside "
+                                    f"[0, {n_c4_layers}) (ids count c4 layers)")
+    return req
 
 
 @dataclass
@@ -91,16 +60,16 @@ class _DocState:
 class DumpRecorder:
     """Per-request dump state. All inputs are plain tensors (any device); state is kept on the CPU."""
 
-    def __init__(self, index_topk: int = 512, ratio: int = 4):
+    def __init__(self, index_topk: int = 512, ratio: int = 4, n_c4_layers: int = 21):
         self.index_topk = index_topk
         self.ratio = ratio
+        self.n_c4_layers = n_c4_layers
         self.pending: dict[str, DumpRequest] = {}
         self.docs: dict[str, _DocState] = {}
-        self.writers: dict[str, DumpWriter] = {}
-        self.written: list[dict] = []
+        self.written: list[str] = []   # paths of the per-pass files written
 
     def admit(self, rid: str, custom_params: object) -> bool:
-        req = DumpRequest.from_custom_params(custom_params, rid)
+        req = parse_request(custom_params, rid, self.n_c4_layers)
         if req is None:
             return False
         self.pending[rid] = req
@@ -142,7 +111,7 @@ class DumpRecorder:
             st.positions.setdefault(layer, []).append(pos)
             if hidden is not None:
                 st.hidden.setdefault(layer, []).append(hidden[b].detach().to(torch.bfloat16).cpu())
-            if t < N_LOGIT_TOKENS:
+            if t < st.req.n_logit_tokens:
                 st.logits[(layer, t)] = row[0].clone()
             have = st.n_compk.get(layer, 0)
             if new_chunks is not None and n > have:
@@ -164,15 +133,16 @@ class DumpRecorder:
             return LabelsCSR.empty(len(st.votes))
         return LabelsCSR.from_entries(torch.cat(rows), torch.cat(cols), torch.cat(votes), len(st.votes))
 
-    def finalize(self, rid: str) -> dict | None:
-        """Write rid's document (if it saw a decode step at a target layer); returns the metadata line."""
+    def finalize(self, rid: str) -> str | None:
+        """Write rid's per-pass file (if it saw a decode step at a target layer) to `DumpRequest.doc_path()`
+        with `save_doc_file` (atomic); the client merges the passes and commits. Returns the path."""
         st = self.docs.pop(rid, None)
         if st is None or not st.positions:
             return None
         layers = sorted(st.positions)
         labels = self.labels(st)
         doc = DumpDoc(
-            doc_index=-1, rid=rid,
+            doc_index=st.req.doc_index, rid=rid,
             hidden={L: torch.stack(st.hidden[L]).float() if st.hidden.get(L) else torch.zeros(len(st.positions[L]), 1)
                     for L in layers},
             positions={L: torch.tensor(st.positions[L], dtype=torch.int64) for L in layers},
@@ -181,13 +151,13 @@ class DumpRecorder:
             label_indices=labels.indices, label_scores=labels.scores, label_pointers=labels.pointers,
             n_prompt_blocks=(st.prompt_pos or 0) // self.ratio, ratio=self.ratio,
             native_logits=dict(st.logits), topp=st.req.topp, min_layers=st.req.min_layers)
-        w = self.writers.get(st.req.output_dir) or self.writers.setdefault(st.req.output_dir, DumpWriter(st.req.output_dir))
-        doc.doc_index = st.req.doc_index if st.req.doc_index is not None else w.next_doc_index
-        rec = w.commit(doc)
-        self.written.append(rec)
-        logger.info("FlashMemory dump: wrote %s (%d decode steps, %d labels)", rec["filename"], doc.n_tokens,
-                    rec["n_total_labels"])
-        return rec
+        path = st.req.doc_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_doc_file(path, doc)
+        self.written.append(str(path))
+        logger.info("FlashMemory dump: wrote %s (pass %d, %d decode steps, %d labels)", path, st.req.pass_,
+                    doc.n_tokens, int(doc.label_indices.numel()))
+        return str(path)
 
-    def flush_all(self) -> list[dict]:
+    def flush_all(self) -> list[str]:
         return [r for rid in list(self.docs) if (r := self.finalize(rid)) is not None]

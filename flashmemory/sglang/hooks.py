@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from flashmemory.sglang.level2 import apply_resident_mask, remap_to_cells, resident_view
+from flashmemory.sglang.level2 import apply_resident_mask, resident_view
 from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def _resident_metadata(md: Any) -> Any:
         return RUNTIME._rs_cache[1]
     bs = md.page_table.shape[0]
     if RUNTIME.bufs is None:
-        RUNTIME.bufs = Level2Buffers.allocate(max(bs, 1), RUNTIME.env.kmax(), md.page_table.device)
+        RUNTIME.bufs = Level2Buffers.allocate(max(bs, 1), RUNTIME.level2_width(), md.page_table.device)
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
@@ -61,7 +61,7 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
         out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
     if engine is not None:
         # Attention reads the reserve (get_extra_key_buffer below), so the picks become reserve cells.
-        meta.core_metadata.c4_sparse_page_indices = remap_to_cells(meta.core_metadata.c4_sparse_page_indices, engine.lut)
+        meta.core_metadata.c4_sparse_page_indices = engine.cells_of(meta.core_metadata.c4_sparse_page_indices)
     if RUNTIME.dump is not None and layer is not None:
         _dump_observe(self, x, q_lora, c4_indexer, forward_batch, layer, md, meta)
     return out
@@ -145,10 +145,11 @@ def around_get_index_k(original: Callable, self: Any, layer_id: int, *args: Any,
 
 
 def after_set_index_k(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    # Every c4 layer: target layers feed Level 1's keys, the others the Path-I mirror.
     engine = RUNTIME.engine
     if engine is not None and self is RUNTIME.pool:
         layer = RUNTIME.c4_layer(self, layer_id)
-        if layer is not None and layer not in RUNTIME.env.retriever_layers:
+        if layer is not None:
             engine.on_index_store(layer, loc)
 
 
@@ -158,13 +159,14 @@ def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
         return
     sa = self.server_args
     max_bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "max_running_requests", None) or 256
-    RUNTIME.bufs = Level2Buffers.allocate(int(max_bs), RUNTIME.env.kmax(), self.device)
-    logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated before CUDA graph capture", max_bs, RUNTIME.env.kmax())
+    RUNTIME.bufs = Level2Buffers.allocate(int(max_bs), RUNTIME.level2_width(), self.device)
+    logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated before CUDA graph capture", max_bs, RUNTIME.level2_width())
 
 
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
     if not getattr(self, "is_draft_worker", False):
-        RUNTIME.before_forward(forward_batch)
+        r2t = getattr(getattr(self, "req_to_token_pool", None), "req_to_token", None)
+        RUNTIME.before_forward(forward_batch, r2t)
 
 
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ raises `PluginStartupError`, a SystemExit, which does stop the process with the 
 from __future__ import annotations
 
 import logging
+import os
 
 from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
@@ -54,6 +55,13 @@ def register() -> None:
         _STATE = {"features": (), "targets": []}
         logger.info("FlashMemory: all gates off; no hooks registered (stock sglang)")
         return
+    if "path_p" in features:
+        try:
+            from flashmemory.sglang import engine_adapter  # noqa: F401  (built when the pool exists)
+        except ImportError as e:
+            raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.engine_adapter ({e})") from None
+        if env.retriever_ckpt and not os.path.isfile(env.retriever_ckpt):
+            raise PluginStartupError(f"SGLANG_RETRIEVER_INLINE_CKPT={env.retriever_ckpt!r}: no such file")
     specs = specs_for(features)
     originals: dict[str, object] = {}
     try:

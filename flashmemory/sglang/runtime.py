@@ -8,7 +8,6 @@ module only drives it. Static buffers live here so the decode CUDA graph can bak
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,35 +19,46 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadEngine(Protocol):
-    """What the sglang glue needs from the offload core (`flashmemory.offload`). Shapes per c4 layer l:
+    """What the sglang glue needs from the offload side (`engine_adapter.SGLangOffload`). Per c4 layer l:
 
     resident_mask   Bool [n_locs]        pool loc -> resident (mask mode; layer-uniform)
-    lut             Int32 [n_locs + 1]   pool loc -> reserve cell, -1 = not resident, last entry -1
-    reserve_kv(l)   uint8 [cells/64, 37440] device reserve rows read by attention instead of the c4 pool
+    cells_of(locs)  Int32 [B, K]         top-k pool locs -> reserve cells, -1 = not resident (graph safe)
+    reserve_kv(l)   uint8 [blocks, 37440] device reserve rows read by attention instead of the c4 pool
     reserve_index(l) uint8 [blocks, 8448] or None   Path-I reserve for non-target index-K
+    begin_step      sync requests before a decode forward (rids, c4 page table [B, P], token lengths [B])
     """
 
     resident_mask: torch.Tensor
-    lut: torch.Tensor
 
+    def cells_of(self, locs: torch.Tensor) -> torch.Tensor: ...
     def reserve_kv(self, layer: int) -> torch.Tensor: ...
     def reserve_index(self, layer: int) -> torch.Tensor | None: ...
+    def begin_step(self, rids: list[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
     def on_c4_store(self, layer: int, locs: torch.Tensor) -> None: ...
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None: ...
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]: ...
     def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def resident_pages(self, rows: torch.Tensor) -> torch.Tensor: ...
     def stats(self) -> dict[str, float]: ...
 
 
 def build_engine(pool: Any, env: FlashMemoryEnv) -> OffloadEngine:
-    """Create the offload core for an sglang DSv4 pool. Raises RuntimeError naming what is missing."""
-    try:
-        from flashmemory.offload import sglang_engine  # the core's sglang-facing constructor
-    except ImportError as e:
-        raise RuntimeError(
-            "SGLANG_DECODE_SWAP_P=1 needs flashmemory.offload.sglang_engine.build(pool, env) from the offload "
-            f"core, which is not available ({e}); turn the gate off or install the core") from None
-    return sglang_engine.build(pool, env)
+    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.engine_adapter.build`)."""
+    from flashmemory.sglang import engine_adapter
+    return engine_adapter.build(pool, env)
+
+
+def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                  page_size: int) -> torch.Tensor:
+    """Int64 [B, P] c4 pool pages of each row: c4 page k holds the c4 entries of full-KV page k (slot = loc // 4,
+    page_size // 4 slots per page), so logical page p of a row is req_to_token[row, p * page_size] // page_size.
+    Columns past a row's length are -1. req_to_token: [max_reqs, max_ctx] full locs; seq_lens: [B] tokens."""
+    n = int(seq_lens.max()) if seq_lens.numel() else 0
+    p = max(1, -(-n // page_size))
+    cols = torch.arange(p, device=req_to_token.device) * page_size
+    locs = req_to_token[req_pool_indices.long()][:, cols.clamp_max(req_to_token.shape[1] - 1)].long()
+    live = cols.unsqueeze(0) < seq_lens.to(locs.device).long().unsqueeze(1)
+    return torch.where(live, torch.div(locs, page_size, rounding_mode="floor"), torch.full_like(locs, -1))
 
 
 def substitute_buf_infos(infos: tuple[list[int], list[int], list[int]],
@@ -97,8 +107,6 @@ class Runtime:
         self.mask_resident: torch.Tensor | None = None   # set around one indexer call in mask mode
         self.decode_active = False
         self.sideband_inputs: dict[str, torch.Tensor] = {}
-        self._worker: threading.Thread | None = None
-        self._result: dict[str, torch.Tensor] | None = None
         self._rs_cache: tuple[int, Any] | None = None
         self.steps = 0
 
@@ -111,6 +119,10 @@ class Runtime:
     def on(self, feature: str) -> bool:
         return feature in self.features
 
+    def level2_width(self) -> int:
+        """Pages per row in the Level-2 buffers: KMAX recalled pages plus the decode region."""
+        return self.env.kmax() + -(-self.env.decode_resident_chunks // 64)
+
     # --- memory pool ------------------------------------------------------------------------------
     def attach_pool(self, pool: Any) -> None:
         if getattr(pool, "is_draft_worker", False) or self.pool is not None:
@@ -118,8 +130,11 @@ class Runtime:
         self.pool = pool
         if self.on("path_p"):
             self.engine = build_engine(pool, self.env)
-            from flashmemory.sglang.metrics import FlashMemoryMetrics
-            self.metrics = FlashMemoryMetrics.create()
+            try:
+                from flashmemory.sglang.metrics import FlashMemoryMetrics
+                self.metrics = FlashMemoryMetrics.create()
+            except (ImportError, ValueError) as e:  # no prometheus_client, or already registered in this process
+                logger.warning("FlashMemory: metrics not exported (%s)", e)
             logger.info("FlashMemory: offload engine attached to %s", type(pool).__name__)
 
     def c4_layer(self, pool: Any, layer_id: int) -> int | None:
@@ -134,52 +149,31 @@ class Runtime:
         d[f"hidden_{layer}"] = x.detach()
         d["positions"], d["page_table"], d["seq_lens"] = positions, page_table, seq_lens
 
-    def before_forward(self, forward_batch: Any) -> None:
-        """Apply a finished Level-1 publication, and forget residency of rows whose request changed."""
-        if self.bufs is None:
+    def before_forward(self, forward_batch: Any, req_to_token: torch.Tensor | None = None) -> None:
+        """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the
+        static Level-2 buffer (read by the graph in score-resident mode)."""
+        if self.engine is None or not forward_batch.forward_mode.is_decode() or req_to_token is None:
             return
-        if self._worker is not None and not self._worker.is_alive():
-            self._worker = None
-            if self._result is not None:
-                self.bufs.back_pages.copy_(self._result["pages"].to(self.bufs.back_pages.device))
-                self.bufs.publish()
-                self._result = None
         rids = list(getattr(forward_batch, "rids", None) or [])
-        changed = [i for i, r in enumerate(rids[: len(self.bufs.rids)]) if self.bufs.rids[i] != r]
-        if changed:
-            self.bufs.reset_rows(changed)
-            for i in changed:
-                self.bufs.rids[i] = rids[i]
+        seq = forward_batch.seq_lens[: len(rids)]
+        table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
+        rows = self.engine.begin_step(rids, table, seq)
+        if self.bufs is not None and rids:
+            pages = self.engine.resident_pages(rows)
+            k = min(pages.shape[1], self.bufs.sel_pages.shape[1])
+            self.bufs.back_pages[: len(rids)].fill_(-1)
+            self.bufs.back_pages[: len(rids), :k] = pages[:, :k].to(self.bufs.back_pages.device)
+            self.bufs.publish()
 
     def after_decode_forward(self, forward_batch: Any) -> None:
-        """Launch a Level-1 cycle on a worker thread (side CUDA stream) every `interval` steps."""
+        """Hand the step to Level 1 (its own cadence, worker thread and generation checks), export stats."""
         self.steps += 1
-        if self.engine is None or not self.sideband_inputs or self.steps % self.env.interval:
+        if self.engine is None:
             return
-        if self._worker is not None:
-            if not self.env.async_recall:
-                self._worker.join()
-            else:
-                return  # previous cycle still running: skip, never queue
-        snapshot = {k: v.clone() for k, v in self.sideband_inputs.items()}
-        engine = self.engine
-
-        def work() -> None:
-            stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    res = engine.level1(snapshot)
-                stream.synchronize()
-            else:
-                res = engine.level1(snapshot)
-            self._result = res
-
-        self._worker = threading.Thread(target=work, name="flashmemory-level1", daemon=True)
-        self._worker.start()
-        if not self.env.async_recall:
-            self._worker.join()
-        if self.metrics is not None:
-            self.metrics.publish(engine.stats())
+        snapshot = {k: v.detach().clone() for k, v in self.sideband_inputs.items()}
+        self.engine.level1(snapshot)
+        if self.metrics is not None and self.steps % self.env.interval == 0:
+            self.metrics.publish(self.engine.stats())
 
 
 RUNTIME = Runtime()

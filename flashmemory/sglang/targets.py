@@ -47,6 +47,9 @@ SPECS: tuple[HookSpec, ...] = (
     HookSpec("path_p", f"{_POOL}.set_extra_key_buffer", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
     HookSpec("path_p", f"{_POOL}.set_extra_key_buffer_fused", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
     HookSpec("path_p", f"{_POOL}.get_contiguous_buf_infos", "around", ("self",), "around_contiguous_buf_infos"),
+    HookSpec("path_p", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k"),
+    HookSpec("path_p", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward"),
+    HookSpec("path_p", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward"),
     HookSpec("path_i", f"{_POOL}.get_index_k_with_scale_buffer", "around", ("self", "layer_id"), "around_get_index_k"),
     HookSpec("path_i", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k"),
     # (3) CUDA graph: static buffers before capture, capture-head hook to learn the bucket size.

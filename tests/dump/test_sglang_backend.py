@@ -72,7 +72,7 @@ def test_two_pass_dump_via_stand_in(server, tmp_path):
     assert all(p["topp"] == 0.5 and p["min_layers"] == 2 and p["target_csa_layers"] == [10, 12] for p in passes)
     assert all(p["output_dir"].startswith(str(out.resolve())) for p in passes)
     p2 = [b for b in StandIn.bodies if b["custom_params"]["flashmemory_dump"]["pass"] == 2]
-    assert all(b["max_tokens"] == 1 and b["messages"][-1]["role"] == "assistant" for b in p2)
+    assert all(b["max_tokens"] == 2 and b["messages"][-1]["role"] == "assistant" for b in p2)
     assert {b["messages"][-1]["content"] for b in p2} == {"response 0", "response 1", "response 2"}
     docs = [load_doc(p) for p in list_docs(out)]
     assert [d.doc_index for d in docs] == [0, 1, 2] and [d.rid for d in docs] == [f"tiny_chat.jsonl:{i}" for i in range(3)]

@@ -78,3 +78,41 @@ def test_register_is_idempotent_and_verifies(sg, monkeypatch):
     monkeypatch.setattr(plugin, "_STATE", {"features": (), "targets": []})
     plugin.register()  # already ran: no-op, nothing imported or registered
     assert plugin.state() == {"features": (), "targets": []}
+
+
+PATHP = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["FM_TESTS"])
+import sglang.srt.plugins as plugins
+from flashmemory.sglang import hooks, plugin
+from flashmemory.sglang.runtime import RUNTIME
+from test_engine_adapter import fake_pool
+try:
+    plugins.load_plugins()
+    hooks.after_pool_init(None, fake_pool())   # what the pool __init__ hook does when sglang builds the pool
+    out = {"err": None, "engine": type(RUNTIME.engine).__name__, "features": list(plugin.state()["features"])}
+except SystemExit as e:
+    out = {"err": str(e)}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_path_p_startup_builds_the_adapter(installed, tmp_path):
+    import torch
+    from flashmemory.retriever import save_retriever
+    from flashmemory.retriever.model import JointRetriever, RetrieverDims
+    ck = save_retriever(JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
+                        tmp_path / "tiny.safetensors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
+    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_TESTS": os.path.dirname(__file__),
+                "SGLANG_DECODE_SWAP_P": "1", "SGLANG_RETRIEVER_INLINE_CKPT": str(ck),
+                "SGLANG_RETRIEVER_INLINE_LAYERS": "1", "SGLANG_PATHP_DECODE_MAX_CONC": "2",
+                "SGLANG_PATHP_RESERVE_PAGES": "4", "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_DSV4_TARGET_CONTEXT": "4096"})
+    p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
+    lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, p.stderr[-3000:]
+    assert lines[0]["err"] is None, lines[0]["err"]
+    assert lines[0]["engine"] == "SGLangOffload" and "path_p" in lines[0]["features"]
+    env["SGLANG_RETRIEVER_INLINE_CKPT"] = str(tmp_path / "missing.safetensors")
+    p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
+    assert "missing.safetensors" in json.loads(p.stdout.split("RESULT")[1])["err"]

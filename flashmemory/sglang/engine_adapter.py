@@ -1,0 +1,347 @@
+"""The offload core (`flashmemory.offload.OffloadEngine` + `Level1` + `Level2`) behind sglang's DSv4 c4 pool.
+
+Address spaces (one c4 layer; every c4 layer shares them):
+  pool loc   page * 64 + off in sglang's c4 pool (`pool.c4_kv_pool.kv_buffer[l]`: uint8 [n_pages, 37440],
+             page = [64 x 576 nope+rope | 64 x 8 scales] padded to 576; index-K `pool.c4_indexer_kv_pool.
+             index_k_with_scale_buffer[l]`: uint8 [n_pages, 8448] = [64 x 128 fp8 | 64 x fp32 scale]).
+  mirror chunk  the core's key (mirror page * 64 + off); the core allocates mirror pages itself.
+  cell       reserve block * 64 + off: what attention reads through `reserve_kv(l)` instead of the pool.
+`loc2m` Int64 [n_locs + 1] maps pool loc -> mirror chunk (the core's LUT sentinel where unknown; the last
+entry is a sentinel too), so `cells_of(locs) = lut.table[loc2m[locs]]`: two gathers, static tensors,
+CUDA-graph safe. Request lifecycle is synced once per decode forward (`begin_step`): new requests are
+admitted with their history copied from the pool, vanished ones finished, new chunks appended (their bytes
+land per layer via `on_c4_store` and are settled from the pool for all layers at the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from flashmemory.env import FlashMemoryEnv
+from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, PageFormat
+from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer
+from flashmemory.residency.level2 import Level2
+from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
+
+logger = logging.getLogger(__name__)
+RATIO = 4
+
+
+class PoolGeometryError(RuntimeError):
+    """The sglang pool does not have the DSv4 c4 layout the offload core expects."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    n_c4_layers: int
+    n_pages: int            # physical c4 pages per layer (same count for KV and index-K)
+    page_chunks: int        # c4 entries per page (sglang page_size // 4 = 64)
+    kv_page_bytes: int      # 37440 for the V4 layout
+    index_head_dim: int     # 128
+    index_page_bytes: int   # 8448
+
+    @property
+    def n_locs(self) -> int:
+        return self.n_pages * self.page_chunks
+
+
+def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(c4 KV page buffers, c4 index-K page buffers), one per c4 layer, as sglang allocates them."""
+    kv_pool = getattr(pool, "c4_kv_pool", None)
+    ix_pool = getattr(pool, "c4_indexer_kv_pool", None)
+    if kv_pool is None or ix_pool is None:
+        raise PoolGeometryError(f"{type(pool).__name__} has no c4_kv_pool / c4_indexer_kv_pool (not a DSv4 pool with "
+                                "c4 layers, or unified_kv is on; Path-P needs the paged fp8 c4 pools)")
+    ix = getattr(ix_pool, "index_k_with_scale_buffer", None)
+    if ix is None:
+        raise PoolGeometryError("c4 index-K pool has no fused index_k_with_scale_buffer (fp4 split layout "
+                                "is not supported by Path-P)")
+    return list(kv_pool.kv_buffer), list(ix)
+
+
+def read_geometry(pool: Any) -> PoolGeometry:
+    """Geometry from the pool's real buffers; raises PoolGeometryError naming what does not match."""
+    kv, ix = pool_buffers(pool)
+    kv_pool, ix_pool = pool.c4_kv_pool, pool.c4_indexer_kv_pool
+    if not kv or len(kv) != len(ix):
+        raise PoolGeometryError(f"{len(kv)} c4 KV buffers but {len(ix)} index-K buffers")
+    pc = int(kv_pool.page_size)
+    d = int(getattr(ix_pool, "index_head_dim", 128))
+    want_kv = PageFormat((576, 8), pc, 576).page_bytes
+    n_pages = kv[0].shape[0]
+    for name, bufs, width in (("c4_kv_pool.kv_buffer", kv, want_kv), ("index_k_with_scale_buffer", ix, pc * (d + 4))):
+        for i, t in enumerate(bufs):
+            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width or t.shape[0] != n_pages:
+                raise PoolGeometryError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)}, expected uint8 [{n_pages}, {width}] "
+                                        f"(DSv4 V4 fp8 layout, {pc}-entry pages)")
+    return PoolGeometry(len(kv), n_pages, pc, want_kv, d, pc * (d + 4))
+
+
+def read_chunk_rows(fmt: PageFormat, bufs: Sequence[torch.Tensor], locs: torch.Tensor,
+                    layers: Sequence[int] | None = None) -> torch.Tensor:
+    """uint8 [len(layers), n, fmt.chunk_bytes]: chunk rows at pool locs [n] from per-layer page buffers."""
+    layers = range(len(bufs)) if layers is None else layers
+    locs = locs.long()
+    out = [fmt.read_chunks(bufs[i], (locs // fmt.page_chunks).to(bufs[i].device), (locs % fmt.page_chunks).to(bufs[i].device))
+           for i in layers]
+    return torch.stack(out).cpu() if out else torch.zeros(0, locs.numel(), fmt.chunk_bytes, dtype=torch.uint8)
+
+
+def c4_counts(seq_lens: torch.Tensor, ratio: int = RATIO) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode step over rows with token lengths seq_lens [B] (current token included): c4 chunks complete
+    before the step and after it. Chunk j closes with the token at position ratio*j + ratio - 1."""
+    s = seq_lens.long()
+    return (s - 1).clamp_min(0) // ratio, s // ratio
+
+
+def page_locs(pages: Sequence[int], start: int, stop: int, page_chunks: int) -> torch.Tensor:
+    """Int64 pool locs of logical chunks [start, stop) of a row whose logical page p is pool page pages[p]."""
+    j = torch.arange(start, stop)
+    return torch.tensor(list(pages), dtype=torch.int64)[j // page_chunks] * page_chunks + j % page_chunks
+
+
+class _AllPass:
+    """Level-1 scorer without a retriever: every chunk passes, so the policy keeps the newest KMAX pages."""
+
+    def __call__(self, row: int, n_hist: int, hidden: Any, position: torch.Tensor) -> torch.Tensor:
+        return torch.ones(n_hist)
+
+
+class SGLangOffload:
+    """What `flashmemory.sglang.runtime` drives (see `runtime.OffloadEngine`). Build it with `build(pool, env)`."""
+
+    def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
+        self.pool, self.env = pool, env
+        self.geo = geo = read_geometry(pool)
+        self.kv_bufs, self.ix_bufs = pool_buffers(pool)
+        bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
+        if bad:
+            raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
+                                    f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
+        self.device = torch.device(device) if device is not None else self.kv_bufs[0].device
+        self.layout = OffloadLayout(n_layers=geo.n_c4_layers, page_chunks=geo.page_chunks,
+                                    index_head_dim=geo.index_head_dim, target_layers=tuple(env.retriever_layers),
+                                    index_offload=env.index_k_offload)
+        max_chunks = min(geo.n_locs, math.ceil(env.target_context / RATIO))
+        self.cfg = EngineConfig.from_env(env, max_chunks=max_chunks, page_chunks=geo.page_chunks,
+                                         mirror_pages=geo.n_pages)
+        self.engine = OffloadEngine(self.layout, self.cfg, self.device)
+        sel = SelectionConfig.from_env(env)
+        scorer = retriever_scorer(retriever, self.engine, env.ensemble_mode) if retriever is not None else _AllPass()
+        self.level1_cfg = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=self.cfg.max_resident_pages,
+                                       last_keep=env.last_keep, async_recall=env.async_recall)
+        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(sel), self.level1_cfg)
+        self.l2 = Level2(self.engine, max_batch=self.cfg.max_rows, topk=512)
+        self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
+        self.rows: dict[str, int] = {}             # rid -> engine row
+        self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
+        self.step_rows = torch.full((0,), -1, dtype=torch.int64)
+        self._unsettled: list[torch.Tensor] = []   # pool locs appended last step: re-read from the pool next step
+
+    # --- what runtime reads ----------------------------------------------------------------------
+    @property
+    def lut(self) -> torch.Tensor:
+        """Int32 [n_locs + 1]: pool loc -> reserve cell, -1 = not resident (last entry -1)."""
+        return self.engine.lut.table[self.loc2m]
+
+    @property
+    def resident_mask(self) -> torch.Tensor:
+        """Bool [n_locs]: pool loc is resident (mask mode)."""
+        return self.engine.lut.table[self.loc2m[:-1]] >= 0
+
+    def cells_of(self, locs: torch.Tensor) -> torch.Tensor:
+        """Top-k pool locs [B, K] (-1 empty) -> reserve cells [B, K] int32, -1 where not resident. Graph safe."""
+        n = self.geo.n_locs
+        idx = torch.where((locs >= 0) & (locs < n), locs.long(), torch.full_like(locs, n, dtype=torch.long))
+        return self.engine.lut.table[self.loc2m[idx]].to(torch.int32)
+
+    def reserve_kv(self, layer: int) -> torch.Tensor:
+        return self.engine.reserve.kv[layer]
+
+    def reserve_index(self, layer: int) -> torch.Tensor | None:
+        # The indexer addresses index-K by pool page table, not by reserve block, so handing it the Path-I
+        # reserve would score the wrong bytes; reads stay on the (still complete) device pool for now.
+        return None
+
+    def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
+        # The core allocates mirror pages itself, so PD cannot receive straight into the mirror; it receives
+        # into the device pool as stock sglang does and `begin_step` copies each new request's history.
+        return {}
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def _map_pages(self, row: int) -> None:
+        """loc2m entries for every logical page the engine has allocated for `row`."""
+        mp = self.engine.lut.row_pages[row].cpu()
+        pc = self.geo.page_chunks
+        for p, pool_page in enumerate(self.pages[row]):
+            m = int(mp[p]) if p < mp.numel() else -1
+            if m < 0:
+                break
+            self.loc2m[pool_page * pc: (pool_page + 1) * pc] = torch.arange(m * pc, (m + 1) * pc, device=self.device)
+
+    def _unmap(self, row: int) -> None:
+        pc = self.geo.page_chunks
+        for pool_page in self.pages.pop(row, []):
+            self.loc2m[pool_page * pc: (pool_page + 1) * pc] = self.engine.lut.sentinel
+
+    def _free_row(self) -> int:
+        used = set(self.rows.values())
+        for r in range(self.cfg.max_rows):
+            if r not in used and self.engine.rows[r] is None:
+                return r
+        raise RuntimeError(f"Path-P: more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests")
+
+    def _settle(self) -> None:
+        """Re-read last step's appended chunks from the pool for every layer (mirror, reserve, target index)."""
+        if not self._unsettled:
+            return
+        locs = torch.cat(self._unsettled)
+        self._unsettled = []
+        self._copy_from_pool(locs, range(self.geo.n_c4_layers), kv=True, index=True)
+
+    def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
+        current one. Returns engine rows [B] (-1: no c4 history yet). Bytes of the chunks this step closes
+        arrive per layer through `on_c4_store`."""
+        self._settle()
+        before, after = c4_counts(seq_lens.cpu())
+        live = set(rids)
+        for rid in [r for r in self.rows if r not in live]:
+            row = self.rows.pop(rid)
+            self.engine.finish(row)
+            self._unmap(row)
+        pt = page_table.cpu().long()
+        pc = self.geo.page_chunks
+        rows = []
+        for b, rid in enumerate(rids):
+            n_pages = -(-int(after[b]) // pc)
+            pages = pt[b, :n_pages].tolist()
+            row = self.rows.get(rid)
+            if row is None and int(before[b]) >= 1:
+                row = self._free_row()
+                locs = page_locs(pages, 0, int(before[b]), pc)
+                kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
+                ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
+                self.engine.admit(row, kv, ix, rid=rid)
+                self.rows[rid] = row
+            if row is not None:
+                self.pages[row] = pages
+                self._map_pages(row)
+            rows.append(-1 if row is None else row)
+        self._append(rows, pt, after)
+        self.step_rows = torch.tensor(rows, dtype=torch.int64)
+        return self.step_rows
+
+    def _append(self, rows: list[int], pt: torch.Tensor, after: torch.Tensor) -> None:
+        """Append placeholder chunks until each row's engine history reaches `after` (one per call, all rows)."""
+        pc, L = self.geo.page_chunks, self.geo.n_c4_layers
+        while True:
+            lag = [(b, r) for b, r in enumerate(rows) if r >= 0 and self.engine.n_chunks(r) < int(after[b])]
+            if not lag:
+                return
+            n = len(lag)
+            locs = torch.tensor([int(pt[b, self.engine.n_chunks(r) // pc]) * pc + self.engine.n_chunks(r) % pc
+                                 for b, r in lag], dtype=torch.int64)
+            kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
+            ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
+            assert kv.shape == (L, n, self.layout.kv.chunk_bytes)
+            self.engine.decode_append([r for _, r in lag], kv, ix)
+            for _, r in lag:
+                self._map_pages(r)
+            self._unsettled.append(locs)
+
+    # --- per-layer stores (sglang wrote these locs of the pool) ------------------------------------
+    def _copy_from_pool(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> None:
+        eng, pc = self.engine, self.geo.page_chunks
+        locs = locs.to(self.device).long()
+        m = self.loc2m[locs.clamp(0, self.geo.n_locs)]
+        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != eng.lut.sentinel)
+        if not bool(ok.any()):
+            return
+        locs, m = locs[ok], m[ok]
+        with eng.lock:
+            cells = eng.lut.table[m].long()
+            res = cells >= 0
+            for l in layers:
+                if kv:
+                    rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, [l])
+                    self.layout.kv.write_chunks(eng.mirror.kv[l], (m // pc).cpu(), (m % pc).cpu(), rows[0])
+                    if bool(res.any()):
+                        self.layout.kv.write_chunks(eng.reserve.kv[l], cells[res] // pc, cells[res] % pc,
+                                                    rows[0][res.cpu()].to(self.device))
+                if index:
+                    self._copy_index(l, locs, m, cells, res)
+
+    def _copy_index(self, l: int, locs: torch.Tensor, m: torch.Tensor, cells: torch.Tensor, res: torch.Tensor) -> None:
+        eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
+        rows = read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0]
+        if l in lay.target_layers:
+            t = eng.target.layers.index(l)
+            lay.index.write_chunks(eng.target.pages[t], (m // pc).to(eng.target.pages.device),
+                                   (m % pc).to(eng.target.pages.device), rows.to(eng.target.pages.device))
+        elif l in lay.offload_index_layers:
+            i = lay.offload_index_layers.index(l)
+            lay.index.write_chunks(eng.mirror.index[i], (m // pc).cpu(), (m % pc).cpu(), rows)
+            if bool(res.any()):
+                lay.index.write_chunks(eng.reserve.index[i], cells[res] // pc, cells[res] % pc, rows[res.cpu()].to(self.device))
+
+    def on_c4_store(self, layer: int, locs: torch.Tensor) -> None:
+        """Layer `layer` of the pool was written at `locs`: mirror it, and into the reserve where resident."""
+        self._copy_from_pool(locs.reshape(-1), [layer], kv=True, index=False)
+
+    def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
+        self._copy_from_pool(locs.reshape(-1), [layer], kv=False, index=True)
+
+    # --- Level 1 / Level 2 -------------------------------------------------------------------------
+    def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One decode step's Level-1 call (cadence and async are Level1's). snapshot: hidden_{layer} [B, hidden]
+        for the target layers (absent without a retriever), positions [B]. Returns {"pages": [B, res_cap]}."""
+        rows = self.step_rows
+        if rows.numel() and bool((rows >= 0).any()):
+            hidden = {l: snapshot[f"hidden_{l}"][: rows.numel()] for l in self.layout.target_layers
+                      if f"hidden_{l}" in snapshot}
+            positions = snapshot.get("positions", torch.zeros(rows.numel(), dtype=torch.int64))[: rows.numel()]
+            self.l1.on_step(rows.tolist(), hidden, positions)
+        return {"pages": self.resident_pages(rows)}
+
+    def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
+        """Int64 [B, kmax + decode_pages] resident logical pages per row, ascending, -1 padded (-1 rows: all -1)."""
+        r = rows.to(self.device).long()
+        with self.engine.lock:
+            p = self.engine.res_pages[r.clamp_min(0)].long()
+        return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
+
+    def stats(self) -> dict[str, float]:
+        """The keys of `flashmemory.sglang.metrics.METRICS`."""
+        snap = self.engine.metrics()["total"]
+        eng = self.engine
+        with eng.lock:
+            hist = sum(st.n_chunks for st in eng.rows if st is not None)
+        rb = eng.reserve.recall_blocks
+        return {"recall_bytes": float(snap["recall_bytes"]), "recall_pages": float(snap["recall_pages"]),
+                "level1_cycles": float(snap["cycles"]),
+                "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
+                "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
+                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"])}
+
+    def close(self) -> None:
+        self.l1.close()
+
+
+def build(pool: Any, env: FlashMemoryEnv) -> SGLangOffload:
+    """Adapter for a DSv4 pool: loads SGLANG_RETRIEVER_INLINE_CKPT (when set) for the target layers."""
+    retriever = None
+    if env.retriever_ckpt:
+        from flashmemory.retriever import load_retriever
+        retriever = load_retriever(env.retriever_ckpt, layers=env.retriever_layers, logit_offset=env.logit_offset)
+        retriever.eval()
+    eng = SGLangOffload(pool, env, retriever)
+    logger.info("FlashMemory Path-P: %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, retriever %s",
+                eng.geo.n_c4_layers, eng.geo.n_pages, eng.cfg.recall_blocks, eng.cfg.max_resident_pages,
+                env.retriever_ckpt or "off (newest pages)")
+    return eng
