@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "method (Full, FlashMemory, Recency, Random, Oracle, Reactive) at the same resident budget. "
                     "Writes report.md, results.json and coverage.png to --out-dir. About 5-10 minutes on 2 cores; "
                     "--quick takes about 2.")
-    p.add_argument("--quick", action="store_true", help="micro model, short documents (about 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="tiny-flash with 512-token documents and fewer of them (about 2 minutes)")
     for f in fields(DemoConfig):
         if f.name not in HELP:
             continue

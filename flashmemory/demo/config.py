@@ -26,7 +26,7 @@ class DemoConfig:
     topp: float = 0.6
     min_layers: int = 3
     target_layers: tuple[int, ...] = ()  # () = 10,12,20 when the model has 21 c4 layers, else the last three
-    epochs: int = 4
+    epochs: int = 20
     n_heads: int = 16                  # retriever heads (128 at full size)
     q_lora_rank: int = 64              # retriever rank (2048 at full size)
     lr: float = 3e-3
@@ -54,7 +54,7 @@ class DemoConfig:
         return self.n_train + self.n_val + self.n_test
 
 
-QUICK = dict(model="micro", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2, epochs=3, min_layers=2, budget=0.25,
+QUICK = dict(model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2, epochs=10, min_layers=2, budget=0.25,
              sweep=(0.1, 0.25, 0.5))
 TEST = dict(model="micro", doc_len=192, gen_tokens=16, n_train=2, n_val=1, n_test=1, epochs=1, min_layers=2,
             tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False)

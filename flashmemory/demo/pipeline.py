@@ -76,16 +76,17 @@ def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...]):
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
     from flashmemory.train.samples import SampleConfig
+    work = out / "work"
     data = {"train": [{"data_dir": "dump/train"}], "val": [{"data_dir": "dump/val"}],
             "test": [{"data_dir": "dump/test"}]}
-    (out / "data_config.json").write_text(json.dumps(data, indent=1))
-    tc = TrainConfig(data_config=str(out / "data_config.json"), output_dir=str(out / "ckpt"), no_pretrain=True,
+    (work / "data_config.json").write_text(json.dumps(data, indent=1))
+    tc = TrainConfig(data_config=str(work / "data_config.json"), output_dir=str(work / "ckpt"), no_pretrain=True,
                      joint_layers=targets, n_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank, lr=cfg.lr,
                      epochs=cfg.epochs, batch_size=cfg.batch_size, focal_loss=True, threshold=cfg.threshold,
                      sample=SampleConfig(label_interval=cfg.tau, max_pos=128, neg_ratio=3.0), seed=cfg.seed,
                      device="cpu", log_interval=10**9)
     summary = Trainer(tc).fit()
-    return load_retriever(out / "ckpt" / BEST_F1), summary
+    return load_retriever(work / "ckpt" / BEST_F1), summary
 
 
 def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
@@ -95,8 +96,9 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
     from flashmemory.tasks.tokenizer import load_tokenizer
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
-    for sub in ("dump", "ckpt"):  # a re-run starts clean: stale documents would mix two configurations
-        shutil.rmtree(out / sub, ignore_errors=True)
+    # A re-run starts clean (stale documents would mix two configurations); only the demo's own folder is
+    # removed, so a dump a user made at demo_out/dump (training/README.md) is left alone.
+    shutil.rmtree(out / "work", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     stage = Stages(log)
 
@@ -121,7 +123,7 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
                   "test": runs[cfg.n_train + cfg.n_val:]}
         start = 0
         for name, rs in splits.items():
-            dump_runs(rs, out / "dump" / name, cfg, engine, targets, start)
+            dump_runs(rs, out / "work" / "dump" / name, cfg, engine, targets, start)
             start += len(rs)
         for r in runs:
             r.cap = None  # the dump holds what training needs; keep memory flat
