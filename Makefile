@@ -10,13 +10,12 @@ setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 demo: $(STAMP)
 	$(BIN)/flashmemory demo
