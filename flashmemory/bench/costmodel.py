@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import tempfile
 from typing import Any
 
 from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, PolicyKnobs,
@@ -178,11 +176,11 @@ def throughput_report(cases: list[tuple[int, int]], knobs_for: Any, hw: Hardware
         per = [(baseline_bytes(ctx), bf, False, up[3:5] if up else None),
                (flashmemory_bytes(ctx, kmax, kn), ff, False, up[5:7] if up else None),
                (hisparse_bytes(ctx, kmax, kn), bf, True, None)]
-        base_tok = base_tok0 = base_conc = None
+        base_tok0 = base_conc = None
         for rb, fl, sync, upv in per:
             e, e0 = estimate(rb, fl, hw, sync_pcie=sync), estimate(rb, fl, hw_over, sync_pcie=sync)
             if rb.policy == "baseline":
-                base_tok, base_tok0, base_conc = e.tok_s, e0.tok_s, e.conc
+                base_tok0, base_conc = e0.tok_s, e.conc
             rows.append([_label(ctx), rb.policy, f"{e.conc} ({e.bound})", f"{e.conc / base_conc:.1f}x",
                          f"{e.hbm_ms:.1f}/{e.compute_ms:.1f}/{e.pcie_ms:.1f}", f"{e.tok_s:.0f}",
                          f"{e0.tok_s:.0f}", f"{e0.tok_s / base_tok0:.1f}x",
@@ -200,19 +198,8 @@ def throughput_report(cases: list[tuple[int, int]], knobs_for: Any, hw: Hardware
 
 
 def _atomic_json(path: str, obj: Any) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".costmodel.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, default=str)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from flashmemory.atomic import atomic_write_text
+    atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -173,10 +172,7 @@ def run(args: argparse.Namespace) -> int:
           f"{N_C4_LAYERS} (all c4 layers, every decode step); Level 1 runs once every tau={args.tau} steps. "
           "Both use the same fp32 relu_head_scores on dequantized keys.")
     if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"device": str(device), "threads": torch.get_num_threads(), "tau": args.tau,
-                                   "repeats": repeats, "rows": rows}, indent=2))
-        os.replace(tmp, p)
+        from flashmemory.atomic import atomic_write_text
+        atomic_write_text(args.json, json.dumps({"device": str(device), "threads": torch.get_num_threads(),
+                                                 "tau": args.tau, "repeats": repeats, "rows": rows}, indent=2))
     return 0

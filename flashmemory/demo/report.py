@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
+
+from flashmemory.atomic import atomic_path, atomic_write_text
 
 COLUMNS = [  # (key, header, format)
     ("mass", "top-k mass", "{:.3f}"),
@@ -92,21 +93,14 @@ def plot_coverage(results: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("Coverage against resident budget")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_outputs(results: dict, out: Path, plot: bool = True, log=print) -> None:
-    _atomic_write(out / "results.json", json.dumps(results, indent=1, default=str))
-    _atomic_write(out / "report.md", report_markdown(results))
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=str))
+    atomic_write_text(out / "report.md", report_markdown(results))
     if plot:
         plot_coverage(results, out / "coverage.png")
     log("")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -66,10 +64,8 @@ def run(a: argparse.Namespace) -> int:
           "(first 3 decode steps, so the t=0 cycle only); nan where none.")
     if a.json:
         out = {"checkpoint": str(a.checkpoint), "dump": str(a.dump), "config": cfg.__dict__, "results": res}
-        p = Path(a.json)
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(out, indent=1, default=float))
-        os.replace(tmp, p)
+        from flashmemory.atomic import atomic_write_text
+        atomic_write_text(a.json, json.dumps(out, indent=1, default=float))
     return 0
 
 

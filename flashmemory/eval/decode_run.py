@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -78,10 +76,9 @@ def run_decode(a: argparse.Namespace) -> int:
     print(f"budget {a.budget:.0%} of pages for every method; tau {a.tau}; pages of {a.page_chunks} chunks. "
           "Mechanics check on a tiny model: it ranks policies, it is not an accuracy claim.")
     if a.json:
-        p = Path(a.json)
-        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"config": vars(a) | {"func": None}, "cells": cells}, indent=1, default=str))
-        os.replace(tmp, p)
+        from flashmemory.atomic import atomic_write_text
+        atomic_write_text(a.json, json.dumps({"config": vars(a) | {"func": None}, "cells": cells}, indent=1,
+                                             default=str))
     return 0
 
 

@@ -10,9 +10,7 @@ the dump client's messages path accepts the file.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
@@ -125,23 +123,10 @@ def score(item: TaskItem | Mapping[str, Any], output: str) -> float:
 
 def write_jsonl(items: Iterable[TaskItem], path: str) -> int:
     """Atomically write items as dump-input JSONL; returns the number of lines."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tasks.", suffix=".tmp")
-    n = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for it in items:
-                fh.write(json.dumps(it.to_record(), ensure_ascii=False) + "\n")
-                n += 1
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return n
+    from flashmemory.atomic import atomic_write_text
+    lines = [json.dumps(it.to_record(), ensure_ascii=False) + "\n" for it in items]
+    atomic_write_text(path, "".join(lines))
+    return len(lines)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
