@@ -7,7 +7,7 @@ native indexer logits of each dumping row and keeps only that layer's nucleus
 (`flashmemory.labels.golden.layer_nucleus`); at target layers it also keeps the indexer-input hidden, the
 position, the first n_logit_tokens steps' logits, and the new index-K chunks. A request is finalized when a
 decode step runs without it (or the scheduler goes idle): its votes become the CSR labels and the document
-is written atomically with `save_doc_file` to `DumpRequest.doc_path()` (`<output_dir>/pass{1,2}/doc_XXXXX
+is written atomically with `save_doc_file` to `DumpRequest.doc_path()` (`<output_dir>/pass{1,2}/doc_{idx:05d}
 .safetensors`). The client (`flashmemory.dump.sglang_backend`) merges pass 2's compk into pass 1 and
 commits; the server never touches `server_metadata.jsonl`.
 """
