@@ -3,7 +3,9 @@
 1. page recall (one batched gather per layer group, mirror -> reserve) vs a raw contiguous copy of the same
    bytes, for KMAX pages over all c4 layers (+ Path-I index pages);
 2. batched gather vs one copy per (layer, page);
-3. Level 2 at N chunks and 10% residency: mask mode and score-resident mode vs unmasked native top-k.
+3. Level 2 at N chunks and 10% residency: mask mode and score-resident mode vs unmasked native top-k;
+4. Level-1 host planning at serving scale (`plan_recall` + `publish_recall`, bytes copy excluded): per-cycle
+   cost and the longest engine-lock hold, as a fraction of the cycle window (tau x decode step) and of one step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
-from flashmemory.offload.recall import page_by_page_copy
+from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall
 from flashmemory.retriever.fp8 import quantize_chunks
 
 
@@ -31,6 +33,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=512)
     p.add_argument("--reps", type=int, default=0, help="repeats per timing (0 = 2 with --quick, else 5)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plan-rows", type=int, default=128, help="planning: admitted requests (EngineConfig.max_rows)")
+    p.add_argument("--plan-blocks", type=int, default=8192, help="planning: recall blocks per layer")
+    p.add_argument("--plan-kmax", type=int, default=96, help="planning: per-request page cap (KMAX)")
+    p.add_argument("--plan-chunks", type=int, default=0,
+                   help="planning: history per request, in chunks (0 = 16384 with --quick, else 65536)")
+    p.add_argument("--tau", type=int, default=64, help="planning budget: decode steps per Level-1 cycle")
+    p.add_argument("--step-ms", type=float, default=30.0, help="planning budget: one decode step, in ms")
 
 
 def _time(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
@@ -130,16 +139,142 @@ def _level2_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str
              f"speedup {t_n / t_s:.2f}x vs native")]
 
 
+class _HoldTimer:
+    """Stands in for `engine.lock` (an RLock) and records how long each outermost hold lasts, in seconds."""
+
+    def __init__(self, lock) -> None:
+        self._lock, self._depth, self._t0 = lock, 0, 0.0
+        self.holds: list[float] = []
+
+    def acquire(self, *a, **kw) -> bool:
+        ok = self._lock.acquire(*a, **kw)
+        if ok:
+            self._depth += 1
+            if self._depth == 1:
+                self._t0 = time.perf_counter()
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.holds.append(time.perf_counter() - self._t0)
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _plan_scenarios(args, dev: torch.device, reps: int, bar) -> list[tuple[str, ...]]:
+    """Level-1 host planning at serving scale. One engine with `--plan-rows` admitted requests (tiny byte widths,
+    real page geometry: 21 layers, 64-chunk pages), driven through four cycles in sequence:
+
+    (a) cold: nothing resident, every row selects KMAX new pages (the reserve fills, the rest is dropped);
+    (-) rebalance to blocks/rows pages per row (not reported): the reserve is exactly full;
+    (b) steady: every row swaps 10% of its pages (evictions through the shared LRU), best of `reps`;
+    (c) exhausted: every row keeps half its pages and adds as many new ones up to KMAX: new pages demanded are
+        2x the blocks that can be reclaimed; the rest are dropped after a failed victim search each.
+
+    Bytes are not copied (`execute_recall` is skipped): only host bookkeeping is timed. Returns table rows.
+    """
+    n_rows, kmax, n_blocks = args.plan_rows, args.plan_kmax, args.plan_blocks
+    n_chunks = args.plan_chunks or (16384 if args.quick else 65536)
+    lay = OffloadLayout(n_layers=21, page_chunks=64, kv_widths=(1,), kv_align=1, index_head_dim=1,
+                        target_layers=(10, 12, 20))
+    eng = OffloadEngine(lay, EngineConfig(max_rows=n_rows, max_chunks=n_chunks, recall_blocks=n_blocks,
+                                          max_resident_pages=kmax, pin_memory=False), dev)
+    kv = torch.zeros(lay.n_layers, n_chunks, lay.kv.chunk_bytes, dtype=torch.uint8)
+    ix = torch.zeros(lay.n_layers, n_chunks, lay.index.chunk_bytes, dtype=torch.uint8)
+    gens = [eng.admit(r, kv, ix) for r in range(n_rows)]
+    del kv, ix
+    timer = _HoldTimer(eng.lock)
+    eng.lock = timer
+    usable = lay.pages_for(n_chunks) - 1       # the last (partial) page is never selected: it is not evictable
+    per_row = n_blocks // n_rows               # pages per row when the reserve is exactly shared
+    keep_n = min(per_row // 2, kmax)
+    if usable < per_row + kmax - keep_n:
+        raise ValueError(f"--plan-chunks {n_chunks} too short: need > {64 * (per_row + kmax - keep_n + 1)} chunks")
+    g = torch.Generator().manual_seed(2)
+    sel: list[list[int]] = [[] for _ in range(n_rows)]
+
+    def fresh(row: int, k: int) -> list[int]:
+        out, taken = [], set(sel[row])
+        for p in torch.randperm(usable, generator=g).tolist():
+            if len(out) == k:
+                break
+            if p not in taken:
+                out.append(p)
+        return out
+
+    def cycle(pick: Callable[[int], list[int]]) -> tuple[float, float, float, dict[str, int]]:
+        reqs = []
+        for r in range(n_rows):
+            sel[r] = pick(r)
+            reqs.append(RecallRequest(r, gens[r], tuple(sel[r]), tuple(torch.rand(len(sel[r]), generator=g).tolist())))
+        before = {k: sum(c[k] for c in eng.stats.per_req.values()) for k in ("evictions", "budget_hits")}
+        timer.holds.clear()
+        t0 = time.perf_counter()
+        plan = plan_recall(eng, reqs)
+        t1 = time.perf_counter()
+        publish_recall(eng, plan)
+        t2 = time.perf_counter()
+        cnt = {k: sum(c[k] for c in eng.stats.per_req.values()) - v for k, v in before.items()}
+        cnt["pages"] = len(plan.entries)
+        return t1 - t0, t2 - t1, max(timer.holds), cnt
+
+    budget = args.tau * args.step_ms / 1e3
+    out: list[tuple[str, ...]] = []
+
+    def report(name: str, res: tuple[float, float, float, dict[str, int]]) -> None:
+        t_plan, t_pub, hold, c = res
+        out.append((name, f"{c['pages']} / {c['budget_hits']} / {c['evictions']}",
+                    f"{t_plan * 1e3:.1f}", f"{t_pub * 1e3:.1f}", f"{hold * 1e3:.1f}",
+                    f"{(t_plan + t_pub) / budget:.3f}", f"{hold / (args.step_ms / 1e3):.2f}"))
+
+    report(f"(a) cold: {n_rows} rows x {kmax} new pages", cycle(lambda r: fresh(r, kmax)))
+    bar.update(1)
+    cycle(lambda r: (sel[r] + fresh(r, per_row))[:per_row])  # rebalance: every row holds per_row pages
+    swap = max(1, per_row // 10)
+    runs = [cycle(lambda r: sel[r][swap:] + fresh(r, swap)) for _ in range(reps)]
+    report(f"(b) steady: {per_row} pages/row resident, {swap} swapped per row", min(runs, key=lambda x: x[0] + x[1]))
+    bar.update(1)
+    report(f"(c) exhausted: keep {keep_n}, add {kmax - keep_n} per row (2x reclaimable)",
+           cycle(lambda r: sel[r][:keep_n] + fresh(r, kmax - keep_n)))
+    bar.update(1)
+    eng.lock = timer._lock
+    return out
+
+
+def _print_table(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    w = [max(len(x) for x in col) for col in zip(head, *rows)]
+    print(title)
+    for r in (head, *rows):
+        print("  ".join(f"{x:<{n}}" for x, n in zip(r, w)).rstrip())
+
+
 def run(args: argparse.Namespace) -> int:
     dev = torch.device(args.device)
     reps = args.reps or (2 if args.quick else 5)
-    with tqdm(total=len(args.kmax) + 3, desc="bench recall", leave=False) as bar:
+    with tqdm(total=len(args.kmax) + 6, desc="bench recall", leave=False) as bar:
         rows = _recall_rows(args, dev, reps, bar)
         rows += _level2_rows(args, dev, reps, bar)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # host planning runs tiny ops on one worker thread; fan-out only adds contention
+        try:
+            plan_rows = _plan_scenarios(args, dev, reps, bar)
+        finally:
+            torch.set_num_threads(threads)
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     print(f"bench recall on {dev} (best of {reps}; ratios against baselines timed in this run)")
     print(f"{'measurement':<{w0}}  {'time / throughput':<{w1}}  ratio")
     for a, b_, c in rows:
         print(f"{a:<{w0}}  {b_:<{w1}}  {c}")
+    print()
+    _print_table(f"Level-1 host planning, one cycle over {args.plan_rows} rows, {args.plan_blocks} recall blocks, "
+                 f"KMAX {args.plan_kmax}; bytes copy excluded; budget = tau {args.tau} x {args.step_ms:g} ms step "
+                 f"= {args.tau * args.step_ms:g} ms",
+                 ("cycle", "planned / dropped / evicted", "plan ms", "publish ms", "max lock hold ms",
+                  "(plan+publish) / budget", "lock hold / step"), plan_rows)
     return 0

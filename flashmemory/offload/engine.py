@@ -10,7 +10,7 @@ import math
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -121,20 +121,33 @@ class OffloadEngine:
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
 
     def _rebuild_res(self, row: int) -> None:
-        st = self.rows[row]
-        items = [] if st is None else sorted(list(st.recall.items()) + [
-            (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
-        buf = torch.full((3, self.res_cap), -1, dtype=torch.int32)
-        if items:
-            pages = torch.tensor([p for p, _ in items], dtype=torch.int32)
-            buf[0, :len(items)] = pages
-            buf[1, :len(items)] = torch.tensor([b for _, b in items], dtype=torch.int32)
-            buf[2, :len(items)] = torch.tensor(st.mpages, dtype=torch.int32)[pages.long()]
-        with self._main():
-            self.res_pages[row].copy_(buf[0])
-            self.res_blocks[row].copy_(buf[1])
-            self.res_mpages[row].copy_(buf[2])
-            self.res_count[row] = len(items)
+        self._rebuild_res_rows([row])
+
+    def _rebuild_res_rows(self, rows: Iterable[int]) -> None:
+        """Rewrite the compact resident tables of `rows` (recalled + decode-region pages, ascending page) in one
+        indexed copy per table: res_pages/res_blocks/res_mpages [max_rows, res_cap], res_count [max_rows]."""
+        rows = sorted(set(rows))
+        if not rows:
+            return
+        table: list[list[list[int]]] = []
+        counts: list[int] = []
+        for row in rows:
+            st = self.rows[row]
+            items = [] if st is None else sorted(list(st.recall.items()) + [
+                (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
+            if len(items) > self.res_cap:
+                raise RuntimeError(f"row {row}: {len(items)} resident pages exceed the compact table ({self.res_cap})")
+            pad = [-1] * (self.res_cap - len(items))
+            table.append([[p for p, _ in items] + pad, [b for _, b in items] + pad,
+                          [st.mpages[p] for p, _ in items] + pad])
+            counts.append(len(items))
+        with self._main():  # the uploads too: everything on the stream decode reads the tables from
+            buf = torch.tensor(table, dtype=torch.int32).to(self.device)  # [n, 3, res_cap]
+            idx = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            self.res_pages.index_copy_(0, idx, buf[:, 0])
+            self.res_blocks.index_copy_(0, idx, buf[:, 1])
+            self.res_mpages.index_copy_(0, idx, buf[:, 2])
+            self.res_count.index_copy_(0, idx, torch.tensor(counts, dtype=torch.int32).to(self.device))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def admit(self, row: int, kv: torch.Tensor, index: torch.Tensor, rid: Hashable | None = None) -> int:

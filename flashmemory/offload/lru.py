@@ -30,8 +30,19 @@ class PageLRU:
         self._order.pop(block, None)
 
     def victim(self, evictable: Callable[[int], bool]) -> int | None:
-        """Oldest block for which `evictable(block)` holds, or None. Does not remove it."""
+        """Oldest block for which `evictable(block)` holds, or None. Does not remove it. O(blocks) per call."""
         for b in self._order:
             if evictable(b):
                 return b
         return None
+
+    def victims(self, evictable: Callable[[int], bool]) -> Iterator[int]:
+        """The blocks `victim` would return one after another, oldest first, in one pass: O(blocks) in all.
+
+        The order is snapshotted at the first `next()`. Valid while `evictable`'s answers stay fixed and the
+        order changes only by removing blocks already yielded (a planning pass under the engine lock): then the
+        k-th block yielded is exactly what `victim` returns after the k-1 before it were removed.
+        """
+        for b in list(self._order):
+            if b in self._order and evictable(b):
+                yield b

@@ -32,6 +32,33 @@ class ChunkLUT:
     def clear_page(self, mpage: int) -> None:
         self.table[mpage * self.pc: (mpage + 1) * self.pc] = -1
 
+    def _rows(self, mpages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table without its sentinel as [n_pages, pc] (a view), and mirror pages [n] as an int64 index."""
+        dev = self.table.device
+        return self.table[:-1].view(-1, self.pc), torch.tensor(mpages, dtype=torch.int64).to(dev)
+
+    def clear_pages(self, mpages: list[int]) -> None:
+        """`clear_page` for each of mirror pages [n], as one indexed fill."""
+        if mpages:
+            view, idx = self._rows(mpages)
+            view.index_fill_(0, idx, -1)
+
+    def set_pages(self, mpages: list[int], counts: list[int], first_cells: list[int]) -> None:
+        """`set_range(mpages[i], 0, counts[i], first_cells[i])` for all i ([n] lists); the pages must be distinct.
+        Full pages (counts[i] == page_chunks) go in one indexed row copy, the few partial ones (a history's last
+        page) one by one."""
+        full = [i for i, c in enumerate(counts) if c == self.pc]
+        if full:
+            view, idx = self._rows([mpages[i] for i in full])
+            offs = torch.arange(self.pc, dtype=torch.int32)
+            cells = torch.tensor([first_cells[i] for i in full], dtype=torch.int32).unsqueeze(1) + offs  # [n, pc]
+            view.index_copy_(0, idx, cells.to(self.table.device))
+        if len(full) < len(mpages):
+            is_full = set(full)
+            for i, (mp, c, fc) in enumerate(zip(mpages, counts, first_cells)):
+                if i not in is_full:
+                    self.set_range(mp, 0, c, fc)
+
     def mirror_chunks(self, rows: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         """rows: [B] int (-1 = padding); chunks: [B, K] logical chunk ids (-1 = none) -> int64 [B, K] mirror chunks,
         the sentinel where invalid. Static shapes, no host sync."""

@@ -82,11 +82,12 @@ def page_by_page_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], 
             dst[layer, d].copy_(src[layer, s])
 
 
-def _evict(eng: "OffloadEngine", blk: int, touched: set[int]) -> None:
+def _evict(eng: "OffloadEngine", blk: int, touched: set[int], cleared: list[int]) -> None:
+    """Drop a published page from its request; its mirror page is appended to `cleared` for one batched clear."""
     row, _, page = eng.owner[blk]
     st = eng.rows[row]
     del st.recall[page]
-    eng.lut.clear_page(st.mpages[page])
+    cleared.append(st.mpages[page])
     eng.lru.remove(blk)
     eng.owner[blk] = None
     eng.stats.add(st.rid, "evictions")
@@ -98,54 +99,63 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> Reca
     cap = eng.cfg.max_resident_pages
     pc = eng.layout.page_chunks
     touched: set[int] = set()
+    cleared: list[int] = []  # mirror pages of evicted pages, cleared from the table before the lock is released
     need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
+    # Ranking needs no engine state, so it happens before the lock; pages past the history are dropped under it
+    # (decode may still grow the history), which keeps the order: (priority desc, page desc), duplicates merged.
+    ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
+             for rq in requests]
     with eng.lock, eng._main():
-        for rq in requests:
-            st = eng.rows[rq.row] if 0 <= rq.row < len(eng.rows) else None
-            if st is None or st.gen != rq.gen:
-                continue  # finished or replaced before its cycle was planned
-            eng.stats.add(st.rid, "cycles")
-            n_pages = len(st.mpages)
-            ranked = sorted({p: q for p, q in zip(rq.pages, rq.priority) if 0 <= p < n_pages}.items(),
-                            key=lambda x: (-x[1], -x[0]))
-            if len(ranked) > cap:
-                eng.stats.add(st.rid, "budget_hits", len(ranked) - cap)
-                eng.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
-                ranked = ranked[:cap]
-            sel = {p for p, _ in ranked}
-            st.selection = frozenset(sel)
-            for p in sel & st.recall.keys():
-                eng.lru.touch(st.recall[p])
-            missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
-            stale = [p for p in st.recall if p not in sel]  # dict order = oldest recalled first
-            while stale and len(st.recall) + len(missing) > cap:
-                blk = st.recall[stale.pop(0)]
-                _evict(eng, blk, touched)
-                eng.blocks.push(blk)
-            need += [(rq.row, rq.gen, p, q) for p, q in missing]
+        try:
+            for rq, ranked in zip(requests, ranks):
+                st = eng.rows[rq.row] if 0 <= rq.row < len(eng.rows) else None
+                if st is None or st.gen != rq.gen:
+                    continue  # finished or replaced before its cycle was planned
+                eng.stats.add(st.rid, "cycles")
+                n_pages = len(st.mpages)
+                ranked = [x for x in ranked if x[0] < n_pages]
+                if len(ranked) > cap:
+                    eng.stats.add(st.rid, "budget_hits", len(ranked) - cap)
+                    eng.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
+                    ranked = ranked[:cap]
+                sel = {p for p, _ in ranked}
+                st.selection = frozenset(sel)
+                for p in sel & st.recall.keys():
+                    eng.lru.touch(st.recall[p])
+                missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
+                stale = [p for p in st.recall if p not in sel]  # dict order = oldest recalled first
+                while stale and len(st.recall) + len(missing) > cap:
+                    blk = st.recall[stale.pop(0)]
+                    _evict(eng, blk, touched, cleared)
+                    eng.blocks.push(blk)
+                need += [(rq.row, rq.gen, p, q) for p, q in missing]
 
-        def evictable(blk: int) -> bool:
-            row, gen, page = eng.owner[blk]
-            st = eng.rows[row]
-            return st is not None and st.gen == gen and page not in st.selection and page != (st.n_chunks - 1) // pc
+            def evictable(blk: int) -> bool:
+                row, gen, page = eng.owner[blk]
+                st = eng.rows[row]
+                return st is not None and st.gen == gen and page not in st.selection and page != (st.n_chunks - 1) // pc
 
-        for row, gen, page, prio in need:
-            st = eng.rows[row]
-            blk = eng.blocks.pop()
-            if blk is None:
-                blk = eng.lru.victim(evictable)
-                if blk is not None:
-                    _evict(eng, blk, touched)
-            if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
-                eng.stats.add(st.rid, "budget_hits")
-                if prio == float("inf"):
-                    eng.stats.add(st.rid, "tail_drops")
-                continue
-            eng.owner[blk] = (row, gen, page)
-            eng.inflight.add(blk)
-            plan.entries.append((row, gen, page, st.mpages[page], blk))
-        for row in touched:
-            eng._rebuild_res(row)
+            # Within this pass evictability is fixed (selections are set above, nothing else runs under the lock) and
+            # the LRU only loses the victims taken, so one forward scan yields the same victims as a fresh search each.
+            victims = eng.lru.victims(evictable)
+            for row, gen, page, prio in need:
+                st = eng.rows[row]
+                blk = eng.blocks.pop()
+                if blk is None:
+                    blk = next(victims, None)
+                    if blk is not None:
+                        _evict(eng, blk, touched, cleared)
+                if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
+                    eng.stats.add(st.rid, "budget_hits")
+                    if prio == float("inf"):
+                        eng.stats.add(st.rid, "tail_drops")
+                    continue
+                eng.owner[blk] = (row, gen, page)
+                eng.inflight.add(blk)
+                plan.entries.append((row, gen, page, st.mpages[page], blk))
+        finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
+            eng.lut.clear_pages(cleared)
+        eng._rebuild_res_rows(touched)
     return plan
 
 
@@ -182,7 +192,10 @@ def execute_recall(eng: "OffloadEngine", plan: RecallPlan) -> None:
 def publish_recall(eng: "OffloadEngine", plan: RecallPlan) -> int:
     """Write the lookup table for the copied pages; returns the number of pages published."""
     pc = eng.layout.page_chunks
-    touched: set[int] = set()
+    published: dict[int, int] = {}  # row -> pages published
+    mps: list[int] = []
+    counts: list[int] = []
+    cells: list[int] = []
     done = 0
     with eng.lock, eng._main():
         for row, gen, page, mp, blk in plan.entries:
@@ -198,13 +211,17 @@ def publish_recall(eng: "OffloadEngine", plan: RecallPlan) -> int:
                 continue
             st.recall[page] = blk
             eng.lru.touch(blk)
-            eng.lut.set_range(mp, 0, min(pc, st.n_chunks - page * pc), blk * pc)
-            eng.stats.add(st.rid, "recall_pages")
-            eng.stats.add(st.rid, "recall_bytes", plan.nbytes // max(1, len(plan.entries)))
-            touched.add(row)
+            mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
+            counts.append(min(pc, st.n_chunks - page * pc))
+            cells.append(blk * pc)
+            published[row] = published.get(row, 0) + 1
             done += 1
-        for row in touched:
-            eng._rebuild_res(row)
+        eng.lut.set_pages(mps, counts, cells)
+        per_page = plan.nbytes // max(1, len(plan.entries))
+        for row, n in published.items():
+            eng.stats.add(eng.rows[row].rid, "recall_pages", n)
+            eng.stats.add(eng.rows[row].rid, "recall_bytes", n * per_page)
+        eng._rebuild_res_rows(published)
         eng.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
     plan.staging.clear()
     return done

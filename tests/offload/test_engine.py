@@ -134,9 +134,11 @@ class EngineMachine(RuleBasedStateMachine):
             assert torch.equal(out.cells[ok], truth[ok]) and (out.cells[ok] >= 0).all()
 
 
-EngineMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=70, deadline=None,
+# derandomize + no example database: the same examples on every machine, so the step count below is stable
+# (a local .hypothesis database would replay shrunk, shorter examples first).
+EngineMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=70, deadline=None,
                                            suppress_health_check=list(HealthCheck), derandomize=True,
-                                           phases=[Phase.explicit, Phase.reuse, Phase.generate])
+                                           database=None, phases=[Phase.explicit, Phase.generate])
 TestEngineMachine = EngineMachine.TestCase
 
 
@@ -145,6 +147,7 @@ def test_machine_ran_enough_steps():
         import pytest
         pytest.skip("state machine not run in this session")
     assert STEPS[0] >= 2000, f"only {STEPS[0]} checked steps"
+    print(f"state machine: {STEPS[0]} checked steps")
 
 
 def test_exhaustion_degrades_and_counts():
