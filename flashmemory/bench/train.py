@@ -3,15 +3,17 @@
 Full-size retriever dims (hidden 4096, q-LoRA rank 2048, 128 heads x 128) on random data shaped
 like training batches (batch 8, n chunks per sample). Baseline: the forward-only (no_grad) cost of
 the same batch, measured in the same run; the table gives train/forward ratios. Peak memory: CUDA
-max_memory_allocated on GPU; on CPU the growth of the process peak RSS during each phase (forward
+max_memory_allocated on GPU; on CPU the growth of RSS (sampled every 5 ms) above its level at the start of each phase (forward
 first, so the training phase's growth includes gradients and AdamW state).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
+import threading
 import time
 
 import torch
@@ -33,9 +35,39 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _rss_mib() -> float:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / (1024 * 1024) if sys.platform == "darwin" else kb / 1024
+def _rss_now_mib() -> float:
+    """Current resident set size; falls back to the process peak where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except OSError:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb / (1024 * 1024) if sys.platform == "darwin" else kb / 1024
+
+
+class _PeakRSS:
+    """Peak RSS above the level at entry, sampled every few ms on a thread. Unlike ru_maxrss it is not
+    masked by an earlier, larger peak of the same process (e.g. another benchmark in `bench all`)."""
+
+    def __enter__(self) -> "_PeakRSS":
+        self.base = self.peak = _rss_now_mib()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_now_mib())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_now_mib())
+
+    @property
+    def growth_mib(self) -> float:
+        return self.peak - self.base
 
 
 def _batch(b: int, n: int, layers: tuple[int, ...], dims: RetrieverDims, dev: torch.device) -> dict:
@@ -80,15 +112,15 @@ def run(args: argparse.Namespace) -> int:
     for name, fn in (("forward", fwd), ("train", train)):
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        rss0 = _rss_mib()
-        fn()  # warm-up (allocates AdamW state in the train phase)
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        _sync(dev)
-        dt = (time.perf_counter() - t0) / steps
-        mem = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else _rss_mib() - rss0
+        with _PeakRSS() as rss:
+            fn()  # warm-up (allocates AdamW state in the train phase)
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            _sync(dev)
+            dt = (time.perf_counter() - t0) / steps
+        mem = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else rss.growth_mib
         res[name] = (args.batch_size / dt, dt, mem)
     print(f"retriever: {n_layers} layer(s) x (hidden {dims.hidden}, rank {dims.rank}, {dims.n_heads} heads x "
           f"{dims.head_dim}); {n_params / 1e6:.1f} M params; batch {args.batch_size} x {n} chunks; {dev}"
