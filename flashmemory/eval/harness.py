@@ -54,10 +54,10 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
         out["Full"] = method_quality(engine, run, None, n_vis, targets, decode_text) | {
             "recall_bytes": 0.0, "level1_share": 0.0, "kmax": kmax}
     for name in hc.methods:
-        rep = replay_doc(run.index_chunks, run.hidden, run.prompt_len, run.n_steps, None, None,
+        rep = replay_doc(run.index_chunks, run.hidden, run.prompt_len, run.n_steps,
+                         lambda eng, name=name: make_method(name, view, sel, eng, retriever, seed=hc.seed),
                          page_chunks=hc.page_chunks, kmax=kmax, tau=hc.tau, last_keep=hc.tail_chunks,
-                         target_layers=targets,
-                         make=lambda eng, name=name: make_method(name, view, sel, eng, retriever, seed=hc.seed))
+                         target_layers=targets)
         m = {"recall_bytes": float(rep.metrics.get("recall_bytes", 0)), "kmax": kmax,
              "level1_share": rep.level1_s / max(rep.level1_s + run.n_steps * run.decode_step_s, 1e-12)}
         if quality:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.layout import OffloadLayout
-from flashmemory.residency.level1 import Level1, Level1Config
+from flashmemory.residency.level1 import Level1, Level1Config, Scorer
 from flashmemory.residency.policy import PagePolicy
 
 KV_WIDTHS = (576, 8)  # DeepSeek-V4 c4 entry: 448 fp8 nope + 128 bf16 rope | 7 scales + 1 pad
@@ -45,15 +46,15 @@ def kv_pattern(n_layers: int, n_chunks: int, width: int = sum(KV_WIDTHS)) -> tor
 
 
 def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prompt_len: int, n_steps: int,
-               scorer, policy: PagePolicy, *, page_chunks: int, kmax: int, tau: int, last_keep: int,
-               target_layers: tuple[int, ...], ratio: int = 4, device: str | torch.device = "cpu",
-               make=None) -> ReplayResult:
+               method: Callable[[OffloadEngine], tuple[Scorer, PagePolicy]], *, page_chunks: int, kmax: int,
+               tau: int, last_keep: int, target_layers: tuple[int, ...], ratio: int = 4,
+               device: str | torch.device = "cpu") -> ReplayResult:
     """Replay `n_steps` decode steps of one document.
 
     index_chunks: uint8 [n_c4, N_c, D+4] stored index keys of every c4 layer over prompt + response.
     hidden: target layer -> [S, hidden] indexer-input hidden of every position (S = P + n_steps).
-    scorer/policy: a method (see `flashmemory.eval.methods`); `make(engine) -> (scorer, policy)` instead
-    builds them once the engine exists (the retriever scorer reads the engine's target keys).
+    method: engine -> (scorer, policy) (see `flashmemory.eval.methods`); called once the engine exists
+    because the retriever scorer reads the engine's target keys.
     """
     n_layers, n_total, cb = index_chunks.shape
     layout = OffloadLayout(n_layers=n_layers, page_chunks=page_chunks, kv_widths=KV_WIDTHS, kv_align=KV_ALIGN,
@@ -63,8 +64,7 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
     cfg = EngineConfig(max_rows=1, max_chunks=n_total, mirror_pages=n_pages + 1, recall_blocks=kmax + 1,
                        decode_pages=decode_pages, max_resident_pages=kmax, pin_memory=False)
     engine = OffloadEngine(layout, cfg, device)
-    if make is not None:
-        scorer, policy = make(engine)
+    scorer, policy = method(engine)
     kv = kv_pattern(n_layers, n_total)
     level1 = Level1(engine, scorer, policy, Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep,
                                                          async_recall=False))
