@@ -94,11 +94,19 @@ def select_chunks(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionCon
     return forced | (passing & (rank < room.unsqueeze(1)))
 
 
+def _desc_stable(order: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Reorder `order` [B, P] by `key` (gathered along it), descending, keeping earlier order on ties."""
+    k = key.gather(1, order)
+    return order.gather(1, torch.sort(k, dim=1, descending=True, stable=True).indices)
+
+
 def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """Int64 [B, P] ranking keys per page; higher is better, -1 = not selectable.
 
-    Forced pages (tail, sink) rank above every scored page; then pages by their count of passing
-    chunks; ties go to the more recent page. Zero-count pages get a key only with fill_zero_pages.
+    Forced pages (tail, sink) rank above every scored page, more recent first; then pages by their
+    count of passing chunks; equal counts by the summed score of those chunks (so a threshold that
+    passes everything still ranks pages by the retriever, not by position); then the more recent page.
+    Zero-count pages get a key only with fill_zero_pages.
     """
     b, n = scores.shape
     pc = cfg.page_chunks
@@ -107,11 +115,15 @@ def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig)
     passing = (scores > cfg.threshold) & valid
     pad = n_pages * pc - n
     count = torch.nn.functional.pad(passing.to(torch.int64), (0, pad)).view(b, n_pages, pc).sum(-1)
+    mass = torch.nn.functional.pad(torch.where(passing, scores.double(), 0.0), (0, pad)).view(b, n_pages, pc).sum(-1)
     forced = torch.nn.functional.pad(forced_mask(lengths, n, cfg), (0, pad)).view(b, n_pages, pc).any(-1)
     p = torch.arange(n_pages, device=scores.device).unsqueeze(0).expand(b, n_pages)
-    stride = n_pages + 1
-    key = count * stride + p
-    key = torch.where(forced, (pc + 1) * stride + p, key)
+    # Lexicographic (forced, count, mass, page) via stable sorts from the least significant key up.
+    order = p.flip(1).contiguous()
+    order = _desc_stable(order, mass.masked_fill(forced, 0.0))
+    order = _desc_stable(order, count.masked_fill(forced, 0))
+    order = _desc_stable(order, forced.to(torch.int64))
+    key = torch.empty_like(p).scatter_(1, order, torch.arange(n_pages, 0, -1, device=p.device).expand(b, n_pages))
     live = p < (lengths.unsqueeze(1) + pc - 1) // pc
     keep = live & (forced | (count > 0) | cfg.fill_zero_pages)
     return torch.where(keep, key, torch.full_like(key, -1))

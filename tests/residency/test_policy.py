@@ -78,7 +78,7 @@ def test_kmax_ranks_forced_then_count_then_recency() -> None:
     cfg = SelectionConfig(last_keep=4, first_keep=0, kmax=3)
     # Page 7 is forced (tail); then 40 (page 5), 20 (page 2).
     assert rows(*select_pages(s, lengths, cfg)) == [[2, 5, 7]]
-    # Equal counts (pages 1 and 3): the more recent page wins.
+    # Equal counts and equal scores (pages 1 and 3): the more recent page wins.
     assert rows(*select_pages(s, lengths, cfg, kmax=4)) == [[2, 3, 5, 7]]
     assert rows(*select_pages(s, lengths, cfg, kmax=5)) == [[1, 2, 3, 5, 7]]
     assert rows(*select_pages(s, lengths, cfg, kmax=6)) == [[1, 2, 3, 5, 6, 7]]
@@ -144,12 +144,14 @@ def brute_pages(scores: torch.Tensor, n_hist: int, cfg: SelectionConfig, cap: in
     for p in range(-(-n_hist // pc)):
         cols = range(p * pc, min((p + 1) * pc, n_hist))
         count = sum(1 for j in cols if scores[j] > cfg.threshold)
+        mass = sum(scores[j] for j in cols if scores[j] > cfg.threshold)
         forced = any((cfg.last_keep > 0 and j >= n_hist - cfg.last_keep) or j < cfg.first_keep for j in cols)
         if forced or count > 0 or cfg.fill_zero_pages:
-            # Forced pages all tie above the scored ones (upstream: +inf); ties go to the more recent page.
-            cand.append((1, 0, p) if forced else (0, count, p))
+            # Forced pages all tie above the scored ones (upstream: +inf), the more recent first; then
+            # count, then summed passing score, then the more recent page.
+            cand.append((1, 0, 0.0, p) if forced else (0, count, mass, p))
     cand.sort(reverse=True)
-    return sorted(p for _, _, p in cand[:cap])
+    return sorted(c[-1] for c in cand[:cap])
 
 
 def test_select_pages_matches_brute_force_on_random_inputs() -> None:
@@ -183,3 +185,14 @@ def test_threshold_page_policy_and_from_env() -> None:
     assert (cfg.threshold, cfg.ensemble, cfg.last_keep, cfg.first_keep, cfg.max_resident, cfg.kmax) == \
         (0.3, "mean", 17, 5, 640, 12)
     assert cfg.page_cap == 10
+
+
+def test_equal_counts_rank_by_score_before_recency() -> None:
+    """A threshold that passes every chunk must still rank pages by the retriever's scores."""
+    s = torch.full((1, 64 * 4), 0.6)
+    s[0, 64:128] = 0.95  # page 1 scores highest, page 3 is the most recent
+    lengths = torch.tensor([64 * 4])
+    pages, counts = select_pages(s, lengths, SelectionConfig(threshold=0.5, last_keep=0, kmax=1))
+    assert rows(pages, counts) == [[1]]
+    s[0, 64:128] = 0.6  # all equal again: recency decides
+    assert rows(*select_pages(s, lengths, SelectionConfig(threshold=0.5, last_keep=0, kmax=1))) == [[3]]
