@@ -1,11 +1,14 @@
 """One-H200 smoke check of the FlashMemory sglang plugin on a tiny dummy-weight DeepSeek-V4 (see gpu_check.sh).
 
-Cases run as separate processes (the gates are read once per process by the plugin):
+Cases run as separate processes (the gates are read once per process by the plugin), in this order:
   stock      no FlashMemory entry point loaded (SGLANG_PLUGINS=none)      greedy tokens = reference
-  off        plugin loaded, every gate off                                 tokens == stock
-  full       gates on, KMAX covers the whole context (100% residency)      tokens == stock
+  full       gates on, KMAX covers the whole context (100% residency)      tokens == stock, hooks in the CUDA graph
   r10        gates on, KMAX = 10% of the context pages, 500 decode steps at batch 1, 8, 64
-Prints a summary table: tokens/s of each case relative to `off`, recall bytes, resident fraction.
+  off        plugin loaded, every gate off                                 tokens == stock
+Writes everything under $OUT (or a temp dir): case_<name>.log (the case's whole output), results.json,
+summary.txt (the table). Stops early when `stock` fails: the tiny config or the machine is then the problem,
+and the other cases would fail the same way. Installs nothing; if the `flashmemory` entry point is not
+installed, a throw-away .dist-info on PYTHONPATH declares it (importlib.metadata finds it there).
 """
 
 from __future__ import annotations
@@ -13,37 +16,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-CASES = ("stock", "off", "full", "r10")
-PROMPT_LEN, DECODE_STEPS, BATCHES = 4096, 500, (1, 8, 64)
+CASES = ("stock", "full", "r10", "off")   # "off" last: least informative if time runs out
+PROMPT_LEN, DECODE_STEPS, BATCHES, TOKEN_CHECK = 4096, 500, (1, 8, 64), 32
+BUDGET_S, FIRST_CASE_S = 455, 200        # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config() -> dict:
-    """Smallest config sglang's DSv4 code accepts (head_dim 512, index head 128, page 256); 2 c4 layers."""
+    """A 6-layer DeepSeek-V4 with the V4-Flash per-layer shapes (sglang's DeepSeekV4Config defaults: hidden 4096,
+    64 heads, q/o LoRA 1024, 8 output groups, 64 index heads) so the fused kernels see the head counts and widths
+    they are built for; only depth, vocabulary and experts are cut (16 experts, top 6; ~5 GB of dummy bf16 weights).
+    MQA head_dim 512 = 448 nope + 64 rope and one KV head (MQALayer asserts), index head 128, index_topk 512 (the
+    backend asserts 512 or 1024), 2 c4 and 2 c128 layers, no quantization_config (bf16 experts). Checked on CPU
+    through ModelConfig and ServerArgs.resolve_once (flashmemory/sglang/README.md, Status)."""
     ratios = [0, 4, 128, 4, 128, 0]
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 4096,
-        "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_hidden_layers": len(ratios),
-        "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
-        "q_lora_rank": 256, "o_lora_rank": 256, "o_groups": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-        "num_experts_per_tok": 2, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
-        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "hidden_act": "silu", "index_n_heads": 16,
+        "hidden_size": 4096, "intermediate_size": 2048, "moe_intermediate_size": 2048, "num_hidden_layers": len(ratios),
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 16, "n_shared_experts": 1,
+        "num_experts_per_tok": 6, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "hidden_act": "silu", "index_n_heads": 64,
         "index_head_dim": 128, "index_topk": 512, "compress_ratios": ratios, "compress_rope_theta": 40000,
-        "sliding_window": 128, "window_size": 128, "hc_mult": 4, "hc_sinkhorn_iters": 4, "hc_eps": 1e-6,
+        "sliding_window": 128, "window_size": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
         "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "rope_theta": 10000, "num_nextn_predict_layers": 0,
         "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1},
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
     }
 
 
-def case_env(case: str) -> dict[str, str]:
+def case_env(case: str, stats_file: str = "") -> dict[str, str]:
     pages = -(-PROMPT_LEN // 4 // 64) + DECODE_STEPS // 256 + 2
-    env = {"SGLANG_PLUGINS": "flashmemory"}
+    env = {"SGLANG_PLUGINS": "flashmemory", "FLASHMEMORY_STATS_FILE": stats_file}
     if case == "stock":
         env["SGLANG_PLUGINS"] = "none"
     if case in ("full", "r10"):
@@ -54,31 +65,99 @@ def case_env(case: str) -> dict[str, str]:
     return env
 
 
-def run_case(case: str, model_dir: str, out: str) -> None:
+def engine_kwargs(model_dir: str, port: int) -> dict:
+    """sgl.Engine / ServerArgs fields (names checked against sglang 0.5.23's ServerArgs.resolve_once on CPU)."""
+    return dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=1, random_seed=0,
+                port=port, mem_fraction_static=0.5, context_length=PROMPT_LEN + DECODE_STEPS + 64,
+                max_total_tokens=max(BATCHES) * (PROMPT_LEN + DECODE_STEPS + 64) + 16384,
+                max_running_requests=max(BATCHES), cuda_graph_max_bs_decode=max(BATCHES),
+                cuda_graph_bs_decode=[1, 2, 8, 64], dsv4_attn_backend="flashmla",
+                disable_radix_cache=True, log_level="info")
+
+
+def run_case(case: str, model_dir: str, out: str, port: int) -> None:
     import sglang as sgl
-    from flashmemory.sglang.runtime import RUNTIME
-    eng = sgl.Engine(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=1,
-                     random_seed=0, mem_fraction_static=0.6, context_length=PROMPT_LEN + DECODE_STEPS + 64,
-                     max_running_requests=64, disable_radix_cache=True, log_level="warning")
-    res = {"case": case, "tokens": None, "tok_s": {}, "stats": {}}
+
+    t0 = time.perf_counter()
+    eng = sgl.Engine(**engine_kwargs(model_dir, port))
+    from flashmemory.sglang import plugin
+    res: dict = {"case": case, "startup_s": time.perf_counter() - t0, "plugin_state": plugin.state(),
+                 "tokens": None, "tok_s": {}}
+    print(f"gpu_check[{case}]: engine up in {res['startup_s']:.1f}s, plugin {plugin.state()}", flush=True)
     try:
         prompt = [[(7 * i + 3 * b) % 4000 + 10 for i in range(PROMPT_LEN)] for b in range(max(BATCHES))]
-        sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+        sp = {"temperature": 0.0, "max_new_tokens": TOKEN_CHECK, "ignore_eos": True}
         res["tokens"] = [o["output_ids"] for o in eng.generate(input_ids=prompt[:2], sampling_params=sp)]
+        again = [o["output_ids"] for o in eng.generate(input_ids=prompt[:2], sampling_params=sp)]
+        res["deterministic"] = again == res["tokens"]   # if False, a token mismatch below is noise, not FlashMemory
         for bs in BATCHES:
             sp = {"temperature": 0.0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True}
             t = time.perf_counter()
             outs = eng.generate(input_ids=prompt[:bs], sampling_params=sp)
             dt = time.perf_counter() - t
-            res["tok_s"][bs] = sum(len(o["output_ids"]) for o in outs) / dt
-        info = eng.get_server_info() if hasattr(eng, "get_server_info") else {}
-        res["cuda_graph"] = json.dumps(info, default=str).count("cuda_graph") > 0
-        if RUNTIME.engine is not None:
-            res["stats"] = RUNTIME.engine.stats()
+            res["tok_s"][str(bs)] = sum(len(o["output_ids"]) for o in outs) / dt   # prefill included
+            print(f"gpu_check[{case}]: bs {bs}: {res['tok_s'][str(bs)]:.0f} tok/s", flush=True)
     finally:
         eng.shutdown()
     with open(out, "w") as f:
         json.dump(res, f)
+
+
+def run_group(cmd: list[str], env: dict, timeout: int, log: str) -> int | str:
+    """Run a case in its own process group and kill the whole group (sglang's scheduler and detokenizer
+    processes too) on timeout, or when this script is terminated, so no engine outlives the check."""
+    with open(log, "w") as lf:
+        p = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def kill(*_: object) -> None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        old = signal.signal(signal.SIGTERM, lambda *a: (kill(), sys.exit(143)))
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        finally:
+            kill()          # stray children of a finished case too
+            p.wait()
+            signal.signal(signal.SIGTERM, old)
+
+
+def ensure_entry_point(work: str) -> str:
+    """'' if the entry point is installed, else the PYTHONPATH dir of a throw-away dist-info declaring it."""
+    from importlib.metadata import entry_points
+    if any(ep.name == "flashmemory" for ep in entry_points(group="sglang.srt.plugins")):
+        return ""
+    d = os.path.join(work, "ep", "flashmemory_gpu_check-0.0.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: flashmemory-gpu-check\nVersion: 0.0\n")
+    with open(os.path.join(d, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nflashmemory = flashmemory.sglang.plugin:register\n")
+    return os.path.dirname(d)
+
+
+def check_case(c: str, r: dict, ref: list | None) -> list[str]:
+    """Failures of one finished case."""
+    bad = []
+    if c in ("off", "full") and r["tokens"] != ref:
+        why = "" if r.get("deterministic") and ref is not None else " (this engine is not run-to-run deterministic)"
+        bad.append(f"{c}: greedy tokens differ from stock{why}")
+    if c == "off" and not r.get("plugin_state"):
+        bad.append("off: the flashmemory plugin did not load (entry point missing?)")
+    if c in ("full", "r10"):
+        d = r.get("diag")
+        if not d:
+            bad.append(f"{c}: no diagnostics from the scheduler: FlashMemory did not run there")
+        else:
+            if not d.get("indexer_calls_captured") or not d.get("reserve_reads_captured"):
+                bad.append(f"{c}: the hooks were not part of a CUDA-graph capture ({d})")
+            if d.get("decode_forwards", 0) <= 0:
+                bad.append(f"{c}: no decode forward reached the plugin")
+    return bad
 
 
 def main() -> int:
@@ -87,46 +166,93 @@ def main() -> int:
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--case-timeout", type=int, default=110)
+    ap.add_argument("--port", type=int, default=30000, help=argparse.SUPPRESS)
+    ap.add_argument("--case-timeout", type=int, default=110, help="seconds per case after the first")
     a = ap.parse_args()
     if a.case:
-        run_case(a.case, a.model_dir, a.out)
+        run_case(a.case, a.model_dir, a.out, a.port)
         return 0
     if a.dry_run:
         for c in CASES:
             print(f"case {c}: env {case_env(c)}")
+        print(f"engine: {engine_kwargs('<tmp>', 30000)}")
         print(f"config: {json.dumps(tiny_config())[:120]}...")
         return 0
+    start = time.monotonic()
+    work = tempfile.mkdtemp(prefix="fm_gpu_check_")
+    out_dir = os.environ.get("OUT") or work
+    os.makedirs(out_dir, exist_ok=True)
+    summary: list[str] = []
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        summary.append(msg)
+        with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+            f.write("\n".join(summary) + "\n")
+
     import torch
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; run with --dry-run on a CPU machine", file=sys.stderr)
+        say("gpu_check: FAILED: no CUDA device (use --dry-run on a CPU machine)")
         return 2
-    work = tempfile.mkdtemp(prefix="fm_gpu_check_")
-    with open(os.path.join(work, "config.json"), "w") as f:
+    try:
+        import sglang  # noqa: F401
+    except Exception as e:  # a missing or broken install is the answer, not a traceback per case
+        say(f"gpu_check: FAILED: sglang does not import with {sys.executable}: {type(e).__name__}: {e}")
+        return 2
+    ep_dir = ensure_entry_point(work)
+    say(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, sglang {sglang.__version__}, "
+        f"python {sys.executable}; entry point {'declared on PYTHONPATH' if ep_dir else 'installed'}; out {out_dir}")
+    model_dir = os.path.join(work, "model")
+    os.makedirs(model_dir)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(tiny_config(), f)
     results, failures = {}, []
-    for c in CASES:
-        out = os.path.join(work, f"{c}.json")
-        env = {**os.environ, **case_env(c)}
-        p = subprocess.run([sys.executable, __file__, "--case", c, "--model-dir", work, "--out", out], env=env,
-                           timeout=a.case_timeout, capture_output=True, text=True)
-        if p.returncode != 0 or not os.path.exists(out):
-            failures.append(f"{c}: exit {p.returncode}\n{p.stderr[-3000:]}")
+    for i, c in enumerate(CASES):
+        left = BUDGET_S - (time.monotonic() - start)
+        limit = int(min(left, FIRST_CASE_S if i == 0 else a.case_timeout))
+        if limit < 30:
+            failures.append(f"{c}: skipped, {left:.0f}s left of the {BUDGET_S}s budget")
             continue
-        results[c] = json.load(open(out))
+        out, stats = os.path.join(work, f"{c}.json"), os.path.join(work, f"{c}.diag.json")
+        pp = os.pathsep.join(x for x in (ep_dir, ROOT, os.environ.get("PYTHONPATH", "")) if x)
+        env = {**os.environ, **case_env(c, stats), "PYTHONPATH": pp}
+        log = os.path.join(out_dir, f"case_{c}.log")
+        t = time.monotonic()
+        rc = run_group([sys.executable, os.path.abspath(__file__), "--case", c, "--model-dir", model_dir, "--out", out,
+                        "--port", str(30000 + 100 * i)], env, limit, log)
+        dt = time.monotonic() - t
+        if rc != 0 or not os.path.exists(out):
+            with open(log, errors="replace") as lf:
+                tail = lf.read()[-2500:]
+            failures.append(f"{c}: exit {rc} after {dt:.0f}s (limit {limit}s); log {log}; tail:\n{tail}")
+            say(f"case {c}: FAILED ({rc}, {dt:.0f}s)")
+            if c == "stock":
+                break
+            continue
+        r = json.load(open(out))
+        r["wall_s"] = dt
+        if os.path.exists(stats):
+            r["diag"] = json.load(open(stats))
+        results[c] = r
+        say(f"case {c}: ran in {dt:.0f}s (engine start {r['startup_s']:.0f}s)")
     ref = results.get("stock", {}).get("tokens")
-    for c in ("off", "full"):
-        if c in results and results[c]["tokens"] != ref:
-            failures.append(f"{c}: greedy tokens differ from stock")
-    base = results.get("off", {}).get("tok_s", {})
-    print(f"{'case':6} " + " ".join(f"{'bs' + str(b) + ' x off':>12}" for b in BATCHES) + "  recall_bytes  resident")
     for c, r in results.items():
-        rel = " ".join(f"{r['tok_s'].get(str(b), 0) / max(base.get(str(b), 1e-9), 1e-9):12.2f}" for b in BATCHES)
-        st = r.get("stats", {})
-        print(f"{c:6} {rel}  {st.get('recall_bytes', 0):12.0f}  {st.get('resident_fraction', float('nan')):.3f}")
+        failures += check_case(c, r, ref)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"results": results, "failures": failures}, f, indent=1, default=str)
+    base_case = "off" if "off" in results else "stock"
+    base = results.get(base_case, {}).get("tok_s", {})
+    say(f"{'case':6} " + " ".join(f"{'bs' + str(b) + ' x ' + base_case:>14}" for b in BATCHES)
+        + "  tokens==stock  graph(capt/eager)  recall_bytes  resident")
+    for c, r in results.items():
+        rel = " ".join(f"{r['tok_s'].get(str(b), 0) / max(base.get(str(b), 1e-9), 1e-9):14.2f}" for b in BATCHES)
+        d = r.get("diag", {})
+        graph = f"{d.get('indexer_calls_captured', '-')}/{d.get('indexer_calls_eager', '-')}"
+        say(f"{c:6} {rel}  {str(r['tokens'] == ref):>13}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
+            f"{d.get('resident_fraction', float('nan')):.3f}")
     for msg in failures:
-        print("FAIL", msg)
-    print("gpu_check:", "FAILED" if failures else "OK")
+        say("FAIL " + msg)
+    say("gpu_check: " + ("FAILED" if failures else "OK") + f" in {time.monotonic() - start:.0f}s")
     return 1 if failures else 0
 
 

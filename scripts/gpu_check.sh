@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-H200 check of the FlashMemory sglang plugin (tiny DSv4, --load-format dummy); at most 8 minutes,
-# installs nothing. DRY_RUN=1 (or no GPU) prints the plan only. See scripts/gpu_check.py for the cases.
+# One-H200 check of the FlashMemory sglang plugin (6-layer DSv4, --load-format dummy); at most 8 minutes,
+# installs nothing. DRY_RUN=1 prints the plan only. Logs, results.json and summary.txt go to $OUT (the device
+# tool returns that folder) or, without $OUT, to a temp dir. See scripts/gpu_check.py for the cases.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$FM_REPO/.venv/bin/python"; [[ -x "$PY" ]] || PY=python3

@@ -137,6 +137,7 @@ class SGLangOffload:
                                        last_keep=env.last_keep, async_recall=env.async_recall)
         self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(sel), self.level1_cfg)
         self.l2 = Level2(self.engine, max_batch=self.cfg.max_rows, topk=512)
+        self._kv_byte_map = self.layout.kv.byte_map.to(self.device)   # device copy: no H2D copy under capture
         self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
         self.rows: dict[str, int] = {}             # rid -> engine row
         self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
@@ -159,6 +160,23 @@ class SGLangOffload:
         n = self.geo.n_locs
         idx = torch.where((locs >= 0) & (locs < n), locs.long(), torch.full_like(locs, n, dtype=torch.long))
         return self.engine.lut.table[self.loc2m[idx]].to(torch.int32)
+
+    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
+        """Copy the c4 entries at pool locs [T] (this step's `c4_out_loc`) from the pool into their reserve cells.
+
+        Graph safe: static shapes, device-only index math, no host sync. Locs that are not resident (or are
+        padding) write to the reserve's sink cell; duplicate resident locs copy identical bytes."""
+        n, pc = self.geo.n_locs, self.geo.page_chunks
+        locs = locs.reshape(-1).long()
+        ok = (locs >= 0) & (locs < n)
+        src = torch.where(ok, locs, torch.zeros_like(locs))
+        cells = self.engine.lut.table[self.loc2m[torch.where(ok, locs, torch.full_like(locs, n))]].long()
+        cells = torch.where(cells >= 0, cells, torch.full_like(cells, self.engine.reserve.sink_cell))
+        fmt, bm = self.layout.kv, self._kv_byte_map
+        src_idx = (src // pc).unsqueeze(1) * fmt.page_bytes + bm[src % pc]
+        dst_idx = (cells // pc).unsqueeze(1) * fmt.page_bytes + bm[cells % pc]
+        dst = self.engine.reserve.kv[layer].view(-1)
+        dst[dst_idx.reshape(-1)] = self.kv_bufs[layer].view(-1)[src_idx.reshape(-1)]
 
     def reserve_kv(self, layer: int) -> torch.Tensor:
         return self.engine.reserve.kv[layer]

@@ -16,18 +16,31 @@ from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_in
 logger = logging.getLogger(__name__)
 
 
-def _resident_metadata(md: Any) -> Any:
-    """Score-resident: the forward's indexer metadata with the resident page table and lengths (once per forward)."""
-    key = id(md)
-    if RUNTIME._rs_cache is not None and RUNTIME._rs_cache[0] == key:
-        return RUNTIME._rs_cache[1]
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (host syncs are illegal then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _resident_metadata(md: Any, layer: int) -> Any:
+    """Score-resident: the forward's indexer metadata with the resident page table and lengths.
+
+    Built by the first c4 layer of each forward and reused by the later ones. The cache holds `md` itself
+    (not its id, which CPython reuses once the old metadata is freed) and the c4 layer that built it; a
+    layer that does not come after that one starts a new forward (also each CUDA-graph warmup and capture
+    run, so the capture records the view's computation instead of baking in a warmup-time tensor).
+    """
+    cache = RUNTIME._rs_cache
+    if cache is not None and cache[0] is md and layer > cache[1]:
+        return cache[2]
     bs = md.page_table.shape[0]
-    if RUNTIME.bufs is None:
-        RUNTIME.bufs = Level2Buffers.allocate(max(bs, 1), RUNTIME.level2_width(), md.page_table.device)
+    if RUNTIME.bufs is None or RUNTIME.bufs.sel_pages.shape[0] < bs:
+        # Normally allocated before capture (SGLANG_PATHP_CUDAGRAPH=1); size it for every row the engine has.
+        rows = max(bs, RUNTIME.env.decode_max_conc)
+        RUNTIME.bufs = Level2Buffers.allocate(rows, RUNTIME.level2_width(), md.page_table.device)
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
-    RUNTIME._rs_cache = (key, view)
+    RUNTIME._rs_cache = (md, layer, view)
     return view
 
 
@@ -42,11 +55,12 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
     meta = self.forward_metadata
     md = meta.indexer_metadata
     RUNTIME.decode_active = True
+    RUNTIME.count("indexer_calls_captured" if _capturing() else "indexer_calls_eager")
     if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
         RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, md.page_table, md.compressed_seq_lens)
     engine = RUNTIME.engine
     if RUNTIME.on("level2") and RUNTIME.env.score_resident:
-        meta.indexer_metadata = _resident_metadata(md)
+        meta.indexer_metadata = _resident_metadata(md, -1 if layer is None else layer)
         try:
             out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
         finally:
@@ -109,18 +123,46 @@ def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     RUNTIME.attach_pool(self)
 
 
+def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                     forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """DeepseekV4AttnBackend.forward: the only scope in which the c4 cache is read through the reserve.
+
+    On CUDA the core compressor writes the new c4 entry straight into `get_extra_key_buffer(layer)` (compressor_v2
+    forward_unified -> _forward_compress_all_in_one), after the indexer and before attention, so the buffer must
+    stay the pool outside this scope. Here, after that store, the entries this step closed are copied from the
+    pool into their reserve cells (graph safe), then attention reads the reserve with the remapped top-k."""
+    engine = RUNTIME.engine
+    pool = getattr(self, "token_to_kv_pool", None)
+    if engine is None or pool is not RUNTIME.pool or not forward_batch.forward_mode.is_decode():
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    c4 = RUNTIME.c4_layer(pool, layer.layer_id)
+    if c4 is None:
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    out_loc = getattr(self.forward_metadata.core_metadata, "c4_out_loc", None)
+    if out_loc is not None:
+        engine.refresh_from_pool(c4, out_loc)
+    RUNTIME.attn_layer = c4
+    try:
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    finally:
+        RUNTIME.attn_layer = None
+
+
 def around_get_extra_key_buffer(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
     engine = RUNTIME.engine
-    if engine is not None and self is RUNTIME.pool and RUNTIME.decode_active:
+    if engine is not None and self is RUNTIME.pool and RUNTIME.attn_layer is not None:
         layer = RUNTIME.c4_layer(self, layer_id)
-        if layer is not None:
+        if layer is not None and layer == RUNTIME.attn_layer:
+            RUNTIME.count("reserve_reads_captured" if _capturing() else "reserve_reads_eager")
             return engine.reserve_kv(layer)
     return original(self, layer_id, *args, **kwargs)
 
 
 def after_set_extra_key(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    # Only the HIP / trtllm / V4.1 store paths call this; the CUDA flashmla path writes the buffer in-kernel.
+    # The copy syncs the host, so it is skipped under capture; `begin_step` settles those chunks a step later.
     engine = RUNTIME.engine
-    if engine is not None and self is RUNTIME.pool:
+    if engine is not None and self is RUNTIME.pool and not _capturing():
         layer = RUNTIME.c4_layer(self, layer_id)
         if layer is not None:
             engine.on_c4_store(layer, loc)
@@ -145,9 +187,10 @@ def around_get_index_k(original: Callable, self: Any, layer_id: int, *args: Any,
 
 
 def after_set_index_k(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    # Every c4 layer: target layers feed Level 1's keys, the others the Path-I mirror.
+    # Every c4 layer: target layers feed Level 1's keys, the others the Path-I mirror. Not called on the CUDA
+    # flashmla path (the indexer compressor writes in-kernel); `begin_step` settles the chunks from the pool.
     engine = RUNTIME.engine
-    if engine is not None and self is RUNTIME.pool:
+    if engine is not None and self is RUNTIME.pool and not _capturing():
         layer = RUNTIME.c4_layer(self, layer_id)
         if layer is not None:
             engine.on_index_store(layer, loc)

@@ -7,7 +7,9 @@ module only drives it. Static buffers live here so the decode CUDA graph can bak
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +28,7 @@ class OffloadEngine(Protocol):
     reserve_kv(l)   uint8 [blocks, 37440] device reserve rows read by attention instead of the c4 pool
     reserve_index(l) uint8 [blocks, 8448] or None   Path-I reserve for non-target index-K
     begin_step      sync requests before a decode forward (rids, c4 page table [B, P], token lengths [B])
+    refresh_from_pool(l, locs)  copy this step's new c4 entries (pool locs [T]) into their cells (graph safe)
     """
 
     resident_mask: torch.Tensor
@@ -34,6 +37,7 @@ class OffloadEngine(Protocol):
     def reserve_kv(self, layer: int) -> torch.Tensor: ...
     def reserve_index(self, layer: int) -> torch.Tensor | None: ...
     def begin_step(self, rids: list[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None: ...
     def on_c4_store(self, layer: int, locs: torch.Tensor) -> None: ...
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None: ...
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]: ...
@@ -106,9 +110,29 @@ class Runtime:
         self.metrics = None
         self.mask_resident: torch.Tensor | None = None   # set around one indexer call in mask mode
         self.decode_active = False
+        self.attn_layer: int | None = None               # c4 layer whose attention is running (reads the reserve)
         self.sideband_inputs: dict[str, torch.Tensor] = {}
-        self._rs_cache: tuple[int, Any] | None = None
+        self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
         self.steps = 0
+        self.counters: dict[str, int] = {}
+        self.diag_path = os.environ.get("FLASHMEMORY_STATS_FILE", "")  # diagnostics for scripts/gpu_check.py
+
+    def count(self, name: str) -> None:
+        """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def write_diagnostics(self) -> None:
+        """Write counters, buffer shapes and engine stats as JSON to $FLASHMEMORY_STATS_FILE (atomic), if set."""
+        if not self.diag_path:
+            return
+        d: dict[str, Any] = {"features": list(self.features), "decode_forwards": self.steps, **self.counters,
+                             "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None}
+        if self.engine is not None:
+            d.update(self.engine.stats())
+        tmp = f"{self.diag_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, self.diag_path)
 
     def configure(self, env: FlashMemoryEnv, features: tuple[str, ...]) -> None:
         self.env, self.features = env, features
@@ -172,6 +196,11 @@ class Runtime:
             return
         snapshot = {k: v.detach().clone() for k, v in self.sideband_inputs.items()}
         self.engine.level1(snapshot)
+        try:
+            self.write_diagnostics()
+        except OSError as e:
+            logger.warning("FlashMemory: diagnostics not written (%s)", e)
+            self.diag_path = ""
         if self.metrics is not None and self.steps % self.env.interval == 0:
             self.metrics.publish(self.engine.stats())
 

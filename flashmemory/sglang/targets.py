@@ -16,6 +16,7 @@ _IDX = "sglang.srt.layers.attention.dsv4.indexer"
 _POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 
 
 class TargetError(RuntimeError):
@@ -44,6 +45,8 @@ SPECS: tuple[HookSpec, ...] = (
     HookSpec("path_p", f"{_POOL}.__init__", "after",
              ("self", "max_num_reqs", "swa_size", "c4_size", "c128_size"), "after_pool_init"),
     HookSpec("path_p", f"{_POOL}.get_extra_key_buffer", "around", ("self", "layer_id"), "around_get_extra_key_buffer"),
+    # The reserve is read only inside attention: the core compressor also calls get_extra_key_buffer to store.
+    HookSpec("path_p", f"{_ATTN}.forward", "around", ("self", "q", "k", "v", "layer", "forward_batch"), "around_attention"),
     HookSpec("path_p", f"{_POOL}.set_extra_key_buffer", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
     HookSpec("path_p", f"{_POOL}.set_extra_key_buffer_fused", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
     HookSpec("path_p", f"{_POOL}.get_contiguous_buf_infos", "around", ("self",), "around_contiguous_buf_infos"),
