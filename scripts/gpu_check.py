@@ -157,6 +157,8 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
                 bad.append(f"{c}: the hooks were not part of a CUDA-graph capture ({d})")
             if d.get("decode_forwards", 0) <= 0:
                 bad.append(f"{c}: no decode forward reached the plugin")
+            if d.get("sideband_stale"):
+                bad.append(f"{c}: {d['sideband_stale']} decode forwards left the Level-1 side band stale (copy not in the graph)")
     return bad
 
 

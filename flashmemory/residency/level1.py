@@ -117,15 +117,26 @@ class Level1:
         job = [(row, gen, n, {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
                 positions.reshape(-1)[idx[j]].clone()) for j, (_, row, gen, n) in enumerate(due)]
         if self._worker is None:
-            self._run(job)
+            self._run((None, job))
         else:
+            # The clones above are queued on this thread's current CUDA stream; the worker's scorer runs on
+            # another stream, so it waits for them on an event (not a host sync) before reading.
+            ready = None
+            if any(h.is_cuda for h in hidden.values()):
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream())
+            job = (ready, job)
             if self._q.unfinished_tasks:
                 for _, row, _, _ in due:
                     eng.note(row, "cycles_late")
             self._q.put(job)
         return [d[1] for d in due]
 
-    def _run(self, job: list) -> None:
+    def _run(self, item: tuple) -> None:
+        """item: (CUDA event the inputs are ready on, or None; [(row, gen, n_hist, hidden, position)])."""
+        ready, job = item
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
         reqs = []
         try:
             for row, gen, n, hid, pos in job:

@@ -318,13 +318,19 @@ class SGLangOffload:
     # --- Level 1 / Level 2 -------------------------------------------------------------------------
     def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One decode step's Level-1 call (cadence and async are Level1's). snapshot: hidden_{layer} [B, hidden]
-        for the target layers (absent without a retriever), positions [B]. Returns {"pages": [B, res_cap]}."""
+        for the target layers (absent without a retriever), positions [B]. Returns {"pages": [B, res_cap]}.
+
+        The tensors may be views of the runtime's static side band: `Level1.on_step` copies the due rows
+        (index_select + clone) on the caller's stream, so the next forward may overwrite them. A snapshot
+        shorter than the batch (side band capacity) leaves the rows beyond it out of this step's cycle."""
         rows = self.step_rows
-        if rows.numel() and bool((rows >= 0).any()):
-            hidden = {l: snapshot[f"hidden_{l}"][: rows.numel()] for l in self.layout.target_layers
-                      if f"hidden_{l}" in snapshot}
-            positions = snapshot.get("positions", torch.zeros(rows.numel(), dtype=torch.int64))[: rows.numel()]
-            self.l1.on_step(rows.tolist(), hidden, positions)
+        n = rows.numel()
+        if "positions" in snapshot:
+            n = min(n, snapshot["positions"].shape[0])
+        if n and bool((rows[:n] >= 0).any()):
+            hidden = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers if f"hidden_{l}" in snapshot}
+            positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
+            self.l1.on_step(rows[:n].tolist(), hidden, positions)
         return {"pages": self.resident_pages(rows)}
 
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:

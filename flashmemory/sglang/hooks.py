@@ -55,9 +55,11 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
     meta = self.forward_metadata
     md = meta.indexer_metadata
     RUNTIME.decode_active = True
-    RUNTIME.count("indexer_calls_captured" if _capturing() else "indexer_calls_eager")
+    capturing = _capturing()
+    RUNTIME.count("indexer_calls_captured" if capturing else "indexer_calls_eager")
     if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
-        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, md.page_table, md.compressed_seq_lens)
+        # In-place copy into the static side band: recorded into the graph, so it replays every step.
+        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing)
     engine = RUNTIME.engine
     if RUNTIME.on("level2") and RUNTIME.env.score_resident:
         meta.indexer_metadata = _resident_metadata(md, -1 if layer is None else layer)
@@ -197,11 +199,16 @@ def after_set_index_k(result: Any, self: Any, layer_id: int, loc: torch.Tensor, 
 
 
 def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
-    """Allocate the Level-2 static buffers before capture so the graph bakes them in."""
+    """Before capture: size the Level-1 side band for the largest decode batch (it is allocated by the first
+    eager warmup, which precedes every capture) and allocate the Level-2 static buffers so the graph bakes them in."""
     if getattr(self, "is_draft_worker", False):
         return
     sa = self.server_args
     max_bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "max_running_requests", None) or 256
+    if RUNTIME.on("level1"):
+        RUNTIME.sideband_rows_hint = max(int(max_bs), int(getattr(sa, "max_running_requests", None) or 0))
+    if not RUNTIME.on("cudagraph"):
+        return
     RUNTIME.bufs = Level2Buffers.allocate(int(max_bs), RUNTIME.level2_width(), self.device)
     logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated before CUDA graph capture", max_bs, RUNTIME.level2_width())
 

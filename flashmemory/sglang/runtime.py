@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from flashmemory.env import FlashMemoryEnv
+from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,10 @@ class Runtime:
         self.mask_resident: torch.Tensor | None = None   # set around one indexer call in mask mode
         self.decode_active = False
         self.attn_layer: int | None = None               # c4 layer whose attention is running (reads the reserve)
-        self.sideband_inputs: dict[str, torch.Tensor] = {}
+        self.sideband: SidebandBuffers | None = None     # Level-1 inputs, written in place by the indexer hook
+        self.sideband_rows_hint = 0                       # largest decode batch the server may run (init_cuda_graphs)
+        self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
+        self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
         self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
         self.steps = 0
         self.counters: dict[str, int] = {}
@@ -167,15 +171,51 @@ class Runtime:
         return compress_layer_id if ratio == 4 else None
 
     # --- side band (Level 1) -----------------------------------------------------------------------
-    def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        d = self.sideband_inputs
-        d[f"hidden_{layer}"] = x.detach()
-        d["positions"], d["page_table"], d["seq_lens"] = positions, page_table, seq_lens
+    def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, capturing: bool) -> None:
+        """Target c4 layer `layer`'s indexer hook: copy x [B, hidden] and positions [B] into the static side band.
+
+        The buffers are allocated on the first (eager) call, which precedes capture (sglang warms every bucket up
+        eagerly, largest first), sized max(B, SGLANG_PATHP_DECODE_MAX_CONC, server max batch). Under capture, or
+        once a graph has recorded them, a misfit raises instead of reallocating (the graph would keep writing the
+        old buffers). The copy itself is graph safe (`SidebandBuffers.write`)."""
+        sb = self.sideband
+        if sb is None or not sb.accepts(layer, x):
+            if capturing or self._sideband_frozen:
+                raise SidebandError(f"FlashMemory side band: no static buffer for c4 layer {layer} input "
+                                    f"{x.dtype} {tuple(x.shape)} {x.device} and it cannot be (re)allocated "
+                                    "under / after CUDA-graph capture")
+            rows = max(x.shape[0], self.env.decode_max_conc, self.sideband_rows_hint)
+            sb = self.sideband = SidebandBuffers.allocate(tuple(self.env.retriever_layers), rows, x.shape[1],
+                                                          x.dtype, x.device)
+            logger.info("FlashMemory: Level-1 side band [%d, %d] x %d layers allocated", rows, x.shape[1],
+                        len(sb.layers))
+        if capturing:
+            self._sideband_frozen = True
+        sb.write(layer, x.detach(), positions)
+
+    def sideband_snapshot(self, n_rows: int) -> dict[str, torch.Tensor] | None:
+        """Views of the side band's first n_rows (the real requests) after a decode forward; {} without a side
+        band (no retriever); None when a target layer did not write this forward (its hook is not in the graph:
+        the rows would be stale). Freshness is checked, with one host sync, on the first forward of each batch
+        size and on every forward while diagnostics are on."""
+        sb = self.sideband
+        if sb is None or n_rows == 0:
+            return {}
+        if self.diag_path or n_rows not in self._sideband_checked:
+            stale = sb.stale_layers(n_rows)
+            if stale:
+                self.count("sideband_stale")
+                logger.error("FlashMemory side band: c4 layers %s did not write their inputs this forward "
+                             "(batch %d); Level 1 skips the step", stale, n_rows)
+                return None
+            self._sideband_checked.add(n_rows)
+        return sb.read(n_rows)
 
     def before_forward(self, forward_batch: Any, req_to_token: torch.Tensor | None = None) -> None:
         """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the
         static Level-2 buffer (read by the graph in score-resident mode)."""
+        if self.sideband is not None and forward_batch.forward_mode.is_decode():
+            self.sideband.begin_forward()
         if self.engine is None or not forward_batch.forward_mode.is_decode() or req_to_token is None:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])
@@ -190,12 +230,16 @@ class Runtime:
             self.bufs.publish()
 
     def after_decode_forward(self, forward_batch: Any) -> None:
-        """Hand the step to Level 1 (its own cadence, worker thread and generation checks), export stats."""
+        """Hand the step to Level 1 (its own cadence, worker thread and generation checks), export stats.
+
+        Level 1 reads the static side band (views of the real rows; it clones what its job keeps on this stream,
+        before the next forward is launched), never a tensor captured inside the forward."""
         self.steps += 1
         if self.engine is None:
             return
-        snapshot = {k: v.detach().clone() for k, v in self.sideband_inputs.items()}
-        self.engine.level1(snapshot)
+        snapshot = self.sideband_snapshot(len(getattr(forward_batch, "rids", None) or []))
+        if snapshot is not None:
+            self.engine.level1(snapshot)
         try:
             self.write_diagnostics()
         except OSError as e:

@@ -58,6 +58,7 @@ SPECS: tuple[HookSpec, ...] = (
     # (3) CUDA graph: static buffers before capture, capture-head hook to learn the bucket size.
     HookSpec("cudagraph", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs"),
     # (4) Level-1 side band: publish before a forward, launch after a decode forward.
+    HookSpec("level1", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs"),
     HookSpec("level1", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward"),
     HookSpec("level1", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward"),
     # (5) Dump mode: per-request control from custom_params, flush when idle.

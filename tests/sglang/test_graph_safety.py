@@ -114,4 +114,5 @@ def test_gpu_check_verdicts():
     assert "did not run" in gc.check_case("r10", {"tokens": [[1]]}, ref)[0]      # r10 tokens are not compared
     assert "CUDA-graph" in gc.check_case("r10", {"tokens": ref, "diag": {**good, "indexer_calls_captured": 0}}, ref)[0]
     assert "did not load" in gc.check_case("off", {"tokens": ref, "plugin_state": None}, ref)[0]
+    assert "stale" in gc.check_case("r10", {"tokens": ref, "diag": {**good, "sideband_stale": 2}}, ref)[0]
     assert gc.tiny_config()["index_topk"] in (512, 1024) and gc.tiny_config()["head_dim"] == 512

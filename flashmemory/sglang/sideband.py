@@ -1,0 +1,83 @@
+"""Static side-band buffers that carry the Level-1 inputs out of the decode forward, CUDA graph or not.
+
+Under `SGLANG_PATHP_CUDAGRAPH=1` (and any captured decode) the indexer hook's Python runs only while the graph is
+captured; on replay only the recorded device ops run. Level 1 therefore must not keep a Python reference to a
+forward-time tensor (the capture-time `x` lives in the graph's private pool and is reused by later ops of the
+same graph). Instead, each target c4 layer's indexer hook records an in-place `copy_` into buffers allocated
+before capture; replay re-executes that copy every step, and Level 1 reads the buffers after the forward.
+Eager decode uses the very same path.
+
+Buffers (max_bs = `capacity`):
+  hidden[l]   [max_bs, hidden]  dtype of x   indexer-input hidden states of target c4 layer l, rows [:B] this step
+  positions   [max_bs]          int64        token positions of the rows
+  written     [n_target]        int64        rows each target layer wrote in the current forward (0 = hook did
+                                             not run: stale data); zeroed by `begin_forward` before each forward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SidebandError(RuntimeError):
+    """The side band cannot take this forward's inputs without a (capture-illegal) reallocation."""
+
+
+@dataclass
+class SidebandBuffers:
+    layers: tuple[int, ...]              # target c4 layers, in the order of `written`
+    hidden: dict[int, torch.Tensor]      # layer -> [capacity, hidden]
+    positions: torch.Tensor              # [capacity] int64
+    written: torch.Tensor                # [len(layers)] int64
+
+    @classmethod
+    def allocate(cls, layers: tuple[int, ...], capacity: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "SidebandBuffers":
+        """Zero-filled buffers for `capacity` rows. Call outside CUDA-graph capture."""
+        return cls(tuple(layers),
+                   {l: torch.zeros(capacity, hidden, dtype=dtype, device=device) for l in layers},
+                   torch.zeros(capacity, dtype=torch.int64, device=device),
+                   torch.zeros(len(layers), dtype=torch.int64, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[0]
+
+    def accepts(self, layer: int, x: torch.Tensor) -> bool:
+        """Whether `write(layer, x, ...)` can run without reallocation (shape / dtype / device only, no sync)."""
+        buf = self.hidden.get(layer)
+        return (buf is not None and x.dim() == 2 and x.shape[1] == buf.shape[1] and x.dtype == buf.dtype
+                and x.device == buf.device)
+
+    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record this layer's inputs: x [B, hidden], positions [>= B] (any int dtype). CUDA-graph safe.
+
+        Only static-shape in-place device ops (`copy_`, `fill_` with a Python int taken from shapes): no host
+        sync, no allocation, no branch on tensor values. Rows [B:] (graph padding beyond capacity, or rows of an
+        earlier, larger batch) are left untouched; readers take only the real rows."""
+        n = min(x.shape[0], self.capacity, positions.reshape(-1).shape[0])
+        self.hidden[layer][:n].copy_(x[:n])
+        self.positions[:n].copy_(positions.reshape(-1)[:n])
+        self.written[self.layers.index(layer)].fill_(n)
+
+    def begin_forward(self) -> None:
+        """Mark every layer stale before a forward (eager, on the main stream, ordered before the replay)."""
+        self.written.zero_()
+
+    def read(self, n_rows: int) -> dict[str, torch.Tensor]:
+        """Views of the first min(n_rows, capacity) rows: {"hidden_{l}": [n, hidden], "positions": [n]}.
+
+        Views, not copies: valid until the next forward overwrites the buffers, so the reader must take what it
+        keeps (Level 1's `index_select` + `clone`) on the main stream before that forward is launched."""
+        n = min(n_rows, self.capacity)
+        out = {f"hidden_{l}": buf[:n] for l, buf in self.hidden.items()}
+        out["positions"] = self.positions[:n]
+        return out
+
+    def stale_layers(self, n_rows: int) -> list[int]:
+        """Target layers that wrote fewer than min(n_rows, capacity) rows this forward. Syncs the host."""
+        need = min(n_rows, self.capacity)
+        got = self.written.tolist()
+        return [l for l, w in zip(self.layers, got) if w < need]
