@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-from flashmemory.dump.format import N_LOGIT_TOKENS, DumpDoc
+from flashmemory.dump.format import N_LOGIT_TOKENS, STORE_TOPK_MODES, DumpDoc
 from flashmemory.dump.inputs import InputItem
 
 DEFAULT_TARGET_LAYERS = (10, 12, 20)
@@ -21,12 +21,23 @@ class DumpBackendError(RuntimeError):
 
 @dataclass(frozen=True)
 class DumpConfig:
+    """One dump run's settings. store_topk / topk_interval: which decode steps keep the native top-k of
+    every c4 layer ("none", "cycle" = t % topk_interval == 0, "all"); only the hf backend stores it."""
+
     topp: float = 0.6
     min_layers: int = 3
     target_layers: tuple[int, ...] = DEFAULT_TARGET_LAYERS
     max_tokens: int = 2048
     thinking: bool = False
     n_logit_tokens: int = N_LOGIT_TOKENS
+    store_topk: str = "cycle"
+    topk_interval: int = 64
+
+    def __post_init__(self) -> None:
+        if self.store_topk not in STORE_TOPK_MODES:
+            raise ValueError(f"store_topk={self.store_topk!r}: expected one of {', '.join(STORE_TOPK_MODES)}")
+        if self.topk_interval < 1:
+            raise ValueError(f"topk_interval={self.topk_interval}: must be >= 1")
 
 
 class DumpBackend(Protocol):

@@ -23,6 +23,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-csa-layers", type=int, nargs="+", default=None, metavar="L",
                    help="c4-layer ids whose hidden/keys are saved (default 10 12 20; on a model with fewer c4 "
                         "layers the last three, with a note)")
+    p.add_argument("--store-topk", choices=("none", "cycle", "all"), default="cycle",
+                   help="store the native top-k (ids + logits) of every c4 layer for decode steps: cycle = every "
+                        "--topk-interval-th step, all = every step (large: T x k x 8 bytes per layer), none. "
+                        "hf backend only; the sglang backend ignores it (default %(default)s)")
+    p.add_argument("--topk-interval", type=int, default=64, help="step interval of --store-topk cycle "
+                                                                   "(default %(default)s = tau)")
     p.add_argument("--concurrency", type=int, default=4, help="pass-1 requests in flight (sglang backend)")
     p.add_argument("--batch-size", type=int, default=10, help="items per pass-1 / pass-2 / merge round")
     p.add_argument("--backend", choices=("hf", "sglang"), default="hf",
@@ -52,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if args.min_layers < 1:
         print(f"error: --min-layers {args.min_layers} must be >= 1", file=sys.stderr)
         return 2
+    if args.topk_interval < 1:
+        print(f"error: --topk-interval {args.topk_interval} must be >= 1", file=sys.stderr)
+        return 2
     try:
         if args.backend == "hf":
             from flashmemory.dump.hf_backend import HFBackend
@@ -64,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
                                     concurrency=args.concurrency, thinking=args.thinking,
                                     flush_timeout=args.flush_timeout)
             max_tokens = args.max_tokens or 2048
+            if args.store_topk != "none":
+                print(f"note: the sglang backend does not store native top-k yet; --store-topk {args.store_topk} "
+                      "is ignored (eval then measures mass on the first decode steps only)", file=sys.stderr)
         layers, note = resolve_target_layers(args.target_csa_layers, backend.n_c4_layers)
         if note:
             print(note, file=sys.stderr)
@@ -72,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             raise DumpBackendError(f"--min-layers {args.min_layers} exceeds the model's {n_c4} c4 layers: "
                                    "no chunk could ever be golden")
         cfg = DumpConfig(topp=args.topp, min_layers=args.min_layers, target_layers=layers,
-                         max_tokens=max_tokens, thinking=args.thinking)
+                         max_tokens=max_tokens, thinking=args.thinking, store_topk=args.store_topk,
+                         topk_interval=args.topk_interval)
         rep = run_dump(backend, args.input, out_dir, cfg, start_idx=args.start_idx, end_idx=args.end_idx,
                        n_samples=args.n_samples, batch_size=args.batch_size, progress=not args.no_progress)
         for p in sorted(out_dir.glob("doc_*.safetensors"))[-1:]:  # cheap self-check of the newest file

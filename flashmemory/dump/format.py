@@ -8,6 +8,10 @@ Tensors in a doc file (L = c4-layer id of a target CSA layer, T decode tokens, N
   label_pointers              [T+1] int32
   logits_layer_{L}_token_{t}  [n_t] float32      native indexer logits of the first decode steps (verification)
   input_ids                   [P+T] int64        optional: the tokens (prompt then response)
+  native_topk_steps           [S] int32          optional: decode steps whose native top-k is stored (ascending)
+  native_topk_idx_layer_{C}   [S, k] int32       optional, every c4 layer C (not only targets): native top-k
+                                                 chunk ids of those steps, sorted by logit descending; -1 = invalid
+  native_topk_val_layer_{C}   [S, k] float32     their native logits; -inf where the id is -1 (k = index_topk)
 Decode step t is the query at position P+t whose input is response token t; it sees chunks
 j < (P+t+1)//ratio. Scalars live in the safetensors metadata (all strings): format, doc_index, rid,
 n_prompt_blocks (= P//ratio, chunks made of prompt tokens only), ratio, topp, min_layers, target_csa_layers.
@@ -33,6 +37,9 @@ N_LOGIT_TOKENS = 3
 _DOC_RE = re.compile(r"^doc_(\d{5,})\.(safetensors|pkl)$")
 _KEY_RE = re.compile(r"^(hidden|positions|compk)_layer_(\d+)$")
 _LOGIT_RE = re.compile(r"^logits_layer_(\d+)_token_(\d+)$")
+_TOPK_RE = re.compile(r"^native_topk_(idx|val)_layer_(\d+)$")
+TOPK_STEPS_KEY = "native_topk_steps"
+STORE_TOPK_MODES = ("none", "cycle", "all")
 
 
 class DumpFormatError(ValueError):
@@ -45,7 +52,13 @@ def doc_filename(doc_index: int, suffix: str = "safetensors") -> str:
 
 @dataclass
 class DumpDoc:
-    """One dumped document, in memory. hidden is float32 after loading (bf16 on disk)."""
+    """One dumped document, in memory. hidden is float32 after loading (bf16 on disk).
+
+    native_topk: c4-layer id C (every c4 layer, not only the targets) -> (idx [S, k] int32 chunk ids,
+    -1 = invalid pick; val [S, k] float32 native logits, -inf where idx is -1), rows sorted by logit
+    descending. Row i belongs to decode step native_topk_steps[i] ([S] int32, strictly ascending in
+    [0, T)). Both are empty for documents dumped without stored top-k (older dumps, --store-topk none).
+    """
 
     doc_index: int
     rid: str
@@ -61,6 +74,8 @@ class DumpDoc:
     topp: float = 0.6
     min_layers: int = 3
     input_ids: torch.Tensor | None = None     # [P+T] int64
+    native_topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # C -> ([S,k] i32, [S,k] f32)
+    native_topk_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [S] int32
 
     @property
     def target_layers(self) -> list[int]:
@@ -121,6 +136,76 @@ class DumpDoc:
         for (L, t), lg in self.native_logits.items():
             if L not in self.hidden or not 0 <= t < T or lg.dim() != 1:
                 raise bad(f"logits_layer_{L}_token_{t}", f"shape {tuple(lg.shape)} for layer {L}, T={T}")
+        self._validate_topk(bad)
+
+    def _validate_topk(self, bad) -> None:
+        """Shapes, dtypes and ranges of the stored native top-k (nothing to check when none is stored)."""
+        st, T = self.native_topk_steps, self.n_tokens
+        if st.dim() != 1 or st.dtype != torch.int32:
+            raise bad(TOPK_STEPS_KEY, f"{st.dtype} {tuple(st.shape)}, expected int32 [S]")
+        S = int(st.numel())
+        if S and not self.native_topk:
+            raise bad(TOPK_STEPS_KEY, f"{S} stored steps but no native_topk_idx/val_layer_* tensors")
+        if self.native_topk and not S:
+            raise bad(TOPK_STEPS_KEY, f"missing or empty, but native top-k of layers {sorted(self.native_topk)} is stored")
+        if S and (int(st.min()) < 0 or int(st.max()) >= T or (S > 1 and bool((st[1:] <= st[:-1]).any()))):
+            raise bad(TOPK_STEPS_KEY, f"must be strictly ascending decode steps in [0, T={T}), got {st.tolist()[:8]}...")
+        k0 = None
+        n_vis = self.n_chunks_at[st.long()] if S and self.positions else None
+        for C, (idx, val) in sorted(self.native_topk.items()):
+            if idx.dim() != 2 or idx.dtype != torch.int32 or idx.shape[0] != S:
+                raise bad(f"native_topk_idx_layer_{C}", f"{idx.dtype} {tuple(idx.shape)}, expected int32 [S={S}, k]")
+            if val.dtype != torch.float32 or val.shape != idx.shape:
+                raise bad(f"native_topk_val_layer_{C}", f"{val.dtype} {tuple(val.shape)}, expected float32 "
+                                                        f"{list(idx.shape)} like native_topk_idx_layer_{C}")
+            k0 = idx.shape[1] if k0 is None else k0
+            if idx.shape[1] != k0:
+                raise bad(f"native_topk_idx_layer_{C}", f"k={idx.shape[1]} differs from the other layers' k={k0}")
+            valid = idx >= 0
+            if bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any()):
+                raise bad(f"native_topk_idx_layer_{C}", "ids must be >= 0 exactly where the value is a finite "
+                                                        "logit (-1 with -inf otherwise)")
+            if n_vis is not None and bool((valid & (idx.long() >= n_vis[:, None])).any()):
+                raise bad(f"native_topk_idx_layer_{C}", "a chunk id is not visible at its decode step")
+
+
+def topk_store_steps(n_tokens: int, mode: str, interval: int = 64) -> torch.Tensor:
+    """Decode steps whose native top-k a dump stores. Returns [S] int32, ascending.
+
+    mode "none": no step; "cycle": every t with t % interval == 0 (the cycle starts at tau = interval);
+    "all": every step 0..n_tokens-1.
+    """
+    if mode not in STORE_TOPK_MODES:
+        raise ValueError(f"store_topk={mode!r}: expected one of {', '.join(STORE_TOPK_MODES)}")
+    if interval < 1:
+        raise ValueError(f"topk_interval={interval}: must be >= 1")
+    if mode == "none":
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.arange(0, n_tokens, interval if mode == "cycle" else 1, dtype=torch.int32)
+
+
+def native_topk_rows(logits: torch.Tensor, n_visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored top-k of some decode steps of one layer.
+
+    logits: [S, N] float native indexer logits (any float dtype); n_visible: [S] int visible-chunk counts
+    (columns >= n_visible, and non-finite logits, are not eligible). Returns (idx [S, k] int32, -1 where
+    fewer than k chunks are eligible; val [S, k] float32, -inf there), sorted by logit descending.
+    """
+    if logits.dim() != 2 or n_visible.shape != logits.shape[:1]:
+        raise ValueError(f"logits {tuple(logits.shape)} / n_visible {tuple(n_visible.shape)}: expected [S, N] / [S]")
+    S, N = logits.shape
+    cols = torch.arange(N, device=logits.device)
+    masked = logits.float().masked_fill(cols[None, :] >= n_visible.to(logits.device).long()[:, None], float("-inf"))
+    masked = masked.masked_fill(~torch.isfinite(masked), float("-inf"))
+    idx = torch.full((S, k), -1, dtype=torch.int32)
+    val = torch.full((S, k), float("-inf"), dtype=torch.float32)
+    kk = min(k, N)
+    if S and kk:
+        v, i = torch.topk(masked, kk, dim=1, largest=True, sorted=True)
+        ok = v > float("-inf")
+        idx[:, :kk] = torch.where(ok, i, torch.full_like(i, -1)).to(torch.int32).cpu()
+        val[:, :kk] = v.cpu()
+    return idx, val
 
 
 def _meta_int(meta: dict[str, str], key: str, source: str, default: int | None = None) -> int:
@@ -137,6 +222,7 @@ def _meta_int(meta: dict[str, str], key: str, source: str, default: int | None =
 def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> DumpDoc:
     """Assemble (and validate) a DumpDoc from a flat key -> tensor dict and string metadata."""
     hidden, positions, compk, logits = {}, {}, {}, {}
+    topk: dict[str, dict[int, torch.Tensor]] = {"idx": {}, "val": {}}
     for k, v in tensors.items():
         if not isinstance(v, torch.Tensor):
             raise DumpFormatError(f"{source}: key {k!r} holds a {type(v).__name__}, not a tensor")
@@ -147,6 +233,14 @@ def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], sou
         m = _LOGIT_RE.match(k)
         if m:
             logits[(int(m.group(1)), int(m.group(2)))] = v.float().reshape(-1)
+            continue
+        m = _TOPK_RE.match(k)
+        if m:
+            topk[m.group(1)][int(m.group(2))] = v
+    for a, b in (("idx", "val"), ("val", "idx")):
+        for C in sorted(set(topk[a]) - set(topk[b])):
+            raise DumpFormatError(f"{source}: key 'native_topk_{b}_layer_{C}' missing "
+                                  f"(native_topk_{a}_layer_{C} is present)")
     for k in ("label_indices", "label_scores", "label_pointers"):
         if k not in tensors:
             raise DumpFormatError(f"{source}: key {k!r} missing")
@@ -165,6 +259,8 @@ def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], sou
         topp=float(meta.get("topp", 0.6)),
         min_layers=_meta_int(meta, "min_layers", source, 3),
         input_ids=tensors["input_ids"].long() if "input_ids" in tensors else None,
+        native_topk={C: (topk["idx"][C], topk["val"][C]) for C in sorted(topk["idx"])},
+        native_topk_steps=tensors.get(TOPK_STEPS_KEY, torch.zeros(0, dtype=torch.int32)),
     )
     doc.validate(source)
     return doc

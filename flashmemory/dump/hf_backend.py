@@ -3,7 +3,8 @@
 Pass 1 is a greedy `generate`; pass 2 is one teacher-forced forward over prompt + response, from
 which everything is taken (so the keys cover the response, as upstream's max_tokens=1 pass 2 does).
 Decode step t is the query at position P+t (input = response token t); its labels come from the
-native indexer logits of every c4 layer at that row.
+native indexer logits of every c4 layer at that row. The same rows give the stored native top-k
+(`cfg.store_topk`) of every c4 layer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Iterator
 import torch
 
 from flashmemory.dump.backend import DumpConfig, DumpItemError
-from flashmemory.dump.format import DumpDoc
+from flashmemory.dump.format import DumpDoc, native_topk_rows, topk_store_steps
 from flashmemory.dump.inputs import ByteChatTokenizer, InputItem, Tokenize
 from flashmemory.labels.golden import golden_labels
 
@@ -31,6 +32,12 @@ def doc_from_capture(cap, prompt_ids: list[int], response_ids: list[int], cfg: D
     for c in cfg.target_layers:
         for t in range(min(cfg.n_logit_tokens, T)):
             logits[(c, t)] = cap.index_logits[c][P + t, : (P + t + 1) // ratio].float().clone()
+    steps = topk_store_steps(T, cfg.store_topk, cfg.topk_interval)
+    n_vis = torch.div(P + steps.long() + 1, ratio, rounding_mode="floor")
+    topk = {c: native_topk_rows(cap.index_logits[c][P + steps.long()], n_vis, index_topk)
+            for c in range(n_c4_layers)} if steps.numel() else {}
+    if not topk:
+        steps = steps[:0]
     return DumpDoc(
         doc_index=doc_index, rid=rid,
         hidden={c: cap.hidden[c][rows].float().clone() for c in cfg.target_layers},
@@ -39,6 +46,7 @@ def doc_from_capture(cap, prompt_ids: list[int], response_ids: list[int], cfg: D
         label_indices=labels.indices, label_scores=labels.scores, label_pointers=labels.pointers,
         n_prompt_blocks=P // ratio, ratio=ratio, native_logits=logits, topp=cfg.topp,
         min_layers=cfg.min_layers, input_ids=torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.int64),
+        native_topk=topk, native_topk_steps=steps,
     )
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from flashmemory.dump.format import (FORMAT, METADATA_FILE, _DOC_RE, DumpDoc, DumpFormatError, doc_filename,
-                                     read_metadata)
+from flashmemory.dump.format import (FORMAT, METADATA_FILE, TOPK_STEPS_KEY, _DOC_RE, DumpDoc, DumpFormatError,
+                                     doc_filename, read_metadata)
 
 TMP_PREFIX = ".tmp-"
 
@@ -35,6 +35,11 @@ def doc_tensors(doc: DumpDoc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         t[f"logits_layer_{L}_token_{step}"] = lg.float().contiguous()
     if doc.input_ids is not None:
         t["input_ids"] = doc.input_ids.to(torch.int64).contiguous()
+    if doc.native_topk:
+        t[TOPK_STEPS_KEY] = doc.native_topk_steps.to(torch.int32).contiguous()
+        for C, (idx, val) in sorted(doc.native_topk.items()):
+            t[f"native_topk_idx_layer_{C}"] = idx.to(torch.int32).contiguous()
+            t[f"native_topk_val_layer_{C}"] = val.to(torch.float32).contiguous()
     meta = {
         "format": FORMAT, "doc_index": str(doc.doc_index), "rid": doc.rid,
         "n_prompt_blocks": str(doc.n_prompt_blocks), "ratio": str(doc.ratio), "topp": repr(float(doc.topp)),
@@ -87,6 +92,8 @@ def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
         "compk_shapes": {str(L): list(doc.compk[L].shape) for L in doc.target_layers},
         "logits_shapes": {f"logits_layer_{L}_token_{t}": list(v.shape) for (L, t), v in sorted(doc.native_logits.items())},
         "target_csa_layers": doc.target_layers,
+        "native_topk_steps": int(doc.native_topk_steps.numel()) if doc.native_topk else 0,
+        "native_topk_layers": sorted(doc.native_topk),
         "ratio": doc.ratio, "topp": doc.topp, "min_layers": doc.min_layers,
     }
     rec.update(extra)

@@ -33,7 +33,7 @@ def run(a: argparse.Namespace) -> int:
         print("flashmemory eval: error: --dump is required (or use --decode with --tasks)", file=sys.stderr)
         return 2
     from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
-    from flashmemory.eval.evaluate import EvalConfig, evaluate, format_table
+    from flashmemory.eval.evaluate import EvalConfig, evaluate, format_table, mass_note
     from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
     try:
         model = load_retriever(a.checkpoint).eval()
@@ -60,8 +60,7 @@ def run(a: argparse.Namespace) -> int:
           f"tau {cfg.tau}, threshold {cfg.threshold}, ensemble {a.ensemble}")
     print(format_table(res))
     print("budget: fm@thr = FlashMemory's own count at its threshold, given to every policy; a number = that "
-          "fraction of the existing chunks. mass: native top-k softmax mass of the steps with dumped native logits "
-          "(first 3 decode steps, so the t=0 cycle only); nan where none.")
+          "fraction of the existing chunks. mass: native top-k softmax mass on resident chunks; " + mass_note(docs))
     if a.json:
         out = {"checkpoint": str(a.checkpoint), "dump": str(a.dump), "config": cfg.__dict__, "results": res}
         from flashmemory.atomic import atomic_write_text

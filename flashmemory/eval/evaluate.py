@@ -6,9 +6,11 @@ to every policy at that step (matched budget); "f" in `fractions` gives ceil(f *
 Metrics, averaged over cycles:
   golden recall   share of the window union [t, t+tau) (existing chunks) that is resident
   native mass     share of the native top-k softmax mass of steps s in [t, t+tau) on resident chunks;
-                  chunks created after t count as resident (recency tail). Only steps with dumped
-                  native logits contribute (the dump keeps the first 3 decode steps), so this is
-                  measured on the t = 0 cycle only; `mass_steps` says how many steps it averages
+                  chunks created after t count as resident (recency tail). With a stored native top-k
+                  (`doc.native_topk`, every c4 layer) it averages the stored steps in [t, t+tau) x all
+                  stored layers (softmax over each row's valid picks). Otherwise only steps with
+                  dumped native logits contribute (the first 3 decode steps of the target layers), so
+                  it covers the t = 0 cycle only. `mass_steps` says how many steps it averages
   resident frac   resident / n_t;  chunks = mean resident count;  pages = mean 64-chunk pages touched
 """
 
@@ -35,9 +37,41 @@ class EvalConfig:
     seed: int = 0
 
 
+def stored_topk_mass(doc, t: int, mask_t: torch.Tensor, tau: int, topk: int) -> list[float]:
+    """Per stored step s in [t, t+tau) (doc.native_topk_steps): the resident share of softmax over the
+    valid stored picks (idx >= 0, at most the `topk` highest), averaged over all stored c4 layers with
+    a valid pick at s. mask_t: [n_t] bool resident set at t; ids >= n_t count as resident.
+    Returns one float per stored step that has any valid pick."""
+    out = []
+    steps = doc.native_topk_steps.long()
+    rows = ((steps >= t) & (steps < t + tau)).nonzero().squeeze(1).tolist()
+    n_t = mask_t.numel()
+    for r in rows:
+        vals = []
+        for C in sorted(doc.native_topk):
+            idx, val = doc.native_topk[C][0][r].long(), doc.native_topk[C][1][r].float()
+            ok = idx >= 0
+            idx, val = idx[ok], val[ok]
+            if idx.numel() == 0:
+                continue
+            if idx.numel() > topk:
+                val, j = torch.topk(val, topk)
+                idx = idx[j]
+            p = torch.softmax(val, 0)
+            res = idx >= n_t
+            res[~res] = mask_t[idx[~res]]
+            vals.append(float(p[res].sum()))
+        if vals:
+            out.append(sum(vals) / len(vals))
+    return out
+
+
 def native_mass(doc, t: int, mask_t: torch.Tensor, tau: int, topk: int) -> list[float]:
-    """Per available step s in [t, t+tau): resident share of softmax(top-k native logits), averaged
-    over the dump's target layers. Chunks >= n_t (created after t) count as resident."""
+    """Per available step s in [t, t+tau): resident share of the native top-k softmax mass. Uses the
+    stored native top-k when the doc has one (`stored_topk_mass`); otherwise softmax(top-k of the
+    dumped native logits), averaged over the dump's target layers. Chunks >= n_t count as resident."""
+    if doc.native_topk:
+        return stored_topk_mass(doc, t, mask_t, tau, topk)
     out = []
     for s in range(t, min(t + tau, doc.n_tokens)):
         vals = []
@@ -108,6 +142,21 @@ def evaluate(docs: list, fm_scores, cfg: EvalConfig) -> dict:
     # The unconstrained golden set, for reference: its size is what a perfect retriever keeps.
     out = {b: {p: a.result() for p, a in pol.items()} for b, pol in acc.items()}
     return out
+
+
+def mass_note(docs: list) -> str:
+    """Which native-mass source `evaluate` used for these docs, for the printed note."""
+    with_topk = [d for d in docs if d.native_topk]
+    parts = []
+    if with_topk:
+        n_steps = sum(int(d.native_topk_steps.numel()) for d in with_topk)
+        n_layers = sorted({len(d.native_topk) for d in with_topk})
+        parts.append(f"mass over {n_steps} stored steps x {'/'.join(map(str, n_layers))} layers (stored native "
+                     f"top-k of every c4 layer, {len(with_topk)} of {len(docs)} docs)")
+    if len(with_topk) < len(docs):
+        parts.append(f"{len(docs) - len(with_topk)} doc(s) without stored top-k: mass over the dumped native logits "
+                     "of the target layers (first 3 decode steps, so the t=0 cycle only)")
+    return "; ".join(parts) + "; nan where none."
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:

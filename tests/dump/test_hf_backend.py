@@ -71,3 +71,33 @@ def test_missing_layers_error(tmp_path, capsys):
     assert rc == 2
     assert "4 c4 layers" in capsys.readouterr().err and not list(tmp_path.glob("doc_*"))
     json.dumps({})
+
+
+def test_micro_dump_stores_native_topk(dumped):
+    """Default --store-topk cycle: step 0 of every c4 layer; doc_from_capture with `all` stores every step."""
+    from flashmemory.dump.backend import DumpConfig
+    from flashmemory.dump.hf_backend import doc_from_capture
+    from flashmemory.hf import HFEngine, load_model
+    eng = HFEngine(*load_model("micro", seed=0))
+    doc = load_doc(list_docs(dumped)[0])
+    P, T = int(doc.positions[1][0]), doc.n_tokens
+    cap = eng.forward(doc.input_ids)
+    assert doc.native_topk_steps.tolist() == [0] and sorted(doc.native_topk) == list(range(eng.n_c4_layers))
+    for C in range(eng.n_c4_layers):
+        idx, val = doc.native_topk[C]
+        assert idx.shape == (1, eng.index_topk)
+        row = cap.index_logits[C][P, : (P + 1) // 4].float()
+        k = min(eng.index_topk, row.numel())
+        want_v, want_i = torch.topk(row, k)
+        assert idx[0, :k].tolist() == want_i.tolist() and (idx[0, k:] == -1).all()
+        torch.testing.assert_close(val[0, :k], want_v)
+    ids = doc.input_ids.tolist()
+    for mode, steps in (("all", list(range(T))), ("cycle", [0, 2]), ("none", [])):
+        d = doc_from_capture(cap, ids[:P], ids[P:], DumpConfig(target_layers=(1, 2, 3), store_topk=mode,
+                                                                topk_interval=2),
+                             doc_index=0, rid="x", index_topk=eng.index_topk, n_c4_layers=eng.n_c4_layers)
+        d.validate()
+        assert d.native_topk_steps.tolist() == steps
+        assert len(d.native_topk) == (eng.n_c4_layers if steps else 0)
+        if steps:
+            assert d.native_topk[2][0].shape == (len(steps), eng.index_topk)
