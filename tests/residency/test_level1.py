@@ -72,9 +72,8 @@ def test_retriever_pipeline_recalls_selected_pages():
     assert eng.gen(0) == gen and not check_invariants(eng)
 
 
-def test_async_delayed_copy_never_exposes_half_written_set():
-    eng = engine()
-    admit(eng, 0)
+def held_copy_level1(eng):
+    """An async Level 1 whose copy blocks until `release` is set; `in_copy` fires when the copy starts."""
     in_copy, release = threading.Event(), threading.Event()
 
     def hook():
@@ -83,6 +82,13 @@ def test_async_delayed_copy_never_exposes_half_written_set():
     eng.copy_hook = hook
     l1 = Level1(eng, Recorder(), ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4)),
                 Level1Config(tau=64, max_resident_pages=6, last_keep=4, async_recall=True))
+    return l1, in_copy, release
+
+
+def test_async_delayed_copy_never_exposes_half_written_set():
+    eng = engine()
+    admit(eng, 0)
+    l1, in_copy, release = held_copy_level1(eng)
     try:
         l1.on_step([0], HID, POS)
         assert in_copy.wait(5), "worker never reached the copy"
@@ -117,14 +123,7 @@ def test_finish_and_reuse_mid_cycle_leak_nothing():
     eng = engine(blocks=8)
     admit(eng, 0)
     admit(eng, 1)
-    in_copy, release = threading.Event(), threading.Event()
-
-    def hook():
-        in_copy.set()
-        release.wait(5)
-    eng.copy_hook = hook
-    l1 = Level1(eng, Recorder(), ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4)),
-                Level1Config(tau=64, max_resident_pages=6, last_keep=4, async_recall=True))
+    l1, in_copy, release = held_copy_level1(eng)
     try:
         l1.on_step([0, 1], {1: torch.zeros(2, 8)}, POS[:2])
         assert in_copy.wait(5)
