@@ -22,7 +22,7 @@ class DumpBackendError(RuntimeError):
 @dataclass(frozen=True)
 class DumpConfig:
     """One dump run's settings. store_topk / topk_interval: which decode steps keep the native top-k of
-    every c4 layer ("none", "cycle" = t % topk_interval == 0, "all"); only the hf backend stores it."""
+    every c4 layer ("none", "cycle" = t % topk_interval == 0, "all"); both backends store it."""
 
     topp: float = 0.6
     min_layers: int = 3

@@ -25,8 +25,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "layers the last three, with a note)")
     p.add_argument("--store-topk", choices=("none", "cycle", "all"), default="cycle",
                    help="store the native top-k (ids + logits) of every c4 layer for decode steps: cycle = every "
-                        "--topk-interval-th step, all = every step (large: T x k x 8 bytes per layer), none. "
-                        "hf backend only; the sglang backend ignores it (default %(default)s)")
+                        "--topk-interval-th step, all = every step (large: T x k x 8 bytes per layer), none "
+                        "(default %(default)s)")
     p.add_argument("--topk-interval", type=int, default=64, help="step interval of --store-topk cycle "
                                                                    "(default %(default)s = tau)")
     p.add_argument("--concurrency", type=int, default=4, help="pass-1 requests in flight (sglang backend)")
@@ -73,9 +73,6 @@ def run(args: argparse.Namespace) -> int:
                                     concurrency=args.concurrency, thinking=args.thinking,
                                     flush_timeout=args.flush_timeout)
             max_tokens = args.max_tokens or 2048
-            if args.store_topk != "none":
-                print(f"note: the sglang backend does not store native top-k yet; --store-topk {args.store_topk} "
-                      "is ignored (eval then measures mass on the first decode steps only)", file=sys.stderr)
         layers, note = resolve_target_layers(args.target_csa_layers, backend.n_c4_layers)
         if note:
             print(note, file=sys.stderr)

@@ -1,9 +1,11 @@
 """The sglang dump backend: a client for a dump-mode sglang server's OpenAI-compatible API.
 
 Per batch: pass 1 runs the items concurrently (greedy, max_tokens) with a pass-1 `flashmemory_dump`
-block; pass 2 sends each item's messages plus the assistant response with max_tokens=2 (the server
-records in decode steps; with 1 token the request ends after prefill) and a pass-2 block, one at a time; then the pass-2 keys replace pass 1's and the document is handed back for
-commit. The server writes the per-pass files under `<output_dir>/.staging/` (see `protocol.py`).
+block (which also asks for the stored native top-k, `cfg.store_topk` / `cfg.topk_interval`); pass 2
+sends each item's messages plus the assistant response with max_tokens=2 (the server records in decode
+steps; with 1 token the request ends after prefill) and a pass-2 block (no top-k), one at a time; then
+the pass-2 keys replace pass 1's (pass 1's labels, logits and top-k stay) and the document is handed
+back for commit. The server writes the per-pass files under `<output_dir>/.staging/` (see `protocol.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Iterator
 import torch
 
 from flashmemory.dump.backend import DumpBackendError, DumpConfig, DumpItemError
-from flashmemory.dump.format import DumpDoc, DumpFormatError, load_doc
+from flashmemory.dump.format import DumpDoc, DumpFormatError, load_doc, topk_store_steps
 from flashmemory.dump.inputs import InputItem
 from flashmemory.dump.protocol import DumpRequest
 
@@ -49,8 +51,9 @@ def read_compk(path: Path) -> dict[int, torch.Tensor]:
 
 
 def merge_passes(r1: DumpRequest, r2: DumpRequest, rid: str, where: str = "") -> DumpDoc:
-    """The committed document: pass 1's file with pass 2's `compk_layer_*` (prompt + response keys).
-    Raises DumpItemError naming `where` when a file is unreadable or the passes disagree."""
+    """The committed document: pass 1's file (labels, logits, stored native top-k) with pass 2's
+    `compk_layer_*` (prompt + response keys). Raises DumpItemError naming `where` when a file is
+    unreadable, the passes disagree, or pass 1 lacks the top-k steps `r1` asked for."""
     try:
         doc = load_doc(r1.doc_path())
         compk = read_compk(r2.doc_path())
@@ -58,6 +61,11 @@ def merge_passes(r1: DumpRequest, r2: DumpRequest, rid: str, where: str = "") ->
         raise DumpItemError(f"{where}: {e}") from None
     if sorted(compk) != doc.target_layers:
         raise DumpItemError(f"{where}: pass 2 has compk layers {sorted(compk)}, pass 1 {doc.target_layers}")
+    want = topk_store_steps(doc.n_tokens, r1.store_topk, r1.topk_interval)
+    if not torch.equal(doc.native_topk_steps, want) or (want.numel() and not doc.native_topk):
+        raise DumpItemError(f"{where}: pass 1 stores native top-k at steps {doc.native_topk_steps.tolist()[:8]} "
+                            f"(layers {sorted(doc.native_topk)}), but store_topk={r1.store_topk} "
+                            f"topk_interval={r1.topk_interval} asks for {want.tolist()[:8]} (T={doc.n_tokens})")
     doc.compk = compk
     doc.doc_index, doc.rid = r1.doc_index, rid
     try:
@@ -119,7 +127,8 @@ class SGLangBackend:
     def _request(self, pass_: int, doc_index: int, cfg: DumpConfig) -> DumpRequest:
         return DumpRequest(pass_=pass_, doc_index=doc_index, output_dir=str(self.staging), topp=cfg.topp,
                            min_layers=cfg.min_layers, target_csa_layers=cfg.target_layers,
-                           n_logit_tokens=cfg.n_logit_tokens)
+                           n_logit_tokens=cfg.n_logit_tokens, store_topk=cfg.store_topk if pass_ == 1 else "none",
+                           topk_interval=cfg.topk_interval)
 
     def _pass1(self, item: InputItem, doc_index: int, cfg: DumpConfig) -> str | DumpItemError:
         try:

@@ -2,9 +2,11 @@
 
 A request opts in with `custom_params={"flashmemory_dump": {...}}` as `flashmemory.dump.protocol.DumpRequest`
 writes it (version, pass 1|2, doc_index, absolute output_dir, topp, min_layers, target_csa_layers,
-n_logit_tokens); the same parser reads it here. Per decode step the recorder takes, for every c4 layer, the
-native indexer logits of each dumping row and keeps only that layer's nucleus
-(`flashmemory.labels.golden.layer_nucleus`); at target layers it also keeps the indexer-input hidden, the
+n_logit_tokens, store_topk, topk_interval); the same parser reads it here. Per decode step the recorder
+takes, for every c4 layer, the native indexer logits of each dumping row and keeps only that layer's nucleus
+(`flashmemory.labels.golden.layer_nucleus`) and, for pass-1 requests at the steps `store_topk` picks
+(`flashmemory.dump.format.topk_store_steps`), the layer's top-`index_topk` ids + logits (`native_topk_rows`,
+-1 / -inf padded; never the full logits); at target layers it also keeps the indexer-input hidden, the
 position, the first n_logit_tokens steps' logits, and the new index-K chunks. A request is finalized when a
 decode step runs without it (or the scheduler goes idle): its votes become the CSR labels and the document
 is written atomically with `save_doc_file` to `DumpRequest.doc_path()` (`<output_dir>/pass{1,2}/doc_{idx:05d}
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashmemory.dump.format import DumpDoc
+from flashmemory.dump.format import DumpDoc, native_topk_rows
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.dump.writer import save_doc_file
 from flashmemory.labels.csr import LabelsCSR
@@ -55,6 +57,25 @@ class _DocState:
     compk: dict[int, list[torch.Tensor]] = field(default_factory=dict)    # layer -> chunk-row blocks
     n_compk: dict[int, int] = field(default_factory=dict)
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    topk: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)  # t -> C -> ids, vals
+
+    def stores_topk(self, t: int) -> bool:
+        """Whether decode step t keeps the native top-k (pass 1 only; the rule of `topk_store_steps`)."""
+        mode = self.req.store_topk
+        return self.req.pass_ == 1 and (mode == "all" or (mode == "cycle" and t % self.req.topk_interval == 0))
+
+    def topk_store(self) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The DumpDoc fields native_topk (C -> [S, k] int32 / float32) and native_topk_steps ([S] int32)."""
+        layers = sorted({C for per in self.topk.values() for C in per})
+        steps = [t for t in sorted(self.topk) if t < len(self.votes) and all(C in self.topk[t] for C in layers)]
+        if len(steps) != len(self.topk):
+            logger.warning("FlashMemory dump: request %s: native top-k of step(s) %s miss some of layers %s; dropped",
+                           self.rid, sorted(set(self.topk) - set(steps))[:8], layers)
+        if not steps or not layers:
+            return {}, torch.zeros(0, dtype=torch.int32)
+        store = {C: (torch.stack([self.topk[t][C][0] for t in steps]), torch.stack([self.topk[t][C][1] for t in steps]))
+                 for C in layers}
+        return store, torch.tensor(steps, dtype=torch.int32)
 
 
 class DumpRecorder:
@@ -67,6 +88,7 @@ class DumpRecorder:
         self.pending: dict[str, DumpRequest] = {}
         self.docs: dict[str, _DocState] = {}
         self.written: list[str] = []   # paths of the per-pass files written
+        self.failed: list[str] = []    # rids whose document could not be written (logged)
 
     def admit(self, rid: str, custom_params: object) -> bool:
         req = parse_request(custom_params, rid, self.n_c4_layers)
@@ -102,12 +124,15 @@ class DumpRecorder:
             row = logits[b:b + 1, :n].float().cpu()
             idx, keep = layer_nucleus(row, self.index_topk, st.req.topp)
             st.votes[-1][layer] = idx[keep].to(torch.int32)
+            t = st.steps - 1
+            if st.stores_topk(t):
+                ti, tv = native_topk_rows(row, torch.tensor([n]), self.index_topk)
+                st.topk.setdefault(t, {})[layer] = (ti[0], tv[0])
             pos = int(positions[b])
             if st.prompt_pos is None:
                 st.prompt_pos = pos
             if layer not in st.req.target_csa_layers:
                 continue
-            t = st.steps - 1
             st.positions.setdefault(layer, []).append(pos)
             if hidden is not None:
                 st.hidden.setdefault(layer, []).append(hidden[b].detach().to(torch.bfloat16).cpu())
@@ -135,12 +160,25 @@ class DumpRecorder:
 
     def finalize(self, rid: str) -> str | None:
         """Write rid's per-pass file (if it saw a decode step at a target layer) to `DumpRequest.doc_path()`
-        with `save_doc_file` (atomic); the client merges the passes and commits. Returns the path."""
+        with `save_doc_file` (atomic); the client merges the passes and commits. Returns the path.
+
+        Runs inside the scheduler: a document that fails (validation, disk) is logged and counted in
+        `self.failed`, never raised; the client then finds no file and fails that item with a clear message."""
         st = self.docs.pop(rid, None)
         if st is None or not st.positions:
             return None
+        try:
+            return self._write(st)
+        except Exception as e:  # noqa: BLE001  (the serving process must outlive one bad document)
+            self.failed.append(rid)
+            logger.error("FlashMemory dump: request %s: document not written (%s: %s)", rid, type(e).__name__, e)
+            return None
+
+    def _write(self, st: _DocState) -> str:
+        rid = st.rid
         layers = sorted(st.positions)
         labels = self.labels(st)
+        topk, topk_steps = st.topk_store()
         doc = DumpDoc(
             doc_index=st.req.doc_index, rid=rid,
             hidden={L: torch.stack(st.hidden[L]).float() if st.hidden.get(L) else torch.zeros(len(st.positions[L]), 1)
@@ -150,13 +188,14 @@ class DumpRecorder:
                    for L in layers},
             label_indices=labels.indices, label_scores=labels.scores, label_pointers=labels.pointers,
             n_prompt_blocks=(st.prompt_pos or 0) // self.ratio, ratio=self.ratio,
-            native_logits=dict(st.logits), topp=st.req.topp, min_layers=st.req.min_layers)
+            native_logits=dict(st.logits), topp=st.req.topp, min_layers=st.req.min_layers,
+            native_topk=topk, native_topk_steps=topk_steps)
         path = st.req.doc_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         save_doc_file(path, doc)
         self.written.append(str(path))
-        logger.info("FlashMemory dump: wrote %s (pass %d, %d decode steps, %d labels)", path, st.req.pass_,
-                    doc.n_tokens, int(doc.label_indices.numel()))
+        logger.info("FlashMemory dump: wrote %s (pass %d, %d decode steps, %d labels, native top-k at %d steps)",
+                    path, st.req.pass_, doc.n_tokens, int(doc.label_indices.numel()), int(topk_steps.numel()))
         return str(path)
 
     def flush_all(self) -> list[str]:

@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from flashmemory.dump.backend import DumpItemError
+from flashmemory.dump.format import load_doc
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.dump.sglang_backend import merge_passes
+from flashmemory.dump.writer import DumpWriter
 from flashmemory.labels.golden import golden_labels
 from flashmemory.sglang.dump_mode import DumpRecorder, parse_request
 
@@ -24,7 +26,18 @@ def test_request_parsing_uses_the_shared_protocol(tmp_path):
         assert "r7" in str(e.value)
 
 
-def _run_request(rec, rid, req, prompt, steps, kv, per_layer=None, seed=0, n_layers=3):
+def test_request_topk_fields_old_blocks_and_errors():
+    old = {"version": 1, "pass": 1, "doc_index": 0, "output_dir": "/x", "target_csa_layers": [1]}
+    r = parse_request({"flashmemory_dump": old}, rid="r1")
+    assert (r.store_topk, r.topk_interval) == ("cycle", 64)
+    r = parse_request({"flashmemory_dump": {**old, "version": 2, "store_topk": "all", "topk_interval": 5}})
+    assert (r.store_topk, r.topk_interval) == ("all", 5)
+    for field, value in [("store_topk", "x"), ("topk_interval", 0), ("version", 9)]:
+        with pytest.raises(DumpProtocolError, match=rf"request r2: flashmemory_dump\.{field}={value!r}"):
+            parse_request({"flashmemory_dump": {**old, "version": 2, field: value}}, rid="r2")
+
+
+def _run_request(rec, rid, req, prompt, steps, kv, per_layer=None, seed=0, n_layers=3, finish=True):
     """Feed the recorder what the indexer hook would for one request: every c4 layer, every decode step."""
     g = torch.Generator().manual_seed(seed)
     rec.admit(rid, req.to_custom_params())
@@ -39,14 +52,15 @@ def _run_request(rec, rid, req, prompt, steps, kv, per_layer=None, seed=0, n_lay
                 per_layer[L].append(lg[0])
             rec.observe_layer(L, [rid], lg, torch.tensor([n]), torch.tensor([pos]), hidden=torch.randn(1, 8, generator=g),
                               new_chunks=lambda b, s, e: kv[s:e])
-    rec.begin_step([])                                                  # request gone: finalized
+    if finish:
+        rec.begin_step([])                                              # request gone: finalized
 
 
 def test_recorder_files_go_through_the_client_merge(tmp_path):
     """Pass 1 (generation) and pass 2 (prompt + response, 2 tokens) as the client asks for them; the server's
     files merge into one committed-ready document with pass 2's keys and pass 1's labels."""
     staging = tmp_path / ".staging"
-    kw = dict(doc_index=4, output_dir=str(staging), topp=0.5, min_layers=2, target_csa_layers=(1, 2))
+    kw = dict(doc_index=4, output_dir=str(staging), topp=0.5, min_layers=2, target_csa_layers=(1, 2), topk_interval=2)
     r1, r2 = DumpRequest(pass_=1, **kw), DumpRequest(pass_=2, **kw)
     rec = DumpRecorder(index_topk=8)
     g = torch.Generator().manual_seed(1)
@@ -66,6 +80,18 @@ def test_recorder_files_go_through_the_client_merge(tmp_path):
     n2 = (prompt + steps + 2) // 4                                      # pass 2 saw prompt + response chunks
     assert torch.equal(doc.compk[1], kv2[:n2]) and torch.equal(doc.compk[2], kv2[:n2])
     assert set(doc.native_logits) == {(L, t) for L in (1, 2) for t in range(3)}
+    p1 = load_doc(r1.doc_path())                                        # the merge keeps pass 1's top-k store
+    assert doc.native_topk_steps.tolist() == [0, 2, 4] and sorted(doc.native_topk) == [0, 1, 2]
+    for C in range(3):
+        assert torch.equal(doc.native_topk[C][0], p1.native_topk[C][0])
+        assert torch.equal(doc.native_topk[C][1], p1.native_topk[C][1])
+    writer = DumpWriter(tmp_path / "out")                               # and the commit writes it
+    back = load_doc(writer.dir / writer.commit(doc)["filename"])
+    assert torch.equal(back.native_topk_steps, doc.native_topk_steps)
+    assert all(torch.equal(back.native_topk[C][0], doc.native_topk[C][0]) for C in range(3))
+    from safetensors import safe_open
+    with safe_open(str(r2.doc_path()), framework="pt") as f:           # pass 2 stores no top-k
+        assert not [k for k in f.keys() if k.startswith("native_topk")]
 
 
 def test_merge_rejects_a_short_pass2(tmp_path):
@@ -77,3 +103,97 @@ def test_merge_rejects_a_short_pass2(tmp_path):
     _run_request(rec, "b", r2, 8, 1, kv)                                # far too few chunks for pass 1's steps
     with pytest.raises(DumpItemError, match="compk"):
         merge_passes(r1, r2, rid="x", where="item 0")
+
+
+def _ref_topk(row, k):
+    """Independent reference: plain torch.topk of the row; picks whose logit is -inf become -1, padded to k."""
+    idx, val = torch.full((k,), -1, dtype=torch.int32), torch.full((k,), float("-inf"))
+    v, i = torch.topk(row.float(), min(k, row.numel()))
+    fin = v > float("-inf")
+    idx[: v.numel()][fin] = i[fin].to(torch.int32)
+    val[: v.numel()][fin] = v[fin]
+    return idx, val
+
+
+@pytest.mark.parametrize("mode,interval,k,want_steps", [
+    ("cycle", 4, 8, list(range(0, 30, 4))),
+    ("cycle", 64, 8, [0]),
+    ("all", 64, 8, list(range(30))),
+    ("all", 1, 40, list(range(30))),                                    # k above the 32 logit columns
+])
+def test_recorder_stores_native_topk_of_every_layer(tmp_path, mode, interval, k, want_steps):
+    """Pass 1 keeps, at the steps store_topk picks and for every c4 layer (not only targets), the native top-k
+    ids + logits, -1 / -inf where fewer than k chunks are visible; it reads back through the format loader."""
+    req = DumpRequest(pass_=1, doc_index=1, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1,
+                      store_topk=mode, topk_interval=interval)
+    rec = DumpRecorder(index_topk=k)
+    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    per_layer = [[] for _ in range(3)]
+    prompt, steps = 6, 30                                               # step 0 sees 1 chunk, step 29 sees 8
+    _run_request(rec, "q", req, prompt, steps, kv, per_layer, seed=3, finish=False)
+    st = rec.docs["q"]                                                  # only the top-k is held, never full logits
+    assert sorted(st.topk) == want_steps
+    assert all(i.shape == (k,) and v.shape == (k,) for per in st.topk.values() for i, v in per.values())
+    rec.begin_step([])
+    doc = load_doc(req.doc_path())
+    assert doc.native_topk_steps.dtype == torch.int32 and doc.native_topk_steps.tolist() == want_steps
+    assert sorted(doc.native_topk) == [0, 1, 2] and doc.target_layers == [1]
+    n_padded = 0
+    for C in range(3):
+        idx, val = doc.native_topk[C]
+        assert idx.shape == (len(want_steps), k) and idx.dtype == torch.int32 and val.dtype == torch.float32
+        for row, t in enumerate(want_steps):
+            ref_i, ref_v = _ref_topk(per_layer[C][t], k)
+            assert torch.equal(idx[row], ref_i), (C, t)
+            assert torch.equal(val[row], ref_v), (C, t)
+            n_padded += int((idx[row] == -1).sum())
+    assert n_padded > 0                                                 # early steps have fewer than k chunks
+    assert bool((doc.native_topk[0][0][-1] >= 0).any())
+
+
+def test_recorder_stores_no_topk_for_none_or_pass2(tmp_path):
+    rec = DumpRecorder(index_topk=8)
+    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
+    r_none, r_p2 = DumpRequest(pass_=1, store_topk="none", **kw), DumpRequest(pass_=2, store_topk="all", **kw)
+    _run_request(rec, "a", r_none, 40, 5, kv)
+    _run_request(rec, "b", r_p2, 40, 5, kv)
+    for r in (r_none, r_p2):
+        doc = load_doc(r.doc_path())
+        assert doc.native_topk == {} and doc.native_topk_steps.numel() == 0
+    with pytest.raises(DumpItemError, match="native top-k at steps"):  # a pass 1 lacking the asked-for top-k
+        merge_passes(DumpRequest(pass_=1, store_topk="cycle", **kw), r_p2, rid="x", where="item 0")
+
+
+def test_merge_rejects_topk_steps_other_than_asked(tmp_path):
+    kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
+    r1, r2 = DumpRequest(pass_=1, topk_interval=2, **kw), DumpRequest(pass_=2, **kw)
+    rec = DumpRecorder(index_topk=8)
+    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    _run_request(rec, "a", r1, 40, 6, kv)
+    _run_request(rec, "b", r2, 46, 2, kv)
+    assert merge_passes(r1, r2, rid="x").native_topk_steps.tolist() == [0, 2, 4]
+    with pytest.raises(DumpItemError, match=r"steps \[0, 2, 4\].*asks for \[0, 3\]"):
+        merge_passes(DumpRequest(pass_=1, topk_interval=3, **kw), r2, rid="x", where="item 0")
+
+
+def test_a_failing_document_does_not_raise_into_the_scheduler(tmp_path, monkeypatch, caplog):
+    """A document whose write fails (here: the disk) is logged and listed in `failed`; the next one still writes."""
+    import flashmemory.sglang.dump_mode as dm
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
+    rec = DumpRecorder(index_topk=8)
+    kw = dict(output_dir=str(tmp_path), topp=0.5, min_layers=1, target_csa_layers=(1,))
+    calls = []
+
+    def broken(path, doc):
+        calls.append(path)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(dm, "save_doc_file", broken)
+    _run_request(rec, "bad", DumpRequest(pass_=1, doc_index=0, **kw), 40, 3, kv)
+    assert calls and rec.failed == ["bad"] and rec.written == []
+    assert "No space left on device" in caplog.text and "bad" in caplog.text
+    monkeypatch.undo()
+    _run_request(rec, "good", DumpRequest(pass_=1, doc_index=1, **kw), 40, 3, kv)
+    assert rec.written == [str(DumpRequest(pass_=1, doc_index=1, **kw).doc_path())]
