@@ -104,6 +104,9 @@ class FlashMemoryEnv:
     decode_resident_chunks: int = 512    # SGLANG_PATHP_DECODE_RESIDENT_CHUNKS: per-request decode region
     decode_max_conc: int = 128           # SGLANG_PATHP_DECODE_MAX_CONC: rows with a decode region
     target_concurrency: int = 64         # SGLANG_DSV4_TARGET_CONCURRENCY: used by auto reserve sizing
+    # PD decode ("B mode"): where the c4 KV lives.
+    pd_c4_shrink: bool = True            # SGLANG_PD_B_C4_SHRINK: PD lands c4 KV in the mirror, device pool -> reserve
+    pd_credit_c4: bool = False           # SGLANG_PD_CREDIT_OFFLOADED_C4: size the token pool without the c4 KV term
 
     @property
     def any_gate(self) -> bool:
@@ -170,6 +173,8 @@ class FlashMemoryEnv:
             decode_resident_chunks=_int(e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1),
             decode_max_conc=_int(e, "SGLANG_PATHP_DECODE_MAX_CONC", d.decode_max_conc, lo=1),
             target_concurrency=_int(e, "SGLANG_DSV4_TARGET_CONCURRENCY", d.target_concurrency, lo=1),
+            pd_c4_shrink=_bool(e, "SGLANG_PD_B_C4_SHRINK", d.pd_c4_shrink),
+            pd_credit_c4=_bool(e, "SGLANG_PD_CREDIT_OFFLOADED_C4", d.pd_credit_c4),
         )
 
 
@@ -190,6 +195,10 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_PATHP_RESERVE_PAGES": ("0", "Recall page blocks per layer; 0 = TARGET_CONCURRENCY * (KMAX + 1)"),
     "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS": ("512", "Per-request decode region, in chunks (decode-time c4 entries)"),
     "SGLANG_PATHP_DECODE_MAX_CONC": ("128", "Number of decode regions (max concurrent requests)"),
+    "SGLANG_PD_B_C4_SHRINK": ("1", "With Path-P on a PD decode server (nixl): PD lands c4 KV in the host mirror and "
+                              "the device c4 KV pool becomes the reserve (otherwise copy mode: no device memory saved)"),
+    "SGLANG_PD_CREDIT_OFFLOADED_C4": ("0", "With the shrink active: size sglang's token pool without the c4 KV bytes "
+                                      "(more tokens; the reserve then comes out of the non-static headroom)"),
     "SGLANG_RETRIEVER_INLINE_CKPT": ("", "Retriever checkpoint (.safetensors or .pt); empty = Level 1 off"),
     "SGLANG_RETRIEVER_INLINE_LAYERS": ("10,12,20", "Target layers, as ids among the 21 c4 layers"),
     "SGLANG_RETRIEVER_INTERVAL": ("64", "tau: decode steps between Level-1 cycles"),

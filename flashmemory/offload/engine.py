@@ -32,14 +32,15 @@ class EngineConfig:
     recall_blocks: int = 8192        # reserve page blocks per layer for recalled pages
     decode_pages: int = 8            # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96     # per-request cap on recalled pages (KMAX)
+    landing_blocks: int = 0          # reserve scratch blocks for prefill stores (sglang shrink mode)
     pin_memory: bool | None = None   # None = pin when CUDA is present
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.mirror_pages < 0:
-            raise ValueError("EngineConfig.mirror_pages must be >= 0")
+        if self.mirror_pages < 0 or self.landing_blocks < 0:
+            raise ValueError("EngineConfig.mirror_pages and landing_blocks must be >= 0")
 
     @classmethod
     def from_env(cls, env: Any, max_chunks: int = 65536, page_chunks: int = 64, **over: Any) -> "EngineConfig":
@@ -68,15 +69,19 @@ class OffloadEngine:
     kv [n_layers, n, kv_chunk_bytes] (584 B), index [n_layers, n, index_chunk_bytes] (D+4 B).
     """
 
-    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str = "cpu"):
+    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str = "cpu",
+                 target_buffers: list[torch.Tensor] | None = None):
+        """target_buffers: per target layer, uint8 [mirror pages, index_page_bytes] device storage to use as the
+        target index pool (the caller keeps it current; see `TargetIndexPool`)."""
         self.layout, self.cfg = layout, cfg
         self.device = torch.device(device)
         pc = layout.page_chunks
         self.max_pages = layout.pages_for(cfg.max_chunks)
         n_mirror = cfg.mirror_pages or cfg.max_rows * self.max_pages
         self.mirror = HostMirror(layout, n_mirror, cfg.pin_memory)
-        self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device)
-        self.target = TargetIndexPool(layout, n_mirror, self.device)
+        self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device,
+                                     cfg.landing_blocks)
+        self.target = TargetIndexPool(layout, n_mirror, self.device, target_buffers)
         self.lut = ChunkLUT(n_mirror, pc, cfg.max_rows, self.max_pages, self.device)
         self.blocks = BlockAllocator(cfg.recall_blocks)
         self.lru = PageLRU()
@@ -150,15 +155,26 @@ class OffloadEngine:
             self.res_count.index_copy_(0, idx, torch.tensor(counts, dtype=torch.int32).to(self.device))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    def admit(self, row: int, kv: torch.Tensor, index: torch.Tensor, rid: Hashable | None = None) -> int:
+    def admit(self, row: int, kv: torch.Tensor | None, index: torch.Tensor | None, rid: Hashable | None = None,
+              mpages: Sequence[int] | None = None, n_chunks: int | None = None) -> int:
         """Admit a request into a free row with its prefill chunks (written to the mirror; nothing resident yet).
 
         kv: uint8 [n_layers, n, kv_chunk_bytes]; index: uint8 [n_layers, n, index_chunk_bytes]. Returns the
         request's generation (pass it back to Level 1 so stale work is recognised).
+        mpages: claim these mirror pages (logical page order) instead of allocating; then kv may be None (the
+        bytes are already in the mirror, e.g. a PD transfer landed there) and index None (the caller writes the
+        target and Path-I index itself), with the count given as n_chunks.
         """
-        n = kv.shape[1] if kv.dim() == 3 else -1
-        self._check_chunks("admit kv", kv, n, self.layout.kv.chunk_bytes)
-        self._check_chunks("admit index", index, n, self.layout.index.chunk_bytes)
+        if kv is None and mpages is None:
+            raise ValueError("admit: kv=None needs mpages (the pages that already hold the bytes)")
+        n = (kv.shape[1] if kv.dim() == 3 else -1) if kv is not None else (-1 if n_chunks is None else int(n_chunks))
+        if kv is not None:
+            self._check_chunks("admit kv", kv, n, self.layout.kv.chunk_bytes)
+        if index is not None:
+            self._check_chunks("admit index", index, n, self.layout.index.chunk_bytes)
+        if mpages is not None and len(mpages) != self.layout.pages_for(max(n, 1)):
+            raise ValueError(f"admit: {len(mpages)} mirror pages given for {n} chunks "
+                             f"(expected {self.layout.pages_for(max(n, 1))})")
         if not 1 <= n <= self.cfg.max_chunks:
             raise OffloadCapacityError(f"admit: {n} prefill chunks outside [1, max_chunks={self.cfg.max_chunks}]")
         if not 0 <= row < self.cfg.max_rows:
@@ -166,13 +182,17 @@ class OffloadEngine:
         with self.lock:
             if self.rows[row] is not None:
                 raise RuntimeError(f"admit: row {row} is busy with request {self.rows[row].rid!r}; finish it first")
-            mpages = self.mirror.alloc(self.layout.pages_for(n))
+            mpages = self.mirror.alloc(self.layout.pages_for(n)) if mpages is None else self.mirror.claim(list(mpages))
             self._gen += 1
             st = _Row(rid=rid if rid is not None else f"row{row}/gen{self._gen}", gen=self._gen, mpages=mpages,
                       n_chunks=n, ring=[-1] * self.cfg.decode_pages)
             m = self._mchunks(st, 0, n)
-            self.mirror.write(m, kv, index)
-            self.target.write(m, index)
+            if kv is not None:
+                self.mirror.write(m, kv, index)
+            elif index is not None:
+                self.mirror.write_index(m, index)
+            if index is not None:
+                self.target.write(m, index)
             with self._main():
                 for mp in mpages:  # freed pages are already clear; this keeps a reused page clean by construction
                     self.lut.clear_page(mp)
@@ -183,18 +203,22 @@ class OffloadEngine:
             self._rebuild_res(row)
             return st.gen
 
-    def decode_append(self, rows: Sequence[int] | torch.Tensor, kv: torch.Tensor, index: torch.Tensor,
+    def decode_append(self, rows: Sequence[int] | torch.Tensor, kv: torch.Tensor | None, index: torch.Tensor | None,
                       valid: Sequence[bool] | torch.Tensor | None = None) -> torch.Tensor:
         """Append one decode chunk per valid batch row. rows: [B] (-1 = padding); kv/index: [n_layers, B, bytes].
 
         The chunk goes to the mirror and to its page's reserve block: the page's recall block if it is resident,
         else a block of the row's decode region (opened by copying the page from the mirror, so a partial
         prefill page is complete there). Padding rows write the sink cell. Returns int64 [B] cells written.
+        kv=None / index=None: only assign cells and publish them; the caller writes those bytes itself (sglang's
+        store kernel writes the cell, and the mirror is settled from it after the step).
         """
         rows_l = [int(r) for r in (rows.tolist() if torch.is_tensor(rows) else rows)]
         b = len(rows_l)
-        self._check_chunks("decode kv", kv, b, self.layout.kv.chunk_bytes)
-        self._check_chunks("decode index", index, b, self.layout.index.chunk_bytes)
+        if kv is not None:
+            self._check_chunks("decode kv", kv, b, self.layout.kv.chunk_bytes)
+        if index is not None:
+            self._check_chunks("decode index", index, b, self.layout.index.chunk_bytes)
         ok = [r >= 0 for r in rows_l] if valid is None else [bool(v) and r >= 0 for v, r in zip(list(valid), rows_l)]
         live = [r for r, v in zip(rows_l, ok) if v]
         if len(set(live)) != len(live):
@@ -212,8 +236,11 @@ class OffloadEngine:
             idx = [i for i in range(b) if ok[i]]
             m = torch.tensor([sts[rows_l[i]].mpages[sts[rows_l[i]].n_chunks // pc] * pc
                               + sts[rows_l[i]].n_chunks % pc for i in idx], dtype=torch.int64)
-            if idx:  # the mirror first: opening a decode page copies the page, new chunk included
-                self.mirror.write(m, kv[:, idx], index[:, idx])
+            if idx and kv is not None:  # the mirror first: opening a decode page copies the page, new chunk included
+                self.mirror.write(m, kv[:, idx], None if index is None else index[:, idx])
+            elif idx and index is not None:
+                self.mirror.write_index(m, index[:, idx])
+            if idx and index is not None:
                 self.target.write(m, index[:, idx])
             cells = torch.full((b,), self.reserve.sink_cell, dtype=torch.int64)
             with self._main():
@@ -225,13 +252,27 @@ class OffloadEngine:
                     if blk is None:
                         blk = self._ring_block(r, st, p)
                     cells[i] = blk * pc + st.n_chunks % pc
-                self.reserve.write_cells(cells, kv, index)
+                if kv is not None:
+                    self.reserve.write_cells(cells, kv, index)
                 if idx:  # publish last: the entries appear once the bytes are in place
                     self.lut.set(m, cells[idx])
             for r, st in sts.items():
                 st.n_chunks += 1
                 self.stats.add(st.rid, "decode_chunks")
             return cells
+
+    def add_pages(self, row: int, mpages: Sequence[int]) -> None:
+        """Claim mirror pages and append them to the row's logical pages (for callers that own the page ids:
+        the next `decode_append` crossing a page boundary uses them instead of allocating)."""
+        with self.lock:
+            st = self._live(row)
+            if len(st.mpages) + len(mpages) > self.max_pages:
+                raise OffloadCapacityError(f"row {row}: {len(st.mpages) + len(mpages)} pages exceed max_chunks="
+                                           f"{self.cfg.max_chunks}")
+            got = self.mirror.claim(list(mpages))
+            with self._main():
+                self.lut.row_pages[row, len(st.mpages):len(st.mpages) + len(got)] = torch.tensor(got, dtype=torch.int32)
+            st.mpages += got
 
     def _ring_block(self, row: int, st: _Row, page: int) -> int:
         if page in st.ring:

@@ -1,8 +1,10 @@
 """The host mirror: the full history of every live request, per layer, in page rows.
 
 Pinned when CUDA is present (so recall can copy asynchronously), plain memory on CPU.
-Mirror pages are handed to requests from a free list; a request's logical page p lives at
-mirror page `mpages[p]`. Freed pages keep stale bytes, but the lookup table never points at them.
+Mirror pages are handed to requests from a free list (`alloc`), or claimed by id (`claim`) when the caller
+owns the page numbering (sglang's c4 pool pages, so PD transfers can land in the mirror directly); a
+request's logical page p lives at mirror page `mpages[p]`. Freed pages keep stale bytes, but the lookup table
+never points at them.
 """
 
 from __future__ import annotations
@@ -36,20 +38,46 @@ class HostMirror:
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
         self.kv = _host_empty((layout.n_layers, n_pages, layout.kv_page_bytes), self.pinned)
         self.index = _host_empty((len(layout.offload_index_layers), n_pages, layout.index_page_bytes), self.pinned)
-        self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low ids first
+        # A stack of candidates (pop() hands out low ids first) plus the set of pages actually free: `claim`
+        # only drops a page from the set, and `alloc` skips stack entries that are no longer in it.
+        self._free = list(range(n_pages - 1, -1, -1))
+        self._free_set = set(self._free)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free_set)
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OffloadCapacityError(f"host mirror: need {n} pages, {len(self._free)} of {self.n_pages} free "
+        if n > len(self._free_set):
+            raise OffloadCapacityError(f"host mirror: need {n} pages, {len(self._free_set)} of {self.n_pages} free "
                                        f"(raise EngineConfig.mirror_pages)")
-        return [self._free.pop() for _ in range(n)]
+        out: list[int] = []
+        while len(out) < n:
+            p = self._free.pop()
+            if p in self._free_set:
+                self._free_set.discard(p)
+                out.append(p)
+        return out
+
+    def claim(self, pages: list[int]) -> list[int]:
+        """Take these exact pages (all or none). Raises if one is out of range, repeated or not free."""
+        bad = [p for p in pages if not 0 <= p < self.n_pages]
+        if bad:
+            raise IndexError(f"host mirror: pages {bad[:8]} outside [0, {self.n_pages})")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"host mirror: claim lists a page twice: {pages[:16]}")
+        busy = [p for p in pages if p not in self._free_set]
+        if busy:
+            raise RuntimeError(f"host mirror: pages {busy[:8]} are already owned by a request")
+        self._free_set.difference_update(pages)
+        return list(pages)
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        fresh = [p for p in pages if p not in self._free_set]
+        self._free_set.update(fresh)
+        self._free.extend(reversed(fresh))
+        if len(self._free) > 4 * self.n_pages:  # claims leave dead stack entries behind: compact now and then
+            self._free = sorted(self._free_set, reverse=True)
 
     def write(self, mchunks: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
         """Write chunk rows at mirror chunks (mirror_page * page_chunks + off).
@@ -59,8 +87,14 @@ class HostMirror:
         """
         pc = self.layout.page_chunks
         mchunks = mchunks.cpu().long()
-        rows, offs = mchunks // pc, mchunks % pc
-        self.layout.kv.write_chunks(self.kv, rows, offs, kv.cpu())
+        self.layout.kv.write_chunks(self.kv, mchunks // pc, mchunks % pc, kv.cpu())
+        if index is not None:
+            self.write_index(mchunks, index)
+
+    def write_index(self, mchunks: torch.Tensor, index: torch.Tensor) -> None:
+        """Path-I rows only. index: [n_layers, n, index_chunk_bytes] uint8 for all layers."""
         ol = self.layout.offload_index_layers
-        if ol and index is not None:
-            self.layout.index.write_chunks(self.index, rows, offs, index.cpu()[list(ol)])
+        if ol:
+            pc = self.layout.page_chunks
+            mchunks = mchunks.cpu().long()
+            self.layout.index.write_chunks(self.index, mchunks // pc, mchunks % pc, index.cpu()[list(ol)])

@@ -123,11 +123,19 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> Reca
                 for p in sel & st.recall.keys():
                     eng.lru.touch(st.recall[p])
                 missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
-                stale = [p for p in st.recall if p not in sel]  # dict order = oldest recalled first
+                # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
+                # next chunk there during the very forward a recall copy into a reused block could overlap.
+                tip = (st.n_chunks - 1) // pc
+                stale = [p for p in st.recall if p not in sel and p != tip]
                 while stale and len(st.recall) + len(missing) > cap:
                     blk = st.recall[stale.pop(0)]
                     _evict(eng, blk, touched, cleared)
                     eng.blocks.push(blk)
+                over = len(st.recall) + len(missing) - cap
+                if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
+                    eng.stats.add(st.rid, "budget_hits", over)
+                    eng.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
+                    missing = missing[:-over]
                 need += [(rq.row, rq.gen, p, q) for p, q in missing]
 
             def evictable(blk: int) -> bool:

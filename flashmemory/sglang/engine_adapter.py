@@ -73,12 +73,21 @@ def read_geometry(pool: Any) -> PoolGeometry:
     pc = int(kv_pool.page_size)
     d = int(getattr(ix_pool, "index_head_dim", 128))
     want_kv = PageFormat((576, 8), pc, 576).page_bytes
-    n_pages = kv[0].shape[0]
-    for name, bufs, width in (("c4_kv_pool.kv_buffer", kv, want_kv), ("index_k_with_scale_buffer", ix, pc * (d + 4))):
+    # Shrink mode allocates a placeholder c4 KV buffer; the logical page count is kept on the pool (hooks.py).
+    kv_pages = getattr(kv_pool, "flashmemory_logical_pages", None)
+    kv_rows = kv_pages if kv_pages is not None else (kv[0].shape[0] if kv[0].dim() == 2 else -1)
+    ix_rows = ix[0].shape[0] if ix[0].dim() == 2 else -1
+    # sglang sizes the two c4 pools from different counts (c4 tokens vs c128 tokens * 32), so they can differ by a
+    # page or so; every c4 loc the allocator hands out lies below both.
+    n_pages = min(kv_rows, ix_rows)
+    for name, bufs, width, rows in (("c4_kv_pool.kv_buffer", kv, want_kv, None if kv_pages is not None else kv_rows),
+                                    ("index_k_with_scale_buffer", ix, pc * (d + 4), ix_rows)):
         for i, t in enumerate(bufs):
-            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width or t.shape[0] != n_pages:
-                raise PoolGeometryError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)}, expected uint8 [{n_pages}, {width}] "
+            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width or (rows is not None and t.shape[0] != rows):
+                raise PoolGeometryError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)}, expected uint8 [{rows or 'n'}, {width}] "
                                         f"(DSv4 V4 fp8 layout, {pc}-entry pages)")
+    if n_pages < 1:
+        raise PoolGeometryError(f"c4 pools have {kv_rows} KV and {ix_rows} index-K pages")
     return PoolGeometry(len(kv), n_pages, pc, want_kv, d, pc * (d + 4))
 
 
@@ -129,8 +138,8 @@ class SGLangOffload:
                                     index_offload=env.index_k_offload)
         max_chunks = min(geo.n_locs, math.ceil(env.target_context / RATIO))
         self.cfg = EngineConfig.from_env(env, max_chunks=max_chunks, page_chunks=geo.page_chunks,
-                                         mirror_pages=geo.n_pages)
-        self.engine = OffloadEngine(self.layout, self.cfg, self.device)
+                                         mirror_pages=geo.n_pages, **self._engine_overrides())
+        self.engine = OffloadEngine(self.layout, self.cfg, self.device, target_buffers=self._target_buffers())
         sel = SelectionConfig.from_env(env)
         scorer = retriever_scorer(retriever, self.engine, env.ensemble_mode) if retriever is not None else _AllPass()
         self.level1_cfg = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=self.cfg.max_resident_pages,
@@ -143,6 +152,14 @@ class SGLangOffload:
         self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
         self._unsettled: list[torch.Tensor] = []   # pool locs appended last step: re-read from the pool next step
+
+    mode = "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink.ShrunkOffload)
+
+    def _engine_overrides(self) -> dict[str, Any]:
+        return {}
+
+    def _target_buffers(self) -> list[torch.Tensor] | None:
+        return None
 
     # --- what runtime reads ----------------------------------------------------------------------
     @property
@@ -351,21 +368,34 @@ class SGLangOffload:
                 "level1_cycles": float(snap["cycles"]),
                 "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
                 "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
-                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"])}
+                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]), "device_bytes_saved": 0.0}
 
     def close(self) -> None:
         self.l1.close()
 
 
-def build(pool: Any, env: FlashMemoryEnv) -> SGLangOffload:
-    """Adapter for a DSv4 pool: loads SGLANG_RETRIEVER_INLINE_CKPT (when set) for the target layers."""
+def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None) -> SGLangOffload:
+    """Adapter for a DSv4 pool: loads SGLANG_RETRIEVER_INLINE_CKPT (when set) for the target layers.
+
+    shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
+    on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
+    from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
     retriever = None
     if env.retriever_ckpt:
         from flashmemory.retriever import load_retriever
         retriever = load_retriever(env.retriever_ckpt, layers=env.retriever_layers, logit_offset=env.logit_offset)
         retriever.eval()
-    eng = SGLangOffload(pool, env, retriever)
-    logger.info("FlashMemory Path-P: %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, retriever %s",
-                eng.geo.n_c4_layers, eng.geo.n_pages, eng.cfg.recall_blocks, eng.cfg.max_resident_pages,
-                env.retriever_ckpt or "off (newest pages)")
+    if shrink is None:
+        blockers = shrink_blockers(server_args) if env.pd_c4_shrink else []
+        shrink = env.pd_c4_shrink and not blockers
+        if blockers:
+            logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device memory "
+                           "saved): SGLANG_PD_B_C4_SHRINK needs %s", "; ".join(f"not {b}" for b in blockers))
+    if shrink:
+        eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
+    else:
+        eng = SGLangOffload(pool, env, retriever)
+    logger.info("FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
+                "retriever %s", eng.mode, eng.geo.n_c4_layers, eng.geo.n_pages, eng.cfg.recall_blocks,
+                eng.cfg.max_resident_pages, env.retriever_ckpt or "off (newest pages)")
     return eng

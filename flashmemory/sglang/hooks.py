@@ -151,13 +151,15 @@ def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Te
 
 
 def around_get_extra_key_buffer(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
+    buf = original(self, layer_id, *args, **kwargs)  # also waits for this layer's transfer, as stock does
     engine = RUNTIME.engine
     if engine is not None and self is RUNTIME.pool and RUNTIME.attn_layer is not None:
         layer = RUNTIME.c4_layer(self, layer_id)
         if layer is not None and layer == RUNTIME.attn_layer:
             RUNTIME.count("reserve_reads_captured" if _capturing() else "reserve_reads_eager")
-            return engine.reserve_kv(layer)
-    return original(self, layer_id, *args, **kwargs)
+            # The pool hands out its uint8 page rows viewed as the KV dtype (fp8); so must the reserve.
+            return engine.reserve_kv(layer).view(buf.dtype)
+    return buf
 
 
 def after_set_extra_key(result: Any, self: Any, layer_id: int, loc: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -220,8 +222,13 @@ def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> 
 
 
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
-    if not getattr(self, "is_draft_worker", False) and forward_batch.forward_mode.is_decode():
+    if getattr(self, "is_draft_worker", False):
+        return
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
         RUNTIME.after_decode_forward(forward_batch)
+    elif not mode.is_idle():
+        RUNTIME.after_extend_forward()
 
 
 def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -236,3 +243,51 @@ def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
 def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     if RUNTIME.dump is not None and RUNTIME.dump.docs:
         RUNTIME.dump.flush_all()
+
+
+# --- shrink mode (`flashmemory.sglang.shrink`): the device c4 KV pool is never allocated at full size ----------
+def around_init_compressed_pools(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    RUNTIME.in_compressed_pools = True
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        RUNTIME.in_compressed_pools = False
+
+
+def around_make_kv_pool(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The c4 KV pool (page = global page / 4, built by `_init_compressed_pools`) gets a one-page placeholder
+    buffer when the shrink will run; `ShrunkOffload` replaces it with the reserve. The logical size is kept on
+    the pool object for the geometry (`engine_adapter.read_geometry`)."""
+    page, glob, size = kwargs.get("page_size"), kwargs.get("global_page_size"), kwargs.get("size")
+    if not (RUNTIME.in_compressed_pools and page and glob and page * 4 == glob and size and RUNTIME.shrink_planned()):
+        return original(self, *args, **kwargs)
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import _num_dsv4_physical_kv_pages
+    pool = original(self, *args, **{**kwargs, "size": page})
+    pool.flashmemory_logical_pages = _num_dsv4_physical_kv_pages(size, page, glob)
+    logger.info("FlashMemory shrink: c4 KV pool of %d pages per layer not allocated on the device",
+                pool.flashmemory_logical_pages)
+    return pool
+
+
+def around_c4_bytes_per_token(original: Callable, self: Any, ratio: int, *args: Any, **kwargs: Any) -> float:
+    """SGLANG_PD_CREDIT_OFFLOADED_C4: with the shrink, a token costs no c4 KV bytes on the device (index-K stays)."""
+    out = original(self, ratio, *args, **kwargs)
+    if ratio == 4 and RUNTIME.shrink_planned():
+        out -= self._get_paged_kv_bytes_per_token(4) / (4 * getattr(self, "c4_shrink_factor", 1))
+    return out
+
+
+def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *rest: Any, **kwargs: Any) -> None:
+    """PD decode into the host mirror: the c4 KV entries of `args` already point at the mirror
+    (`around_contiguous_buf_infos`); NIXL must register them as DRAM, not VRAM."""
+    engine = RUNTIME.engine
+    host = getattr(engine, "host_ptrs", None)
+    if host is None:
+        return
+    hp = host()
+    ptrs = list(getattr(args, "kv_data_ptrs", None) or [])
+    if not any(p in hp for p in ptrs):
+        return
+    kinds = list(getattr(args, "kv_data_mem_kinds", None) or ["VRAM"] * len(ptrs))
+    args.kv_data_mem_kinds = ["DRAM" if p in hp else k for p, k in zip(ptrs, kinds)]
+    logger.info("FlashMemory shrink: %d c4 KV regions registered with NIXL as host DRAM", sum(p in hp for p in ptrs))

@@ -18,6 +18,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "resident_fraction": ("gauge", "Resident c4 chunks / c4 chunks of live requests"),
     "reserve_used_fraction": ("gauge", "Used fraction of the device reserve"),
     "level1_cycle_seconds": ("gauge", "Wall time of the last Level-1 cycle"),
+    "device_bytes_saved": ("gauge", "Device bytes Path-P freed (c4 KV pool minus reserve); 0 in copy mode"),
 }
 
 

@@ -47,10 +47,19 @@ class OffloadEngine(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
-def build_engine(pool: Any, env: FlashMemoryEnv) -> OffloadEngine:
+def server_args() -> Any:
+    """sglang's global server args in this process, or None where they are not set (tests, tools)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except (ImportError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False) -> OffloadEngine:
     """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.engine_adapter.build`)."""
     from flashmemory.sglang import engine_adapter
-    return engine_adapter.build(pool, env)
+    return engine_adapter.build(pool, env, server_args(), shrink=shrink)
 
 
 def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -117,6 +126,8 @@ class Runtime:
         self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
         self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
+        self.in_compressed_pools = False                  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
+        self._shrink: bool | None = None                  # shrink decision, made once per process
         self.steps = 0
         self.counters: dict[str, int] = {}
         self.diag_path = os.environ.get("FLASHMEMORY_STATS_FILE", "")  # diagnostics for scripts/gpu_check.py
@@ -152,12 +163,27 @@ class Runtime:
         return self.env.kmax() + -(-self.env.decode_resident_chunks // 64)
 
     # --- memory pool ------------------------------------------------------------------------------
+    def shrink_planned(self) -> bool:
+        """Path-P runs in shrink mode in this process (decided once, from the gates and the server args)."""
+        if self._shrink is None:
+            if not (self.on("path_p") and self.env.pd_c4_shrink):
+                self._shrink = False
+            else:
+                from flashmemory.sglang.shrink import shrink_blockers
+                blockers = shrink_blockers(server_args())
+                self._shrink = not blockers
+                if blockers:
+                    logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device "
+                                   "memory saved): SGLANG_PD_B_C4_SHRINK needs %s",
+                                   "; ".join(f"not {b}" for b in blockers))
+        return self._shrink
+
     def attach_pool(self, pool: Any) -> None:
         if getattr(pool, "is_draft_worker", False) or self.pool is not None:
             return
         self.pool = pool
         if self.on("path_p"):
-            self.engine = build_engine(pool, self.env)
+            self.engine = build_engine(pool, self.env, self.shrink_planned())
             try:
                 from flashmemory.sglang.metrics import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()
@@ -214,9 +240,12 @@ class Runtime:
     def before_forward(self, forward_batch: Any, req_to_token: torch.Tensor | None = None) -> None:
         """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the
         static Level-2 buffer (read by the graph in score-resident mode)."""
-        if self.sideband is not None and forward_batch.forward_mode.is_decode():
+        decode = forward_batch.forward_mode.is_decode()
+        if self.sideband is not None and decode:
             self.sideband.begin_forward()
-        if self.engine is None or not forward_batch.forward_mode.is_decode() or req_to_token is None:
+        if self.engine is not None and hasattr(self.engine, "begin_forward") and not forward_batch.forward_mode.is_idle():
+            self.engine.begin_forward(decode)   # shrink mode: where this forward's c4 stores land
+        if self.engine is None or not decode or req_to_token is None:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])
         seq = forward_batch.seq_lens[: len(rids)]
@@ -237,6 +266,8 @@ class Runtime:
         self.steps += 1
         if self.engine is None:
             return
+        if hasattr(self.engine, "settle"):
+            self.engine.settle()   # shrink mode: this step's new c4 entries, reserve -> mirror, before any recall
         snapshot = self.sideband_snapshot(len(getattr(forward_batch, "rids", None) or []))
         if snapshot is not None:
             self.engine.level1(snapshot)
@@ -247,6 +278,11 @@ class Runtime:
             self.diag_path = ""
         if self.metrics is not None and self.steps % self.env.interval == 0:
             self.metrics.publish(self.engine.stats())
+
+    def after_extend_forward(self) -> None:
+        """Shrink mode: the extend's landing cells -> the mirror."""
+        if self.engine is not None and hasattr(self.engine, "end_extend"):
+            self.engine.end_extend()
 
 
 RUNTIME = Runtime()

@@ -17,6 +17,8 @@ _POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
+_NIXL = "sglang.srt.disaggregation.nixl.conn"
+_CFG = "sglang.srt.model_executor.pool_configurator"
 
 
 class TargetError(RuntimeError):
@@ -25,7 +27,7 @@ class TargetError(RuntimeError):
 
 @dataclass(frozen=True)
 class HookSpec:
-    feature: str                 # "level2", "mask", "path_p", "path_i", "cudagraph", "level1", "dump"
+    feature: str                 # "level2", "mask", "path_p", "shrink", "credit_c4", "path_i", "cudagraph", "level1", "dump"
     target: str                  # dotted path for HookRegistry
     hook_type: str               # "before" | "after" | "around"
     params: tuple[str, ...]      # leading parameters the hook relies on, in order
@@ -55,6 +57,13 @@ SPECS: tuple[HookSpec, ...] = (
     HookSpec("path_p", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward"),
     HookSpec("path_i", f"{_POOL}.get_index_k_with_scale_buffer", "around", ("self", "layer_id"), "around_get_index_k"),
     HookSpec("path_i", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k"),
+    # Shrink mode (PD decode): no full-size device c4 KV pool, PD lands c4 KV in the host mirror (NIXL DRAM).
+    HookSpec("shrink", f"{_POOL}._init_compressed_pools", "around", ("self",), "around_init_compressed_pools"),
+    HookSpec("shrink", f"{_POOL}._make_kv_pool", "around", ("self",), "around_make_kv_pool"),
+    HookSpec("shrink", f"{_NIXL}.NixlKVManager.__init__", "before", ("self", "args", "disaggregation_mode"),
+             "before_nixl_manager_init"),
+    HookSpec("credit_c4", f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token", "around", ("self", "ratio"),
+             "around_c4_bytes_per_token"),
     # (3) CUDA graph: static buffers before capture, capture-head hook to learn the bucket size.
     HookSpec("cudagraph", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs"),
     # (4) Level-1 side band: publish before a forward, launch after a decode forward.
@@ -78,6 +87,10 @@ def features_for(env: Any) -> tuple[str, ...]:
             f.append("mask")
     if env.decode_swap_p:
         f.append("path_p")
+        if env.pd_c4_shrink:
+            f.append("shrink")
+            if env.pd_credit_c4:
+                f.append("credit_c4")
     if env.index_k_offload:
         f.append("path_i")
     if env.cudagraph and "level2" in f:

@@ -22,7 +22,10 @@ def test_drift_is_reported(sg):
 def test_features():
     assert features_for(FlashMemoryEnv()) == ()
     f = features_for(FlashMemoryEnv(decode_swap_p=True, cudagraph=True, retriever_ckpt="c.pt"))
-    assert f == ("level2", "mask", "path_p", "cudagraph", "level1")
+    assert f == ("level2", "mask", "path_p", "shrink", "cudagraph", "level1")
+    assert "shrink" not in features_for(FlashMemoryEnv(decode_swap_p=True, pd_c4_shrink=False))
+    assert "credit_c4" in features_for(FlashMemoryEnv(decode_swap_p=True, pd_credit_c4=True))
+    assert "credit_c4" not in features_for(FlashMemoryEnv(decode_swap_p=True, pd_c4_shrink=False, pd_credit_c4=True))
     assert "mask" not in features_for(FlashMemoryEnv(decode_swap_p=True, score_resident=True))
     specs = specs_for(("level2", "dump"))
     assert len({(s.target, s.hook_type) for s in specs}) == len(specs)  # shared indexer hook registered once

@@ -1,0 +1,251 @@
+"""Path-P on a PD decode server ("B mode"): the device c4 KV pool shrinks to the reserve.
+
+Copy mode (`engine_adapter.SGLangOffload`) leaves sglang's c4 pool complete and keeps the mirror and reserve as
+copies of it, so it saves no device memory. Here:
+
+  mirror   addressed by pool page (mirror page == c4 pool page, pool loc == mirror chunk), so a PD transfer
+           lands in it directly: `mirror_buf_infos` swaps each c4 KV buffer for its mirror in
+           `get_contiguous_buf_infos`, and `nixl_mem_kinds` marks those entries DRAM for NIXL (sglang 0.5.23
+           mixes VRAM/DRAM destinations for HiSparse the same way, `disaggregation/decode.py:629-644`).
+  device   `pool.c4_kv_pool.kv_buffer[l]` becomes the reserve of layer l (recall blocks | decode regions | sink |
+           landing); the full-size buffers are dropped.
+  stores   sglang's compressor writes a new c4 entry at `c4_kv_pool._translate_loc_to_hisparse_device(out_loc)`
+           (`layers/attention/dsv4/compressor_v2.py:227`, the seam HiSparse uses). Installed here it returns, in
+           decode, the entry's reserve cell (assigned and published by `begin_step` before the forward; graph
+           safe: two gathers on static tensors) and, in extend, a landing cell (moved to the mirror afterwards).
+  settle   after each forward the new entries go reserve -> mirror, and Path-I index-K pool -> mirror.
+
+Index-K stays in sglang's device pool; the target layers' buffers double as the engine's target index pool.
+Only safe where every forward is decode or extend: `shrink_blockers` lists what rules the mode out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+
+from flashmemory.env import FlashMemoryEnv
+from flashmemory.sglang.engine_adapter import SGLangOffload, c4_counts
+
+logger = logging.getLogger(__name__)
+DEFAULT_EXTEND_TOKENS = 16384  # sglang's default max_prefill_tokens
+
+
+class LandingOverflowError(RuntimeError):
+    """An extend forward closed more c4 entries than the landing region holds (sized from the server args)."""
+
+
+def shrink_blockers(server_args: Any) -> list[str]:
+    """Why the shrink cannot run with these sglang server args ([] = it can)."""
+    if server_args is None:
+        return ["sglang server args are unknown"]
+    out = []
+    mode = str(getattr(server_args, "disaggregation_mode", None) or "null").lower()
+    if mode != "decode":
+        out.append(f"--disaggregation-mode is {mode!r}, not 'decode' (prefill runs on this server)")
+    backend = str(getattr(server_args, "disaggregation_transfer_backend", None) or "").lower()
+    if mode == "decode" and backend != "nixl":
+        out.append(f"--disaggregation-transfer-backend {backend!r}: landing PD transfers in host DRAM needs 'nixl'")
+    if getattr(server_args, "speculative_algorithm", None):
+        out.append("speculative decoding (its verify/draft forwards read the c4 pool outside Path-P)")
+    if getattr(server_args, "enable_mixed_chunk", False):
+        out.append("--enable-mixed-chunk (mixed extend+decode forwards)")
+    if getattr(server_args, "enable_hisparse", False):
+        out.append("--enable-hisparse (it owns the same translation seam)")
+    return out
+
+
+def landing_chunks(server_args: Any) -> int:
+    """Landing cells for one extend forward: every c4 entry it can close (tokens / 4, plus one per request)."""
+    if server_args is None:
+        return DEFAULT_EXTEND_TOKENS // 4 + 128
+    tokens = max(int(getattr(server_args, "chunked_prefill_size", None) or 0),
+                 int(getattr(server_args, "max_prefill_tokens", None) or 0)) or DEFAULT_EXTEND_TOKENS
+    reqs = int(getattr(server_args, "max_running_requests", None) or 0) or 1024
+    return -(-tokens // 4) + reqs
+
+
+class ShrunkOffload(SGLangOffload):
+    """`SGLangOffload` with a pool-addressed mirror and the device c4 KV pool replaced by the reserve."""
+
+    mode = "shrink"
+
+    def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None,
+                 n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128):
+        self.n_landing = n_landing
+        super().__init__(pool, env, retriever, device)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (pool locs, cells the kernel writes) [n]
+        self._landing: tuple[torch.Tensor, torch.Tensor] | None = None  # (pool locs, landing cells) of this extend
+        self.phase = "decode"
+        self.device_bytes_saved = 0
+        self._shrink()
+
+    def _engine_overrides(self) -> dict[str, Any]:
+        return {"landing_blocks": math.ceil(self.n_landing / self.geo.page_chunks)}
+
+    def _target_buffers(self) -> list[torch.Tensor]:
+        return [self.ix_bufs[l][: self.geo.n_pages] for l in self.layout.target_layers]
+
+    def _shrink(self) -> None:
+        kv_pool, res = self.pool.c4_kv_pool, self.engine.reserve
+        full = self.geo.n_c4_layers * self.geo.n_pages * self.geo.kv_page_bytes   # what stock sglang allocates
+        for l in range(self.geo.n_c4_layers):
+            kv_pool.kv_buffer[l] = res.kv[l]
+        self.kv_bufs = list(kv_pool.kv_buffer)
+        self.device_bytes_saved = full - res.kv.numel()
+        kv_pool.translate_loc_to_hisparse_device = self.store_cells
+        kv_pool._translate_loc_to_hisparse_device = self.store_cells
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.device_bytes_saved <= 0:
+            logger.warning("FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool (%d pages): "
+                           "it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",
+                           res.n_blocks, self.geo.n_pages)
+        logger.info("FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. "
+                    "%d landing); PD lands c4 KV in the host mirror (%.2f GiB)", full / 2**30, res.kv.numel() / 2**30,
+                    res.n_blocks, res.landing_blocks, self.engine.mirror.kv.numel() / 2**30)
+
+    # --- the store seam ---------------------------------------------------------------------------
+    def store_cells(self, out_loc: torch.Tensor) -> torch.Tensor:
+        """Where sglang's compressor writes the c4 entries of pool locs out_loc [T] (0 = no entry this token).
+
+        Decode: the reserve cell `begin_step` published (graph safe). Extend: consecutive landing cells, moved to
+        the mirror by `end_extend`. Anything unknown goes to the sink cell, never to another request's cell."""
+        loc = out_loc.long()
+        sink = self.engine.reserve.sink_cell
+        if self.phase == "extend":
+            return self._landing_cells(loc).to(out_loc.dtype)
+        n = self.geo.n_locs
+        idx = torch.where((loc >= 0) & (loc < n), loc, torch.full_like(loc, n))
+        cells = self.engine.lut.table[self.loc2m[idx]].long()
+        return torch.where(cells >= 0, cells, torch.full_like(cells, sink)).to(out_loc.dtype)
+
+    def _landing_cells(self, loc: torch.Tensor) -> torch.Tensor:
+        res, pc = self.engine.reserve, self.geo.page_chunks
+        ok = (loc > 0) & (loc < self.geo.n_locs)
+        k = int(ok.sum())
+        if k > res.landing_blocks * pc:
+            raise LandingOverflowError(f"FlashMemory shrink: an extend forward stores {k} c4 entries, the landing "
+                                       f"region holds {res.landing_blocks * pc} (sized from --max-prefill-tokens / "
+                                       "--chunked-prefill-size; raise those consistently or turn SGLANG_PD_B_C4_SHRINK off)")
+        cells = torch.where(ok, res.landing_base * pc + ok.long().cumsum(0) - 1, torch.full_like(loc, res.sink_cell))
+        if self._landing is None:  # every c4 layer of one forward passes the same out_loc
+            self._landing = (loc[ok].clone(), cells[ok].clone())
+        return cells
+
+    def begin_forward(self, is_decode: bool) -> None:
+        self.phase = "decode" if is_decode else "extend"
+        self._landing = None
+
+    def end_extend(self) -> None:
+        """After an extend forward: landing cells -> mirror (and any resident cell) for every c4 layer."""
+        got, self._landing, self.phase = self._landing, None, "decode"
+        if got is not None and got[0].numel():
+            self._move(got[0], got[1])
+
+    # --- request lifecycle ---------------------------------------------------------------------------
+    def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """As `SGLangOffload.begin_step`, but admission takes the history from the mirror (PD landed it there, or
+        an extend's landing did), claiming the request's own pool pages as its mirror pages; new chunks get
+        cells only, their bytes come from sglang's store kernel."""
+        self.begin_forward(True)
+        self.settle()
+        before, after = c4_counts(seq_lens.cpu())
+        live = set(rids)
+        for rid in [r for r in self.rows if r not in live]:
+            row = self.rows.pop(rid)
+            self.engine.finish(row)
+            self._unmap(row)
+        pt = page_table.cpu().long()
+        pc, rows = self.geo.page_chunks, []
+        for b, rid in enumerate(rids):
+            pages = pt[b, :-(-int(after[b]) // pc)].tolist()
+            row = self.rows.get(rid)
+            if row is None and int(before[b]) >= 1:
+                row = self._free_row()
+                hist = pages[:-(-int(before[b]) // pc)]
+                self.engine.admit(row, None, None, rid=rid, mpages=hist, n_chunks=int(before[b]))
+                self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
+                self.rows[rid] = row
+            if row is not None:
+                own = self.engine.rows[row].mpages
+                if pages[:len(own)] != own:
+                    raise RuntimeError(f"FlashMemory shrink: request {rid}'s c4 pages changed under it "
+                                       f"({own[:4]}... -> {pages[:4]}...)")
+                if len(pages) > len(own):
+                    self.engine.add_pages(row, pages[len(own):])
+                self.pages[row] = pages
+                self._map_pages(row)
+            rows.append(-1 if row is None else row)
+        self._append_cells(rows, pt, after)
+        self.step_rows = torch.tensor(rows, dtype=torch.int64)
+        return self.step_rows
+
+    def _append_cells(self, rows: list[int], pt: torch.Tensor, after: torch.Tensor) -> None:
+        pc = self.geo.page_chunks
+        while True:
+            lag = [(b, r) for b, r in enumerate(rows) if r >= 0 and self.engine.n_chunks(r) < int(after[b])]
+            if not lag:
+                return
+            locs = torch.tensor([int(pt[b, self.engine.n_chunks(r) // pc]) * pc + self.engine.n_chunks(r) % pc
+                                 for b, r in lag], dtype=torch.int64)
+            cells = self.engine.decode_append([r for _, r in lag], None, None)
+            self._pending.append((locs, cells))
+
+    def settle(self) -> None:
+        """Move the entries sglang stored in reserve cells during the last decode forward into the mirror."""
+        if self._pending:
+            locs = torch.cat([p[0] for p in self._pending])
+            cells = torch.cat([p[1] for p in self._pending])
+            self._pending = []
+            self._move(locs, cells)
+
+    def _move(self, locs: torch.Tensor, cells: torch.Tensor) -> None:
+        """c4 KV at reserve cells [n] (all layers) -> mirror chunks == pool locs [n], and -> the cell each loc is
+        resident in now if that differs (a recall published meanwhile); Path-I index-K pool -> mirror, reserve."""
+        eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
+        locs, cells = locs.long(), cells.long().to(self.device)
+        with eng.lock:
+            rows = lay.kv.read_chunks(eng.reserve.kv, cells // pc, cells % pc)     # [L, n, 584] on the device
+            lay.kv.write_chunks(eng.mirror.kv, locs // pc, locs % pc, rows.cpu())
+            now = eng.lut.table[self.loc2m[locs.to(self.device)]].long()
+            moved = (now >= 0) & (now != cells)
+            if bool(moved.any()):
+                lay.kv.write_chunks(eng.reserve.kv, now[moved] // pc, now[moved] % pc, rows[:, moved])
+            if lay.offload_index_layers:
+                ix = torch.stack([lay.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
+                                                        (locs % pc).to(self.ix_bufs[l].device)).cpu()
+                                  for l in lay.offload_index_layers])
+                lay.index.write_chunks(eng.mirror.index, locs // pc, locs % pc, ix)
+                res = now >= 0
+                if bool(res.any()):
+                    lay.index.write_chunks(eng.reserve.index, now[res] // pc, now[res] % pc,
+                                           ix[:, res.cpu()].to(self.device))
+
+    def _index_to_mirror(self, pages: torch.Tensor) -> None:
+        """Path-I: whole index-K pages of the non-target layers, sglang's device pool -> the mirror."""
+        for i, l in enumerate(self.layout.offload_index_layers):
+            self.engine.mirror.index[i, pages] = self.ix_bufs[l][pages.to(self.ix_bufs[l].device)].cpu()
+
+    # --- stores and reads ------------------------------------------------------------------------------
+    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
+        """Nothing to do: the store kernel already wrote this step's entries into their reserve cells."""
+
+    def on_c4_store(self, layer: int, locs: torch.Tensor) -> None:
+        """Nothing to do: stores go through `store_cells`; `settle` moves them to the mirror."""
+
+    def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
+        """Device c4 KV buffer ptr (now the reserve) -> (mirror ptr, mirror bytes, page bytes), per c4 layer."""
+        m, res = self.engine.mirror.kv, self.engine.reserve.kv
+        return {res[l].data_ptr(): (m[l].data_ptr(), m[l].numel(), m.shape[-1]) for l in range(self.geo.n_c4_layers)}
+
+    def host_ptrs(self) -> set[int]:
+        return {v[0] for v in self.mirror_buf_infos().values()}
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["device_bytes_saved"] = float(self.device_bytes_saved)
+        return out
