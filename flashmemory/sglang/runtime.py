@@ -245,6 +245,15 @@ class Runtime:
             self.sideband.begin_forward()
         if self.engine is not None and hasattr(self.engine, "begin_forward") and not forward_batch.forward_mode.is_idle():
             self.engine.begin_forward(decode)   # shrink mode: where this forward's c4 stores land
+            if not decode and getattr(forward_batch, "rids", None):
+                # Its stores are kept (landing -> mirror), but its c4 attention reads the reserve by pool loc.
+                # sglang 0.5.23 re-bootstraps retracted DSv4 requests through P, so a PD decode server should
+                # never get here; say so loudly if it does.
+                self.count("shrink_extend_forwards")
+                if self.counters["shrink_extend_forwards"] == 1:
+                    logger.error("FlashMemory shrink: an extend forward with requests %s ran on this decode server; "
+                                 "its c4 attention reads the reserve and may be wrong. Set SGLANG_PD_B_C4_SHRINK=0 "
+                                 "if this repeats (counter shrink_extend_forwards)", list(forward_batch.rids)[:4])
         if self.engine is None or not decode or req_to_token is None:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])

@@ -100,6 +100,11 @@ class ShrunkOffload(SGLangOffload):
         kv_pool._translate_loc_to_hisparse_device = self.store_cells
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if self.env.pd_credit_c4:
+            logger.warning("FlashMemory shrink with SGLANG_PD_CREDIT_OFFLOADED_C4: sglang's token pool was sized "
+                           "without c4 KV bytes, so the reserve (%.2f GiB) comes out of the non-static headroom; "
+                           "lower --mem-fraction-static by that much if activations or CUDA graphs run short",
+                           res.kv.numel() / 2**30)
         if self.device_bytes_saved <= 0:
             logger.warning("FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool (%d pages): "
                            "it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",

@@ -20,7 +20,8 @@ def command(script, **env):
     p = dry(script, **env)
     assert p.returncode == 0, p.stderr
     cmd = [ln for ln in p.stdout.splitlines() if ln.startswith("CMD ")]
-    envs = dict(ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))
+    envs = {k: (shlex.split(v) or [""])[0] for k, v in
+            (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))}  # values are %q-quoted
     return shlex.split(cmd[0][4:]), envs
 
 
@@ -48,6 +49,13 @@ def test_decode_knobs(sg):
     ns = p.parse_args(argv[3:])
     assert ns.disaggregation_transfer_backend == "mooncake" and ns.cuda_graph_backend_decode == "disabled"
     assert envs["SGLANG_PATHP_PAGE_KMAX"] == "192"
+    from flashmemory.env import FlashMemoryEnv
+    from flashmemory.sglang.shrink import shrink_blockers
+    assert any("nixl" in b for b in shrink_blockers(ns))          # mooncake: Path-P falls back to copy mode
+    argv, envs = command("launch_decode.sh", CREDIT_C4="1")
+    e = FlashMemoryEnv.from_environ(envs)
+    assert e.decode_swap_p and e.pd_c4_shrink and e.pd_credit_c4
+    assert shrink_blockers(p.parse_args(argv[3:])) == []          # the default D command runs the shrink
 
 
 @pytest.mark.parametrize("mini", ["0", "1"])
@@ -64,6 +72,7 @@ def test_router_command_parses(mini):
     ("launch_decode.sh", {"KMAX": "abc"}, "KMAX=abc"),
     ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
     ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
+    ("launch_decode.sh", {"C4_SHRINK": "yes"}, "C4_SHRINK"),
     ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
     ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
 ])

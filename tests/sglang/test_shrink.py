@@ -124,6 +124,15 @@ def test_copy_mode_allocates_stock(sa, monkeypatch):
     eng = build(pool, env(), None)          # no server args: copy mode, with a warning
     assert eng.mode == "copy" and eng.mirror_buf_infos() == {}
     assert not hasattr(pool.c4_kv_pool, "_translate_loc_to_hisparse_device")
+    # inside attention the reserve stands in for the pool, in the pool's own dtype view (fp8, not raw uint8)
+    monkeypatch.setattr(RUNTIME, "engine", eng)
+    monkeypatch.setattr(RUNTIME, "pool", pool)
+    monkeypatch.setattr(RUNTIME, "attn_layer", 1)
+    lid = c4_layer_ids(pool)[1]
+    stock = type(pool).get_extra_key_buffer(pool, lid)
+    got = hooks.around_get_extra_key_buffer(type(pool).get_extra_key_buffer, pool, lid)
+    assert stock.dtype == torch.float8_e4m3fn and got.dtype == stock.dtype
+    assert got.data_ptr() == eng.engine.reserve.kv[1].data_ptr() and got.data_ptr() != stock.data_ptr()
 
 
 def _rand(g, *shape):
@@ -236,3 +245,26 @@ def test_credit_hook_drops_only_the_c4_kv_term(monkeypatch):
     assert hooks.around_c4_bytes_per_token(orig, cfg, 128) == pytest.approx(585.0 / 128)
     monkeypatch.setattr(RUNTIME, "_shrink", False)
     assert hooks.around_c4_bytes_per_token(orig, cfg, 4) == pytest.approx(585.0 / 4 + 33.0)
+
+
+def test_runtime_routes_forward_phases(sa, monkeypatch, caplog):
+    """before_forward sets where stores land; a real extend on a shrink server is counted and logged once;
+    after an extend forward the landing moves to the mirror."""
+    from flashmemory.sglang.runtime import Runtime
+    pool = make_pool(sa, monkeypatch, shrink=True)
+    rt = Runtime()
+    rt.engine = build(pool, env(), sa.args, shrink=True)
+
+    def batch(decode, rids):
+        mode = types.SimpleNamespace(is_decode=lambda: decode, is_idle=lambda: False)
+        return types.SimpleNamespace(forward_mode=mode, rids=rids)
+
+    rt.before_forward(batch(False, []))                  # a warmup-style extend without requests
+    assert rt.engine.phase == "extend" and "shrink_extend_forwards" not in rt.counters
+    rt.after_extend_forward()
+    assert rt.engine.phase == "decode"
+    for _ in range(2):
+        rt.before_forward(batch(False, ["r1"]))
+    assert rt.counters["shrink_extend_forwards"] == 2 and caplog.text.count("may be wrong") == 1
+    rt.before_forward(batch(True, ["r1"]))               # decode without req_to_token: phase only
+    assert rt.engine.phase == "decode"
