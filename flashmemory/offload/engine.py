@@ -274,7 +274,19 @@ class OffloadEngine:
                 self.lut.row_pages[row, len(st.mpages):len(st.mpages) + len(got)] = torch.tensor(got, dtype=torch.int32)
             st.mpages += got
 
-    def _ring_block(self, row: int, st: _Row, page: int) -> int:
+    def open_tail_page(self, row: int) -> None:
+        """Make the page holding the row's newest chunk resident now (a decode-region block), so Level 2 can read
+        it before the first decode append or Level-1 cycle. No-op if it already is."""
+        with self.lock:
+            st = self._live(row)
+            page = (st.n_chunks - 1) // self.layout.page_chunks
+            if page not in st.recall and page not in st.ring:
+                with self._main():
+                    self._ring_block(row, st, page, upto=st.n_chunks)
+
+    def _ring_block(self, row: int, st: _Row, page: int, upto: int | None = None) -> int:
+        """Decode block of `page`, opened (copied from the mirror) if needed. upto: chunks of the history to map,
+        default n_chunks + 1 (the chunk being appended)."""
         if page in st.ring:
             return self.reserve.decode_block(row, st.ring.index(page))
         slot = st.ring_next
@@ -288,7 +300,8 @@ class OffloadEngine:
             self.reserve.index[:, blk] = self.mirror.index[:, src].to(self.device)[:, 0]
         st.ring[slot] = page
         st.ring_next = (slot + 1) % len(st.ring)
-        self.lut.set_range(mp, 0, min(self.layout.page_chunks, st.n_chunks + 1 - page * self.layout.page_chunks),
+        upto = st.n_chunks + 1 if upto is None else upto
+        self.lut.set_range(mp, 0, min(self.layout.page_chunks, upto - page * self.layout.page_chunks),
                            blk * self.layout.page_chunks)
         self.stats.add(st.rid, "decode_page_opens")
         self._rebuild_res(row)

@@ -263,6 +263,7 @@ class SGLangOffload:
                 kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
                 ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
                 self.engine.admit(row, kv, ix, rid=rid)
+                self.engine.open_tail_page(row)   # the newest page is readable from the first step on
                 self.rows[rid] = row
             if row is not None:
                 self.pages[row] = pages

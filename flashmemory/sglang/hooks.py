@@ -44,6 +44,18 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     return view
 
 
+def _resident_block_metadata(md: Any, layer: int) -> Any:
+    """Score-resident view for a layer whose index-K lives in the Path-I reserve: the same columns as
+    `_resident_metadata`, with the page table mapped to reserve blocks (so top-k come out as reserve cells)."""
+    cache = RUNTIME._rs_block_cache
+    if cache is not None and cache[0] is md and layer > cache[1]:
+        return cache[2]
+    view = _resident_metadata(md, layer)
+    blocks = dataclasses.replace(view, page_table=RUNTIME.engine.block_table(view.page_table))
+    RUNTIME._rs_block_cache = (md, layer, blocks)
+    return blocks
+
+
 def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor,
                               c4_indexer: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     mode = forward_batch.forward_mode
@@ -61,7 +73,14 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
         # In-place copy into the static side band: recorded into the graph, so it replays every step.
         RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing)
     engine = RUNTIME.engine
-    if RUNTIME.on("level2") and RUNTIME.env.score_resident:
+    picks_are_cells = engine is not None and getattr(engine, "index_in_reserve", lambda l: False)(layer)
+    if picks_are_cells:  # Path-I in the reserve (implies score-resident): the table holds reserve blocks
+        meta.indexer_metadata = _resident_block_metadata(md, layer)
+        try:
+            out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+        finally:
+            meta.indexer_metadata = md
+    elif RUNTIME.on("level2") and RUNTIME.env.score_resident:
         meta.indexer_metadata = _resident_metadata(md, -1 if layer is None else layer)
         try:
             out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
@@ -75,7 +94,9 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
             RUNTIME.mask_resident = None
     else:
         out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
-    if engine is not None:
+    if picks_are_cells:
+        meta.core_metadata.c4_sparse_page_indices = engine.drop_sink(meta.core_metadata.c4_sparse_page_indices)
+    elif engine is not None:
         # Attention reads the reserve (get_extra_key_buffer below), so the picks become reserve cells.
         meta.core_metadata.c4_sparse_page_indices = engine.cells_of(meta.core_metadata.c4_sparse_page_indices)
     if RUNTIME.dump is not None and layer is not None:
@@ -291,3 +312,24 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
     kinds = list(getattr(args, "kv_data_mem_kinds", None) or ["VRAM"] * len(ptrs))
     args.kv_data_mem_kinds = ["DRAM" if p in hp else k for p, k in zip(ptrs, kinds)]
     logger.info("FlashMemory shrink: %d c4 KV regions registered with NIXL as host DRAM", sum(p in hp for p in ptrs))
+
+
+def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any,
+                    *args: Any, **kwargs: Any) -> Any:
+    """CompressorBackendMixin.forward_unified: the indexer compressor of a layer whose index-K lives in the Path-I
+    reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one call the
+    locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
+    engine = RUNTIME.engine
+    if (engine is None or not getattr(compressor, "is_in_indexer", False) or getattr(compressor, "ratio", None) != 4
+            or forward_batch.forward_mode.is_idle() or not hasattr(engine, "index_in_reserve")
+            or not engine.index_in_reserve(RUNTIME.c4_layer(self.token_to_kv_pool, layer_id))):
+        return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
+    cm = self.forward_metadata.core_metadata
+    locs = cm.c4_out_loc
+    cells = engine.store_cells(locs)
+    RUNTIME.keep_alive.append(cells)  # eager multi-stream: the kernel may run after this call returns
+    cm.c4_out_loc = cells
+    try:
+        return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
+    finally:
+        cm.c4_out_loc = locs

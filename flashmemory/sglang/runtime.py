@@ -126,6 +126,8 @@ class Runtime:
         self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
         self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
+        self._rs_block_cache: tuple[Any, int, Any] | None = None  # the same, for the Path-I reserve-block view
+        self.keep_alive: list[torch.Tensor] = []          # translated store locs of the running forward
         self.in_compressed_pools = False                  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
         self._shrink: bool | None = None                  # shrink decision, made once per process
         self.steps = 0
@@ -241,6 +243,7 @@ class Runtime:
         """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the
         static Level-2 buffer (read by the graph in score-resident mode)."""
         decode = forward_batch.forward_mode.is_decode()
+        self.keep_alive = []
         if self.sideband is not None and decode:
             self.sideband.begin_forward()
         if self.engine is not None and hasattr(self.engine, "begin_forward") and not forward_batch.forward_mode.is_idle():

@@ -15,7 +15,11 @@ copies of it, so it saves no device memory. Here:
            safe: two gathers on static tensors) and, in extend, a landing cell (moved to the mirror afterwards).
   settle   after each forward the new entries go reserve -> mirror, and Path-I index-K pool -> mirror.
 
-Index-K stays in sglang's device pool; the target layers' buffers double as the engine's target index pool.
+The target layers' index-K stays in sglang's device pool and doubles as the engine's target index pool. With
+Path-I and score-resident Level 2 (`index_in_reserve`), the non-target layers' index-K pool is replaced by the
+Path-I reserve too: the indexer compressor stores through `store_cells` (`hooks.around_compress`), PD lands
+those pages in the mirror, and the indexer scores a view whose page table holds reserve blocks
+(`block_table`), so its top-k are reserve cells already.
 Only safe where every forward is decode or extend: `shrink_blockers` lists what rules the mode out.
 """
 
@@ -77,6 +81,11 @@ class ShrunkOffload(SGLangOffload):
                  n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128):
         self.n_landing = n_landing
         super().__init__(pool, env, retriever, device)
+        # Path-I in the reserve needs score-resident Level 2: mask mode scores every page of the history.
+        self.index_shrink = bool(self.layout.offload_index_layers) and env.score_resident
+        if self.layout.offload_index_layers and not env.score_resident:
+            logger.warning("FlashMemory shrink: Path-I keeps the non-target index-K on the device (it needs "
+                           "SGLANG_PATHP_SCORE_RESIDENT=1 to be read from the reserve)")
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (pool locs, cells the kernel writes) [n]
         self._landing: tuple[torch.Tensor, torch.Tensor] | None = None  # (pool locs, landing cells) of this extend
         self.phase = "decode"
@@ -96,6 +105,12 @@ class ShrunkOffload(SGLangOffload):
             kv_pool.kv_buffer[l] = res.kv[l]
         self.kv_bufs = list(kv_pool.kv_buffer)
         self.device_bytes_saved = full - res.kv.numel()
+        if self.index_shrink:
+            ix = self.pool.c4_indexer_kv_pool.index_k_with_scale_buffer
+            for i, l in enumerate(self.layout.offload_index_layers):
+                self.device_bytes_saved += ix[l].numel() - res.index[i].numel()
+                ix[l] = res.index[i]
+            self.ix_bufs = list(ix)
         kv_pool.translate_loc_to_hisparse_device = self.store_cells
         kv_pool._translate_loc_to_hisparse_device = self.store_cells
         if self.device.type == "cuda":
@@ -141,6 +156,25 @@ class ShrunkOffload(SGLangOffload):
             self._landing = (loc[ok].clone(), cells[ok].clone())
         return cells
 
+    def index_in_reserve(self, layer: int | None) -> bool:
+        """c4 layer `layer`'s index-K lives in the Path-I reserve (stores translated, reads by block table)."""
+        return self.index_shrink and layer in self.layout.offload_index_layers
+
+    def block_table(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pool pages [B, K] (a score-resident view's table) -> reserve blocks [B, K] int32; pages without a
+        block map to the sink block, whose picks `drop_sink` removes. Graph safe: one gather."""
+        pc, n = self.geo.page_chunks, self.geo.n_pages
+        p = pages.long()
+        loc = torch.where((p >= 0) & (p < n), p * pc, torch.full_like(p, self.geo.n_locs))
+        cell = self.engine.lut.table[self.loc2m[loc]].long()
+        return torch.where(cell >= 0, cell // pc, torch.full_like(cell, self.engine.reserve.sink_block)).to(torch.int32)
+
+    def drop_sink(self, cells: torch.Tensor) -> torch.Tensor:
+        """Top-k picks that are reserve cells [B, K]: those in the sink block become -1."""
+        sink = self.engine.reserve.sink_block
+        return torch.where(torch.div(cells, self.geo.page_chunks, rounding_mode="floor") == sink,
+                           torch.full_like(cells, -1), cells)
+
     def begin_forward(self, is_decode: bool) -> None:
         self.phase = "decode" if is_decode else "extend"
         self._landing = None
@@ -173,7 +207,9 @@ class ShrunkOffload(SGLangOffload):
                 row = self._free_row()
                 hist = pages[:-(-int(before[b]) // pc)]
                 self.engine.admit(row, None, None, rid=rid, mpages=hist, n_chunks=int(before[b]))
-                self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
+                if not self.index_shrink:   # else PD landed the Path-I index-K in the mirror too
+                    self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
+                self.engine.open_tail_page(row)
                 self.rows[rid] = row
             if row is not None:
                 own = self.engine.rows[row].mpages
@@ -221,9 +257,12 @@ class ShrunkOffload(SGLangOffload):
             if bool(moved.any()):
                 lay.kv.write_chunks(eng.reserve.kv, now[moved] // pc, now[moved] % pc, rows[:, moved])
             if lay.offload_index_layers:
-                ix = torch.stack([lay.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
-                                                        (locs % pc).to(self.ix_bufs[l].device)).cpu()
-                                  for l in lay.offload_index_layers])
+                if self.index_shrink:   # the indexer store wrote the same cells of the Path-I reserve
+                    ix = lay.index.read_chunks(eng.reserve.index, cells // pc, cells % pc).cpu()
+                else:
+                    ix = torch.stack([lay.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
+                                                            (locs % pc).to(self.ix_bufs[l].device)).cpu()
+                                      for l in lay.offload_index_layers])
                 lay.index.write_chunks(eng.mirror.index, locs // pc, locs % pc, ix)
                 res = now >= 0
                 if bool(res.any()):
@@ -243,9 +282,14 @@ class ShrunkOffload(SGLangOffload):
         """Nothing to do: stores go through `store_cells`; `settle` moves them to the mirror."""
 
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
-        """Device c4 KV buffer ptr (now the reserve) -> (mirror ptr, mirror bytes, page bytes), per c4 layer."""
+        """Device buffer ptr (the reserve, now sglang's c4 KV and, with `index_shrink`, Path-I index-K buffers)
+        -> (mirror ptr, mirror bytes, page bytes)."""
         m, res = self.engine.mirror.kv, self.engine.reserve.kv
-        return {res[l].data_ptr(): (m[l].data_ptr(), m[l].numel(), m.shape[-1]) for l in range(self.geo.n_c4_layers)}
+        out = {res[l].data_ptr(): (m[l].data_ptr(), m[l].numel(), m.shape[-1]) for l in range(self.geo.n_c4_layers)}
+        if self.index_shrink:
+            mi, ri = self.engine.mirror.index, self.engine.reserve.index
+            out.update({ri[i].data_ptr(): (mi[i].data_ptr(), mi[i].numel(), mi.shape[-1]) for i in range(ri.shape[0])})
+        return out
 
     def host_ptrs(self) -> set[int]:
         return {v[0] for v in self.mirror_buf_infos().values()}

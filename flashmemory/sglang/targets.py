@@ -18,6 +18,7 @@ _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
+_COMP = "sglang.srt.layers.attention.dsv4.compressor_v2"
 _CFG = "sglang.srt.model_executor.pool_configurator"
 
 
@@ -62,6 +63,8 @@ SPECS: tuple[HookSpec, ...] = (
     HookSpec("shrink", f"{_POOL}._make_kv_pool", "around", ("self",), "around_make_kv_pool"),
     HookSpec("shrink", f"{_NIXL}.NixlKVManager.__init__", "before", ("self", "args", "disaggregation_mode"),
              "before_nixl_manager_init"),
+    HookSpec("shrink", f"{_COMP}.CompressorBackendMixin.forward_unified", "around",
+             ("self", "x", "forward_batch", "layer_id", "compressor"), "around_compress"),
     HookSpec("credit_c4", f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token", "around", ("self", "ratio"),
              "around_c4_bytes_per_token"),
     # (3) CUDA graph: static buffers before capture, capture-head hook to learn the bucket size.
