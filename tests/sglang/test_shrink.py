@@ -411,3 +411,38 @@ def locs_of(eng, cells):
     """Pool locs whose published reserve cell is `cells` (shrink mode: mirror chunk == pool loc)."""
     table = eng.engine.lut.table[:-1].long()
     return torch.tensor([int((table == c).nonzero()[0]) for c in cells.tolist()]) if cells.numel() else cells
+
+
+def _forbid(*a, **k):
+    raise AssertionError("host sync inside a CUDA-graph region")
+
+
+def test_in_graph_paths_have_no_host_sync(sa, monkeypatch):
+    """What runs inside the captured decode graph in shrink mode: the store translation, the indexer-store swap,
+    the reserve-block table and the sink drop. Host syncs there would break capture."""
+    pool = make_pool(sa, monkeypatch, shrink=True)
+    e = env(score_resident=True)
+    eng = build(pool, e, sa.args, shrink=True)
+    monkeypatch.setattr(RUNTIME, "engine", eng)
+    monkeypatch.setattr(RUNTIME, "env", e)
+    pages = [4, 9]
+    s = torch.tensor([64 * 4 + 8])
+    table = torch.tensor([pages])
+    eng.begin_step(["a"], table, s)                                   # eager: admission, cells assigned
+    out_loc = torch.tensor([pages[1] * 64 + 1, 0, 7])
+    ids = c4_layer_ids(pool)
+    backend = types.SimpleNamespace(token_to_kv_pool=pool, forward_metadata=types.SimpleNamespace(
+        core_metadata=types.SimpleNamespace(c4_out_loc=out_loc)))
+    fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+    seen = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, _forbid)
+        cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
+        hooks.around_compress(lambda self, *a: seen.append(self.forward_metadata.core_metadata.c4_out_loc), backend,
+                              None, fb, ids[0], types.SimpleNamespace(is_in_indexer=True, ratio=4))
+        blocks = eng.block_table(table.to(torch.int32))
+        dropped = eng.drop_sink(torch.tensor([[eng.engine.reserve.sink_cell + 3, 5, -1]]))
+    sink = eng.engine.reserve.sink_cell
+    assert cells[1] == sink and cells[2] == sink and cells[0] != sink and torch.equal(seen[0], cells)
+    assert dropped.tolist() == [[-1, 5, -1]] and (blocks >= 0).all()
