@@ -18,6 +18,31 @@ class OffloadCapacityError(RuntimeError):
     """A fixed-size offload structure (mirror pages, rows, per-request history) is full."""
 
 
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable of this host in bytes, or None where it cannot be read (not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(n_bytes: int, processes: int = 1, meminfo: str = "/proc/meminfo", headroom: float = 0.9) -> None:
+    """Refuse a mirror that this host cannot hold: `processes` such mirrors (one per local rank) must fit in
+    `headroom` of MemAvailable. Raises OffloadCapacityError with the numbers (instead of an OOM kill later)."""
+    avail = host_available_bytes(meminfo)
+    need = n_bytes * max(1, processes)
+    if avail is not None and need > headroom * avail:
+        gib = 2 ** 30
+        raise OffloadCapacityError(
+            f"host mirror needs {n_bytes / gib:.1f} GiB x {processes} local rank(s) = {need / gib:.1f} GiB of pinned host "
+            f"memory, but only {avail / gib:.1f} GiB is available ({headroom:.0%} usable). Lower --max-total-tokens / "
+            "--context-length (the c4 pool size sets the mirror size) or add host memory")
+
+
 def _host_empty(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
     # Allocate pinned directly: pinning a pageable tensor afterwards would need twice the host RAM.
     return torch.zeros(shape, dtype=torch.uint8, pin_memory=pin)

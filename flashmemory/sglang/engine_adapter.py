@@ -24,6 +24,7 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, PageFormat
+from flashmemory.offload.mirror import check_host_memory
 from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer
 from flashmemory.residency.level2 import Level2
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
@@ -392,6 +393,11 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
         if blockers:
             logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device memory "
                            "saved): SGLANG_PD_B_C4_SHRINK needs %s", "; ".join(f"not {b}" for b in blockers))
+    geo = read_geometry(pool)
+    n_off = geo.n_c4_layers - len(env.retriever_layers) if env.index_k_offload else 0
+    tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
+    check_host_memory(geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes),
+                      processes=max(1, tp // nodes))
     if shrink:
         eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
     else:

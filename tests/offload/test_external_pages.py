@@ -70,3 +70,13 @@ def test_newest_page_is_not_evicted_by_its_own_cycle():
     assert 2 in eng.rows[0].recall
     eng.recall([RecallRequest(0, gen, (0,), (1.0,))])    # a selection without the newest page (no recency tail)
     assert 2 in eng.rows[0].recall and not check_invariants(eng)
+
+
+def test_host_memory_check(tmp_path):
+    from flashmemory.offload.mirror import OffloadCapacityError, check_host_memory
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       1000000 kB\nMemAvailable:   102400 kB\n")     # 100 MiB available
+    check_host_memory(40 * 2**20, processes=2, meminfo=str(info))               # 80 MiB <= 90 MiB
+    with pytest.raises(OffloadCapacityError, match=r"x 3 local rank\(s\) = 0.1 GiB.*0.1 GiB is available"):
+        check_host_memory(40 * 2**20, processes=3, meminfo=str(info))
+    check_host_memory(10 ** 15, meminfo=str(tmp_path / "missing"))             # unknown host: no check

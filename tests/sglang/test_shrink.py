@@ -268,3 +268,13 @@ def test_runtime_routes_forward_phases(sa, monkeypatch, caplog):
     assert rt.counters["shrink_extend_forwards"] == 2 and caplog.text.count("may be wrong") == 1
     rt.before_forward(batch(True, ["r1"]))               # decode without req_to_token: phase only
     assert rt.engine.phase == "decode"
+
+
+def test_build_refuses_a_mirror_the_host_cannot_hold(sa, monkeypatch):
+    from flashmemory.offload import mirror
+    pool = make_pool(sa, monkeypatch, shrink=True)
+    need = 2 * pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0] * 37440   # 2 c4 layers, no Path-I
+    monkeypatch.setattr(mirror, "host_available_bytes", lambda meminfo="": int(need * 8 / 0.9) - 1)
+    with pytest.raises(mirror.OffloadCapacityError, match="x 8 local rank"):
+        build(pool, env(index_k_offload=False), types.SimpleNamespace(tp_size=8, nnodes=1), shrink=True)
+    build(pool, env(index_k_offload=False), types.SimpleNamespace(tp_size=4, nnodes=1), shrink=True)
