@@ -59,6 +59,12 @@ def shrink_blockers(server_args: Any) -> list[str]:
         out.append("--enable-mixed-chunk (mixed extend+decode forwards)")
     if getattr(server_args, "enable_hisparse", False):
         out.append("--enable-hisparse (it owns the same translation seam)")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        out.append("--enable-hierarchical-cache (it copies c4 KV by pool loc)")
+    if getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False):
+        out.append("--disaggregation-decode-enable-offload-kvcache (it copies c4 KV by pool loc)")
+    if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+        out.append("pipeline parallelism (--pp-size > 1)")
     return out
 
 

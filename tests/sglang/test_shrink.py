@@ -76,7 +76,8 @@ def test_blockers_from_sglang_server_args(sa):
     assert landing_chunks(sa.args) >= 16384 // 4
     for over, why in ((dict(disaggregation_mode="null"), "not 'decode'"),
                       (dict(disaggregation_transfer_backend="mooncake"), "needs 'nixl'"),
-                      (dict(enable_mixed_chunk=True), "mixed")):
+                      (dict(enable_mixed_chunk=True), "mixed"),
+                      (dict(enable_hierarchical_cache=True), "hierarchical")):
         args = sa.cls(**{**sa.kw, **over})                # sglang's own parser, not a stand-in
         assert any(why in b for b in shrink_blockers(args)), (over, shrink_blockers(args))
     assert shrink_blockers(None) == ["sglang server args are unknown"]
