@@ -63,6 +63,8 @@ def shrink_blockers(server_args: Any) -> list[str]:
         out.append("--enable-hierarchical-cache (it copies c4 KV by pool loc)")
     if getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False):
         out.append("--disaggregation-decode-enable-offload-kvcache (it copies c4 KV by pool loc)")
+    if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        out.append("--disaggregation-decode-enable-radix-cache (live requests would share mirror pages)")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
         out.append("pipeline parallelism (--pp-size > 1)")
     return out

@@ -77,7 +77,8 @@ def test_blockers_from_sglang_server_args(sa):
     for over, why in ((dict(disaggregation_mode="null"), "not 'decode'"),
                       (dict(disaggregation_transfer_backend="mooncake"), "needs 'nixl'"),
                       (dict(enable_mixed_chunk=True), "mixed"),
-                      (dict(enable_hierarchical_cache=True), "hierarchical")):
+                      (dict(enable_hierarchical_cache=True), "hierarchical"),
+                      (dict(disaggregation_decode_enable_radix_cache=True), "radix")):
         args = sa.cls(**{**sa.kw, **over})                # sglang's own parser, not a stand-in
         assert any(why in b for b in shrink_blockers(args)), (over, shrink_blockers(args))
     assert shrink_blockers(None) == ["sglang server args are unknown"]
