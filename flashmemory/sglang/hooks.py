@@ -316,7 +316,7 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
 
 def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any,
                     *args: Any, **kwargs: Any) -> Any:
-    """CompressorBackendMixin.forward_unified: the indexer compressor of a layer whose index-K lives in the Path-I
+    """CompressorBackendMixin.forward_indexer_compressor: the indexer compressor of a layer whose index-K lives in the Path-I
     reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one call the
     locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
     engine = RUNTIME.engine

@@ -63,7 +63,9 @@ SPECS: tuple[HookSpec, ...] = (
     HookSpec("shrink", f"{_POOL}._make_kv_pool", "around", ("self",), "around_make_kv_pool"),
     HookSpec("shrink", f"{_NIXL}.NixlKVManager.__init__", "before", ("self", "args", "disaggregation_mode"),
              "before_nixl_manager_init"),
-    HookSpec("shrink", f"{_COMP}.CompressorBackendMixin.forward_unified", "around",
+    # forward_indexer_compressor is a class-level alias of forward_unified (compressor_v2.py:360), bound at class
+    # creation: patching forward_unified would not reach the callers (indexer.py:552,592; deepseek_v4.py:2148).
+    HookSpec("shrink", f"{_COMP}.CompressorBackendMixin.forward_indexer_compressor", "around",
              ("self", "x", "forward_batch", "layer_id", "compressor"), "around_compress"),
     HookSpec("credit_c4", f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token", "around", ("self", "ratio"),
              "around_c4_bytes_per_token"),

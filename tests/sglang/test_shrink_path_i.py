@@ -88,7 +88,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
         def indexer_store(self, x, fbatch, layer_id, compressor):   # compressor_v2: index-K at c4_out_loc
             loc = self.forward_metadata.core_metadata.c4_out_loc
             lay.index.write_chunks(self.token_to_kv_pool.get_index_k_with_scale_buffer(layer_id), loc // 64, loc % 64, ix0)
-        hooks.around_compress(indexer_store, backend, None, fb, ids[0], comp)
+        hooks.around_compress(indexer_store, backend, x=None, forward_batch=fb, layer_id=ids[0], compressor=comp)
         assert backend.forward_metadata.core_metadata.c4_out_loc is out_loc  # restored after the call
         for l in range(2):
             cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)

@@ -29,3 +29,31 @@ def test_features():
     assert "mask" not in features_for(FlashMemoryEnv(decode_swap_p=True, score_resident=True))
     specs = specs_for(("level2", "dump"))
     assert len({(s.target, s.hook_type) for s in specs}) == len(specs)  # shared indexer hook registered once
+
+
+def test_no_target_is_reached_only_through_an_alias():
+    """A class-level alias (`forward_indexer_compressor = forward_unified`) binds the function at class creation,
+    so patching the original name reaches no caller. No hooked method may have such an alias in its class, and
+    the indexer compressor is hooked under the alias its callers use."""
+    import importlib
+    import inspect
+    import re
+    for s in SPECS:
+        parts = s.target.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                owner = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for p in parts[i:-1]:
+                owner = getattr(owner, p)
+            break
+        if not inspect.isclass(owner):
+            continue
+        src = inspect.getsource(owner)
+        assert not re.search(r"^\s+\w+\s*=\s*%s\s*$" % re.escape(parts[-1]), src, re.M), s.target
+    comp = importlib.import_module("sglang.srt.layers.attention.dsv4.compressor_v2").CompressorBackendMixin
+    assert "self.forward_indexer_compressor(" in inspect.getsource(importlib.import_module(
+        "sglang.srt.layers.attention.dsv4.indexer"))
+    assert any(s.target.endswith("CompressorBackendMixin.forward_indexer_compressor") for s in SPECS)
+    assert comp.forward_indexer_compressor is comp.forward_unified   # still an alias upstream: keep hooking the alias
