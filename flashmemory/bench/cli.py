@@ -11,6 +11,7 @@ BENCHES = {
     "labels": ("flashmemory.bench.labels", "golden-label construction vs a per-layer, per-token Python loop"),
     "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
+    "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
 }
 

@@ -71,6 +71,7 @@ class SGLangOffload:
         self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
         self.rows: dict[str, int] = {}             # rid -> engine row
         self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
+        self._mapped: dict[int, list[int]] = {}    # engine row -> pool pages whose loc2m entries are written
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
         self._unsettled: list[torch.Tensor] = []   # pool locs appended last step: re-read from the pool next step
 
@@ -131,19 +132,32 @@ class SGLangOffload:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def _map_pages(self, row: int) -> None:
-        """loc2m entries for every logical page the engine has allocated for `row`."""
-        mp = self.engine.lut.row_pages[row].cpu()
-        pc = self.geo.page_chunks
-        for p, pool_page in enumerate(self.pages[row]):
-            m = int(mp[p]) if p < mp.numel() else -1
-            if m < 0:
-                break
-            self.loc2m[pool_page * pc: (pool_page + 1) * pc] = torch.arange(m * pc, (m + 1) * pc, device=self.device)
+        """loc2m entries for the logical pages of `row` that have a mirror page and are not mapped yet (one indexed
+        write; pages map once, so a step costs nothing for rows whose page list did not grow)."""
+        pools, mirrors = self.pages[row], self.engine.rows[row].mpages
+        done = self._mapped.get(row, [])
+        n = min(len(pools), len(mirrors))
+        if pools[:len(done)] != done:   # the pool pages moved under the request: map everything again
+            self._unmap_pages(done)
+            done = []
+        if n > len(done):
+            pc = self.geo.page_chunks
+            off = torch.arange(pc)
+            src = (torch.tensor(pools[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
+            dst = (torch.tensor(mirrors[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
+            self.loc2m[src.to(self.device)] = dst.to(self.device)
+            done = pools[:n]
+        self._mapped[row] = list(done)
+
+    def _unmap_pages(self, pages: list[int]) -> None:
+        if pages:
+            pc = self.geo.page_chunks
+            idx = (torch.tensor(pages).unsqueeze(1) * pc + torch.arange(pc)).reshape(-1)
+            self.loc2m[idx.to(self.device)] = self.engine.lut.sentinel
 
     def _unmap(self, row: int) -> None:
-        pc = self.geo.page_chunks
-        for pool_page in self.pages.pop(row, []):
-            self.loc2m[pool_page * pc: (pool_page + 1) * pc] = self.engine.lut.sentinel
+        self.pages.pop(row, None)
+        self._unmap_pages(self._mapped.pop(row, []))
 
     def _free_row(self) -> int:
         used = set(self.rows.values())
@@ -221,26 +235,32 @@ class SGLangOffload:
         if not bool(ok.any()):
             return
         locs, m = locs[ok], m[ok]
+        layers = list(layers)
+        every = layers == list(range(self.geo.n_c4_layers))
         with eng.lock:
             cells = eng.lut.table[m].long()
             res = cells >= 0
-            for l in layers:
-                if kv:
-                    rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, [l])
-                    self.layout.kv.write_chunks(eng.mirror.kv[l], (m // pc).cpu(), (m % pc).cpu(), rows[0])
-                    if bool(res.any()):
-                        self.layout.kv.write_chunks(eng.reserve.kv[l], cells[res] // pc, cells[res] % pc,
-                                                    rows[0][res.cpu()].to(self.device))
-                if index:
+            if kv:  # one gather per pool layer (separate tensors), one scatter into the mirror and the reserve
+                rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, layers)          # [len(layers), n, 584]
+                mr, mo = (m // pc).cpu(), (m % pc).cpu()
+                hit = bool(res.any())
+                if hit:
+                    rc, rr, rrows = cells[res] // pc, cells[res] % pc, rows[:, res.cpu()].to(self.device)
+                for j, l in enumerate(layers if not every else [None]):
+                    sel = slice(None) if every else slice(j, j + 1)
+                    self.layout.kv.write_chunks(eng.mirror.kv if every else eng.mirror.kv[l:l + 1], mr, mo, rows[sel])
+                    if hit:
+                        self.layout.kv.write_chunks(eng.reserve.kv if every else eng.reserve.kv[l:l + 1], rc, rr, rrows[sel])
+            if index:
+                for l in layers:
                     self._copy_index(l, locs, m, cells, res)
 
     def _copy_index(self, l: int, locs: torch.Tensor, m: torch.Tensor, cells: torch.Tensor, res: torch.Tensor) -> None:
         eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
         rows = read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0]
         if l in lay.target_layers:
-            t = eng.target.layers.index(l)
-            lay.index.write_chunks(eng.target.pages[t], (m // pc).to(eng.target.pages.device),
-                                   (m % pc).to(eng.target.pages.device), rows.to(eng.target.pages.device))
+            buf = eng.target.pages[eng.target.layers.index(l)]
+            lay.index.write_chunks(buf, (m // pc).to(buf.device), (m % pc).to(buf.device), rows.to(buf.device))
         elif l in lay.offload_index_layers:
             i = lay.offload_index_layers.index(l)
             lay.index.write_chunks(eng.mirror.index[i], (m // pc).cpu(), (m % pc).cpu(), rows)
