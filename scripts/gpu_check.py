@@ -5,6 +5,10 @@ Cases run as separate processes (the gates are read once per process by the plug
   full       gates on, KMAX covers the whole context (100% residency)      tokens == stock, hooks in the CUDA graph
   r10        gates on, KMAX = 10% of the context pages, 500 decode steps at batch 1, 8, 64
   off        plugin loaded, every gate off                                 tokens == stock
+Optional (GPU_CHECK_CASES=dstock,dshrink, ~4 min more): a lone PD decode server with sglang's `fake` transfer
+backend (nothing is transferred; both cases decode from the same zeroed KV), which puts Path-P in shrink mode:
+  dstock     decode server, no FlashMemory                                 greedy tokens = reference
+  dshrink    decode server, shrink mode, full residency                    tokens == dstock, device bytes saved
 Writes everything under $OUT (or a temp dir): case_<name>.log (the case's whole output), results.json,
 summary.txt (the table). Stops early when `stock` fails: the tiny config or the machine is then the problem,
 and the other cases would fail the same way. Installs nothing; if the `flashmemory` entry point is not
@@ -23,6 +27,7 @@ import tempfile
 import time
 
 CASES = ("stock", "full", "r10", "off")   # "off" last: least informative if time runs out
+PD_CASES = ("dstock", "dshrink")           # optional: GPU_CHECK_CASES=dstock,dshrink
 PROMPT_LEN, DECODE_STEPS, BATCHES, TOKEN_CHECK = 4096, 500, (1, 8, 64), 32
 BUDGET_S, FIRST_CASE_S = 455, 200        # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,19 +60,21 @@ def tiny_config() -> dict:
 def case_env(case: str, stats_file: str = "") -> dict[str, str]:
     pages = -(-PROMPT_LEN // 4 // 64) + DECODE_STEPS // 256 + 2
     env = {"SGLANG_PLUGINS": "flashmemory", "FLASHMEMORY_STATS_FILE": stats_file}
-    if case == "stock":
+    if case in ("stock", "dstock"):
         env["SGLANG_PLUGINS"] = "none"
-    if case in ("full", "r10"):
+    if case in ("full", "r10", "dshrink"):
         env.update({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1",
                     "SGLANG_RETRIEVER_INLINE_LAYERS": "1", "SGLANG_RETRIEVER_LAST_KEEP": "64",
-                    "SGLANG_PATHP_PAGE_KMAX": str(pages if case == "full" else max(1, pages // 10)),
+                    "SGLANG_PATHP_PAGE_KMAX": str(pages if case != "r10" else max(1, pages // 10)),
                     "SGLANG_DSV4_TARGET_CONCURRENCY": "64"})
     return env
 
 
-def engine_kwargs(model_dir: str, port: int) -> dict:
-    """sgl.Engine / ServerArgs fields (names checked against sglang 0.5.23's ServerArgs.resolve_once on CPU)."""
-    return dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=1, random_seed=0,
+def engine_kwargs(model_dir: str, port: int, pd: bool = False) -> dict:
+    """sgl.Engine / ServerArgs fields (names checked against sglang 0.5.23's ServerArgs.resolve_once on CPU);
+    pd: a decode server with the `fake` transfer backend (the PD cases)."""
+    extra = dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake") if pd else {}
+    return dict(**extra, model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=1, random_seed=0,
                 port=port, mem_fraction_static=0.5, context_length=PROMPT_LEN + DECODE_STEPS + 64,
                 max_total_tokens=max(BATCHES) * (PROMPT_LEN + DECODE_STEPS + 64) + 16384,
                 max_running_requests=max(BATCHES), cuda_graph_max_bs_decode=max(BATCHES),
@@ -79,7 +86,7 @@ def run_case(case: str, model_dir: str, out: str, port: int) -> None:
     import sglang as sgl
 
     t0 = time.perf_counter()
-    eng = sgl.Engine(**engine_kwargs(model_dir, port))
+    eng = sgl.Engine(**engine_kwargs(model_dir, port, pd=case in PD_CASES))
     from flashmemory.sglang import plugin
     res: dict = {"case": case, "startup_s": time.perf_counter() - t0, "plugin_state": plugin.state(),
                  "tokens": None, "tok_s": {}}
@@ -143,12 +150,17 @@ def ensure_entry_point(work: str) -> str:
 def check_case(c: str, r: dict, ref: list | None) -> list[str]:
     """Failures of one finished case."""
     bad = []
-    if c in ("off", "full") and r["tokens"] != ref:
+    if c in ("off", "full", "dshrink") and r["tokens"] != ref:
         why = "" if r.get("deterministic") and ref is not None else " (this engine is not run-to-run deterministic)"
-        bad.append(f"{c}: greedy tokens differ from stock{why}")
+        bad.append(f"{c}: greedy tokens differ from {'dstock' if c == 'dshrink' else 'stock'}{why}")
     if c == "off" and not r.get("plugin_state"):
         bad.append("off: the flashmemory plugin did not load (entry point missing?)")
-    if c in ("full", "r10"):
+    if c == "dshrink":
+        d = r.get("diag") or {}
+        if d.get("mode") != "shrink" or d.get("device_bytes_saved", 0) <= 0:
+            bad.append(f"dshrink: Path-P did not run in shrink mode or saved no device memory ({d.get('mode')}, "
+                       f"{d.get('device_bytes_saved')} B); see the 'copy mode' warning in its log")
+    if c in ("full", "r10", "dshrink"):
         d = r.get("diag")
         if not d:
             bad.append(f"{c}: no diagnostics from the scheduler: FlashMemory did not run there")
@@ -165,19 +177,27 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dry-run", action="store_true", help="print the plan, touch no GPU")
-    ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=CASES + PD_CASES, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=30000, help=argparse.SUPPRESS)
     ap.add_argument("--case-timeout", type=int, default=110, help="seconds per case after the first")
     a = ap.parse_args()
+    cases = tuple(x for x in os.environ.get("GPU_CHECK_CASES", ",".join(CASES)).split(",") if x)
+    unknown = [x for x in cases if x not in CASES + PD_CASES]
+    if unknown:
+        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; known: {', '.join(CASES + PD_CASES)}",
+              file=sys.stderr)
+        return 2
     if a.case:
         run_case(a.case, a.model_dir, a.out, a.port)
         return 0
     if a.dry_run:
-        for c in CASES:
+        for c in cases:
             print(f"case {c}: env {case_env(c)}")
         print(f"engine: {engine_kwargs('<tmp>', 30000)}")
+        if any(c in PD_CASES for c in cases):
+            print(f"engine (PD cases): {engine_kwargs('<tmp>', 30000, pd=True)}")
         print(f"config: {json.dumps(tiny_config())[:120]}...")
         return 0
     start = time.monotonic()
@@ -209,7 +229,7 @@ def main() -> int:
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(tiny_config(), f)
     results, failures = {}, []
-    for i, c in enumerate(CASES):
+    for i, c in enumerate(cases):
         left = BUDGET_S - (time.monotonic() - start)
         limit = int(min(left, FIRST_CASE_S if i == 0 else a.case_timeout))
         if limit < 30:
@@ -239,19 +259,22 @@ def main() -> int:
         say(f"case {c}: ran in {dt:.0f}s (engine start {r['startup_s']:.0f}s)")
     ref = results.get("stock", {}).get("tokens")
     for c, r in results.items():
-        failures += check_case(c, r, ref)
+        failures += check_case(c, r, results.get("dstock", {}).get("tokens") if c == "dshrink" else ref)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"results": results, "failures": failures}, f, indent=1, default=str)
-    base_case = "off" if "off" in results else "stock"
-    base = results.get(base_case, {}).get("tok_s", {})
-    say(f"{'case':6} " + " ".join(f"{'bs' + str(b) + ' x ' + base_case:>14}" for b in BATCHES)
-        + "  tokens==stock  graph(capt/eager)  recall_bytes  resident")
+    def base_of(c: str) -> dict:
+        names = ("dstock",) if c in PD_CASES else ("off", "stock")
+        return next((results[n]["tok_s"] for n in names if n in results), {})
+    say(f"{'case':7} " + " ".join(f"{'bs' + str(b) + ' x base':>14}" for b in BATCHES)
+        + "  tokens==ref  graph(capt/eager)  recall_bytes  resident  saved_GiB   (base: off/stock; dstock for dshrink)")
     for c, r in results.items():
+        base = base_of(c)
         rel = " ".join(f"{r['tok_s'].get(str(b), 0) / max(base.get(str(b), 1e-9), 1e-9):14.2f}" for b in BATCHES)
         d = r.get("diag", {})
         graph = f"{d.get('indexer_calls_captured', '-')}/{d.get('indexer_calls_eager', '-')}"
-        say(f"{c:6} {rel}  {str(r['tokens'] == ref):>13}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
-            f"{d.get('resident_fraction', float('nan')):.3f}")
+        same = r["tokens"] == (results.get("dstock", {}).get("tokens") if c in PD_CASES else ref)
+        say(f"{c:7} {rel}  {str(same):>11}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
+            f"{d.get('resident_fraction', float('nan')):8.3f}  {d.get('device_bytes_saved', 0) / 2**30:9.2f}")
     for msg in failures:
         say("FAIL " + msg)
     say("gpu_check: " + ("FAILED" if failures else "OK") + f" in {time.monotonic() - start:.0f}s")

@@ -146,6 +146,7 @@ class Runtime:
                              "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None}
         if self.engine is not None:
             d.update(self.engine.stats())
+            d["mode"] = getattr(self.engine, "mode", None)
         tmp = f"{self.diag_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(d, f)

@@ -51,7 +51,8 @@ def shrink_blockers(server_args: Any) -> list[str]:
     if mode != "decode":
         out.append(f"--disaggregation-mode is {mode!r}, not 'decode' (prefill runs on this server)")
     backend = str(getattr(server_args, "disaggregation_transfer_backend", None) or "").lower()
-    if mode == "decode" and backend != "nixl":
+    # 'fake' (sglang's synthetic-benchmark backend) transfers nothing, so there is nothing to land anywhere.
+    if mode == "decode" and backend not in ("nixl", "fake"):
         out.append(f"--disaggregation-transfer-backend {backend!r}: landing PD transfers in host DRAM needs 'nixl'")
     if getattr(server_args, "speculative_algorithm", None):
         out.append("speculative decoding (its verify/draft forwards read the c4 pool outside Path-P)")

@@ -116,3 +116,7 @@ def test_gpu_check_verdicts():
     assert "did not load" in gc.check_case("off", {"tokens": ref, "plugin_state": None}, ref)[0]
     assert "stale" in gc.check_case("r10", {"tokens": ref, "diag": {**good, "sideband_stale": 2}}, ref)[0]
     assert gc.tiny_config()["index_topk"] in (512, 1024) and gc.tiny_config()["head_dim"] == 512
+    shrunk = {**good, "mode": "shrink", "device_bytes_saved": 5 * 2**20}
+    assert gc.check_case("dshrink", {"tokens": ref, "deterministic": True, "diag": shrunk}, ref) == []
+    assert "shrink mode" in gc.check_case("dshrink", {"tokens": ref, "diag": {**shrunk, "mode": "copy"}}, ref)[0]
+    assert "dstock" in gc.check_case("dshrink", {"tokens": [[9]], "deterministic": True, "diag": shrunk}, ref)[0]

@@ -32,8 +32,8 @@ def sa(tmp_path_factory):
     from sglang.srt.server_args import ServerArgs
     d = tmp_path_factory.mktemp("cfg")
     (d / "config.json").write_text(json.dumps(gpu_check.tiny_config()))
-    kw = gpu_check.engine_kwargs(str(d), 30000)
-    kw.update(device="cpu", disaggregation_mode="decode", disaggregation_transfer_backend="nixl")
+    kw = gpu_check.engine_kwargs(str(d), 30000, pd=True)      # gpu_check's PD cases (fake transfer) ...
+    kw.update(device="cpu", disaggregation_transfer_backend="nixl")   # ... as a NIXL decode server
     ctx = get_context()
     saved = (ctx._server_args, ctx._config_bags)
     args = ServerArgs(**kw)
@@ -73,6 +73,7 @@ def c4_layer_ids(pool):
 
 def test_blockers_from_sglang_server_args(sa):
     assert shrink_blockers(sa.args) == []
+    assert shrink_blockers(sa.cls(**{**sa.kw, "disaggregation_transfer_backend": "fake"})) == []  # gpu_check dshrink
     assert landing_chunks(sa.args) >= 16384 // 4
     for over, why in ((dict(disaggregation_mode="null"), "not 'decode'"),
                       (dict(disaggregation_transfer_backend="mooncake"), "needs 'nixl'"),
