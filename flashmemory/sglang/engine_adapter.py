@@ -176,8 +176,9 @@ class SGLangOffload:
 
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
-        current one. Returns engine rows [B] (-1: no c4 history yet). Bytes of the chunks this step closes
-        arrive per layer through `on_c4_store`."""
+        current one. Returns engine rows [B] (-1: no c4 history yet). Vanished requests are finished, new ones
+        admitted (`_admit`) with their newest page made resident, and each row's history is extended to the
+        chunks this step closes (`_new_chunks`)."""
         self._settle()
         before, after = c4_counts(seq_lens.cpu())
         live = set(rids)
@@ -186,45 +187,49 @@ class SGLangOffload:
             self.engine.finish(row)
             self._unmap(row)
         pt = page_table.cpu().long()
-        pc = self.geo.page_chunks
-        rows = []
+        pc, rows = self.geo.page_chunks, []
         for b, rid in enumerate(rids):
-            n_pages = -(-int(after[b]) // pc)
-            pages = pt[b, :n_pages].tolist()
+            pages = pt[b, :-(-int(after[b]) // pc)].tolist()
             row = self.rows.get(rid)
             if row is None and int(before[b]) >= 1:
                 row = self._free_row()
-                locs = page_locs(pages, 0, int(before[b]), pc)
-                kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
-                ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
-                self.engine.admit(row, kv, ix, rid=rid)
+                self._admit(row, rid, pages, int(before[b]))
                 self.engine.open_tail_page(row)   # the newest page is readable from the first step on
                 self.rows[rid] = row
             if row is not None:
+                self._grow(row, rid, pages)
                 self.pages[row] = pages
                 self._map_pages(row)
             rows.append(-1 if row is None else row)
-        self._append(rows, pt, after)
+        while True:  # one chunk per lagging row and call, until every row reaches `after`
+            lag = [(b, r) for b, r in enumerate(rows) if r >= 0 and self.engine.n_chunks(r) < int(after[b])]
+            if not lag:
+                break
+            locs = torch.tensor([int(pt[b, self.engine.n_chunks(r) // pc]) * pc + self.engine.n_chunks(r) % pc
+                                 for b, r in lag], dtype=torch.int64)
+            self._new_chunks([r for _, r in lag], locs)
         self.step_rows = torch.tensor(rows, dtype=torch.int64)
         return self.step_rows
 
-    def _append(self, rows: list[int], pt: torch.Tensor, after: torch.Tensor) -> None:
-        """Append placeholder chunks until each row's engine history reaches `after` (one per call, all rows)."""
-        pc, L = self.geo.page_chunks, self.geo.n_c4_layers
-        while True:
-            lag = [(b, r) for b, r in enumerate(rows) if r >= 0 and self.engine.n_chunks(r) < int(after[b])]
-            if not lag:
-                return
-            n = len(lag)
-            locs = torch.tensor([int(pt[b, self.engine.n_chunks(r) // pc]) * pc + self.engine.n_chunks(r) % pc
-                                 for b, r in lag], dtype=torch.int64)
-            kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
-            ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
-            assert kv.shape == (L, n, self.layout.kv.chunk_bytes)
-            self.engine.decode_append([r for _, r in lag], kv, ix)
-            for _, r in lag:
-                self._map_pages(r)
-            self._unsettled.append(locs)
+    def _admit(self, row: int, rid: str, pages: list[int], n: int) -> None:
+        """Copy mode: the first n chunks of the request, read from sglang's pool, into mirror pages of our own."""
+        locs = page_locs(pages, 0, n, self.geo.page_chunks)
+        kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
+        ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
+        self.engine.admit(row, kv, ix, rid=rid)
+
+    def _grow(self, row: int, rid: str, pages: list[int]) -> None:
+        """Copy mode: nothing (the engine allocates its own mirror pages as the history grows)."""
+
+    def _new_chunks(self, rows: list[int], locs: torch.Tensor) -> None:
+        """Copy mode: append the chunks at pool locs [n] with the pool's current bytes; sglang stores them during
+        this forward, so they are read again from the pool at the next step (`_settle`)."""
+        kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
+        ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
+        self.engine.decode_append(rows, kv, ix)
+        for r in rows:
+            self._map_pages(r)
+        self._unsettled.append(locs)
 
     # --- per-layer stores (sglang wrote these locs of the pool) ------------------------------------
     def _copy_from_pool(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> None:

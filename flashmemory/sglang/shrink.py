@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.engine_adapter import SGLangOffload, c4_counts
+from flashmemory.sglang.engine_adapter import SGLangOffload
 
 logger = logging.getLogger(__name__)
 DEFAULT_EXTEND_TOKENS = 16384  # sglang's default max_prefill_tokens
@@ -196,54 +196,31 @@ class ShrunkOffload(SGLangOffload):
 
     # --- request lifecycle ---------------------------------------------------------------------------
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """As `SGLangOffload.begin_step`, but admission takes the history from the mirror (PD landed it there, or
-        an extend's landing did), claiming the request's own pool pages as its mirror pages; new chunks get
-        cells only, their bytes come from sglang's store kernel."""
+        """As `SGLangOffload.begin_step`; the steps below differ: admission claims the request's own pool pages as
+        its mirror pages (PD, or an extend's landing, already put the bytes there), and new chunks get cells only
+        (sglang's store kernel writes them, `settle` moves them to the mirror)."""
         self.begin_forward(True)
-        self.settle()
-        before, after = c4_counts(seq_lens.cpu())
-        live = set(rids)
-        for rid in [r for r in self.rows if r not in live]:
-            row = self.rows.pop(rid)
-            self.engine.finish(row)
-            self._unmap(row)
-        pt = page_table.cpu().long()
-        pc, rows = self.geo.page_chunks, []
-        for b, rid in enumerate(rids):
-            pages = pt[b, :-(-int(after[b]) // pc)].tolist()
-            row = self.rows.get(rid)
-            if row is None and int(before[b]) >= 1:
-                row = self._free_row()
-                hist = pages[:-(-int(before[b]) // pc)]
-                self.engine.admit(row, None, None, rid=rid, mpages=hist, n_chunks=int(before[b]))
-                if not self.index_shrink:   # else PD landed the Path-I index-K in the mirror too
-                    self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
-                self.engine.open_tail_page(row)
-                self.rows[rid] = row
-            if row is not None:
-                own = self.engine.rows[row].mpages
-                if pages[:len(own)] != own:
-                    raise RuntimeError(f"FlashMemory shrink: request {rid}'s c4 pages changed under it "
-                                       f"({own[:4]}... -> {pages[:4]}...)")
-                if len(pages) > len(own):
-                    self.engine.add_pages(row, pages[len(own):])
-                self.pages[row] = pages
-                self._map_pages(row)
-            rows.append(-1 if row is None else row)
-        self._append_cells(rows, pt, after)
-        self.step_rows = torch.tensor(rows, dtype=torch.int64)
-        return self.step_rows
+        return super().begin_step(rids, page_table, seq_lens)
 
-    def _append_cells(self, rows: list[int], pt: torch.Tensor, after: torch.Tensor) -> None:
-        pc = self.geo.page_chunks
-        while True:
-            lag = [(b, r) for b, r in enumerate(rows) if r >= 0 and self.engine.n_chunks(r) < int(after[b])]
-            if not lag:
-                return
-            locs = torch.tensor([int(pt[b, self.engine.n_chunks(r) // pc]) * pc + self.engine.n_chunks(r) % pc
-                                 for b, r in lag], dtype=torch.int64)
-            cells = self.engine.decode_append([r for _, r in lag], None, None)
-            self._pending.append((locs, cells))
+    def _settle(self) -> None:
+        self.settle()
+
+    def _admit(self, row: int, rid: str, pages: list[int], n: int) -> None:
+        hist = pages[:-(-n // self.geo.page_chunks)]
+        self.engine.admit(row, None, None, rid=rid, mpages=hist, n_chunks=n)
+        if not self.index_shrink:   # else PD landed the Path-I index-K in the mirror too
+            self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
+
+    def _grow(self, row: int, rid: str, pages: list[int]) -> None:
+        own = self.engine.rows[row].mpages
+        if pages[:len(own)] != own:
+            raise RuntimeError(f"FlashMemory shrink: request {rid}'s c4 pages changed under it "
+                               f"({own[:4]}... -> {pages[:4]}...)")
+        if len(pages) > len(own):
+            self.engine.add_pages(row, pages[len(own):])
+
+    def _new_chunks(self, rows: list[int], locs: torch.Tensor) -> None:
+        self._pending.append((locs, self.engine.decode_append(rows, None, None)))
 
     def settle(self) -> None:
         """Move the entries sglang stored in reserve cells during the last decode forward into the mirror."""
