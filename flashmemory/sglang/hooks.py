@@ -316,9 +316,9 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
 
 def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any,
                     *args: Any, **kwargs: Any) -> Any:
-    """CompressorBackendMixin.forward_indexer_compressor: the indexer compressor of a layer whose index-K lives in the Path-I
-    reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one call the
-    locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
+    """CompressorBackendMixin.forward_indexer_compressor: the indexer compressor of a layer whose index-K lives in
+    the Path-I reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one
+    call the locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
     engine = RUNTIME.engine
     if (engine is None or not getattr(compressor, "is_in_indexer", False) or getattr(compressor, "ratio", None) != 4
             or forward_batch.forward_mode.is_idle() or not hasattr(engine, "index_in_reserve")
