@@ -280,7 +280,9 @@ class Runtime:
         if self.engine is None:
             return
         if hasattr(self.engine, "settle"):
-            self.engine.settle()   # shrink mode: this step's new c4 entries, reserve -> mirror, before any recall
+            # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
+            # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
+            self.engine.settle()
         snapshot = self.sideband_snapshot(len(getattr(forward_batch, "rids", None) or []))
         if snapshot is not None:
             self.engine.level1(snapshot)
