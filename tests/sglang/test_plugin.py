@@ -87,10 +87,15 @@ import sglang.srt.plugins as plugins
 from flashmemory.sglang import hooks, plugin
 from flashmemory.sglang.runtime import RUNTIME
 from test_engine_adapter import fake_pool
+from sglang.srt.layers.attention.dsv4.compressor_v2 import CompressorBackendMixin as C
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+before = (C.forward_indexer_compressor, NixlKVManager.__init__)
 try:
     plugins.load_plugins()
     hooks.after_pool_init(None, fake_pool())   # what the pool __init__ hook does when sglang builds the pool
-    out = {"err": None, "engine": type(RUNTIME.engine).__name__, "features": list(plugin.state()["features"])}
+    out = {"err": None, "engine": type(RUNTIME.engine).__name__, "features": list(plugin.state()["features"]),
+           "alias_patched": C.forward_indexer_compressor is not before[0],
+           "nixl_patched": NixlKVManager.__init__ is not before[1]}
 except SystemExit as e:
     out = {"err": str(e)}
 print("RESULT" + json.dumps(out))
@@ -112,7 +117,9 @@ def test_path_p_startup_builds_the_adapter(installed, tmp_path):
     lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, p.stderr[-3000:]
     assert lines[0]["err"] is None, lines[0]["err"]
-    assert lines[0]["engine"] == "SGLangOffload" and "path_p" in lines[0]["features"]
+    # no sglang server args in this process: shrink hooks are applied, the adapter falls back to copy mode
+    assert lines[0]["engine"] == "SGLangOffload" and {"path_p", "shrink"} <= set(lines[0]["features"])
+    assert lines[0]["alias_patched"] and lines[0]["nixl_patched"]
     env["SGLANG_RETRIEVER_INLINE_CKPT"] = str(tmp_path / "missing.safetensors")
     p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
     assert "missing.safetensors" in json.loads(p.stdout.split("RESULT")[1])["err"]
