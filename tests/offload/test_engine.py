@@ -61,6 +61,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert (cells[len(rows):] == self.eng.reserve.sink_cell).all()
         assert (cells[:len(rows)] < self.eng.reserve.sink_cell).all(), "a valid decode chunk went to the sink"
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def open_tail(self, data) -> None:
+        row = data.draw(st.sampled_from(sorted(self.live)))
+        self.eng.open_tail_page(row)
+        n = self.eng.n_chunks(row)
+        assert int(self.eng.cells(torch.tensor([row]), torch.tensor([[n - 1]]))) >= 0, "newest chunk not resident"
+
     def _requests(self, data) -> list[RecallRequest]:
         rows = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, min_size=1, max_size=32))
         reqs = []
