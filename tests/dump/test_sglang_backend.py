@@ -10,10 +10,11 @@ import torch
 
 from flashmemory.dump import list_docs, load_doc, read_metadata
 from flashmemory.dump.cli import main
-from flashmemory.dump.format import native_topk_rows, topk_store_steps
+from flashmemory.dump.format import topk_store_steps
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.dump.writer import save_doc_file
 from .synth import make_doc
+from .test_topk_store import add_topk
 
 EX = "data_generation/example_data/tiny_chat.jsonl"
 
@@ -21,13 +22,7 @@ EX = "data_generation/example_data/tiny_chat.jsonl"
 def with_topk(doc, req, k=6, n_layers=4):
     """What a dump-mode server stores for a pass-1 request: the native top-k at the steps req asks for."""
     steps = topk_store_steps(doc.n_tokens, req.store_topk, req.topk_interval)
-    if steps.numel():
-        g = torch.Generator().manual_seed(doc.doc_index)
-        n_vis = doc.n_chunks_at[steps.long()]
-        doc.native_topk = {C: native_topk_rows(torch.randn(len(steps), doc.n_chunks, generator=g), n_vis, k)
-                           for C in range(n_layers)}
-        doc.native_topk_steps = steps
-    return doc
+    return add_topk(doc, steps.tolist(), k, n_layers, seed=doc.doc_index) if steps.numel() else doc
 
 
 class StandIn(BaseHTTPRequestHandler):
