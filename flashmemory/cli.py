@@ -19,6 +19,7 @@ COMMANDS = [
     "flashmemory.train.verify",    # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
     "flashmemory.tasks.cli",       # tasks generate|score|list
+    "flashmemory.tiny.cli",        # model train-tiny|probe (a tiny DeepSeek-V4 that retrieves)
 ]
 
 

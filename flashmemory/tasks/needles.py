@@ -63,6 +63,32 @@ def niah_multikey(seed: str, tok: Tokenizer, depth: float, count: int):
     return make
 
 
+def niah_multiquery(seed: str, tok: Tokenizer, depth: float, count: int):
+    """Multi-query associative recall: COUNT key -> number needles; min(3, COUNT) of them are asked, in one
+    question, and every asked number must be given (in the asked order). The first asked needle sits at `depth`."""
+    if count < 2:
+        raise ValueError(f"mqar needs count >= 2 needles, got {count}")
+    rng = random.Random(seed)
+    keys = distinct_keys(rng, count)
+    values: list[str] = []
+    while len(values) < count:
+        v = number(rng)
+        if v not in values:
+            values.append(v)
+    needles = [(depth, _needle(keys[0], values[0]))] + [(rng.random(), _needle(k, v)) for k, v in
+                                                        zip(keys[1:], values[1:])]
+    asked = [0] + rng.sample(range(1, count), min(3, count) - 1)
+    names = [keys[i] for i in asked]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    question = f"what are the special magic numbers for {listed} mentioned in the text above?"
+    stream = SentenceStream(seed + ":filler", tok)
+
+    def make(size: int) -> Built:
+        return _built(tok, stream.take(size), needles, INTRO, question, [values[i] for i in asked],
+                      {"keys": names})
+    return make
+
+
 def niah_multivalue(seed: str, tok: Tokenizer, depth: float, count: int):
     if count < 2:
         raise ValueError(f"niah_multivalue needs count >= 2 values, got {count}")

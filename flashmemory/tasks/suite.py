@@ -36,6 +36,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
              "one needle (key -> 7-digit number) in filler text"),
     TaskSpec("niah_multikey", 4, True, lambda s, tok, d, c, L: needles.niah_multikey(s, tok, d, c), "all",
              "COUNT needles with different keys; one is asked"),
+    TaskSpec("mqar", 6, True, lambda s, tok, d, c, L: needles.niah_multiquery(s, tok, d, c), "all",
+             "multi-query associative recall: COUNT needles, three of them asked at once"),
     TaskSpec("niah_multivalue", 4, True, lambda s, tok, d, c, L: needles.niah_multivalue(s, tok, d, c), "all",
              "COUNT values under one key; all are asked"),
     TaskSpec("vt", 5, True, lambda s, tok, d, c, L: needles.variable_tracking(s, tok, d, c), "all",
