@@ -11,11 +11,11 @@ def test_generate_and_score(tmp_path, capsys):
     out = tmp_path / "s.jsonl"
     assert main(["tasks", "generate", "--task", "all", "--length", "1024", "--n", "1", "--out", str(out)]) == 0
     recs = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(recs) == 7 and all(r["n_tokens"] <= 1024 for r in recs)
+    assert len(recs) == 8 and all(r["n_tokens"] <= 1024 for r in recs)
     outs = tmp_path / "o.jsonl"
     outs.write_text("".join(json.dumps({"output": r["answer"]}) + "\n" for r in recs))
     assert main(["tasks", "score", "--items", str(out), "--outputs", str(outs)]) == 0
-    assert "all                 7  1.000" in capsys.readouterr().out
+    assert "all                 8  1.000" in capsys.readouterr().out
 
 
 def test_bad_input_exits_2_without_writing(tmp_path, capsys):
