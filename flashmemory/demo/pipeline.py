@@ -118,7 +118,7 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
         for i, it in enumerate(tqdm(items, desc="full decode + capture", disable=not progress)):
             test = i >= cfg.n_train + cfg.n_val
             runs.append(full_run(engine, f"{it.task}-{i}", tok.encode_chat(it.messages), cfg.gen_tokens, targets,
-                                 cfg.topp, cfg.min_layers, record=it.to_record(), measure_step=test))
+                                 cfg.topp, cfg.min_layers, record=it.to_record()))
         splits = {"train": runs[:cfg.n_train], "val": runs[cfg.n_train:cfg.n_train + cfg.n_val],
                   "test": runs[cfg.n_train + cfg.n_val:]}
         start = 0

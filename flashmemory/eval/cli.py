@@ -29,20 +29,28 @@ def run(a: argparse.Namespace) -> int:
     if a.decode:
         from flashmemory.eval.decode_run import run_decode
         return run_decode(a)
-    if not a.dump:
-        print("flashmemory eval: error: --dump is required (or use --decode with --tasks)", file=sys.stderr)
+    if bool(a.dump) == bool(a.data_config):
+        print("flashmemory eval: error: give exactly one of --dump or --data-config (or use --decode with --tasks)",
+              file=sys.stderr)
         return 2
     from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
     from flashmemory.eval.evaluate import EvalConfig, evaluate, format_table, mass_note
-    from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
+    from flashmemory.eval.split import config_split_paths, heldout_paths
+    from flashmemory.retriever.checkpoint import CheckpointError, load_retriever, read_state
+    from flashmemory.train.data_config import DataConfigError
     try:
         model = load_retriever(a.checkpoint).eval()
-        paths = list_docs(a.dump)
+        if a.data_config:
+            paths, split_line = config_split_paths(a.data_config, a.split)
+        else:
+            paths, split_line = heldout_paths(list_docs(a.dump), read_state(a.checkpoint)[1], a.dump, a.all_docs)
         if a.doc_ids:
             want = {int(x) for x in a.doc_ids.split(",")}
             paths = [p for p in paths if int(p.stem.split("_")[1]) in want]
         if not paths:
-            raise DumpFormatError(f"{a.dump}: no complete documents" + (f" with ids {a.doc_ids}" if a.doc_ids else ""))
+            raise DumpFormatError(f"{a.dump or a.data_config}: no documents to score ({split_line})"
+                                  + (f" with ids {a.doc_ids}" if a.doc_ids else "")
+                                  + ("; --all-docs scores training documents too" if a.dump else ""))
         docs = [load_doc(p, allow_pickle=a.allow_pickle) for p in paths]
         missing = [L for L in model.layers if L not in docs[0].hidden]
         if missing:
@@ -50,9 +58,10 @@ def run(a: argparse.Namespace) -> int:
                                   f"(it has {docs[0].target_layers})")
         fractions = tuple(float(x) for x in a.budgets.split(",")) if a.budgets else ()
         cfg = EvalConfig(tau=a.tau, stride=a.stride, fractions=fractions, threshold=a.threshold, seed=a.seed)
-    except (CheckpointError, DumpFormatError, ValueError) as e:
+    except (CheckpointError, DumpFormatError, DataConfigError, ValueError) as e:
         print(f"flashmemory eval: error: {e}", file=sys.stderr)
         return 2
+    print(split_line)
     res = evaluate(docs, retriever_scores(model, a.ensemble), cfg)
     n_mean = sum(min(int(d.n_chunks_at[t]), d.n_chunks) for d in docs for t in range(0, d.n_tokens, cfg.stride or cfg.tau))
     n_rows = sum(len(range(0, d.n_tokens, cfg.stride or cfg.tau)) for d in docs)
@@ -74,7 +83,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "budgets; golden recall, native top-k mass, resident fraction and pages.")
     p.add_argument("--checkpoint", required=True, help="retriever checkpoint (.safetensors or .pt)")
     p.add_argument("--dump", default=None, help="dump directory (flashmemory-dump/1); not with --decode")
-    p.add_argument("--doc-ids", default=None, help="comma-separated doc indices (default: all)")
+    p.add_argument("--data-config", default=None, help="score one split of a training data config instead of --dump")
+    p.add_argument("--split", choices=("test", "val", "train"), default="test",
+                   help="with --data-config: the split to score (default %(default)s)")
+    p.add_argument("--all-docs", action="store_true", help="with --dump: also score the documents the checkpoint "
+                                                          "was trained/selected on (default: held-out ones only)")
+    p.add_argument("--doc-ids", default=None, help="comma-separated doc indices (default: all of the split)")
     p.add_argument("--tau", type=int, default=64, help="lookahead window / cycle length (default %(default)s)")
     p.add_argument("--stride", type=int, default=0, help="decode steps between cycle starts; 0 = tau")
     p.add_argument("--budgets", default="0.1,0.25,0.5", help="fractions of existing chunks (default %(default)s)")

@@ -57,21 +57,16 @@ class DocRun:
 
 
 def full_run(engine, name: str, prompt_ids: list[int], max_new_tokens: int, target_layers: tuple[int, ...],
-             topp: float = 0.6, min_layers: int = 3, record: dict | None = None,
-             measure_step: bool = False) -> DocRun:
+             topp: float = 0.6, min_layers: int = 3, record: dict | None = None) -> DocRun:
     """Generate greedily under Full attention, then capture everything from one forward.
 
-    measure_step: also time a prefill-only call, so `decode_step_s` excludes the prefill (costs one prefill).
+    `decode_step_s` is the mean wall time of the one-token decode forwards of that same generate, each
+    timed on its own (the prefill is never among them, so it cannot be subtracted into a negative).
     """
     from flashmemory.hf import stored_index_keys
-    prefill_s = 0.0
-    if measure_step:
-        t0 = time.perf_counter()
-        engine.generate(prompt_ids, 1)
-        prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    response = list(engine.generate(prompt_ids, max_new_tokens))
-    step_s = max(time.perf_counter() - t0 - prefill_s, 0.0) / max(len(response) - (1 if measure_step else 0), 1)
+    times: list[float] = []
+    response = list(engine.generate(prompt_ids, max_new_tokens, step_times=times))
+    step_s = sum(times) / len(times) if times else 0.0
     ids = list(prompt_ids) + response
     cap = engine.forward(ids, capture_layers=None)
     P, T = len(prompt_ids), len(response)

@@ -66,8 +66,7 @@ def run_decode(a: argparse.Namespace) -> int:
     for i, rec in enumerate(tqdm(records, desc="tasks", disable=a.no_progress)):
         msgs = json.loads(rec["prompt"])
         run = full_run(engine, f"{rec.get('task', 'item')}-{i}", tok.encode_chat(msgs), a.gen_tokens, targets,
-                       min_layers=min(3, engine.n_c4_layers), record=rec if "task" in rec else None,
-                       measure_step=True)
+                       min_layers=min(3, engine.n_c4_layers), record=rec if "task" in rec else None)
         run.cap = None
         per_task.setdefault(rec.get("task", "item"), []).append(
             evaluate_doc(engine, run, retriever, hc, targets, a.budget, text))

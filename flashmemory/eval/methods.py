@@ -67,7 +67,9 @@ class RandomPolicy:
 
 
 class MassPagePolicy:
-    """Recency-tail pages, then the pages with the largest summed score (only pages scoring above zero)."""
+    """Recency-tail pages, then the pages with the largest summed score, then (when fewer pages scored above
+    zero than the budget allows) the newest other pages: every method fills the same KMAX pages, so a
+    method that scores few pages is not also handed a smaller resident set."""
 
     def __init__(self, page_chunks: int, last_keep: int):
         self.page_chunks, self.last_keep = page_chunks, last_keep
@@ -75,12 +77,14 @@ class MassPagePolicy:
     def __call__(self, scores: torch.Tensor, n_hist: int, budget_pages: int) -> torch.Tensor:
         pc = self.page_chunks
         n_pages = -(-n_hist // pc)
-        mass = torch.zeros(n_pages * pc)
-        mass[:n_hist] = scores[:n_hist].float()
+        mass = torch.zeros(n_pages * pc, dtype=torch.float64)
+        mass[:n_hist] = scores[:n_hist].double().clamp_min(0.0)
         mass = mass.view(n_pages, pc).sum(1)
         tail0 = max(0, n_hist - self.last_keep) // pc if self.last_keep > 0 else n_pages
         mass[tail0:] = float("inf")
-        k = min(budget_pages, int((mass > 0).sum()))
+        # ties (zero-mass pages above all) go to the newer page: a recency bonus far below any count
+        mass += torch.arange(n_pages, dtype=torch.float64) / (n_pages * 1e6)
+        k = min(max(budget_pages, 0), n_pages)
         return mass.topk(k).indices.sort().values
 
 

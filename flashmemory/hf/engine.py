@@ -18,6 +18,7 @@ torch's setting) applies to full forwards and prefill. Both are restored on retu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -200,10 +201,11 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, resident: Tensor | None = None,
-                 eos_token_id: int | None = None) -> list[int]:
+                 eos_token_id: int | None = None, step_times: list[float] | None = None) -> list[int]:
         """Greedy decode: the new tokens only (at most `max_new_tokens`; stops after `eos_token_id`
         if given). resident: None or bool [N_c_max] with N_c_max >= (len(prompt)+max_new_tokens-1)//4
-        (a [S_max, N_c_max] per-position mask also works)."""
+        (a [S_max, N_c_max] per-position mask also works). step_times: if given, the wall seconds of
+        each one-token decode forward are appended to it (the prefill is not among them)."""
         ids = self._ids(prompt_ids, "prompt_ids")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
@@ -229,4 +231,7 @@ class HFEngine:
                     if len(new) >= max_new_tokens or tok == eos_token_id:
                         return new
                     step = torch.tensor([[tok]], dtype=torch.long, device=self.device)
+                    t0 = time.perf_counter()
                     logits = self.model(input_ids=step, past_key_values=cache, use_cache=True).logits
+                    if step_times is not None:
+                        step_times.append(time.perf_counter() - t0)

@@ -108,3 +108,11 @@ def load_data_config(path: str | Path, check_exists: bool = True, require: tuple
         if not out[split]:
             raise DataConfigError(f"{p}: split '{split}' is empty; it needs at least one data_dir")
     return DataConfig(path=p, **out)
+
+
+def trained_on_meta(train_specs, val_specs) -> str:
+    """The `trained_on` checkpoint metadata (read by `flashmemory.eval.split`) for the DataSpecs of the train and val
+    splits: {"train"|"val": [[absolute data_dir, doc ids or null], ...]} as JSON."""
+    def enc(specs):
+        return [[str(Path(s.data_dir).resolve()), None if s.doc_ids is None else list(s.doc_ids)] for s in specs]
+    return json.dumps({"train": enc(train_specs), "val": enc(val_specs)})

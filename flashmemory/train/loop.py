@@ -25,7 +25,7 @@ from tqdm import tqdm
 from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig
-from flashmemory.train.data_config import load_data_config
+from flashmemory.train.data_config import load_data_config, trained_on_meta
 from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
 from flashmemory.train.ddp import DistInfo, barrier, broadcast_flag, init_distributed
 from flashmemory.train.losses import retrieval_loss
@@ -157,6 +157,7 @@ class Trainer:
         self.info = info or init_distributed(cfg.device)
         self.device = self.info.device
         data = load_data_config(cfg.data_config)
+        self.trained_on = trained_on_meta(data.train, data.val)
         train_paths = resolve_docs(data.train, "train split")
         self.layers, self.layer_note = resolve_layers(cfg.joint_layers, train_paths[0], cfg.allow_pickle)
         self.train_ds = SampleDataset(train_paths, self.layers, cfg.sample, seed=cfg.seed,
@@ -237,7 +238,7 @@ class Trainer:
             ens = res[self.cfg.select_ensemble]
             f1, rk = ens["f1"], ens.get(RK_KEY, float("nan"))
             improved = False
-            meta = {"step": str(self.step), "epoch": str(epoch)}
+            meta = {"step": str(self.step), "epoch": str(epoch), "trained_on": self.trained_on}
             if f1 > self.best["f1"]:
                 self.best["f1"], improved = f1, True
                 save_retriever(self.model, self.out / BEST_F1, meta | {"ens_f1": repr(f1)})

@@ -33,3 +33,20 @@ def test_top_budget_and_threshold() -> None:
     assert top_budget(s, 2).tolist() == [False, True, False, True, False]  # tie -> newer chunk
     assert flashmemory_mask(s, None, 0.5).tolist() == [False, True, True, True, False]
     assert flashmemory_mask(s, 1).tolist() == [False, True, False, False, False]
+
+
+def test_mass_policy_fills_the_budget() -> None:
+    """Oracle/Reactive (MassPagePolicy) get the same KMAX pages as every method, even when few pages score."""
+    import torch
+
+    from flashmemory.eval.methods import MassPagePolicy
+    pol = MassPagePolicy(page_chunks=4, last_keep=4)
+    scores = torch.zeros(40)
+    scores[5] = 3.0  # one scored chunk, in page 1
+    pages = pol(scores, 40, 4).tolist()
+    assert len(pages) == 4
+    assert 1 in pages and 9 in pages  # the scored page and the recency tail
+    assert pages == [1, 7, 8, 9]  # the rest: the newest other pages
+    assert pol(scores, 40, 20).tolist() == list(range(10))  # never more than exist
+    scores[:] = 0.0
+    assert pol(scores, 38, 3).tolist() == [7, 8, 9]

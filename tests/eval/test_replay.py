@@ -49,7 +49,8 @@ def test_policies_respect_budget_and_history():
     # the tail (chunks 26..29) spans pages 6 and 7; then page 0 (two hits) before page 2 (one)
     assert pol(s, 30, 3).tolist() == [0, 6, 7]
     assert pol(s, 30, 4).tolist() == [0, 2, 6, 7]
-    assert pol(s, 30, 9).tolist() == [0, 2, 6, 7]  # pages scoring zero do not fill the budget
+    assert pol(s, 30, 5).tolist() == [0, 2, 5, 6, 7]  # then the newest zero-scoring pages fill the budget
+    assert pol(s, 30, 9).tolist() == list(range(8))  # every method gets the same budget (capped by history)
     rnd = RandomPolicy(page_chunks=4, last_keep=4, seed=1)(s, 30, 4)
     assert len(rnd) == 4 and rnd.max() < 8 and {6, 7} <= set(rnd.tolist()) and rnd.tolist() == sorted(rnd.tolist())
 

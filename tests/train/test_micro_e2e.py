@@ -37,6 +37,10 @@ def test_micro_dump_train_verify_eval(tmp_path, capsys) -> None:
     assert sum(losses[-k:]) / k < sum(losses[:k]) / k
     model = load_retriever(tmp_path / "run" / BEST_F1)
     assert model.layers == (1, 2, 3)
-    assert main(["eval", "--checkpoint", str(tmp_path / "run" / BEST_F1), "--dump", str(dump), "--stride", "8"]) == 0
+    # the checkpoint records its training documents: eval refuses to score only those unless asked
+    assert main(["eval", "--checkpoint", str(tmp_path / "run" / BEST_F1), "--dump", str(dump), "--stride", "8"]) == 2
+    assert "no documents to score" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path / "run" / BEST_F1), "--dump", str(dump), "--stride", "8",
+                 "--all-docs"]) == 0
     out = capsys.readouterr().out
-    assert "oracle" in out and "fm@thr" in out
+    assert "split: all" in out and "oracle" in out and "fm@thr" in out
