@@ -9,7 +9,8 @@ from dataclasses import fields, replace
 from flashmemory.demo.config import DemoConfig, preset
 
 HELP = {
-    "model": "shipped tiny model (tiny-flash: 43-layer Flash pattern; micro: 9 layers) or a local checkpoint dir",
+    "model": "auto (the shipped trained model, else tiny-flash), a shipped random model (tiny-flash: 43-layer "
+             "Flash pattern; micro: 9 layers) or a local checkpoint dir",
     "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go",
     "seed": "seed of the model weights, the tasks and the random baseline",
     "doc_len": "prompt tokens per document",
@@ -71,5 +72,6 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"flashmemory demo: error: {e}", file=sys.stderr)
         return 2
-    run_demo(cfg, progress=not a.no_progress)
+    user_set = {f.name for f in fields(DemoConfig) if f.name in HELP and getattr(a, f.name, None) is not None}
+    run_demo(cfg, progress=not a.no_progress, user_set=frozenset(user_set | ({"tasks"} if a.tasks else set())))
     return 0

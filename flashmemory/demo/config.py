@@ -9,10 +9,10 @@ from flashmemory.tasks.suite import TASKS
 
 @dataclass(frozen=True)
 class DemoConfig:
-    model: str = "tiny-flash"          # shipped tiny model (43-layer Flash pattern) or a local checkpoint dir
+    model: str = "auto"                # auto: the shipped trained model if present, else tiny-flash (random)
     out_dir: str = "demo_out"
     seed: int = 0
-    tasks: tuple[str, ...] = tuple(TASKS)
+    tasks: tuple[str, ...] = ()        # () = the model's tasks (trained: its needle tasks; random: the whole suite)
     doc_len: int = 1024                # prompt tokens per document (tiny word-level tokenizer)
     gen_tokens: int = 48               # greedy decode steps per document
     n_train: int = 8                   # documents the retriever trains on
@@ -32,12 +32,13 @@ class DemoConfig:
     lr: float = 3e-3
     batch_size: int = 16
     sweep: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4, 0.6)  # budgets for the coverage plot
+    task_budgets: tuple[float, ...] = (0.1, 0.2)  # budgets of the task-accuracy table (Level-2 decode per method)
     plot: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"--budget must lie in (0, 1], got {self.budget}")
-        bad = [b for b in self.sweep if not 0.0 < b <= 1.0]
+        bad = [b for b in self.sweep + self.task_budgets if not 0.0 < b <= 1.0]
         if bad:
             raise ValueError(f"--sweep budgets must lie in (0, 1], got {bad}")
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -54,6 +55,10 @@ class DemoConfig:
         return self.n_train + self.n_val + self.n_test
 
 
+# Applied when `model` resolves to the shipped trained model (unless the user set the field): its answers are
+# short (8-24 tokens), it has 3 c4 layers, and it is 6 layers deep, so more test documents fit the same time.
+TRAINED = dict(tasks=("niah_single", "niah_multikey", "mqar"), gen_tokens=24, n_train=6, n_val=2, n_test=9,
+               min_layers=2, budget=0.2, sweep=(0.05, 0.1, 0.2, 0.4))
 QUICK = dict(model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2, epochs=10, min_layers=2, budget=0.25,
              sweep=(0.1, 0.25, 0.5))
 TEST = dict(model="micro", doc_len=192, gen_tokens=16, n_train=2, n_val=1, n_test=1, epochs=1, min_layers=2,
@@ -68,3 +73,19 @@ def preset(cfg: DemoConfig, name: str | None) -> DemoConfig:
     if name not in table:
         raise ValueError(f"unknown preset {name!r}")
     return replace(cfg, **table[name])
+
+
+def resolve_model(cfg: DemoConfig, user_set: frozenset[str] | set[str] = frozenset()) -> tuple[DemoConfig, str]:
+    """Turn `model="auto"` into a concrete model: the shipped trained checkpoint (with the TRAINED settings,
+    except fields in `user_set`) when it is present, else the random tiny-flash. Empty `tasks` become the
+    model's tasks. Returns (config, a line saying which model runs and why)."""
+    from flashmemory.tiny.shipped import TRAINED_NAME, trained_model_available, trained_model_dir
+    if cfg.model != "auto":
+        return replace(cfg, tasks=cfg.tasks or tuple(TASKS)), f"model {cfg.model} (as asked)"
+    if trained_model_available():
+        over = {k: v for k, v in TRAINED.items() if k not in user_set and not (k == "tasks" and cfg.tasks)}
+        return (replace(cfg, model=str(trained_model_dir()), **over),
+                f"model {TRAINED_NAME}: the shipped trained tiny DeepSeek-V4 (flashmemory/hf/trained/{TRAINED_NAME})")
+    return (replace(cfg, model="tiny-flash", tasks=cfg.tasks or tuple(TASKS)),
+            f"model tiny-flash with RANDOM weights: the shipped trained checkpoint flashmemory/hf/trained/{TRAINED_NAME} "
+            "is missing, so task scores are not meaningful")

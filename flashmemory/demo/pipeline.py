@@ -89,11 +89,14 @@ def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...]):
     return load_retriever(work / "ckpt" / BEST_F1), summary
 
 
-def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
-    """Run every stage; returns the results dict that is also written to `out_dir/results.json`."""
+def run_demo(cfg: DemoConfig, log=print, progress: bool = True, user_set: frozenset[str] = frozenset()) -> dict:
+    """Run every stage; returns the results dict that is also written to `out_dir/results.json`.
+    `user_set`: config fields the user gave explicitly (kept when `model="auto"` picks the trained model)."""
+    from flashmemory.demo.config import resolve_model
     from flashmemory.demo.report import write_outputs
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.tokenizer import load_tokenizer
+    cfg, model_note = resolve_model(cfg, user_set)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     # A re-run starts clean (stale documents would mix two configurations); only the demo's own folder is
@@ -103,7 +106,11 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
     stage = Stages(log)
 
     with stage("1. build model"):
+        log(f"       {model_note}")
         engine = HFEngine.from_name(cfg.model, seed=cfg.seed)
+        if Path(cfg.model).is_dir():
+            from flashmemory.tiny.attention import use_band_attention
+            use_band_attention(engine.model)  # equal to eager (tests/tiny), O(S (W + S/4)) per full forward
         targets = cfg.target_layers or default_targets(engine.n_c4_layers)
         cfg = replace(cfg, target_layers=targets, min_layers=min(cfg.min_layers, engine.n_c4_layers))
         log(f"       {cfg.model}: {engine.n_c4_layers} c4 layers, index top-{engine.index_topk}, "
@@ -139,6 +146,17 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
             return tok.decode([i if 0 <= i < tok.vocab_size else tok.unk for i in ids])
         per_doc = [evaluate_doc(engine, r, retriever, hc, targets, cfg.budget, decode_text)
                    for r in tqdm(test_runs, desc="methods x test docs", disable=not progress)]
+        task_by_budget = {}
+        for b in cfg.task_budgets:
+            rows = per_doc if b == cfg.budget else [
+                evaluate_doc(engine, r, retriever, hc, targets, b, decode_text)
+                for r in tqdm(test_runs, desc=f"task accuracy at {b:.0%}", disable=not progress)]
+            task_by_budget[str(b)] = {name: {k: m.get(k) for k in ("task_score", "mass", "resident_frac", "kmax")}
+                                      for name, m in mean_rows(rows).items()}
+            for task in dict.fromkeys(r.record["task"] for r in test_runs):
+                sel = [d for r, d in zip(test_runs, rows) if r.record["task"] == task]
+                task_by_budget[str(b)][f"task:{task}"] = {name: m.get("task_score")
+                                                          for name, m in mean_rows(sel).items()}
         sweep = {}
         for b in tqdm(cfg.sweep, desc="budget sweep", disable=not progress):
             sweep[b] = mean_rows([evaluate_doc(engine, r, retriever, hc, targets, b, quality=False)
@@ -148,6 +166,8 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True) -> dict:
         "methods": mean_rows(per_doc),
         "per_doc": {r.name: d for r, d in zip(test_runs, per_doc)},
         "sweep": {str(b): v for b, v in sweep.items()},
+        "task_by_budget": task_by_budget,
+        "model_note": model_note,
         "train": {k: v for k, v in summary.items() if k != "losses"},
         "stage_seconds": stage.times,
     }

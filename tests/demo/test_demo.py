@@ -56,3 +56,28 @@ def test_oracle_beats_recency_on_golden_recall_given_room(demo_run):
 def test_bad_arguments_are_clear_errors(argv, msg, capsys):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_auto_model_picks_the_trained_checkpoint_or_says_it_fell_back(monkeypatch):
+    from flashmemory.demo import config as dc
+    from flashmemory.tiny import shipped
+    cfg, note = dc.resolve_model(DemoConfig())
+    if shipped.trained_model_available():
+        assert cfg.model == str(shipped.trained_model_dir()) and "trained" in note
+        assert cfg.tasks == dc.TRAINED["tasks"] and cfg.gen_tokens == dc.TRAINED["gen_tokens"]
+        # a field the user set is kept
+        cfg2, _ = dc.resolve_model(DemoConfig(n_test=2, tasks=("niah_single",)), {"n_test", "tasks"})
+        assert cfg2.n_test == 2 and cfg2.tasks == ("niah_single",)
+    monkeypatch.setattr(shipped, "trained_model_available", lambda: False)
+    cfg, note = dc.resolve_model(DemoConfig())
+    assert cfg.model == "tiny-flash" and "RANDOM" in note and cfg.tasks
+
+
+def test_task_budget_table(demo_run):
+    out, res = demo_run
+    tb = res["task_by_budget"]
+    assert set(tb) == {"0.1", "0.2"}
+    for b in tb.values():
+        assert {"Full", *METHODS} <= set(b)
+        assert any(k.startswith("task:") for k in b)
+    assert "## Task accuracy by page budget" in (out / "report.md").read_text()
