@@ -13,8 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from flashmemory.errors import UserError
 
-class EnvError(ValueError):
+
+class EnvError(UserError):
     """A FlashMemory environment variable holds a value that cannot be used."""
 
 

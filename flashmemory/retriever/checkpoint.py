@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from flashmemory.errors import UserError
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig
 
@@ -23,7 +24,7 @@ FORMAT = "flashmemory-retriever/1"
 _JOINT_KEY = re.compile(r"^retrievers\.l(\d+)\.(.+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A retriever checkpoint is missing, truncated, or does not match what was asked for."""
 
 
