@@ -50,9 +50,9 @@ def run(a: argparse.Namespace) -> int:
                                   f"(it has {docs[0].target_layers})")
         fractions = tuple(float(x) for x in a.budgets.split(",")) if a.budgets else ()
         cfg = EvalConfig(tau=a.tau, stride=a.stride, fractions=fractions, threshold=a.threshold, seed=a.seed)
-    except (CheckpointError, DumpFormatError, ValueError) as e:
-        print(f"flashmemory eval: error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, DumpFormatError, ValueError, OSError) as e:
+        from flashmemory.errors import fail
+        return fail("eval", e)
     res = evaluate(docs, retriever_scores(model, a.ensemble), cfg)
     n_mean = sum(min(int(d.n_chunks_at[t]), d.n_chunks) for d in docs for t in range(0, d.n_tokens, cfg.stride or cfg.tau))
     n_rows = sum(len(range(0, d.n_tokens, cfg.stride or cfg.tau)) for d in docs)

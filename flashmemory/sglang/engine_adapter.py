@@ -321,17 +321,17 @@ class SGLangOffload:
         self.l1.close()
 
 
-def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None) -> SGLangOffload:
-    """Adapter for a DSv4 pool: loads SGLANG_RETRIEVER_INLINE_CKPT (when set) for the target layers.
+def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
+          retriever: Any = None) -> SGLangOffload:
+    """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
+    SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`).
 
     shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
     on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
     from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
-    retriever = None
-    if env.retriever_ckpt:
-        from flashmemory.retriever import load_retriever
-        retriever = load_retriever(env.retriever_ckpt, layers=env.retriever_layers, logit_offset=env.logit_offset)
-        retriever.eval()
+    if retriever is None and env.retriever_ckpt:
+        from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
+        retriever = load_serving_retriever(env, served_model_path(server_args, []))
     if shrink is None:
         blockers = shrink_blockers(server_args) if env.pd_c4_shrink else []
         shrink = env.pd_c4_shrink and not blockers
