@@ -35,7 +35,7 @@ def debug() -> bool:
 
 def describe(e: BaseException) -> str:
     """One line for an expected failure: the message, with the path and the cause for an OSError."""
-    if isinstance(e, OSError) and not isinstance(e, UserError):
+    if isinstance(e, OSError) and e.errno is not None:  # from the OS: the path and the cause
         what = e.strerror or type(e).__name__
         hint = {errno.ENOSPC: " (disk full)", errno.EACCES: " (not writable or readable by you)",
                 errno.EROFS: " (read-only file system)", errno.ENOTDIR: " (a path component is a file)",

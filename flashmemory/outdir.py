@@ -42,6 +42,7 @@ class DirLock:
     """An exclusive, non-blocking advisory lock on a directory. Use as a context manager or call `release()`."""
 
     def __init__(self, path: str | os.PathLike, what: str = "output directory"):
+        self.fd: int | None = None
         self.dir = Path(path)
         self.path = self.dir / LOCK_NAME
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # PermissionError here = not writable
@@ -54,7 +55,7 @@ class DirLock:
                                  f"lock {self.path}); wait for it to finish or choose another directory") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd: int | None = fd
+        self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:

@@ -68,6 +68,14 @@ def test_kmax_ratio() -> None:
     ("SGLANG_RETRIEVER_INTERVAL", "-3", ">= 1"),
     ("SGLANG_DECODE_SWAP_P", "maybe", "0/1"),
     ("SGLANG_RETRIEVER_LOGIT_OFFSET", "inf", "must lie"),
+    # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation (issue 12).
+    ("SGLANG_PATHP_PAGE_KMAX", "1e20", "integer"),
+    ("SGLANG_PATHP_PAGE_KMAX", str(10**20), "<= "),
+    ("SGLANG_PATHP_PAGE_KMAX", "5000", "SGLANG_RETRIEVER_MAX_POSITION=1048576 tokens has \\(4096 pages"),
+    ("SGLANG_PATHP_RESERVE_PAGES", str(10**12), "<= 16777216"),
+    ("SGLANG_PATHP_DECODE_MAX_CONC", str(10**9), "<= 65536"),
+    ("SGLANG_DSV4_TARGET_CONCURRENCY", str(10**9), "<= 65536"),
+    ("SGLANG_RETRIEVER_MAX_POSITION", str(10**15), "<= "),
 ])
 def test_bad_values_name_the_variable(name: str, value: str, why: str) -> None:
     with pytest.raises(EnvError, match=name) as e:

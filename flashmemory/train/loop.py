@@ -335,7 +335,7 @@ class Trainer:
         # After backward, so every DDP rank sees the same all-reduced gradient and stops together.
         if not (bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm))):
             raise TrainingDivergedError(
-                f"training diverged at step {self.step + 1}: loss {float(loss):.4g}, gradient norm {float(gnorm):.4g} "
+                f"training diverged at step {self.step + 1}: loss {float(loss.detach()):.4g}, gradient norm {float(gnorm):.4g} "
                 f"(non-finite); stopped before the optimizer step, so the weights and the checkpoints in "
                 f"{self.out} are from before it. Check the dump for NaN/inf values or lower --lr")
         self.opt.step()
