@@ -346,6 +346,8 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
     tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
     check_host_memory(geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes),
                       processes=max(1, tp // nodes))
+    from flashmemory.sglang.geometry import check_reserve_memory, device_free_bytes, pool_buffers, reserve_bytes
+    check_reserve_memory(reserve_bytes(env, geo, n_off), device_free_bytes(pool_buffers(pool)[0][0].device))
     if shrink:
         eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
     else:
