@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import fields, replace
 
-from flashmemory.demo.config import DemoConfig, preset
+from flashmemory.demo.config import EXPECTED_SECONDS, DemoConfig, preset
 
 HELP = {
     "model": "shipped tiny model (tiny-flash: 43-layer Flash pattern; micro: 9 layers) or a local checkpoint dir",
-    "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go",
+    "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go (--quick: demo_out_quick, "
+               "so it never replaces the full run's outputs)",
     "seed": "seed of the model weights, the tasks and the random baseline",
     "doc_len": "prompt tokens per document",
     "gen_tokens": "decode steps per document",
@@ -64,12 +64,19 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
     return replace(cfg, **over)
 
 
+def expected_seconds(cfg: DemoConfig, quick: bool) -> dict[str, float] | None:
+    """Measured stage times for the preset `cfg` runs, None once a flag changes the workload."""
+    name = "quick" if quick else "full"
+    same = replace(preset(DemoConfig(), "quick" if quick else None), out_dir=cfg.out_dir, plot=cfg.plot, seed=cfg.seed)
+    return EXPECTED_SECONDS[name] if cfg == same else None
+
+
 def run(a: argparse.Namespace) -> int:
     from flashmemory.demo.pipeline import run_demo
+    from flashmemory.errors import fail
     try:
         cfg = config_from_args(a)
     except ValueError as e:
-        print(f"flashmemory demo: error: {e}", file=sys.stderr)
-        return 2
-    run_demo(cfg, progress=not a.no_progress)
+        return fail("demo", e)
+    run_demo(cfg, progress=not a.no_progress, expected=expected_seconds(cfg, a.quick))
     return 0

@@ -54,8 +54,11 @@ class DemoConfig:
         return self.n_train + self.n_val + self.n_test
 
 
-QUICK = dict(model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2, epochs=10, min_layers=2, budget=0.25,
-             sweep=(0.1, 0.25, 0.5))
+WORK_MARKER = ".flashmemory-demo-work"   # marks out_dir/work as the demo's own (it may remove it on a rerun)
+
+# `--quick` writes to its own folder, so it never replaces the full run's report, results and plot.
+QUICK = dict(out_dir="demo_out_quick", model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2,
+             epochs=10, min_layers=2, budget=0.25, sweep=(0.1, 0.25, 0.5))
 TEST = dict(model="micro", doc_len=192, gen_tokens=16, n_train=2, n_val=1, n_test=1, epochs=1, min_layers=2,
             tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False)
 
@@ -68,3 +71,13 @@ def preset(cfg: DemoConfig, name: str | None) -> DemoConfig:
     if name not in table:
         raise ValueError(f"unknown preset {name!r}")
     return replace(cfg, **table[name])
+
+
+# Seconds per stage of the two presets on this machine when it is quiet (2 cores; README "What `make demo`
+# shows"). A stage still running at 3x its time prints a warning naming it (`pipeline.slow_warning`).
+EXPECTED_SECONDS: dict[str, dict[str, float]] = {
+    "full": {"1. build model": 3.0, "2. generate tasks": 1.0, "3. decode under Full attention, dump golden labels": 200.0,
+             "4. train retriever": 60.0, "5. two-level recall through the offload engine": 70.0, "6. report": 3.0},
+    "quick": {"1. build model": 3.0, "2. generate tasks": 1.0, "3. decode under Full attention, dump golden labels": 45.0,
+              "4. train retriever": 20.0, "5. two-level recall through the offload engine": 30.0, "6. report": 3.0},
+}
