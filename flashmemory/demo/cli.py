@@ -38,9 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo", help="CPU end to end: tiny DeepSeek-V4 -> tasks -> golden labels -> train -> two-level recall",
         description="Runs the whole FlashMemory loop on CPU with a tiny seeded DeepSeek-V4 and prints one row per "
                     "method (Full, FlashMemory, Recency, Random, Oracle, Reactive) at the same resident budget. "
-                    "Writes report.md, results.json and coverage.png to --out-dir. About 5-10 minutes on 2 cores; "
-                    "--quick takes about 2.")
-    p.add_argument("--quick", action="store_true", help="tiny-flash with 512-token documents and fewer of them (about 2 minutes)")
+                    "Writes report.md, results.json and coverage.png to --out-dir. About 6 minutes on a quiet 2-core "
+                    "machine, --quick about 2; a stage running far slower than that is named with a warning.")
+    p.add_argument("--quick", action="store_true", help="tiny-flash with 512-token documents and fewer of them (about 2 minutes), into demo_out_quick/")
     for f in fields(DemoConfig):
         if f.name not in HELP:
             continue

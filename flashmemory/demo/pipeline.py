@@ -29,12 +29,19 @@ from flashmemory.eval.harness import HarnessConfig, evaluate_doc, mean_rows
 from flashmemory.outdir import DirLock, prepare_dir
 
 
-SLOW_FACTOR = 3.0   # a stage this many times slower than measured on a quiet machine gets a warning
+SLOW_FACTOR = 3.0   # a stage this many times slower than measured on a quiet machine gets a warning ...
+SLOW_EXCESS = 30.0  # ... once it is also this many seconds over (a 1-second stage taking 3 s is noise)
 
 
-def slow_warning(name: str, elapsed: float, expected: float, factor: float = SLOW_FACTOR) -> str | None:
+def slow_after(expected: float, factor: float = SLOW_FACTOR, excess: float = SLOW_EXCESS) -> float:
+    """Seconds after which a stage expected to take `expected` s counts as far slower than expected."""
+    return max(factor * expected, expected + excess)
+
+
+def slow_warning(name: str, elapsed: float, expected: float, factor: float = SLOW_FACTOR,
+                 excess: float = SLOW_EXCESS) -> str | None:
     """The one-line warning for a stage running far slower than measured on a quiet 2-core machine, else None."""
-    if expected <= 0 or elapsed < factor * expected:
+    if expected <= 0 or elapsed < slow_after(expected, factor, excess):
         return None
     return (f"[demo] warning: stage '{name}' has taken {elapsed:.0f} s, over {factor:.0f}x the ~{expected:.0f} s it "
             "takes on a quiet 2-core machine; other processes are probably competing for the CPU (see `top`). "
@@ -45,14 +52,15 @@ class Stages:
     """Wall time per stage, printed as each one ends. With `expected` seconds per stage, a stage still running
     at SLOW_FACTOR x its expected time prints `slow_warning` once, while it runs (a timer thread)."""
 
-    def __init__(self, log, expected: dict[str, float] | None = None):
+    def __init__(self, log, expected: dict[str, float] | None = None, excess: float = SLOW_EXCESS):
         self.times: dict[str, float] = {}
         self.log = log
         self.expected = expected or {}
+        self.excess = excess
         self.warned: list[str] = []
 
     def _warn(self, name: str, t0: float) -> None:
-        msg = slow_warning(name, time.perf_counter() - t0, self.expected[name])
+        msg = slow_warning(name, time.perf_counter() - t0, self.expected[name], excess=self.excess)
         if msg:
             self.warned.append(name)
             self.log(msg)
@@ -63,7 +71,7 @@ class Stages:
         t0 = time.perf_counter()
         timer = None
         if self.expected.get(name, 0) > 0:
-            timer = threading.Timer(SLOW_FACTOR * self.expected[name], self._warn, (name, t0))
+            timer = threading.Timer(slow_after(self.expected[name], excess=self.excess), self._warn, (name, t0))
             timer.daemon = True
             timer.start()
         try:
