@@ -128,3 +128,9 @@ def test_output_dir_that_is_a_file_or_unwritable_or_full(synth, tmp_path, monkey
     assert "ckpt_joint_epoch000.pt: could not write the checkpoint" in err and "disk full?" in err
     assert len(err.splitlines()) == 1
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_debug_shows_the_traceback_instead_of_the_line(synth, tmp_path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        main(_argv(synth, tmp_path / "f", "--debug"))
