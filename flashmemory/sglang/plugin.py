@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
+
+if TYPE_CHECKING:
+    from flashmemory.retriever.model import JointRetriever
 
 logger = logging.getLogger(__name__)
 _STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...]}
@@ -41,7 +45,7 @@ def verify_patched(specs: list[HookSpec], originals: dict[str, object]) -> list[
     return bad
 
 
-def check_retriever(env: FlashMemoryEnv):
+def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
     """Load SGLANG_RETRIEVER_INLINE_CKPT completely, now, before sglang loads the model: every layer of
     SGLANG_RETRIEVER_INLINE_LAYERS, shapes, finite values, and the hidden size against the served model's
     config.json when its path is known. A bad checkpoint is a PluginStartupError (one line)."""
