@@ -196,7 +196,8 @@ class FlashMemoryEnv:
         pages = math.ceil(out.max_position / (4 * 64))
         if out.page_kmax > pages:
             raise EnvError(f"SGLANG_PATHP_PAGE_KMAX={out.page_kmax}: more pages than a request of "
-                           f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has ({pages} pages of 64 c4 chunks)")
+                           f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has "
+                           f"({pages} pages of 64 c4 chunks)")
         return out
 
 

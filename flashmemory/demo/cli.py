@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "method (Full, FlashMemory, Recency, Random, Oracle, Reactive) at the same resident budget. "
                     "Writes report.md, results.json and coverage.png to --out-dir. About 6 minutes on a quiet 2-core "
                     "machine, --quick about 2; a stage running far slower than that is named with a warning.")
-    p.add_argument("--quick", action="store_true", help="tiny-flash with 512-token documents and fewer of them (about 2 minutes), into demo_out_quick/")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny-flash with 512-token documents and fewer of them (about 2 minutes), into demo_out_quick/")
     for f in fields(DemoConfig):
         if f.name not in HELP:
             continue

@@ -78,8 +78,8 @@ def preset(cfg: DemoConfig, name: str | None) -> DemoConfig:
 # train 3%). A stage still running at 3x its time (and 30 s over it) prints a warning naming it
 # (`pipeline.slow_warning`); the warning is about the machine, not a failure.
 EXPECTED_SECONDS: dict[str, dict[str, float]] = {
-    "full": {"1. build model": 2.0, "2. generate tasks": 1.0, "3. decode under Full attention, dump golden labels": 220.0,
-             "4. train retriever": 40.0, "5. two-level recall through the offload engine": 75.0, "6. report": 3.0},
-    "quick": {"1. build model": 1.0, "2. generate tasks": 0.5, "3. decode under Full attention, dump golden labels": 70.0,
-              "4. train retriever": 3.0, "5. two-level recall through the offload engine": 26.0, "6. report": 1.5},
+    "full": {"1. build model": 2.0, "2. generate tasks": 1.0,
+             "3. decode under Full attention, dump golden labels": 220.0, "4. train retriever": 40.0, "5. two-level recall through the offload engine": 75.0, "6. report": 3.0},
+    "quick": {"1. build model": 1.0, "2. generate tasks": 0.5,
+              "3. decode under Full attention, dump golden labels": 70.0, "4. train retriever": 3.0, "5. two-level recall through the offload engine": 26.0, "6. report": 1.5},
 }

@@ -165,6 +165,12 @@ def run_files(out: Path) -> list[str]:
                   (p.name == "metrics.jsonl" or (p.name.startswith("ckpt_joint_") and p.suffix in (".pt", ".safetensors"))))
 
 
+def _epoch_of(name: str) -> int | None:
+    """E of a `ckpt_joint_epoch{E:03d}.pt` file name, else None."""
+    stem = name.removeprefix("ckpt_joint_epoch").removesuffix(".pt")
+    return int(stem) if name.startswith("ckpt_joint_epoch") and name.endswith(".pt") and stem.isdigit() else None
+
+
 def _atomic_torch_save(obj: dict, path: Path) -> None:
     with atomic_path(path) as tmp:  # the temp file is removed if the write fails (disk full)
         try:
@@ -243,8 +249,7 @@ class Trainer:
         files past it (a longer earlier run) are moved aside. --overwrite moves every run file aside."""
         old = run_files(self.out)
         if self.cfg.resume_from and not self.cfg.overwrite:
-            later = [n for n in old if n.startswith("ckpt_joint_epoch") and n.endswith(".pt")
-                     and n[len("ckpt_joint_epoch"):-3].isdigit() and int(n[len("ckpt_joint_epoch"):-3]) >= self.start_epoch]
+            later = [n for n in old if (e := _epoch_of(n)) is not None and e >= self.start_epoch]
             if not later:
                 return None
             # The best checkpoints may come from those later epochs; they go aside with them.
@@ -335,7 +340,8 @@ class Trainer:
         # After backward, so every DDP rank sees the same all-reduced gradient and stops together.
         if not (bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm))):
             raise TrainingDivergedError(
-                f"training diverged at step {self.step + 1}: loss {float(loss.detach()):.4g}, gradient norm {float(gnorm):.4g} "
+                f"training diverged at step {self.step + 1}: loss {float(loss.detach()):.4g}, gradient norm "
+                f"{float(gnorm):.4g} "
                 f"(non-finite); stopped before the optimizer step, so the weights and the checkpoints in "
                 f"{self.out} are from before it. Check the dump for NaN/inf values or lower --lr")
         self.opt.step()

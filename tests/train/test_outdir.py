@@ -110,7 +110,8 @@ def test_resume_past_the_last_epoch_is_an_error(synth, tmp_path) -> None:
 def test_output_dir_that_is_a_file_or_unwritable_or_full(synth, tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "f").write_text("not a dir")
     assert main(_argv(synth, tmp_path / "f")) == 2
-    assert capsys.readouterr().err == f"flashmemory train: error: --output-dir {tmp_path / 'f'}: exists and is not a directory\n"
+    want = f"flashmemory train: error: --output-dir {tmp_path / 'f'}: exists and is not a directory\n"
+    assert capsys.readouterr().err == want
     assert main(_argv(synth, tmp_path / "f" / "sub")) == 2
     assert "a parent of it is a file" in capsys.readouterr().err
     if os.geteuid() != 0:  # root writes anywhere
