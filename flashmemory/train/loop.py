@@ -226,12 +226,18 @@ class Trainer:
         self.lock: DirLock | None = None
         self.moved_aside: Path | None = None
         try:
-            if self.info.is_main:
-                self.lock = DirLock(prepare_dir(self.out, "--output-dir"), "training output directory")
             if cfg.resume_from:
-                self.load_checkpoint(cfg.resume_from)
+                self.load_checkpoint(cfg.resume_from)  # every rank: same file, same outcome
+            refused: Exception | None = None
             if self.info.is_main:
-                self.moved_aside = self._claim_output_dir()
+                try:
+                    self.lock = DirLock(prepare_dir(self.out, "--output-dir"), "training output directory")
+                    self.moved_aside = self._claim_output_dir()
+                except (UserError, OSError) as e:
+                    refused = e
+            # Rank 0 alone owns the output dir; the other ranks must stop with it, not wait in a collective.
+            if broadcast_flag(refused is not None, self.info):
+                raise refused or UserError(f"--output-dir {self.out}: refused by rank 0 (see its message)")
         except BaseException:
             self.close()
             raise

@@ -135,3 +135,32 @@ def test_debug_shows_the_traceback_instead_of_the_line(synth, tmp_path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="exists and is not a directory"):
         main(_argv(synth, tmp_path / "f", "--debug"))
+
+
+def _refuse_worker(rank: int, port: int, synth: str, out_dir: str, out: dict) -> None:
+    import torch.distributed as dist
+    from flashmemory.train.ddp import DistInfo
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        Trainer(_cfg(Path(synth), Path(out_dir)), DistInfo(rank, 2, torch.device("cpu")))
+        out[rank] = "constructed"
+    except UserError as e:
+        out[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> None:
+    """Only rank 0 owns the output dir; when it refuses, the other ranks stop too instead of waiting forever."""
+    import socket
+    import torch.multiprocessing as mp
+    Trainer(_cfg(synth, tmp_path / "used")).fit()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as mgr:
+        out = mgr.dict()
+        mp.spawn(_refuse_worker, args=(port, str(synth), str(tmp_path / "used"), out), nprocs=2, join=True)
+        got = dict(out)
+    assert "already holds a training run" in got[0] and "refused by rank 0" in got[1], got
