@@ -95,6 +95,23 @@ def config_from_args(a: argparse.Namespace):
         progress=not a.no_progress)
 
 
+def check_ranges(cfg) -> None:
+    """Range-check the numeric flags where they are read (UserError naming the flag)."""
+    import math
+    from flashmemory.errors import UserError
+    at_least = {"epochs": 1, "batch_size": 1, "log_interval": 1, "val_stride": 1, "n_heads": 1, "q_lora_rank": 1,
+                "rope_dim": 0, "max_position": 0, "num_workers": 0, "val_every_steps": 0, "patience_vals": 0}
+    for name, lo in at_least.items():
+        if getattr(cfg, name) < lo:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= {lo}")
+    if cfg.rope_dim % 2:
+        raise UserError(f"--rope-dim {cfg.rope_dim}: must be even")
+    for name, lo, hi in (("lr", 0.0, 10.0), ("wd", 0.0, 10.0), ("threshold", 0.0, 1.0), ("pairwise", 0.0, 1e3)):
+        v = getattr(cfg, name)
+        if not (math.isfinite(v) and lo <= v <= hi) or (name == "lr" and v == 0):
+            raise UserError(f"--{name} {v}: must lie in {'(' if name == 'lr' else '['}{lo}, {hi}]")
+
+
 def run(a: argparse.Namespace) -> int:
     """Expected failures (bad data, flags, output dir, a diverged run, file-system errors) are one line, exit 2."""
     from flashmemory.errors import UserError, fail
@@ -102,9 +119,7 @@ def run(a: argparse.Namespace) -> int:
     from flashmemory.train.loop import Trainer
     try:
         cfg = config_from_args(a)
-        for name in ("epochs", "batch_size", "log_interval", "val_stride"):
-            if getattr(cfg, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
+        check_ranges(cfg)
         trainer = Trainer(cfg)
     except (UserError, ValueError, OSError) as e:  # UserError covers dump, data-config, checkpoint, env errors
         return fail("train", e)

@@ -164,3 +164,14 @@ def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> 
         mp.spawn(_refuse_worker, args=(port, str(synth), str(tmp_path / "used"), out), nprocs=2, join=True)
         got = dict(out)
     assert "already holds a training run" in got[0] and "refused by rank 0" in got[1], got
+
+
+@pytest.mark.parametrize("flag, value, why", [
+    ("--epochs", "0", ">= 1"), ("--lr", "0", "(0.0, 10.0]"), ("--lr", "nan", "(0.0, 10.0]"), ("--wd", "-1", "[0.0"),
+    ("--threshold", "1.5", "[0.0, 1.0]"), ("--rope-dim", "7", "even"), ("--batch-size", "-2", ">= 1"),
+])
+def test_numeric_flags_are_range_checked(synth, tmp_path, capsys, flag, value, why) -> None:
+    assert main(_argv(synth, tmp_path / "o", flag, value)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashmemory train: error: {flag} ") and why in err
+    assert not (tmp_path / "o").exists()   # refused before anything was written
