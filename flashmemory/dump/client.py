@@ -62,11 +62,12 @@ def load_selection(input_path: str | Path, start_idx: int = 0, end_idx: int | No
 
 def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Path, cfg: DumpConfig, *,
              start_idx: int = 0, end_idx: int | None = None, n_samples: int | None = None, batch_size: int = 10,
-             progress: bool = True, log: TextIO = sys.stderr, writer: DumpWriter | None = None,
+             progress: bool = True, log: TextIO | None = None, writer: DumpWriter | None = None,
              retry_failed: bool = False) -> DumpReport:
     """Dump every selected item of `input_path` into `output_dir` (or into `writer`'s directory, already
     opened and locked by the caller). Returns what happened."""
     from tqdm import tqdm
+    log = log if log is not None else sys.stderr  # looked up per call: a test or caller may have replaced it
     rep = DumpReport()
     selected, rep.bad_input = load_selection(input_path, start_idx, end_idx, n_samples)
     for msg in rep.bad_input:
