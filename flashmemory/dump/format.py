@@ -112,8 +112,8 @@ class DumpDoc:
                                                           "must be >= 1 / >= 1 / >= 0")
         try:
             self.labels.validate(f"{source}: labels")
-        except LabelsError as e:
-            raise DumpFormatError(str(e)) from None
+        except LabelsError as e:  # LabelsCSR may check itself on construction, without our source: add it
+            raise DumpFormatError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
         T = self.n_tokens
         if set(self.hidden) != set(self.positions) or set(self.hidden) != set(self.compk):
             raise bad("layers", f"hidden {sorted(self.hidden)}, positions {sorted(self.positions)} and compk "
@@ -278,7 +278,7 @@ def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], sou
         rid=str(meta.get("rid", "")),
         hidden={L: h.float() for L, h in hidden.items()},
         positions={L: p.long().reshape(-1) for L, p in positions.items()},
-        compk={L: c.reshape(c.shape[0], -1) if c.dim() > 2 else c for L, c in compk.items()},
+        compk={L: c.reshape(c.shape[0], math.prod(c.shape[1:])) if c.dim() > 2 else c for L, c in compk.items()},
         label_indices=tensors["label_indices"].to(torch.int32),
         label_scores=tensors["label_scores"].to(torch.int32),
         label_pointers=tensors["label_pointers"].to(torch.int32),
