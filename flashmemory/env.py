@@ -147,14 +147,7 @@ class FlashMemoryEnv:
         mode = (e.get("SGLANG_RETRIEVER_ENSEMBLE_MODE") or d.ensemble_mode).strip().lower()
         if mode not in ("or", "max", "mean"):
             raise EnvError(f"SGLANG_RETRIEVER_ENSEMBLE_MODE={mode!r}: expected 'or' (max) or 'mean'")
-        dump_mode = _bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode)
-        dump_root = (e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip()
-        if dump_root and not os.path.isabs(dump_root):
-            raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={dump_root!r}: must be an absolute directory")
-        if dump_mode and not dump_root:
-            raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
-                           "dump requests may write under (their output_dir must lie inside it)")
-        return cls(
+        out = cls(
             decode_swap_p=_bool(e, "SGLANG_DECODE_SWAP_P", d.decode_swap_p),
             index_k_offload=_bool(e, "SGLANG_PATHP_INDEX_K_OFFLOAD", d.index_k_offload),
             score_resident=_bool(e, "SGLANG_PATHP_SCORE_RESIDENT", d.score_resident),
@@ -163,8 +156,8 @@ class FlashMemoryEnv:
             async_recall=_bool(e, "SGLANG_PATHP_ASYNC_RECALL", d.async_recall),
             fused_remap=_bool(e, "SGLANG_PATHP_FUSED_REMAP", d.fused_remap),
             stagger_cycle=_bool(e, "SGLANG_PATHP_STAGGER_CYCLE", d.stagger_cycle),
-            dump_mode=dump_mode,
-            dump_root=dump_root,
+            dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
+            dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1),
@@ -185,6 +178,12 @@ class FlashMemoryEnv:
             pd_c4_shrink=_bool(e, "SGLANG_PD_B_C4_SHRINK", d.pd_c4_shrink),
             pd_credit_c4=_bool(e, "SGLANG_PD_CREDIT_OFFLOADED_C4", d.pd_credit_c4),
         )
+        if out.dump_root and not os.path.isabs(out.dump_root):
+            raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={out.dump_root!r}: must be an absolute directory")
+        if out.dump_mode and not out.dump_root:
+            raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
+                           "dump requests may write under (their output_dir must lie inside it)")
+        return out
 
 
 # name -> (default as a string, one-line meaning); the README table and `flashmemory env` print this.
