@@ -171,7 +171,8 @@ class DumpDoc:
             if idx.shape[1] != k0:
                 raise bad(f"native_topk_idx_layer_{C}", f"k={idx.shape[1]} differs from the other layers' k={k0}")
             valid = idx >= 0
-            if bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any()):
+            if (bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any())
+                    or bool((val == float("inf")).any())):
                 raise bad(f"native_topk_idx_layer_{C}", "ids must be >= 0 exactly where the value is a finite "
                                                         "logit (-1 with -inf otherwise)")
             if n_vis is not None and bool((valid & (idx.long() >= n_vis[:, None])).any()):

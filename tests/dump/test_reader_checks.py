@@ -21,10 +21,15 @@ def _raw_save(path, doc):
     return path
 
 
-@pytest.mark.parametrize("where", ["hidden", "logits"])
+@pytest.mark.parametrize("where", ["hidden", "logits", "topk"])
 def test_non_finite_values_are_caught_where_they_enter(tmp_path, where):
     doc = make_doc(0)
-    if where == "hidden":
+    if where == "topk":
+        from .test_topk_store import add_topk
+        doc = add_topk(doc, [0, 4], k=3, n_layers=2)
+        doc.native_topk[1][1][1, 0] = float("inf")
+        want = r"doc_00000.safetensors: native_topk_idx_layer_1: ids must be >= 0 exactly where the value is a finite"
+    elif where == "hidden":
         doc.hidden[3][4, 2] = float("nan")
         want = r"doc_00000.safetensors: hidden_layer_3: 1 non-finite value\(s\) \(NaN/Inf\), first in row 4"
     else:
