@@ -117,3 +117,13 @@ def test_doc_index_and_filename_types_in_metadata_are_checked(tmp_path):
         meta.write_text(json.dumps(line) + "\n\n")
         with pytest.raises(DumpFormatError, match=msg):
             read_metadata(tmp_path)
+
+
+def test_eval_doc_ids_without_a_doc_are_an_error(tmp_path, teacher, capsys):
+    from flashmemory.retriever.checkpoint import save_retriever
+    from flashmemory.train.synthetic import write_synthetic_dump
+    d = tmp_path / "dump"
+    write_synthetic_dump(d, teacher, n_docs=2, seed=0)
+    ck = save_retriever(teacher, tmp_path / "t.safetensors")
+    assert main(["eval", "--checkpoint", str(ck), "--dump", str(d), "--doc-ids", "1,4"]) == 2
+    assert "--doc-ids 4 have no complete document" in capsys.readouterr().err
