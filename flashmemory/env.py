@@ -100,6 +100,7 @@ class FlashMemoryEnv:
     fused_remap: bool = False            # SGLANG_PATHP_FUSED_REMAP: top-k columns map straight to reserve cells
     stagger_cycle: bool = False          # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
     dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
+    dump_root: str = ""                  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
     # Page budget.
     page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
     page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
@@ -172,6 +173,7 @@ class FlashMemoryEnv:
             fused_remap=_bool(e, "SGLANG_PATHP_FUSED_REMAP", d.fused_remap),
             stagger_cycle=_bool(e, "SGLANG_PATHP_STAGGER_CYCLE", d.stagger_cycle),
             dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
+            dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1, hi=MAX_PAGES),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1, hi=MAX_POSITION),
@@ -198,6 +200,11 @@ class FlashMemoryEnv:
             raise EnvError(f"SGLANG_PATHP_PAGE_KMAX={out.page_kmax}: more pages than a request of "
                            f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has "
                            f"({pages} pages of 64 c4 chunks)")
+        if out.dump_root and not os.path.isabs(out.dump_root):
+            raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={out.dump_root!r}: must be an absolute directory")
+        if out.dump_mode and not out.dump_root:
+            raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
+                           "dump requests may write under (their output_dir must lie inside it)")
         return out
 
 
@@ -233,4 +240,6 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_RETRIEVER_MAX_POSITION": ("1048576", "Retriever RoPE position clamp when serving, whatever the checkpoint stores; positions beyond it are clamped"),
     "SGLANG_RETRIEVER_LOGIT_OFFSET": ("0.0", "Added to the retriever logit before the sigmoid"),
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
+    "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
+                                     "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
 }

@@ -97,3 +97,14 @@ def test_from_environ_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_RETRIEVER_INTERVAL", "sixteen")
     with pytest.raises(EnvError, match="SGLANG_RETRIEVER_INTERVAL"):
         FlashMemoryEnv.from_environ()
+
+
+def test_dump_mode_needs_an_absolute_root() -> None:
+    """Issue 12 #8: the dump server writes only under a root its operator sets; without one it does not start."""
+    with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT"):
+        FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1"})
+    with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP_ROOT='dumps': must be an absolute directory"):
+        FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "dumps"})
+    e = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/data/d"})
+    assert e.dump_mode and e.dump_root == "/data/d"
+    assert FlashMemoryEnv.from_environ({}).dump_root == ""                 # gates off: nothing required

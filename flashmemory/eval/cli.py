@@ -39,8 +39,14 @@ def run(a: argparse.Namespace) -> int:
         model = load_retriever(a.checkpoint).eval()
         paths = list_docs(a.dump)
         if a.doc_ids:
-            want = {int(x) for x in a.doc_ids.split(",")}
+            try:
+                want = {int(x) for x in a.doc_ids.split(",")}
+            except ValueError:
+                raise DumpFormatError(f"--doc-ids {a.doc_ids!r}: expected comma-separated integers") from None
             paths = [p for p in paths if int(p.stem.split("_")[1]) in want]
+            missing = sorted(want - {int(p.stem.split("_")[1]) for p in paths})
+            if missing:  # as for data-config doc_ids: never evaluate fewer documents than asked without a word
+                raise DumpFormatError(f"{a.dump}: --doc-ids {', '.join(map(str, missing))} have no complete document")
         if not paths:
             raise DumpFormatError(f"{a.dump}: no complete documents" + (f" with ids {a.doc_ids}" if a.doc_ids else ""))
         docs = [load_doc(p, allow_pickle=a.allow_pickle) for p in paths]

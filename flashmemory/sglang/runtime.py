@@ -158,7 +158,7 @@ class Runtime:
         self.env, self.features, self.retriever = env, features, retriever
         if "dump" in features:
             from flashmemory.sglang.dump_mode import DumpRecorder
-            self.dump = DumpRecorder()
+            self.dump = DumpRecorder(root=env.dump_root or None)
 
     def on(self, feature: str) -> bool:
         return feature in self.features
