@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from flashmemory import errors
+
 DEFAULT_URL = "http://localhost:30000/v1"
 
 
@@ -87,11 +89,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (DumpBackendError, InputError, DumpFormatError, DumpOutputError, ValueError, OSError) as e:
-        if getattr(args, "debug", False):
+        if getattr(args, "debug", False) or errors.debug():  # `flashmemory --debug dump` strips the flag
             raise
-        msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
+        return errors.fail("dump", e)
 
 
 def _run(args: argparse.Namespace) -> int:

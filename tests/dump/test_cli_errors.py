@@ -20,7 +20,8 @@ def dump(*args):
 
 
 def err_line(capsys):
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    prefix = "flashmemory dump: "  # the CLI's one error-line format (flashmemory.errors.fail)
+    lines = [ln[len(prefix):] for ln in capsys.readouterr().err.splitlines() if ln.startswith(prefix + "error:")]
     assert len(lines) == 1, lines
     return lines[0]
 
