@@ -24,4 +24,4 @@ bench: $(STAMP)
 	$(BIN)/flashmemory bench all --quick
 
 clean:
-	rm -rf $(VENV) demo_out bench_out .pytest_cache
+	rm -rf $(VENV) demo_out demo_out_quick bench_out .pytest_cache

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
 # Native (non-PD) DeepSeek-V4 server for golden-label dumps: CUDA graph off, dump mode on, offload gates off.
-# Requests opt in with custom_params {"flashmemory_dump": {"output_dir": "/abs/dir", ...}}.
-# Knobs (env): MODEL TP PORT HOST CTX_LEN.  DRY_RUN=1 prints the environment and command instead of running.
+# Requests opt in with custom_params {"flashmemory_dump": {"output_dir": "/abs/dir", ...}}; the server writes only
+# under DUMP_ROOT (required, absolute): a request whose output_dir lies outside it is refused (HTTP 400).
+# Knobs (env): MODEL TP PORT HOST (default 127.0.0.1: this machine only; HOST=0.0.0.0 opens it to the network)
+# CTX_LEN DUMP_ROOT.  DRY_RUN=1 prints the environment and command instead of running.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$FM_REPO/scripts/launch_common.sh"
 
-MODEL="${MODEL:-path/to/ds_fp8}"; TP="${TP:-8}"; PORT="${PORT:-30000}"; HOST="${HOST:-0.0.0.0}"
-CTX_LEN="${CTX_LEN:-1100000}"
+MODEL="${MODEL:-path/to/ds_fp8}"; TP="${TP:-8}"; PORT="${PORT:-30000}"; HOST="${HOST:-127.0.0.1}"
+CTX_LEN="${CTX_LEN:-1100000}"; DUMP_ROOT="${DUMP_ROOT:-}"
 fm_int TP "$TP" 1; fm_int PORT "$PORT" 1; fm_int CTX_LEN "$CTX_LEN" 1
+[[ -n "$DUMP_ROOT" ]] || fm_die "DUMP_ROOT is not set: give the absolute directory the server may write dumps under" \
+  "(clients' --output-dir must lie inside it), e.g. DUMP_ROOT=/data/dumps"
+[[ "$DUMP_ROOT" == /* ]] || fm_die "DUMP_ROOT=$DUMP_ROOT must be an absolute path"
+[[ "/$DUMP_ROOT/" != *"/../"* ]] || fm_die "DUMP_ROOT=$DUMP_ROOT must not contain '..'"
+fm_path "dump root (DUMP_ROOT)" "$DUMP_ROOT"
+[[ "$HOST" == 127.0.0.1 || "$HOST" == localhost || "$HOST" == ::1 ]] || \
+  fm_warn "HOST=$HOST: the dump server accepts requests from the network (any client may write under $DUMP_ROOT)"
 PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
 fm_module "$PY" sglang; fm_module "$PY" flashmemory
 
-SGLANG_FLASHMEMORY_DUMP=1; SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0
+SGLANG_FLASHMEMORY_DUMP=1; SGLANG_FLASHMEMORY_DUMP_ROOT="$DUMP_ROOT"; SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0
 SGLANG_PATHP_CUDAGRAPH=0; SGLANG_RETRIEVER_INLINE_CKPT=
 no_proxy="localhost,127.0.0.1,0.0.0.0${no_proxy:+,$no_proxy}"
 
-fm_run SGLANG_FLASHMEMORY_DUMP SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFFLOAD \
+fm_run SGLANG_FLASHMEMORY_DUMP SGLANG_FLASHMEMORY_DUMP_ROOT SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFFLOAD \
   SGLANG_PATHP_CUDAGRAPH SGLANG_RETRIEVER_INLINE_CKPT no_proxy -- \
   "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" \
   --moe-runner-backend marlin --cuda-graph-backend-decode disabled --context-length "$CTX_LEN" \

@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from flashmemory.errors import UserError, fail, set_debug
+
 # Modules that add subcommands, in --help order.
 COMMANDS = [
     "flashmemory.demo.cli",        # demo (the CPU end-to-end run)
@@ -29,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="FlashMemory for DeepSeek-V4: Memory-Indexer retriever, golden-label dumps, training, "
                     "offload engine, benchmarks and the CPU demo.",
     )
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an expected failure instead of its one-line message "
+                        "(accepted anywhere on the command line)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
@@ -36,8 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Expected failures (`UserError`, `OSError`) print one line and exit 2; see
+    `flashmemory.errors`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    set_debug(debug)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -46,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (UserError, OSError) as e:
+        if debug:
+            raise
+        return fail(args.command, e)
 
 
 if __name__ == "__main__":

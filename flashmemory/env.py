@@ -13,8 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from flashmemory.errors import UserError
 
-class EnvError(ValueError):
+
+class EnvError(UserError):
     """A FlashMemory environment variable holds a value that cannot be used."""
 
 
@@ -30,7 +32,10 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise EnvError(f"{name}={raw!r}: expected 0/1 (or true/false)")
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int = 0) -> int:
+INT_MAX = 2**31 - 1  # counts end up in int32 tensors; anything larger is a typo, not a setting
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int = 0, hi: int = INT_MAX) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -40,6 +45,8 @@ def _int(env: Mapping[str, str], name: str, default: int, lo: int = 0) -> int:
         raise EnvError(f"{name}={raw!r}: expected an integer") from None
     if v < lo:
         raise EnvError(f"{name}={v}: must be >= {lo}")
+    if v > hi:
+        raise EnvError(f"{name}={v}: must be <= {hi} (a larger value cannot be meant; is it a typo?)")
     return v
 
 
@@ -70,6 +77,15 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
     return tuple(ids)
 
 
+# Upper bounds of the sizing knobs: far above any real server, low enough that a typo (1e12) is named here
+# instead of surfacing as an overflow or a failed allocation. Memory itself is checked before allocation
+# (`flashmemory.sglang.engine_adapter.check_reserve_memory`).
+MAX_POSITION = 1 << 30      # tokens per request (DeepSeek-V4 serves 1,048,576)
+MAX_PAGES = MAX_POSITION // (4 * 64)  # c4 pages (64 chunks of 4 tokens) of a MAX_POSITION request
+MAX_ROWS = 1 << 16          # concurrent requests
+MAX_BLOCKS = 1 << 24        # reserve page blocks per layer
+
+
 @dataclass(frozen=True)
 class FlashMemoryEnv:
     """The resolved gates and knobs; defaults match upstream `launch_decode.sh` where that still makes sense."""
@@ -84,6 +100,7 @@ class FlashMemoryEnv:
     fused_remap: bool = False            # SGLANG_PATHP_FUSED_REMAP: top-k columns map straight to reserve cells
     stagger_cycle: bool = False          # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
     dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
+    dump_root: str = ""                  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
     # Page budget.
     page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
     page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
@@ -146,7 +163,7 @@ class FlashMemoryEnv:
         mode = (e.get("SGLANG_RETRIEVER_ENSEMBLE_MODE") or d.ensemble_mode).strip().lower()
         if mode not in ("or", "max", "mean"):
             raise EnvError(f"SGLANG_RETRIEVER_ENSEMBLE_MODE={mode!r}: expected 'or' (max) or 'mean'")
-        return cls(
+        out = cls(
             decode_swap_p=_bool(e, "SGLANG_DECODE_SWAP_P", d.decode_swap_p),
             index_k_offload=_bool(e, "SGLANG_PATHP_INDEX_K_OFFLOAD", d.index_k_offload),
             score_resident=_bool(e, "SGLANG_PATHP_SCORE_RESIDENT", d.score_resident),
@@ -156,26 +173,39 @@ class FlashMemoryEnv:
             fused_remap=_bool(e, "SGLANG_PATHP_FUSED_REMAP", d.fused_remap),
             stagger_cycle=_bool(e, "SGLANG_PATHP_STAGGER_CYCLE", d.stagger_cycle),
             dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
-            page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1),
+            dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
+            page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1, hi=MAX_PAGES),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
-            target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1),
+            target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1, hi=MAX_POSITION),
             retriever_ckpt=(e.get("SGLANG_RETRIEVER_INLINE_CKPT") or "").strip(),
             retriever_layers=parse_layers(e.get("SGLANG_RETRIEVER_INLINE_LAYERS") or "10,12,20"),
-            interval=_int(e, "SGLANG_RETRIEVER_INTERVAL", d.interval, lo=1),
+            interval=_int(e, "SGLANG_RETRIEVER_INTERVAL", d.interval, lo=1, hi=1 << 20),
             threshold=_float(e, "SGLANG_RETRIEVER_SIGMOID_THRESH", d.threshold, 0.0, 1.0),
             last_keep=_int(e, "SGLANG_RETRIEVER_LAST_KEEP", d.last_keep),
             first_keep=_int(e, "SGLANG_RETRIEVER_FIRST_KEEP", d.first_keep),
             ensemble_mode="or" if mode in ("or", "max") else "mean",
             max_resident=_int(e, "SGLANG_RETRIEVER_MAX_RESIDENT", d.max_resident),
-            max_position=_int(e, "SGLANG_RETRIEVER_MAX_POSITION", d.max_position, lo=1),
+            max_position=_int(e, "SGLANG_RETRIEVER_MAX_POSITION", d.max_position, lo=1, hi=MAX_POSITION),
             logit_offset=_float(e, "SGLANG_RETRIEVER_LOGIT_OFFSET", d.logit_offset, -1e4, 1e4),
-            reserve_pages=_int(e, "SGLANG_PATHP_RESERVE_PAGES", d.reserve_pages),
-            decode_resident_chunks=_int(e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1),
-            decode_max_conc=_int(e, "SGLANG_PATHP_DECODE_MAX_CONC", d.decode_max_conc, lo=1),
-            target_concurrency=_int(e, "SGLANG_DSV4_TARGET_CONCURRENCY", d.target_concurrency, lo=1),
+            reserve_pages=_int(e, "SGLANG_PATHP_RESERVE_PAGES", d.reserve_pages, hi=MAX_BLOCKS),
+            decode_resident_chunks=_int(e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1,
+                                        hi=MAX_POSITION // 4),
+            decode_max_conc=_int(e, "SGLANG_PATHP_DECODE_MAX_CONC", d.decode_max_conc, lo=1, hi=MAX_ROWS),
+            target_concurrency=_int(e, "SGLANG_DSV4_TARGET_CONCURRENCY", d.target_concurrency, lo=1, hi=MAX_ROWS),
             pd_c4_shrink=_bool(e, "SGLANG_PD_B_C4_SHRINK", d.pd_c4_shrink),
             pd_credit_c4=_bool(e, "SGLANG_PD_CREDIT_OFFLOADED_C4", d.pd_credit_c4),
         )
+        pages = math.ceil(out.max_position / (4 * 64))
+        if out.page_kmax > pages:
+            raise EnvError(f"SGLANG_PATHP_PAGE_KMAX={out.page_kmax}: more pages than a request of "
+                           f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has "
+                           f"({pages} pages of 64 c4 chunks)")
+        if out.dump_root and not os.path.isabs(out.dump_root):
+            raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={out.dump_root!r}: must be an absolute directory")
+        if out.dump_mode and not out.dump_root:
+            raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
+                           "dump requests may write under (their output_dir must lie inside it)")
+        return out
 
 
 # name -> (default as a string, one-line meaning); the README table and `flashmemory env` print this.
@@ -207,7 +237,9 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_RETRIEVER_FIRST_KEEP": ("0", "Sink, in c4 chunks"),
     "SGLANG_RETRIEVER_ENSEMBLE_MODE": ("or", "'or' = max over layers, 'mean' = average"),
     "SGLANG_RETRIEVER_MAX_RESIDENT": ("0", "Cap on resident chunks per request; 0 = none"),
-    "SGLANG_RETRIEVER_MAX_POSITION": ("1048576", "Retriever RoPE table length; positions beyond it are clamped"),
+    "SGLANG_RETRIEVER_MAX_POSITION": ("1048576", "Retriever RoPE position clamp when serving, whatever the checkpoint stores; positions beyond it are clamped"),
     "SGLANG_RETRIEVER_LOGIT_OFFSET": ("0.0", "Added to the retriever logit before the sigmoid"),
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
+    "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
+                                     "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
 }

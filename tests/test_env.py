@@ -68,6 +68,14 @@ def test_kmax_ratio() -> None:
     ("SGLANG_RETRIEVER_INTERVAL", "-3", ">= 1"),
     ("SGLANG_DECODE_SWAP_P", "maybe", "0/1"),
     ("SGLANG_RETRIEVER_LOGIT_OFFSET", "inf", "must lie"),
+    # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation (issue 12).
+    ("SGLANG_PATHP_PAGE_KMAX", "1e20", "integer"),
+    ("SGLANG_PATHP_PAGE_KMAX", str(10**20), "<= "),
+    ("SGLANG_PATHP_PAGE_KMAX", "5000", "SGLANG_RETRIEVER_MAX_POSITION=1048576 tokens has \\(4096 pages"),
+    ("SGLANG_PATHP_RESERVE_PAGES", str(10**12), "<= 16777216"),
+    ("SGLANG_PATHP_DECODE_MAX_CONC", str(10**9), "<= 65536"),
+    ("SGLANG_DSV4_TARGET_CONCURRENCY", str(10**9), "<= 65536"),
+    ("SGLANG_RETRIEVER_MAX_POSITION", str(10**15), "<= "),
 ])
 def test_bad_values_name_the_variable(name: str, value: str, why: str) -> None:
     with pytest.raises(EnvError, match=name) as e:
@@ -89,3 +97,14 @@ def test_from_environ_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_RETRIEVER_INTERVAL", "sixteen")
     with pytest.raises(EnvError, match="SGLANG_RETRIEVER_INTERVAL"):
         FlashMemoryEnv.from_environ()
+
+
+def test_dump_mode_needs_an_absolute_root() -> None:
+    """Issue 12 #8: the dump server writes only under a root its operator sets; without one it does not start."""
+    with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT"):
+        FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1"})
+    with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP_ROOT='dumps': must be an absolute directory"):
+        FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "dumps"})
+    e = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/data/d"})
+    assert e.dump_mode and e.dump_root == "/data/d"
+    assert FlashMemoryEnv.from_environ({}).dump_root == ""                 # gates off: nothing required

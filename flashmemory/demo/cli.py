@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import fields, replace
 
-from flashmemory.demo.config import DemoConfig, preset
+from flashmemory.demo.config import EXPECTED_SECONDS, DemoConfig, preset
 
 HELP = {
     "model": "auto (the shipped trained model, else tiny-flash), a shipped random model (tiny-flash: 43-layer "
              "Flash pattern; micro: 9 layers) or a local checkpoint dir",
-    "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go",
+    "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go (--quick: demo_out_quick, "
+               "so it never replaces the full run's outputs)",
     "seed": "seed of the model weights, the tasks and the random baseline",
     "doc_len": "prompt tokens per document",
     "gen_tokens": "decode steps per document",
@@ -39,9 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo", help="CPU end to end: tiny DeepSeek-V4 -> tasks -> golden labels -> train -> two-level recall",
         description="Runs the whole FlashMemory loop on CPU with a tiny seeded DeepSeek-V4 and prints one row per "
                     "method (Full, FlashMemory, Recency, Random, Oracle, Reactive) at the same resident budget. "
-                    "Writes report.md, results.json and coverage.png to --out-dir. About 5-10 minutes on 2 cores; "
-                    "--quick takes about 2.")
-    p.add_argument("--quick", action="store_true", help="tiny-flash with 512-token documents and fewer of them (about 2 minutes)")
+                    "Writes report.md, results.json and coverage.png to --out-dir. About 6 minutes on a quiet 2-core "
+                    "machine, --quick about 2; a stage running far slower than that is named with a warning.")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny-flash with 512-token documents and fewer of them (about 2 minutes), into demo_out_quick/")
     for f in fields(DemoConfig):
         if f.name not in HELP:
             continue
@@ -65,13 +66,21 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
     return replace(cfg, **over)
 
 
+def expected_seconds(cfg: DemoConfig, quick: bool) -> dict[str, float] | None:
+    """Measured stage times for the preset `cfg` runs, None once a flag changes the workload."""
+    name = "quick" if quick else "full"
+    same = replace(preset(DemoConfig(), "quick" if quick else None), out_dir=cfg.out_dir, plot=cfg.plot, seed=cfg.seed)
+    return EXPECTED_SECONDS[name] if cfg == same else None
+
+
 def run(a: argparse.Namespace) -> int:
     from flashmemory.demo.pipeline import run_demo
+    from flashmemory.errors import fail
     try:
         cfg = config_from_args(a)
     except ValueError as e:
-        print(f"flashmemory demo: error: {e}", file=sys.stderr)
-        return 2
+        return fail("demo", e)
     user_set = {f.name for f in fields(DemoConfig) if f.name in HELP and getattr(a, f.name, None) is not None}
-    run_demo(cfg, progress=not a.no_progress, user_set=frozenset(user_set | ({"tasks"} if a.tasks else set())))
+    run_demo(cfg, progress=not a.no_progress, expected=expected_seconds(cfg, a.quick),
+             user_set=frozenset(user_set | ({"tasks"} if a.tasks else set())))
     return 0

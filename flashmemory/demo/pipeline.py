@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -21,23 +22,63 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flashmemory.demo.config import DemoConfig
+from flashmemory.demo.config import WORK_MARKER, DemoConfig
+from flashmemory.errors import UserError
 from flashmemory.eval.decode import DocRun, full_run
 from flashmemory.eval.harness import HarnessConfig, evaluate_doc, mean_rows
+from flashmemory.outdir import DirLock, prepare_dir
+
+
+SLOW_FACTOR = 3.0   # a stage this many times slower than measured on a quiet machine gets a warning ...
+SLOW_EXCESS = 30.0  # ... once it is also this many seconds over (a 1-second stage taking 3 s is noise)
+
+
+def slow_after(expected: float, factor: float = SLOW_FACTOR, excess: float = SLOW_EXCESS) -> float:
+    """Seconds after which a stage expected to take `expected` s counts as far slower than expected."""
+    return max(factor * expected, expected + excess)
+
+
+def slow_warning(name: str, elapsed: float, expected: float, factor: float = SLOW_FACTOR,
+                 excess: float = SLOW_EXCESS) -> str | None:
+    """The one-line warning for a stage running far slower than measured on a quiet 2-core machine, else None."""
+    if expected <= 0 or elapsed < slow_after(expected, factor, excess):
+        return None
+    return (f"[demo] warning: stage '{name}' has taken {elapsed:.0f} s, over {factor:.0f}x the ~{expected:.0f} s it "
+            "takes on a quiet 2-core machine; other processes are probably competing for the CPU (see `top`). "
+            "It will finish, only later")
 
 
 class Stages:
-    """Wall time per stage, printed as each one ends."""
+    """Wall time per stage, printed as each one ends. With `expected` seconds per stage, a stage still running
+    at SLOW_FACTOR x its expected time prints `slow_warning` once, while it runs (a timer thread)."""
 
-    def __init__(self, log):
+    def __init__(self, log, expected: dict[str, float] | None = None, excess: float = SLOW_EXCESS):
         self.times: dict[str, float] = {}
         self.log = log
+        self.expected = expected or {}
+        self.excess = excess
+        self.warned: list[str] = []
+
+    def _warn(self, name: str, t0: float) -> None:
+        msg = slow_warning(name, time.perf_counter() - t0, self.expected[name], excess=self.excess)
+        if msg:
+            self.warned.append(name)
+            self.log(msg)
 
     @contextmanager
     def __call__(self, name: str):
         self.log(f"[demo] {name} ...")
         t0 = time.perf_counter()
-        yield
+        timer = None
+        if self.expected.get(name, 0) > 0:
+            timer = threading.Timer(slow_after(self.expected[name], excess=self.excess), self._warn, (name, t0))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
         self.times[name] = time.perf_counter() - t0
         self.log(f"[demo] {name} done in {self.times[name]:.1f} s")
 
@@ -72,7 +113,7 @@ def dump_runs(runs: list[DocRun], out: Path, cfg: DemoConfig, engine, targets: t
         writer.commit(doc, source="demo", item_index=start + i)
 
 
-def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...]):
+def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progress: bool = True):
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
     from flashmemory.train.samples import SampleConfig
@@ -84,26 +125,47 @@ def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...]):
                      joint_layers=targets, n_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank, lr=cfg.lr,
                      epochs=cfg.epochs, batch_size=cfg.batch_size, focal_loss=True, threshold=cfg.threshold,
                      sample=SampleConfig(label_interval=cfg.tau, max_pos=128, neg_ratio=3.0), seed=cfg.seed,
-                     device="cpu", log_interval=10**9)
+                     device="cpu", log_interval=10**9, progress=progress)
     summary = Trainer(tc).fit()
     return load_retriever(work / "ckpt" / BEST_F1), summary
 
 
-def run_demo(cfg: DemoConfig, log=print, progress: bool = True, user_set: frozenset[str] = frozenset()) -> dict:
+def clean_work_dir(out: Path) -> None:
+    """Remove `out/work` from an earlier demo run (stale documents would mix two configurations), but only if
+    the demo wrote it (it holds WORK_MARKER); anything else there is the user's, and the demo refuses."""
+    work = out / "work"
+    if work.exists():
+        if not (work / WORK_MARKER).is_file():
+            raise UserError(f"--out-dir {out}: {work} exists and was not written by the demo; move it away or "
+                            "choose another --out-dir (the demo deletes only its own work folder)")
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / WORK_MARKER).write_text("written by `flashmemory demo`; removed by its next run in this folder\n")
+
+
+def run_demo(cfg: DemoConfig, log=print, progress: bool = True, expected: dict[str, float] | None = None,
+             user_set: frozenset[str] = frozenset()) -> dict:
     """Run every stage; returns the results dict that is also written to `out_dir/results.json`.
-    `user_set`: config fields the user gave explicitly (kept when `model="auto"` picks the trained model)."""
+
+    The output dir is locked for the run. expected: seconds per stage on a quiet machine (`slow_warning`).
+    user_set: config fields the user gave explicitly (kept when `model="auto"` picks the trained model)."""
+    out = prepare_dir(cfg.out_dir, "--out-dir")
+    with DirLock(out, "demo output directory"):
+        return _run_demo(cfg, out, log, progress, expected, user_set)
+
+
+def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[str, float] | None,
+              user_set: frozenset[str]) -> dict:
     from flashmemory.demo.config import resolve_model
     from flashmemory.demo.report import write_outputs
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.tokenizer import load_tokenizer
     cfg, model_note = resolve_model(cfg, user_set)
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.out_dir)
-    # A re-run starts clean (stale documents would mix two configurations); only the demo's own folder is
-    # removed, so a dump a user made at demo_out/dump (training/README.md) is left alone.
-    shutil.rmtree(out / "work", ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    stage = Stages(log)
+    # A re-run starts clean; only the demo's own work folder is removed, so a dump a user made at
+    # demo_out/dump (training/README.md) is left alone.
+    clean_work_dir(out)
+    stage = Stages(log, expected)
 
     with stage("1. build model"):
         log(f"       {model_note}")
@@ -137,7 +199,7 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True, user_set: frozen
         n_labels = sum(int(r.labels.indices.numel()) for r in runs)
         log(f"       {len(runs)} documents, {n_labels} golden labels")
     with stage("4. train retriever"):
-        retriever, summary = train_retriever(cfg, out, targets)
+        retriever, summary = train_retriever(cfg, out, targets, progress)
     test_runs = splits["test"]
     hc = HarnessConfig(tau=cfg.tau, page_chunks=cfg.page_chunks, tail_chunks=cfg.tail_chunks,
                        threshold=cfg.threshold, seed=cfg.seed)
@@ -170,6 +232,7 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True, user_set: frozen
         "model_note": model_note,
         "train": {k: v for k, v in summary.items() if k != "losses"},
         "stage_seconds": stage.times,
+        "slow_stages": stage.warned,
     }
     with stage("6. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)

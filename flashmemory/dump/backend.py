@@ -12,7 +12,15 @@ DEFAULT_TARGET_LAYERS = (10, 12, 20)
 
 
 class DumpItemError(ValueError):
-    """One input item cannot be dumped (too short, empty response); the run reports it and goes on."""
+    """One input item cannot be dumped (too short, too long, empty response); the run reports it and goes on.
+
+    permanent: the same input would fail again (it is recorded, and a rerun skips it); False for what may
+    pass on a retry (a server error or timeout).
+    """
+
+    def __init__(self, message: str, permanent: bool = True):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class DumpBackendError(RuntimeError):
@@ -32,8 +40,15 @@ class DumpConfig:
     n_logit_tokens: int = N_LOGIT_TOKENS
     store_topk: str = "cycle"
     topk_interval: int = 64
+    max_prompt_tokens: int | None = None  # prompt + max_tokens above this fails that item (None: the backend's limit)
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
+        if self.n_logit_tokens < 0:
+            raise ValueError(f"n_logit_tokens={self.n_logit_tokens}: must be >= 0")
         if self.store_topk not in STORE_TOPK_MODES:
             raise ValueError(f"store_topk={self.store_topk!r}: expected one of {', '.join(STORE_TOPK_MODES)}")
         if self.topk_interval < 1:

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from flashmemory import errors
+
 DEFAULT_URL = "http://localhost:30000/v1"
 
 
@@ -42,26 +44,68 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="read upstream doc_*.pkl when verifying (runs code from the file; trusted dumps only)")
     p.add_argument("--url", default=None, help=f"sglang server (default $SGLANG_SERVER_URL or {DEFAULT_URL})")
     p.add_argument("--flush-timeout", type=float, default=60.0, help="sglang: seconds to wait for a doc file")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="hf: an item whose prompt + --max-tokens exceeds this fails alone (default 8192: the CPU "
+                        "engine's attention grows with the square of the length)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="try again the items listed in <output-dir>/failed_items.jsonl (skipped by default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the traceback of an error instead of one line")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Range-check every numeric flag where it is read; a bad one is a ValueError naming the flag."""
+    checks = [
+        (0.0 <= args.topp <= 1.0, f"--topp {args.topp} must lie in [0, 1]"),
+        (args.min_layers >= 1, f"--min-layers {args.min_layers} must be >= 1"),
+        (args.topk_interval >= 1, f"--topk-interval {args.topk_interval} must be >= 1"),
+        (args.start_idx >= 0, f"--start-idx {args.start_idx} must be >= 0"),
+        (args.end_idx is None or args.end_idx > args.start_idx,
+         f"--end-idx {args.end_idx} must be greater than --start-idx {args.start_idx}"),
+        (args.n_samples is None or args.n_samples >= 1, f"--n-samples {args.n_samples} must be >= 1 (omit it for all)"),
+        (args.max_tokens is None or args.max_tokens >= 1, f"--max-tokens {args.max_tokens} must be >= 1"),
+        (args.max_prompt_tokens is None or args.max_prompt_tokens >= 1,
+         f"--max-prompt-tokens {args.max_prompt_tokens} must be >= 1"),
+        (args.concurrency >= 1, f"--concurrency {args.concurrency} must be >= 1"),
+        (args.batch_size >= 1, f"--batch-size {args.batch_size} must be >= 1"),
+        (args.flush_timeout > 0, f"--flush-timeout {args.flush_timeout} must be > 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    if args.max_tokens is not None and args.max_prompt_tokens is not None and args.max_tokens >= args.max_prompt_tokens:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt under --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashmemory.dump.backend import DumpBackendError, DumpConfig, resolve_target_layers
-    from flashmemory.dump.client import run_dump
-    from flashmemory.dump.format import DumpFormatError, load_doc
+    """The dump command. Expected failures (bad flags, input, output dir, backend, a full disk) are one line on
+    stderr and exit 2; items that failed make the exit 1; `--debug` shows the traceback instead."""
+    from flashmemory.dump.backend import DumpBackendError
+    from flashmemory.dump.errors import DumpFormatError, DumpOutputError
     from flashmemory.dump.inputs import InputError
 
-    out_dir = Path(args.output_dir).expanduser().resolve()
-    if not 0.0 <= args.topp <= 1.0:
-        print(f"error: --topp {args.topp} must lie in [0, 1]", file=sys.stderr)
-        return 2
-    if args.min_layers < 1:
-        print(f"error: --min-layers {args.min_layers} must be >= 1", file=sys.stderr)
-        return 2
-    if args.topk_interval < 1:
-        print(f"error: --topk-interval {args.topk_interval} must be >= 1", file=sys.stderr)
-        return 2
     try:
+        return _run(args)
+    except (DumpBackendError, InputError, DumpFormatError, DumpOutputError, ValueError, OSError) as e:
+        if getattr(args, "debug", False) or errors.debug():  # `flashmemory --debug dump` strips the flag
+            raise
+        return errors.fail("dump", e)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flashmemory.dump.backend import DumpBackendError, DumpConfig, resolve_target_layers
+    from flashmemory.dump.client import load_selection, run_dump
+    from flashmemory.dump.format import load_doc
+    from flashmemory.dump.writer import DumpWriter
+
+    check_args(args)
+    out_dir = Path(args.output_dir).expanduser().resolve()
+    load_selection(args.input, args.start_idx, args.end_idx, args.n_samples)  # input errors before any model load
+    with DumpWriter(out_dir) as writer:  # output dir checked, locked and repaired before the first document
+        for msg in writer.recovered:
+            print(f"resume: {msg}", file=sys.stderr)
         if args.backend == "hf":
             from flashmemory.dump.hf_backend import HFBackend
             backend = HFBackend(args.model or "micro", seed=args.seed, thinking=args.thinking)
@@ -82,18 +126,21 @@ def run(args: argparse.Namespace) -> int:
                                    "no chunk could ever be golden")
         cfg = DumpConfig(topp=args.topp, min_layers=args.min_layers, target_layers=layers,
                          max_tokens=max_tokens, thinking=args.thinking, store_topk=args.store_topk,
-                         topk_interval=args.topk_interval)
+                         topk_interval=args.topk_interval, max_prompt_tokens=args.max_prompt_tokens)
         rep = run_dump(backend, args.input, out_dir, cfg, start_idx=args.start_idx, end_idx=args.end_idx,
-                       n_samples=args.n_samples, batch_size=args.batch_size, progress=not args.no_progress)
+                       n_samples=args.n_samples, batch_size=args.batch_size, progress=not args.no_progress,
+                       writer=writer, retry_failed=args.retry_failed)
         for p in sorted(out_dir.glob("doc_*.safetensors"))[-1:]:  # cheap self-check of the newest file
             load_doc(p, allow_pickle=args.allow_pickle)
-    except (DumpBackendError, InputError, DumpFormatError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     print(f"dumped {len(rep.committed)} document(s) to {out_dir} (target layers {' '.join(map(str, layers))}); "
           f"{rep.skipped_done} already done, {len(rep.bad_input)} malformed input line(s) skipped, "
-          f"{len(rep.failed)} item(s) failed")
-    return 1 if rep.failed and not rep.committed else 0
+          f"{len(rep.failed)} item(s) failed" + (f", {len(rep.skipped_failed)} skipped as failed before"
+                                                 if rep.skipped_failed else ""))
+    if rep.incomplete:
+        print(f"error: {len(rep.failed) + len(rep.skipped_failed)} selected item(s) have no document (see the "
+              f"messages above and {out_dir / 'failed_items.jsonl'})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -21,6 +21,7 @@ A document is complete only once its line is in `server_metadata.jsonl` (the wri
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -29,21 +30,21 @@ from pathlib import Path
 
 import torch
 
+from flashmemory.dump.errors import DumpFormatError
+from flashmemory.dump.metadata import DOC_RE as _DOC_RE
+from flashmemory.dump.metadata import METADATA_FILE, list_docs, metadata_lines, read_metadata
 from flashmemory.labels.csr import LabelsCSR, LabelsError
 
+__all__ = ["FORMAT", "METADATA_FILE", "DumpDoc", "DumpFormatError", "doc_filename", "list_docs", "load_doc",
+           "read_metadata"]
+
 FORMAT = "flashmemory-dump/1"
-METADATA_FILE = "server_metadata.jsonl"
 N_LOGIT_TOKENS = 3
-_DOC_RE = re.compile(r"^doc_(\d{5,})\.(safetensors|pkl)$")
 _KEY_RE = re.compile(r"^(hidden|positions|compk)_layer_(\d+)$")
 _LOGIT_RE = re.compile(r"^logits_layer_(\d+)_token_(\d+)$")
 _TOPK_RE = re.compile(r"^native_topk_(idx|val)_layer_(\d+)$")
 TOPK_STEPS_KEY = "native_topk_steps"
 STORE_TOPK_MODES = ("none", "cycle", "all")
-
-
-class DumpFormatError(ValueError):
-    """A dump file or metadata line is missing, truncated, malformed, or inconsistent."""
 
 
 def doc_filename(doc_index: int, suffix: str = "safetensors") -> str:
@@ -104,10 +105,15 @@ class DumpDoc:
         """Raise DumpFormatError naming the key if shapes or dtypes disagree."""
         def bad(key: str, msg: str) -> DumpFormatError:
             return DumpFormatError(f"{source}: {key}: {msg}")
+        if not (math.isfinite(self.topp) and 0.0 <= self.topp <= 1.0):
+            raise bad("topp", f"{self.topp!r} must lie in [0, 1]")
+        if self.ratio < 1 or self.min_layers < 1 or self.n_prompt_blocks < 0:
+            raise bad("ratio/min_layers/n_prompt_blocks", f"{self.ratio}/{self.min_layers}/{self.n_prompt_blocks} "
+                                                          "must be >= 1 / >= 1 / >= 0")
         try:
             self.labels.validate(f"{source}: labels")
-        except LabelsError as e:
-            raise DumpFormatError(str(e)) from None
+        except LabelsError as e:  # LabelsCSR may check itself on construction, without our source: add it
+            raise DumpFormatError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
         T = self.n_tokens
         if set(self.hidden) != set(self.positions) or set(self.hidden) != set(self.compk):
             raise bad("layers", f"hidden {sorted(self.hidden)}, positions {sorted(self.positions)} and compk "
@@ -129,6 +135,8 @@ class DumpDoc:
                 raise bad(f"hidden_layer_{L}", f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}")
             if not torch.equal(p, self.positions[L0]):
                 raise bad(f"positions_layer_{L}", f"differs from positions_layer_{L0}")
+        for L in self.target_layers:
+            _check_finite(self.hidden[L], f"hidden_layer_{L}", bad)
         if T and int(self.n_chunks_at.max()) > self.n_chunks:
             raise bad("compk", f"{self.n_chunks} chunks but the last decode step sees {int(self.n_chunks_at.max())}")
         if self.label_indices.numel() and int(self.label_indices.max()) >= self.n_chunks:
@@ -136,6 +144,7 @@ class DumpDoc:
         for (L, t), lg in self.native_logits.items():
             if L not in self.hidden or not 0 <= t < T or lg.dim() != 1:
                 raise bad(f"logits_layer_{L}_token_{t}", f"shape {tuple(lg.shape)} for layer {L}, T={T}")
+            _check_finite(lg, f"logits_layer_{L}_token_{t}", bad)
         self._validate_topk(bad)
 
     def _validate_topk(self, bad) -> None:
@@ -162,11 +171,23 @@ class DumpDoc:
             if idx.shape[1] != k0:
                 raise bad(f"native_topk_idx_layer_{C}", f"k={idx.shape[1]} differs from the other layers' k={k0}")
             valid = idx >= 0
-            if bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any()):
+            if (bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any())
+                    or bool((val == float("inf")).any())):
                 raise bad(f"native_topk_idx_layer_{C}", "ids must be >= 0 exactly where the value is a finite "
                                                         "logit (-1 with -inf otherwise)")
             if n_vis is not None and bool((valid & (idx.long() >= n_vis[:, None])).any()):
                 raise bad(f"native_topk_idx_layer_{C}", "a chunk id is not visible at its decode step")
+
+
+def _check_finite(x: torch.Tensor, key: str, bad) -> None:
+    """NaN / Inf in a float tensor is an error naming the key, the count and the first bad row (where they enter)."""
+    if not x.is_floating_point():
+        raise bad(key, f"dtype {x.dtype}, expected a float tensor")
+    ok = torch.isfinite(x)
+    if not bool(ok.all()):
+        n = int((~ok).sum())
+        first = int((~ok).reshape(x.shape[0], -1).any(1).nonzero()[0]) if x.dim() else 0
+        raise bad(key, f"{n} non-finite value(s) (NaN/Inf), first in row {first}")
 
 
 def topk_store_steps(n_tokens: int, mode: str, interval: int = 64) -> torch.Tensor:
@@ -219,6 +240,15 @@ def _meta_int(meta: dict[str, str], key: str, source: str, default: int | None =
         raise DumpFormatError(f"{source}: metadata {key}={meta[key]!r} is not an integer") from None
 
 
+def _meta_float(meta: dict[str, str], key: str, source: str, default: float) -> float:
+    if key not in meta:
+        return default
+    try:
+        return float(meta[key])
+    except (TypeError, ValueError):
+        raise DumpFormatError(f"{source}: metadata {key}={meta[key]!r} is not a number") from None
+
+
 def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> DumpDoc:
     """Assemble (and validate) a DumpDoc from a flat key -> tensor dict and string metadata."""
     hidden, positions, compk, logits = {}, {}, {}, {}
@@ -249,14 +279,14 @@ def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], sou
         rid=str(meta.get("rid", "")),
         hidden={L: h.float() for L, h in hidden.items()},
         positions={L: p.long().reshape(-1) for L, p in positions.items()},
-        compk={L: c.reshape(c.shape[0], -1) if c.dim() != 2 else c for L, c in compk.items()},
+        compk={L: c.reshape(c.shape[0], math.prod(c.shape[1:])) if c.dim() > 2 else c for L, c in compk.items()},
         label_indices=tensors["label_indices"].to(torch.int32),
         label_scores=tensors["label_scores"].to(torch.int32),
         label_pointers=tensors["label_pointers"].to(torch.int32),
         n_prompt_blocks=_meta_int(meta, "n_prompt_blocks", source),
         ratio=_meta_int(meta, "ratio", source, 4),
         native_logits=logits,
-        topp=float(meta.get("topp", 0.6)),
+        topp=_meta_float(meta, "topp", source, 0.6),
         min_layers=_meta_int(meta, "min_layers", source, 3),
         input_ids=tensors["input_ids"].long() if "input_ids" in tensors else None,
         native_topk={C: (topk["idx"][C], topk["val"][C]) for C in sorted(topk["idx"])},
@@ -276,7 +306,7 @@ def _load_pickle(p: Path) -> DumpDoc:
         raise DumpFormatError(f"{p}: expected a dict of tensors, got {type(obj).__name__}")
     m = _DOC_RE.match(p.name)
     meta = {"doc_index": m.group(1) if m else "0"}
-    for line in _metadata_lines(p.parent):  # upstream keeps rid / n_prompt_blocks only in the jsonl
+    for _, line in metadata_lines(p.parent):  # upstream keeps rid / n_prompt_blocks only in the jsonl
         if line.get("filename") == p.name:
             meta.update({k: str(v) for k, v in line.items() if not isinstance(v, (dict, list))})
     meta.setdefault("n_prompt_blocks", "0")
@@ -305,38 +335,3 @@ def load_doc(path: str | os.PathLike, allow_pickle: bool = False) -> DumpDoc:
     if meta.get("format") != FORMAT:
         raise DumpFormatError(f"{p}: metadata format={meta.get('format')!r}, expected {FORMAT!r}")
     return doc_from_tensors(tensors, meta, str(p))
-
-
-def _metadata_lines(dump_dir: Path) -> list[dict]:
-    path = dump_dir / METADATA_FILE
-    if not path.is_file():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines):  # a torn last line (crash mid-append): that document is not complete
-                break
-            raise DumpFormatError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or "doc_index" not in rec or "filename" not in rec:
-            raise DumpFormatError(f"{path}:{i}: expected an object with doc_index and filename")
-        out.append(rec)
-    return out
-
-
-def read_metadata(dump_dir: str | os.PathLike) -> list[dict]:
-    """The metadata lines of complete documents, sorted by doc_index (a torn final line is ignored)."""
-    return sorted(_metadata_lines(Path(dump_dir)), key=lambda r: int(r["doc_index"]))
-
-
-def list_docs(dump_dir: str | os.PathLike) -> list[Path]:
-    """Paths of complete documents (file present and listed in the metadata), sorted by doc_index."""
-    d = Path(dump_dir)
-    if not d.is_dir():
-        raise DumpFormatError(f"{d}: no such dump directory")
-    return [d / r["filename"] for r in read_metadata(d) if (d / r["filename"]).is_file()]

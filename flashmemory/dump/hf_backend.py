@@ -18,6 +18,8 @@ from flashmemory.dump.format import DumpDoc, native_topk_rows, topk_store_steps
 from flashmemory.dump.inputs import ByteChatTokenizer, InputItem, Tokenize
 from flashmemory.labels.golden import golden_labels
 
+DEFAULT_TOKEN_LIMIT = 8192  # prompt + response tokens per item on the CPU engine unless --max-prompt-tokens says
+
 
 def doc_from_capture(cap, prompt_ids: list[int], response_ids: list[int], cfg: DumpConfig, *, doc_index: int,
                      rid: str, index_topk: int, n_c4_layers: int, ratio: int = 4) -> DumpDoc:
@@ -66,9 +68,23 @@ class HFBackend:
     def n_c4_layers(self) -> int:
         return self.engine.n_c4_layers
 
+    def token_limit(self, cfg: DumpConfig) -> int:
+        """Most prompt + response tokens one item may have: `cfg.max_prompt_tokens`, else DEFAULT_TOKEN_LIMIT
+        (eager CPU attention allocates O(S^2) per layer), never past the model's max_position_embeddings."""
+        limit = cfg.max_prompt_tokens or DEFAULT_TOKEN_LIMIT
+        return min(limit, int(getattr(self.engine.config, "max_position_embeddings", limit) or limit))
+
     def dump_one(self, item: InputItem, doc_index: int, rid: str, cfg: DumpConfig) -> DumpDoc:
         eng = self.engine
+        limit = self.token_limit(cfg)
+        n_chars = sum(len(m["content"]) for m in item.messages)
+        if n_chars > 4 * limit:  # cheap bound first: the byte tokenizer makes >= 1 token per 4 UTF-8 bytes
+            raise DumpItemError(f"{item.where}: prompt of {n_chars} characters is far over the {limit}-token limit "
+                                "(--max-prompt-tokens); item skipped")
         prompt = list(self.tokenize(item.messages))
+        if len(prompt) + cfg.max_tokens > limit:
+            raise DumpItemError(f"{item.where}: prompt of {len(prompt)} tokens + --max-tokens {cfg.max_tokens} exceeds "
+                                f"the {limit}-token limit (--max-prompt-tokens); item skipped")
         if len(prompt) < eng.ratio:
             raise DumpItemError(f"{item.where}: prompt has {len(prompt)} tokens, fewer than one chunk ({eng.ratio})")
         bad = [i for i in prompt if not 0 <= i < eng.vocab_size]

@@ -47,16 +47,27 @@ def _messages(prompt: object) -> list[dict]:
 
 
 def load_items(path: str | Path) -> tuple[list[InputItem], list[str]]:
-    """Parse the input file. Returns (good items, error messages naming line/position)."""
+    """Parse the input file. Returns (good items, error messages naming line/position).
+
+    InputError (one line naming the file) when it is missing, not a file, unreadable or of an unknown type."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: --input is a directory, not a file")
     if not p.is_file():
         raise InputError(f"{p}: no such input file")
+    try:
+        return _parse(p)
+    except OSError as e:
+        raise InputError(f"{p}: cannot read the input file ({e.strerror or e})") from None
+
+
+def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
     items, errors = [], []
     if p.suffix == ".json":
         try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p}: not valid JSON (line {e.lineno}: {e.msg})") from None
+            data = json.loads(p.read_text(encoding="utf-8", errors="replace"))
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise InputError(f"{p}: not valid JSON (line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)})") from None
         if not isinstance(data, list):
             raise InputError(f"{p}: expected a JSON list of items, got {type(data).__name__}")
         for i, obj in enumerate(data):
@@ -82,6 +93,8 @@ def load_items(path: str | Path) -> tuple[list[InputItem], list[str]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise ValueError("not valid JSON (nested too deeply)") from None
                 if not isinstance(obj, dict) or "prompt" not in obj:
                     raise ValueError("expected an object with a `prompt` field")
                 answer = obj.get("answer")

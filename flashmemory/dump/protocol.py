@@ -13,6 +13,13 @@ top-k of every c4 layer, as `format.topk_store_steps` picks them; pass 2 stores 
 block (or any block without those fields) still parses, with the defaults; a version-1 server refuses
 a version-2 block ("this side speaks version 1") rather than silently dropping the top-k.
 
+Field rules (a breach is a DumpProtocolError naming the field): integers are JSON integers (no strings, no
+bools); target_csa_layers is a JSON list of distinct ids (a string such as "10" is refused, never read as
+layers 1 and 0); n_logit_tokens in [0, MAX_LOGIT_TOKENS]; output_dir absolute without '..'. custom_params
+itself must be an object. The server adds what only it knows (`flashmemory.sglang.dump_mode.parse_request`):
+output_dir must lie under the operator's SGLANG_FLASHMEMORY_DUMP_ROOT (`under_root`), the layer ids and
+min_layers must fit the served model's c4 layers.
+
 No shared /tmp command file: each request says what to record. The server (dump mode,
 SGLANG_FLASHMEMORY_DUMP=1) records that request only and, when it finishes, writes with
 `flashmemory.dump.writer.save_doc_file` (atomic):
@@ -25,6 +32,8 @@ The client polls for the file, merges pass-2 keys into pass 1 and commits the do
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +42,7 @@ from flashmemory.dump.format import STORE_TOPK_MODES
 PARAM_KEY = "flashmemory_dump"
 VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)   # 1: no store_topk / topk_interval fields (they take their defaults)
+MAX_LOGIT_TOKENS = 64         # first decode steps whose full native logits a document keeps (upstream: 3)
 
 
 class DumpProtocolError(ValueError):
@@ -60,12 +70,23 @@ class DumpRequest:
             raise DumpProtocolError(f"{PARAM_KEY}.pass={self.pass_}: expected 1 or 2")
         if self.doc_index < 0:
             raise DumpProtocolError(f"{PARAM_KEY}.doc_index={self.doc_index}: must be >= 0")
-        if not Path(self.output_dir).is_absolute():
-            raise DumpProtocolError(f"{PARAM_KEY}.output_dir={self.output_dir!r}: must be absolute (the server writes it)")
-        if not 0.0 <= self.topp <= 1.0:
+        od = self.output_dir
+        if not isinstance(od, str) or not Path(od).is_absolute() or "\0" in od:
+            raise DumpProtocolError(f"{PARAM_KEY}.output_dir={od!r}: must be absolute (the server writes it)")
+        if ".." in Path(od).parts:
+            raise DumpProtocolError(f"{PARAM_KEY}.output_dir={od!r}: must not contain '..'")
+        if not (isinstance(self.topp, (int, float)) and math.isfinite(self.topp) and 0.0 <= self.topp <= 1.0):
             raise DumpProtocolError(f"{PARAM_KEY}.topp={self.topp}: must lie in [0, 1]")
-        if self.min_layers < 1 or not self.target_csa_layers:
-            raise DumpProtocolError(f"{PARAM_KEY}: min_layers >= 1 and a non-empty target_csa_layers are required")
+        if self.min_layers < 1:
+            raise DumpProtocolError(f"{PARAM_KEY}.min_layers={self.min_layers}: must be >= 1")
+        layers = self.target_csa_layers
+        if (not isinstance(layers, tuple) or not layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                                                               for x in layers) or len(set(layers)) != len(layers)):
+            raise DumpProtocolError(f"{PARAM_KEY}.target_csa_layers={layers!r}: must be a non-empty list of distinct "
+                                    "c4-layer ids (integers >= 0)")
+        if not 0 <= self.n_logit_tokens <= MAX_LOGIT_TOKENS:
+            raise DumpProtocolError(f"{PARAM_KEY}.n_logit_tokens={self.n_logit_tokens}: must lie in "
+                                    f"[0, {MAX_LOGIT_TOKENS}]")
         if not isinstance(self.store_topk, str) or self.store_topk not in STORE_TOPK_MODES:
             raise DumpProtocolError(f"{PARAM_KEY}.store_topk={self.store_topk!r}: expected one of "
                                     f"{', '.join(STORE_TOPK_MODES)}")
@@ -82,7 +103,12 @@ class DumpRequest:
     @classmethod
     def from_custom_params(cls, custom_params: dict | None) -> "DumpRequest | None":
         """Parse a request's custom_params; None when it carries no dump block (a normal request)."""
-        if not custom_params or PARAM_KEY not in custom_params:
+        if custom_params is None:
+            return None
+        if not isinstance(custom_params, dict):
+            raise DumpProtocolError(f"custom_params: expected an object (with a {PARAM_KEY} block), got "
+                                    f"{type(custom_params).__name__}")
+        if PARAM_KEY not in custom_params:
             return None
         d = custom_params[PARAM_KEY]
         if not isinstance(d, dict):
@@ -97,7 +123,7 @@ class DumpRequest:
         return cls(pass_=_field(d, "pass", int), doc_index=_field(d, "doc_index", int),
                    output_dir=_field(d, "output_dir", str), topp=_field(d, "topp", float, 0.6),
                    min_layers=_field(d, "min_layers", int, 3),
-                   target_csa_layers=_field(d, "target_csa_layers", lambda v: tuple(map(_to_int, v)), (10, 12, 20)),
+                   target_csa_layers=_field(d, "target_csa_layers", _int_list, (10, 12, 20)),
                    n_logit_tokens=_field(d, "n_logit_tokens", int, 3),
                    store_topk=_field(d, "store_topk", str, "cycle"), topk_interval=_field(d, "topk_interval", int, 64),
                    version=version)
@@ -107,11 +133,38 @@ class DumpRequest:
         return Path(self.output_dir) / f"pass{self.pass_}" / f"doc_{self.doc_index:05d}.safetensors"
 
 
+def under_root(output_dir: str, root: str | os.PathLike | None) -> Path:
+    """The real path of `output_dir` if it lies inside `root` (symlinks resolved on both), else
+    DumpProtocolError. root None: the server has no dump root, so nothing may be written."""
+    if root is None or str(root) == "":
+        raise DumpProtocolError(f"{PARAM_KEY}.output_dir={output_dir!r}: this server has no dump root "
+                                "(SGLANG_FLASHMEMORY_DUMP_ROOT), so it writes no dump")
+    real, base = Path(os.path.realpath(output_dir)), Path(os.path.realpath(root))
+    if real != base and base not in real.parents:
+        raise DumpProtocolError(f"{PARAM_KEY}.output_dir={output_dir!r}: outside the server's dump root {base} "
+                                "(SGLANG_FLASHMEMORY_DUMP_ROOT)")
+    return real
+
+
 def _to_int(v: object) -> int:
-    """int(v), but no bool and no silently truncated fraction (1.5 is an error, 2.0 is 2)."""
-    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+    """v as an int: a JSON integer, or an integral float (2.0 is 2). No bool, no string, no fraction."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
         raise ValueError(f"{v!r} is not an integer")
-    return int(v)  # type: ignore[arg-type]
+    return int(v)
+
+
+def _to_float(v: object) -> float:
+    """v as a float: a JSON number (no bool, no string)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{v!r} is not a number")
+    return float(v)
+
+
+def _int_list(v: object) -> tuple[int, ...]:
+    """A JSON list of integers. A string is refused (\"10\" must not read as layers 1 and 0)."""
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"expected a list of integers, got {type(v).__name__}")
+    return tuple(_to_int(x) for x in v)
 
 
 def _field(d: dict, name: str, conv, default: object = None) -> object:
@@ -122,6 +175,6 @@ def _field(d: dict, name: str, conv, default: object = None) -> object:
     if conv is str and not isinstance(v, str):
         raise DumpProtocolError(f"{PARAM_KEY}.{name}={v!r}: bad field value (expected a string)")
     try:
-        return _to_int(v) if conv is int else conv(v)
-    except (TypeError, ValueError) as e:
+        return _to_int(v) if conv is int else _to_float(v) if conv is float else conv(v)
+    except (TypeError, ValueError, OverflowError) as e:
         raise DumpProtocolError(f"{PARAM_KEY}.{name}={v!r}: bad field value ({e})") from None

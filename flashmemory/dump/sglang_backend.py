@@ -107,8 +107,9 @@ class SGLangBackend:
             body["chat_template_kwargs"] = {"thinking": True}
         try:
             out = _post(f"{self.url}/chat/completions", body, self.timeout)
-        except urllib.error.HTTPError as e:
-            raise DumpItemError(f"server answered HTTP {e.code}: {e.read()[:300]!r}") from None
+        except urllib.error.HTTPError as e:  # 4xx: this request is bad (too long, ...); 5xx may pass later
+            raise DumpItemError(f"server answered HTTP {e.code}: {e.read()[:300]!r}",
+                                permanent=400 <= e.code < 500) from None
         except (urllib.error.URLError, OSError) as e:
             raise DumpBackendError(f"lost the sglang server at {self.url} ({getattr(e, 'reason', e)})") from None
         try:
@@ -120,8 +121,9 @@ class SGLangBackend:
         deadline = time.monotonic() + self.flush_timeout
         while not path.is_file():
             if time.monotonic() > deadline:
-                raise DumpItemError(f"the server did not write {path} within {self.flush_timeout:.0f} s "
-                                    "(is it running in dump mode, SGLANG_FLASHMEMORY_DUMP=1?)")
+                raise DumpItemError(f"the server did not write {path} within {self.flush_timeout:.0f} s (is it "
+                                    "running in dump mode, SGLANG_FLASHMEMORY_DUMP=1, with this --output-dir under "
+                                    "its SGLANG_FLASHMEMORY_DUMP_ROOT? its log names the reason)", permanent=False)
             time.sleep(0.05)
 
     def _request(self, pass_: int, doc_index: int, cfg: DumpConfig) -> DumpRequest:
@@ -137,7 +139,7 @@ class SGLangBackend:
                 raise DumpItemError("empty response")
             return resp
         except DumpItemError as e:
-            return DumpItemError(f"{item.where}: pass 1: {e}")
+            return DumpItemError(f"{item.where}: pass 1: {e}", permanent=e.permanent)
 
     def _pass2(self, item: InputItem, doc_index: int, rid: str, response: str, cfg: DumpConfig) -> DumpDoc:
         r1, r2 = self._request(1, doc_index, cfg), self._request(2, doc_index, cfg)

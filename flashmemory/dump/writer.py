@@ -1,24 +1,38 @@
 """Atomic, resumable writing of dump documents.
 
 Commit protocol: the doc file is written to a hidden temp name in the same directory, fsynced, and
-`os.replace`d into place; only then is its line appended to `server_metadata.jsonl` (one write +
-fsync). So the metadata line is the commit record. On open, `DumpWriter` repairs what a crash can
-leave behind: stray temp files and doc files without a metadata line are removed (their documents
-are redone), a torn last metadata line is dropped, and lines whose doc file vanished are dropped.
+`os.replace`d into place; only then is its line (with the file's size) appended to `server_metadata.jsonl`
+(one write + fsync). So the metadata line is the commit record. The directory is locked for the writer's
+life (`outdir.DirLock`). On open, `DumpWriter` repairs what a crash (or an older, unlocked run) can leave:
+  - stray `.tmp-*` files (this project's temp files) are deleted;
+  - a torn last metadata line, a verbatim repeated line, and a line whose file vanished are dropped
+    (that document is redone);
+  - a committed file that is truncated (size differs from the one recorded at commit, or from what its
+    own header describes) or that holds another document than its line says is moved to `.quarantine/`
+    and its document redone;
+  - a `doc_*.safetensors` without a line (interrupted between rename and append, or a lost
+    `server_metadata.jsonl`) is adopted when it loads and validates, else moved to `.quarantine/`;
+  - upstream `doc_*.pkl` files without a line are left alone.
+Nothing else is ever deleted. Items that failed (`record_failure`) are listed in `failed_items.jsonl`, so a
+rerun skips them instead of failing on the same item forever.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
-from flashmemory.dump.format import (FORMAT, METADATA_FILE, TOPK_STEPS_KEY, _DOC_RE, DumpDoc, DumpFormatError,
-                                     doc_filename, read_metadata)
+from flashmemory.dump.errors import DumpFormatError
+from flashmemory.dump.format import FORMAT, TOPK_STEPS_KEY, DumpDoc, doc_filename, load_doc
+from flashmemory.dump.metadata import DOC_RE, METADATA_FILE, dedupe, metadata_lines, safetensors_problem
+from flashmemory.dump.outdir import TMP_PREFIX, DirLock, prepare_output_dir, quarantine
 
-TMP_PREFIX = ".tmp-"
+FAILED_FILE = "failed_items.jsonl"
 
 
 def doc_tensors(doc: DumpDoc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -70,7 +84,14 @@ def save_doc_file(path: str | os.PathLike, doc: DumpDoc) -> Path:
     tensors, meta = doc_tensors(doc)
     tmp = p.with_name(f"{TMP_PREFIX}{p.name}.{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except OSError:
+            raise
+        except Exception as e:  # safetensors reports I/O failures (a full disk) as SafetensorError
+            m = re.search(r"os error (\d+)", str(e))
+            code = int(m.group(1)) if m else errno.EIO
+            raise OSError(code, os.strerror(code), str(p)) from e
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # safetensors creates 0600; dumps are shared with the training job
@@ -100,39 +121,132 @@ def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
     return rec
 
 
+def _header_meta(path: Path) -> dict:
+    """The string metadata of a safetensors file's header (empty when unreadable)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 - safetensors raises several types; the caller reports the file as suspect
+        return {}
+
+
+def _source_item(rid: str) -> dict:
+    """`source` / `item_index` of a document from its rid ("file.jsonl:12", as `run_dump` names them)."""
+    src, _, idx = rid.rpartition(":")
+    return {"source": src, "item_index": int(idx)} if src and idx.isdigit() else {}
+
+
+def _append_line(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class DumpWriter:
-    """Owns one output directory: recovers it on open, then commits documents one at a time."""
+    """Owns one output directory: checks and locks it, recovers it on open, then commits documents one at a
+    time. Use as a context manager (or call `close`) to drop the lock; it also drops when the process ends."""
 
     def __init__(self, output_dir: str | os.PathLike):
         self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        prepare_output_dir(self.dir)
+        self._lock = DirLock(self.dir)
         self.meta_path = self.dir / METADATA_FILE
+        self.failed_path = self.dir / FAILED_FILE
         self.recovered: list[str] = self._recover()
-        self.records: list[dict] = read_metadata(self.dir)
+        self.records: list[dict] = dedupe(metadata_lines(self.dir), str(self.meta_path))
 
+    def close(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> "DumpWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- recovery -----------------------------------------------------------------------------------------
     def _recover(self) -> list[str]:
-        notes = []
+        notes: list[str] = []
         for p in sorted(self.dir.iterdir()):
-            if p.name.startswith(TMP_PREFIX):
+            if p.name.startswith(TMP_PREFIX) and p.is_file():
                 p.unlink()
                 notes.append(f"removed stray temp file {p.name}")
         raw = self.meta_path.read_text() if self.meta_path.is_file() else ""
-        records = read_metadata(self.dir)
-        kept = [r for r in records if (self.dir / r["filename"]).is_file()]
-        for r in records:
-            if r not in kept:
-                notes.append(f"metadata line for doc {r['doc_index']} names missing {r['filename']}; will redo it")
-        rewritten = "".join(json.dumps(r) + "\n" for r in kept)
-        if rewritten != raw and (raw.strip() or kept):
-            if len(kept) == len(records) and not raw.endswith("\n"):
-                notes.append(f"dropped a torn last line of {METADATA_FILE}")
-            self._write_metadata(kept)
+        lines = metadata_lines(self.dir)
+        kept: list[dict] = []
+        by_index: dict[int, dict] = {}
+        for lineno, r in lines:
+            where = f"{METADATA_FILE}:{lineno} (doc {r['doc_index']})"
+            prev = by_index.get(int(r["doc_index"]))
+            if prev == r:
+                notes.append(f"{where}: dropped a repeated line")
+                continue
+            problem = self._line_problem(r)
+            if problem is None and prev is not None:
+                problem = "another line already claims this doc_index and its file"
+            if problem is not None:
+                notes.append(f"{where}: {problem}; will redo it")
+                continue
+            by_index[int(r["doc_index"])] = r
+            kept.append(r)
         listed = {r["filename"] for r in kept}
         for p in sorted(self.dir.iterdir()):
-            if _DOC_RE.match(p.name) and p.name not in listed:
-                p.unlink()
-                notes.append(f"removed {p.name}: no metadata line (interrupted before commit); will redo it")
+            m = DOC_RE.match(p.name)
+            if not m or p.name in listed or not p.is_file():
+                continue
+            if m.group(2) == "pkl":
+                notes.append(f"left {p.name} alone: an upstream file without a metadata line")
+                continue
+            rec, why = self._adoptable(p, int(m.group(1)))
+            if rec is not None and int(rec["doc_index"]) not in by_index:
+                kept.append(rec)
+                by_index[int(rec["doc_index"])] = rec
+                notes.append(f"adopted {p.name}: complete and valid, but it had no metadata line")
+            else:
+                notes.append(quarantine(self.dir, p, f"{why or 'its doc_index is taken'}; will redo it"))
+        kept.sort(key=lambda r: int(r["doc_index"]))
+        rewritten = "".join(json.dumps(r) + "\n" for r in kept)
+        if rewritten != raw and (raw.strip() or kept):
+            if len(kept) == len(lines) and raw and not raw.endswith("\n"):
+                notes.append(f"dropped a torn last line of {METADATA_FILE}")
+            self._write_metadata(kept)
         return notes
+
+    def _line_problem(self, r: dict) -> str | None:
+        """Why a metadata line cannot stand (its file is missing, cut, or another document), or None. A file
+        that is there but wrong is moved aside here; upstream .pkl files are taken as they are."""
+        p = self.dir / r["filename"]
+        if not p.is_file():
+            return f"names missing {r['filename']}"
+        if p.suffix != ".safetensors":
+            return None
+        problem = safetensors_problem(p)
+        size = r.get("file_size")
+        if problem is None and isinstance(size, int) and p.stat().st_size != size:
+            problem = f"{p.stat().st_size} bytes, {size} recorded at commit"
+        if problem is None:
+            head = _header_meta(p)
+            if head.get("doc_index") != str(r["doc_index"]) or ("rid" in r and head.get("rid") != r["rid"]):
+                # two unlocked writers wrote one doc_index: the file holds the other line's document
+                return (f"{r['filename']} holds doc {head.get('doc_index')} rid {head.get('rid')!r}, not rid "
+                        f"{r.get('rid')!r}; line dropped")
+            return None
+        return quarantine(self.dir, p, f"committed file is damaged ({problem})")
+
+    def _adoptable(self, p: Path, index: int) -> tuple[dict | None, str]:
+        """(metadata line, "") for an unlisted doc file that is whole and valid, else (None, why not)."""
+        problem = safetensors_problem(p)
+        if problem:
+            return None, f"no metadata line and {problem}"
+        try:
+            doc = load_doc(p)
+        except DumpFormatError as e:
+            return None, f"no metadata line and it does not load ({str(e).removeprefix(str(p) + ': ')})"
+        if doc.doc_index != index:
+            return None, f"no metadata line and it holds doc_index {doc.doc_index}"
+        return metadata_record(doc, p.name, **_source_item(doc.rid), file_size=p.stat().st_size, adopted=True), ""
 
     def _write_metadata(self, records: list[dict]) -> None:
         tmp = self.meta_path.with_name(f"{TMP_PREFIX}{METADATA_FILE}.{os.getpid()}")
@@ -143,24 +257,43 @@ class DumpWriter:
         os.replace(tmp, self.meta_path)
         _fsync_dir(self.dir)
 
+    # --- state --------------------------------------------------------------------------------------------
     @property
     def next_doc_index(self) -> int:
-        return max((int(r["doc_index"]) for r in self.records), default=-1) + 1
+        """One past every doc index in the metadata and on disk (an upstream .pkl keeps its number)."""
+        on_disk = [int(m.group(1)) for p in self.dir.iterdir() if (m := DOC_RE.match(p.name))]
+        return max([int(r["doc_index"]) for r in self.records] + on_disk, default=-1) + 1
 
     def done_items(self, source: str) -> set[int]:
         """Input item indices of `source` (input file name) that already have a complete document."""
         return {int(r["item_index"]) for r in self.records if r.get("source") == source and "item_index" in r}
 
+    def failed_items(self, source: str) -> dict[int, str]:
+        """item index -> reason, for items of `source` that failed in an earlier run and are not done since."""
+        out: dict[int, str] = {}
+        if self.failed_path.is_file():
+            for line in self.failed_path.read_text(errors="replace").splitlines():
+                try:
+                    r = json.loads(line)
+                    if r.get("source") == source:
+                        out[int(r["item_index"])] = str(r.get("reason", ""))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue  # a torn or foreign line: that item is simply tried again
+        done = self.done_items(source)
+        return {i: why for i, why in out.items() if i not in done}
+
+    # --- writing ------------------------------------------------------------------------------------------
+    def record_failure(self, source: str, item_index: int, reason: str) -> None:
+        """Note that an item failed, so a rerun skips it (unless asked to retry)."""
+        _append_line(self.failed_path, {"source": source, "item_index": int(item_index), "reason": reason[:500]})
+
     def commit(self, doc: DumpDoc, **extra: object) -> dict:
-        """Write the doc file atomically, then append its metadata line. Returns the line."""
+        """Write the doc file atomically, then append its metadata line (with the file size). Returns the line."""
         if any(int(r["doc_index"]) == doc.doc_index for r in self.records):
             raise DumpFormatError(f"{self.dir}: doc_index {doc.doc_index} already committed")
         name = doc_filename(doc.doc_index)
-        save_doc_file(self.dir / name, doc)
-        rec = metadata_record(doc, name, **extra)
-        with open(self.meta_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        path = save_doc_file(self.dir / name, doc)
+        rec = metadata_record(doc, name, **extra, file_size=path.stat().st_size)
+        _append_line(self.meta_path, rec)
         self.records.append(rec)
         return rec

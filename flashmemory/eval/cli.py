@@ -45,8 +45,15 @@ def run(a: argparse.Namespace) -> int:
         else:
             paths, split_line = heldout_paths(list_docs(a.dump), read_state(a.checkpoint)[1], a.dump, a.all_docs)
         if a.doc_ids:
-            want = {int(x) for x in a.doc_ids.split(",")}
+            try:
+                want = {int(x) for x in a.doc_ids.split(",")}
+            except ValueError:
+                raise DumpFormatError(f"--doc-ids {a.doc_ids!r}: expected comma-separated integers") from None
             paths = [p for p in paths if int(p.stem.split("_")[1]) in want]
+            missing = sorted(want - {int(p.stem.split("_")[1]) for p in paths})
+            if missing:  # as for data-config doc_ids: never evaluate fewer documents than asked without a word
+                raise DumpFormatError(f"{a.dump or a.data_config}: --doc-ids {', '.join(map(str, missing))} are not "
+                                      f"among the documents to score ({split_line})")
         if not paths:
             raise DumpFormatError(f"{a.dump or a.data_config}: no documents to score ({split_line})"
                                   + (f" with ids {a.doc_ids}" if a.doc_ids else "")
@@ -58,9 +65,9 @@ def run(a: argparse.Namespace) -> int:
                                   f"(it has {docs[0].target_layers})")
         fractions = tuple(float(x) for x in a.budgets.split(",")) if a.budgets else ()
         cfg = EvalConfig(tau=a.tau, stride=a.stride, fractions=fractions, threshold=a.threshold, seed=a.seed)
-    except (CheckpointError, DumpFormatError, DataConfigError, ValueError) as e:
-        print(f"flashmemory eval: error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, DumpFormatError, DataConfigError, ValueError, OSError) as e:
+        from flashmemory.errors import fail
+        return fail("eval", e)
     print(split_line)
     res = evaluate(docs, retriever_scores(model, a.ensemble), cfg)
     n_mean = sum(min(int(d.n_chunks_at[t]), d.n_chunks) for d in docs for t in range(0, d.n_tokens, cfg.stride or cfg.tau))

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from flashmemory.atomic import atomic_path
+from flashmemory.errors import UserError
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig
 
@@ -23,7 +26,7 @@ FORMAT = "flashmemory-retriever/1"
 _JOINT_KEY = re.compile(r"^retrievers\.l(\d+)\.(.+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A retriever checkpoint is missing, truncated, or does not match what was asked for."""
 
 
@@ -99,13 +102,16 @@ def expected_shapes(d: RetrieverDims) -> dict[str, tuple[int, ...]]:
 
 def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] | None = None,
                    single_layer_id: int | None = None, rope: RopeConfig | None = None,
-                   logit_offset: float = 0.0, expect_hidden: int | None = None) -> JointRetriever:
-    """Build a `JointRetriever` from a checkpoint.
+                   logit_offset: float = 0.0, expect_hidden: int | None = None,
+                   max_position: int | None = None) -> JointRetriever:
+    """Build a `JointRetriever` from a checkpoint. Every weight is checked: keys, shapes, finite values.
 
     layers: c4-layer ids to load (default: all in the file); a missing one is an error.
     rope: RoPE parameters; default from the file's metadata, else upstream's (rope_dim 64, or
       head_dim // 2 when head_dim < 128 as in tiny models).
     expect_hidden: if given, the model's hidden size, checked against wq_a.
+    max_position: if given, the RoPE clamp to serve with, whatever the file says (the serving path
+      passes SGLANG_RETRIEVER_MAX_POSITION: a file's stored length is what training saw, not a limit).
     """
     state, meta = read_state(path)
     by_layer = split_layers(state, single_layer_id)
@@ -117,6 +123,8 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
         raise CheckpointError(f"{path}: layer(s) {absent} not in checkpoint (it has {sorted(by_layer)})")
     if rope is None:
         rope = rope_from_meta(meta, by_layer[want[0]])
+    if max_position is not None and max_position != rope.max_position:
+        rope = replace(rope, max_position=max_position)
     dims = infer_dims(by_layer[want[0]], want[0], rope.rope_dim)
     if expect_hidden is not None and dims.hidden != expect_hidden:
         raise CheckpointError(f"{path}: retriever hidden size {dims.hidden} != model hidden size {expect_hidden}")
@@ -128,6 +136,7 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
             got = tuple(sd[k].shape)
             if got != shp:
                 raise CheckpointError(f"retrievers.l{lid}.{k}: shape {got} does not match expected {shp}")
+    check_finite(path, {lid: by_layer[lid] for lid in want})
     model = JointRetriever(want, dims, rope, logit_offset)
     with torch.no_grad():
         for lid in want:
@@ -135,6 +144,16 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
             for k in PARAMS:
                 layer.get_parameter(k).copy_(by_layer[lid][k].float())
     return model
+
+
+def check_finite(path: str | os.PathLike, by_layer: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Raise `CheckpointError` naming the file and the first tensor that holds NaN or inf (a diverged run)."""
+    for lid in sorted(by_layer):
+        for k, v in by_layer[lid].items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad = int((~torch.isfinite(v)).sum())
+                raise CheckpointError(f"{path}: retrievers.l{lid}.{k} holds {bad} non-finite value(s) (NaN/inf) "
+                                      f"of {v.numel()}; the checkpoint is unusable (a diverged training run?)")
 
 
 def rope_from_meta(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> RopeConfig:
@@ -162,13 +181,15 @@ def save_retriever(model: JointRetriever, path: str | os.PathLike, extra_meta: d
     """Write the joint state (fp32) to `path` as safetensors, atomically (temp file, then rename)."""
     from safetensors.torch import save_file
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    state = {f"retrievers.l{lid}.{k}": model.layer(lid).get_parameter(k).detach().float().contiguous().cpu()
-             for lid in model.layers for k in PARAMS}
+    if p.is_dir():
+        raise CheckpointError(f"{p}: is a directory, not a checkpoint file")
+    by_layer = {lid: {k: model.layer(lid).get_parameter(k).detach().float().contiguous().cpu() for k in PARAMS}
+                for lid in model.layers}
+    check_finite(p, by_layer)  # never write a NaN checkpoint that a later load would refuse
+    state = {f"retrievers.l{lid}.{k}": v for lid, sd in by_layer.items() for k, v in sd.items()}
     meta = retriever_metadata(model) | (extra_meta or {})
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    save_file(state, str(tmp), metadata=meta)
-    os.replace(tmp, p)
+    with atomic_path(p) as tmp:  # the temp file is removed if the write fails (disk full, target a dir)
+        save_file(state, str(tmp), metadata=meta)
     return p
 
 
@@ -176,12 +197,22 @@ def inspect_checkpoint(path: str | os.PathLike, single_layer_id: int | None = No
     """Summary of a checkpoint: layers, dims, dtypes, parameter count, metadata."""
     state, meta = read_state(path)
     by_layer = split_layers(state, single_layer_id)
-    rope = rope_from_meta(meta, next(iter(by_layer.values()))) if by_layer else RopeConfig()
-    dims = {lid: infer_dims(sd, lid, rope.rope_dim).__dict__ for lid, sd in by_layer.items()}
+    if not by_layer:
+        raise CheckpointError(f"{path}: holds no retriever weights")
+    rope = rope_from_meta(meta, next(iter(by_layer.values())))
+    dims = {lid: infer_dims(sd, lid, rope.rope_dim) for lid, sd in by_layer.items()}
+    first = min(by_layer)
+    want = expected_shapes(dims[first])
+    for lid, sd in sorted(by_layer.items()):  # layers are loaded together: one wrong shape breaks the load
+        for k, shp in want.items():
+            if tuple(sd[k].shape) != shp:
+                raise CheckpointError(f"{path}: retrievers.l{lid}.{k}: shape {tuple(sd[k].shape)} does not match "
+                                      f"{shp} of layer {first}")
+    check_finite(path, by_layer)
     return {
         "path": str(path),
         "layers": sorted(by_layer),
-        "dims": dims,
+        "dims": {lid: d.__dict__ for lid, d in dims.items()},
         "dtypes": sorted({str(v.dtype) for v in state.values()}),
         "n_params": sum(v.numel() for sd in by_layer.values() for v in sd.values()),
         "ignored_keys": sorted(k for k in state if k.endswith("freqs_cis")),

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from flashmemory.errors import fail
 from flashmemory.retriever.checkpoint import CheckpointError, inspect_checkpoint, load_retriever, save_retriever
 
 DEFAULT_REPO = "libertywing/FlashMemory-Deepseek-V4"
@@ -51,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
-def _fail(msg: str) -> int:
-    print(f"flashmemory checkpoint: error: {msg}", file=sys.stderr)
-    return 1
+def _fail(msg: str | BaseException) -> int:
+    """One line, exit 1 (this command's historical code); --debug re-raises an exception instead."""
+    return fail("checkpoint", msg, code=1)
 
 
 def _human(n: int) -> str:
@@ -66,8 +67,8 @@ def _human(n: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_checkpoint(args.path, single_layer_id=args.layer)
-    except CheckpointError as e:
-        return _fail(str(e))
+    except (CheckpointError, OSError) as e:
+        return _fail(e)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
         return 0
@@ -92,6 +93,8 @@ def _convert(args: argparse.Namespace) -> int:
     dst = Path(args.dst)
     if dst.suffix != ".safetensors":
         return _fail(f"{dst}: output must end in .safetensors")
+    if dst.is_dir():
+        return _fail(f"{dst}: is a directory (--force replaces a file, never a directory)")
     if dst.exists() and not args.force:
         return _fail(f"{dst} exists (pass --force to overwrite)")
     if Path(args.src).resolve() == dst.resolve():
@@ -104,8 +107,8 @@ def _convert(args: argparse.Namespace) -> int:
         rope = RopeConfig(rope_dim=args.rope_dim) if args.rope_dim is not None else None
         model = load_retriever(args.src, layers=layers, single_layer_id=args.layer, rope=rope)
         out = save_retriever(model, dst, extra_meta={"source": Path(args.src).name})
-    except (CheckpointError, ValueError) as e:
-        return _fail(str(e))
+    except (CheckpointError, ValueError, OSError) as e:
+        return _fail(e)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: layers {','.join(map(str, model.layers))}, {n:,} parameters, rope_dim {model.rope.rope_dim}")
     return 0

@@ -2,7 +2,8 @@
 
 A request opts in with `custom_params={"flashmemory_dump": {...}}` as `flashmemory.dump.protocol.DumpRequest`
 writes it (version, pass 1|2, doc_index, absolute output_dir, topp, min_layers, target_csa_layers,
-n_logit_tokens, store_topk, topk_interval); the same parser reads it here. Per decode step the recorder
+n_logit_tokens, store_topk, topk_interval); the same parser reads it here, and output_dir must lie under the
+operator's root (SGLANG_FLASHMEMORY_DUMP_ROOT, `DumpRecorder(root=...)`): a request outside it is refused. Per decode step the recorder
 takes, for every c4 layer, the native indexer logits of each dumping row and keeps only that layer's nucleus
 (`flashmemory.labels.golden.layer_nucleus`) and, for pass-1 requests at the steps `store_topk` picks
 (`flashmemory.dump.format.topk_store_steps`), the layer's top-`index_topk` ids + logits (`native_topk_rows`,
@@ -17,12 +18,13 @@ commits; the server never touches `server_metadata.jsonl`.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from flashmemory.dump.format import DumpDoc, native_topk_rows
-from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
+from flashmemory.dump.protocol import DumpProtocolError, DumpRequest, under_root
 from flashmemory.dump.writer import save_doc_file
 from flashmemory.labels.csr import LabelsCSR
 from flashmemory.labels.golden import layer_nucleus
@@ -31,10 +33,16 @@ logger = logging.getLogger(__name__)
 DumpRequestError = DumpProtocolError  # one parser, one error type: flashmemory.dump.protocol
 
 
-def parse_request(custom_params: object, rid: str = "?", n_c4_layers: int = 21) -> DumpRequest | None:
-    """The request's dump block via the shared protocol parser; None for a normal request. Errors name the rid."""
+def parse_request(custom_params: object, rid: str = "?", n_c4_layers: int = 21,
+                  root: str | os.PathLike | None = None) -> DumpRequest | None:
+    """The request's dump block via the shared protocol parser; None for a normal request. Errors name the rid.
+
+    root: the operator's dump root (SGLANG_FLASHMEMORY_DUMP_ROOT); output_dir must lie inside it (None:
+    no root, every dump request is refused). min_layers and the layer ids must fit n_c4_layers."""
     try:
-        req = DumpRequest.from_custom_params(custom_params if isinstance(custom_params, dict) else None)
+        req = DumpRequest.from_custom_params(custom_params)
+        if req is not None:
+            under_root(req.output_dir, root)
     except DumpProtocolError as e:
         raise DumpProtocolError(f"request {rid}: {e}") from None
     if req is not None:
@@ -42,6 +50,9 @@ def parse_request(custom_params: object, rid: str = "?", n_c4_layers: int = 21) 
         if bad:
             raise DumpProtocolError(f"request {rid}: target_csa_layers {list(req.target_csa_layers)}: {bad} outside "
                                     f"[0, {n_c4_layers}) (ids count c4 layers)")
+        if req.min_layers > n_c4_layers:
+            raise DumpProtocolError(f"request {rid}: flashmemory_dump.min_layers={req.min_layers}: the model has "
+                                    f"{n_c4_layers} c4 layers, so no chunk could get that many votes")
     return req
 
 
@@ -81,7 +92,9 @@ class _DocState:
 class DumpRecorder:
     """Per-request dump state. All inputs are plain tensors (any device); state is kept on the CPU."""
 
-    def __init__(self, index_topk: int = 512, ratio: int = 4, n_c4_layers: int = 21):
+    def __init__(self, index_topk: int = 512, ratio: int = 4, n_c4_layers: int = 21,
+                 root: str | os.PathLike | None = None):
+        self.root = root  # the only tree dump files are written under (None: dump requests are refused)
         self.index_topk = index_topk
         self.ratio = ratio
         self.n_c4_layers = n_c4_layers
@@ -91,7 +104,7 @@ class DumpRecorder:
         self.failed: list[str] = []    # rids whose document could not be written (logged)
 
     def admit(self, rid: str, custom_params: object) -> bool:
-        req = parse_request(custom_params, rid, self.n_c4_layers)
+        req = parse_request(custom_params, rid, self.n_c4_layers, self.root)
         if req is None:
             return False
         self.pending[rid] = req

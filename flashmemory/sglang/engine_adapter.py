@@ -321,17 +321,17 @@ class SGLangOffload:
         self.l1.close()
 
 
-def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None) -> SGLangOffload:
-    """Adapter for a DSv4 pool: loads SGLANG_RETRIEVER_INLINE_CKPT (when set) for the target layers.
+def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
+          retriever: Any = None) -> SGLangOffload:
+    """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
+    SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`).
 
     shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
     on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
     from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
-    retriever = None
-    if env.retriever_ckpt:
-        from flashmemory.retriever import load_retriever
-        retriever = load_retriever(env.retriever_ckpt, layers=env.retriever_layers, logit_offset=env.logit_offset)
-        retriever.eval()
+    if retriever is None and env.retriever_ckpt:
+        from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
+        retriever = load_serving_retriever(env, served_model_path(server_args, []))
     if shrink is None:
         blockers = shrink_blockers(server_args) if env.pd_c4_shrink else []
         shrink = env.pd_c4_shrink and not blockers
@@ -346,6 +346,8 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
     tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
     check_host_memory(geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes),
                       processes=max(1, tp // nodes))
+    from flashmemory.sglang.geometry import check_reserve_memory, device_free_bytes, pool_buffers, reserve_bytes
+    check_reserve_memory(reserve_bytes(env, geo, n_off), device_free_bytes(pool_buffers(pool)[0][0].device))
     if shrink:
         eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
     else:

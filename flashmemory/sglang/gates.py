@@ -1,6 +1,7 @@
 """The gate table of `flashmemory/sglang/README.md`, generated from `flashmemory.env.ENV_DOC`.
 
-`python -m flashmemory.sglang.gates` prints it; a test checks the README holds exactly this text.
+`python -m flashmemory.sglang.gates` prints it; `... gates --write FILE...` replaces the table inside each
+FILE in place; a test checks the README holds exactly this text.
 """
 
 from __future__ import annotations
@@ -20,5 +21,22 @@ def gate_table() -> str:
     return "\n".join(lines)
 
 
+def write_table(path: str) -> None:
+    """Replace the text between BEGIN and END (inclusive) in `path` with the current table."""
+    text = open(path, encoding="utf-8").read()
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{path}: no gate table markers ({BEGIN} ... {END})")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + gate_table() + tail)
+
+
 if __name__ == "__main__":
-    print(gate_table())
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        for p in sys.argv[2:]:
+            write_table(p)
+    else:
+        print(gate_table())

@@ -7,6 +7,7 @@ The layout (sglang 0.5.23, `mem_cache/deepseek_v4_memory_pool.py`): per c4 layer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -97,3 +98,33 @@ def page_locs(pages: Sequence[int], start: int, stop: int, page_chunks: int) -> 
     """Int64 pool locs of logical chunks [start, stop) of a row whose logical page p is pool page pages[p]."""
     j = torch.arange(start, stop)
     return torch.tensor(list(pages), dtype=torch.int64)[j // page_chunks] * page_chunks + j % page_chunks
+
+
+def reserve_bytes(env: Any, geo: PoolGeometry, n_offloaded_index_layers: int) -> int:
+    """Device bytes of the reserve the env asks for: (recall blocks + one decode region per row + the sink)
+    page blocks, each holding every c4 layer's KV page and the Path-I index pages."""
+    decode_pages = math.ceil(env.decode_resident_chunks / geo.page_chunks)
+    blocks = env.auto_reserve_pages() + env.decode_max_conc * decode_pages + 1
+    return blocks * (geo.n_c4_layers * geo.kv_page_bytes + n_offloaded_index_layers * geo.index_page_bytes)
+
+
+def check_reserve_memory(need: int, free: int | None, headroom: float = 0.9) -> None:
+    """Refuse a reserve that cannot fit in `headroom` of the device's free bytes (None = unknown: no check), with
+    the variables that size it, before anything is allocated."""
+    if free is None or need <= headroom * free:
+        return
+    gib = 2 ** 30
+    raise PoolGeometryError(
+        f"the device reserve needs {need / gib:.1f} GiB but the device has {free / gib:.1f} GiB free "
+        f"({headroom:.0%} usable): lower SGLANG_PATHP_RESERVE_PAGES (0 = SGLANG_DSV4_TARGET_CONCURRENCY x "
+        "(SGLANG_PATHP_PAGE_KMAX + 1)), SGLANG_PATHP_DECODE_MAX_CONC or SGLANG_PATHP_DECODE_RESIDENT_CHUNKS")
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free bytes on `device` (CUDA: the driver's count; CPU: MemAvailable), None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        from flashmemory.offload.mirror import host_available_bytes
+        return host_available_bytes()
+    return None

@@ -257,8 +257,12 @@ def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
         return
     try:
         RUNTIME.dump.admit(req.rid, getattr(req.sampling_params, "custom_params", None))
-    except ValueError as e:
-        logger.error("FlashMemory dump: %s; the request runs without dumping", e)
+    except ValueError as e:  # a bad dump block: the client gets HTTP 400 with the reason (sglang's own abort path)
+        abort = getattr(req, "set_finish_with_abort", None)
+        if abort is None:
+            logger.error("FlashMemory dump: %s; the request runs without dumping", e)
+        else:
+            abort(f"FlashMemory dump: {e}")
 
 
 def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:

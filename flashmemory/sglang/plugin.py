@@ -10,10 +10,14 @@ raises `PluginStartupError`, a SystemExit, which does stop the process with the 
 from __future__ import annotations
 
 import logging
-import os
+import sys
+from typing import TYPE_CHECKING
 
 from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
+
+if TYPE_CHECKING:
+    from flashmemory.retriever.model import JointRetriever
 
 logger = logging.getLogger(__name__)
 _STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...]}
@@ -41,6 +45,19 @@ def verify_patched(specs: list[HookSpec], originals: dict[str, object]) -> list[
     return bad
 
 
+def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
+    """Load SGLANG_RETRIEVER_INLINE_CKPT completely, now, before sglang loads the model: every layer of
+    SGLANG_RETRIEVER_INLINE_LAYERS, shapes, finite values, and the hidden size against the served model's
+    config.json when its path is known. A bad checkpoint is a PluginStartupError (one line)."""
+    from flashmemory.retriever.checkpoint import CheckpointError
+    from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
+    from flashmemory.sglang.runtime import server_args
+    try:
+        return load_serving_retriever(env, served_model_path(server_args(), sys.argv))
+    except CheckpointError as e:
+        raise PluginStartupError(str(e)) from None
+
+
 def register() -> None:
     """Idempotent: read the gates, register and apply the hooks of the active features, verify them."""
     global _STATE
@@ -51,6 +68,7 @@ def register() -> None:
     except EnvError as e:
         raise PluginStartupError(str(e)) from None
     features = features_for(env)
+    retriever = None
     if not features:
         _STATE = {"features": (), "targets": []}
         logger.info("FlashMemory: all gates off; no hooks registered (stock sglang)")
@@ -60,8 +78,8 @@ def register() -> None:
             from flashmemory.sglang import engine_adapter  # noqa: F401  (built when the pool exists)
         except ImportError as e:
             raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.engine_adapter ({e})") from None
-        if env.retriever_ckpt and not os.path.isfile(env.retriever_ckpt):
-            raise PluginStartupError(f"SGLANG_RETRIEVER_INLINE_CKPT={env.retriever_ckpt!r}: no such file")
+        if env.retriever_ckpt:
+            retriever = check_retriever(env)
     specs = specs_for(features)
     originals: dict[str, object] = {}
     try:
@@ -76,7 +94,7 @@ def register() -> None:
     from flashmemory.sglang import hooks
     from flashmemory.sglang.runtime import RUNTIME
 
-    RUNTIME.configure(env, features)
+    RUNTIME.configure(env, features, retriever)
     for s in specs:
         HookRegistry.register(s.target, getattr(hooks, s.hook), HookType(s.hook_type))
     HookRegistry.apply_hooks()

@@ -56,10 +56,11 @@ def server_args() -> Any:
         return None
 
 
-def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False) -> OffloadEngine:
-    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.engine_adapter.build`)."""
+def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> OffloadEngine:
+    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.engine_adapter.build`), with the
+    retriever the plugin checked at registration."""
     from flashmemory.sglang import engine_adapter
-    return engine_adapter.build(pool, env, server_args(), shrink=shrink)
+    return engine_adapter.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
 
 
 def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -115,6 +116,7 @@ class Runtime:
         self.features: tuple[str, ...] = ()
         self.pool: Any = None
         self.engine: OffloadEngine | None = None
+        self.retriever: Any = None                        # JointRetriever checked at registration (Level 1 on)
         self.bufs: Level2Buffers | None = None
         self.dump = None
         self.metrics = None
@@ -152,11 +154,11 @@ class Runtime:
             json.dump(d, f)
         os.replace(tmp, self.diag_path)
 
-    def configure(self, env: FlashMemoryEnv, features: tuple[str, ...]) -> None:
-        self.env, self.features = env, features
+    def configure(self, env: FlashMemoryEnv, features: tuple[str, ...], retriever: Any = None) -> None:
+        self.env, self.features, self.retriever = env, features, retriever
         if "dump" in features:
             from flashmemory.sglang.dump_mode import DumpRecorder
-            self.dump = DumpRecorder()
+            self.dump = DumpRecorder(root=env.dump_root or None)
 
     def on(self, feature: str) -> bool:
         return feature in self.features
@@ -186,7 +188,7 @@ class Runtime:
             return
         self.pool = pool
         if self.on("path_p"):
-            self.engine = build_engine(pool, self.env, self.shrink_planned())
+            self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
             try:
                 from flashmemory.sglang.metrics import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from tqdm import tqdm
 
+from flashmemory.errors import fail
 from flashmemory.tasks.suite import TASKS, generate, read_jsonl, score, write_jsonl
 from flashmemory.tasks.tokenizer import TokenizerError, load_tokenizer
 
@@ -59,8 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         tok = load_tokenizer(args.tokenizer)
     except TokenizerError as e:
-        print(f"tasks generate: {e}", file=sys.stderr)
-        return 2
+        return fail("tasks generate", e)
     names = list(TASKS) if args.task == "all" else [args.task]
     items = []
     try:
@@ -68,8 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
             items += generate(name, args.length, n=args.n, seed=args.seed, depth=args.depth, count=args.count,
                               tokenizer=tok)
     except ValueError as e:
-        print(f"tasks generate: {e}", file=sys.stderr)
-        return 2
+        return fail("tasks generate", e)
     n = write_jsonl(items, args.out)
     print(f"wrote {n} items ({', '.join(names)}) of <= {args.length} {tok.name} tokens to {args.out}")
     return 0
@@ -87,12 +85,9 @@ def _score(args: argparse.Namespace) -> int:
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
                         raise ValueError(f"{args.outputs} line {ln}: expected {{\"output\": ...}} ({e})") from None
     except (OSError, ValueError) as e:
-        print(f"tasks score: {e}", file=sys.stderr)
-        return 2
+        return fail("tasks score", e)
     if len(outs) != len(items):
-        print(f"tasks score: {args.items} has {len(items)} items but {args.outputs} has {len(outs)} outputs",
-              file=sys.stderr)
-        return 2
+        return fail("tasks score", f"{args.items} has {len(items)} items but {args.outputs} has {len(outs)} outputs")
     per: dict[str, list[float]] = {}
     for it, out in zip(items, outs):
         per.setdefault(it["task"], []).append(score(it, out))

@@ -16,13 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
+from flashmemory.errors import UserError
+
 VOCAB_PATH = Path(__file__).with_name("vocab.txt")
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 _PIECE = re.compile(r"\n|[a-z]+|\d|[^\sa-z\d]")
 _ATTACH_LEFT = set(".,:;?!)")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer could not be loaded or used."""
 
 

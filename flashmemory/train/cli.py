@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 
@@ -19,13 +18,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "against the config file's directory")
     g.add_argument("--output-dir", default="./checkpoints", help="where checkpoints and metrics.jsonl go (default %(default)s)")
     g.add_argument("--resume-from", default=None, metavar="CKPT",
-                   help="epoch checkpoint (ckpt_joint_epochEEE.pt) to continue from: weights, optimizer, schedule, step")
+                   help="epoch checkpoint (ckpt_joint_epochEEE.pt) to continue from: weights, optimizer, schedule, step. "
+                        "Into the same --output-dir it continues that run (epoch files after CKPT are moved aside)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="if --output-dir already holds a run, move its checkpoints and metrics.jsonl aside into "
+                        "OUTPUT_DIR/previous-<time>/ and start fresh (without it, such a dir is refused)")
     g.add_argument("--weight-dir", default="./weights",
                    help="native DeepSeek-V4 weights for the init: a dir of safetensors shards (official or HF names, "
                         "fp8 dequantized) with config.json, or a shipped model name such as 'micro' (default %(default)s)")
     g.add_argument("--no-pretrain", action="store_true", help="random init instead of native indexer weights")
     g.add_argument("--max-position", type=int, default=0,
-                   help="RoPE position clamp; 0 = max dumped position + 1, at least 131072 (default %(default)s)")
+                   help="RoPE position clamp in training; 0 = DeepSeek-V4's 1,048,576 (default %(default)s). Serving "
+                        "clamps at SGLANG_RETRIEVER_MAX_POSITION whatever the checkpoint stores")
     g.add_argument("--allow-pickle", action="store_true", help="also read upstream .pkl dump docs (runs pickled code)")
     m = p.add_argument_group("model")
     m.add_argument("--joint-layers", default=None,
@@ -66,6 +70,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="torch device (default: cuda if available, else cpu)")
     x.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default %(default)s)")
     x.add_argument("--log-interval", type=int, default=50, help="log a line every N steps (default %(default)s)")
+    x.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
 
 def config_from_args(a: argparse.Namespace):
@@ -86,24 +91,41 @@ def config_from_args(a: argparse.Namespace):
         batch_size=a.batch_size, bf16=a.bf16, focal_loss=a.focal_loss, pairwise=a.pairwise, sample=sample,
         val_stride=a.val_stride, threshold=a.threshold, select_ensemble=a.select_ensemble,
         patience_vals=a.patience_vals, val_every_steps=a.val_every_steps, seed=a.seed, device=a.device,
-        num_workers=a.num_workers, log_interval=a.log_interval, allow_pickle=a.allow_pickle)
+        num_workers=a.num_workers, log_interval=a.log_interval, allow_pickle=a.allow_pickle, overwrite=a.overwrite,
+        progress=not a.no_progress)
+
+
+def check_ranges(cfg) -> None:
+    """Range-check the numeric flags where they are read (UserError naming the flag)."""
+    import math
+    from flashmemory.errors import UserError
+    at_least = {"epochs": 1, "batch_size": 1, "log_interval": 1, "val_stride": 1, "n_heads": 1, "q_lora_rank": 1,
+                "rope_dim": 0, "max_position": 0, "num_workers": 0, "val_every_steps": 0, "patience_vals": 0}
+    for name, lo in at_least.items():
+        if getattr(cfg, name) < lo:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= {lo}")
+    if cfg.rope_dim % 2:
+        raise UserError(f"--rope-dim {cfg.rope_dim}: must be even")
+    for name, lo, hi in (("lr", 0.0, 10.0), ("wd", 0.0, 10.0), ("threshold", 0.0, 1.0), ("pairwise", 0.0, 1e3)):
+        v = getattr(cfg, name)
+        if not (math.isfinite(v) and lo <= v <= hi) or (name == "lr" and v == 0):
+            raise UserError(f"--{name} {v}: must lie in {'(' if name == 'lr' else '['}{lo}, {hi}]")
 
 
 def run(a: argparse.Namespace) -> int:
-    from flashmemory.dump.format import DumpFormatError
-    from flashmemory.retriever.checkpoint import CheckpointError
-    from flashmemory.train.data_config import DataConfigError
+    """Expected failures (bad data, flags, output dir, a diverged run, file-system errors) are one line, exit 2."""
+    from flashmemory.errors import UserError, fail
     from flashmemory.train.ddp import shutdown
     from flashmemory.train.loop import Trainer
-    from flashmemory.train.native_init import NativeWeightError
     try:
         cfg = config_from_args(a)
+        check_ranges(cfg)
         trainer = Trainer(cfg)
-    except (DataConfigError, DumpFormatError, CheckpointError, NativeWeightError, EnvError, ValueError,
-            FileNotFoundError) as e:
-        print(f"flashmemory train: error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, ValueError, OSError) as e:  # UserError covers dump, data-config, checkpoint, env errors
+        return fail("train", e)
     try:
+        if trainer.moved_aside is not None:
+            print(f"moved the earlier run's files in {cfg.output_dir} aside into {trainer.moved_aside}")
         if trainer.info.is_main:
             if trainer.layer_note:
                 print(f"note: {trainer.layer_note}")
@@ -111,7 +133,10 @@ def run(a: argparse.Namespace) -> int:
                 print(f"init l{lid}: {note}")
             print(f"train: {len(trainer.train_ds)} samples, {trainer.steps_per_epoch} steps/epoch x {cfg.epochs} "
                   f"epochs, world {trainer.info.world}, device {trainer.device}; val k_eff {trainer.validator.k_eff}")
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except (UserError, OSError) as e:  # a diverged run, a full disk, an unwritable file
+            return fail("train", e)
         if trainer.info.is_main:
             print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
     finally:

@@ -17,10 +17,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from flashmemory.errors import UserError
+
 SPLITS = ("train", "val", "test")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError):
     """A data config file is unreadable, malformed, or names data that does not exist."""
 
 

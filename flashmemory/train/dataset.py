@@ -23,16 +23,25 @@ _DOC_ID = re.compile(r"doc_(\d+)\.")
 
 
 def resolve_docs(specs: tuple[DataSpec, ...] | list[DataSpec], what: str = "data") -> list[Path]:
-    """Doc file paths of every spec (whitelisted by doc_ids; ids with no complete doc are skipped).
+    """Doc file paths of every spec (whitelisted by doc_ids).
 
+    A listed doc_id without a complete document is a DataConfigError naming the directory and the ids:
+    a split that silently trains or validates on fewer documents than its config names would give
+    numbers that cannot be compared or reproduced (drop the ids from the config, or finish the dump).
     An empty result is an error naming the directories, since training on nothing is never meant.
     """
     out: list[Path] = []
     for s in specs:
         docs = list_docs(s.data_dir)
         if s.doc_ids is not None:
-            want = set(s.doc_ids)
-            docs = [p for p in docs if (m := _DOC_ID.match(p.name)) and int(m.group(1)) in want]
+            have = {int(m.group(1)): p for p in docs if (m := _DOC_ID.match(p.name))}
+            missing = [i for i in s.doc_ids if i not in have]
+            if missing:
+                shown = ", ".join(map(str, missing[:10])) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+                raise DataConfigError(f"{what}: {s.data_dir}: doc_ids {shown} have no complete document (no "
+                                      "server_metadata.jsonl line or no file); remove them from the data config "
+                                      "or finish the dump")
+            docs = [have[i] for i in sorted(s.doc_ids)]
         out.extend(docs)
     if not out:
         dirs = ", ".join(str(s.data_dir) for s in specs) or "(none)"

@@ -6,13 +6,17 @@ Outputs in `output_dir`:
   ckpt_joint_epoch{E:03d}.pt  {"model_state", "optimizer", "scheduler", "epoch", "step", "best", "config"}:
       tensors, numbers and strings only, so `torch.load(weights_only=True)` reads it; resume input
   metrics.jsonl  one JSON object per log interval ("kind": "train") and per validation ("kind": "val")
+
+The output dir is locked (`flashmemory.outdir.DirLock`) from construction to the end of `fit()`. A dir that
+already holds a run is refused unless `resume_from` continues it or `overwrite` moves its files aside into
+`previous-<time>/` (nothing is deleted). A non-finite loss or gradient stops training with
+`TrainingDivergedError`; no checkpoint holding non-finite weights is ever written.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +26,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from flashmemory.atomic import atomic_path
+from flashmemory.errors import UserError
+from flashmemory.outdir import DirLock, move_aside, prepare_dir
 from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig
@@ -44,7 +51,8 @@ class TrainConfig:
     resume_from: str | None = None
     weight_dir: str | None = "./weights"
     no_pretrain: bool = False
-    max_position: int = 0                 # 0 = auto: max dumped position + 1, at least 131072
+    max_position: int = 0                 # training-time RoPE clamp; 0 = DeepSeek-V4's 1,048,576 (serving clamps
+                                          # at SGLANG_RETRIEVER_MAX_POSITION whatever the file stores)
     joint_layers: tuple[int, ...] = ()    # () = 10,12,20 if dumped, else every dumped target layer
     n_heads: int = 64
     q_lora_rank: int = 1024
@@ -67,6 +75,8 @@ class TrainConfig:
     num_workers: int = 0
     log_interval: int = 50
     allow_pickle: bool = False
+    overwrite: bool = False               # move an earlier run's files in output_dir aside instead of refusing
+    progress: bool = True                 # the per-epoch progress bar (log lines are printed either way)
 
 
 class LogitsHead(nn.Module):
@@ -143,10 +153,30 @@ def _write_jsonl(path: Path, rec: dict) -> None:
         f.write(json.dumps(rec, default=float) + "\n")
 
 
+class TrainingDivergedError(UserError):
+    """The loss or the gradient became NaN/inf; training stops and writes no checkpoint of that state."""
+
+
+def run_files(out: Path) -> list[str]:
+    """Names in `out` that a training run writes (and a new run would overwrite or mix with)."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.is_file() and
+                  (p.name == "metrics.jsonl" or (p.name.startswith("ckpt_joint_") and p.suffix in (".pt", ".safetensors"))))
+
+
+def _epoch_of(name: str) -> int | None:
+    """E of a `ckpt_joint_epoch{E:03d}.pt` file name, else None."""
+    stem = name.removeprefix("ckpt_joint_epoch").removesuffix(".pt")
+    return int(stem) if name.startswith("ckpt_joint_epoch") and name.endswith(".pt") and stem.isdigit() else None
+
+
 def _atomic_torch_save(obj: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # the temp file is removed if the write fails (disk full)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as e:   # torch reports a failed write (ENOSPC, EIO) as a RuntimeError
+            raise OSError(f"{path}: could not write the checkpoint ({e}); disk full?") from e
 
 
 class Trainer:
@@ -167,7 +197,11 @@ class Trainer:
                              "label among its existing chunks)")
         self.validator = Validator(resolve_docs(data.val, "val split"), self.layers, cfg.sample,
                                    cfg.val_stride, cfg.threshold, allow_pickle=cfg.allow_pickle)
-        max_pos = cfg.max_position or max(self.train_ds.max_position + 1, 131072)
+        # Training never bakes a short table into what it ships: the clamp is DeepSeek-V4's 1M unless asked.
+        max_pos = cfg.max_position or RopeConfig().max_position
+        if max_pos <= self.train_ds.max_position:
+            raise UserError(f"--max-position {max_pos}: the dump has positions up to {self.train_ds.max_position}; "
+                            "they would all be clamped (use 0 for the default 1,048,576)")
         self.model = build_model(cfg, self.layers, self.train_ds.hidden_size, self.train_ds.head_dim,
                                  max_pos).to(self.device)
         self.init_notes = {}
@@ -189,11 +223,52 @@ class Trainer:
         self.step, self.start_epoch = 0, 0
         self.best = {"f1": -1.0, "rk": -1.0, "stale": 0}
         self.out = Path(cfg.output_dir)
-        if self.info.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        if cfg.resume_from:
-            self.load_checkpoint(cfg.resume_from)
+        self.lock: DirLock | None = None
+        self.moved_aside: Path | None = None
+        try:
+            if cfg.resume_from:
+                self.load_checkpoint(cfg.resume_from)  # every rank: same file, same outcome
+            refused: Exception | None = None
+            if self.info.is_main:
+                try:
+                    self.lock = DirLock(prepare_dir(self.out, "--output-dir"), "training output directory")
+                    self.moved_aside = self._claim_output_dir()
+                except (UserError, OSError) as e:
+                    refused = e
+            # Rank 0 alone owns the output dir; the other ranks must stop with it, not wait in a collective.
+            if broadcast_flag(refused is not None, self.info):
+                raise refused or UserError(f"--output-dir {self.out}: refused by rank 0 (see its message)")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the output-dir lock (`fit()` does at its end)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _claim_output_dir(self) -> Path | None:
+        """Refuse to mix with an earlier run in the output dir, unless resuming it or told to overwrite.
+
+        Resuming keeps metrics.jsonl, the best checkpoints and the epoch files up to the resumed one; epoch
+        files past it (a longer earlier run) are moved aside. --overwrite moves every run file aside."""
+        old = run_files(self.out)
+        if self.cfg.resume_from and not self.cfg.overwrite:
+            later = [n for n in old if (e := _epoch_of(n)) is not None and e >= self.start_epoch]
+            if not later:
+                return None
+            # The best checkpoints may come from those later epochs; they go aside with them.
+            return move_aside(self.out, later + [n for n in old if n in (BEST_F1, BEST_RK)])
+        if not old:
+            return None
+        if not self.cfg.overwrite:
+            shown = ", ".join(old[:4]) + (f", ... ({len(old)} files)" if len(old) > 4 else "")
+            raise UserError(f"--output-dir {self.out}: already holds a training run ({shown}); pass --resume-from "
+                            f"{self.out}/ckpt_joint_epochEEE.pt to continue it, --overwrite to move its files aside "
+                            "into a previous-<time>/ folder there, or choose another --output-dir")
+        return move_aside(self.out, old)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def epoch_checkpoint(self, epoch: int) -> Path:
@@ -201,7 +276,11 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int) -> Path:
         cfg_json = json.dumps(asdict(self.cfg), default=str)
-        obj = {"model_state": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:  # the per-step check stops training first; this guards the file itself
+            raise TrainingDivergedError(f"{self.epoch_checkpoint(epoch)}: not written: {bad[0]} holds NaN/inf")
+        obj = {"model_state": state,
                "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
                "epoch": epoch, "step": self.step, "best": dict(self.best), "config": cfg_json,
                "dims": json.dumps(self.model.dims.__dict__), "rope": json.dumps(self.model.rope.__dict__)}
@@ -227,6 +306,10 @@ class Trainer:
         # The schedule follows this run's --epochs, continuing from the saved step.
         self.sched.T_max = max(1, self.steps_per_epoch * self.cfg.epochs)
         self.step, self.start_epoch = int(obj["step"]), int(obj["epoch"]) + 1
+        if self.start_epoch >= self.cfg.epochs:
+            raise UserError(f"--resume-from {path}: that run already finished epoch {self.start_epoch} of "
+                            f"--epochs {self.cfg.epochs} (epochs count from 1); nothing is left to train. Pass "
+                            f"--epochs greater than {self.start_epoch} to train further")
         self.best = {k: (float(v) if k != "stale" else int(v)) for k, v in obj.get("best", self.best).items()}
 
     # ---- validation --------------------------------------------------------------------------
@@ -260,14 +343,28 @@ class Trainer:
         loss = batch_loss(self.head, batch, self.cfg, self.device)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        gnorm = nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        # After backward, so every DDP rank sees the same all-reduced gradient and stops together.
+        if not (bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm))):
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step + 1}: loss {float(loss.detach()):.4g}, gradient norm "
+                f"{float(gnorm):.4g} "
+                f"(non-finite); stopped before the optimizer step, so the weights and the checkpoints in "
+                f"{self.out} are from before it. Check the dump for NaN/inf values or lower --lr")
         self.opt.step()
         self.sched.step()
         self.step += 1
         return float(loss.detach())
 
     def fit(self, max_epochs: int | None = None) -> dict:
-        """Train from `start_epoch` to `epochs` (or only `max_epochs` of them). Returns a summary."""
+        """Train from `start_epoch` to `epochs` (or only `max_epochs` of them). Returns a summary.
+        Releases the output-dir lock at the end, however it ends."""
+        try:
+            return self._fit(max_epochs)
+        finally:
+            self.close()
+
+    def _fit(self, max_epochs: int | None) -> dict:
         cfg = self.cfg
         stop = False
         if self.step == 0:
@@ -279,7 +376,8 @@ class Trainer:
                 break
             self.sampler.set_epoch(epoch)
             self.train_ds.set_epoch(epoch)
-            bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=not self.info.is_main, leave=False)
+            bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=not (self.info.is_main and cfg.progress),
+                       leave=False)
             t0, window = time.perf_counter(), []
             for batch in bar:
                 loss = self.train_one(batch)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flashmemory.errors import UserError
 from flashmemory.retriever.model import JointRetriever
 
 NATIVE = {
@@ -39,7 +40,7 @@ EXTRACTED = {"wq_a.weight": "wq_a.weight", "q_norm_weight": "q_norm.weight",
 FP8_BLOCK = 128
 
 
-class NativeWeightError(ValueError):
+class NativeWeightError(UserError):
     """Native weights are missing, ambiguous or shaped unlike a DeepSeek-V4 indexer."""
 
 

@@ -81,3 +81,73 @@ def test_task_budget_table(demo_run):
         assert {"Full", *METHODS} <= set(b)
         assert any(k.startswith("task:") for k in b)
     assert "## Task accuracy by page budget" in (out / "report.md").read_text()
+
+
+def _args(*argv):
+    from flashmemory.cli import build_parser
+    return build_parser().parse_args(["demo", *argv])
+
+
+def test_quick_writes_to_its_own_folder_and_knows_its_stage_times():
+    from flashmemory.demo.cli import config_from_args, expected_seconds
+    full, quick = config_from_args(_args()), config_from_args(_args("--quick"))
+    assert full.out_dir == "demo_out" and quick.out_dir == "demo_out_quick"
+    assert config_from_args(_args("--quick", "--out-dir", "x")).out_dir == "x"
+    assert expected_seconds(quick, True) is not None and expected_seconds(full, False) is not None
+    assert expected_seconds(config_from_args(_args("--quick", "--epochs", "99")), True) is None  # other workload
+
+
+def test_a_slow_stage_is_named_while_it_runs():
+    import threading
+    from flashmemory.demo.pipeline import Stages, slow_warning
+    assert slow_warning("3. decode", 200.0, 70.0) is None
+    msg = slow_warning("3. decode", 232.0, 70.0)   # the quick demo's decode stage on this box under load
+    assert msg.startswith("[demo] warning: stage '3. decode' has taken 232 s, over 3x the ~70 s") and "CPU" in msg
+    assert slow_warning("1. build model", 3.5, 1.0) is None   # 3x, but only seconds: noise
+    lines, seen = [], threading.Event()
+
+    def log(line):
+        lines.append(line)
+        if "warning" in line:
+            seen.set()
+    st = Stages(log, {"slow": 0.01, "fast": 3600.0}, excess=0.0)
+    with st("slow"):
+        assert seen.wait(30), lines   # the warning comes while the stage is still running
+    with st("fast"):
+        pass
+    assert st.warned == ["slow"] and sum("warning" in x for x in lines) == 1
+
+
+def test_work_dir_is_removed_only_if_the_demo_wrote_it(tmp_path):
+    from flashmemory.demo.config import WORK_MARKER
+    from flashmemory.demo.pipeline import clean_work_dir
+    from flashmemory.errors import UserError
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "mine.txt").write_text("user data")
+    with pytest.raises(UserError, match="was not written by the demo"):
+        clean_work_dir(tmp_path)
+    assert (tmp_path / "work" / "mine.txt").read_text() == "user data"
+    (tmp_path / "work" / "mine.txt").unlink()
+    (tmp_path / "work" / WORK_MARKER).write_text("x")
+    (tmp_path / "work" / "stale.safetensors").write_text("old run")
+    clean_work_dir(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == [WORK_MARKER]
+
+
+def test_a_locked_out_dir_is_refused(tmp_path):
+    from flashmemory.demo.pipeline import run_demo
+    from flashmemory.outdir import DirLock, DirLockedError
+    with DirLock(tmp_path):
+        with pytest.raises(DirLockedError, match="demo output directory is being written"):
+            run_demo(preset(DemoConfig(out_dir=str(tmp_path)), "test"), log=lambda *a: None, progress=False)
+
+
+def test_no_progress_prints_no_training_bar(synth, tmp_path, capfd):
+    from flashmemory.train.loop import Trainer, TrainConfig
+    cfg = dict(data_config=str(synth / "data.json"), no_pretrain=True, joint_layers=(0, 1), n_heads=8, q_lora_rank=32,
+               epochs=1, batch_size=8, log_interval=10**9)
+    Trainer(TrainConfig(output_dir=str(tmp_path / "a"), **cfg)).fit()
+    assert "epoch 0:" in capfd.readouterr().err   # the bar, as a terminal would show it
+    Trainer(TrainConfig(output_dir=str(tmp_path / "b"), progress=False, **cfg)).fit()
+    err = capfd.readouterr().err
+    assert "epoch 0" not in err and "\r" not in err

@@ -41,22 +41,28 @@ def test_resume_after_interrupt(tmp_path):
     with pytest.raises(RuntimeError, match="server died"):
         run_dump(FakeBackend(crash_at=3), inp, out, cfg, batch_size=2, progress=False)
     assert [r["item_index"] for r in read_metadata(out)] == [0, 1, 2]
-    # Crash debris: a temp file and a doc that was renamed but never got its metadata line.
+    # Crash debris: a temp file and a doc that was renamed but never got its metadata line (it is complete:
+    # adopted, not redone).
     (out / ".tmp-doc_00003.safetensors.99").write_bytes(b"xx")
     from flashmemory.dump.writer import save_doc_file
-    save_doc_file(out / "doc_00003.safetensors", make_doc(3))
+    debris = make_doc(3, seed=3)
+    debris.rid = "in.jsonl:3"
+    save_doc_file(out / "doc_00003.safetensors", debris)
     fb = FakeBackend(bad={4})
     rep = run_dump(fb, inp, out, cfg, batch_size=2, progress=False)
-    assert fb.seen == [3, 4, 5] and rep.skipped_done == 3 and len(rep.failed) == 1 and "in.jsonl:5" in rep.failed[0]
-    assert len(rep.recovered) == 2
+    assert fb.seen == [4, 5] and rep.skipped_done == 4 and len(rep.failed) == 1 and "in.jsonl:5" in rep.failed[0]
+    assert len(rep.recovered) == 2 and "adopted doc_00003" in rep.recovered[1]
     meta = read_metadata(out)
     assert sorted(r["item_index"] for r in meta) == [0, 1, 2, 3, 5]          # no duplicates, bad item skipped
     assert len({r["doc_index"] for r in meta}) == len(meta)
     docs = [load_doc(p) for p in list_docs(out)]                            # every listed doc loads completely
     assert [d.rid for d in docs] == [f"in.jsonl:{i}" for i in (0, 1, 2, 3, 5)]
     assert sorted(p.name for p in out.glob("doc_*")) == [r["filename"] for r in meta]
-    rep = run_dump(FakeBackend(), inp, out, cfg, start_idx=4, progress=False)  # only item 4 left in the slice
-    assert rep.skipped_done == 1 and len(rep.committed) == 1 and len(read_metadata(out)) == 6
+    fb = FakeBackend()
+    rep = run_dump(fb, inp, out, cfg, start_idx=4, progress=False)  # item 4 failed before: skipped, not retried
+    assert fb.seen == [] and rep.skipped_failed == [4] and rep.incomplete and rep.skipped_done == 1
+    rep = run_dump(fb, inp, out, cfg, start_idx=4, progress=False, retry_failed=True)
+    assert rep.skipped_done == 1 and len(rep.committed) == 1 and len(read_metadata(out)) == 6 and not rep.incomplete
 
 
 def test_slicing(tmp_path):

@@ -35,3 +35,15 @@ def test_eval_rejects_missing_layers(synth, tmp_path, capsys) -> None:
     ck = save_retriever(JointRetriever((5,), TEACHER_DIMS), tmp_path / "x.safetensors")
     assert main(["eval", "--checkpoint", str(ck), "--dump", str(synth / "train")]) == 2
     assert "layers [5]" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_nan_checkpoint(synth, teacher, tmp_path, capsys) -> None:
+    from safetensors.torch import load_file, save_file
+    ck = save_retriever(teacher, tmp_path / "t.safetensors")
+    sd = load_file(str(ck))
+    key = sorted(sd)[0]
+    sd[key].view(-1)[0] = float("nan")
+    save_file(sd, str(tmp_path / "nan.safetensors"))
+    assert main(["eval", "--checkpoint", str(tmp_path / "nan.safetensors"), "--dump", str(synth / "train")]) == 2
+    err = capsys.readouterr().err
+    assert f"nan.safetensors: {key} holds 1 non-finite value(s)" in err and len(err.splitlines()) == 1

@@ -147,3 +147,59 @@ def test_download_reports_hub_errors_and_success(monkeypatch: pytest.MonkeyPatch
 def test_checkpoint_without_action_prints_help(capsys: pytest.CaptureFixture) -> None:
     assert main(["checkpoint"]) == 2
     assert "inspect" in capsys.readouterr().out
+
+
+def _nan_and_misshapen(tmp_path: Path) -> tuple[Path, Path]:
+    sd = write_joint(tmp_path / "ok.pt")
+    nan = dict(sd)
+    nan["retrievers.l12.q_norm_weight"] = sd["retrievers.l12.q_norm_weight"].clone()
+    nan["retrievers.l12.q_norm_weight"][2] = float("nan")
+    torch.save(nan, tmp_path / "nan.pt")
+    bad = dict(sd)
+    bad["retrievers.l20.wq_b.weight"] = torch.randn(64, 23)   # rank 23 where the others have 24
+    torch.save(bad, tmp_path / "shape.pt")
+    return tmp_path / "nan.pt", tmp_path / "shape.pt"
+
+
+def test_inspect_and_convert_refuse_nan_and_wrong_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    nan, shape = _nan_and_misshapen(tmp_path)
+    assert main(["checkpoint", "inspect", str(nan)]) == 1
+    err = capsys.readouterr().err
+    assert "nan.pt: retrievers.l12.q_norm_weight holds 1 non-finite value(s)" in err and len(err.splitlines()) == 1
+    assert main(["checkpoint", "inspect", str(shape)]) == 1
+    assert "retrievers.l20.wq_b.weight: shape (64, 23) does not match (64, 24) of layer 10" in capsys.readouterr().err
+    for src in (nan, shape):
+        assert main(["checkpoint", "convert", str(src), str(tmp_path / "o.safetensors")]) == 1
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    nan, _ = _nan_and_misshapen(tmp_path)
+    from flashmemory.retriever.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="non-finite"):
+        main(["checkpoint", "inspect", str(nan), "--debug"])
+    with pytest.raises(CheckpointError, match="non-finite"):
+        main(["--debug", "checkpoint", "convert", str(nan), str(tmp_path / "o.safetensors")])
+    assert main(["checkpoint", "inspect", str(nan)]) == 1   # and without it, one line again
+
+
+def test_convert_force_onto_a_directory_leaves_nothing_behind(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_joint(tmp_path / "j.pt")
+    dst = tmp_path / "d.safetensors"
+    dst.mkdir()
+    (dst / "user_file").write_text("mine")
+    assert main(["checkpoint", "convert", "--force", str(tmp_path / "j.pt"), str(dst)]) == 1
+    assert "d.safetensors: is a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "j.pt"]
+    assert (dst / "user_file").read_text() == "mine"
+
+
+def test_save_never_writes_a_nan_checkpoint_nor_leaves_a_temp_file(tmp_path: Path) -> None:
+    from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
+    from flashmemory.retriever.model import JointRetriever, RetrieverDims
+    m = JointRetriever((3,), RetrieverDims(hidden=8, rank=4, n_heads=2, head_dim=8, rope_dim=4))
+    with torch.no_grad():
+        m.layer(3).wq_a.weight[0, 0] = float("inf")
+    with pytest.raises(CheckpointError, match=r"retrievers\.l3\.wq_a\.weight holds 1 non-finite"):
+        save_retriever(m, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []

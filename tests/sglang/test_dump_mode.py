@@ -15,26 +15,84 @@ pytestmark = pytest.mark.sglang
 def test_request_parsing_uses_the_shared_protocol(tmp_path):
     assert parse_request({"other": 1}) is None and parse_request(None) is None
     want = DumpRequest(pass_=1, doc_index=3, output_dir=str(tmp_path), target_csa_layers=(10, 12))
-    assert parse_request(want.to_custom_params()) == want
+    assert parse_request(want.to_custom_params(), root=tmp_path) == want
     for bad, msg in [({"pass": 1, "doc_index": 0, "output_dir": "rel/dir"}, "absolute"),
                      ({"pass": 1, "doc_index": 0, "output_dir": "/x", "topp": "hi"}, "bad field"),
                      ({"pass": 3, "doc_index": 0, "output_dir": "/x"}, "pass=3"),
                      ({"output_dir": "/x"}, "missing"),
-                     ({"pass": 1, "doc_index": 0, "output_dir": "/x", "target_csa_layers": [30]}, "outside")]:
+                     ({"pass": 1, "doc_index": 0, "output_dir": str(tmp_path), "target_csa_layers": [30]}, "outside")]:
         with pytest.raises(DumpProtocolError, match=msg) as e:
-            parse_request({"flashmemory_dump": bad}, rid="r7")
+            parse_request({"flashmemory_dump": bad}, rid="r7", root=tmp_path)
         assert "r7" in str(e.value)
 
 
-def test_request_topk_fields_old_blocks_and_errors():
-    old = {"version": 1, "pass": 1, "doc_index": 0, "output_dir": "/x", "target_csa_layers": [1]}
-    r = parse_request({"flashmemory_dump": old}, rid="r1")
+def test_request_topk_fields_old_blocks_and_errors(tmp_path):
+    old = {"version": 1, "pass": 1, "doc_index": 0, "output_dir": str(tmp_path), "target_csa_layers": [1]}
+    r = parse_request({"flashmemory_dump": old}, rid="r1", root=tmp_path)
     assert (r.store_topk, r.topk_interval) == ("cycle", 64)
-    r = parse_request({"flashmemory_dump": {**old, "version": 2, "store_topk": "all", "topk_interval": 5}})
+    r = parse_request({"flashmemory_dump": {**old, "version": 2, "store_topk": "all", "topk_interval": 5}},
+                      root=tmp_path)
     assert (r.store_topk, r.topk_interval) == ("all", 5)
     for field, value in [("store_topk", "x"), ("topk_interval", 0), ("version", 9)]:
         with pytest.raises(DumpProtocolError, match=rf"request r2: flashmemory_dump\.{field}={value!r}"):
-            parse_request({"flashmemory_dump": {**old, "version": 2, field: value}}, rid="r2")
+            parse_request({"flashmemory_dump": {**old, "version": 2, field: value}}, rid="r2", root=tmp_path)
+
+
+def test_server_writes_only_under_its_root(tmp_path):
+    """Issue 12 #8: output_dir outside the operator's root, with '..', or with no root set is refused."""
+    root = tmp_path / "root"
+    (root / "ok").mkdir(parents=True)
+    (root / "link").symlink_to(tmp_path)                               # a symlink that leaves the root
+    base = {"pass": 1, "doc_index": 0, "target_csa_layers": [1]}
+    assert parse_request({"flashmemory_dump": {**base, "output_dir": str(root / "ok" / "new")}}, root=root)
+    for od, r, msg in [("/etc", root, "outside the server's dump root"),
+                       (str(tmp_path / "elsewhere"), root, "outside"),
+                       (str(root / "ok" / ".." / ".." / "x"), root, "must not contain '..'"),
+                       (str(root / "link" / "x"), root, "outside"),
+                       (str(root / "ok"), None, "no dump root")]:
+        with pytest.raises(DumpProtocolError, match=msg):
+            parse_request({"flashmemory_dump": {**base, "output_dir": od}}, rid="r", root=r)
+    rec = DumpRecorder(index_topk=8, root=root)
+    with pytest.raises(DumpProtocolError, match="outside"):
+        rec.admit("r9", {"flashmemory_dump": {**base, "output_dir": "/tmp/evil"}})
+    assert not rec.pending
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("target_csa_layers", "10", "must be a list|expected a list"),      # was read as layers (1, 0)
+    ("target_csa_layers", [1, 1], "distinct"),
+    ("target_csa_layers", [], "non-empty"),
+    ("min_layers", 1000, "min_layers=1000: the model has 21 c4 layers"),
+    ("min_layers", 0, "min_layers=0"),
+    ("n_logit_tokens", -1, "n_logit_tokens=-1"),
+    ("doc_index", "3", "doc_index='3': bad field value"),
+    ("topp", 1e400, "topp"),
+])
+def test_server_rejects_bad_fields_by_name(tmp_path, field, value, msg):
+    block = {"pass": 1, "doc_index": 0, "output_dir": str(tmp_path), "target_csa_layers": [1], field: value}
+    with pytest.raises(DumpProtocolError, match=msg):
+        parse_request({"flashmemory_dump": block}, rid="r", root=tmp_path)
+
+
+@pytest.mark.parametrize("custom_params", ["{\"flashmemory_dump\": {}}", ["flashmemory_dump"], 7])
+def test_custom_params_that_is_not_an_object_is_refused(tmp_path, custom_params):
+    with pytest.raises(DumpProtocolError, match=f"custom_params: expected an object.*got {type(custom_params).__name__}"):
+        parse_request(custom_params, rid="r", root=tmp_path)
+
+
+def test_a_bad_block_aborts_the_request_with_the_reason(tmp_path, monkeypatch):
+    """The scheduler hook turns a refused block into sglang's own abort (the client gets HTTP 400)."""
+    from types import SimpleNamespace
+    from flashmemory.sglang import hooks
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
+    monkeypatch.setattr(hooks.RUNTIME, "dump", rec)
+    aborted = []
+    req = SimpleNamespace(rid="r5", set_finish_with_abort=aborted.append,
+                          sampling_params=SimpleNamespace(custom_params={"flashmemory_dump": {
+                              "pass": 1, "doc_index": 0, "output_dir": "/etc", "target_csa_layers": [1]}}))
+    hooks.before_add_request(None, req)
+    assert len(aborted) == 1 and "request r5" in aborted[0] and "outside the server's dump root" in aborted[0]
+    assert not rec.pending
 
 
 def _run_request(rec, rid, req, prompt, steps, kv, per_layer=None, seed=0, n_layers=3, finish=True):
@@ -62,7 +120,7 @@ def test_recorder_files_go_through_the_client_merge(tmp_path):
     staging = tmp_path / ".staging"
     kw = dict(doc_index=4, output_dir=str(staging), topp=0.5, min_layers=2, target_csa_layers=(1, 2), topk_interval=2)
     r1, r2 = DumpRequest(pass_=1, **kw), DumpRequest(pass_=2, **kw)
-    rec = DumpRecorder(index_topk=8)
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
     g = torch.Generator().manual_seed(1)
     kv1 = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
     kv2 = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
@@ -97,7 +155,7 @@ def test_recorder_files_go_through_the_client_merge(tmp_path):
 def test_merge_rejects_a_short_pass2(tmp_path):
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r1, r2 = DumpRequest(pass_=1, **kw), DumpRequest(pass_=2, **kw)
-    rec = DumpRecorder(index_topk=8)
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
     kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
     _run_request(rec, "a", r1, 40, 8, kv)
     _run_request(rec, "b", r2, 8, 1, kv)                                # far too few chunks for pass 1's steps
@@ -126,7 +184,7 @@ def test_recorder_stores_native_topk_of_every_layer(tmp_path, mode, interval, k,
     ids + logits, -1 / -inf where fewer than k chunks are visible; it reads back through the format loader."""
     req = DumpRequest(pass_=1, doc_index=1, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1,
                       store_topk=mode, topk_interval=interval)
-    rec = DumpRecorder(index_topk=k)
+    rec = DumpRecorder(index_topk=k, root=tmp_path)
     kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
     per_layer = [[] for _ in range(3)]
     prompt, steps = 6, 30                                               # step 0 sees 1 chunk, step 29 sees 8
@@ -152,7 +210,7 @@ def test_recorder_stores_native_topk_of_every_layer(tmp_path, mode, interval, k,
 
 
 def test_recorder_stores_no_topk_for_none_or_pass2(tmp_path):
-    rec = DumpRecorder(index_topk=8)
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
     kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r_none, r_p2 = DumpRequest(pass_=1, store_topk="none", **kw), DumpRequest(pass_=2, store_topk="all", **kw)
@@ -168,7 +226,7 @@ def test_recorder_stores_no_topk_for_none_or_pass2(tmp_path):
 def test_merge_rejects_topk_steps_other_than_asked(tmp_path):
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r1, r2 = DumpRequest(pass_=1, topk_interval=2, **kw), DumpRequest(pass_=2, **kw)
-    rec = DumpRecorder(index_topk=8)
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
     kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
     _run_request(rec, "a", r1, 40, 6, kv)
     _run_request(rec, "b", r2, 46, 2, kv)
@@ -182,7 +240,7 @@ def test_a_failing_document_does_not_raise_into_the_scheduler(tmp_path, monkeypa
     import flashmemory.sglang.dump_mode as dm
     g = torch.Generator().manual_seed(3)
     kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
-    rec = DumpRecorder(index_topk=8)
+    rec = DumpRecorder(index_topk=8, root=tmp_path)
     kw = dict(output_dir=str(tmp_path), topp=0.5, min_layers=1, target_csa_layers=(1,))
     calls = []
 

@@ -146,3 +146,20 @@ def test_runtime_attach_pool_builds_adapter(ckpt, monkeypatch):
     rt.attach_pool(fake_pool())
     assert isinstance(rt.engine, engine_adapter.SGLangOffload)
     rt.engine.close()
+
+
+def test_a_reserve_larger_than_the_device_is_refused_before_allocation(monkeypatch) -> None:
+    from flashmemory.sglang import geometry
+    from flashmemory.sglang.engine_adapter import build
+    from flashmemory.sglang.geometry import PoolGeometryError, read_geometry, reserve_bytes
+    pool, e = fake_pool(), env(reserve_pages=1 << 24, decode_max_conc=1 << 16)
+    geo = read_geometry(pool)
+    need = reserve_bytes(e, geo, 0)
+    assert need == ((1 << 24) + (1 << 16) * 1 + 1) * N_C4 * 37440   # ~1.8 TiB: far past any device
+    monkeypatch.setattr(geometry, "device_free_bytes", lambda dev: 64 << 30)
+    allocated = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: allocated.append(a) or pytest.fail("allocated"))
+    with pytest.raises(PoolGeometryError, match=r"reserve needs \d+\.\d GiB but the device has 64\.0 GiB free.*"
+                                                r"SGLANG_PATHP_RESERVE_PAGES.*SGLANG_PATHP_DECODE_MAX_CONC"):
+        build(pool, e)
+    assert allocated == []

@@ -12,7 +12,8 @@ SERVERS = ["launch_decode.sh", "launch_prefill.sh", "data_generation/start_dump_
 
 
 def dry(script, **env):
-    e = {**os.environ, "DRY_RUN": "1", **env}
+    root = {"DUMP_ROOT": "/tmp"} if "dump" in script else {}  # the dump server needs its write root
+    e = {**os.environ, "DRY_RUN": "1", **root, **env}
     return subprocess.run(["bash", os.path.join(ROOT, script)], env=e, capture_output=True, text=True, timeout=60)
 
 
@@ -93,3 +94,17 @@ def test_gpu_check_syntax_and_dry_run():
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts/gpu_check.sh")]).returncode == 0
     p = dry("scripts/gpu_check.sh")
     assert p.returncode == 0 and "case r10" in p.stdout
+
+
+def test_dump_server_writes_only_under_its_root_and_listens_locally():
+    argv, envs = command("data_generation/start_dump_server.sh", DUMP_ROOT="/data/dumps")
+    assert envs["SGLANG_FLASHMEMORY_DUMP_ROOT"] == "/data/dumps"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"                   # this machine only, unless told
+    from flashmemory.env import FlashMemoryEnv
+    assert FlashMemoryEnv.from_environ(envs).dump_root == "/data/dumps"
+    p = dry("data_generation/start_dump_server.sh", HOST="0.0.0.0")
+    assert p.returncode == 0 and "accepts requests from the network" in p.stderr
+    for root, msg in [("", "DUMP_ROOT is not set"), ("rel/dir", "must be an absolute path"),
+                      ("/data/../etc", "must not contain '..'")]:
+        p = dry("data_generation/start_dump_server.sh", DUMP_ROOT=root)
+        assert p.returncode != 0 and msg in p.stderr and "CMD" not in p.stdout

@@ -50,7 +50,8 @@ def installed():
 
 
 def test_gates_off_patch_nothing_and_on_patch_all(installed):
-    off, on = _run({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1"})
+    off, on = _run({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/tmp",
+                    "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1"})
     assert off["err"] is None and off["state"] == {"features": [], "targets": []}
     assert off["patched"] == []
     assert on["err"] is None, on["err"]
@@ -123,3 +124,59 @@ def test_path_p_startup_builds_the_adapter(installed, tmp_path):
     env["SGLANG_RETRIEVER_INLINE_CKPT"] = str(tmp_path / "missing.safetensors")
     p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
     assert "missing.safetensors" in json.loads(p.stdout.split("RESULT")[1])["err"]
+
+
+BADCKPT = r"""
+import json, os, sys
+import sglang.srt.plugins as plugins
+from flashmemory.sglang import plugin
+from flashmemory.sglang.targets import SPECS, resolve
+orig = {s.target: resolve(s.target)[2] for s in SPECS}
+for case in json.loads(os.environ["FM_CASES"]):
+    os.environ.update(case["env"])
+    sys.argv = ["sglang.launch_server", *case["argv"]]
+    plugins._plugins_loaded, plugin._STATE = False, None
+    try:
+        plugins.load_plugins()   # swallows exceptions, so only a SystemExit stops it
+        err = None
+    except SystemExit as e:
+        err = str(e)
+    print("RESULT" + json.dumps({"err": err, "patched": [t for t in orig if resolve(t)[2] is not orig[t]]}))
+"""
+
+
+def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
+    """Truncated, NaN, wrong-layer and wrong-hidden-size checkpoints stop load_plugins() with one line, before
+    any hook is applied (so before sglang builds the pool or loads the model)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from flashmemory.retriever import save_retriever
+    from flashmemory.retriever.model import JointRetriever, RetrieverDims
+    ck = save_retriever(JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
+                        tmp_path / "tiny.safetensors")
+    sd = load_file(str(ck))
+    sd["retrievers.l1.wq_a.weight"][0, 0] = float("inf")
+    save_file(sd, str(tmp_path / "inf.safetensors"))
+    (tmp_path / "cut.safetensors").write_bytes(ck.read_bytes()[:100])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    base = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_RETRIEVER_INLINE_LAYERS": "1"}
+    cases = [
+        {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(tmp_path / "cut.safetensors")}, "argv": []},
+        {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(tmp_path / "inf.safetensors")}, "argv": []},
+        {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(ck), "SGLANG_RETRIEVER_INLINE_LAYERS": "2"}, "argv": []},
+        {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(ck)}, "argv": ["--model-path", str(tmp_path / "model")]},
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
+    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_CASES": json.dumps(cases)})
+    p = subprocess.run([sys.executable, "-c", BADCKPT], env=env, capture_output=True, text=True, timeout=240)
+    res = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(res) == 4, p.stderr[-3000:]
+    want = [r"cut\.safetensors: unreadable safetensors file", r"inf\.safetensors: retrievers\.l1\.wq_a\.weight holds 1 "
+            r"non-finite", r"layer\(s\) \[2\] not in checkpoint", r"hidden size 16 does not match the served model's "
+            r"hidden_size 4096"]
+    import re
+    for r, pat in zip(res, want):
+        assert r["err"] and r["err"].startswith("FlashMemory startup error: SGLANG_RETRIEVER_INLINE_CKPT="), r
+        assert re.search(pat, r["err"]) and "\n" not in r["err"], r["err"]
+        assert r["patched"] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flashmemory.cli import main
 
 
@@ -26,3 +28,20 @@ def test_bad_input_exits_2_without_writing(tmp_path, capsys):
     assert main(["tasks", "generate", "--task", "vt", "--length", "900", "--tokenizer", str(tmp_path / "nope"),
                  "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_readme_task_files_go_to_an_ignored_folder():
+    """The README's `tasks generate --out X` must not leave an untracked file in the repo root (issue 12)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    outs = re.findall(r"tasks generate .*?--out (\S+)", (root / "README.md").read_text())
+    assert outs
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for out in outs:
+        assert "/" in out, out   # not the repo root
+        r = subprocess.run(["git", "check-ignore", "-q", out], cwd=root)
+        assert r.returncode == 0, f"README writes {out}, which git does not ignore"
