@@ -52,8 +52,8 @@ def run(a: argparse.Namespace) -> int:
             paths = [p for p in paths if int(p.stem.split("_")[1]) in want]
             missing = sorted(want - {int(p.stem.split("_")[1]) for p in paths})
             if missing:  # as for data-config doc_ids: never evaluate fewer documents than asked without a word
-                raise DumpFormatError(f"{a.dump or a.data_config}: --doc-ids {', '.join(map(str, missing))} are not "
-                                      f"among the documents to score ({split_line})")
+                raise DumpFormatError(f"{a.dump or a.data_config}: --doc-ids {', '.join(map(str, missing))} have no "
+                                      f"complete document among the documents to score ({split_line})")
         if not paths:
             raise DumpFormatError(f"{a.dump or a.data_config}: no documents to score ({split_line})"
                                   + (f" with ids {a.doc_ids}" if a.doc_ids else "")
