@@ -7,7 +7,8 @@ State per request (keyed by engine row and generation, so a reused row starts fr
   fallback  holding the latest native top-k pages (the Reactive union) beside the retriever's picks
 
 Per cycle (`observe`, one `MissReport`):
-  miss > threshold      the pages the monitor saw missing are added this cycle (`extra_pages`), and the budget
+  miss > threshold      the pages the monitor saw missing are added this cycle (`extra_pages`; held while the
+                        monitored layer keeps a top-k pick on them), and the budget
                         widens by `step` pages for the next cycles, up to `cap` and as far as the shared pool
                         and the reserve's free blocks allow (a shortfall is counted as `escalations_denied`,
                         never raised). After `fallback_after` such cycles in a row the request falls back.
@@ -75,6 +76,7 @@ class _Req:
     cycles: int = 0
     fallback: bool = False
     topk_history: list[torch.Tensor] = field(default_factory=list)
+    held: dict[int, float] = field(default_factory=dict)  # pages the monitor added, kept while still attended
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,10 @@ class EscalationController:
             st = self._get(row, gen)
             st.cycles += 1
             st.topk_history = (st.topk_history + [rep.topk_pages])[-cfg.fallback_history:]
+            attended = set(rep.topk_pages.tolist())
+            st.held = {p: m for p, m in st.held.items() if p in attended}
+            if rep.miss_mass > cfg.threshold:
+                st.held.update(zip(rep.missing_pages.tolist(), rep.missing_mass.tolist()))
             if rep.miss_mass > cfg.threshold:
                 st.high, st.low = st.high + 1, 0
                 ev["escalations"] = 1
@@ -155,9 +161,10 @@ class EscalationController:
                 ev["fallback_cycles"] = 1
             return Decision(st.budget, st.fallback, ev)
 
-    def extra_pages(self, row: int, gen: int, rep: MissReport | None) -> tuple[list[int], list[float]]:
+    def extra_pages(self, row: int, gen: int) -> tuple[list[int], list[float]]:
         """Pages to add beside the policy's picks this cycle, with their recall priorities: the pages the monitor
-        saw missing (when the miss mass passed the threshold), then, in fallback, the recent native top-k pages."""
+        saw missing (added when the miss mass passed the threshold, held while the monitored layer still has a
+        top-k pick on them), then, in fallback, the recent native top-k pages. Call after `observe`."""
         out: dict[int, float] = {}
         with self._mu:
             st = self._get(row, gen)
@@ -165,8 +172,7 @@ class EscalationController:
                 for pages in st.topk_history:
                     for p in pages.tolist():
                         out[int(p)] = FALLBACK_PRIORITY
-        if rep is not None and rep.miss_mass > self.cfg.threshold:
-            for p, m in zip(rep.missing_pages.tolist(), rep.missing_mass.tolist()):
+            for p, m in st.held.items():
                 out[int(p)] = MISSING_PRIORITY + float(m)
         return list(out), list(out.values())
 

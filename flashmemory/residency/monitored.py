@@ -62,7 +62,7 @@ class MissMonitor:
         """Steps 1-4: (budget for the policy, extra pages, their priorities)."""
         rep = self.measure(row, gen, n_hist, hidden, position)
         dec = self.ctl.observe(row, gen, rep)
-        extra, prio = self.ctl.extra_pages(row, gen, rep)
+        extra, prio = self.ctl.extra_pages(row, gen)
         eng = self.engine
         with eng.lock:
             st = eng.rows[row]
