@@ -33,6 +33,9 @@ class DemoConfig:
     batch_size: int = 16
     sweep: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4, 0.6)  # budgets for the coverage plot
     plot: bool = True
+    monitor_tasks: tuple[str, ...] = ("mrcr",)  # extra held-out documents for FlashMemory vs FlashMemory+monitor
+    residency_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)  # control-document prompt tokens
+    residency_kmax: int = 6            # fixed page budget of the residency-vs-length table
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
@@ -46,6 +49,11 @@ class DemoConfig:
         for name in ("doc_len", "gen_tokens", "n_train", "n_val", "n_test", "tau", "page_chunks", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        unknown = [t for t in self.monitor_tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown monitor task(s) {unknown}; choose from {', '.join(TASKS)}")
+        if any(n < 64 for n in self.residency_lengths) or self.residency_kmax < 1:
+            raise ValueError("residency lengths must be >= 64 tokens and residency_kmax >= 1")
         if self.doc_len < 64:
             raise ValueError(f"--doc-len {self.doc_len} is too short for the task suite (>= 64 tokens)")
 
@@ -55,9 +63,10 @@ class DemoConfig:
 
 
 QUICK = dict(model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2, epochs=10, min_layers=2, budget=0.25,
-             sweep=(0.1, 0.25, 0.5))
+             sweep=(0.1, 0.25, 0.5), residency_lengths=(512, 1024, 2048))
 TEST = dict(model="micro", doc_len=192, gen_tokens=16, n_train=2, n_val=1, n_test=1, epochs=1, min_layers=2,
-            tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False)
+            tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False, residency_lengths=(128, 256),
+            residency_kmax=3, monitor_tasks=("niah_single",))
 
 
 def preset(cfg: DemoConfig, name: str | None) -> DemoConfig:
