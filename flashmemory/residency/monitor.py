@@ -17,7 +17,8 @@ import torch
 
 NEG_INF = float("-inf")
 
-# (row, c4 layer, n_hist, hidden {target layer: [hidden]}, position [] int) -> native logits fp32 [n_hist]
+# (row, c4 layer, n_hist, hidden {target layer: [hidden]}, position [] int) -> native logits fp32 [n_hist], or
+# None when this layer's native query cannot be computed now (the monitor then skips the measurement)
 NativeScorer = Callable[[int, int, int, Mapping[int, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
@@ -105,12 +106,15 @@ def keys_native_scorer(engine, qw: Callable[[int, int, Mapping[int, torch.Tensor
     """A `NativeScorer` over the engine's device-resident target index-K: sum_h relu(q_h . k) w_h.
 
     qw(row, layer, hidden, position) -> (q fp32 [H, D], w fp32 [H]): the native indexer's query and head
-    weights of that layer (from the model; see `flashmemory.sglang.engine_adapter`)."""
+    weights of that layer (from the model; see `flashmemory.sglang.monitor`), or None (then the scorer returns None)."""
     from flashmemory.retriever.model import relu_head_scores
 
     @torch.no_grad()
     def score(row: int, layer: int, n_hist: int, hidden: Mapping[int, torch.Tensor], position: torch.Tensor):
-        q, w = qw(row, layer, hidden, position)
+        got = qw(row, layer, hidden, position)
+        if got is None:
+            return None
+        q, w = got
         keys = engine.target_keys(row, layer)[:n_hist]
         return relu_head_scores(q.float().unsqueeze(0), w.float().reshape(1, -1), keys.to(q.device))[0]
     return score

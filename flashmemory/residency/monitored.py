@@ -47,10 +47,14 @@ class MissMonitor:
         self.engine, self.native, self.ctl, self.layers = engine, native, controller, tuple(layers)
 
     def measure(self, row: int, gen: int, n_hist: int, hidden: Mapping[int, torch.Tensor],
-                position: torch.Tensor) -> MissReport:
-        """Steps 1-2: the rotated layer's native miss report against the resident set now."""
+                position: torch.Tensor) -> MissReport | None:
+        """Steps 1-2: the rotated layer's native miss report against the resident set now (None: no native
+        logits this cycle)."""
         layer = rotate_layer(self.layers, self.ctl.cycle_index(row, gen))
-        logits = self.native(row, layer, n_hist, hidden, position).reshape(-1)[:n_hist].float()
+        logits = self.native(row, layer, n_hist, hidden, position)
+        if logits is None:
+            return None
+        logits = logits.reshape(-1)[:n_hist].float()
         if not bool(torch.isfinite(logits).any()) and n_hist > 0:
             raise ValueError(f"miss monitor: native logits of row {row}, layer {layer} have no finite value")
         res = resident_mask(self.engine, row, n_hist)
@@ -61,6 +65,9 @@ class MissMonitor:
               position: torch.Tensor) -> tuple[int, list[int], list[float]]:
         """Steps 1-4: (budget for the policy, extra pages, their priorities)."""
         rep = self.measure(row, gen, n_hist, hidden, position)
+        if rep is None:
+            extra, prio = self.ctl.extra_pages(row, gen)
+            return self.ctl.budget(row, gen), extra, prio
         dec = self.ctl.observe(row, gen, rep)
         extra, prio = self.ctl.extra_pages(row, gen)
         eng = self.engine
