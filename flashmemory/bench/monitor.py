@@ -29,9 +29,11 @@ TOPK = 512
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"N = {', '.join(map(str, QUICK_SIZES))} chunks (smoke run)")
-    p.add_argument("--sizes", default=None, help=f"comma-separated chunk counts (default {','.join(map(str, FULL_SIZES))})")
+    p.add_argument("--sizes", default=None,
+                   help=f"comma-separated chunk counts (default {','.join(map(str, FULL_SIZES))})")
     p.add_argument("--tau", type=int, default=64, help="decode steps per Level-1 cycle (default 64)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default 5, 3 with --quick)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats, median reported (default 5, 3 with --quick)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this process may use)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -55,8 +57,8 @@ def bench_size(n: int, tau: int, repeats: int, device: torch.device) -> dict[str
         t_nat = measure(lambda: relu_head_scores(q, w, keys), repeats)
     del keys
     per_step_native = N_C4_LAYERS * t_nat
-    return {"n_chunks": n, "monitor_cycle_s": t_mon, "native_1layer_s": t_nat, "native_21layers_step_s": per_step_native,
-            "monitor_per_step_s": t_mon / tau, "monitor_vs_native": (t_mon / tau) / per_step_native}
+    return {"n_chunks": n, "monitor_cycle_s": t_mon, "native_1layer_s": t_nat,
+            "native_21layers_step_s": per_step_native, "monitor_per_step_s": t_mon / tau, "monitor_vs_native": (t_mon / tau) / per_step_native}
 
 
 def run(args: argparse.Namespace) -> int:

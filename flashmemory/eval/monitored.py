@@ -16,6 +16,7 @@ False in the result.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -72,11 +73,13 @@ def mean_resident_pages(resident: torch.Tensor, page_chunks: int) -> float:
 
 
 def cap_pages(kmax: int, mc: MonitorEvalConfig) -> int:
-    return max(kmax, -(-int(mc.cap_factor * kmax * 1000) // 1000))
+    """The monitored method's per-request cap: ceil(cap_factor x KMAX) pages, at least KMAX."""
+    return max(kmax, math.ceil(mc.cap_factor * kmax - 1e-9))
 
 
 def equal_budget_replay(replay: Callable[[int, Callable | None, int], object], target_pages: float, kmax: int,
-                        cap: int, page_chunks: int, make_monitor: Callable[[int, int], Callable]) -> tuple[object, dict]:
+                        cap: int, page_chunks: int,
+                        make_monitor: Callable[[int, int], Callable]) -> tuple[object, dict]:
     """Replay the monitored method at the largest base budget whose mean resident pages <= target_pages.
 
     replay(base, monitor_factory, cap) -> ReplayResult; make_monitor(base, cap) -> monitor factory.

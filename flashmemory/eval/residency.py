@@ -91,8 +91,11 @@ def residency_vs_length(engine, retriever, tok, rc: ResidencyConfig = ResidencyC
     return rows
 
 
-def extend_costmodel(rows: list[dict], kmax_serving: int = 96, lengths: tuple[int, ...] = (131072, 262144, 524288,
-                                                                                            1048576)) -> list[dict]:
+SERVING_LENGTHS = (131072, 262144, 524288, 1048576)
+
+
+def extend_costmodel(rows: list[dict], kmax_serving: int = 96,
+                     lengths: tuple[int, ...] = SERVING_LENGTHS) -> list[dict]:
     """Device c4 KV bytes per request at serving lengths: Full against the measured residency.
 
     The measured page counts (tiny pages) are taken relative to the fixed budget: the largest observed

@@ -27,7 +27,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "fallbacks": ("counter", "Requests switched to the exact-recall fallback (latest native top-k pages held)"),
     "budget_pages_mean": ("gauge", "Mean Level-1 page budget of the live requests (KMAX unless escalated)"),
     "requests_in_fallback": ("gauge", "Live requests in the exact-recall fallback"),
-    "miss_mass": ("histogram", "Share of the native top-k softmax mass outside the resident set, per request and cycle"),
+    "miss_mass": ("histogram", "Share of the native top-k softmax mass outside the resident set, per request, "
+                               "per cycle"),
 }
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")

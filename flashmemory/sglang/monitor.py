@@ -39,13 +39,14 @@ def build_monitor(adapter: Any) -> MissMonitor | None:
     if not env.miss_monitor:
         return None
     eng = adapter.engine
-    cfg = EscalationConfig.from_env(env, base=env.kmax(adapter.geo.page_chunks), reserve_blocks=adapter.cfg.recall_blocks,
-                                    rows=adapter.cfg.max_rows)
+    cfg = EscalationConfig.from_env(env, base=env.kmax(adapter.geo.page_chunks),
+                                    reserve_blocks=adapter.cfg.recall_blocks, rows=adapter.cfg.max_rows)
     if cfg.cap > adapter.cfg.max_resident_pages:
         raise ValueError(f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap "
                          f"{adapter.cfg.max_resident_pages}")
     ctl = EscalationController(cfg, free_blocks=lambda: len(eng.blocks))
-    native = keys_native_scorer(eng, lambda row, layer, hidden, pos: indexer_query(adapter.indexers, layer, hidden, pos))
+    native = keys_native_scorer(
+        eng, lambda row, layer, hidden, pos: indexer_query(adapter.indexers, layer, hidden, pos))
     return MissMonitor(eng, native, ctl, adapter.layout.target_layers)
 
 

@@ -45,7 +45,8 @@ class ControllerMachine(RuleBasedStateMachine):
         self.mon = MissMonitor(self.eng, self.native, self.ctl, layers=(0, 2))
         recency = lambda s, n, b: torch.arange(max(0, -(-n // 4) - b), -(-n // 4))  # noqa: E731
         self.l1 = Level1(self.eng, lambda r, n, h, p: torch.zeros(n), recency,
-                         Level1Config(tau=1, max_resident_pages=BASE, last_keep=4, async_recall=False), monitor=self.mon)
+                         Level1Config(tau=1, max_resident_pages=BASE, last_keep=4, async_recall=False),
+                         monitor=self.mon)
         self.g = torch.Generator().manual_seed(0)
         self.live: dict[int, int] = {}
 

@@ -154,3 +154,16 @@ def test_threshold_policy_takes_the_widened_budget():
     sel = SelectionConfig(threshold=0.0, last_keep=0, kmax=8, page_chunks=4)
     pages = ThresholdPagePolicy(sel)(torch.ones(40), 40, 6)
     assert pages.numel() == 6
+
+
+def test_keys_native_scorer_scores_the_device_target_keys():
+    from flashmemory.residency.monitor import keys_native_scorer
+    from flashmemory.retriever.fp8 import dequantize_chunks
+    eng, _ = _engine()
+    g = torch.Generator().manual_seed(5)
+    q, w = torch.randn(3, LAYOUT.index_head_dim, generator=g), torch.randn(3, generator=g)
+    score = keys_native_scorer(eng, lambda row, layer, hidden, pos: (q, w) if layer == 1 else None)
+    got = score(0, 1, 40, {}, torch.tensor(0))
+    keys = dequantize_chunks(eng.target.chunks(1, torch.arange(40)))   # row 0 owns mirror pages 0.. in order
+    want = torch.stack([sum(torch.relu(q[h] @ keys[j]) * w[h] for h in range(3)) for j in range(40)])
+    assert torch.allclose(got, want, atol=1e-4) and score(0, 0, 40, {}, torch.tensor(0)) is None
