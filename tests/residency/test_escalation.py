@@ -53,8 +53,9 @@ class ControllerMachine(RuleBasedStateMachine):
     def native(self, row, layer, n, hidden, pos):
         x = torch.linspace(-3, 0, n)
         p = self.hot.get(row)
-        if p == -1:  # scattered attention: a fresh random top-k every cycle, misses stay high -> fallback
-            return torch.randn(n, generator=self.g)
+        if p == -1:  # adversarial: attention always on non-resident chunks (a request that keeps missing -> fallback)
+            from flashmemory.residency.monitor import resident_mask
+            return x + 10.0 * (~resident_mask(self.eng, row, n)).float()
         if p is not None and p * 4 < n:
             x[p * 4:min(n, p * 4 + 4)] = 4.0
         return x
@@ -114,6 +115,18 @@ class ControllerMachine(RuleBasedStateMachine):
         # The stale request's state goes at the next Level-1 step (here: a step with no due row).
         self.l1.on_step([-1], {}, torch.zeros(1, dtype=torch.long))
         assert victim not in self.ctl.snapshot() or self.ctl.snapshot()[victim][0] == self.live.get(victim)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def missing_burst(self, data) -> None:
+        """One request keeps missing for several cycles in a row, then its attention returns to the tail."""
+        row = data.draw(st.sampled_from(sorted(self.live)))
+        self.hot[row] = -1
+        h = {0: torch.zeros(1, 8), 2: torch.zeros(1, 8)}
+        for _ in range(data.draw(st.integers(2, 4))):
+            self.l1.on_step([row], h, torch.zeros(1, dtype=torch.long))
+        if data.draw(st.booleans()):
+            self.hot.pop(row, None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
