@@ -55,3 +55,9 @@ def test_captured_scorer_pads_and_clamps():
     lg = torch.tensor([[1.0, 2.0, -math.inf]])
     out = captured_native_scorer({0: lg})(0, 0, 4, {}, torch.tensor(5))
     assert out.tolist()[:2] == [1.0, 2.0] and out[2:].eq(-math.inf).all()
+
+
+def test_residency_cli_names_bad_lengths(capsys):
+    from flashmemory.cli import main
+    assert main(["eval", "--residency", "--checkpoint", "none.safetensors", "--lengths", "10"]) == 2
+    assert "--lengths" in capsys.readouterr().err
