@@ -116,6 +116,14 @@ class FlashMemoryEnv:
     max_resident: int = 0                # SGLANG_RETRIEVER_MAX_RESIDENT: chunk cap, 0 = none
     max_position: int = 1048576          # SGLANG_RETRIEVER_MAX_POSITION: RoPE table length
     logit_offset: float = 0.0            # SGLANG_RETRIEVER_LOGIT_OFFSET
+    # Miss monitor, escalation and exact-recall fallback (flashmemory.residency.escalation).
+    miss_monitor: bool = False           # SGLANG_RETRIEVER_MISS_MONITOR: measure each request's miss mass per cycle
+    miss_threshold: float = 0.2          # SGLANG_RETRIEVER_MISS_THRESHOLD: escalate above this miss mass
+    miss_low: float = 0.05               # SGLANG_RETRIEVER_MISS_LOW: shrink back / leave fallback at or below this
+    miss_kmax_cap: int = 0               # SGLANG_RETRIEVER_MISS_KMAX_CAP: most pages per request, 0 = 2 x KMAX
+    miss_extra_pages: int = 0            # SGLANG_RETRIEVER_MISS_EXTRA_PAGES: pages above KMAX, all requests; 0 = auto
+    miss_shrink_after: int = 2           # SGLANG_RETRIEVER_MISS_SHRINK_AFTER: low cycles before a step back
+    miss_fallback_after: int = 2         # SGLANG_RETRIEVER_MISS_FALLBACK_AFTER: high cycles before the fallback
     # Reserve sizing.
     reserve_pages: int = 0               # SGLANG_PATHP_RESERVE_PAGES: page blocks per layer, 0 = auto
     decode_resident_chunks: int = 512    # SGLANG_PATHP_DECODE_RESIDENT_CHUNKS: per-request decode region
@@ -139,6 +147,13 @@ class FlashMemoryEnv:
             pages = math.ceil(math.ceil(self.target_context / ratio) / page_chunks)
             return max(1, math.ceil(self.page_kmax_ratio * pages))
         return self.page_kmax
+
+    def miss_kmax_cap_pages(self, base: int | None = None) -> int:
+        """Pages a request may be widened to by escalation (KMAX when the monitor is off)."""
+        base = self.kmax() if base is None else base
+        if not self.miss_monitor:
+            return base
+        return max(base, self.miss_kmax_cap or 2 * base)
 
     def auto_reserve_pages(self) -> int:
         """Recall blocks per layer: KMAX per concurrent request plus one spare page each (counted in pages, not tokens)."""
@@ -187,6 +202,13 @@ class FlashMemoryEnv:
             max_resident=_int(e, "SGLANG_RETRIEVER_MAX_RESIDENT", d.max_resident),
             max_position=_int(e, "SGLANG_RETRIEVER_MAX_POSITION", d.max_position, lo=1, hi=MAX_POSITION),
             logit_offset=_float(e, "SGLANG_RETRIEVER_LOGIT_OFFSET", d.logit_offset, -1e4, 1e4),
+            miss_monitor=_bool(e, "SGLANG_RETRIEVER_MISS_MONITOR", d.miss_monitor),
+            miss_threshold=_float(e, "SGLANG_RETRIEVER_MISS_THRESHOLD", d.miss_threshold, 0.0, 1.0),
+            miss_low=_float(e, "SGLANG_RETRIEVER_MISS_LOW", d.miss_low, 0.0, 1.0),
+            miss_kmax_cap=_int(e, "SGLANG_RETRIEVER_MISS_KMAX_CAP", d.miss_kmax_cap, hi=MAX_PAGES),
+            miss_extra_pages=_int(e, "SGLANG_RETRIEVER_MISS_EXTRA_PAGES", d.miss_extra_pages, hi=MAX_BLOCKS),
+            miss_shrink_after=_int(e, "SGLANG_RETRIEVER_MISS_SHRINK_AFTER", d.miss_shrink_after, lo=1),
+            miss_fallback_after=_int(e, "SGLANG_RETRIEVER_MISS_FALLBACK_AFTER", d.miss_fallback_after, lo=1),
             reserve_pages=_int(e, "SGLANG_PATHP_RESERVE_PAGES", d.reserve_pages, hi=MAX_BLOCKS),
             decode_resident_chunks=_int(e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1,
                                         hi=MAX_POSITION // 4),
@@ -239,6 +261,19 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_RETRIEVER_MAX_RESIDENT": ("0", "Cap on resident chunks per request; 0 = none"),
     "SGLANG_RETRIEVER_MAX_POSITION": ("1048576", "Retriever RoPE position clamp when serving, whatever the checkpoint stores; positions beyond it are clamped"),
     "SGLANG_RETRIEVER_LOGIT_OFFSET": ("0.0", "Added to the retriever logit before the sigmoid"),
+    "SGLANG_RETRIEVER_MISS_MONITOR": ("0", "Miss monitor: once per cycle and request, one rotated target layer's native "
+                                      "indexer scores the full history; its top-k mass outside the resident set is "
+                                      "the miss mass, which drives escalation and the fallback"),
+    "SGLANG_RETRIEVER_MISS_THRESHOLD": ("0.2", "Miss mass above this adds the missed pages and widens the request's "
+                                        "page budget for the next cycles"),
+    "SGLANG_RETRIEVER_MISS_LOW": ("0.05", "Miss mass at or below this counts towards shrinking back and leaving the "
+                                  "fallback"),
+    "SGLANG_RETRIEVER_MISS_KMAX_CAP": ("0", "Most resident pages an escalated request may hold; 0 = 2 x KMAX"),
+    "SGLANG_RETRIEVER_MISS_EXTRA_PAGES": ("0", "Pages above KMAX lent to escalated requests, all requests together; "
+                                          "0 = what the reserve holds beyond DECODE_MAX_CONC x (KMAX + 1)"),
+    "SGLANG_RETRIEVER_MISS_SHRINK_AFTER": ("2", "Low-miss cycles in a row before a request gives a budget step back"),
+    "SGLANG_RETRIEVER_MISS_FALLBACK_AFTER": ("2", "High-miss cycles in a row before a request holds the latest native "
+                                             "top-k pages beside the retriever's picks (exact-recall fallback)"),
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
     "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
                                      "(required with SGLANG_FLASHMEMORY_DUMP=1)"),

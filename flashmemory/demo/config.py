@@ -34,6 +34,10 @@ class DemoConfig:
     sweep: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4, 0.6)  # budgets for the coverage plot
     task_budgets: tuple[float, ...] = (0.1, 0.2)  # budgets of the task-accuracy table (Level-2 decode per method)
     plot: bool = True
+    monitor_tasks: tuple[str, ...] = ("mrcr",)  # extra held-out documents for FlashMemory vs FlashMemory+monitor
+    # Control-document prompt tokens; 8192 takes minutes on 2 cores: `flashmemory eval --residency --lengths 8192`.
+    residency_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    residency_kmax: int = 6            # fixed page budget of the residency-vs-length table
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
@@ -47,6 +51,11 @@ class DemoConfig:
         for name in ("doc_len", "gen_tokens", "n_train", "n_val", "n_test", "tau", "page_chunks", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        unknown = [t for t in self.monitor_tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown monitor task(s) {unknown}; choose from {', '.join(TASKS)}")
+        if any(n < 64 for n in self.residency_lengths) or self.residency_kmax < 1:
+            raise ValueError("residency lengths must be >= 64 tokens and residency_kmax >= 1")
         if self.doc_len < 64:
             raise ValueError(f"--doc-len {self.doc_len} is too short for the task suite (>= 64 tokens)")
 
@@ -63,9 +72,10 @@ TRAINED = dict(tasks=("niah_single", "niah_multikey", "mqar"), gen_tokens=24, n_
                min_layers=2, budget=0.2, sweep=(0.05, 0.1, 0.2, 0.4))
 # `--quick` writes to its own folder, so it never replaces the full run's report, results and plot.
 QUICK = dict(out_dir="demo_out_quick", model="tiny-flash", doc_len=512, gen_tokens=32, n_train=4, n_val=1, n_test=2,
-             epochs=10, min_layers=2, budget=0.25, sweep=(0.1, 0.25, 0.5))
+             epochs=10, min_layers=2, budget=0.25, sweep=(0.1, 0.25, 0.5), residency_lengths=(512, 1024, 2048))
 TEST = dict(model="micro", doc_len=192, gen_tokens=16, n_train=2, n_val=1, n_test=1, epochs=1, min_layers=2,
-            tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False)
+            tau=8, page_chunks=4, tail_chunks=8, sweep=(0.25, 0.5), plot=False, residency_lengths=(128, 256),
+            residency_kmax=3, monitor_tasks=("niah_single",))
 
 
 def preset(cfg: DemoConfig, name: str | None) -> DemoConfig:

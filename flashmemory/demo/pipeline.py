@@ -6,7 +6,9 @@
 4. train a retriever on the train split (`flashmemory.train`, causal sampling), pick it on the val split;
 5. on held-out documents, replay decode through the offload engine and Level 1 for each method at the
    same page budget, then enforce each resident set at Level 2 in a teacher-forced forward;
-6. write demo_out/report.md, results.json and a coverage-vs-budget plot.
+6. FlashMemory against FlashMemory+monitor per task, on the test documents plus extra held-out MRCR-like ones,
+   at an equal average budget; resident pages against context length on a control document;
+7. write demo_out/report.md, results.json and a coverage-vs-budget plot.
 """
 
 from __future__ import annotations
@@ -223,8 +225,30 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         for b in tqdm(cfg.sweep, desc="budget sweep", disable=not progress):
             sweep[b] = mean_rows([evaluate_doc(engine, r, retriever, hc, targets, b, quality=False)
                                   for r in test_runs])
+    with stage("6. miss monitor: per task, and residency against length"):
+        from flashmemory.eval.residency import ResidencyConfig, extend_costmodel, residency_vs_length
+        extra = []
+        for j, task in enumerate(cfg.monitor_tasks):
+            from flashmemory.tasks.suite import generate
+            it = generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
+            extra.append(full_run(engine, f"{it.task}-{cfg.n_docs + j}", tok.encode_chat(it.messages), cfg.gen_tokens,
+                                  targets, cfg.topp, cfg.min_layers, record=it.to_record(), measure_step=True))
+            extra[-1].cap = None
+        mhc = replace(hc, methods=("FlashMemory", "FlashMemory+monitor"))
+        per_task: dict[str, list] = {}
+        for r, d in zip(test_runs, per_doc):
+            per_task.setdefault(r.name.rsplit("-", 1)[0], []).append({k: d[k] for k in ("Full", *mhc.methods)})
+        for r in extra:
+            per_task.setdefault(r.name.rsplit("-", 1)[0], []).append(
+                evaluate_doc(engine, r, retriever, mhc, targets, cfg.budget, decode_text))
+        rc = ResidencyConfig(lengths=cfg.residency_lengths, gen_tokens=cfg.gen_tokens, kmax=cfg.residency_kmax,
+                             page_chunks=cfg.page_chunks, tau=cfg.tau, tail_chunks=cfg.tail_chunks,
+                             threshold=cfg.threshold, seed=cfg.seed)
+        residency = residency_vs_length(engine, retriever, tok, rc, log=log)
     results = {
         "config": asdict(cfg),
+        "monitor_tasks": {task: mean_rows(rows) for task, rows in per_task.items()},
+        "residency": {"rows": residency, "costmodel": extend_costmodel(residency)},
         "methods": mean_rows(per_doc),
         "per_doc": {r.name: d for r, d in zip(test_runs, per_doc)},
         "sweep": {str(b): v for b, v in sweep.items()},
@@ -234,6 +258,6 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         "stage_seconds": stage.times,
         "slow_stages": stage.warned,
     }
-    with stage("6. report"):
+    with stage("7. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)
     return results

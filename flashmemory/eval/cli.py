@@ -26,6 +26,9 @@ def retriever_scores(model, ensemble: str = "max"):
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.residency:
+        from flashmemory.eval.residency_cli import run_residency
+        return run_residency(a)
     if a.decode:
         from flashmemory.eval.decode_run import run_decode
         return run_decode(a)
@@ -105,5 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--allow-pickle", action="store_true", help="read upstream .pkl docs (runs pickled code)")
     from flashmemory.eval.decode_run import add_decode_args
+    from flashmemory.eval.residency_cli import add_residency_args
     add_decode_args(p)
+    add_residency_args(p)
     p.set_defaults(func=run)

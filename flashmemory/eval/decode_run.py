@@ -92,6 +92,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=float, default=0.25, help="page budget, fraction in (0, 1] (default %(default)s)")
     g.add_argument("--page-chunks", type=int, default=8, help="chunks per page (default %(default)s)")
     g.add_argument("--tail-chunks", type=int, default=8, help="recency tail in chunks (default %(default)s)")
-    g.add_argument("--methods", default=None, help="comma-separated subset of FlashMemory,Recency,Random,Oracle,"
-                                                   "Reactive (default: all)")
+    g.add_argument("--methods", default=None, help="comma-separated subset of FlashMemory,FlashMemory+monitor,"
+                                                   "Recency,Random,Oracle,Reactive (default: all; +monitor runs at "
+                                                   "FlashMemory's measured average budget)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")

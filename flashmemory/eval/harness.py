@@ -12,6 +12,8 @@ import torch
 
 from flashmemory.eval.decode import DocRun, mass_covered, method_quality, resident_stats
 from flashmemory.eval.methods import METHODS, DocView, make_method
+from flashmemory.eval.monitored import (METHOD as MONITORED, MonitorEvalConfig, cap_pages, equal_budget_replay,
+                                        mean_resident_pages, monitor_factory)
 from flashmemory.eval.replay import replay_doc
 from flashmemory.residency.policy import SelectionConfig
 
@@ -24,6 +26,7 @@ class HarnessConfig:
     threshold: float = 0.5   # FlashMemory score threshold
     seed: int = 0            # random baseline
     methods: tuple[str, ...] = METHODS
+    monitor: MonitorEvalConfig = MonitorEvalConfig()
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -50,16 +53,41 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
     view = DocView(run.prompt_len, run.topk, run.labels, hc.tau)
     n_vis = torch.tensor([min((run.prompt_len + t + 1) // 4, n_total) for t in range(run.n_steps)])
     out: dict[str, dict] = {}
+    fm_pages: float | None = None
     if quality:
         out["Full"] = method_quality(engine, run, None, n_vis, targets, decode_text) | {
             "recall_bytes": 0.0, "level1_share": 0.0, "kmax": kmax}
-    for name in hc.methods:
-        rep = replay_doc(run.index_chunks, run.hidden, run.prompt_len, run.n_steps,
-                         lambda eng, name=name: make_method(name, view, sel, eng, retriever, seed=hc.seed),
-                         page_chunks=hc.page_chunks, kmax=kmax, tau=hc.tau, last_keep=hc.tail_chunks,
-                         target_layers=targets)
-        m = {"recall_bytes": float(rep.metrics.get("recall_bytes", 0)), "kmax": kmax,
-             "level1_share": rep.level1_s / max(rep.level1_s + run.n_steps * run.decode_step_s, 1e-12)}
+    names = list(hc.methods)
+    if MONITORED in names and "FlashMemory" in names:  # its budget is matched to FlashMemory's measured one
+        names.remove(MONITORED)
+        names.insert(names.index("FlashMemory") + 1, MONITORED)
+    for name in names:
+        def replay(k: int, monitor=None, cap: int | None = None, name=name, sel=sel):
+            s2 = SelectionConfig(threshold=sel.threshold, last_keep=sel.last_keep, page_chunks=sel.page_chunks,
+                                 kmax=max(k, cap or k))
+            return replay_doc(run.index_chunks, run.hidden, run.prompt_len, run.n_steps,
+                              lambda eng: make_method(name, view, s2, eng, retriever, seed=hc.seed),
+                              page_chunks=hc.page_chunks, kmax=k, tau=hc.tau, last_keep=hc.tail_chunks,
+                              target_layers=targets, monitor=monitor, page_cap=cap)
+        extra: dict = {}
+        if name == MONITORED:
+            cap = cap_pages(kmax, hc.monitor)
+            if fm_pages is None:
+                fm_pages = mean_resident_pages(replay(kmax).resident, hc.page_chunks)
+            rep, extra = equal_budget_replay(
+                replay, fm_pages, kmax, cap, hc.page_chunks,
+                lambda base, c: monitor_factory(run.index_logits, targets, base, c, engine.index_topk, hc.monitor))
+            miss = rep.metrics.get("miss_values", [])
+            extra |= {"miss_mass_mean": sum(miss) / len(miss) if miss else float("nan"), "miss_values": miss,
+                      **{k: float(rep.metrics.get(k, 0)) for k in ("escalations", "fallbacks", "fallback_cycles",
+                                                                    "missing_pages_added", "monitor_cycles")}}
+        else:
+            rep = replay(kmax)
+        pages = mean_resident_pages(rep.resident, hc.page_chunks)
+        if name == "FlashMemory":
+            fm_pages = pages
+        m = {"recall_bytes": float(rep.metrics.get("recall_bytes", 0)), "kmax": kmax, "mean_pages": pages,
+             "level1_share": rep.level1_s / max(rep.level1_s + run.n_steps * run.decode_step_s, 1e-12), **extra}
         if quality:
             m |= method_quality(engine, run, rep.resident, rep.n_visible, targets, decode_text)
         else:
@@ -71,11 +99,14 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
 
 
 def mean_rows(per_doc: list[dict[str, dict]]) -> dict[str, dict]:
-    """Average each method's metrics over documents (NaNs skipped)."""
+    """Average each method's metrics over documents (NaNs skipped; lists, e.g. miss-mass samples, concatenated)."""
     out: dict[str, dict] = {}
     for name in per_doc[0]:
         out[name] = {}
         for k in per_doc[0][name]:
+            if isinstance(per_doc[0][name][k], list):
+                out[name][k] = [v for d in per_doc for v in d[name].get(k, [])]
+                continue
             vals = [d[name][k] for d in per_doc if not (isinstance(d[name][k], float) and math.isnan(d[name][k]))]
             out[name][k] = sum(vals) / len(vals) if vals else float("nan")
     return out

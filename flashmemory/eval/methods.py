@@ -6,6 +6,8 @@ All methods share the page budget (KMAX) and the Level-1 cadence; only what they
 - Random: the recency tail plus random other pages up to KMAX (seeded per cycle).
 - Oracle: the pages where the coming window [t, t + tau) has the most golden (step, chunk) pairs (it reads
   the future), plus the recency tail.
+- FlashMemory+monitor: FlashMemory plus the miss monitor, escalation and fallback, at an equal average
+  budget (`flashmemory.eval.monitored`; the harness adds the monitor, the scorer and policy are FlashMemory's).
 - Reactive: the pages holding most of the latest step's native top-k picks over all c4 layers, plus the
   tail, held for the window: the HiSparse-like policy without lookahead.
 """
@@ -21,7 +23,7 @@ from flashmemory.labels.csr import LabelsCSR
 from flashmemory.residency.level1 import Scorer, retriever_scorer
 from flashmemory.residency.policy import PagePolicy, SelectionConfig, ThresholdPagePolicy
 
-METHODS = ("FlashMemory", "Recency", "Random", "Oracle", "Reactive")
+METHODS = ("FlashMemory", "FlashMemory+monitor", "Recency", "Random", "Oracle", "Reactive")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def make_method(name: str, view: DocView, sel: SelectionConfig, engine, retrieve
     threshold = ThresholdPagePolicy(sel)
     makers: dict[str, Callable[[], tuple[Scorer, PagePolicy]]] = {
         "FlashMemory": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
+        "FlashMemory+monitor": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
         "Recency": lambda: (zero_scorer, RecencyPolicy(sel.page_chunks)),
         "Random": lambda: (zero_scorer, RandomPolicy(sel.page_chunks, sel.last_keep, seed)),
         "Oracle": lambda: (oracle_scorer(view), MassPagePolicy(sel.page_chunks, sel.last_keep)),
@@ -127,6 +130,6 @@ def make_method(name: str, view: DocView, sel: SelectionConfig, engine, retrieve
     }
     if name not in makers:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    if name == "FlashMemory" and retriever is None:
+    if name.startswith("FlashMemory") and retriever is None:
         raise ValueError("the FlashMemory method needs a trained retriever")
     return makers[name]()

@@ -24,6 +24,9 @@ from flashmemory.offload.layout import OffloadLayout
 from flashmemory.residency.level1 import Level1, Level1Config, Scorer
 from flashmemory.residency.policy import PagePolicy
 
+# engine -> a `flashmemory.residency.monitored.MissMonitor` over it (None: no monitor)
+MonitorFactory = Callable[[OffloadEngine], object]
+
 KV_WIDTHS = (576, 8)  # DeepSeek-V4 c4 entry: 448 fp8 nope + 128 bf16 rope | 7 scales + 1 pad
 KV_ALIGN = 576
 
@@ -48,26 +51,31 @@ def kv_pattern(n_layers: int, n_chunks: int, width: int = sum(KV_WIDTHS)) -> tor
 def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prompt_len: int, n_steps: int,
                method: Callable[[OffloadEngine], tuple[Scorer, PagePolicy]], *, page_chunks: int, kmax: int,
                tau: int, last_keep: int, target_layers: tuple[int, ...], ratio: int = 4,
-               device: str | torch.device = "cpu") -> ReplayResult:
+               device: str | torch.device = "cpu", monitor: MonitorFactory | None = None,
+               page_cap: int | None = None) -> ReplayResult:
     """Replay `n_steps` decode steps of one document.
 
     index_chunks: uint8 [n_c4, N_c, D+4] stored index keys of every c4 layer over prompt + response.
     hidden: target layer -> [S, hidden] indexer-input hidden of every position (S = P + n_steps).
     method: engine -> (scorer, policy) (see `flashmemory.eval.methods`); called once the engine exists
     because the retriever scorer reads the engine's target keys.
+    monitor: engine -> MissMonitor (escalation; `kmax` is then its base budget); page_cap: the engine's
+    per-request page cap (escalation's cap; default kmax).
     """
     n_layers, n_total, cb = index_chunks.shape
     layout = OffloadLayout(n_layers=n_layers, page_chunks=page_chunks, kv_widths=KV_WIDTHS, kv_align=KV_ALIGN,
                            index_head_dim=cb - 4, target_layers=tuple(target_layers), index_offload=True)
     n_pages = -(-n_total // page_chunks)
     decode_pages = -(-n_steps // (ratio * page_chunks)) + 2
-    cfg = EngineConfig(max_rows=1, max_chunks=n_total, mirror_pages=n_pages + 1, recall_blocks=kmax + 1,
-                       decode_pages=decode_pages, max_resident_pages=kmax, pin_memory=False)
+    cap = max(kmax, page_cap or kmax)
+    cfg = EngineConfig(max_rows=1, max_chunks=n_total, mirror_pages=n_pages + 1, recall_blocks=cap + 1,
+                       decode_pages=decode_pages, max_resident_pages=cap, pin_memory=False)
     engine = OffloadEngine(layout, cfg, device)
     scorer, policy = method(engine)
     kv = kv_pattern(n_layers, n_total)
     level1 = Level1(engine, scorer, policy, Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep,
-                                                         async_recall=False))
+                                                         async_recall=False),
+                    monitor=monitor(engine) if monitor is not None else None)
     n0 = prompt_len // ratio
     engine.admit(0, kv[:, :n0], index_chunks[:, :n0], rid="doc")
     resident = torch.zeros(n_steps, n_total, dtype=torch.bool)
@@ -88,6 +96,7 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
             resident[t, :n_t] = (cells >= 0).cpu()
             n_vis[t] = n_t
         metrics = engine.metrics()["total"]
+        metrics["miss_values"] = list(engine.stats.miss_recent)   # the monitor's measurements, in cycle order
     finally:
         level1.close()
         engine.finish(0)

@@ -28,16 +28,21 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RecallRequest:
     """One request's Level-1 result. pages: logical pages; priority: same length, higher = keep first
-    (use +inf for the recency tail)."""
+    (use +inf for the recency tail). budget: this request's page cap for this cycle (escalation widens and
+    shrinks it), at most the engine's `max_resident_pages`; None = the engine's cap. Recalled pages beyond it
+    that the selection no longer holds are evicted, so a shrunk budget really gives its blocks back."""
 
     row: int
     gen: int
     pages: tuple[int, ...]
     priority: tuple[float, ...]
+    budget: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.pages) != len(self.priority):
             raise ValueError(f"RecallRequest(row={self.row}): {len(self.pages)} pages but {len(self.priority)} priorities")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"RecallRequest(row={self.row}): budget must be >= 1, got {self.budget}")
 
 
 @dataclass
@@ -96,7 +101,6 @@ def _evict(eng: "OffloadEngine", blk: int, touched: set[int], cleared: list[int]
 
 def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> RecallPlan:
     plan = RecallPlan(t0=time.perf_counter())
-    cap = eng.cfg.max_resident_pages
     pc = eng.layout.page_chunks
     touched: set[int] = set()
     cleared: list[int] = []  # mirror pages of evicted pages, cleared from the table before the lock is released
@@ -112,6 +116,7 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> Reca
                 if st is None or st.gen != rq.gen:
                     continue  # finished or replaced before its cycle was planned
                 eng.stats.add(st.rid, "cycles")
+                cap = min(eng.cfg.max_resident_pages, rq.budget or eng.cfg.max_resident_pages)
                 n_pages = len(st.mpages)
                 ranked = [x for x in ranked if x[0] < n_pages]
                 if len(ranked) > cap:

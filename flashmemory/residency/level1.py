@@ -6,6 +6,11 @@ tail = +inf, then the page's best chunk score) -> engine plan / copy / publish. 
 cycle runs on one worker thread and its result applies from a later window; decode keeps using the
 previously published set. A request that finishes or whose row is reused before publish is discarded
 by the engine's generation check; nothing it planned leaks.
+
+With a `MissMonitor` (`flashmemory.residency.monitored`) each due request is first measured against its
+resident set (one rotated native layer over the full history); the request's escalation state then sets the
+budget handed to the policy and adds the pages the monitor saw missing (and, in fallback, the latest native
+top-k pages) beside the policy's picks.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ def page_priority(scores: torch.Tensor, n_hist: int, pages: torch.Tensor, page_c
 class Level1:
     """Cadence + pipeline. Call `on_step` after every decode forward; `wait` joins pending cycles; `close` stops."""
 
-    def __init__(self, engine: OffloadEngine, scorer: Scorer, policy: PagePolicy, cfg: Level1Config = Level1Config()):
-        self.engine, self.scorer, self.policy, self.cfg = engine, scorer, policy, cfg
+    def __init__(self, engine: OffloadEngine, scorer: Scorer, policy: PagePolicy, cfg: Level1Config = Level1Config(),
+                 monitor: "MissMonitor | None" = None):  # noqa: F821 (flashmemory.residency.monitored)
+        self.engine, self.scorer, self.policy, self.cfg, self.monitor = engine, scorer, policy, cfg, monitor
         pc = getattr(getattr(policy, "cfg", None), "page_chunks", engine.layout.page_chunks)
         if pc != engine.layout.page_chunks:
             raise ValueError(f"policy pages hold {pc} chunks but the offload layout uses {engine.layout.page_chunks}")
@@ -111,6 +117,10 @@ class Level1:
                 self._state[row] = (gen, step + 1, phase)
             for row in [r for r in self._state if eng.rows[r] is None]:
                 del self._state[row]
+        if self.monitor is not None:  # finished or replaced requests give their budget grant back now
+            with eng.lock:
+                live = {r: st.gen for r, st in enumerate(eng.rows) if st is not None}
+            self.monitor.sync(live)
         if not due:
             return []
         idx = torch.tensor([d[0] for d in due])
@@ -143,13 +153,20 @@ class Level1:
                 try:
                     if self.engine.gen(row) != gen:
                         continue
+                    budget, extra, extra_prio = self.cfg.max_resident_pages, [], []
+                    if self.monitor is not None:
+                        budget, extra, extra_prio = self.monitor.cycle(row, gen, n, hid, pos)
                     scores = self.scorer(row, n, hid, pos)
                 except KeyError:  # finished while queued
                     continue
-                pages = self.policy(scores, n, self.cfg.max_resident_pages).reshape(-1).cpu()
+                pages = self.policy(scores, n, budget).reshape(-1).cpu()
                 pages = pages[pages >= 0]
                 prio = page_priority(scores, n, pages, self.engine.layout.page_chunks, self.cfg.last_keep)
-                reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio)))
+                if self.monitor is not None:
+                    from flashmemory.residency.monitored import merge_selection
+                    pages, prio = merge_selection(pages.tolist(), prio, extra, extra_prio, budget)
+                reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio),
+                                          budget=budget if self.monitor is not None else None))
             plan = plan_recall(self.engine, reqs)
             try:
                 execute_recall(self.engine, plan)

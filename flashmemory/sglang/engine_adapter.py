@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -58,14 +59,19 @@ class SGLangOffload:
                                     index_head_dim=geo.index_head_dim, target_layers=tuple(env.retriever_layers),
                                     index_offload=env.index_k_offload)
         max_chunks = min(geo.n_locs, math.ceil(env.target_context / RATIO))
+        kmax = env.kmax(geo.page_chunks)
+        cap = env.miss_kmax_cap_pages(kmax)   # KMAX, or the escalation cap with the miss monitor
         self.cfg = EngineConfig.from_env(env, max_chunks=max_chunks, page_chunks=geo.page_chunks,
-                                         mirror_pages=geo.n_pages, **self._engine_overrides())
+                                         mirror_pages=geo.n_pages, max_resident_pages=cap, **self._engine_overrides())
         self.engine = OffloadEngine(self.layout, self.cfg, self.device, target_buffers=self._target_buffers())
-        sel = SelectionConfig.from_env(env)
+        sel = replace(SelectionConfig.from_env(env), kmax=cap)   # Level1Config's budget (KMAX or escalated) binds
         scorer = retriever_scorer(retriever, self.engine, env.ensemble_mode) if retriever is not None else _AllPass()
-        self.level1_cfg = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=self.cfg.max_resident_pages,
+        self.level1_cfg = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=kmax,
                                        last_keep=env.last_keep, async_recall=env.async_recall)
-        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(sel), self.level1_cfg)
+        self.indexers: dict[int, Any] = {}   # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
+        from flashmemory.sglang.monitor import build_monitor
+        self.monitor = build_monitor(self)
+        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(sel), self.level1_cfg, monitor=self.monitor)
         self.l2 = Level2(self.engine, max_batch=self.cfg.max_rows, topk=512)
         self._kv_byte_map = self.layout.kv.byte_map.to(self.device)   # device copy: no H2D copy under capture
         self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
@@ -292,7 +298,10 @@ class SGLangOffload:
         if "positions" in snapshot:
             n = min(n, snapshot["positions"].shape[0])
         if n and bool((rows[:n] >= 0).any()):
-            hidden = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers if f"hidden_{l}" in snapshot}
+            hidden: dict[Any, torch.Tensor] = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers
+                                               if f"hidden_{l}" in snapshot}
+            hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
+                           if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
             positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
             self.l1.on_step(rows[:n].tolist(), hidden, positions)
         return {"pages": self.resident_pages(rows)}
@@ -315,7 +324,16 @@ class SGLangOffload:
                 "level1_cycles": float(snap["cycles"]),
                 "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
                 "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
-                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]), "device_bytes_saved": 0.0}
+                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]), "device_bytes_saved": 0.0,
+                **self._monitor_stats(snap)}
+
+    def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
+        if self.monitor is None:
+            return {}
+        from flashmemory.sglang.monitor import monitor_stats
+        with self.engine.lock:
+            recent = list(self.engine.stats.miss_recent)
+        return monitor_stats(snap, recent)
 
     def close(self) -> None:
         self.l1.close()

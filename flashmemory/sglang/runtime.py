@@ -125,6 +125,7 @@ class Runtime:
         self.attn_layer: int | None = None               # c4 layer whose attention is running (reads the reserve)
         self.sideband: SidebandBuffers | None = None     # Level-1 inputs, written in place by the indexer hook
         self.sideband_rows_hint = 0                       # largest decode batch the server may run (init_cuda_graphs)
+        self.indexers: dict[int, Any] = {}                # target c4 layer -> sglang's C4Indexer (miss monitor)
         self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
         self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
@@ -164,8 +165,9 @@ class Runtime:
         return feature in self.features
 
     def level2_width(self) -> int:
-        """Pages per row in the Level-2 buffers: KMAX recalled pages plus the decode region."""
-        return self.env.kmax() + -(-self.env.decode_resident_chunks // 64)
+        """Pages per row in the Level-2 buffers: KMAX recalled pages (the escalation cap with the miss monitor) plus
+        the decode region."""
+        return self.env.miss_kmax_cap_pages() + -(-self.env.decode_resident_chunks // 64)
 
     # --- memory pool ------------------------------------------------------------------------------
     def shrink_planned(self) -> bool:
@@ -189,6 +191,8 @@ class Runtime:
         self.pool = pool
         if self.on("path_p"):
             self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
+            if hasattr(self.engine, "indexers"):
+                self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
             try:
                 from flashmemory.sglang.metrics import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()
@@ -202,27 +206,33 @@ class Runtime:
         return compress_layer_id if ratio == 4 else None
 
     # --- side band (Level 1) -----------------------------------------------------------------------
-    def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, capturing: bool) -> None:
+    def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, capturing: bool,
+                               q_lora: torch.Tensor | None = None, indexer: Any = None) -> None:
         """Target c4 layer `layer`'s indexer hook: copy x [B, hidden] and positions [B] into the static side band.
 
         The buffers are allocated on the first (eager) call, which precedes capture (sglang warms every bucket up
         eagerly, largest first), sized max(B, SGLANG_PATHP_DECODE_MAX_CONC, server max batch). Under capture, or
         once a graph has recorded them, a misfit raises instead of reallocating (the graph would keep writing the
-        old buffers). The copy itself is graph safe (`SidebandBuffers.write`)."""
+        old buffers). The copy itself is graph safe (`SidebandBuffers.write`). With the miss monitor the indexer's
+        q_lora rides along, and the indexer module is remembered (the monitor recomputes its native query)."""
+        monitor = self.env.miss_monitor and q_lora is not None
+        if monitor and indexer is not None:
+            self.indexers[layer] = indexer
         sb = self.sideband
-        if sb is None or not sb.accepts(layer, x):
+        if sb is None or not sb.accepts(layer, x) or not sb.accepts_q_lora(layer, q_lora if monitor else None):
             if capturing or self._sideband_frozen:
                 raise SidebandError(f"FlashMemory side band: no static buffer for c4 layer {layer} input "
                                     f"{x.dtype} {tuple(x.shape)} {x.device} and it cannot be (re)allocated "
                                     "under / after CUDA-graph capture")
             rows = max(x.shape[0], self.env.decode_max_conc, self.sideband_rows_hint)
-            sb = self.sideband = SidebandBuffers.allocate(tuple(self.env.retriever_layers), rows, x.shape[1],
-                                                          x.dtype, x.device)
+            sb = self.sideband = SidebandBuffers.allocate(
+                tuple(self.env.retriever_layers), rows, x.shape[1], x.dtype, x.device,
+                q_lora_rank=q_lora.shape[1] if monitor else 0, q_lora_dtype=q_lora.dtype if monitor else None)
             logger.info("FlashMemory: Level-1 side band [%d, %d] x %d layers allocated", rows, x.shape[1],
                         len(sb.layers))
         if capturing:
             self._sideband_frozen = True
-        sb.write(layer, x.detach(), positions)
+        sb.write(layer, x.detach(), positions, q_lora.detach() if monitor else None)
 
     def sideband_snapshot(self, n_rows: int) -> dict[str, torch.Tensor] | None:
         """Views of the side band's first n_rows (the real requests) after a decode forward; {} without a side

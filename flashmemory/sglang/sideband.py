@@ -10,13 +10,15 @@ Eager decode uses the very same path.
 Buffers (max_bs = `capacity`):
   hidden[l]   [max_bs, hidden]  dtype of x   indexer-input hidden states of target c4 layer l, rows [:B] this step
   positions   [max_bs]          int64        token positions of the rows
+  q_lora[l]   [max_bs, rank]    dtype of it  the indexer's q_lora input of target layer l (only with the miss
+                                             monitor, SGLANG_RETRIEVER_MISS_MONITOR: it recomputes the native query)
   written     [n_target]        int64        rows each target layer wrote in the current forward (0 = hook did
                                              not run: stale data); zeroed by `begin_forward` before each forward
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,15 +33,19 @@ class SidebandBuffers:
     hidden: dict[int, torch.Tensor]      # layer -> [capacity, hidden]
     positions: torch.Tensor              # [capacity] int64
     written: torch.Tensor                # [len(layers)] int64
+    q_lora: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [capacity, rank] (miss monitor only)
 
     @classmethod
     def allocate(cls, layers: tuple[int, ...], capacity: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "SidebandBuffers":
-        """Zero-filled buffers for `capacity` rows. Call outside CUDA-graph capture."""
+                 device: torch.device | str, q_lora_rank: int = 0,
+                 q_lora_dtype: torch.dtype | None = None) -> "SidebandBuffers":
+        """Zero-filled buffers for `capacity` rows (q_lora ones only when q_lora_rank > 0). Call outside capture."""
+        ql = {l: torch.zeros(capacity, q_lora_rank, dtype=q_lora_dtype or dtype, device=device) for l in layers} \
+            if q_lora_rank > 0 else {}
         return cls(tuple(layers),
                    {l: torch.zeros(capacity, hidden, dtype=dtype, device=device) for l in layers},
                    torch.zeros(capacity, dtype=torch.int64, device=device),
-                   torch.zeros(len(layers), dtype=torch.int64, device=device))
+                   torch.zeros(len(layers), dtype=torch.int64, device=device), ql)
 
     @property
     def capacity(self) -> int:
@@ -51,7 +57,14 @@ class SidebandBuffers:
         return (buf is not None and x.dim() == 2 and x.shape[1] == buf.shape[1] and x.dtype == buf.dtype
                 and x.device == buf.device)
 
-    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> None:
+    def accepts_q_lora(self, layer: int, q_lora: torch.Tensor | None) -> bool:
+        """q_lora [B, rank] fits this layer's q_lora buffer (True when none is kept and none is given)."""
+        buf = self.q_lora.get(layer)
+        if buf is None or q_lora is None:
+            return buf is None
+        return q_lora.dim() == 2 and q_lora.shape[1] == buf.shape[1] and q_lora.dtype == buf.dtype
+
+    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, q_lora: torch.Tensor | None = None) -> None:
         """Record this layer's inputs: x [B, hidden], positions [>= B] (any int dtype). CUDA-graph safe.
 
         Only static-shape in-place device ops (`copy_`, `fill_` with a Python int taken from shapes): no host
@@ -59,6 +72,8 @@ class SidebandBuffers:
         earlier, larger batch) are left untouched; readers take only the real rows."""
         n = min(x.shape[0], self.capacity, positions.reshape(-1).shape[0])
         self.hidden[layer][:n].copy_(x[:n])
+        if q_lora is not None and layer in self.q_lora:
+            self.q_lora[layer][:n].copy_(q_lora[:n])
         self.positions[:n].copy_(positions.reshape(-1)[:n])
         self.written[self.layers.index(layer)].fill_(n)
 
@@ -73,6 +88,7 @@ class SidebandBuffers:
         keeps (Level 1's `index_select` + `clone`) on the main stream before that forward is launched."""
         n = min(n_rows, self.capacity)
         out = {f"hidden_{l}": buf[:n] for l, buf in self.hidden.items()}
+        out.update({f"q_lora_{l}": buf[:n] for l, buf in self.q_lora.items()})
         out["positions"] = self.positions[:n]
         return out
 

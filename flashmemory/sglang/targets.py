@@ -100,7 +100,7 @@ def features_for(env: Any) -> tuple[str, ...]:
         f.append("path_i")
     if env.cudagraph and "level2" in f:
         f.append("cudagraph")
-    if env.level1_enabled:
+    if env.level1_enabled or (env.decode_swap_p and env.miss_monitor):  # the monitor reads the side band too
         f.append("level1")
     if env.dump_mode:
         f.append("dump")

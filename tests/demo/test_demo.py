@@ -151,3 +151,17 @@ def test_no_progress_prints_no_training_bar(synth, tmp_path, capfd):
     Trainer(TrainConfig(output_dir=str(tmp_path / "b"), progress=False, **cfg)).fit()
     err = capfd.readouterr().err
     assert "epoch 0" not in err and "\r" not in err
+
+
+def test_report_compares_monitor_and_tabulates_residency(demo_run):
+    out, res = demo_run
+    report = (out / "report.md").read_text()
+    assert "## Miss monitor: FlashMemory vs FlashMemory+monitor" in report
+    assert "## Resident pages per request against context length" in report
+    mon, fm = res["methods"]["FlashMemory+monitor"], res["methods"]["FlashMemory"]
+    assert mon["mean_pages"] <= fm["mean_pages"] + 1e-9 or not mon["budget_matched"], "budgets must be matched"
+    assert mon["monitor_cycles"] > 0 and len(mon["miss_values"]) > 0
+    assert all(0.0 <= v <= 1.0 for v in mon["miss_values"])
+    rows = res["residency"]["rows"]
+    assert [r["tokens"] for r in rows] == [128, 256] and all(r["fm_pages_max"] <= 3 + 3 for r in rows)  # KMAX + decode region
+    assert len(res["residency"]["costmodel"]) == 4 and "niah_single" in res["monitor_tasks"]

@@ -1,0 +1,60 @@
+"""The miss monitor behind sglang (`SGLANG_RETRIEVER_MISS_MONITOR=1`), for copy and shrink mode alike.
+
+The native query of a target c4 layer is recomputed off the decode path from what the side band carried out of
+the forward: the indexer's input x (`hidden_{l}`) and its q_lora (`q_lora_{l}`), through sglang's own
+`C4Indexer.compute_weights` / `compute_q` (the module the indexer hook saw, `RUNTIME.indexers`), exactly as the
+dump mode recomputes native logits. It is scored against the engine's target index-K (on the device in both
+modes, `OffloadEngine.target_keys`). Until a target layer's indexer has been seen (first decode forward) the
+monitor skips its measurement; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from flashmemory.residency.escalation import EscalationConfig, EscalationController
+from flashmemory.residency.monitor import keys_native_scorer
+from flashmemory.residency.monitored import MissMonitor
+
+
+def indexer_query(indexers: Mapping[int, Any], layer: int, hidden: Mapping[Any, torch.Tensor],
+                  position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q fp32 [H, D], w fp32 [H]) of one request at c4 layer `layer`, or None when the inputs are not there.
+    hidden: Level 1's per-request inputs ({layer: x [hidden], ("q_lora", layer): q_lora [rank]})."""
+    ind, x, ql = indexers.get(layer), hidden.get(layer), hidden.get(("q_lora", layer))
+    if ind is None or x is None or ql is None:
+        return None
+    with torch.no_grad():
+        weights = ind.compute_weights(x.reshape(1, -1), skip_scale=True)
+        q, w = ind.compute_q(ql.reshape(1, -1), position.reshape(1).to(ql.device), weights)
+    q = q[0] if isinstance(q, tuple) else q
+    return q.reshape(-1, q.shape[-1]).float(), w.reshape(-1).float()
+
+
+def build_monitor(adapter: Any) -> MissMonitor | None:
+    """The adapter's MissMonitor (None with the gate off): base budget KMAX, cap and shared pool from the env."""
+    env = adapter.env
+    if not env.miss_monitor:
+        return None
+    eng = adapter.engine
+    cfg = EscalationConfig.from_env(env, base=env.kmax(adapter.geo.page_chunks),
+                                    reserve_blocks=adapter.cfg.recall_blocks, rows=adapter.cfg.max_rows)
+    if cfg.cap > adapter.cfg.max_resident_pages:
+        raise ValueError(f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap "
+                         f"{adapter.cfg.max_resident_pages}")
+    ctl = EscalationController(cfg, free_blocks=lambda: len(eng.blocks))
+    native = keys_native_scorer(
+        eng, lambda row, layer, hidden, pos: indexer_query(adapter.indexers, layer, hidden, pos))
+    return MissMonitor(eng, native, ctl, adapter.layout.target_layers)
+
+
+def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:
+    """The monitor's keys of `flashmemory.sglang.metrics.METRICS` from `engine.metrics()["total"]`."""
+    hist = snap_total.get("miss_mass", {})
+    return {k: float(snap_total.get(k, 0)) for k in ("monitor_cycles", "escalations", "escalations_denied",
+                                                      "fallbacks", "missing_pages_added")} | {
+        "budget_pages_mean": float(snap_total.get("budget_pages_mean", 0.0)),
+        "requests_in_fallback": float(snap_total.get("in_fallback", 0)),
+        "miss_mass": (int(hist.get("n", 0)), list(recent))}
