@@ -232,7 +232,7 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
             from flashmemory.tasks.suite import generate
             it = generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
             extra.append(full_run(engine, f"{it.task}-{cfg.n_docs + j}", tok.encode_chat(it.messages), cfg.gen_tokens,
-                                  targets, cfg.topp, cfg.min_layers, record=it.to_record(), measure_step=True))
+                                  targets, cfg.topp, cfg.min_layers, record=it.to_record()))
             extra[-1].cap = None
         mhc = replace(hc, methods=("FlashMemory", "FlashMemory+monitor"))
         per_task: dict[str, list] = {}
