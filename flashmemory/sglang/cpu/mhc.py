@@ -53,3 +53,12 @@ def mhc_combine(x_flat: torch.Tensor, pre: torch.Tensor, hc: int, out_dtype: tor
     for k in range(hc):
         acc += p[:, k:k + 1] * x[:, k]
     return acc.to(out_dtype)
+
+
+def fused_hc_head(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+                  norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Drop-in for `kernels/ops/layernorm/mhc_head.py::fused_hc_head` (Triton): calls sglang's own torch version
+    `srt/models/deepseek_v4.py::hc_head_torch` (imported on first use). x [T, hc, H] -> y [T, H] in x's dtype."""
+    from sglang.srt.models.deepseek_v4 import hc_head_torch
+
+    return hc_head_torch(x, hc_fn, hc_scale, hc_base, norm_eps=norm_eps, hc_eps=hc_eps)
