@@ -6,8 +6,7 @@ Same semantics as sglang's own torch fallback `kernels/ops/attention/flash_mla_s
 `head_dim_v` dims of the same entries. sglang's version gathers every picked entry byte by byte (a 576-wide
 int64 index per pick); here each *page* a pick touches is dequantized once and the rows are gathered from
 that, which makes a 1K-token forward several times faster on CPU with the same numbers (dequantized entries
-are rounded to bf16 as sglang does before the fp32 products). The picks are visited in ascending pool order,
-so the result depends only on the *set* of picks, not on the order the top-k emitted them.
+are rounded to bf16 as sglang does before the fp32 products).
 
 Pool page layout (V4, `deepseek_v4_memory_pool.py`): [P x 576 data | P x 8 scale bytes | pad]; data = 448
 fp8 e4m3 nope values, then 64 bf16 rope values; scale bytes 0..6 = ue8m0 exponents of the 7 groups of 64.
@@ -45,27 +44,16 @@ def dequantize_pages(k_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor
     return out
 
 
-def sorted_picks(indices: torch.Tensor, lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [B, S, K] (-1 = none), lengths [B] or None -> (locs ascending per row with the invalid ones last,
-    invalid mask). Attention then sums over its picks in pool order, so the same set of picks gives the same
-    bits whatever order the top-k produced them in (a FlashMemory Level-2 restriction reorders them)."""
+def gather_entries(k_cache: torch.Tensor, indices: torch.Tensor,
+                   lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [B, S, K] token-level pool locs (-1 = none), lengths [B] or None ->
+    (entries bf16 [B, S, K, 512] with invalid rows zero, invalid bool [B, S, K])."""
+    p = k_cache.shape[1]
     b, s, k = indices.shape
     invalid = indices < 0
     if lengths is not None:
         invalid = invalid | (torch.arange(k, device=indices.device).view(1, 1, k) >= lengths.view(b, 1, 1))
-    key = torch.where(invalid, torch.full_like(indices, torch.iinfo(indices.dtype).max, dtype=indices.dtype), indices)
-    key = key.sort(dim=-1).values
-    return key, key == torch.iinfo(indices.dtype).max
-
-
-def gather_entries(k_cache: torch.Tensor, indices: torch.Tensor,
-                   lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [B, S, K] token-level pool locs (-1 = none), lengths [B] or None ->
-    (entries bf16 [B, S, K, 512] in ascending loc order with invalid rows zero and last, invalid bool [B, S, K])."""
-    p = k_cache.shape[1]
-    b, s, k = indices.shape
-    indices, invalid = sorted_picks(indices, lengths)
-    idx = torch.where(invalid, torch.zeros_like(indices), indices).long()
+    idx = indices.long().clamp_min(0)
     page = idx // p
     used = torch.unique(page[~invalid]) if bool((~invalid).any()) else page.new_zeros(1)
     rows = dequantize_pages(k_cache, used)
