@@ -86,6 +86,16 @@ MAX_ROWS = 1 << 16          # concurrent requests
 MAX_BLOCKS = 1 << 24        # reserve page blocks per layer
 
 
+CPU_GATE = "SGLANG_FLASHMEMORY_CPU"
+
+
+def cpu_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """SGLANG_FLASHMEMORY_CPU: the CPU execution layer for sglang's DeepSeek-V4 path (`flashmemory.sglang.cpu`).
+
+    Read on its own because sglang's platform discovery asks for it in every process, before anything else."""
+    return _bool(os.environ if env is None else env, CPU_GATE, False)
+
+
 @dataclass(frozen=True)
 class FlashMemoryEnv:
     """The resolved gates and knobs; defaults match upstream `launch_decode.sh` where that still makes sense."""
@@ -101,6 +111,7 @@ class FlashMemoryEnv:
     stagger_cycle: bool = False          # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
     dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
     dump_root: str = ""                  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
+    cpu: bool = False                    # SGLANG_FLASHMEMORY_CPU: run sglang's DeepSeek-V4 path on CPU (no GPU)
     # Page budget.
     page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
     page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
@@ -189,6 +200,7 @@ class FlashMemoryEnv:
             stagger_cycle=_bool(e, "SGLANG_PATHP_STAGGER_CYCLE", d.stagger_cycle),
             dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
             dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
+            cpu=cpu_enabled(e),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1, hi=MAX_PAGES),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1, hi=MAX_POSITION),
@@ -277,4 +289,6 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
     "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
                                      "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
+    "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
+                               "(with --device cpu; independent of the FlashMemory gates)"),
 }

@@ -52,7 +52,7 @@ def installed():
 def test_gates_off_patch_nothing_and_on_patch_all(installed):
     off, on = _run({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/tmp",
                     "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1"})
-    assert off["err"] is None and off["state"] == {"features": [], "targets": []}
+    assert off["err"] is None and off["state"] == {"features": [], "targets": [], "cpu_targets": []}
     assert off["patched"] == []
     assert on["err"] is None, on["err"]
     assert set(on["state"]["features"]) == {"level2", "cudagraph", "dump"}
