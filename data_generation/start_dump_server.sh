@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Native (non-PD) DeepSeek-V4 server for golden-label dumps: CUDA graph off, dump mode on, offload gates off.
 # Requests opt in with custom_params {"flashmemory_dump": {"output_dir": "/abs/dir", ...}}.
-# Knobs (env): MODEL TP PORT HOST CTX_LEN.  DRY_RUN=1 prints the environment and command instead of running.
+# Knobs (env): MODEL TP PORT HOST CTX_LEN DEVICE(cuda|cpu) PYTHON.  DRY_RUN=1 prints the environment and command.
+# DEVICE=cpu: sglang on CPU with the tiny model (tp 1, 4K context), e.g. to try the dump pipeline end to end.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$FM_REPO/scripts/launch_common.sh"
 
-MODEL="${MODEL:-path/to/ds_fp8}"; TP="${TP:-8}"; PORT="${PORT:-30000}"; HOST="${HOST:-0.0.0.0}"
-CTX_LEN="${CTX_LEN:-1100000}"
+DEVICE="${DEVICE:-cuda}"; fm_device_setup "$DEVICE"
+if [[ "$DEVICE" == cpu ]]; then
+  MODEL="${MODEL:-$FM_CPU_MODEL}"; TP="${TP:-1}"; HOST="${HOST:-127.0.0.1}"; CTX_LEN="${CTX_LEN:-4096}"
+  EXTRA=(--max-running-requests "${MAX_RUN:-4}" --skip-server-warmup)
+else
+  MODEL="${MODEL:-path/to/ds_fp8}"; TP="${TP:-8}"; HOST="${HOST:-0.0.0.0}"; CTX_LEN="${CTX_LEN:-1100000}"
+  EXTRA=(--cuda-graph-backend-decode disabled)   # DEVICE=cpu: in FM_DEV_ARGS
+fi
+PORT="${PORT:-30000}"
 fm_int TP "$TP" 1; fm_int PORT "$PORT" 1; fm_int CTX_LEN "$CTX_LEN" 1
 PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
@@ -18,7 +26,6 @@ SGLANG_PATHP_CUDAGRAPH=0; SGLANG_RETRIEVER_INLINE_CKPT=
 no_proxy="localhost,127.0.0.1,0.0.0.0${no_proxy:+,$no_proxy}"
 
 fm_run SGLANG_FLASHMEMORY_DUMP SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFFLOAD \
-  SGLANG_PATHP_CUDAGRAPH SGLANG_RETRIEVER_INLINE_CKPT no_proxy -- \
-  "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" \
-  --moe-runner-backend marlin --cuda-graph-backend-decode disabled --context-length "$CTX_LEN" \
-  --host "$HOST" --port "$PORT"
+  SGLANG_PATHP_CUDAGRAPH SGLANG_RETRIEVER_INLINE_CKPT no_proxy "${FM_DEV_VARS[@]}" -- \
+  "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
+  "${EXTRA[@]}" --context-length "$CTX_LEN" --host "$HOST" --port "$PORT"
