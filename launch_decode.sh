@@ -38,7 +38,7 @@ PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
 [[ -z "$CKPT" ]] || fm_path "retriever checkpoint (CKPT; CKPT= runs without Level 1)" "$CKPT"
 fm_module "$PY" sglang; fm_module "$PY" flashmemory
-fm_transfer "$PY" "$TRANSFER_BACKEND" "$DEVICE"; fm_backend_setup "$TRANSFER_BACKEND"
+fm_transfer "$PY" "$TRANSFER_BACKEND" "$DEVICE"
 
 SGLANG_DECODE_SWAP_P=1; SGLANG_PATHP_CUDAGRAPH="$CUDA_GRAPH"; SGLANG_PATHP_SCORE_RESIDENT="$SCORE_RESIDENT"
 SGLANG_PATHP_PAGE_RECALL=1; SGLANG_PATHP_PAGE_KMAX="$KMAX"; SGLANG_PATHP_ASYNC_RECALL=1
@@ -59,9 +59,9 @@ fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT S
   SGLANG_RETRIEVER_FIRST_KEEP SGLANG_RETRIEVER_ENSEMBLE_MODE SGLANG_OPT_USE_ONLINE_COMPRESS \
   SGLANG_PD_B_C4_SHRINK SGLANG_PD_CREDIT_OFFLOADED_C4 \
   SGLANG_DISAGGREGATION_WAITING_TIMEOUT SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN "${FM_DEV_VARS[@]}" \
-  "${FM_BACKEND_VARS[@]}" -- \
+  -- \
   "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
-  --disaggregation-mode decode --disaggregation-transfer-backend "$FM_BACKEND" \
+  --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
   --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" --num-reserved-decode-tokens 1024 --decode-log-interval 40 \
   --max-running-requests "$MAX_RUN" --context-length "$CTX_LEN" --skip-server-warmup --enable-metrics "${CG[@]}" \
   --host "$HOST" --port "$PORT"

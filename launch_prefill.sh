@@ -22,7 +22,7 @@ fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1; fm_float SWA_RATIO "$SWA_RATIO"; fm_f
 fm_choice TRANSFER_BACKEND "$TRANSFER_BACKEND" nixl mooncake mooncake_tcp
 PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
-fm_module "$PY" sglang; fm_transfer "$PY" "$TRANSFER_BACKEND" "$DEVICE"; fm_backend_setup "$TRANSFER_BACKEND"
+fm_module "$PY" sglang; fm_transfer "$PY" "$TRANSFER_BACKEND" "$DEVICE"
 
 SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0; SGLANG_FLASHMEMORY_DUMP=0
 SGLANG_OPT_USE_ONLINE_COMPRESS=1; SGLANG_DISAGGREGATION_WAITING_TIMEOUT=6000; SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
@@ -31,9 +31,9 @@ CG=(); [[ "$DEVICE" == cpu ]] || CG=(--cuda-graph-backend-decode disabled)   # D
 
 fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_FLASHMEMORY_DUMP \
   SGLANG_OPT_USE_ONLINE_COMPRESS SGLANG_DISAGGREGATION_WAITING_TIMEOUT SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN \
-  "${FM_DEV_VARS[@]}" "${FM_BACKEND_VARS[@]}" -- \
+  "${FM_DEV_VARS[@]}" -- \
   "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
   "${CG[@]}" --disaggregation-mode prefill \
-  --disaggregation-transfer-backend "$FM_BACKEND" --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
+  --disaggregation-transfer-backend "$TRANSFER_BACKEND" --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
   --swa-full-tokens-ratio "$SWA_RATIO" --max-running-requests "$MAX_RUN" --mem-fraction-static "$MEM_FRAC" \
   --context-length "$CTX_LEN" --skip-server-warmup --host "$HOST" --port "$PORT"

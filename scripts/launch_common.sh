@@ -59,14 +59,6 @@ fm_transfer() {  # fm_transfer PY BACKEND DEVICE: the PD transfer backend must r
   else fm_die "TRANSFER_BACKEND=$2 needs python module $mod, which does not import with $1 ($err); install it: $hint"; fi
 }
 
-# The sglang flag and environment of a TRANSFER_BACKEND value: mooncake_tcp is sglang's mooncake over TCP.
-fm_backend_setup() {  # fm_backend_setup BACKEND: sets FM_BACKEND and FM_BACKEND_VARS (names to export)
-  FM_BACKEND="$1"; FM_BACKEND_VARS=()
-  if [[ "$1" == mooncake_tcp ]]; then
-    FM_BACKEND=mooncake; MOONCAKE_PROTOCOL=tcp; MC_FORCE_TCP=1; FM_BACKEND_VARS=(MOONCAKE_PROTOCOL MC_FORCE_TCP)
-  fi
-}
-
 # DEVICE=cpu runs sglang's own server on CPU through FlashMemory's CPU execution layer (flashmemory.sglang.cpu):
 # a tiny model, for trying things out, development and CI. DEVICE=cuda (default) is the production path.
 FM_CPU_LAYER_VAR=SGLANG_FLASHMEMORY_CPU
