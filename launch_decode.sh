@@ -4,6 +4,7 @@
 #   BOOTSTRAP_PORT MAX_RUN CKPT LAYERS THRESH INTERVAL LAST_KEEP SCORE_RESIDENT INDEX_K_OFFLOAD CUDA_GRAPH
 #   C4_SHRINK (1: c4 KV lands in the host mirror, the device c4 pool becomes the reserve; needs nixl)
 #   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes)
+#   FLASHMEMORY (1; 0: stock sglang decode, every FlashMemory gate off, for A/B runs)
 #   DEVICE (cuda; cpu: sglang on CPU with the tiny model, tp 1, 4K context, 4 requests, no CUDA graph) PYTHON
 # DRY_RUN=1 prints the environment and the command instead of running them.
 set -euo pipefail
@@ -24,13 +25,14 @@ fi
 KMAX="${KMAX:-96}"; PORT="${PORT:-31200}"; TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 THRESH="${THRESH:-0.5}"; INTERVAL="${INTERVAL:-64}"; SCORE_RESIDENT="${SCORE_RESIDENT:-1}"
 INDEX_K_OFFLOAD="${INDEX_K_OFFLOAD:-0}"; C4_SHRINK="${C4_SHRINK:-1}"; CREDIT_C4="${CREDIT_C4:-0}"
+FLASHMEMORY="${FLASHMEMORY:-1}"
 
 fm_int TP "$TP" 1; fm_int CTX_LEN "$CTX_LEN" 1; fm_int TGT_CONC "$TGT_CONC" 1; fm_int TGT_CTX "$TGT_CTX" 1
 fm_int KMAX "$KMAX" 1; fm_int PORT "$PORT" 1; fm_int MAX_RUN "$MAX_RUN" 1; fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1
 fm_int INTERVAL "$INTERVAL" 1; fm_int LAST_KEEP "$LAST_KEEP"; fm_float THRESH "$THRESH"; fm_layers LAYERS "$LAYERS"
 fm_choice TRANSFER_BACKEND "$TRANSFER_BACKEND" nixl mooncake mooncake_tcp
 fm_choice SCORE_RESIDENT "$SCORE_RESIDENT" 0 1; fm_choice INDEX_K_OFFLOAD "$INDEX_K_OFFLOAD" 0 1; fm_choice CUDA_GRAPH "$CUDA_GRAPH" 0 1
-fm_choice C4_SHRINK "$C4_SHRINK" 0 1; fm_choice CREDIT_C4 "$CREDIT_C4" 0 1
+fm_choice C4_SHRINK "$C4_SHRINK" 0 1; fm_choice CREDIT_C4 "$CREDIT_C4" 0 1; fm_choice FLASHMEMORY "$FLASHMEMORY" 0 1
 if [[ "$C4_SHRINK" == 1 && "$TRANSFER_BACKEND" != nixl ]]; then
   echo "note: C4_SHRINK=1 needs TRANSFER_BACKEND=nixl (PD into host DRAM); Path-P will run in copy mode" >&2
 fi
@@ -49,6 +51,10 @@ SGLANG_RETRIEVER_INTERVAL="$INTERVAL"; SGLANG_RETRIEVER_LAST_KEEP="$LAST_KEEP"; 
 SGLANG_RETRIEVER_ENSEMBLE_MODE=or; SGLANG_OPT_USE_ONLINE_COMPRESS=1
 SGLANG_PD_B_C4_SHRINK="$C4_SHRINK"; SGLANG_PD_CREDIT_OFFLOADED_C4="$CREDIT_C4"
 SGLANG_DISAGGREGATION_WAITING_TIMEOUT=6000; SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+if [[ "$FLASHMEMORY" == 0 ]]; then   # stock decode: the plugin registers nothing
+  SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0; SGLANG_PD_B_C4_SHRINK=0
+  SGLANG_PD_CREDIT_OFFLOADED_C4=0; SGLANG_RETRIEVER_INLINE_CKPT=
+fi
 CG=(); [[ "$CUDA_GRAPH" == 1 || "$DEVICE" == cpu ]] || CG=(--cuda-graph-backend-decode disabled)
 [[ "$CUDA_GRAPH" == 0 || "$DEVICE" != cpu ]] || fm_die "CUDA_GRAPH=1 with DEVICE=cpu: CPU has no CUDA graphs"
 
