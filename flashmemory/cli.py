@@ -19,6 +19,7 @@ COMMANDS = [
     "flashmemory.train.verify",    # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
     "flashmemory.tasks.cli",       # tasks generate|score|list
+    "flashmemory.serve.cli",       # serve (P, D and the router on CPU, until Ctrl-C)
 ]
 
 

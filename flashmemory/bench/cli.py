@@ -13,6 +13,7 @@ BENCHES = {
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
     "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
+    "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
 }
 
 

@@ -64,9 +64,12 @@ def _env(cfg: PDConfig, **knobs: str) -> dict[str, str]:
     return e
 
 
-def start_pd(servers: Servers, cfg: PDConfig) -> PDStack:
-    """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail."""
+def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None) -> PDStack:
+    """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
+
+    Ports: the router's is `router_port` if given, every other one is picked free."""
     p_port, d_port, boot_port, r_port, prom_port = free_ports(5, cfg.host)
+    r_port = router_port or r_port
     common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
     d = servers.start("decode", ["bash", str(REPO / "launch_decode.sh")],
                       _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
