@@ -36,4 +36,4 @@ fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFF
   "${CG[@]}" --disaggregation-mode prefill \
   --disaggregation-transfer-backend "$TRANSFER_BACKEND" --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \
   --swa-full-tokens-ratio "$SWA_RATIO" --max-running-requests "$MAX_RUN" --mem-fraction-static "$MEM_FRAC" \
-  --context-length "$CTX_LEN" --skip-server-warmup --host "$HOST" --port "$PORT"
+  --context-length "$CTX_LEN" --skip-server-warmup --enable-metrics --host "$HOST" --port "$PORT"
