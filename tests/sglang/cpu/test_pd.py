@@ -62,4 +62,4 @@ def test_alias_refuses_an_unknown_agent_layout():
 
 def test_install_is_off_without_the_gate(monkeypatch):
     monkeypatch.delenv("SGLANG_FLASHMEMORY_CPU", raising=False)
-    assert pd.install() == "off"
+    assert pd.install() == {"nixl": "off", "fake": []}
