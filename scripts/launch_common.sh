@@ -66,7 +66,10 @@ FM_CPU_MODEL="$FM_REPO/checkpoints/tiny-dsv4-sglang"   # MODEL's default with DE
 fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export) and FM_DEV_ARGS (sglang flags)
   fm_choice DEVICE "$1" cuda cpu
   FM_DEV_VARS=(); FM_DEV_ARGS=()
+  # upstream runs the online compressor (JIT CUDA planner with pinned buffers); the CPU layer covers the default one
+  FM_ONLINE_COMPRESS=1
   if [[ "$1" == cuda ]]; then FM_DEV_ARGS=(--base-gpu-id 0 --moe-runner-backend marlin); return 0; fi
+  FM_ONLINE_COMPRESS=0
   printf -v "$FM_CPU_LAYER_VAR" 1
   # sglang's own switches for the CPU path (each avoids a CUDA/JIT kernel; see flashmemory/sglang/cpu)
   SGLANG_USE_CPU_ENGINE=1; TRITON_INTERPRET=1; SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0

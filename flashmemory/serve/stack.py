@@ -8,6 +8,7 @@ port is picked free at start (other users of the box run servers too), and every
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -64,6 +65,18 @@ def _env(cfg: PDConfig, **knobs: str) -> dict[str, str]:
     return e
 
 
+def router_ready(status: int, body: bytes, workers: int = 2) -> bool:
+    """sglang_router's /readiness: 200 with every one of the `workers` registered workers healthy."""
+    if status != 200:
+        return False
+    try:
+        r = json.loads(body)
+    except ValueError:
+        return False
+    return r.get("status") == "ready" and int(r.get("healthy_workers", 0)) >= workers \
+        and r.get("healthy_workers") == r.get("total_workers")
+
+
 def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None) -> PDStack:
     """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
 
@@ -84,6 +97,7 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None) ->
                       _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
                            DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot_port), PROMETHEUS_PORT=str(prom_port)))
     r_url = f"http://{cfg.host}:{r_port}"
-    servers.wait_http(r, r_url + "/health", cfg.startup_timeout)
+    # the router answers /health at once; /readiness says when it has found both workers healthy
+    servers.wait_http(r, r_url + "/readiness", cfg.startup_timeout, ok=router_ready)
     times["router"] = time.monotonic() - t0
     return PDStack(r_url, p_url, d_url, times)

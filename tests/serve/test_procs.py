@@ -37,3 +37,11 @@ def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
 def test_free_ports_are_distinct():
     ports = free_ports(5)
     assert len(set(ports)) == 5
+
+
+def test_router_ready_needs_every_worker_healthy():
+    from flashmemory.serve.stack import router_ready
+    assert router_ready(200, b'{"status":"ready","healthy_workers":2,"total_workers":2}')
+    assert not router_ready(200, b'{"status":"ready","healthy_workers":1,"total_workers":2}')
+    assert not router_ready(200, b'{"status":"not ready","healthy_workers":0,"total_workers":0}')
+    assert not router_ready(503, b"") and not router_ready(200, b"OK")

@@ -95,6 +95,8 @@ def test_cpu_commands_parse(sg, script):
     assert envs["SGLANG_FLASHMEMORY_CPU"] == "1" and envs["SGLANG_USE_CPU_ENGINE"] == "1"
     assert envs["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] == "1" and envs["SGLANG_OPT_FLASHMLA_SPARSE_PREFILL"] == "0"
     assert ns.model_path.endswith("checkpoints/tiny-dsv4-sglang")
+    if script != "data_generation/start_dump_server.sh":
+        assert envs["SGLANG_OPT_USE_ONLINE_COMPRESS"] == "0"     # the CUDA planner's path; 1 on GPUs
     if script == "launch_decode.sh":
         assert envs["SGLANG_RETRIEVER_INLINE_CKPT"] == "" and envs["SGLANG_RETRIEVER_INLINE_LAYERS"] == "0,1"
         assert ns.max_running_requests == 4
