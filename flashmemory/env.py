@@ -70,6 +70,16 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
     return tuple(ids)
 
 
+CPU_GATE = "SGLANG_FLASHMEMORY_CPU"
+
+
+def cpu_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """SGLANG_FLASHMEMORY_CPU: the CPU execution layer for sglang's DeepSeek-V4 path (`flashmemory.sglang.cpu`).
+
+    Read on its own because sglang's platform discovery asks for it in every process, before anything else."""
+    return _bool(os.environ if env is None else env, CPU_GATE, False)
+
+
 @dataclass(frozen=True)
 class FlashMemoryEnv:
     """The resolved gates and knobs; defaults match upstream `launch_decode.sh` where that still makes sense."""
@@ -84,6 +94,7 @@ class FlashMemoryEnv:
     fused_remap: bool = False            # SGLANG_PATHP_FUSED_REMAP: top-k columns map straight to reserve cells
     stagger_cycle: bool = False          # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
     dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
+    cpu: bool = False                    # SGLANG_FLASHMEMORY_CPU: run sglang's DeepSeek-V4 path on CPU (no GPU)
     # Page budget.
     page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
     page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
@@ -156,6 +167,7 @@ class FlashMemoryEnv:
             fused_remap=_bool(e, "SGLANG_PATHP_FUSED_REMAP", d.fused_remap),
             stagger_cycle=_bool(e, "SGLANG_PATHP_STAGGER_CYCLE", d.stagger_cycle),
             dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
+            cpu=cpu_enabled(e),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1),
@@ -210,4 +222,6 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_RETRIEVER_MAX_POSITION": ("1048576", "Retriever RoPE table length; positions beyond it are clamped"),
     "SGLANG_RETRIEVER_LOGIT_OFFSET": ("0.0", "Added to the retriever logit before the sigmoid"),
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
+    "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
+                               "(with --device cpu; independent of the FlashMemory gates)"),
 }

@@ -19,13 +19,18 @@ def chunk_bytes(head_dim: int) -> int:
     return head_dim + 4
 
 
-def quantize_chunks(k: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """Quantize keys to chunks. k: [N, D] float -> [N, D+4] uint8, per-chunk scale = max(amax, eps) / 448."""
+def quantize_chunks(k: torch.Tensor, eps: float = 1e-4, by_reciprocal: bool = False) -> torch.Tensor:
+    """Quantize keys to chunks. k: [N, D] float -> [N, D+4] uint8, per-chunk scale = max(amax, eps) / 448.
+
+    by_reciprocal: multiply by the fp32 reciprocal of the scale instead of dividing, as sglang's CUDA index-K
+    stores do (the two can differ by one fp32 ulp, which can move a value across an fp8 rounding boundary).
+    """
     if k.dim() != 2:
         raise ValueError(f"quantize_chunks expects [N, D], got {tuple(k.shape)}")
     k = k.float()
     scale = k.abs().amax(dim=-1, keepdim=True).clamp_min(eps) / FP8_MAX
-    q = (k / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scaled = k * (1.0 / scale) if by_reciprocal else k / scale
+    q = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return torch.cat((q.view(torch.uint8), scale.contiguous().view(torch.uint8)), dim=-1)
 
 

@@ -50,9 +50,13 @@ def register() -> None:
         env = FlashMemoryEnv.from_environ()
     except EnvError as e:
         raise PluginStartupError(str(e)) from None
+    cpu_targets: list[str] = []
+    if env.cpu:  # independent of the FlashMemory gates: CPU + all gates off = stock sglang on CPU
+        from flashmemory.sglang.cpu.install import install
+        cpu_targets = install()
     features = features_for(env)
     if not features:
-        _STATE = {"features": (), "targets": []}
+        _STATE = {"features": (), "targets": [], "cpu_targets": cpu_targets}
         logger.info("FlashMemory: all gates off; no hooks registered (stock sglang)")
         return
     if "path_p" in features:
@@ -83,7 +87,7 @@ def register() -> None:
     bad = verify_patched(specs, originals)
     if bad:
         raise PluginStartupError("hooks did not apply: " + "; ".join(bad))
-    _STATE = {"features": features, "targets": sorted({s.target for s in specs})}
+    _STATE = {"features": features, "targets": sorted({s.target for s in specs}), "cpu_targets": cpu_targets}
     logger.info("FlashMemory: active features: %s (%d hook targets)", ", ".join(env.active_features() or features),
                 len(_STATE["targets"]))
 

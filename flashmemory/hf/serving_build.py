@@ -1,0 +1,150 @@
+"""`flashmemory model build-serving --out DIR`: write the serving-tiny checkpoint (see `serving_model`).
+
+The build is seeded and deterministic (same seed -> byte-identical files), written into a temp directory
+beside DIR and renamed into place at the end, under a lock file `DIR.lock`. An existing DIR built with the
+same seed and intact files is kept as is; anything else at DIR is refused (never deleted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from flashmemory.hf.serving_model import SPECIAL_TOKENS, official_state_dict, serving_config
+
+MANIFEST = "flashmemory_build.json"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class BuildError(RuntimeError):
+    """The output directory cannot be written as asked; the message names it and why."""
+
+
+def build_tokenizer(vocab_size: int):
+    """Byte-level BPE without merges: ids 0..25 the DeepSeek specials, then the 256 byte symbols, then filler
+    symbols up to `vocab_size` so every id the model can emit decodes. Any text encodes (byte by byte)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_syms = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_syms.sort()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for s in byte_syms:
+        vocab[s] = len(vocab)
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab[f"ĠÂ{i}"] = len(vocab)   # spells " Â<i>" when decoded: visibly a filler id
+        i += 1
+    if len(vocab) != vocab_size:
+        raise BuildError(f"tokenizer needs {len(vocab)} ids but vocab_size is {vocab_size}")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    save_file({k: tensors[k] for k in sorted(tensors)}, str(path), metadata={"format": "pt"})
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checkpoint(tmp: Path, seed: int) -> dict:
+    """Write every file of the checkpoint into the empty directory `tmp`; returns the manifest dict."""
+    from flashmemory.hf.models import build_random, make_config
+
+    raw = serving_config()
+    config = make_config(raw, "serving-tiny")
+    model = build_random(config, seed=seed, dtype=torch.bfloat16)
+    tensors = official_state_dict(model)
+    _write_safetensors(tmp / "model.safetensors", tensors)
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    tok = build_tokenizer(int(raw["vocab_size"]))
+    tok.save(str(tmp / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[2], "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": int(raw["max_position_embeddings"]), "clean_up_tokenization_spaces": False,
+    }
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    manifest = {"kind": "flashmemory-serving-tiny", "seed": seed, "files": {f: _sha256(tmp / f) for f in FILES}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def intact(out: Path, seed: int) -> bool:
+    """True if `out` is a finished build with this seed whose files still match their recorded hashes."""
+    try:
+        man = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if man.get("kind") != "flashmemory-serving-tiny" or man.get("seed") != seed:
+        return False
+    return all((out / f).is_file() and _sha256(out / f) == h for f, h in man.get("files", {}).items())
+
+
+def build_serving(out: str | os.PathLike, seed: int = 0) -> Path:
+    """Build the checkpoint at `out` (atomic, locked, idempotent); returns the directory path."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            if intact(out, seed):
+                return out
+            raise BuildError(f"{out}: exists and is not an intact serving-tiny build with seed {seed}; "
+                             "choose another --out (nothing was deleted)")
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+        try:
+            write_checkpoint(tmp, seed)
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)   # safetensors and mkdtemp create owner-only files
+            os.chmod(tmp, 0o755)
+            os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)   # our own temp dir only
+            raise
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        out = build_serving(args.out, args.seed)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def add_build_serving(model_sub) -> None:
+    """Add `build-serving` to the `flashmemory model` subparsers."""
+    p = model_sub.add_parser("build-serving", help="write the tiny DeepSeek-V4 checkpoint sglang serves on CPU",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be the same build)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.set_defaults(func=_run)
+
+
+def register(sub) -> None:
+    """`flashmemory model ...` with `build-serving` (the lead merges this with `model train-tiny`)."""
+    p = sub.add_parser("model", help="build tiny DeepSeek-V4 checkpoints")
+    add_build_serving(p.add_subparsers(dest="model_command", metavar="SUBCOMMAND"))

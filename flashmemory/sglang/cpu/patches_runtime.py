@@ -1,0 +1,107 @@
+"""CPU seams outside the kernels: RoPE construction, the fp8 KV-cache check, and FlashMLA decode.
+
+- `get_rope_wrapper` (rotary_embedding/factory.py:517): on CPU it calls `get_rope_cpu`, which asserts a
+  `deepseek_yarn` scaling (factory.py:478); DSv4's SWA-only layers have none. Those get sglang's generic
+  `get_rope` (its CPU-safe torch RoPE); scaled layers keep `get_rope_cpu`.
+- `KVCacheConfigurator.configure` (kv_cache_configurator.py:459-467): refuses an fp8 KV cache on CPU
+  without Intel AMX. DSv4 stores its fp8 KV as raw bytes written by the torch stores, so for the DSv4 pool
+  the check is skipped: during `configure` the module sees a platform view whose `is_cpu()` is False (the
+  only `is_cpu()` reads in that module are that check and the MHA fp8 quant method at :453).
+- `DeepseekV4AttnBackend` decode (deepseek_v4_backend.py:4384): calls `self._flash_mla_with_kvcache`, which
+  `__init__` sets only on CUDA (:1262). After `__init__` it is set to sglang's torch sparse-decode path
+  (`flash_mla_sm120.py::flash_mla_with_kvcache_sm120` with SGLANG_SM120_FLASHMLA_BACKEND=torch ->
+  `_sm120_sparse_decode_fwd`), and `_create_flashmla_metadata` (:210, the FlashMLA tile scheduler) returns
+  None, which that path never reads.
+- `DeepseekV4AttnBackend._move_to_device` (:1381): pins host memory, impossible without a CUDA driver.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from flashmemory.sglang.cpu.patch_spec import CpuPatch
+
+_BK = "sglang.srt.layers.attention.deepseek_v4_backend"
+_RT = "flashmemory.sglang.cpu.patches_runtime"
+
+
+def rope_wrapper(original: Callable, head_size: int, rotary_dim: int, max_position: int, base: int,
+                 is_neox_style: bool = True, rope_scaling: Any = None, dtype: Any = None,
+                 partial_rotary_factor: float = 1.0, device: Any = None) -> Any:
+    if device == "cpu" and rope_scaling is None:
+        from sglang.srt.layers.rotary_embedding.factory import get_rope
+        return get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                        partial_rotary_factor)
+    return original(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                    partial_rotary_factor, device)
+
+
+class _NotCpuView:
+    """Delegates to the platform, except `is_cpu()` -> False (see the module docstring)."""
+
+    def __init__(self, platform: Any):
+        self._platform = platform
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
+
+
+def configure_dsv4_fp8(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    import sglang.srt.mem_cache.kv_cache_configurator as kcc
+    from sglang.srt.configs.model_config import is_deepseek_v4
+    if not (is_deepseek_v4(self.model_config.hf_config) and self.kv_cache_dtype == torch.float8_e4m3fn):
+        return original(self, *args, **kwargs)
+    real = kcc.current_platform
+    kcc.current_platform = _NotCpuView(real)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        kcc.current_platform = real
+
+
+def no_flashmla_metadata() -> None:
+    return None
+
+
+def sparse_decode_torch(*, q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int, softmax_scale: float,
+                        indices: torch.Tensor, topk_length: Any = None, attn_sink: Any = None,
+                        extra_k_cache: Any = None, extra_indices_in_kvcache: Any = None,
+                        extra_topk_length: Any = None, **unused: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_mla_with_kvcache` keyword call (block_table / cache_seqlens / tile_scheduler_metadata /
+    is_fp8_kvcache are FlashMLA scheduling details) -> sglang's torch sparse decode: (out, lse)."""
+    from sglang.kernels.ops.attention.flash_mla_sm120 import _sm120_sparse_decode_fwd
+    return _sm120_sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
+                                    extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+
+
+def after_backend_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    if getattr(self, "_flash_mla_with_kvcache", None) is None:
+        self._flash_mla_with_kvcache = sparse_decode_torch
+        self._swa_interleaved = self.token_to_kv_pool.get_swa_key_layout().is_interleaved
+        self._flashmla_split_kv_min_topk = 1 << 30
+        self.flashmemory_cpu_decode = True
+
+
+def move_to_device(self: Any, x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32, device=self.device)
+
+
+RUNTIME_PATCHES: tuple[CpuPatch, ...] = (
+    CpuPatch("sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
+             ("head_size", "rotary_dim", "max_position", "base"),
+             "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope"),
+    CpuPatch("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
+             f"{_RT}:configure_dsv4_fp8", ("self",),
+             "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool"),
+    CpuPatch(f"{_BK}._create_flashmla_metadata", "replace", f"{_RT}:no_flashmla_metadata", (),
+             "deepseek_v4_backend.py:210 FlashMLA tile-scheduler metadata (CUDA); the torch decode needs none"),
+    CpuPatch(f"{_BK}.DeepseekV4AttnBackend.__init__", "after", f"{_RT}:after_backend_init", ("self",),
+             "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path"),
+    CpuPatch(f"{_BK}.DeepseekV4AttnBackend._move_to_device", "replace", f"{_RT}:move_to_device", ("self", "x"),
+             "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver"),
+)

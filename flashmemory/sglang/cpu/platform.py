@@ -1,0 +1,67 @@
+"""Entry point `flashmemory.sglang.cpu.platform:activate` (group `sglang.srt.platforms`).
+
+sglang resolves `current_platform` when `sglang.srt.utils.common` is imported (its line 102), which every sglang
+process does before building a model: the launcher, each scheduler, the detokenizer. Discovery calls `activate()`
+of every installed platform plugin (or only the one `SGLANG_PLATFORM` names). With SGLANG_FLASHMEMORY_CPU unset it
+returns None and sglang picks its platform as shipped. With it set, it
+- sets sglang's own CPU switches (`CPU_SWITCHES`) unless the user set them, so the spawned processes inherit them;
+- stubs the CUDA-only kernel wheels (`stubs.install_stubs`) before any sglang module imports them;
+- returns `FlashMemoryCpuPlatform`: sglang's in-tree `CpuSRTPlatform` plus the DSv4 server-arg defaults.
+The torch fallbacks themselves are installed later, by `flashmemory.sglang.cpu.install` from the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flashmemory.env import CPU_GATE, cpu_enabled
+
+logger = logging.getLogger(__name__)
+
+# sglang's env switches that select its existing torch / non-fused paths (see the README's CPU section).
+CPU_SWITCHES: dict[str, str] = {
+    "SGLANG_USE_CPU_ENGINE": "1",                 # CPU platform; otherwise --device cpu imports vllm (utils/common.py:221)
+    "TRITON_INTERPRET": "1",                      # integer metadata Triton kernels run interpreted (no CPU driver)
+    "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL": "0",    # prefill through the sparse-decode path, not FlashMLA sparse
+    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",     # indexer logits: sglang's torch reference, not DeepGEMM
+    "SGLANG_DSA_FUSE_TOPK": "false",
+    "SGLANG_OPT_USE_TILELANG_MHC_PRE": "0",       # mHC: torch paths instead of TileLang
+    "SGLANG_OPT_USE_TILELANG_MHC_POST": "0",
+    "SGLANG_OPT_FUSE_MHC_POST_PRE": "0",
+    "SGLANG_OPT_DEEPGEMM_HC_PRENORM": "0",
+    "SGLANG_OPT_USE_FUSED_HASH_TOPK": "0",        # hash-MoE top-k in torch
+    "SGLANG_OPT_FP8_WO_A_GEMM": "0",              # wo_a as a plain bf16 GEMM
+    "SGLANG_DSV41_FUSED_WO_A": "0",
+    "SGLANG_OPT_DSV4_NONPAGED_INDEXER": "0",
+    "SGLANG_OPT_USE_JIT_INDEXER_METADATA": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+    "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+}
+PLATFORM_CLASS = "flashmemory.sglang.cpu.cpu_platform.FlashMemoryCpuPlatform"
+
+
+def apply_switches(environ=os.environ) -> dict[str, str]:
+    """Set each switch the user did not set; returns the ones that differ from ours (the user's choice wins)."""
+    differ = {}
+    for k, v in CPU_SWITCHES.items():
+        cur = environ.setdefault(k, v)
+        if cur != v:
+            differ[k] = cur
+    return differ
+
+
+def activate() -> str | None:
+    """Platform-plugin entry: None when SGLANG_FLASHMEMORY_CPU is off, else the platform class path."""
+    try:
+        on = cpu_enabled()
+    except ValueError as e:            # a malformed value: refuse loudly rather than fall back to CUDA
+        raise SystemExit(f"FlashMemory startup error: {e}") from None
+    if not on:
+        return None
+    differ = apply_switches()
+    if differ:
+        logger.warning("FlashMemory CPU: user-set switches kept: %s", differ)
+    from flashmemory.sglang.cpu.stubs import install_stubs
+    install_stubs()
+    return PLATFORM_CLASS
