@@ -102,6 +102,15 @@ def test_cpu_commands_parse(sg, script):
         assert ns.max_running_requests == 4
 
 
+def test_cpu_router_waits_for_slow_workers():
+    from sglang_router.launch_router import parse_router_args
+    argv, _ = command("launch_router.sh", DEVICE="cpu")
+    ra = parse_router_args(argv[3:])
+    assert ra.health_check_timeout_secs == 120 and ra.disable_circuit_breaker
+    argv, _ = command("launch_router.sh")
+    assert not parse_router_args(argv[3:]).disable_circuit_breaker
+
+
 def test_cpu_refuses_cuda_graph():
     p = dry("launch_decode.sh", DEVICE="cpu", CUDA_GRAPH="1")
     assert p.returncode != 0 and "CUDA_GRAPH=1 with DEVICE=cpu" in p.stderr
