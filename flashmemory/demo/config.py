@@ -33,6 +33,8 @@ class DemoConfig:
     batch_size: int = 16
     sweep: tuple[float, ...] = (0.05, 0.1, 0.15, 0.25, 0.4, 0.6)  # budgets for the coverage plot
     plot: bool = True
+    serve: bool = False                # stage 7: serve the trained retriever in live sglang (PD on CPU)
+    serve_kmax: int = 1                # resident pages (64 chunks) per request on the live server
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
