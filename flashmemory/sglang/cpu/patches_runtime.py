@@ -8,10 +8,10 @@
   the check is skipped: during `configure` the module sees a platform view whose `is_cpu()` is False (the
   only `is_cpu()` reads in that module are that check and the MHA fp8 quant method at :453).
 - `DeepseekV4AttnBackend` decode (deepseek_v4_backend.py:4384): calls `self._flash_mla_with_kvcache`, which
-  `__init__` sets only on CUDA (:1262). After `__init__` it is set to sglang's torch sparse-decode path
-  (`flash_mla_sm120.py::flash_mla_with_kvcache_sm120` with SGLANG_SM120_FLASHMLA_BACKEND=torch ->
-  `_sm120_sparse_decode_fwd`), and `_create_flashmla_metadata` (:210, the FlashMLA tile scheduler) returns
-  None, which that path never reads.
+  `__init__` sets only on CUDA (:1262). After `__init__` it is set to the torch sparse decode
+  (`sparse_attention.sparse_decode_fwd`: the math of sglang's torch path `flash_mla_sm120.py:136
+  _sm120_sparse_decode_fwd`, tested equal to it, with per-page dequantization), and
+  `_create_flashmla_metadata` (:210, the FlashMLA tile scheduler) returns None, which that path never reads.
 - `DeepseekV4AttnBackend._move_to_device` (:1381): pins host memory, impossible without a CUDA driver.
 """
 
@@ -73,10 +73,11 @@ def sparse_decode_torch(*, q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: i
                         extra_k_cache: Any = None, extra_indices_in_kvcache: Any = None,
                         extra_topk_length: Any = None, **unused: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_mla_with_kvcache` keyword call (block_table / cache_seqlens / tile_scheduler_metadata /
-    is_fp8_kvcache are FlashMLA scheduling details) -> sglang's torch sparse decode: (out, lse)."""
-    from sglang.kernels.ops.attention.flash_mla_sm120 import _sm120_sparse_decode_fwd
-    return _sm120_sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
-                                    extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    is_fp8_kvcache are FlashMLA scheduling details) -> torch sparse decode: (out, lse). `sparse_decode_fwd`
+    computes what sglang's `_sm120_sparse_decode_fwd` does (tested equal), dequantizing per page."""
+    from flashmemory.sglang.cpu.sparse_attention import sparse_decode_fwd
+    return sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
+                             extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
 
 
 def after_backend_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:

@@ -37,6 +37,8 @@ CPU_SWITCHES: dict[str, str] = {
     "SGLANG_OPT_USE_JIT_INDEXER_METADATA": "0",
     "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
     "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+    "SGLANG_OPT_USE_ONLINE_COMPRESS": "0",        # the offline c4/c128 compressor (the torch one covers it)
+    "SGLANG_DSV4_KV_LAYOUT": "v4",                # the 584-B V4 layout the torch stores write
 }
 PLATFORM_CLASS = "flashmemory.sglang.cpu.cpu_platform.FlashMemoryCpuPlatform"
 
