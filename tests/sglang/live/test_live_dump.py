@@ -22,7 +22,13 @@ pytest.importorskip("sglang")
 from flashmemory.serve.procs import Servers, free_ports  # noqa: E402
 from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, PDConfig, _env, ensure_model  # noqa: E402
 
-PROMPTS = ["Repeat after me: the key is 7431.", "List three colours."]
+# ~300 bytes each (the served tokenizer is byte-level): ~75 c4 chunks, so the logit correlation has real support
+PROMPTS = ["Remember this: the key for the blue door is 7431, the key for the red door is 2290, and the key for the "
+           "green door is 5518. The blue door leads to the garden, the red door to the cellar and the green door to "
+           "the attic. Now repeat the key for the red door and say where that door leads, in one short sentence.",
+           "Here is a list of colours seen on a walk: crimson, teal, ochre, violet, amber, slate, coral, olive, navy "
+           "and ivory. Some were on houses, some on cars and some on flowers by the road. List the first three "
+           "colours from the walk in the order they were seen, and nothing else at all please."]
 MAX_TOKENS = 12
 
 
@@ -71,8 +77,9 @@ def test_dump_writes_docs(dump_dir):
 
 def test_verify_passes_against_the_transformers_engine(dump_dir):
     out, model = dump_dir
+    # --fp8-q: sglang's indexer quantizes q to fp8 per head (the CPU layer does the same), so the reference does too
     p = _run([sys.executable, "-m", "flashmemory.cli", "verify", "--dump", str(out), "--model", str(model),
-              "--max-docs", str(len(PROMPTS))], timeout=600)
+              "--max-docs", str(len(PROMPTS)), "--fp8-q"], timeout=600)
     print(p.stdout[-2000:])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
