@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,21 +86,36 @@ class ServeCli:
         self.ready_s = time.monotonic() - self.t0
 
     def _read_until(self, prefix: str, timeout: float) -> dict | None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.p.stdout, selectors.EVENT_READ)
+        """Lines come through a reader thread (select() on a buffered pipe misses lines already buffered)."""
+        if not hasattr(self, "_q"):
+            self._q: queue.Queue = queue.Queue()
+            threading.Thread(target=lambda: [self._q.put(ln) for ln in self.p.stdout] + [self._q.put(None)],
+                             daemon=True).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not sel.select(timeout=1.0):
-                if self.p.poll() is not None:
-                    break
+            try:
+                line = self._q.get(timeout=1.0)
+            except queue.Empty:
                 continue
-            line = self.p.stdout.readline()
-            if not line:
-                break
+            if line is None:
+                return None
             self.lines.append(line.rstrip())
             if line.startswith(prefix):
                 return json.loads(line[len(prefix):])
         return None
+
+    def rest(self, timeout: float = 30.0) -> str:
+        """What the command printed after READY, up to its exit."""
+        out, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            out.append(line)
+        return "".join(out)
 
     def pgids(self) -> set[int]:
         return {self.p.pid} | set((self.ready or {}).get("pgids", []))
@@ -160,7 +176,7 @@ def test_ctrl_c_stops_all_three(serve):
     assert len(serve.ready["pgids"]) == 3 and _pgid_members(set(serve.ready["pgids"]))
     os.kill(serve.p.pid, signal.SIGINT)
     rc = serve.p.wait(timeout=120)
-    rest = serve.p.stdout.read()
+    rest = serve.rest()
     assert rc == 0, rest
     assert "stopped: all servers gone" in rest
     assert _pgid_members(serve.pgids()) == []
