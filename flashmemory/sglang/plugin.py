@@ -15,7 +15,7 @@ import os
 from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 _STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...]}
 
 

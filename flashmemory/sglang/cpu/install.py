@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from flashmemory.sglang.cpu.patch_spec import CpuPatch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 _INSTALLED: list[str] | None = None
 
 
@@ -76,3 +76,17 @@ def install(patches: tuple[CpuPatch, ...] | None = None) -> list[str]:
     _INSTALLED = sorted(p.target for p in patches)
     logger.info("FlashMemory CPU: %d sglang functions patched for CPU", len(_INSTALLED))
     return _INSTALLED
+
+
+def register() -> None:
+    """Entry point `flashmemory_cpu` (group `sglang.srt.plugins`): install the CPU layer if its gate is on.
+
+    Separate from the FlashMemory plugin so `SGLANG_PLUGINS=flashmemory_cpu` runs stock sglang (no FlashMemory
+    hook registered at all) on CPU; the FlashMemory plugin installs the layer too (idempotent)."""
+    from flashmemory.env import EnvError, cpu_enabled
+    try:
+        on = cpu_enabled()
+    except EnvError as e:
+        raise CpuLayerError(str(e)) from None
+    if on:
+        install()

@@ -17,7 +17,7 @@ import os
 
 from flashmemory.env import CPU_GATE, cpu_enabled
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 
 # sglang's env switches that select its existing torch / non-fused paths (see the README's CPU section).
 CPU_SWITCHES: dict[str, str] = {

@@ -16,7 +16,7 @@ import logging
 import sys
 import types
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 STUBBED_PACKAGES = ("sgl_kernel", "flash_mla")
 
 

@@ -1,0 +1,174 @@
+"""Start and stop a real `python -m sglang.launch_server --device cpu` process (tests, benches, demos).
+
+The server runs in its own session (process group), so `stop()` reaches the launcher and every child it
+spawned (scheduler, detokenizer). Each server carries a unique marker in its environment; `leftovers()` scans
+/proc for it, so a caller can prove no process survived. Output goes to a log file; a startup failure raises
+`ServerError` with the log's tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+MARKER = "FLASHMEMORY_CPU_SERVER_ID"
+# Flags that keep the tiny model's pools small and startup short on CPU (see the module README).
+CPU_SERVER_ARGS: tuple[str, ...] = (
+    "--device", "cpu", "--max-running-requests", "4", "--context-length", "4096",
+    "--chunked-prefill-size", "1024", "--max-prefill-tokens", "2048", "--max-total-tokens", "8192",
+    "--swa-full-tokens-ratio", "0.5", "--skip-server-warmup", "--enable-metrics",
+)
+
+
+class ServerError(RuntimeError):
+    """The server did not come up, or a request to it failed."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class CpuServer:
+    """One sglang server on 127.0.0.1 with the CPU layer on; env adds/overrides variables for it."""
+
+    def __init__(self, model: str | os.PathLike, log: str | os.PathLike, env: dict[str, str] | None = None,
+                 extra_args: tuple[str, ...] = (), python: str = sys.executable, pythonpath: str | None = None):
+        self.model, self.log = str(model), Path(log)
+        self.port = free_port()
+        self.id = uuid.uuid4().hex
+        self.env = {**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1", MARKER: self.id,
+                    **(env or {})}
+        if pythonpath:
+            self.env["PYTHONPATH"] = pythonpath + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
+                    "--port", str(self.port), *CPU_SERVER_ARGS, *extra_args]
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300) -> "CpuServer":
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> "CpuServer":
+        """Start the process (returns at once; `wait_ready` waits for /health)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300) -> "CpuServer":
+        """Wait until /health answers 200 (startup_s counts from launch); ServerError with the log tail if not."""
+        t0 = self._t0
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited with {self.proc.returncode} during startup; log {self.log}:\n"
+                                  f"{_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"server not healthy after {timeout_s:.0f} s; log {self.log}:\n{_tail(self.log)}")
+
+    def post(self, path: str, body: dict, timeout_s: float = 600) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"POST {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerError(f"POST {path}: {e}; log {self.log}:\n{_tail(self.log)}") from None
+
+    def get_text(self, path: str, timeout_s: float = 30) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            return r.read().decode()
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, top_logprobs: int = 0,
+                 timeout_s: float = 600) -> dict:
+        """Greedy generation from token ids: {'output_ids': [...], 'meta_info': {...}}."""
+        body: dict = {"input_ids": list(map(int, input_ids)),
+                      "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        if top_logprobs:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=len(input_ids) - 1)
+        return self.post("/generate", body, timeout_s)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after timeout_s."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < wait and self.leftovers():
+                time.sleep(0.5)
+            if not self.leftovers():
+                break
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in self.leftovers():   # children that left the group (setsid) still carry the marker
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def leftovers(self) -> list[int]:
+        """Pids of live processes started by this server (found by the marker in their environment)."""
+        return marked_processes(self.id)
+
+    def __enter__(self) -> "CpuServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def marked_processes(server_id: str) -> list[int]:
+    needle = f"{MARKER}={server_id}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                stat = (d / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":     # zombies are dead, only not yet reaped
+                    found.append(int(d.name))
+        except OSError:
+            continue
+    return found

@@ -1,0 +1,63 @@
+"""Train a small retriever for the serving-tiny model, the project's way: Full-attention decode with the
+transformers engine, golden-label dump (`flashmemory.dump`), `flashmemory.train` on it. For the live tests
+and demos that need a checkpoint trained on *this* model; minutes on CPU, seeded.
+
+The serving-tiny model has 2 c4 layers, so the retriever targets c4 layers (0, 1).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TARGETS = (0, 1)
+
+
+@dataclass(frozen=True)
+class TinyRetrieverConfig:
+    n_train: int = 3
+    n_val: int = 1
+    prompt_len: int = 640      # tokens per document
+    gen_tokens: int = 16       # greedy decode steps per document (the labelled queries)
+    epochs: int = 2
+    seed: int = 0
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(26, 1024) for _ in range(n)]
+
+
+def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrieverConfig = TinyRetrieverConfig()) -> Path:
+    """Dump cfg.n_train + cfg.n_val documents from the checkpoint at model_dir under `out/dump`, train on them
+    under `out/ckpt`; returns the best-F1 checkpoint path."""
+    import torch
+
+    from flashmemory.demo.pipeline import dump_runs
+    from flashmemory.eval.decode import full_run
+    from flashmemory.hf import HFEngine
+    from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
+    from flashmemory.train.samples import SampleConfig
+
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    engine = HFEngine.from_name(str(model_dir), dtype=torch.float32)
+    runs = [full_run(engine, f"doc-{i}", _prompt(cfg.prompt_len, cfg.seed * 100 + i), cfg.gen_tokens, TARGETS,
+                     topp=0.6, min_layers=1) for i in range(cfg.n_train + cfg.n_val)]
+
+    class _Cfg:  # the fields dump_runs reads
+        topp, min_layers, gen_tokens = 0.6, 1, cfg.gen_tokens
+
+    dump_runs(runs[: cfg.n_train], out / "dump" / "train", _Cfg, engine, TARGETS, 0)
+    dump_runs(runs[cfg.n_train:], out / "dump" / "val", _Cfg, engine, TARGETS, cfg.n_train)
+    data = {"train": [{"data_dir": str(out / "dump" / "train")}], "val": [{"data_dir": str(out / "dump" / "val")}],
+            "test": []}
+    (out / "data_config.json").write_text(json.dumps(data, indent=1))
+    tc = TrainConfig(data_config=str(out / "data_config.json"), output_dir=str(out / "ckpt"), no_pretrain=True,
+                     joint_layers=TARGETS, n_heads=16, q_lora_rank=64, lr=3e-3, epochs=cfg.epochs, batch_size=16,
+                     focal_loss=True, threshold=0.5, sample=SampleConfig(label_interval=8, max_pos=128, neg_ratio=3.0),
+                     seed=cfg.seed, device="cpu", log_interval=10**9)
+    Trainer(tc).fit()
+    return out / "ckpt" / BEST_F1

@@ -1,0 +1,101 @@
+"""Live sglang servers on CPU (SGLANG_FLASHMEMORY_CPU=1) for the tests in this folder.
+
+One server per configuration, shared by a module (startup is 35-95 s here). Every server runs in its own
+process group and carries a marker in its environment; teardown kills the group and the test session ends
+by checking that no marked process is left. The tiny checkpoint is built once per session.
+"""
+
+import importlib.metadata
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+import flashmemory
+
+pytestmark = pytest.mark.live
+REPO = str(Path(flashmemory.__file__).resolve().parents[1])
+_STARTED: list = []
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/sglang/live" in str(item.fspath):
+            item.add_marker(pytest.mark.live)
+            item.add_marker(pytest.mark.sglang)
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def serving_model(tmp_path_factory):
+    pytest.importorskip("sglang")
+    eps = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.platforms")}
+    assert "flashmemory_cpu" in eps, ("the sglang.srt.platforms entry point 'flashmemory_cpu' is not installed: "
+                                      "run `pip install --no-deps -e .` in the repo")
+    from flashmemory.hf.serving_build import build_serving
+    return build_serving(tmp_path_factory.mktemp("serving") / "serving-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def live_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("live_logs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left():
+    """After the whole session: every server this folder started is gone, children included."""
+    yield
+    from flashmemory.sglang.cpu.server import marked_processes
+    left = {s.log.name: marked_processes(s.id) for s in _STARTED}
+    for s in _STARTED:
+        s.stop()
+    assert not any(left.values()), f"sglang processes left behind: {left}"
+
+
+def make_server(model, logs, name: str, env: dict | None = None, extra_args: tuple = ()):
+    """A CpuServer with this repo on PYTHONPATH, launched now; registered for the leftover check."""
+    from flashmemory.sglang.cpu.server import CpuServer
+    srv = CpuServer(model, Path(logs) / f"{name}.log", env=env, extra_args=extra_args, pythonpath=REPO)
+    _STARTED.append(srv)
+    return srv.launch()
+
+
+STARTUP_S = float(os.environ.get("FLASHMEMORY_LIVE_STARTUP_S", "600"))
+COMMON = {"SGLANG_RETRIEVER_INLINE_LAYERS": "0,1", "SGLANG_DSV4_TARGET_CONCURRENCY": "4",
+          "SGLANG_PATHP_DECODE_MAX_CONC": "4", "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS": "64",
+          "SGLANG_RETRIEVER_INTERVAL": "4"}
+# (b) Path-P + Level 1 + score-resident Level 2; the recency tail (2048 chunks) and KMAX (16 pages of 64
+# chunks) hold every chunk of these <= 1.2K-token requests, so nothing is ever evicted.
+FULL_BUDGET = {**COMMON, "SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1",
+               "SGLANG_PATHP_PAGE_KMAX": "16", "SGLANG_RETRIEVER_LAST_KEEP": "2048"}
+# (c) the same features at a small budget: one resident page (64 chunks) per request + a 16-chunk tail.
+SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "1", "SGLANG_RETRIEVER_LAST_KEEP": "16"}
+
+
+@pytest.fixture(scope="session")
+def live_servers(serving_model, live_logs, tmp_path_factory):
+    """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
+    gates off (plugin loaded, nothing on), full (b) and small (c) budgets with a retriever trained here."""
+    stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
+    off = make_server(serving_model, live_logs, "gates_off")
+    from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
+    ckpt = str(train_tiny_retriever(serving_model, tmp_path_factory.mktemp("retriever")))
+    full = make_server(serving_model, live_logs, "full_budget", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
+    small = make_server(serving_model, live_logs, "small_budget",
+                        env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
+    servers = {"stock": stock, "off": off, "full": full, "small": small}
+    try:
+        for s in servers.values():
+            s.wait_ready(STARTUP_S)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+    assert not any(s.leftovers() for s in servers.values())
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """n token ids drawn from the ordinary (non-special) vocabulary of the serving-tiny tokenizer."""
+    rng = random.Random(seed)
+    return [rng.randrange(26, 1024) for _ in range(n)]

@@ -1,0 +1,19 @@
+"""(a) Stock sglang on CPU and sglang with the FlashMemory plugin loaded but every gate off: identical tokens.
+
+"Stock" loads only the CPU layer (SGLANG_PLUGINS=flashmemory_cpu): the FlashMemory plugin is not imported.
+"""
+
+from tests.sglang.live.conftest import prompt
+
+STEPS = 6
+
+
+def test_gates_off_tokens_equal_stock(live_servers):
+    stock, off = live_servers["stock"], live_servers["off"]
+    ids = prompt(700, 1)
+    a = stock.generate(ids, STEPS)["output_ids"]
+    b = off.generate(ids, STEPS)["output_ids"]
+    assert len(a) == STEPS and a == b, (a, b)
+    # Both ran on the CPU layer's torch sparse decode, and neither attached the FlashMemory engine.
+    for srv in (stock, off):
+        assert "offload engine attached" not in srv.log.read_text()
