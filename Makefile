@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench serve clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flashmemory demo
 
+serve: $(STAMP)
+	$(BIN)/flashmemory serve
+
 bench: $(STAMP)
 	$(BIN)/flashmemory bench all --quick
 
 clean:
-	rm -rf $(VENV) demo_out demo_out_quick bench_out .pytest_cache
+	rm -rf $(VENV) demo_out demo_out_quick bench_out serve_logs .pytest_cache

@@ -4,25 +4,35 @@
 #   BOOTSTRAP_PORT MAX_RUN CKPT LAYERS THRESH INTERVAL LAST_KEEP SCORE_RESIDENT INDEX_K_OFFLOAD CUDA_GRAPH
 #   C4_SHRINK (1: c4 KV lands in the host mirror, the device c4 pool becomes the reserve; needs nixl)
 #   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes)
+#   FLASHMEMORY (1; 0: stock sglang decode, every FlashMemory gate off, for A/B runs)
+#   DEVICE (cuda; cpu: sglang on CPU with the tiny model, tp 1, 4K context, 4 requests, no CUDA graph) PYTHON
 # DRY_RUN=1 prints the environment and the command instead of running them.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$FM_REPO/scripts/launch_common.sh"
 
-MODEL="${MODEL:-/dockerdata/models/ds_fp8}"
-TP="${TP:-8}"; CTX_LEN="${CTX_LEN:-1100000}"; TGT_CONC="${TGT_CONC:-60}"; TGT_CTX="${TGT_CTX:-524288}"
-KMAX="${KMAX:-96}"; HOST="${HOST:-0.0.0.0}"; PORT="${PORT:-31200}"; MAX_RUN="${MAX_RUN:-128}"
-TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
-CKPT="${CKPT-$FM_REPO/checkpoints/top3_R930_joint.pt}"; LAYERS="${LAYERS:-10,12,20}"; THRESH="${THRESH:-0.5}"
-INTERVAL="${INTERVAL:-64}"; LAST_KEEP="${LAST_KEEP:-2048}"; SCORE_RESIDENT="${SCORE_RESIDENT:-1}"
-INDEX_K_OFFLOAD="${INDEX_K_OFFLOAD:-0}"; CUDA_GRAPH="${CUDA_GRAPH:-1}"; C4_SHRINK="${C4_SHRINK:-1}"; CREDIT_C4="${CREDIT_C4:-0}"
+DEVICE="${DEVICE:-cuda}"; fm_device_setup "$DEVICE"
+if [[ "$DEVICE" == cpu ]]; then   # the tiny model: 2 c4 layers, 4K context; no retriever unless CKPT is given
+  MODEL="${MODEL:-$FM_CPU_MODEL}"; TP="${TP:-1}"; CTX_LEN="${CTX_LEN:-4096}"; TGT_CONC="${TGT_CONC:-4}"
+  TGT_CTX="${TGT_CTX:-4096}"; MAX_RUN="${MAX_RUN:-4}"; HOST="${HOST:-127.0.0.1}"; CKPT="${CKPT-}"; LAYERS="${LAYERS:-0,1}"
+  LAST_KEEP="${LAST_KEEP:-256}"; CUDA_GRAPH="${CUDA_GRAPH:-0}"; KMAX="${KMAX:-16}"   # 16 pages: a whole 4K history
+else
+  MODEL="${MODEL:-/dockerdata/models/ds_fp8}"; TP="${TP:-8}"; CTX_LEN="${CTX_LEN:-1100000}"; TGT_CONC="${TGT_CONC:-60}"
+  TGT_CTX="${TGT_CTX:-524288}"; MAX_RUN="${MAX_RUN:-128}"; HOST="${HOST:-0.0.0.0}"
+  CKPT="${CKPT-$FM_REPO/checkpoints/top3_R930_joint.pt}"; LAYERS="${LAYERS:-10,12,20}"; LAST_KEEP="${LAST_KEEP:-2048}"
+  CUDA_GRAPH="${CUDA_GRAPH:-1}"
+fi
+KMAX="${KMAX:-96}"; PORT="${PORT:-31200}"; TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
+THRESH="${THRESH:-0.5}"; INTERVAL="${INTERVAL:-64}"; SCORE_RESIDENT="${SCORE_RESIDENT:-1}"
+INDEX_K_OFFLOAD="${INDEX_K_OFFLOAD:-0}"; C4_SHRINK="${C4_SHRINK:-1}"; CREDIT_C4="${CREDIT_C4:-0}"
+FLASHMEMORY="${FLASHMEMORY:-1}"
 
 fm_int TP "$TP" 1; fm_int CTX_LEN "$CTX_LEN" 1; fm_int TGT_CONC "$TGT_CONC" 1; fm_int TGT_CTX "$TGT_CTX" 1
 fm_int KMAX "$KMAX" 1; fm_int PORT "$PORT" 1; fm_int MAX_RUN "$MAX_RUN" 1; fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1
 fm_int INTERVAL "$INTERVAL" 1; fm_int LAST_KEEP "$LAST_KEEP"; fm_float THRESH "$THRESH"; fm_layers LAYERS "$LAYERS"
 fm_choice TRANSFER_BACKEND "$TRANSFER_BACKEND" nixl mooncake mooncake_tcp
 fm_choice SCORE_RESIDENT "$SCORE_RESIDENT" 0 1; fm_choice INDEX_K_OFFLOAD "$INDEX_K_OFFLOAD" 0 1; fm_choice CUDA_GRAPH "$CUDA_GRAPH" 0 1
-fm_choice C4_SHRINK "$C4_SHRINK" 0 1; fm_choice CREDIT_C4 "$CREDIT_C4" 0 1
+fm_choice C4_SHRINK "$C4_SHRINK" 0 1; fm_choice CREDIT_C4 "$CREDIT_C4" 0 1; fm_choice FLASHMEMORY "$FLASHMEMORY" 0 1
 if [[ "$C4_SHRINK" == 1 && "$TRANSFER_BACKEND" != nixl ]]; then
   echo "note: C4_SHRINK=1 needs TRANSFER_BACKEND=nixl (PD into host DRAM); Path-P will run in copy mode" >&2
 fi
@@ -30,19 +40,23 @@ PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
 [[ -z "$CKPT" ]] || fm_path "retriever checkpoint (CKPT; CKPT= runs without Level 1)" "$CKPT"
 fm_module "$PY" sglang; fm_module "$PY" flashmemory
-[[ "$TRANSFER_BACKEND" != nixl ]] || fm_module "$PY" nixl
-[[ "$TRANSFER_BACKEND" == nixl ]] || fm_module "$PY" mooncake
+fm_transfer "$PY" "$TRANSFER_BACKEND" "$DEVICE"
 
 SGLANG_DECODE_SWAP_P=1; SGLANG_PATHP_CUDAGRAPH="$CUDA_GRAPH"; SGLANG_PATHP_SCORE_RESIDENT="$SCORE_RESIDENT"
 SGLANG_PATHP_PAGE_RECALL=1; SGLANG_PATHP_PAGE_KMAX="$KMAX"; SGLANG_PATHP_ASYNC_RECALL=1
-SGLANG_PATHP_INDEX_K_OFFLOAD="$INDEX_K_OFFLOAD"; SGLANG_PATHP_DECODE_RESIDENT_CHUNKS=512; SGLANG_PATHP_DECODE_MAX_CONC=128
+SGLANG_PATHP_INDEX_K_OFFLOAD="$INDEX_K_OFFLOAD"; SGLANG_PATHP_DECODE_RESIDENT_CHUNKS=512; SGLANG_PATHP_DECODE_MAX_CONC="$MAX_RUN"
 SGLANG_DSV4_TARGET_CONCURRENCY="$TGT_CONC"; SGLANG_DSV4_TARGET_CONTEXT="$TGT_CTX"
 SGLANG_RETRIEVER_INLINE_CKPT="$CKPT"; SGLANG_RETRIEVER_INLINE_LAYERS="$LAYERS"; SGLANG_RETRIEVER_SIGMOID_THRESH="$THRESH"
 SGLANG_RETRIEVER_INTERVAL="$INTERVAL"; SGLANG_RETRIEVER_LAST_KEEP="$LAST_KEEP"; SGLANG_RETRIEVER_FIRST_KEEP=0
-SGLANG_RETRIEVER_ENSEMBLE_MODE=or; SGLANG_OPT_USE_ONLINE_COMPRESS=1
+SGLANG_RETRIEVER_ENSEMBLE_MODE=or; SGLANG_OPT_USE_ONLINE_COMPRESS="$FM_ONLINE_COMPRESS"
 SGLANG_PD_B_C4_SHRINK="$C4_SHRINK"; SGLANG_PD_CREDIT_OFFLOADED_C4="$CREDIT_C4"
 SGLANG_DISAGGREGATION_WAITING_TIMEOUT=6000; SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
-CG=(); [[ "$CUDA_GRAPH" == 1 ]] || CG=(--cuda-graph-backend-decode disabled)
+if [[ "$FLASHMEMORY" == 0 ]]; then   # stock decode: the plugin registers nothing
+  SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0; SGLANG_PD_B_C4_SHRINK=0
+  SGLANG_PD_CREDIT_OFFLOADED_C4=0; SGLANG_RETRIEVER_INLINE_CKPT=
+fi
+CG=(); [[ "$CUDA_GRAPH" == 1 || "$DEVICE" == cpu ]] || CG=(--cuda-graph-backend-decode disabled)
+[[ "$CUDA_GRAPH" == 0 || "$DEVICE" != cpu ]] || fm_die "CUDA_GRAPH=1 with DEVICE=cpu: CPU has no CUDA graphs"
 
 fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_PAGE_RECALL \
   SGLANG_PATHP_PAGE_KMAX SGLANG_PATHP_ASYNC_RECALL SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_PATHP_DECODE_RESIDENT_CHUNKS \
@@ -50,9 +64,10 @@ fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT S
   SGLANG_RETRIEVER_INLINE_LAYERS SGLANG_RETRIEVER_SIGMOID_THRESH SGLANG_RETRIEVER_INTERVAL SGLANG_RETRIEVER_LAST_KEEP \
   SGLANG_RETRIEVER_FIRST_KEEP SGLANG_RETRIEVER_ENSEMBLE_MODE SGLANG_OPT_USE_ONLINE_COMPRESS \
   SGLANG_PD_B_C4_SHRINK SGLANG_PD_CREDIT_OFFLOADED_C4 \
-  SGLANG_DISAGGREGATION_WAITING_TIMEOUT SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN -- \
-  "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" --base-gpu-id 0 \
-  --moe-runner-backend marlin --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
+  SGLANG_DISAGGREGATION_WAITING_TIMEOUT SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN "${FM_DEV_VARS[@]}" \
+  -- \
+  "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
+  --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
   --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" --num-reserved-decode-tokens 1024 --decode-log-interval 40 \
   --max-running-requests "$MAX_RUN" --context-length "$CTX_LEN" --skip-server-warmup --enable-metrics "${CG[@]}" \
   --host "$HOST" --port "$PORT"

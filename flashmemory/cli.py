@@ -22,6 +22,7 @@ COMMANDS = [
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
     "flashmemory.tasks.cli",       # tasks generate|score|list
     "flashmemory.tiny.cli",        # model train-tiny|probe (a tiny DeepSeek-V4 that retrieves)
+    "flashmemory.serve.cli",       # serve (P, D and the router on CPU, until Ctrl-C)
 ]
 
 

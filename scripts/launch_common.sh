@@ -32,12 +32,61 @@ fm_path() {  # fm_path WHAT PATH: must exist unless DRY_RUN=1 (then a warning)
   else fm_die "$1 $2 does not exist"; fi
 }
 
-fm_python() { if [[ -x "$FM_REPO/.venv/bin/python" ]]; then echo "$FM_REPO/.venv/bin/python"; else echo python3; fi; }
+fm_python() {  # PYTHON (knob) wins, then the repo's .venv, then python3 on PATH
+  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; elif [[ -x "$FM_REPO/.venv/bin/python" ]]; then echo "$FM_REPO/.venv/bin/python";
+  else echo python3; fi
+}
 
-fm_module() {  # fm_module PY MODULE: the module must import unless DRY_RUN=1
+fm_module() {  # fm_module PY MODULE [EXTRA]: the module must be installed unless DRY_RUN=1
   "$1" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$2') is None)" 2>/dev/null && return 0
   if [[ "${DRY_RUN:-0}" == 1 ]]; then fm_warn "python package $2 is not importable with $1";
-  else fm_die "python package $2 is not importable with $1 (install it: pip install -e '.[serve]')"; fi
+  else fm_die "python package $2 is not importable with $1 (install it: pip install -e '.[${3:-serve}]')"; fi
+}
+
+fm_transfer() {  # fm_transfer PY BACKEND DEVICE: the PD transfer backend must really import (shared libraries too)
+  local mod hint
+  case "$2" in
+    nixl) mod="nixl._api"; hint="pip install -e '.[serve-nixl]'";;
+    mooncake|mooncake_tcp) mod="mooncake.engine"
+      if [[ "$3" == cpu ]]; then hint="pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1";
+      else hint="pip install -e '.[serve-mooncake]'"; fi;;
+    *) return 0;;
+  esac
+  local err
+  err="$("$1" -c "import $mod" 2>&1)" && return 0
+  err="$(printf '%s\n' "$err" | tail -n 1)"
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then fm_warn "TRANSFER_BACKEND=$2: python module $mod does not import with $1 ($err)";
+  else fm_die "TRANSFER_BACKEND=$2 needs python module $mod, which does not import with $1 ($err); install it: $hint"; fi
+}
+
+# DEVICE=cpu runs sglang's own server on CPU through FlashMemory's CPU execution layer (flashmemory.sglang.cpu):
+# a tiny model, for trying things out, development and CI. DEVICE=cuda (default) is the production path.
+FM_CPU_LAYER_VAR=SGLANG_FLASHMEMORY_CPU
+FM_CPU_MODEL="$FM_REPO/checkpoints/tiny-dsv4-sglang"   # MODEL's default with DEVICE=cpu (built by: make tiny-model)
+fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export) and FM_DEV_ARGS (sglang flags)
+  fm_choice DEVICE "$1" cuda cpu
+  FM_DEV_VARS=(); FM_DEV_ARGS=()
+  # upstream runs the online compressor (JIT CUDA planner with pinned buffers); the CPU layer covers the default one
+  FM_ONLINE_COMPRESS=1
+  if [[ "$1" == cuda ]]; then FM_DEV_ARGS=(--base-gpu-id 0 --moe-runner-backend marlin); return 0; fi
+  FM_ONLINE_COMPRESS=0
+  printf -v "$FM_CPU_LAYER_VAR" 1
+  # sglang's own switches for the CPU path (each avoids a CUDA/JIT kernel; see flashmemory/sglang/cpu)
+  SGLANG_USE_CPU_ENGINE=1; TRITON_INTERPRET=1; SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0
+  SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1; SGLANG_DSA_FUSE_TOPK=false; SGLANG_OPT_USE_TILELANG_MHC_PRE=0
+  SGLANG_OPT_USE_TILELANG_MHC_POST=0; SGLANG_OPT_FUSE_MHC_POST_PRE=0; SGLANG_OPT_DEEPGEMM_HC_PRENORM=0
+  SGLANG_OPT_USE_FUSED_HASH_TOPK=0; SGLANG_OPT_FP8_WO_A_GEMM=0; SGLANG_DSV41_FUSED_WO_A=0
+  SGLANG_OPT_DSV4_NONPAGED_INDEXER=0; SGLANG_OPT_USE_JIT_INDEXER_METADATA=0; SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0
+  # /health answers from state instead of queueing a 1-token generation behind minutes-long CPU forwards
+  SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0
+  FM_DEV_VARS=(SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION "$FM_CPU_LAYER_VAR" SGLANG_USE_CPU_ENGINE TRITON_INTERPRET SGLANG_OPT_FLASHMLA_SPARSE_PREFILL
+    SGLANG_FP8_PAGED_MQA_LOGITS_TORCH SGLANG_DSA_FUSE_TOPK SGLANG_OPT_USE_TILELANG_MHC_PRE
+    SGLANG_OPT_USE_TILELANG_MHC_POST SGLANG_OPT_FUSE_MHC_POST_PRE SGLANG_OPT_DEEPGEMM_HC_PRENORM
+    SGLANG_OPT_USE_FUSED_HASH_TOPK SGLANG_OPT_FP8_WO_A_GEMM SGLANG_DSV41_FUSED_WO_A SGLANG_OPT_DSV4_NONPAGED_INDEXER
+    SGLANG_OPT_USE_JIT_INDEXER_METADATA SGLANG_CUDA_COREDUMP_BEFORE_CRASH)
+  # a fixed small pool (else sized from host RAM: 13 GB, 42 s), small chunks, torch top-k, no CUDA graphs
+  FM_DEV_ARGS=(--device cpu --max-total-tokens "${MAX_TOTAL_TOKENS:-16384}" --chunked-prefill-size 1024
+    --max-prefill-tokens 2048 --dsa-topk-backend torch --cuda-graph-backend-decode disabled)
 }
 
 fm_run() {  # fm_run VAR... -- CMD...: export the named variables, then run (or print) the command

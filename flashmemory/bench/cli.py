@@ -15,6 +15,7 @@ BENCHES = {
     "monitor": ("flashmemory.bench.monitor", "miss monitor (1 native layer per tau steps) vs the native indexer on 21 "
                                              "layers every step"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
+    "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
 }
 
 

@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help=f"{HELP[f.name]} (default {default}; --quick may change it)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all of the suite)")
     p.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    p.add_argument("--serve", action="store_true",
+                   help="stage 7: serve the trained retriever in live sglang (P, D, router on CPU) and report its "
+                        "live counters; runs the demo on the serving-tiny model so the retriever fits it")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run)
 
@@ -63,6 +66,11 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         over["tasks"] = tuple(t.strip() for t in a.tasks.split(",") if t.strip())
     if a.no_plot:
         over["plot"] = False
+    if getattr(a, "serve", False):
+        over["serve"] = True
+        if getattr(a, "model", None) is None:
+            from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
+            over["model"] = str(ensure_model(DEFAULT_CPU_MODEL))
     return replace(cfg, **over)
 
 

@@ -38,6 +38,8 @@ class DemoConfig:
     # Control-document prompt tokens; 8192 takes minutes on 2 cores: `flashmemory eval --residency --lengths 8192`.
     residency_lengths: tuple[int, ...] = (1024, 2048, 4096)
     residency_kmax: int = 6            # fixed page budget of the residency-vs-length table
+    serve: bool = False                # stage 7: serve the trained retriever in live sglang (PD on CPU)
+    serve_kmax: int = 1                # resident pages (64 chunks) per request on the live server
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:

@@ -146,6 +146,11 @@ def report_markdown(results: dict) -> str:
         "(latest step's native top-k, held for the window, HiSparse-like without lookahead).",
         "",
         *monitor_section(results),
+        *(["## Live serving", "",
+           "The retriever trained above, loaded by a real sglang decode server (FlashMemory on, shrink mode) behind "
+           "the PD router, on CPU; chat requests from the test documents through the router with the `openai` "
+           "client; counters read from the decode server's /metrics.", "",
+           _live_table(results["serving"]), ""] if "serving" in results else []),
         "## Stage times (s)",
         "",
         *[f"- {k}: {v:.1f}" for k, v in results["stage_seconds"].items()],
@@ -154,6 +159,11 @@ def report_markdown(results: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _live_table(serving: dict) -> str:
+    from flashmemory.demo.serve_stage import live_table
+    return live_table(serving)
 
 
 def plot_coverage(results: dict, path: Path) -> None:
@@ -191,4 +201,7 @@ def write_outputs(results: dict, out: Path, plot: bool = True, log=print) -> Non
     for line in task_tables(results.get("task_by_budget", {})):
         log(line)
     log("")
+    if "serving" in results:
+        log(_live_table(results["serving"]))
+        log("")
     log(f"wrote {out / 'report.md'}, {out / 'results.json'}" + (f", {out / 'coverage.png'}" if plot else ""))

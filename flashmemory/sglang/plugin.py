@@ -69,8 +69,10 @@ def register() -> None:
         raise PluginStartupError(str(e)) from None
     cpu_targets: list[str] = []
     if env.cpu:  # independent of the FlashMemory gates: CPU + all gates off = stock sglang on CPU
+        from flashmemory.sglang.cpu import pd as cpu_pd
         from flashmemory.sglang.cpu.install import install
         cpu_targets = install()
+        cpu_pd.install()   # PD on CPU: NIXL over host DRAM, and the `fake` backend's fixes
     features = features_for(env)
     retriever = None
     if not features:

@@ -74,12 +74,89 @@ def test_router_command_parses(mini):
     ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
     ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
     ("launch_decode.sh", {"C4_SHRINK": "yes"}, "C4_SHRINK"),
+    ("launch_decode.sh", {"DEVICE": "gpu"}, "DEVICE=gpu"),
     ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
     ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
 ])
 def test_bad_knobs(script, env, msg):
     p = dry(script, **env)
     assert p.returncode != 0 and msg in p.stderr and "CMD" not in p.stdout
+
+
+@pytest.mark.parametrize("script", SERVERS)
+def test_cpu_commands_parse(sg, script):
+    """DEVICE=cpu: sglang's CPU flags, no GPU-only flag, the CPU layer's switch and sglang's own CPU switches."""
+    argv, envs = command(script, DEVICE="cpu")
+    p = argparse.ArgumentParser()
+    sg["server_args"].ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv[3:])
+    assert ns.device == "cpu" and ns.tp_size == 1 and ns.context_length == 4096 and ns.dsa_topk_backend == "torch"
+    assert ns.max_total_tokens == 16384 and ns.cuda_graph_backend_decode == "disabled"
+    assert "--moe-runner-backend" not in argv and "--base-gpu-id" not in argv
+    assert envs["SGLANG_FLASHMEMORY_CPU"] == "1" and envs["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert envs["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] == "1" and envs["SGLANG_OPT_FLASHMLA_SPARSE_PREFILL"] == "0"
+    assert ns.model_path.endswith("checkpoints/tiny-dsv4-sglang")
+    if script != "data_generation/start_dump_server.sh":
+        assert envs["SGLANG_OPT_USE_ONLINE_COMPRESS"] == "0"     # the CUDA planner's path; 1 on GPUs
+    if script == "launch_decode.sh":
+        assert envs["SGLANG_RETRIEVER_INLINE_CKPT"] == "" and envs["SGLANG_RETRIEVER_INLINE_LAYERS"] == "0,1"
+        assert ns.max_running_requests == 4
+
+
+def test_cpu_router_waits_for_slow_workers():
+    from sglang_router.launch_router import parse_router_args
+    argv, _ = command("launch_router.sh", DEVICE="cpu")
+    ra = parse_router_args(argv[3:])
+    assert ra.health_check_timeout_secs == 120 and ra.disable_circuit_breaker
+    argv, _ = command("launch_router.sh")
+    assert not parse_router_args(argv[3:]).disable_circuit_breaker
+
+
+def test_cpu_refuses_cuda_graph():
+    p = dry("launch_decode.sh", DEVICE="cpu", CUDA_GRAPH="1")
+    assert p.returncode != 0 and "CUDA_GRAPH=1 with DEVICE=cpu" in p.stderr
+
+
+def test_mooncake_tcp_is_a_backend_sglang_accepts(sg):
+    """sglang 0.5.23 itself maps mooncake_tcp to mooncake with MC_FORCE_TCP=1 (pd_disaggregation_hook.py:30)."""
+    for script in ("launch_prefill.sh", "launch_decode.sh"):
+        argv, _ = command(script, TRANSFER_BACKEND="mooncake_tcp")
+        p = argparse.ArgumentParser()
+        sg["server_args"].ServerArgs.add_cli_args(p)
+        assert p.parse_args(argv[3:]).disaggregation_transfer_backend == "mooncake_tcp"
+
+
+@pytest.mark.parametrize("backend,device,advice", [
+    ("nixl", "cuda", "pip install -e '.[serve-nixl]'"),
+    ("mooncake", "cuda", "pip install -e '.[serve-mooncake]'"),
+    ("mooncake_tcp", "cpu", "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1"),
+])
+def test_transfer_backend_that_does_not_import_names_its_extra(tmp_path, backend, device, advice):
+    """A backend whose import fails (here: a stand-in python that fails `import nixl._api` / `mooncake.engine`
+    like a missing shared library) stops the script with the extra that installs it, before sglang starts."""
+    import sys
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *"import nixl"*|*"import mooncake"*) '
+                    'echo "ImportError: libibverbs.so.1: cannot open shared object file" >&2; exit 1;; esac\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    e = {**os.environ, "PYTHON": str(fake), "MODEL": str(tmp_path), "TRANSFER_BACKEND": backend, "DEVICE": device}
+    e.pop("DRY_RUN", None)
+    p = subprocess.run(["bash", os.path.join(ROOT, "launch_prefill.sh")], env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert advice in p.stderr and "libibverbs.so.1" in p.stderr and f"TRANSFER_BACKEND={backend}" in p.stderr
+
+
+def test_extras_name_every_transfer_backend():
+    """The advice is true: pyproject has one extra per backend the scripts accept."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert any(d.startswith("nixl") for d in extras["serve-nixl"])
+    assert any(d.startswith("mooncake-transfer-engine=") for d in extras["serve-mooncake"])
+    assert any(d.startswith("mooncake-transfer-engine-non-cuda") for d in extras["serve-mooncake-cpu"])
+    assert any(d.startswith("sglang==") for d in extras["serve"])
 
 
 def test_missing_model_is_error_without_dry_run():

@@ -1,0 +1,135 @@
+"""`flashmemory bench serve`: decode tokens/s of the live sglang server on CPU, stock vs FlashMemory, one run.
+
+Two PD stacks through the launch scripts (DEVICE=cpu, the tiny serving model), one after the other in the same
+run: D stock (FLASHMEMORY=0), then D with FlashMemory (Path-P, shrink mode, score-resident Level 2) at a page
+budget of about 10% of the history (KMAX pages of 64 c4 chunks, a one-page recency tail). Each gets the same
+workload: `--requests` concurrent greedy requests (random token ids, EOS ignored) with contexts spread over
+`--contexts`, streamed through the router so every token's arrival is timed on the client. Read:
+- decode tok/s: tokens after each request's first / (last token of any request - first token of any request);
+- ITL: mean inter-token gap per request, averaged;
+- the ratio FlashMemory / stock of both: the hooks' overhead on this machine (CPU: the "device" is host memory,
+  so recall costs memory bandwidth, not PCIe; the ratio is the figure, not the absolute numbers);
+- FlashMemory's own counters from D's /metrics (resident fraction, cycles, recalled bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from flashmemory.atomic import atomic_write_text
+from flashmemory.serve.client import StreamResult, flashmemory_metrics, generate, generate_stream
+from flashmemory.serve.procs import ServerStartError, Servers
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="contexts 512-1024, 8 tokens (a smoke run)")
+    p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
+    p.add_argument("--contexts", default="1024,4096", help="min,max prompt tokens, spread over the requests")
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per request (default 32)")
+    p.add_argument("--kmax", type=int, default=1, help="resident pages (64 c4 chunks) per request (default 1)")
+    p.add_argument("--ckpt", default="", help="retriever checkpoint for Level 1 (default: none, recency only)")
+    p.add_argument("--model", default="", help="serving model dir (default: the tiny one, built if missing)")
+    p.add_argument("--out", default="", help="write the result as JSON here too")
+    p.add_argument("--logs", default="", help="server logs dir (default: a temp dir)")
+
+
+def contexts(lo: int, hi: int, n: int) -> list[int]:
+    """`n` prompt lengths evenly spread over [lo, hi] (one request each)."""
+    if n == 1:
+        return [hi]
+    return [round(lo + (hi - lo) * i / (n - 1)) for i in range(n)]
+
+
+def summarize(results: list[StreamResult]) -> dict[str, float]:
+    """Aggregate decode tokens/s and mean inter-token latency of concurrent streamed requests."""
+    t0 = min(r.first for r in results)
+    t1 = max(r.last for r in results)
+    decoded = sum(r.n_tokens - 1 for r in results)
+    itls = [(r.last - r.first) / (r.n_tokens - 1) for r in results if r.n_tokens > 1]
+    return {"decode_tok_s": decoded / (t1 - t0) if t1 > t0 else float("nan"),
+            "itl_ms": 1e3 * sum(itls) / len(itls) if itls else float("nan"),
+            "ttft_s": sum(r.first - r.sent for r in results) / len(results),
+            "wall_s": t1 - min(r.sent for r in results)}
+
+
+def _concurrent(url: str, prompts: list[list[int]], tokens: int) -> list[StreamResult]:
+    out: list[StreamResult | BaseException | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = generate_stream(url, prompts[i], tokens)
+        except BaseException as e:   # re-raised below, in the caller's thread
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out  # type: ignore[return-value]
+
+
+def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: int, ckpt: str,
+            logs: Path) -> dict:
+    from flashmemory.serve.stack import PDConfig, start_pd
+    ctx = max(len(p) for p in prompts) + tokens + 256
+    knobs = {"CTX_LEN": str(ctx), "MAX_RUN": str(max(4, len(prompts)))}
+    decode_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL="16", CKPT=ckpt)
+    cfg = PDConfig(model=model, flashmemory=fm, decode_env=decode_env, prefill_env=knobs)
+    with Servers(logs / ("flashmemory" if fm else "stock")) as servers:
+        stack = start_pd(servers, cfg)
+        generate(stack.router_url, prompts[0][:16], 2)          # warm the path once (not timed)
+        res = summarize(_concurrent(stack.router_url, prompts, tokens))
+        res["startup_s"] = stack.startup_s
+        res["metrics"] = flashmemory_metrics(stack.decode_url) if fm else {}
+    if servers.leftovers():
+        raise RuntimeError(f"processes left behind: {servers.leftovers()}")
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
+    lo, hi = (512, 1024) if args.quick else tuple(int(x) for x in args.contexts.split(","))
+    tokens = 8 if args.quick else args.tokens
+    if not 0 < lo <= hi or args.requests < 1 or tokens < 2:
+        print("error: need 0 < contexts min <= max, --requests >= 1, --tokens >= 2", file=sys.stderr)
+        return 2
+    model = ensure_model(Path(args.model) if args.model else DEFAULT_CPU_MODEL)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    rng = random.Random(0)
+    lens = contexts(lo, hi, args.requests)
+    prompts = [[rng.randrange(32, vocab) for _ in range(n)] for n in lens]   # past the special tokens
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fm_bench_serve_"))
+    print(f"bench serve: {args.requests} concurrent requests, contexts {lens}, {tokens} tokens each; "
+          f"KMAX {args.kmax} page(s); logs {logs}", flush=True)
+    try:
+        stock = run_arm(False, model, prompts, tokens, args.kmax, args.ckpt, logs)
+        fm = run_arm(True, model, prompts, tokens, args.kmax, args.ckpt, logs)
+    except (ServerStartError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ratio = fm["decode_tok_s"] / stock["decode_tok_s"]
+    m = fm["metrics"]
+    print(f"{'':14s}{'decode tok/s':>14s}{'ITL ms':>10s}{'TTFT s':>10s}")
+    for name, r in (("stock", stock), ("FlashMemory", fm)):
+        print(f"{name:14s}{r['decode_tok_s']:14.2f}{r['itl_ms']:10.1f}{r['ttft_s']:10.1f}")
+    print(f"ratio FlashMemory / stock decode tok/s: {ratio:.3f} (hooks' overhead {100 * (1 - ratio):+.1f}%)")
+    print("FlashMemory counters on D: resident fraction {:.3f}, Level-1 cycles {:.0f}, pages recalled {:.0f}, "
+          "recalled bytes {:.0f}".format(m.get("flashmemory_resident_fraction", float("nan")),
+                                         m.get("flashmemory_level1_cycles_total", float("nan")),
+                                         m.get("flashmemory_recall_pages_total", float("nan")),
+                                         m.get("flashmemory_recall_bytes_total", float("nan"))))
+    if args.out:
+        atomic_write_text(args.out, json.dumps({"stock": stock, "flashmemory": fm, "ratio": ratio,
+                                              "contexts": lens, "tokens": tokens}, indent=1))
+    return 0

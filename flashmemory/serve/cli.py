@@ -1,0 +1,95 @@
+"""`flashmemory serve` (what `make serve` runs): P, D and the router on CPU with the tiny model, until Ctrl-C.
+
+It builds the tiny serving model if it is missing, starts the PD stack through the launch scripts (DEVICE=cpu),
+prints the router URL and an example request, and then waits. Ctrl-C (or SIGTERM / SIGHUP) stops all three
+servers as process groups; a server that dies stops the others and the command exits 1. One machine-readable
+line, `READY {json}`, says where everything is (the live tests read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flashmemory.serve.procs import ServerStartError, Servers, free_ports
+
+EXAMPLE = """\
+FlashMemory PD stack on CPU (tiny model: random weights, so the text is noise; it is for trying things out)
+  router   {router}   (OpenAI-compatible: {router}/v1/chat/completions)
+  prefill  {prefill}
+  decode   {decode}   (FlashMemory: {fm}; live counters at {decode}/metrics, flashmemory_*)
+  logs     {logs}
+Try:
+  curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{router}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='default', messages=[{{'role': 'user', 'content': 'Hello'}}], max_tokens=16))"
+Ctrl-C stops all three."""
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashmemory.serve.stack import PDConfig, ensure_model, start_pd
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    model = ensure_model(Path(args.model))
+    if args.ckpt and not Path(args.ckpt).is_file():
+        print(f"error: --ckpt {args.ckpt}: no such file", file=sys.stderr)
+        return 2
+    decode_env = {"CKPT": args.ckpt} if args.ckpt else {}
+    cfg = PDConfig(model=model, flashmemory=not args.stock, decode_env=decode_env,
+                   startup_timeout=args.startup_timeout)
+    servers = Servers(Path(args.logs))
+    try:
+        print("starting decode + prefill, then the router (about 1-3 minutes on 2 cores) ...", flush=True)
+        router_port = args.port if args.port else free_ports(1)[0]
+        stack = start_pd(servers, cfg, router_port=router_port)
+        print(EXAMPLE.format(router=stack.router_url, prefill=stack.prefill_url, decode=stack.decode_url,
+                             fm="off (stock)" if args.stock else "on", logs=args.logs), flush=True)
+        print("READY " + json.dumps({"router": stack.router_url, "prefill": stack.prefill_url,
+                                     "decode": stack.decode_url, "pgids": sorted(servers.pgids()),
+                                     "startup_s": {k: round(v, 1) for k, v in stack.startup_s.items()}}),
+              flush=True)
+        while True:
+            for p in servers.procs:
+                if p.popen.poll() is not None:
+                    print(f"error: {p.name} exited with {p.popen.returncode}; log {p.log}:\n{p.log_tail()}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(1.0)
+    except ServerStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the cleanup short
+        servers.stop()
+        left = servers.leftovers()
+        print("stopped: all servers gone" if not left else f"warning: still running: {left}", flush=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flashmemory.serve.stack import DEFAULT_CPU_MODEL
+    p = sub.add_parser("serve", help="P, D and the router on CPU with the tiny model (Ctrl-C stops them)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_CPU_MODEL), help="serving model dir (built if missing)")
+    p.add_argument("--ckpt", default="", help="retriever checkpoint for Level 1 on D (default: none)")
+    p.add_argument("--port", type=int, default=31503, help="router port (0: any free port; default 31503)")
+    p.add_argument("--stock", action="store_true", help="D without FlashMemory (stock sglang decode)")
+    p.add_argument("--logs", default="serve_logs", help="server logs directory (default serve_logs/)")
+    p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds each server may take to start")
+    p.set_defaults(func=run)

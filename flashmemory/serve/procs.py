@@ -1,0 +1,169 @@
+"""Server processes on this machine: each in its own process group, waited for over HTTP, stopped as a group.
+
+sglang's launcher spawns a scheduler and a detokenizer (and the router a Rust server); they stay in the
+launcher's process group, so signalling the group reaches all of them. `Servers` is a context manager: on exit
+(success, failure or Ctrl-C) it sends SIGTERM to every group it started, waits, then SIGKILLs what is left, and
+`leftovers()` says whether any process of those groups still exists (it should not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not answer in time; the message has the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; other users of this box get different ones)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (held open together while picking, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body); status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, b""
+
+
+def http_post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _pgid_members(pgids: set[int]) -> list[int]:
+    """Pids of live processes whose process group is one of `pgids` (read from /proc; zombies excluded)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp ...
+        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) in pgids:
+            out.append(int(d))
+    return out
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    started: float
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class Servers:
+    """Processes started by this object; every one in a new session (its own process group)."""
+
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              cwd: str | None = None) -> Proc:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as f:
+            p = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd, stdout=f,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = Proc(name, p, log, time.monotonic())
+        self.procs.append(proc)
+        return proc
+
+    def wait_http(self, proc: Proc, url: str, timeout: float, ok=lambda status, body: status == 200) -> float:
+        """Poll `url` until `ok(status, body)`; seconds since `proc` started. Raises if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode} before {url} answered; "
+                                       f"log {proc.log}:\n{proc.log_tail()}")
+            status, body = http_get(url, timeout=5.0)
+            if ok(status, body):
+                return time.monotonic() - proc.started
+            time.sleep(1.0)
+        raise ServerStartError(f"{proc.name}: {url} did not answer within {timeout:.0f} s; log {proc.log}:\n"
+                               f"{proc.log_tail()}")
+
+    def pgids(self) -> set[int]:
+        return {p.popen.pid for p in self.procs}     # start_new_session: pgid == pid of the leader
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM every group, wait up to `grace` s for all members to go, then SIGKILL the rest; reap leaders."""
+        pgids = self.pgids()
+        for g in pgids:
+            try:
+                os.killpg(g, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                p.popen.poll()
+            if not _pgid_members(pgids):
+                break
+            time.sleep(0.2)
+        for g in pgids:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        t_end = time.monotonic() + 10
+        while _pgid_members(pgids) and time.monotonic() < t_end:
+            time.sleep(0.2)
+
+    def leftovers(self) -> list[int]:
+        """Pids still alive in the groups this object started ([] after a clean stop)."""
+        return _pgid_members(self.pgids())
+
+    def __enter__(self) -> "Servers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,103 @@
+"""A PD stack on this machine through the project's own launch scripts: D, P and the router, DEVICE=cpu.
+
+`start_pd` runs `launch_decode.sh` and `launch_prefill.sh` at once (their startup is mostly imports; the two
+overlap), waits for both, then `launch_router.sh`, and returns the URLs and the measured startup seconds. Every
+port is picked free at start (other users of the box run servers too), and every process is owned by the
+`Servers` object passed in, which stops them all as process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from flashmemory.serve.procs import Servers, free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"   # FM_CPU_MODEL in scripts/launch_common.sh
+
+
+def ensure_model(path: Path) -> Path:
+    """The serving-tiny checkpoint at `path`, built (seeded, deterministic) if it is not there yet."""
+    if (path / "config.json").is_file():
+        return path
+    from flashmemory.hf.serving_build import build_serving
+    print(f"building the tiny serving model at {path} (once) ...", flush=True)
+    return Path(build_serving(path))
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """What to start. `decode_env` / `prefill_env` are extra knobs for the launch scripts (CKPT, KMAX, ...)."""
+
+    model: Path = DEFAULT_CPU_MODEL
+    python: str = sys.executable
+    host: str = "127.0.0.1"
+    transfer_backend: str = "nixl"
+    flashmemory: bool = True                 # False: stock decode (FLASHMEMORY=0)
+    decode_env: Mapping[str, str] = field(default_factory=dict)
+    prefill_env: Mapping[str, str] = field(default_factory=dict)
+    base_env: Mapping[str, str] | None = None   # the environment the scripts inherit (default: os.environ)
+    startup_timeout: float = 420.0
+
+
+@dataclass
+class PDStack:
+    router_url: str
+    prefill_url: str
+    decode_url: str
+    startup_s: dict[str, float]
+
+
+def _env(cfg: PDConfig, **knobs: str) -> dict[str, str]:
+    e = dict(os.environ if cfg.base_env is None else cfg.base_env)
+    e.pop("DRY_RUN", None)
+    e.update(DEVICE="cpu", PYTHON=cfg.python, MODEL=str(cfg.model), HOST=cfg.host, OMP_NUM_THREADS="1",
+             no_proxy=f"127.0.0.1,localhost{',' + e['no_proxy'] if e.get('no_proxy') else ''}")
+    # children must import this checkout's flashmemory (a worktree, or a clone without `pip install -e`)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
+    e.update(knobs)
+    return e
+
+
+def router_ready(status: int, body: bytes, workers: int = 2) -> bool:
+    """sglang_router's /readiness: 200 with every one of the `workers` registered workers healthy."""
+    if status != 200:
+        return False
+    try:
+        r = json.loads(body)
+    except ValueError:
+        return False
+    return r.get("status") == "ready" and int(r.get("healthy_workers", 0)) >= workers \
+        and r.get("healthy_workers") == r.get("total_workers")
+
+
+def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None) -> PDStack:
+    """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
+
+    Ports: the router's is `router_port` if given, every other one is picked free."""
+    p_port, d_port, boot_port, r_port, prom_port = free_ports(5, cfg.host)
+    r_port = router_port or r_port
+    common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
+    d = servers.start("decode", ["bash", str(REPO / "launch_decode.sh")],
+                      _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
+                           **dict(cfg.decode_env)))
+    p = servers.start("prefill", ["bash", str(REPO / "launch_prefill.sh")],
+                      _env(cfg, PORT=str(p_port), **common, **dict(cfg.prefill_env)))
+    d_url, p_url = f"http://{cfg.host}:{d_port}", f"http://{cfg.host}:{p_port}"
+    times = {"decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
+             "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout)}
+    t0 = time.monotonic()
+    r = servers.start("router", ["bash", str(REPO / "launch_router.sh")],
+                      _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
+                           DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot_port), PROMETHEUS_PORT=str(prom_port)))
+    r_url = f"http://{cfg.host}:{r_port}"
+    # the router answers /health at once; /readiness says when it has found both workers healthy
+    servers.wait_http(r, r_url + "/readiness", cfg.startup_timeout, ok=router_ready)
+    times["router"] = time.monotonic() - t0
+    return PDStack(r_url, p_url, d_url, times)

@@ -1,0 +1,18 @@
+"""bench serve's arithmetic: prompt lengths and the decode-rate summary of concurrent streamed requests."""
+import math
+
+from flashmemory.bench.serve import contexts, summarize
+from flashmemory.serve.client import StreamResult
+
+
+def test_contexts_spread_over_the_range():
+    assert contexts(1024, 4096, 4) == [1024, 2048, 3072, 4096]
+    assert contexts(512, 512, 3) == [512, 512, 512] and contexts(100, 200, 1) == [200]
+
+
+def test_summary_counts_tokens_after_the_first_over_the_shared_window():
+    a = StreamResult(sent=0.0, token_times=[1.0, 2.0, 3.0], n_tokens=3)     # 2 decoded, ITL 1 s
+    b = StreamResult(sent=0.0, token_times=[2.0, 2.5, 3.0, 5.0], n_tokens=4)  # 3 decoded, ITL 1 s
+    s = summarize([a, b])
+    assert math.isclose(s["decode_tok_s"], 5 / 4.0)        # window 1.0 .. 5.0
+    assert math.isclose(s["itl_ms"], 1000.0) and math.isclose(s["ttft_s"], 1.5) and s["wall_s"] == 5.0

@@ -1,0 +1,65 @@
+"""NIXL on CPU: host tensors that sglang registers as "VRAM" move for real once the agent aliases VRAM to DRAM."""
+import time
+
+import pytest
+import torch
+
+nixl_api = pytest.importorskip("nixl._api", reason="nixl is not installed (extra serve-nixl)")
+
+from flashmemory.sglang.cpu import pd  # noqa: E402
+
+
+def _agent_cls(patched: bool) -> type:
+    cls = type("Agent", (nixl_api.nixl_agent,), {})     # a subclass: the global class stays as shipped
+    if patched:
+        assert pd.patch_nixl_agent_class(cls) is True
+    return cls
+
+
+def _read(cls: type, src: torch.Tensor, dst: torch.Tensor, kind: str) -> str:
+    """Agent B reads A's `src` into its `dst`, both described as memory type `kind` (sglang's calls)."""
+    cfg = nixl_api.nixl_agent_config(backends=["UCX"])
+    a, b = cls(f"A{id(src)}", cfg), cls(f"B{id(src)}", cfg)
+    a.register_memory([(src.data_ptr(), src.nbytes, 0, "")], kind)
+    b.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], kind)
+    peer = b.add_remote_agent(a.get_agent_metadata())
+    h = b.initialize_xfer("READ", b.get_xfer_descs([(dst.data_ptr(), dst.nbytes, 0)], kind),
+                          a.get_xfer_descs([(src.data_ptr(), src.nbytes, 0)], kind), peer)
+    state = b.transfer(h)
+    deadline = time.monotonic() + 30
+    while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+        time.sleep(0.005)
+        state = b.check_xfer_state(h)
+    return state
+
+
+def test_host_memory_as_vram_is_refused_as_shipped():
+    """Why the alias exists: UCX rejects host memory registered as VRAM."""
+    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        _read(_agent_cls(False), src, torch.zeros_like(src), "VRAM")
+
+
+def test_alias_moves_the_bytes():
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (3, 584 * 64), dtype=torch.uint8, generator=g)   # c4 KV-sized rows
+    dst = torch.zeros_like(src)
+    assert _read(_agent_cls(True), src, dst, "VRAM") == "DONE"
+    assert torch.equal(src, dst)
+
+
+def test_patch_once():
+    cls = _agent_cls(True)
+    assert pd.patch_nixl_agent_class(cls) is False
+
+
+def test_alias_refuses_an_unknown_agent_layout():
+    class NoTable:
+        pass
+    with pytest.raises(RuntimeError, match="nixl_mems"):
+        pd.alias_vram_to_dram(NoTable())
+
+
+def test_install_is_off_without_the_gate(monkeypatch):
+    monkeypatch.delenv("SGLANG_FLASHMEMORY_CPU", raising=False)
+    assert pd.install() == {"nixl": "off", "fake": []}

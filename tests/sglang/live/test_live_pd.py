@@ -1,0 +1,182 @@
+"""Live PD on CPU (issue 11, 5d and 6): launch_prefill.sh + launch_decode.sh (shrink mode) + launch_router.sh under
+DEVICE=cpu, real sglang processes on 127.0.0.1, KV moved by NIXL over host DRAM.
+
+Two stacks, one after the other: PD stock (D with FLASHMEMORY=0) through `start_pd`, then PD with FlashMemory
+through `flashmemory serve` (what `make serve` runs), which the last test stops with SIGINT as Ctrl-C would.
+- P really sent bytes (its `sglang:kv_transfer_total_mb` histogram) and D's greedy tokens are the same with and
+  without FlashMemory (shrink mode lands P's c4 KV in the host mirror: wrong or missing bytes change them);
+- a chat completion through the router with the `openai` client returns content;
+- Ctrl-C stops P, D and the router, and no process of their groups is left.
+Every server is in its own process group; each fixture kills its groups on success and on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+pytest.importorskip("sglang")
+pytest.importorskip("nixl._api", reason="PD on CPU moves KV with NIXL: pip install -e '.[serve-nixl]'")
+
+from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
+from flashmemory.serve.procs import Servers, _pgid_members, http_get  # noqa: E402
+from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, PDConfig, ensure_model, start_pd  # noqa: E402
+
+# 200 tokens: past a c128 block (c4 and c128 entries both cross PD) and inside one c4 page (64 chunks). A request
+# enters D with only its newest page resident; the rest comes with its first Level-1 cycle, which runs after the
+# first decode forward. Inside one page the whole history is resident from D's first step, so the tokens must match.
+PROMPT = [40 + (7 * i) % 900 for i in range(200)]
+NEW_TOKENS = 8
+READY_TIMEOUT = 900.0
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_model(DEFAULT_CPU_MODEL)
+
+
+def _transferred_mb(prefill_url: str) -> float:
+    status, body = http_get(prefill_url + "/metrics", timeout=10)
+    assert status == 200, f"{prefill_url}/metrics answered {status}"
+    return parse_metrics(body.decode(errors="replace"), prefix="sglang:kv_transfer_total_mb").get(
+        "sglang:kv_transfer_total_mb_sum", 0.0)
+
+
+@pytest.fixture(scope="module")
+def stock(model, tmp_path_factory):
+    """PD stock: D without FlashMemory. Its greedy tokens for PROMPT and P's transferred MB."""
+    servers = Servers(tmp_path_factory.mktemp("pd_stock"))
+    try:
+        stack = start_pd(servers, PDConfig(model=model, flashmemory=False))
+        t = time.monotonic()
+        tokens = generate(stack.router_url, PROMPT, NEW_TOKENS)
+        out = {"tokens": tokens, "request_s": time.monotonic() - t, "startup_s": stack.startup_s,
+               "transferred_mb": _transferred_mb(stack.prefill_url)}
+    finally:
+        servers.stop()
+    assert servers.leftovers() == []
+    print(f"\nPD stock: startup {stack.startup_s}, request {out['request_s']:.1f} s, "
+          f"P sent {out['transferred_mb']:.3f} MB")
+    return out
+
+
+class ServeCli:
+    """`flashmemory serve --port 0` in its own process group; `ready` is its READY line."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.t0 = time.monotonic()
+        self.p = subprocess.Popen([sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--logs",
+                                   str(log_dir)], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                  start_new_session=True)
+        self.lines: list[str] = []
+        self.ready = self._read_until("READY ", READY_TIMEOUT)
+        self.ready_s = time.monotonic() - self.t0
+
+    def _read_until(self, prefix: str, timeout: float) -> dict | None:
+        """Lines come through a reader thread (select() on a buffered pipe misses lines already buffered)."""
+        if not hasattr(self, "_q"):
+            self._q: queue.Queue = queue.Queue()
+            threading.Thread(target=lambda: [self._q.put(ln) for ln in self.p.stdout] + [self._q.put(None)],
+                             daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                return None
+            self.lines.append(line.rstrip())
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+        return None
+
+    def rest(self, timeout: float = 30.0) -> str:
+        """What the command printed after READY, up to its exit."""
+        out, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            out.append(line)
+        return "".join(out)
+
+    def pgids(self) -> set[int]:
+        return {self.p.pid} | set((self.ready or {}).get("pgids", []))
+
+    def kill_all(self) -> None:
+        for g in self.pgids():
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture(scope="module")
+def serve(model, tmp_path_factory):
+    cli = ServeCli(tmp_path_factory.mktemp("serve_logs"))
+    try:
+        assert cli.ready is not None, "flashmemory serve never printed READY:\n" + "\n".join(cli.lines[-60:])
+        print(f"\nflashmemory serve: ready after {cli.ready_s:.0f} s, servers {cli.ready['startup_s']}")
+        yield cli
+    finally:
+        cli.kill_all()             # after the Ctrl-C test this finds nothing; on failure it cleans up
+        assert _pgid_members(cli.pgids()) == []
+
+
+def test_pd_stock_moves_real_bytes(stock):
+    assert len(stock["tokens"]) == NEW_TOKENS
+    assert stock["transferred_mb"] > 0, "P reported no KV bytes sent"
+
+
+def test_flashmemory_decode_tokens_equal_pd_stock(serve, stock):
+    r = serve.ready
+    t = time.monotonic()
+    tokens = generate(r["router"], PROMPT, NEW_TOKENS)
+    print(f"\nPD FlashMemory request: {time.monotonic() - t:.1f} s; tokens {tokens}")
+    assert _transferred_mb(r["prefill"]) > 0
+    assert tokens == stock["tokens"]
+    d_log = (serve.log_dir / "decode.log").read_text(errors="replace")
+    assert "FlashMemory Path-P (shrink mode)" in d_log and "registered with NIXL as host DRAM" in d_log
+
+
+def test_openai_chat_through_router(serve):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=serve.ready["router"] + "/v1", api_key="none", timeout=600)
+    t = time.monotonic()
+    resp = client.chat.completions.create(model="default", max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Say hello."}])
+    print(f"\nopenai chat through the router: {time.monotonic() - t:.1f} s: {resp.choices[0].message.content!r}")
+    assert resp.choices[0].message.content
+    assert resp.usage.completion_tokens > 0
+
+
+def test_ctrl_c_stops_all_three(serve):
+    """Last in this module: SIGINT to `flashmemory serve` (as Ctrl-C in its terminal) stops P, D and the router."""
+    assert len(serve.ready["pgids"]) == 3 and _pgid_members(set(serve.ready["pgids"]))
+    os.kill(serve.p.pid, signal.SIGINT)
+    rc = serve.p.wait(timeout=120)
+    rest = serve.rest()
+    assert rc == 0, rest
+    assert "stopped: all servers gone" in rest
+    assert _pgid_members(serve.pgids()) == []
