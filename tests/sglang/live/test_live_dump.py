@@ -51,7 +51,7 @@ def dump_dir(tmp_path_factory):
     servers = Servers(root / "logs")
     try:
         srv = servers.start("dump_server", ["bash", str(REPO / "data_generation" / "start_dump_server.sh")],
-                            _env(PDConfig(model=model), PORT=str(port)))
+                            _env(PDConfig(model=model), PORT=str(port), DUMP_ROOT=str(root)))
         startup = servers.wait_http(srv, f"http://127.0.0.1:{port}/health", 600)
         t = time.monotonic()
         p = _run([sys.executable, "data_generation/run_dump_training_data.py", "--backend", "sglang",
@@ -60,15 +60,21 @@ def dump_dir(tmp_path_factory):
                   "--max-tokens", str(MAX_TOKENS), "--concurrency", "2", "--no-progress"], timeout=900)
         print(f"\ndump server: startup {startup:.0f} s, dump of {len(PROMPTS)} prompts {time.monotonic() - t:.0f} s")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        # issue 12 #8 on the live server: a client naming an output dir outside the server's root is refused
+        outside = tmp_path_factory.mktemp("outside_root") / "dump"
+        refused = _run([sys.executable, "data_generation/run_dump_training_data.py", "--backend", "sglang",
+                        "--url", f"http://127.0.0.1:{port}/v1", "--model", str(model), "--input", str(inp),
+                        "--output-dir", str(outside), "--target-csa-layers", "0", "1", "--min-layers", "2",
+                        "--max-tokens", "2", "--n-samples", "1", "--no-progress"], timeout=600)
     finally:
         servers.stop()
     assert servers.leftovers() == []
-    return out, model
+    return out, model, refused, outside
 
 
 def test_dump_writes_docs(dump_dir):
     from flashmemory.dump import list_docs, load_doc
-    out, _ = dump_dir
+    out = dump_dir[0]
     docs = list_docs(str(out))
     assert len(docs) == len(PROMPTS)
     doc = load_doc(docs[0])
@@ -76,7 +82,7 @@ def test_dump_writes_docs(dump_dir):
 
 
 def test_verify_passes_against_the_transformers_engine(dump_dir):
-    out, model = dump_dir
+    out, model = dump_dir[:2]
     # --fp8-q: sglang's indexer quantizes q to fp8 per head (the CPU layer does the same), so the reference does too
     p = _run([sys.executable, "-m", "flashmemory.cli", "verify", "--dump", str(out), "--model", str(model),
               "--max-docs", str(len(PROMPTS)), "--fp8-q"], timeout=600)
@@ -85,7 +91,7 @@ def test_verify_passes_against_the_transformers_engine(dump_dir):
 
 
 def test_training_runs_on_the_live_dump(dump_dir, tmp_path):
-    out, _ = dump_dir
+    out = dump_dir[0]
     cfg = tmp_path / "data.json"
     cfg.write_text(json.dumps({"train": [{"data_dir": str(out)}], "val": [{"data_dir": str(out)}]}))
     p = _run([sys.executable, "-m", "flashmemory.cli", "train", "--data-config", str(cfg), "--output-dir",
@@ -93,3 +99,11 @@ def test_training_runs_on_the_live_dump(dump_dir, tmp_path):
               "--q-lora-rank", "16", "--batch-size", "4", "--device", "cpu", "--label-interval", "4"], timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert any((tmp_path / "ckpt").glob("*.safetensors")) or any((tmp_path / "ckpt").glob("*.pt"))
+
+
+def test_a_dump_outside_the_server_root_is_refused(dump_dir):
+    _, _, refused, outside = dump_dir
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0, text[-3000:]
+    assert not list(outside.glob("doc_*")), "the server wrote outside its dump root"
+    assert "root" in text, text[-3000:]   # the server's reason reaches the client
