@@ -42,6 +42,11 @@ def method_table(methods: dict[str, dict]) -> str:
     return "\n".join([head, sep, *rows])
 
 
+def scope(results: dict) -> str:
+    """What the quality numbers can claim: the trained tiny model's, or the random model's (mechanics only)."""
+    return SCOPE_TRAINED if "trained" in results.get("model_note", "") else SCOPE
+
+
 def task_tables(tb: dict) -> list[str]:
     """Markdown: each method's task accuracy (and top-k mass) at each task budget, then per task."""
     if not tb:
@@ -98,7 +103,7 @@ def monitor_section(results: dict) -> list[str]:
               "Equal average budget: the monitored method runs at the largest base budget (and cap) whose mean "
               "resident pages over the decode steps do not exceed FlashMemory's at KMAX (`mean pages`; "
               "`flashmemory.eval.monitored`). The MRCR-like rows come from extra held-out documents. "
-              f"Scope: {SCOPE}", ""]
+              f"Scope: {scope(results)}", ""]
     res = results.get("residency")
     if res:
         cfg = results["config"]
@@ -138,7 +143,7 @@ def report_markdown(results: dict) -> str:
         "entries, index-K); bytes recalled host -> device by the offload engine; Level-1 time over Level-1 plus "
         "decode time; task score of the teacher-forced greedy tokens.",
         "",
-        f"Scope: {SCOPE_TRAINED if 'trained' in results.get('model_note', '') else SCOPE}",
+        f"Scope: {scope(results)}",
         "",
         "Methods: Full (all resident); FlashMemory (trained retriever, threshold, tail); FlashMemory+monitor (the same "
         "plus the miss monitor, escalation and fallback, at an equal average budget); Recency (newest pages); "

@@ -74,13 +74,19 @@ SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "1", "SGLANG_RETRIEVER_
 
 
 @pytest.fixture(scope="session")
-def live_servers(serving_model, live_logs, tmp_path_factory):
+def tiny_retriever_ckpt(serving_model, tmp_path_factory):
+    """A retriever trained here from a dump of the serving model (about half a minute), shared by the session."""
+    from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
+    return str(train_tiny_retriever(serving_model, tmp_path_factory.mktemp("retriever")))
+
+
+@pytest.fixture(scope="session")
+def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
     """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
     gates off (plugin loaded, nothing on), full (b) and small (c) budgets with a retriever trained here."""
     stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
     off = make_server(serving_model, live_logs, "gates_off")
-    from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
-    ckpt = str(train_tiny_retriever(serving_model, tmp_path_factory.mktemp("retriever")))
+    ckpt = tiny_retriever_ckpt
     full = make_server(serving_model, live_logs, "full_budget", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
                         env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
