@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -129,8 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         out = build_serving(args.out, args.seed)
     except BuildError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        from flashmemory.errors import fail
+        return fail("model build-serving", e)
     print(out)
     return 0
 
@@ -143,8 +142,3 @@ def add_build_serving(model_sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.set_defaults(func=_run)
 
-
-def register(sub) -> None:
-    """`flashmemory model ...` with `build-serving` (the lead merges this with `model train-tiny`)."""
-    p = sub.add_parser("model", help="build tiny DeepSeek-V4 checkpoints")
-    add_build_serving(p.add_subparsers(dest="model_command", metavar="SUBCOMMAND"))

@@ -45,7 +45,8 @@ def _tuple(kind):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("model", help="train-tiny (a tiny DeepSeek-V4 that retrieves) | probe (how it retrieves)")
+    p = sub.add_parser("model", help="train-tiny (a tiny DeepSeek-V4 that retrieves) | probe (how it retrieves) | "
+                                     "build-serving (the tiny checkpoint sglang serves on CPU)")
     msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     t = msub.add_parser("train-tiny", help="train DeepseekV4ForCausalLM on the long-context retrieval curriculum",
                         description=__doc__)
@@ -62,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_train)
     from flashmemory.tiny.probe_cli import add_probe_parser
     add_probe_parser(msub)
+    from flashmemory.hf.serving_build import add_build_serving
+    add_build_serving(msub)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
