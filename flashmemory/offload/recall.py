@@ -99,7 +99,7 @@ def _evict(eng: "OffloadEngine", blk: int, touched: set[int], cleared: list[int]
     touched.add(row)
 
 
-def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> RecallPlan:
+def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
     plan = RecallPlan(t0=time.perf_counter())
     pc = eng.layout.page_chunks
     touched: set[int] = set()
@@ -115,7 +115,8 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> Reca
                 st = eng.rows[rq.row] if 0 <= rq.row < len(eng.rows) else None
                 if st is None or st.gen != rq.gen:
                     continue  # finished or replaced before its cycle was planned
-                eng.stats.add(st.rid, "cycles")
+                if count_cycle:   # an admission warm start (`residency.level1.warm_start`) is not a cycle
+                    eng.stats.add(st.rid, "cycles")
                 cap = min(eng.cfg.max_resident_pages, rq.budget or eng.cfg.max_resident_pages)
                 n_pages = len(st.mpages)
                 ranked = [x for x in ranked if x[0] < n_pages]

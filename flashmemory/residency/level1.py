@@ -30,6 +30,25 @@ from flashmemory.residency.policy import PagePolicy, ensemble_scores
 Scorer = Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
+def warm_start(engine: OffloadEngine, row: int, kmax: int) -> int:
+    """Recall a newly admitted row's newest kmax history pages synchronously, before its first decode step (the
+    newest page itself is already held by `open_tail_page`, so at most kmax - 1 are copied here).
+
+    Why: a request's first Level-1 cycle comes only after its first decode forward (up to tau steps later with
+    a stagger); until then it would decode with its newest page alone, so even a budget that holds the whole
+    history would differ from Full attention on those steps. The first cycle re-plans from this recency set.
+    Returns the pages published (not counted as a Level-1 cycle).
+    """
+    n_pages = -(-engine.n_chunks(row) // engine.layout.page_chunks)
+    older = tuple(range(max(0, n_pages - kmax), n_pages - 1))
+    if not older:
+        return 0
+    req = RecallRequest(row=row, gen=engine.gen(row), pages=older, priority=tuple(float(p) for p in older))
+    plan = plan_recall(engine, [req], count_cycle=False)
+    execute_recall(engine, plan)
+    return publish_recall(engine, plan)
+
+
 @dataclass(frozen=True)
 class Level1Config:
     tau: int = 64                   # decode steps between cycles of one request

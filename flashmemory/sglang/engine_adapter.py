@@ -26,7 +26,7 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout
 from flashmemory.offload.mirror import check_host_memory
-from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer
+from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer, warm_start
 from flashmemory.residency.level2 import Level2
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
@@ -183,8 +183,8 @@ class SGLangOffload:
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
         current one. Returns engine rows [B] (-1: no c4 history yet). Vanished requests are finished, new ones
-        admitted (`_admit`) with their newest page made resident, and each row's history is extended to the
-        chunks this step closes (`_new_chunks`)."""
+        admitted (`_admit`) with their newest KMAX pages resident (`warm_start`), and each row's history is
+        extended to the chunks this step closes (`_new_chunks`)."""
         self._settle()
         before, after = c4_counts(seq_lens.cpu())
         live = set(rids)
@@ -201,6 +201,7 @@ class SGLangOffload:
                 row = self._free_row()
                 self._admit(row, rid, pages, int(before[b]))
                 self.engine.open_tail_page(row)   # the newest page is readable from the first step on
+                warm_start(self.engine, row, self.level1_cfg.max_resident_pages)  # older pages until cycle 1
                 self.rows[rid] = row
             if row is not None:
                 self._grow(row, rid, pages)

@@ -139,3 +139,22 @@ def test_finish_and_reuse_mid_cycle_leak_nothing():
     tot = eng.metrics()["total"]
     assert tot["cancelled_pages"] > 0 and tot["free_blocks"] == 8 and tot["inflight_blocks"] == 0
     assert eng.rows[0].recall == {} and (eng.cells(torch.tensor([0]), torch.arange(10).unsqueeze(0)) == -1).all()
+
+
+def test_warm_start_holds_the_newest_pages_before_the_first_cycle():
+    """Admission: the newest KMAX pages (the newest one through open_tail_page) are resident before any cycle,
+    with their true bytes, and it is not counted as a Level-1 cycle."""
+    from flashmemory.residency.level1 import warm_start
+    eng = engine()
+    admit(eng, 0, n=30)               # 8 pages of 4 chunks: pages 0..7, newest 7
+    eng.open_tail_page(0)
+    assert warm_start(eng, 0, kmax=4) == 3
+    st = eng.rows[0]
+    assert sorted(st.recall) == [4, 5, 6] and 7 in st.ring
+    for p, blk in st.recall.items():   # the reserve holds the mirror's bytes of each page
+        assert torch.equal(eng.reserve.kv[:, blk], eng.mirror.kv[:, st.mpages[p]].to(eng.reserve.kv.device))
+    assert eng.stats.per_req[st.rid].get("cycles", 0) == 0
+    check_invariants(eng)
+    admit(eng, 1, n=3)                # one page only: nothing older to warm
+    eng.open_tail_page(1)
+    assert warm_start(eng, 1, kmax=3) == 0
