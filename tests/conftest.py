@@ -23,3 +23,14 @@ def synth(tmp_path_factory, teacher):
     # A fit check: validate on a training doc (the held-out doc's doc-level query is unseen).
     (root / "fit.json").write_text(json.dumps({"train": ["train"], "val": [{"data_dir": "train", "doc_ids": [0]}]}))
     return root
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: tiny models and ops are as fast uncontended, and 5-10x faster on a busy
+    CPU (folders with tiny work use it autouse through their own conftest)."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -19,9 +19,6 @@ def micro_ids():
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one torch thread is as fast uncontended and 5-10x faster on a busy CPU."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
+    """These models are tiny: one torch thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(old)

@@ -1,11 +1,7 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These ops are tiny: one torch thread is as fast uncontended and much faster on a busy CPU."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
+    """These ops are tiny: one torch thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(old)
