@@ -16,10 +16,10 @@ def _run(server):
         return [f.result()["output_ids"] for f in futs]
 
 
-@pytest.mark.xfail(strict=False, reason="known defect under investigation: the 1100-token request diverged from stock at "
-                   "decode step 3 ([164, 128, 87, ...] vs [164, 128, 401, ...]) in two runs, while a new request held only "
-                   "its newest page until its first Level-1 cycle; the admission warm start (residency.level1.warm_start) "
-                   "targets that and has not yet been measured live")
+@pytest.mark.xfail(strict=False, reason="known defect under investigation. Before the admission warm start the 1100-token "
+                   "request diverged from stock at decode step 3 ([164, 128, 87, ...] vs [164, 128, 401, ...]); with it "
+                   "(residency.level1.warm_start) that request matches stock, but the second request now differs at its "
+                   "second token ([128, 164, 948, 86, ...] vs [128, 86, 840, ...]), one run")
 def test_full_budget_tokens_equal_stock(live_servers):
     stock, full = live_servers["stock"], live_servers["full"]
     with ThreadPoolExecutor(2) as ex:
