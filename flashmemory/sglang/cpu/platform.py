@@ -39,6 +39,10 @@ CPU_SWITCHES: dict[str, str] = {
     "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
     "SGLANG_OPT_USE_ONLINE_COMPRESS": "0",        # the offline c4/c128 compressor (the torch one covers it)
     "SGLANG_DSV4_KV_LAYOUT": "v4",                # the 584-B V4 layout the torch stores write
+    # NIXL's UCX would load its InfiniBand modules, whose bundled libnl-route and the system's (via libibverbs)
+    # both register at load: the second unregister segfaults at process exit (rtnl_tc_unregister in _dl_fini).
+    # PD on CPU moves bytes over shared memory / TCP, so the IB modules are not needed.
+    "UCX_MODULES": "^ib*",
 }
 PLATFORM_CLASS = "flashmemory.sglang.cpu.cpu_platform.FlashMemoryCpuPlatform"
 

@@ -23,7 +23,8 @@ def test_gate_on_sets_switches_keeps_user_values(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")                       # the user's choice wins
     for k in cpu_platform.CPU_SWITCHES:
         if k != "TRITON_INTERPRET":
-            monkeypatch.delenv(k, raising=False)
+            monkeypatch.setenv(k, "")   # recorded first: delenv of an unset name is not undone, and activate()
+            monkeypatch.delenv(k)       # would leak sglang's CPU switches into every later test of the session
     calls = []
     monkeypatch.setattr("flashmemory.sglang.cpu.stubs.install_stubs", lambda: calls.append(1))
     assert cpu_platform.activate() == cpu_platform.PLATFORM_CLASS and calls == [1]

@@ -1,4 +1,5 @@
 """NIXL on CPU: host tensors that sglang registers as "VRAM" move for real once the agent aliases VRAM to DRAM."""
+import os
 import time
 
 import pytest
@@ -7,6 +8,11 @@ import torch
 nixl_api = pytest.importorskip("nixl._api", reason="nixl is not installed (extra serve-nixl)")
 
 from flashmemory.sglang.cpu import pd  # noqa: E402
+from flashmemory.sglang.cpu.platform import CPU_SWITCHES  # noqa: E402
+
+# As the CPU layer does in every sglang process: without it UCX's IB modules make this pytest process
+# segfault at exit, after the suite has passed (see CPU_SWITCHES). Read by UCX when the first agent starts.
+os.environ.setdefault("UCX_MODULES", CPU_SWITCHES["UCX_MODULES"])
 
 
 def _agent_cls(patched: bool) -> type:
@@ -17,20 +23,33 @@ def _agent_cls(patched: bool) -> type:
 
 
 def _read(cls: type, src: torch.Tensor, dst: torch.Tensor, kind: str) -> str:
-    """Agent B reads A's `src` into its `dst`, both described as memory type `kind` (sglang's calls)."""
+    """Agent B reads A's `src` into its `dst`, both described as memory type `kind` (sglang's calls).
+
+    Every handle, peer and registration is released before returning: UCX objects left for interpreter
+    shutdown to free crash the process at exit (SIGSEGV after the suite had passed)."""
     cfg = nixl_api.nixl_agent_config(backends=["UCX"])
     a, b = cls(f"A{id(src)}", cfg), cls(f"B{id(src)}", cfg)
-    a.register_memory([(src.data_ptr(), src.nbytes, 0, "")], kind)
-    b.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], kind)
-    peer = b.add_remote_agent(a.get_agent_metadata())
-    h = b.initialize_xfer("READ", b.get_xfer_descs([(dst.data_ptr(), dst.nbytes, 0)], kind),
-                          a.get_xfer_descs([(src.data_ptr(), src.nbytes, 0)], kind), peer)
-    state = b.transfer(h)
-    deadline = time.monotonic() + 30
-    while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-        time.sleep(0.005)
-        state = b.check_xfer_state(h)
-    return state
+    regs = [(a, a.register_memory([(src.data_ptr(), src.nbytes, 0, "")], kind))]
+    try:
+        regs.append((b, b.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], kind)))
+        peer = b.add_remote_agent(a.get_agent_metadata())
+        try:
+            h = b.initialize_xfer("READ", b.get_xfer_descs([(dst.data_ptr(), dst.nbytes, 0)], kind),
+                                  a.get_xfer_descs([(src.data_ptr(), src.nbytes, 0)], kind), peer)
+            try:
+                state = b.transfer(h)
+                deadline = time.monotonic() + 30
+                while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    state = b.check_xfer_state(h)
+                return state
+            finally:
+                b.release_xfer_handle(h)
+        finally:
+            b.remove_remote_agent(peer)
+    finally:
+        for agent, reg in reversed(regs):
+            agent.deregister_memory(reg)
 
 
 def test_host_memory_as_vram_is_refused_as_shipped():
