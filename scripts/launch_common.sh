@@ -84,9 +84,11 @@ fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export
     SGLANG_OPT_USE_TILELANG_MHC_POST SGLANG_OPT_FUSE_MHC_POST_PRE SGLANG_OPT_DEEPGEMM_HC_PRENORM
     SGLANG_OPT_USE_FUSED_HASH_TOPK SGLANG_OPT_FP8_WO_A_GEMM SGLANG_DSV41_FUSED_WO_A SGLANG_OPT_DSV4_NONPAGED_INDEXER
     SGLANG_OPT_USE_JIT_INDEXER_METADATA SGLANG_CUDA_COREDUMP_BEFORE_CRASH)
-  # a fixed small pool (else sized from host RAM: 13 GB, 42 s), small chunks, torch top-k, no CUDA graphs
+  # a fixed small pool (else sized from host RAM: 13 GB, 42 s), small chunks, torch top-k, no CUDA graphs;
+  # --sleep-on-idle: an idle scheduler otherwise polls its sockets at ~35% of a core (P and D both idle most of
+  # the time on CPU), which halves a 2-core box
   FM_DEV_ARGS=(--device cpu --max-total-tokens "${MAX_TOTAL_TOKENS:-16384}" --chunked-prefill-size 1024
-    --max-prefill-tokens 2048 --dsa-topk-backend torch --cuda-graph-backend-decode disabled)
+    --max-prefill-tokens 2048 --dsa-topk-backend torch --cuda-graph-backend-decode disabled --sleep-on-idle)
 }
 
 fm_run() {  # fm_run VAR... -- CMD...: export the named variables, then run (or print) the command

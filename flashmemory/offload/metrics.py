@@ -9,6 +9,7 @@ from typing import Any, Hashable
 COUNTERS = (
     "recall_pages",      # pages copied mirror -> reserve
     "recall_bytes",      # bytes copied mirror -> reserve (c4 KV + Path-I index-K)
+    "warm_start_pages",  # ... of the recall_pages, those recalled at admission (not by a Level-1 cycle)
     "evictions",         # resident pages of this request evicted to make room
     "budget_hits",       # selected pages dropped: per-request cap or reserve exhausted
     "tail_drops",        # ... of which recency-tail pages (reserve exhausted even for the tail)

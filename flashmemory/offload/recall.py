@@ -203,8 +203,9 @@ def execute_recall(eng: "OffloadEngine", plan: RecallPlan) -> None:
                                        + eng.reserve.index.shape[0] * eng.reserve.index.shape[2])
 
 
-def publish_recall(eng: "OffloadEngine", plan: RecallPlan) -> int:
-    """Write the lookup table for the copied pages; returns the number of pages published."""
+def publish_recall(eng: "OffloadEngine", plan: RecallPlan, also_count: str | None = None) -> int:
+    """Write the lookup table for the copied pages; returns the number of pages published. also_count: a second
+    counter the published pages are added to besides recall_pages (e.g. "warm_start_pages")."""
     pc = eng.layout.page_chunks
     published: dict[int, int] = {}  # row -> pages published
     mps: list[int] = []
@@ -235,6 +236,8 @@ def publish_recall(eng: "OffloadEngine", plan: RecallPlan) -> int:
         for row, n in published.items():
             eng.stats.add(eng.rows[row].rid, "recall_pages", n)
             eng.stats.add(eng.rows[row].rid, "recall_bytes", n * per_page)
+            if also_count:
+                eng.stats.add(eng.rows[row].rid, also_count, n)
         eng._rebuild_res_rows(published)
         eng.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
     plan.staging.clear()

@@ -46,7 +46,7 @@ def warm_start(engine: OffloadEngine, row: int, kmax: int) -> int:
     req = RecallRequest(row=row, gen=engine.gen(row), pages=older, priority=tuple(float(p) for p in older))
     plan = plan_recall(engine, [req], count_cycle=False)
     execute_recall(engine, plan)
-    return publish_recall(engine, plan)
+    return publish_recall(engine, plan, also_count="warm_start_pages")
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,7 @@ class SGLangOffload:
             hist = sum(st.n_chunks for st in eng.rows if st is not None)
         rb = eng.reserve.recall_blocks
         return {"recall_bytes": float(snap["recall_bytes"]), "recall_pages": float(snap["recall_pages"]),
+                "warm_start_pages": float(snap["warm_start_pages"]),
                 "level1_cycles": float(snap["cycles"]),
                 "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
                 "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,

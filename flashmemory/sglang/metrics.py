@@ -14,6 +14,7 @@ PREFIX = "flashmemory_"
 METRICS: dict[str, tuple[str, str]] = {
     "recall_bytes": ("counter", "Bytes copied host -> device by recalls"),
     "recall_pages": ("counter", "Pages recalled into the device reserve"),
+    "warm_start_pages": ("counter", "Of those, pages recalled when a request was admitted (before its first cycle)"),
     "level1_cycles": ("counter", "Level-1 cycles completed"),
     "resident_fraction": ("gauge", "Resident c4 chunks / c4 chunks of live requests"),
     "reserve_used_fraction": ("gauge", "Used fraction of the device reserve"),

@@ -276,6 +276,12 @@ class Runtime:
         seq = forward_batch.seq_lens[: len(rids)]
         table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
         rows = self.engine.begin_step(rids, table, seq)
+        if rids and (self.bufs is None or self.bufs.sel_pages.shape[0] < len(rids)):
+            # Here, before the publish below. Left to the indexer hook's lazy allocation (after the publish), the
+            # server's first decode step scored every row's newest page alone: live, a fresh server's first
+            # request decoded one token unlike stock's even with a budget that holds its whole history.
+            self.bufs = Level2Buffers.allocate(max(len(rids), self.env.decode_max_conc), self.level2_width(),
+                                               req_to_token.device)
         if self.bufs is not None and rids:
             pages = self.engine.resident_pages(rows)
             k = min(pages.shape[1], self.bufs.sel_pages.shape[1])

@@ -154,6 +154,7 @@ def test_warm_start_holds_the_newest_pages_before_the_first_cycle():
     for p, blk in st.recall.items():   # the reserve holds the mirror's bytes of each page
         assert torch.equal(eng.reserve.kv[:, blk], eng.mirror.kv[:, st.mpages[p]].to(eng.reserve.kv.device))
     assert eng.stats.per_req[st.rid].get("cycles", 0) == 0
+    assert eng.stats.per_req[st.rid]["warm_start_pages"] == eng.stats.per_req[st.rid]["recall_pages"] == 3
     check_invariants(eng)
     admit(eng, 1, n=3)                # one page only: nothing older to warm
     eng.open_tail_page(1)

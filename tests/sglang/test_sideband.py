@@ -1,6 +1,7 @@
 """The Level-1 side band under CUDA-graph replay: the indexer hook copies the target layers' inputs in place into
 static buffers (recorded into the graph, so replay repeats it), with no host sync or allocation, and Level 1 reads
 those buffers after the forward, for the real rows only."""
+import dataclasses
 import types
 
 import pytest
@@ -138,3 +139,26 @@ def test_hook_under_capture_has_no_host_sync_or_allocation(live, monkeypatch):
     assert torch.equal(sb.hidden[1][:3], x2) and sb.positions[:3].tolist() == [4, 5, 6] and RUNTIME._sideband_frozen
     with pytest.raises(SidebandError):                        # after capture a misfit never reallocates
         RUNTIME.capture_sideband_input(1, torch.randn(2, HIDDEN + 1), torch.arange(2), capturing=False)
+
+
+@dataclasses.dataclass
+class _IndexerMetadata:   # the two fields the score-resident view replaces (sglang's is a dataclass too)
+    page_table: torch.Tensor
+    compressed_seq_lens: torch.Tensor
+
+
+def test_the_first_decode_step_scores_what_is_resident(live):
+    """A fresh server's first decode forward: before_forward allocates the Level-2 buffers and publishes the
+    admitted row's resident pages before the indexer hook reads them (lazily allocated by the hook instead,
+    they were empty on that step and the row scored its newest page alone)."""
+    pool, eng, r2t, _ = live
+    s = torch.tensor([2 * PAGE + 4])                          # 129 c4 chunks: pages 0, 1, 2
+    fb, backend, idx = _forward(pool, ["a"], s, torch.randn(1, HIDDEN), torch.tensor([2 * PAGE + 3]))
+    assert RUNTIME.bufs is None
+    RUNTIME.before_forward(fb, r2t)
+    resident = [p for p in eng.resident_pages(eng.step_rows)[0].tolist() if p >= 0]
+    assert len(resident) > 1 and resident[-1] == 2            # the warm start's pages and the newest one
+    assert [p for p in RUNTIME.bufs.sel_pages[0].tolist() if p >= 0] == resident
+    md = _IndexerMetadata(torch.tensor([[0, 1, 2, -1]], dtype=torch.int32), torch.tensor([129], dtype=torch.int32))
+    view = hooks._resident_metadata(md, 0)
+    assert view.compressed_seq_lens.tolist()[0] == sum(min(64, 129 - 64 * p) for p in resident)

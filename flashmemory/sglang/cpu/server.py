@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
-# Flags that keep the tiny model's pools small and startup short on CPU (see the module README).
+# Flags that keep the tiny model's pools small and startup short on CPU (see the module README). sglang's own
+# --sleep-on-idle: an idle scheduler otherwise polls at ~35% of a core, so four idle test servers took 1.4 of
+# this machine's 2 cores from the ones under test.
 CPU_SERVER_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--max-running-requests", "4", "--context-length", "4096",
     "--chunked-prefill-size", "1024", "--max-prefill-tokens", "2048", "--max-total-tokens", "8192",
-    "--swa-full-tokens-ratio", "0.5", "--skip-server-warmup", "--enable-metrics",
+    "--swa-full-tokens-ratio", "0.5", "--skip-server-warmup", "--enable-metrics", "--sleep-on-idle",
 )
 
 

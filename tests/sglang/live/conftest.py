@@ -69,8 +69,10 @@ COMMON = {"SGLANG_RETRIEVER_INLINE_LAYERS": "0,1", "SGLANG_DSV4_TARGET_CONCURREN
 # chunks) hold every chunk of these <= 1.2K-token requests, so nothing is ever evicted.
 FULL_BUDGET = {**COMMON, "SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1",
                "SGLANG_PATHP_PAGE_KMAX": "16", "SGLANG_RETRIEVER_LAST_KEEP": "2048"}
-# (c) the same features at a small budget: one resident page (64 chunks) per request + a 16-chunk tail.
-SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "1", "SGLANG_RETRIEVER_LAST_KEEP": "16"}
+# (c) the same features at a small budget: two resident pages (of 64 chunks) per request, one of them the page
+# the 16-chunk recency tail is on, the other the retriever's pick: 13-25% of the (c) requests' 8-15 pages.
+SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_RETRIEVER_LAST_KEEP": "16"}
+SMALL_ARGS = ("--max-total-tokens", "16384")   # the three (c) requests hold 8.4K tokens at once
 
 
 @pytest.fixture(scope="session")
@@ -80,16 +82,17 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
     return str(train_tiny_retriever(serving_model, tmp_path_factory.mktemp("retriever")))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
     """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
-    gates off (plugin loaded, nothing on), full (b) and small (c) budgets with a retriever trained here."""
+    gates off (plugin loaded, nothing on), full (b) and small (c) budgets with a retriever trained here.
+    Package scope: they stop after this folder's last test, not at the end of the whole session."""
     stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
     off = make_server(serving_model, live_logs, "gates_off")
     ckpt = tiny_retriever_ckpt
     full = make_server(serving_model, live_logs, "full_budget", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
-                        env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
+                        env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
     servers = {"stock": stock, "off": off, "full": full, "small": small}
     try:
         for s in servers.values():

@@ -1,10 +1,12 @@
 """Live PD on CPU (issue 11, 5d and 6): launch_prefill.sh + launch_decode.sh (shrink mode) + launch_router.sh under
 DEVICE=cpu, real sglang processes on 127.0.0.1, KV moved by NIXL over host DRAM.
 
-Two stacks, one after the other: PD stock (D with FLASHMEMORY=0) through `start_pd`, then PD with FlashMemory
-through `flashmemory serve` (what `make serve` runs), which the last test stops with SIGINT as Ctrl-C would.
-- P really sent bytes (its `sglang:kv_transfer_total_mb` histogram) and D's greedy tokens are the same with and
-  without FlashMemory (shrink mode lands P's c4 KV in the host mirror: wrong or missing bytes change them);
+The stack is started by `flashmemory serve` (what `make serve` runs), which the last test stops with SIGINT as
+Ctrl-C would. The reference tokens come from the session's plain stock server (`live_servers["stock"]`, no PD,
+no FlashMemory, the same seed-0 serving-tiny weights): a second PD stack without FlashMemory only to produce
+them cost three more server starts.
+- P really sent bytes (its `sglang:kv_transfer_total_mb` histogram) and D's greedy tokens equal stock sglang's
+  (shrink mode lands P's c4 KV in the host mirror: wrong or missing bytes change them);
 - a chat completion through the router with the `openai` client returns content;
 - Ctrl-C stops P, D and the router, and no process of their groups is left.
 Every server is in its own process group; each fixture kills its groups on success and on failure.
@@ -29,8 +31,8 @@ pytest.importorskip("sglang")
 pytest.importorskip("nixl._api", reason="PD on CPU moves KV with NIXL: pip install -e '.[serve-nixl]'")
 
 from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
-from flashmemory.serve.procs import Servers, _pgid_members, http_get  # noqa: E402
-from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, PDConfig, ensure_model, start_pd  # noqa: E402
+from flashmemory.serve.procs import _pgid_members, http_get  # noqa: E402
+from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, ensure_model  # noqa: E402
 
 # 200 tokens: past a c128 block (c4 and c128 entries both cross PD) and inside one c4 page (64 chunks). A request
 # enters D with only its newest page resident; the rest comes with its first Level-1 cycle, which runs after the
@@ -53,21 +55,11 @@ def _transferred_mb(prefill_url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stock(model, tmp_path_factory):
-    """PD stock: D without FlashMemory. Its greedy tokens for PROMPT and P's transferred MB."""
-    servers = Servers(tmp_path_factory.mktemp("pd_stock"))
-    try:
-        stack = start_pd(servers, PDConfig(model=model, flashmemory=False))
-        t = time.monotonic()
-        tokens = generate(stack.router_url, PROMPT, NEW_TOKENS)
-        out = {"tokens": tokens, "request_s": time.monotonic() - t, "startup_s": stack.startup_s,
-               "transferred_mb": _transferred_mb(stack.prefill_url)}
-    finally:
-        servers.stop()
-    assert servers.leftovers() == []
-    print(f"\nPD stock: startup {stack.startup_s}, request {out['request_s']:.1f} s, "
-          f"P sent {out['transferred_mb']:.3f} MB")
-    return out
+def stock_tokens(live_servers, model, serving_model) -> list[int]:
+    """Stock sglang's greedy tokens for PROMPT: one plain server, no PD, no FlashMemory."""
+    assert (Path(model) / "model.safetensors").read_bytes() == (Path(serving_model) / "model.safetensors").read_bytes(), \
+        "the PD stack and the stock server must serve the same weights"
+    return generate(live_servers["stock"].url, PROMPT, NEW_TOKENS)
 
 
 class ServeCli:
@@ -144,18 +136,14 @@ def serve(model, tmp_path_factory):
         assert _pgid_members(cli.pgids()) == []
 
 
-def test_pd_stock_moves_real_bytes(stock):
-    assert len(stock["tokens"]) == NEW_TOKENS
-    assert stock["transferred_mb"] > 0, "P reported no KV bytes sent"
-
-
-def test_flashmemory_decode_tokens_equal_pd_stock(serve, stock):
+def test_flashmemory_pd_moves_bytes_and_equals_stock(serve, stock_tokens):
     r = serve.ready
     t = time.monotonic()
     tokens = generate(r["router"], PROMPT, NEW_TOKENS)
-    print(f"\nPD FlashMemory request: {time.monotonic() - t:.1f} s; tokens {tokens}")
-    assert _transferred_mb(r["prefill"]) > 0
-    assert tokens == stock["tokens"]
+    mb = _transferred_mb(r["prefill"])
+    print(f"\nPD FlashMemory request: {time.monotonic() - t:.1f} s; P sent {mb:.3f} MB; tokens {tokens}")
+    assert mb > 0, "P reported no KV bytes sent"
+    assert tokens == stock_tokens
     d_log = (serve.log_dir / "decode.log").read_text(errors="replace")
     assert "FlashMemory Path-P (shrink mode)" in d_log and "registered with NIXL as host DRAM" in d_log
 

@@ -1,7 +1,7 @@
-"""(c) Path-P + Level 1 + score-resident Level 2 at a small budget (one 64-chunk page per request plus a
-16-chunk tail) with a retriever trained here on this model: concurrent requests of different lengths that
-arrive and finish mid-cycle (tau = 4 decode steps) complete, Level 1 runs, and /metrics shows the FlashMemory
-counters."""
+"""(c) Path-P + Level 1 + score-resident Level 2 at a small budget (two 64-chunk pages per request, 13-25% of
+these histories) with a retriever trained here on this model: concurrent requests of 2K-3.6K tokens that
+arrive and finish mid-cycle (tau = 4 decode steps) complete, Level 1 runs and recalls pages beyond the ones an
+admitted request starts with, and /metrics shows the FlashMemory counters."""
 
 import re
 import time
@@ -11,7 +11,7 @@ import pytest
 
 from tests.sglang.live.conftest import prompt
 
-REQS = [(1100, 5, 13, 0.0), (900, 6, 7, 2.0), (700, 7, 10, 4.0)]  # (tokens, seed, steps, arrival delay s)
+REQS = [(3600, 5, 13, 0.0), (2800, 6, 7, 2.0), (2000, 7, 10, 4.0)]  # (tokens, seed, steps, arrival delay s)
 
 
 def _metric(text: str, name: str) -> float:
@@ -38,11 +38,11 @@ def test_small_budget_completes_with_level1_and_metrics(small_run):
     assert [len(o) for o in outs] == [r[2] for r in REQS]
     print("\n".join(l for l in text.splitlines() if l.startswith("flashmemory_")))
     assert _metric(text, "flashmemory_level1_cycles_total") > 0
-    assert 0.0 < _metric(text, "flashmemory_resident_fraction") < 0.5
+    assert 0.0 < _metric(text, "flashmemory_resident_fraction") < 0.3
 
 
-@pytest.mark.xfail(reason="measured 0 recalled pages (level1 cycles 7, resident fraction 0.079) in copy mode on a "
-                          "plain server: not yet investigated", strict=False)
 def test_small_budget_recalls_pages(small_run):
+    """Level 1 recalls pages: more than the admission warm start's (the page before the newest, per request)."""
     _, text = small_run
-    assert _metric(text, "flashmemory_recall_pages_total") > 0
+    warm = _metric(text, "flashmemory_warm_start_pages_total")
+    assert warm > 0 and _metric(text, "flashmemory_recall_pages_total") > warm
