@@ -16,3 +16,6 @@ def test_summary_counts_tokens_after_the_first_over_the_shared_window():
     s = summarize([a, b])
     assert math.isclose(s["decode_tok_s"], 5 / 4.0)        # window 1.0 .. 5.0
     assert math.isclose(s["itl_ms"], 1000.0) and math.isclose(s["ttft_s"], 1.5) and s["wall_s"] == 5.0
+    assert math.isclose(s["steady_tok_s"], 3 / 1.0) and s["steady_window_s"] == 1.0  # both decoding: (2.0, 3.0]
+    late = StreamResult(sent=0.0, token_times=[4.0, 6.0], n_tokens=2)        # starts after `a` ended
+    assert math.isnan(summarize([a, late])["steady_tok_s"])

@@ -5,7 +5,6 @@ lazily, after the publish)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
-
 from tests.sglang.live.conftest import prompt
 
 REQS = [(1100, 3, 12), (760, 4, 8)]   # (prompt tokens, seed, decode steps)
