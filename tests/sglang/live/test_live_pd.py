@@ -69,7 +69,7 @@ class ServeCli:
         self.log_dir = log_dir
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.t0 = time.monotonic()
-        self.p = subprocess.Popen([sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--logs",
+        self.p = subprocess.Popen([sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--startup-timeout", "900", "--logs",
                                    str(log_dir)], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                   start_new_session=True)
