@@ -69,8 +69,9 @@ class ServeCli:
         self.log_dir = log_dir
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.t0 = time.monotonic()
-        self.p = subprocess.Popen([sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--startup-timeout", "900", "--logs",
-                                   str(log_dir)], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+        cmd = [sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--startup-timeout", "900",
+               "--logs", str(log_dir)]   # 900 s: the default 420 ran out at load 100 (other jobs' servers)
+        self.p = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                   start_new_session=True)
         self.lines: list[str] = []
