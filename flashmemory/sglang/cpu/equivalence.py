@@ -129,7 +129,9 @@ MULTIPLE = 2.0   # sglang carries the fp8-KV and the bf16 error at once: to firs
 class Verdict:
     """sglang [steps, vocab] log-probs and tokens judged against the fp32 reference and its measured noise."""
     sglang: list[StepDiff]        # sglang vs fp32 reference, per step
-    noise: list[float]            # per step: max(fp8-KV-simulated, bf16) distance to the fp32 reference
+    fp8_kv: list[float]           # per step: max |delta| of the fp8-KV-simulated reference to the fp32 one
+    bf16: list[float]             # per step: the same for the bf16 reference
+    noise: list[float]            # per step: max(fp8_kv, bf16)
     bound: float                  # multiple * max(noise): the allowed max |delta logprob|
     greedy_checked: list[int]     # steps whose reference margin > 2 noise[step]
     failures: list[str]           # empty = equivalent
@@ -146,7 +148,8 @@ def judge(sg: torch.Tensor, tokens: list[int], ref: torch.Tensor, fp8: torch.Ten
     if len(tokens) != sg.shape[0]:
         raise ValueError(f"{len(tokens)} tokens for {sg.shape[0]} log-prob rows")
     diffs = compare(sg, ref)
-    noise = [max(a.max_abs, b.max_abs) for a, b in zip(compare(fp8, ref), compare(bf16, ref))]
+    n8, n16 = [d.max_abs for d in compare(fp8, ref)], [d.max_abs for d in compare(bf16, ref)]
+    noise = [max(a, b) for a, b in zip(n8, n16)]
     bound = multiple * max(noise)
     failures = []
     worst = max(range(len(diffs)), key=lambda i: diffs[i].max_abs)
@@ -162,4 +165,4 @@ def judge(sg: torch.Tensor, tokens: list[int], ref: torch.Tensor, fp8: torch.Ten
     for i, t in enumerate(tokens):
         if not 0 <= t < sg.shape[1] or sg[i, t] < sg[i].max():
             failures.append(f"step {i}: sglang emitted {t}, not a maximiser of its own log-probs")
-    return Verdict(diffs, noise, bound, checked, failures)
+    return Verdict(diffs, n8, n16, noise, bound, checked, failures)

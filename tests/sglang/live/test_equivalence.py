@@ -59,6 +59,10 @@ def _references(model, ids: list[int], tokens: list[int]):
         torch.set_num_threads(old)
 
 
+def _fmt(xs) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
 @pytest.fixture(scope="module")
 def runs(eq_server, reference):
     """Per prompt: (prompt ids, sglang tokens, sglang rows [steps, vocab], judge's Verdict)."""
@@ -72,8 +76,10 @@ def runs(eq_server, reference):
         assert len(tokens) == STEPS, res
         rows = logprob_rows(res["meta_info"], vocab)
         verdict = judge(rows, tokens, *_references(model, ids, tokens))
-        print(f"equivalence n={n} seed={seed}: max|d logprob| {verdict.max_abs:.4f}, noise {max(verdict.noise):.4f}, "
-              f"bound {verdict.bound:.4f}, greedy checked at steps {verdict.greedy_checked}, tokens {tokens}")
+        print(f"equivalence n={n} seed={seed}: max|d logprob| {verdict.max_abs:.4f} (per step "
+              f"{_fmt(d.max_abs for d in verdict.sglang)}), noise {max(verdict.noise):.4f} (fp8-KV {_fmt(verdict.fp8_kv)}; "
+              f"bf16 {_fmt(verdict.bf16)}), bound {verdict.bound:.4f}, greedy checked at steps "
+              f"{verdict.greedy_checked}, tokens {tokens}")
         out[(n, seed)] = (ids, tokens, rows, verdict)
     return out
 
