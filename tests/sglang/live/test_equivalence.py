@@ -77,8 +77,8 @@ def runs(eq_server, reference):
         rows = logprob_rows(res["meta_info"], vocab)
         verdict = judge(rows, tokens, *_references(model, ids, tokens))
         print(f"equivalence n={n} seed={seed}: max|d logprob| {verdict.max_abs:.4f} (per step "
-              f"{_fmt(d.max_abs for d in verdict.sglang)}), noise {max(verdict.noise):.4f} (fp8-KV {_fmt(verdict.fp8_kv)}; "
-              f"bf16 {_fmt(verdict.bf16)}), bound {verdict.bound:.4f}, greedy checked at steps "
+              f"{_fmt(d.max_abs for d in verdict.sglang)}), noise {max(verdict.noise):.4f} "
+              f"(fp8-KV {_fmt(verdict.fp8_kv)}; bf16 {_fmt(verdict.bf16)}), bound {verdict.bound:.4f}, greedy checked at steps "
               f"{verdict.greedy_checked}, tokens {tokens}")
         out[(n, seed)] = (ids, tokens, rows, verdict)
     return out
