@@ -3,6 +3,12 @@
 The build is seeded and deterministic (same seed -> byte-identical files), written into a temp directory
 beside DIR and renamed into place at the end, under a lock file `DIR.lock`. An existing DIR built with the
 same seed and intact files is kept as is; anything else at DIR is refused (never deleted).
+
+`init_std` (default: the config's `initializer_range`, 0.1) rescales the random weights. The default build's
+bytes, manifest included, do not depend on this option; a build with another `init_std` records it in the
+manifest, and `intact` only keeps a build whose seed and `init_std` both match. The equivalence test uses
+0.02 (transformers' default init), where fp8-KV noise stays small against the logit spread (see
+`flashmemory/sglang/cpu/README.md`, Equivalence).
 """
 
 from __future__ import annotations
@@ -64,11 +70,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_checkpoint(tmp: Path, seed: int) -> dict:
-    """Write every file of the checkpoint into the empty directory `tmp`; returns the manifest dict."""
+def _check_init_std(init_std: float | None) -> None:
+    if init_std is not None and not (isinstance(init_std, (int, float)) and 0 < init_std < float("inf")):
+        raise BuildError(f"init_std must be a finite number > 0, got {init_std!r}")
+
+
+def write_checkpoint(tmp: Path, seed: int, init_std: float | None = None) -> dict:
+    """Write every file of the checkpoint into the empty directory `tmp`; returns the manifest dict.
+    `init_std` None keeps the config's `initializer_range` (and leaves it out of the manifest)."""
     from flashmemory.hf.models import build_random, make_config
 
+    _check_init_std(init_std)
     raw = serving_config()
+    if init_std is not None:
+        raw["initializer_range"] = float(init_std)
     config = make_config(raw, "serving-tiny")
     model = build_random(config, seed=seed, dtype=torch.bfloat16)
     tensors = official_state_dict(model)
@@ -84,36 +99,45 @@ def write_checkpoint(tmp: Path, seed: int) -> dict:
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    manifest = {"kind": "flashmemory-serving-tiny", "seed": seed, "files": {f: _sha256(tmp / f) for f in FILES}}
+    manifest = {"kind": "flashmemory-serving-tiny", "seed": seed}
+    if init_std is not None:
+        manifest["init_std"] = float(init_std)
+    manifest["files"] = {f: _sha256(tmp / f) for f in FILES}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def intact(out: Path, seed: int) -> bool:
-    """True if `out` is a finished build with this seed whose files still match their recorded hashes."""
+def intact(out: Path, seed: int, init_std: float | None = None) -> bool:
+    """True if `out` is a finished build with this seed and init_std (None: the default, recorded as absent)
+    whose files still match their recorded hashes."""
     try:
         man = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     if man.get("kind") != "flashmemory-serving-tiny" or man.get("seed") != seed:
         return False
+    if man.get("init_std") != (None if init_std is None else float(init_std)):
+        return False
     return all((out / f).is_file() and _sha256(out / f) == h for f, h in man.get("files", {}).items())
 
 
-def build_serving(out: str | os.PathLike, seed: int = 0) -> Path:
-    """Build the checkpoint at `out` (atomic, locked, idempotent); returns the directory path."""
+def build_serving(out: str | os.PathLike, seed: int = 0, init_std: float | None = None) -> Path:
+    """Build the checkpoint at `out` (atomic, locked, idempotent); returns the directory path.
+    `init_std` None: the default weights (the config's initializer_range)."""
+    _check_init_std(init_std)
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
-            if intact(out, seed):
+            if intact(out, seed, init_std):
                 return out
-            raise BuildError(f"{out}: exists and is not an intact serving-tiny build with seed {seed}; "
+            what = f"seed {seed}" + ("" if init_std is None else f" and init_std {float(init_std)}")
+            raise BuildError(f"{out}: exists and is not an intact serving-tiny build with {what}; "
                              "choose another --out (nothing was deleted)")
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
         try:
-            write_checkpoint(tmp, seed)
+            write_checkpoint(tmp, seed, init_std)
             for f in tmp.iterdir():
                 os.chmod(f, 0o644)   # safetensors and mkdtemp create owner-only files
             os.chmod(tmp, 0o755)
@@ -126,7 +150,7 @@ def build_serving(out: str | os.PathLike, seed: int = 0) -> Path:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        out = build_serving(args.out, args.seed)
+        out = build_serving(args.out, args.seed, args.init_std)
     except BuildError as e:
         from flashmemory.errors import fail
         return fail("model build-serving", e)
@@ -140,5 +164,7 @@ def add_build_serving(model_sub) -> None:
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (must not exist, or be the same build)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--init-std", type=float, default=None,
+                   help="std of the random weights (default: the config's initializer_range, 0.1)")
     p.set_defaults(func=_run)
 

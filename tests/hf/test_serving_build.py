@@ -60,3 +60,21 @@ def test_tokenizer_specials_and_bytes():
     ids = tok.encode(text).ids
     assert ids[0] == SPECIAL_TOKENS.index("<｜User｜>") and ids[-1] == SPECIAL_TOKENS.index("<｜Assistant｜>")
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_init_std_is_recorded_and_checked(built, tmp_path):
+    small = build_serving(tmp_path / "small", seed=0, init_std=0.02)
+    man = json.loads((small / "flashmemory_build.json").read_text())
+    assert man["init_std"] == 0.02 and "init_std" not in json.loads((built / "flashmemory_build.json").read_text())
+    assert json.loads((small / "config.json").read_text())["initializer_range"] == 0.02
+    a = load_model(str(small), dtype=torch.float32)[0].model.layers[1].self_attn.kv_proj.weight
+    b = load_model(str(built), dtype=torch.float32)[0].model.layers[1].self_attn.kv_proj.weight
+    assert 3 < float(b.detach().std() / a.detach().std()) < 7         # 0.1 vs 0.02
+    assert build_serving(small, seed=0, init_std=0.02) == small        # kept
+    with pytest.raises(BuildError, match="init_std 0.05"):
+        build_serving(small, seed=0, init_std=0.05)
+    with pytest.raises(BuildError, match="seed 0;"):
+        build_serving(small, seed=0)                                   # the default build is another model
+    with pytest.raises(BuildError, match="init_std must be"):
+        build_serving(tmp_path / "bad", seed=0, init_std=float("nan"))
+    assert not (tmp_path / "bad").exists()
