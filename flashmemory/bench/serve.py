@@ -29,11 +29,13 @@ from flashmemory.serve.procs import ServerStartError, Servers
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="contexts 512-1024, 8 tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="contexts 512-1024, 4 steady tokens (a smoke run)")
     p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--contexts", default="1024,4096", help="min,max prompt tokens, spread over the requests")
-    p.add_argument("--tokens", type=int, default=128,
-                   help="decode tokens per request (default 128: enough that all requests decode at once for a while)")
+    p.add_argument("--tokens", type=int, default=1024,
+                   help="most decode tokens per request (default 1024; a stream stops earlier, see --steady-tokens)")
+    p.add_argument("--steady-tokens", type=int, default=32,
+                   help="tokens each request decodes once all are decoding, then its stream stops (default 32)")
     p.add_argument("--kmax", type=int, default=1, help="resident pages (64 c4 chunks) per request (default 1)")
     p.add_argument("--ckpt", default="auto", help="retriever checkpoint for Level 1; 'auto' (default) trains one for "
                                                   "the served model first (about a minute), '' runs recency only")
@@ -69,16 +71,32 @@ def summarize(results: list[StreamResult]) -> dict[str, float]:
             "wall_s": t1 - min(r.sent for r in results)}
 
 
-def _concurrent(url: str, prompts: list[list[int]], tokens: int) -> list[StreamResult]:
-    out: list[StreamResult | BaseException | None] = [None] * len(prompts)
+def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: int) -> list[StreamResult]:
+    """Stream every prompt at once. Once all of them are decoding, each stream stops after `steady_tokens` more
+    tokens (`tokens` is only the upper bound): on 2 cores the prefills run one after another, so without this the
+    first requests finish before the last one starts and no step ever decodes all of them together."""
+    n = len(prompts)
+    out: list[StreamResult | BaseException | None] = [None] * n
+    lock, started, all_in = threading.Lock(), set(), [float("inf")]
+
+    def stop_after_steady(i: int):
+        def stop(times: list[float]) -> bool:
+            with lock:
+                if len(times) == 1:
+                    started.add(i)
+                    if len(started) == n:
+                        all_in[0] = times[0]
+                t0 = all_in[0]
+            return sum(t > t0 for t in times) >= steady_tokens
+        return stop
 
     def one(i: int) -> None:
         try:
-            out[i] = generate_stream(url, prompts[i], tokens)
+            out[i] = generate_stream(url, prompts[i], tokens, stop=stop_after_steady(i))
         except BaseException as e:   # re-raised below, in the caller's thread
             out[i] = e
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -90,7 +108,7 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int) -> list[StreamR
 
 
 def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: int, ckpt: str,
-            logs: Path) -> dict:
+            logs: Path, steady_tokens: int = 32) -> dict:
     from flashmemory.serve.stack import PDConfig, start_pd
     ctx = max(len(p) for p in prompts) + tokens + 256
     knobs = {"CTX_LEN": str(ctx), "MAX_RUN": str(max(4, len(prompts)))}
@@ -99,7 +117,7 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
     with Servers(logs / ("flashmemory" if fm else "stock")) as servers:
         stack = start_pd(servers, cfg)
         generate(stack.router_url, prompts[0][:16], 2)          # warm the path once (not timed)
-        res = summarize(_concurrent(stack.router_url, prompts, tokens))
+        res = summarize(_concurrent(stack.router_url, prompts, tokens, steady_tokens))
         res["startup_s"] = stack.startup_s
         res["metrics"] = flashmemory_metrics(stack.decode_url) if fm else {}
     if servers.leftovers():
@@ -110,7 +128,12 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
     lo, hi = (512, 1024) if args.quick else tuple(int(x) for x in args.contexts.split(","))
-    tokens = 8 if args.quick else args.tokens
+    tokens = args.tokens
+    if args.quick:
+        args.steady_tokens = min(args.steady_tokens, 4)
+    if args.steady_tokens < 1:
+        print("error: need --steady-tokens >= 1", file=sys.stderr)
+        return 2
     if not 0 < lo <= hi or args.requests < 1 or tokens < 2:
         print("error: need 0 < contexts min <= max, --requests >= 1, --tokens >= 2", file=sys.stderr)
         return 2
@@ -128,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench serve: {args.requests} concurrent requests, contexts {lens}, {tokens} tokens each; "
           f"KMAX {args.kmax} page(s); retriever {ckpt or 'none (recency only)'}; logs {logs}", flush=True)
     try:
-        stock = run_arm(False, model, prompts, tokens, args.kmax, ckpt, logs)
-        fm = run_arm(True, model, prompts, tokens, args.kmax, ckpt, logs)
+        stock = run_arm(False, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
+        fm = run_arm(True, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
     except (ServerStartError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ import math
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import Callable
 
 from flashmemory.serve.procs import http_get, http_post_json
 
@@ -47,8 +48,10 @@ class StreamResult:
         return self.token_times[-1]
 
 
-def generate_stream(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 1800.0) -> StreamResult:
-    """A streamed greedy /generate: the arrival time of every chunk that brought new tokens."""
+def generate_stream(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 1800.0,
+                    stop: Callable[[list[float]], bool] | None = None) -> StreamResult:
+    """A streamed greedy /generate: the arrival time of every chunk that brought new tokens. stop(token_times), if
+    given, is asked after each new chunk; True closes the stream early (the server aborts the request)."""
     body = json.dumps({"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new_tokens),
                        "stream": True}).encode()
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
@@ -69,6 +72,8 @@ def generate_stream(url: str, input_ids: list[int], max_new_tokens: int, timeout
                 now = time.monotonic()
                 times.extend([now] * (done - n))
                 n = done
+                if stop is not None and stop(times):
+                    break
     if n == 0:
         raise RuntimeError(f"{url}/generate streamed no tokens")
     return StreamResult(sent, times, n)
