@@ -17,7 +17,6 @@ land per layer via `on_c4_store` and are settled from the pool for all layers at
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -58,7 +57,10 @@ class SGLangOffload:
         self.layout = OffloadLayout(n_layers=geo.n_c4_layers, page_chunks=geo.page_chunks,
                                     index_head_dim=geo.index_head_dim, target_layers=tuple(env.retriever_layers),
                                     index_offload=env.index_k_offload)
-        max_chunks = min(geo.n_locs, math.ceil(env.target_context / RATIO))
+        # A row may grow as long as the pool lets it: sglang admits requests up to its --context-length, which
+        # SGLANG_DSV4_TARGET_CONTEXT (reserve sizing) does not bound; capping rows by it crashed the scheduler
+        # once a request outgrew it (bench serve: 4K-token prompt + 128 tokens, TARGET_CONTEXT 4096).
+        max_chunks = geo.n_locs
         kmax = env.kmax(geo.page_chunks)
         cap = env.miss_kmax_cap_pages(kmax)   # KMAX, or the escalation cap with the miss monitor
         self.cfg = EngineConfig.from_env(env, max_chunks=max_chunks, page_chunks=geo.page_chunks,

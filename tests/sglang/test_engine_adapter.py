@@ -163,3 +163,16 @@ def test_a_reserve_larger_than_the_device_is_refused_before_allocation(monkeypat
                                                 r"SGLANG_PATHP_RESERVE_PAGES.*SGLANG_PATHP_DECODE_MAX_CONC"):
         build(pool, e)
     assert allocated == []
+
+
+def test_a_request_longer_than_the_target_context_is_served():
+    """SGLANG_DSV4_TARGET_CONTEXT sizes the reserve, not a row: sglang admits up to its --context-length, and a
+    row capped by the target context raised OffloadCapacityError inside the scheduler (bench serve, live)."""
+    pool = fake_pool(2)
+    eng = build(pool, env("", target_context=256))          # 64 c4 chunks: one page
+    table = torch.tensor([[3, 4, 8, 1]])
+    rows = eng.begin_step(["long"], table, torch.tensor([3 * PAGE + 9]))      # four pages of history
+    for step in range(1, 4):
+        rows = eng.begin_step(["long"], table, torch.tensor([3 * PAGE + 9 + 4 * step]))
+    assert eng.engine.n_chunks(int(rows[0])) == (3 * PAGE + 9 + 12) // 4
+    eng.close()
