@@ -82,7 +82,7 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: 
     def stop_after_steady(i: int):
         def stop(times: list[float]) -> bool:
             with lock:
-                if len(times) == 1:
+                if i not in started:        # the first chunk may bring more than one token
                     started.add(i)
                     if len(started) == n:
                         all_in[0] = times[0]
