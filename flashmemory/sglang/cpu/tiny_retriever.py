@@ -35,7 +35,7 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
     under `out/ckpt`; returns the best-F1 checkpoint path."""
     import torch
 
-    from flashmemory.demo.pipeline import dump_runs
+    from flashmemory.demo.dumps import dump_runs
     from flashmemory.eval.decode import full_run
     from flashmemory.hf import HFEngine
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
@@ -47,11 +47,9 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
     runs = [full_run(engine, f"doc-{i}", _prompt(cfg.prompt_len, cfg.seed * 100 + i), cfg.gen_tokens, TARGETS,
                      topp=0.6, min_layers=1) for i in range(cfg.n_train + cfg.n_val)]
 
-    class _Cfg:  # the fields dump_runs reads
-        topp, min_layers, gen_tokens = 0.6, 1, cfg.gen_tokens
-
-    dump_runs(runs[: cfg.n_train], out / "dump" / "train", _Cfg, engine, TARGETS, 0)
-    dump_runs(runs[cfg.n_train:], out / "dump" / "val", _Cfg, engine, TARGETS, cfg.n_train)
+    labels = dict(topp=0.6, min_layers=1, max_tokens=cfg.gen_tokens)
+    dump_runs(runs[: cfg.n_train], out / "dump" / "train", engine, TARGETS, 0, **labels)
+    dump_runs(runs[cfg.n_train:], out / "dump" / "val", engine, TARGETS, cfg.n_train, **labels)
     data = {"train": [{"data_dir": str(out / "dump" / "train")}], "val": [{"data_dir": str(out / "dump" / "val")}],
             "test": []}
     (out / "data_config.json").write_text(json.dumps(data, indent=1))
