@@ -43,7 +43,9 @@ class DemoConfig:
     serve: bool = False
     serve_kmax: int = 2                # resident pages (64 chunks, 256 tokens) per request on D: the tail's + 1
     serve_requests: int = 3            # concurrent chats, the first test documents (one per task on the trained model)
-    serve_prompt_chars: int = 2048     # each chat cut to its last chars (~tokens, byte-level): 8 pages, KMAX 2 of them
+    # each chat cut to its last chars (~tokens, byte-level): 6 pages of 256 tokens, KMAX 2 of them. CPU prefill runs
+    # 12-18 tokens/s on a shared 2-core box, so longer chats cost minutes each
+    serve_prompt_chars: int = 1536
     serve_tokens: int = 16             # decode steps per chat (EOS ignored): 4 Level-1 cycles at interval 4
 
     def __post_init__(self) -> None:

@@ -259,7 +259,8 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         with stage(SERVE_STAGE):
             msgs = [it.messages for it in items[cfg.n_train + cfg.n_val:]][:cfg.serve_requests]
             results["serving"] = serve_demo(cfg.model, out / "work" / "ckpt" / BEST_F1, targets, msgs, out,
-                                            cfg.serve_tokens, cfg.serve_kmax, cfg.serve_prompt_chars, log=log)
+                                            cfg.serve_tokens, cfg.serve_kmax, cfg.serve_prompt_chars, log=log,
+                                            train_messages=[it.messages for it in items[:cfg.n_train + cfg.n_val]])
         results["stage_seconds"] = stage.times
     with stage("8. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 # what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/metrics.py)
 LIVE_COLUMNS = [
@@ -57,20 +57,36 @@ def same_model(demo_model: str | Path, served: Path) -> bool:
     return p.is_dir() and p.resolve() == Path(served).resolve()
 
 
+def served_token_prompts(served: Path, texts: Sequence[str]) -> list[list[int]]:
+    """`texts` as the served model's tokenizer encodes them (no special tokens)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(served))
+    return [list(tok.encode(t, add_special_tokens=False)) for t in texts]
+
+
 def choose_retriever(demo_model: str, demo_ckpt: Path, demo_layers: tuple[int, ...], served: Path, work: Path,
-                     train: Callable[[Path, Path], Path] | None = None) -> ServedRetriever:
+                     train: Callable[[Path, Path], Path] | None = None, texts: Sequence[str] = ()) -> ServedRetriever:
     """The demo's own retriever when the demo ran on the served model; else one trained for the served model by
-    `train(served, work / "serve_retriever")` (default `train_tiny_retriever`, c4 layers 0 and 1)."""
+    `train(served, work / "serve_retriever")`. Default: `train_tiny_retriever` (c4 layers 0 and 1) on `texts`
+    (the demo's train/val documents, cut like the served chats: a retriever trained on random ids scored this
+    text under its threshold and kept no page beyond the recency tail, measured), else on random ids."""
     if same_model(demo_model, served):
         return ServedRetriever(demo_ckpt, tuple(demo_layers),
                                f"the retriever the demo trained in stage 4 ({demo_ckpt.name}, c4 layers "
                                f"{tuple(demo_layers)}): the demo ran on the served model")
-    from flashmemory.sglang.cpu.tiny_retriever import TARGETS, train_tiny_retriever
-    ckpt = (train or train_tiny_retriever)(served, work / "serve_retriever")
+    from flashmemory.sglang.cpu.tiny_retriever import TARGETS, TinyRetrieverConfig, train_tiny_retriever
+    tcfg = TinyRetrieverConfig(progress=False)
+    on_texts = len(texts) >= tcfg.n_train + tcfg.n_val
+    if train is None:
+        def train(model: Path, out: Path) -> Path:
+            return train_tiny_retriever(model, out, tcfg, served_token_prompts(model, texts) if on_texts else None)
+    ckpt = train(served, work / "serve_retriever")
+    docs = f"{tcfg.n_train + tcfg.n_val} of the demo's training documents" if on_texts else "random token ids"
     return ServedRetriever(Path(ckpt), TARGETS,
-                           f"a retriever trained here for the served model from a dump of it ({Path(ckpt).name}, c4 "
-                           f"layers {TARGETS}): stage 4's retriever fits the replay model ({Path(demo_model).name}, "
-                           "c4 layers " f"{tuple(demo_layers)}), whose geometry sglang cannot serve")
+                           f"a retriever trained here for the served model from a dump of it on {docs} "
+                           f"({Path(ckpt).name}, c4 layers {TARGETS}): stage 4's retriever fits the replay model "
+                           f"({Path(demo_model).name}, c4 layers {tuple(demo_layers)}), whose geometry sglang "
+                           "cannot serve")
 
 
 def chat_prompts(messages: list[list[dict]], max_chars: int) -> list[list[dict]]:
@@ -126,6 +142,22 @@ def live_note(s: dict) -> str:
             "the rest by Level-1 cycles; resident frac: mean of D's gauge sampled while requests ran.")
 
 
+def read_metrics(url: str, tries: int = 3, timeout: float = 30.0, wait: float = 5.0,
+                 get: Callable[..., tuple[int, bytes]] | None = None) -> dict[str, float]:
+    """D's flashmemory_* samples; a server busy with a long CPU forward may not answer within one timeout (once
+    measured: 10 s), so it is asked `tries` times, `wait` s apart. Raises RuntimeError when it never answers."""
+    from flashmemory.serve.client import parse_metrics
+    from flashmemory.serve.procs import http_get
+    status = 0
+    for i in range(tries):
+        status, body = (get or http_get)(url + "/metrics", timeout=timeout)
+        if status == 200:
+            return parse_metrics(body.decode(errors="replace"))
+        if i + 1 < tries:
+            time.sleep(wait)
+    raise RuntimeError(f"{url}/metrics answered {status or 'nothing'} {tries} times in a row")
+
+
 def _chat(client, msgs: list[dict], max_tokens: int) -> dict:
     t = time.monotonic()
     # ignore_eos (sglang's extension): the random-weight model may emit EOS at once; the stage wants the decode steps
@@ -141,7 +173,6 @@ def run_serve_stage(model: Path, retriever: ServedRetriever, messages: list[list
     D's counters while they run, read them at the end, stop every server. Returns the stage's results."""
     import openai
 
-    from flashmemory.serve.client import flashmemory_metrics
     from flashmemory.serve.procs import Servers
     from flashmemory.serve.stack import PDConfig, start_pd
     decode_env = {"CKPT": str(retriever.ckpt), "LAYERS": ",".join(str(t) for t in retriever.layers),
@@ -160,13 +191,16 @@ def run_serve_stage(model: Path, retriever: ServedRetriever, messages: list[list
         with ThreadPoolExecutor(len(prompts)) as ex:
             futs = [ex.submit(_chat, client, msgs, max_tokens) for msgs in prompts]
             while not all(f.done() for f in futs):
-                samples.append(flashmemory_metrics(stack.decode_url).get("flashmemory_resident_fraction", 0.0))
-                time.sleep(2.0)
+                try:   # one try: a sample a busy server does not answer in time is skipped
+                    samples.append(read_metrics(stack.decode_url, tries=1, timeout=10.0).get("flashmemory_resident_fraction", 0.0))
+                except RuntimeError:
+                    pass
+                time.sleep(5.0)
             reqs = [f.result() for f in futs]
         for r in reqs:
             log(f"       chat: {r['prompt_tokens']} prompt + {r['completion_tokens']} tokens in {r['latency_s']:.1f} s")
         wall = time.monotonic() - t0
-        metrics = flashmemory_metrics(stack.decode_url)
+        metrics = read_metrics(stack.decode_url)
     finally:
         servers.stop()
     left = servers.leftovers()
@@ -187,10 +221,17 @@ def check_serve_modules() -> None:
                         "pip install -e '.[serve,serve-nixl]' (or pass --no-serve)")
 
 
+def chat_text(messages: list[dict], max_chars: int) -> str:
+    """A chat's text as a retriever training document: its messages' contents joined, the last `max_chars`."""
+    return "\n".join(str(m["content"]) for m in messages)[-max_chars:]
+
+
 def serve_demo(demo_model: str, demo_ckpt: Path, demo_layers: tuple[int, ...], messages: list[list[dict]],
-               out: Path, max_tokens: int, kmax: int, prompt_chars: int, log=print) -> dict:
-    """Stage 7 as the demo runs it: pick the served model and its retriever, serve `messages`. A server that does
-    not start or a request that fails is returned as {"error": line} (the stages before it still get reported)."""
+               out: Path, max_tokens: int, kmax: int, prompt_chars: int, log=print,
+               train_messages: list[list[dict]] = ()) -> dict:
+    """Stage 7 as the demo runs it: pick the served model and its retriever (trained on `train_messages` when the
+    demo's own does not fit), serve `messages`. A server that does not start or a request that fails is returned
+    as {"error": line} (the stages before it still get reported)."""
     import openai
 
     from flashmemory.serve.procs import ServerStartError
@@ -198,7 +239,8 @@ def serve_demo(demo_model: str, demo_ckpt: Path, demo_layers: tuple[int, ...], m
     try:
         t = time.monotonic()
         served = Path(demo_model) if same_model(demo_model, DEFAULT_CPU_MODEL) else ensure_model(DEFAULT_CPU_MODEL)
-        retriever = choose_retriever(demo_model, demo_ckpt, demo_layers, served, out / "work")
+        retriever = choose_retriever(demo_model, demo_ckpt, demo_layers, served, out / "work",
+                                     texts=[chat_text(m, prompt_chars) for m in train_messages])
         log(f"       served model {served}; retriever: {retriever.note} ({time.monotonic() - t:.0f} s)")
         return run_serve_stage(served, retriever, messages, out, max_tokens, kmax, prompt_chars, log=log)
     except (ServerStartError, openai.OpenAIError, RuntimeError, OSError) as e:

@@ -60,6 +60,16 @@ def test_the_demos_own_retriever_serves_only_the_served_model(tmp_path):
     assert calls == [(served, tmp_path / "work" / "serve_retriever")]
     assert other.ckpt == tmp_path / "work" / "serve_retriever" / "ckpt" / "best.pt" and other.layers == (0, 1)
     assert "trained here for the served model" in other.note and "dsv4-retrieval" in other.note
+    assert "random token ids" in other.note   # no texts given
+    on_text = choose_retriever("/m/dsv4-retrieval", tmp_path / "best.pt", (0,), served, tmp_path / "w", train=train,
+                               texts=["some chat"] * 4)
+    assert "4 of the demo's training documents" in on_text.note
+
+
+def test_chat_text_is_the_served_chats_tail():
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "abc" * 10 + "Q?"}]
+    assert ss.chat_text(msgs, 5) == "abcQ?"
+    assert ss.chat_text(msgs, 1000).startswith("sys\n") and ss.chat_text(msgs, 1000).endswith("Q?")
 
 
 def test_missing_serve_packages_are_named_before_the_first_stage(monkeypatch):
@@ -92,3 +102,16 @@ def test_dump_runs_lives_outside_the_pipeline():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_metrics_are_asked_again_when_a_busy_server_does_not_answer():
+    answers = [(0, b""), (200, b"flashmemory_level1_cycles_total 4.0\nsglang:other 1\n")]
+    asked = []
+
+    def get(url, timeout):
+        asked.append((url, timeout))
+        return answers.pop(0)
+    assert ss.read_metrics("http://d", tries=3, wait=0.0, get=get) == {"flashmemory_level1_cycles_total": 4.0}
+    assert asked == [("http://d/metrics", 30.0)] * 2
+    with pytest.raises(RuntimeError, match="answered nothing 2 times in a row"):
+        ss.read_metrics("http://d", tries=2, wait=0.0, get=lambda url, timeout: (0, b""))
