@@ -8,8 +8,8 @@ end: resident fraction, pages and bytes recalled, Level-1 cycles.
 sglang serves only the serving-tiny geometry (head_dim 512, rope 64, index 128, pages of 256 tokens:
 `checkpoints/tiny-dsv4-sglang`, random weights, 2 c4 layers), not the trained replay model of stages 1-6, so the
 served model is that one and the retriever must fit it: when the demo ran on another model, a retriever is trained
-here for the served model from a dump of it (`flashmemory.sglang.cpu.tiny_retriever`, about half a minute); when
-the demo itself ran on the served model (`--model checkpoints/tiny-dsv4-sglang`), the demo's own checkpoint serves.
+here for the served model from a dump of it on the demo's own training text (`flashmemory.sglang.cpu.tiny_retriever`);
+when the demo itself ran on the served model (`--model checkpoints/tiny-dsv4-sglang`), the demo's checkpoint serves.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LIVE_COLUMNS = [
     ("flashmemory_level1_cycles_total", "L1 cycles", "{:.0f}"),
 ]
 # Level-1 cadence and recency tail on D. Short, because the demo's chats decode only a few tokens: every 4 steps,
-# and a 16-chunk tail (a quarter page), so of KMAX 2 pages one is the tail's and the other the retriever's pick.
+# and a 16-chunk tail (a quarter page), as the live small-budget test (c) runs it.
 SERVE_INTERVAL = 4
 SERVE_LAST_KEEP = 16
 # python modules the stage needs (pip install -e '.[serve,serve-nixl]'; requirements.txt has them all)
@@ -68,8 +68,8 @@ def choose_retriever(demo_model: str, demo_ckpt: Path, demo_layers: tuple[int, .
                      train: Callable[[Path, Path], Path] | None = None, texts: Sequence[str] = ()) -> ServedRetriever:
     """The demo's own retriever when the demo ran on the served model; else one trained for the served model by
     `train(served, work / "serve_retriever")`. Default: `train_tiny_retriever` (c4 layers 0 and 1) on `texts`
-    (the demo's train/val documents, cut like the served chats: a retriever trained on random ids scored this
-    text under its threshold and kept no page beyond the recency tail, measured), else on random ids."""
+    (the demo's train/val documents cut like the served chats, so it trains on the text it will score; about a
+    minute on a loaded 2-core box), else on random token ids (about half a minute)."""
     if same_model(demo_model, served):
         return ServedRetriever(demo_ckpt, tuple(demo_layers),
                                f"the retriever the demo trained in stage 4 ({demo_ckpt.name}, c4 layers "
@@ -138,8 +138,8 @@ def live_note(s: dict) -> str:
             "sglang accepts), not the replay model of the tables above, so its text is noise and its numbers are "
             f"mechanics, not quality. Retriever: {s['retriever_note']}. Pages of 64 chunks (256 tokens); recency "
             f"tail {s.get('last_keep', SERVE_LAST_KEEP)} chunks; Level 1 every {s.get('interval', SERVE_INTERVAL)} "
-            "decode steps; `of them at admission`: pages recalled when a request entered D (its newest KMAX pages), "
-            "the rest by Level-1 cycles; resident frac: mean of D's gauge sampled while requests ran.")
+            "decode steps; `of them at admission`: pages recalled when a request entered D (its warm start), the rest "
+            "by Level-1 cycles; resident frac: mean of D's gauge sampled while requests ran.")
 
 
 def read_metrics(url: str, tries: int = 3, timeout: float = 30.0, wait: float = 5.0,
@@ -192,7 +192,8 @@ def run_serve_stage(model: Path, retriever: ServedRetriever, messages: list[list
             futs = [ex.submit(_chat, client, msgs, max_tokens) for msgs in prompts]
             while not all(f.done() for f in futs):
                 try:   # one try: a sample a busy server does not answer in time is skipped
-                    samples.append(read_metrics(stack.decode_url, tries=1, timeout=10.0).get("flashmemory_resident_fraction", 0.0))
+                    m = read_metrics(stack.decode_url, tries=1, timeout=10.0)
+                    samples.append(m.get("flashmemory_resident_fraction", 0.0))
                 except RuntimeError:
                     pass
                 time.sleep(5.0)

@@ -31,13 +31,15 @@ def test_live_table_reports_requests_and_counters():
     # resident frac: the mean of the positive samples taken while requests ran (0.25), not the final gauge
     assert row == "| FlashMemory (KMAX 2 pages) | 2 | 200 | 3.0 | 16 | 0.250 | 4 | 5 | 2 | 3 |"
     no_samples = {**SERVING, "resident_samples": [], "metrics": {"flashmemory_resident_fraction": 0.125}}
-    assert live_table(no_samples).splitlines()[2] == "| FlashMemory (KMAX 2 pages) | 2 | 200 | 3.0 | 16 | 0.125 | - | - | - | - |"
+    assert live_table(no_samples).splitlines()[2] == \
+        "| FlashMemory (KMAX 2 pages) | 2 | 200 | 3.0 | 16 | 0.125 | - | - | - | - |"
 
 
 def test_live_note_says_it_is_not_the_replay_model():
     note = live_note(SERVING)
     assert "tiny-dsv4-sglang" in note and "not the replay model" in note and "a retriever trained here" in note
-    assert live_table({"error": "decode exited"}) == "Live serving failed: decode exited" and live_note({"error": "x"}) == ""
+    assert live_table({"error": "decode exited"}) == "Live serving failed: decode exited"
+    assert live_note({"error": "x"}) == ""
 
 
 def test_the_demos_own_retriever_serves_only_the_served_model(tmp_path):
@@ -56,7 +58,8 @@ def test_the_demos_own_retriever_serves_only_the_served_model(tmp_path):
     def train(model, out):
         calls.append((model, out))
         return out / "ckpt" / "best.pt"
-    other = choose_retriever("/m/dsv4-retrieval", tmp_path / "best.pt", (0, 1, 2), served, tmp_path / "work", train=train)
+    other = choose_retriever("/m/dsv4-retrieval", tmp_path / "best.pt", (0, 1, 2), served, tmp_path / "work",
+                             train=train)
     assert calls == [(served, tmp_path / "work" / "serve_retriever")]
     assert other.ckpt == tmp_path / "work" / "serve_retriever" / "ckpt" / "best.pt" and other.layers == (0, 1)
     assert "trained here for the served model" in other.note and "dsv4-retrieval" in other.note
