@@ -171,8 +171,8 @@ def test_serve_adds_stage_7_and_keeps_the_replay_model():
     from flashmemory.demo.cli import config_from_args, expected_seconds
     from flashmemory.demo.config import SERVE_STAGE
     assert DemoConfig().serve is False   # tests and `flashmemory demo` start no servers unless asked
-    plain, served = config_from_args(_args()), config_from_args(_args("--serve", "--serve-kmax", "3"))
-    assert served.serve and served.serve_kmax == 3 and served.model == plain.model == "auto"
+    plain, served = config_from_args(_args()), config_from_args(_args("--serve", "--serve-kmax", "4"))
+    assert served.serve and served.serve_kmax == 4 and served.model == plain.model == "auto"
     assert SERVE_STAGE in expected_seconds(served, False) and SERVE_STAGE not in expected_seconds(plain, False)
     assert expected_seconds(config_from_args(_args("--quick", "--serve")), True)[SERVE_STAGE] > 0
 
