@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 tests
 
 demo: $(STAMP)
-	$(BIN)/flashmemory demo
+	$(BIN)/flashmemory demo --serve
 
 serve: $(STAMP)
 	$(BIN)/flashmemory serve

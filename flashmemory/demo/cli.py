@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from flashmemory.demo.config import EXPECTED_SECONDS, DemoConfig, preset
+from flashmemory.demo.config import (EXPECTED_SECONDS, EXPECTED_SERVE_SECONDS, SERVE_FIELDS, SERVE_STAGE, DemoConfig,
+                                     preset)
 
 HELP = {
     "model": "auto (the shipped trained model, else tiny-flash), a shipped random model (tiny-flash: 43-layer "
@@ -30,6 +31,7 @@ HELP = {
     "q_lora_rank": "retriever rank",
     "lr": "learning rate",
     "batch_size": "training batch size",
+    "serve_kmax": "with --serve: resident pages (of 256 tokens) per request on the live decode server",
 }
 
 
@@ -52,8 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all of the suite)")
     p.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
     p.add_argument("--serve", action="store_true",
-                   help="stage 7: serve the trained retriever in live sglang (P, D, router on CPU) and report its "
-                        "live counters; runs the demo on the serving-tiny model so the retriever fits it")
+                   help="stage 7 (make demo passes it): start sglang's P, D (FlashMemory on) and the router on CPU "
+                        "with the serving-tiny model (random weights: sglang cannot serve the replay model's "
+                        "geometry) and a retriever trained for it, send chats through the router and report D's "
+                        "live FlashMemory counters beside the replay table (adds 3-6 minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run)
 
@@ -68,17 +72,16 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         over["plot"] = False
     if getattr(a, "serve", False):
         over["serve"] = True
-        if getattr(a, "model", None) is None:
-            from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
-            over["model"] = str(ensure_model(DEFAULT_CPU_MODEL))
     return replace(cfg, **over)
 
 
 def expected_seconds(cfg: DemoConfig, quick: bool) -> dict[str, float] | None:
-    """Measured stage times for the preset `cfg` runs, None once a flag changes the workload."""
+    """Measured stage times for the preset `cfg` runs (stage 7 with `serve`), None once a flag changes the workload."""
     name = "quick" if quick else "full"
-    same = replace(preset(DemoConfig(), "quick" if quick else None), out_dir=cfg.out_dir, plot=cfg.plot, seed=cfg.seed)
-    return EXPECTED_SECONDS[name] if cfg == same else None
+    keep = {k: getattr(cfg, k) for k in ("out_dir", "plot", "seed", *SERVE_FIELDS)}
+    if cfg != replace(preset(DemoConfig(), "quick" if quick else None), **keep):
+        return None
+    return {**EXPECTED_SECONDS[name], **({SERVE_STAGE: EXPECTED_SERVE_SECONDS} if cfg.serve else {})}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -89,6 +92,8 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         return fail("demo", e)
     user_set = {f.name for f in fields(DemoConfig) if f.name in HELP and getattr(a, f.name, None) is not None}
-    run_demo(cfg, progress=not a.no_progress, expected=expected_seconds(cfg, a.quick),
-             user_set=frozenset(user_set | ({"tasks"} if a.tasks else set())))
+    results = run_demo(cfg, progress=not a.no_progress, expected=expected_seconds(cfg, a.quick),
+                       user_set=frozenset(user_set | ({"tasks"} if a.tasks else set())))
+    if "error" in results.get("serving", {}):   # stages 1-6 are reported; the run still failed
+        return fail("demo", f"live serving (stage 7) failed: {results['serving']['error']}", code=1)
     return 0

@@ -38,8 +38,18 @@ class DemoConfig:
     # Control-document prompt tokens; 8192 takes minutes on 2 cores: `flashmemory eval --residency --lengths 8192`.
     residency_lengths: tuple[int, ...] = (1024, 2048, 4096)
     residency_kmax: int = 6            # fixed page budget of the residency-vs-length table
-    serve: bool = False                # stage 7: serve the trained retriever in live sglang (PD on CPU)
-    serve_kmax: int = 1                # resident pages (64 chunks) per request on the live server
+    # Stage 7 (off here so the tests start no servers; `make demo` passes --serve): PD + router on CPU in live sglang,
+    # with the serving-tiny model (sglang cannot serve the replay model's geometry) and a retriever that fits it.
+    serve: bool = False
+    # resident pages (64 chunks, 256 tokens) per request on D. 3, not 2: a chat of 1540 tokens is 385 chunks, so
+    # the 16-chunk recency tail spans its newest two pages and with KMAX 2 fills the budget (measured: Level 1
+    # then recalled nothing past the admission warm start); KMAX 3 leaves the retriever one page
+    serve_kmax: int = 3
+    serve_requests: int = 3            # concurrent chats, the first test documents (one per task on the trained model)
+    # each chat cut to its last chars (~tokens, byte-level): 6 pages of 256 tokens. CPU prefill ran 12-18 tokens/s
+    # on the shared 2-core box, so longer chats cost minutes each
+    serve_prompt_chars: int = 1536
+    serve_tokens: int = 16             # decode steps per chat (EOS ignored): 4 Level-1 cycles at interval 4
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
@@ -50,7 +60,8 @@ class DemoConfig:
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
-        for name in ("doc_len", "gen_tokens", "n_train", "n_val", "n_test", "tau", "page_chunks", "epochs"):
+        for name in ("doc_len", "gen_tokens", "n_train", "n_val", "n_test", "tau", "page_chunks", "epochs",
+                     "serve_kmax", "serve_requests", "serve_prompt_chars", "serve_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         unknown = [t for t in self.monitor_tasks if t not in TASKS]
@@ -106,6 +117,9 @@ def resolve_model(cfg: DemoConfig, user_set: frozenset[str] | set[str] = frozens
             "is missing, so task scores are not meaningful")
 
 
+SERVE_STAGE = "7. live serving: PD + router on CPU, chats through the router"
+SERVE_FIELDS = ("serve", "serve_kmax", "serve_requests", "serve_prompt_chars", "serve_tokens")
+
 # Seconds per stage of the two presets on this machine (2 cores). full: the shipped trained model (`model="auto"`),
 # one measured run (161 s, the machine shared with other jobs). quick (random tiny-flash): the measured quiet total
 # 101 s split by the stage shares of a measured run (decode 69%, recall 26%, train 3%). A stage still running at 3x
@@ -120,3 +134,6 @@ EXPECTED_SECONDS: dict[str, dict[str, float]] = {
               "3. decode under Full attention, dump golden labels": 70.0, "4. train retriever": 3.0, "5. two-level recall through the offload engine": 26.0,
               "6. miss monitor: per task, and residency against length": 60.0, "8. report": 1.5},
 }
+# Stage 7 (either preset, with --serve), measured with the box shared (load 8-21): 347 s with these settings
+# (servers up in 47 s, retriever 141 s, chats 158 s), 472 s at KMAX 2 (servers 152 s, retriever 67 s, chats 250 s).
+EXPECTED_SERVE_SECONDS = 420.0

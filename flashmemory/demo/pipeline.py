@@ -8,7 +8,9 @@
    same page budget, then enforce each resident set at Level 2 in a teacher-forced forward;
 6. FlashMemory against FlashMemory+monitor per task, on the test documents plus extra held-out MRCR-like ones,
    at an equal average budget; resident pages against context length on a control document;
-7. write demo_out/report.md, results.json and a coverage-vs-budget plot.
+7. with `serve` (`make demo`): start sglang's P, D (FlashMemory on) and the router on CPU, send chats through the
+   router and read D's live FlashMemory counters (`flashmemory.demo.serve_stage`);
+8. write demo_out/report.md, results.json and a coverage-vs-budget plot.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flashmemory.demo.config import WORK_MARKER, DemoConfig
+from flashmemory.demo.config import SERVE_STAGE, WORK_MARKER, DemoConfig
+from flashmemory.demo.dumps import dump_runs
 from flashmemory.errors import UserError
-from flashmemory.eval.decode import DocRun, full_run
+from flashmemory.eval.decode import full_run
 from flashmemory.eval.harness import HarnessConfig, evaluate_doc, mean_rows
 from flashmemory.outdir import DirLock, prepare_dir
 
@@ -103,19 +106,6 @@ def make_items(cfg: DemoConfig, tok) -> list:
     return items
 
 
-def dump_runs(runs: list[DocRun], out: Path, cfg: DemoConfig, engine, targets: tuple[int, ...], start: int) -> None:
-    """Commit documents in the dump format (the training input), doc indices from `start`."""
-    from flashmemory.dump.backend import DumpConfig
-    from flashmemory.dump.hf_backend import doc_from_capture
-    from flashmemory.dump.writer import DumpWriter
-    writer = DumpWriter(out)
-    dcfg = DumpConfig(topp=cfg.topp, min_layers=cfg.min_layers, target_layers=targets, max_tokens=cfg.gen_tokens)
-    for i, run in enumerate(runs):
-        doc = doc_from_capture(run.cap, run.prompt_ids, run.response_ids, dcfg, doc_index=start + i, rid=run.name,
-                               index_topk=engine.index_topk, n_c4_layers=engine.n_c4_layers)
-        writer.commit(doc, source="demo", item_index=start + i)
-
-
 def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progress: bool = True):
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
@@ -164,6 +154,9 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.tokenizer import load_tokenizer
     cfg, model_note = resolve_model(cfg, user_set)
+    if cfg.serve:
+        from flashmemory.demo.serve_stage import check_serve_modules
+        check_serve_modules()
     torch.manual_seed(cfg.seed)
     # A re-run starts clean; only the demo's own work folder is removed, so a dump a user made at
     # demo_out/dump (training/README.md) is left alone.
@@ -195,7 +188,8 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
                   "test": runs[cfg.n_train + cfg.n_val:]}
         start = 0
         for name, rs in splits.items():
-            dump_runs(rs, out / "work" / "dump" / name, cfg, engine, targets, start)
+            dump_runs(rs, out / "work" / "dump" / name, engine, targets, start, topp=cfg.topp,
+                      min_layers=cfg.min_layers, max_tokens=cfg.gen_tokens)
             start += len(rs)
         for r in runs:
             r.cap = None  # the dump holds what training needs; keep memory flat
@@ -260,12 +254,13 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         "slow_stages": stage.warned,
     }
     if cfg.serve:
-        from flashmemory.demo.serve_stage import run_serve_stage
+        from flashmemory.demo.serve_stage import serve_demo
         from flashmemory.train.loop import BEST_F1
-        with stage("7. serve the trained retriever in live sglang (PD on CPU)"):
-            msgs = [it.messages for it in items[cfg.n_train + cfg.n_val:]]
-            results["serving"] = run_serve_stage(Path(cfg.model), out / "work" / "ckpt" / BEST_F1, targets, msgs,
-                                                 out, cfg.gen_tokens, cfg.serve_kmax, log=log)
+        with stage(SERVE_STAGE):
+            msgs = [it.messages for it in items[cfg.n_train + cfg.n_val:]][:cfg.serve_requests]
+            results["serving"] = serve_demo(cfg.model, out / "work" / "ckpt" / BEST_F1, targets, msgs, out,
+                                            cfg.serve_tokens, cfg.serve_kmax, cfg.serve_prompt_chars, log=log,
+                                            train_messages=[it.messages for it in items[:cfg.n_train + cfg.n_val]])
         results["stage_seconds"] = stage.times
     with stage("8. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)

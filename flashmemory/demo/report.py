@@ -133,6 +133,7 @@ def report_markdown(results: dict) -> str:
         "",
         method_table(results["methods"]),
         "",
+        *live_section(results),
         "## Task accuracy by page budget",
         "",
         *task_tables(results.get("task_by_budget", {})),
@@ -151,11 +152,6 @@ def report_markdown(results: dict) -> str:
         "(latest step's native top-k, held for the window, HiSparse-like without lookahead).",
         "",
         *monitor_section(results),
-        *(["## Live serving", "",
-           "The retriever trained above, loaded by a real sglang decode server (FlashMemory on, shrink mode) behind "
-           "the PD router, on CPU; chat requests from the test documents through the router with the `openai` "
-           "client; counters read from the decode server's /metrics.", "",
-           _live_table(results["serving"]), ""] if "serving" in results else []),
         "## Stage times (s)",
         "",
         *[f"- {k}: {v:.1f}" for k, v in results["stage_seconds"].items()],
@@ -166,9 +162,16 @@ def report_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _live_table(serving: dict) -> str:
-    from flashmemory.demo.serve_stage import live_table
-    return live_table(serving)
+def live_section(results: dict) -> list[str]:
+    """Markdown lines, beside the replay table: the live sglang row (stage 7) and what it is; [] without --serve."""
+    if "serving" not in results:
+        return []
+    from flashmemory.demo.serve_stage import live_note, live_table
+    s = results["serving"]
+    intro = ("Live serving (stage 7): real sglang servers on this CPU, P and D (FlashMemory on, shrink mode, Level 1 "
+             "with a retriever) behind the PD router; chats from the test documents sent concurrently through the "
+             "router with the `openai` client; counters from D's /metrics.")
+    return [intro, "", live_table(s), "", *([live_note(s), ""] if live_note(s) else [])]
 
 
 def plot_coverage(results: dict, path: Path) -> None:
@@ -203,10 +206,9 @@ def write_outputs(results: dict, out: Path, plot: bool = True, log=print) -> Non
     log("")
     log(method_table(results["methods"]))
     log("")
+    for line in live_section(results):
+        log(line)
     for line in task_tables(results.get("task_by_budget", {})):
         log(line)
     log("")
-    if "serving" in results:
-        log(_live_table(results["serving"]))
-        log("")
     log(f"wrote {out / 'report.md'}, {out / 'results.json'}" + (f", {out / 'coverage.png'}" if plot else ""))

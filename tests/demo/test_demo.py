@@ -165,3 +165,30 @@ def test_report_compares_monitor_and_tabulates_residency(demo_run):
     rows = res["residency"]["rows"]
     assert [r["tokens"] for r in rows] == [128, 256] and all(r["fm_pages_max"] <= 3 + 3 for r in rows)  # KMAX + decode region
     assert len(res["residency"]["costmodel"]) == 4 and "niah_single" in res["monitor_tasks"]
+
+
+def test_serve_adds_stage_7_and_keeps_the_replay_model():
+    from flashmemory.demo.cli import config_from_args, expected_seconds
+    from flashmemory.demo.config import SERVE_STAGE
+    assert DemoConfig().serve is False   # tests and `flashmemory demo` start no servers unless asked
+    plain, served = config_from_args(_args()), config_from_args(_args("--serve", "--serve-kmax", "4"))
+    assert served.serve and served.serve_kmax == 4 and served.model == plain.model == "auto"
+    assert SERVE_STAGE in expected_seconds(served, False) and SERVE_STAGE not in expected_seconds(plain, False)
+    assert expected_seconds(config_from_args(_args("--quick", "--serve")), True)[SERVE_STAGE] > 0
+
+
+def test_live_row_sits_beside_the_replay_table(demo_run):
+    from flashmemory.demo.report import report_markdown
+    from tests.demo.test_serve_stage import SERVING
+    _, res = demo_run
+    assert "Live serving" not in report_markdown(res)
+    md = report_markdown({**res, "serving": SERVING})
+    replay, live, tasks = md.index("| Reactive |"), md.index("| FlashMemory (KMAX 2 pages) |"), md.index("## Task acc")
+    assert replay < live < tasks and "not the replay model" in md[live:tasks]
+
+
+def test_a_failed_serving_stage_fails_the_command(monkeypatch, capsys):
+    from flashmemory.demo import pipeline
+    monkeypatch.setattr(pipeline, "run_demo", lambda *a, **k: {"serving": {"error": "router did not start"}})
+    assert main(["demo", "--serve"]) == 1
+    assert "live serving (stage 7) failed: router did not start" in capsys.readouterr().err

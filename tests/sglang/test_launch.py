@@ -101,6 +101,8 @@ def test_cpu_commands_parse(sg, script):
     if script == "launch_decode.sh":
         assert envs["SGLANG_RETRIEVER_INLINE_CKPT"] == "" and envs["SGLANG_RETRIEVER_INLINE_LAYERS"] == "0,1"
         assert ns.max_running_requests == 4
+        # D keeps a busy CPU P (minutes per long prefill) instead of dropping it after two missed 3-s heartbeats
+        assert int(envs["SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"]) >= 60
 
 
 def test_cpu_router_waits_for_slow_workers():

@@ -11,6 +11,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 TARGETS = (0, 1)
 
@@ -23,6 +24,7 @@ class TinyRetrieverConfig:
     gen_tokens: int = 16       # greedy decode steps per document (the labelled queries)
     epochs: int = 2
     seed: int = 0
+    progress: bool = True      # the training progress bar (the demo logs one line instead)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -30,12 +32,19 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(26, 1024) for _ in range(n)]
 
 
-def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrieverConfig = TinyRetrieverConfig()) -> Path:
+def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrieverConfig = TinyRetrieverConfig(),
+                         prompts: Sequence[Sequence[int]] | None = None) -> Path:
     """Dump cfg.n_train + cfg.n_val documents from the checkpoint at model_dir under `out/dump`, train on them
-    under `out/ckpt`; returns the best-F1 checkpoint path."""
+    under `out/ckpt`; returns the best-F1 checkpoint path.
+
+    prompts: the documents' token ids (the first n_train train, the next n_val validate), for a retriever that will
+    serve text like them; default: cfg.prompt_len seeded random ids each (what the live tests serve)."""
+    n = cfg.n_train + cfg.n_val
+    if prompts is not None and len(prompts) < n:
+        raise ValueError(f"train_tiny_retriever: {len(prompts)} prompts given, {n} needed (n_train + n_val)")
     import torch
 
-    from flashmemory.demo.pipeline import dump_runs
+    from flashmemory.demo.dumps import dump_runs
     from flashmemory.eval.decode import full_run
     from flashmemory.hf import HFEngine
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
@@ -44,20 +53,20 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
     out = Path(out)
     torch.manual_seed(cfg.seed)
     engine = HFEngine.from_name(str(model_dir), dtype=torch.float32)
-    runs = [full_run(engine, f"doc-{i}", _prompt(cfg.prompt_len, cfg.seed * 100 + i), cfg.gen_tokens, TARGETS,
-                     topp=0.6, min_layers=1) for i in range(cfg.n_train + cfg.n_val)]
+    docs = [list(map(int, p)) for p in prompts[:n]] if prompts is not None else \
+        [_prompt(cfg.prompt_len, cfg.seed * 100 + i) for i in range(n)]
+    runs = [full_run(engine, f"doc-{i}", ids, cfg.gen_tokens, TARGETS, topp=0.6, min_layers=1)
+            for i, ids in enumerate(docs)]
 
-    class _Cfg:  # the fields dump_runs reads
-        topp, min_layers, gen_tokens = 0.6, 1, cfg.gen_tokens
-
-    dump_runs(runs[: cfg.n_train], out / "dump" / "train", _Cfg, engine, TARGETS, 0)
-    dump_runs(runs[cfg.n_train:], out / "dump" / "val", _Cfg, engine, TARGETS, cfg.n_train)
+    labels = dict(topp=0.6, min_layers=1, max_tokens=cfg.gen_tokens)
+    dump_runs(runs[: cfg.n_train], out / "dump" / "train", engine, TARGETS, 0, **labels)
+    dump_runs(runs[cfg.n_train:], out / "dump" / "val", engine, TARGETS, cfg.n_train, **labels)
     data = {"train": [{"data_dir": str(out / "dump" / "train")}], "val": [{"data_dir": str(out / "dump" / "val")}],
             "test": []}
     (out / "data_config.json").write_text(json.dumps(data, indent=1))
     tc = TrainConfig(data_config=str(out / "data_config.json"), output_dir=str(out / "ckpt"), no_pretrain=True,
                      joint_layers=TARGETS, n_heads=16, q_lora_rank=64, lr=3e-3, epochs=cfg.epochs, batch_size=16,
                      focal_loss=True, threshold=0.5, sample=SampleConfig(label_interval=8, max_pos=128, neg_ratio=3.0),
-                     seed=cfg.seed, device="cpu", log_interval=10**9)
+                     seed=cfg.seed, device="cpu", log_interval=10**9, progress=cfg.progress)
     Trainer(tc).fit()
     return out / "ckpt" / BEST_F1
