@@ -61,8 +61,9 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
     labels = dict(topp=0.6, min_layers=1, max_tokens=cfg.gen_tokens)
     dump_runs(runs[: cfg.n_train], out / "dump" / "train", engine, TARGETS, 0, **labels)
     dump_runs(runs[cfg.n_train:], out / "dump" / "val", engine, TARGETS, cfg.n_train, **labels)
-    data = {"train": [{"data_dir": str(out / "dump" / "train")}], "val": [{"data_dir": str(out / "dump" / "val")}],
-            "test": []}
+    # Relative to the config file's own directory (how data configs resolve), so the config reads the same
+    # wherever it is read from; a cwd-relative `out` written verbatim once resolved to out/out/dump/train.
+    data = {"train": [{"data_dir": "dump/train"}], "val": [{"data_dir": "dump/val"}], "test": []}
     (out / "data_config.json").write_text(json.dumps(data, indent=1))
     tc = TrainConfig(data_config=str(out / "data_config.json"), output_dir=str(out / "ckpt"), no_pretrain=True,
                      joint_layers=TARGETS, n_heads=16, q_lora_rank=64, lr=3e-3, epochs=cfg.epochs, batch_size=16,

@@ -77,9 +77,17 @@ SMALL_ARGS = ("--max-total-tokens", "16384")   # the three (c) requests hold 8.4
 
 @pytest.fixture(scope="session")
 def tiny_retriever_ckpt(serving_model, tmp_path_factory):
-    """A retriever trained here from a dump of the serving model (about half a minute), shared by the session."""
+    """A retriever trained here from a dump of the serving model (about half a minute), shared by the session.
+    Trained into a *relative* output dir from another working directory, as `make demo` does: a data config
+    written with cwd-relative paths once broke the demo's serving stage on a clean clone (issue 17)."""
     from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
-    return str(train_tiny_retriever(serving_model, tmp_path_factory.mktemp("retriever")))
+    base = tmp_path_factory.mktemp("retriever")
+    cwd = os.getcwd()
+    os.chdir(base)
+    try:
+        return str(base / train_tiny_retriever(serving_model, Path("work") / "serve_retriever"))
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.fixture(scope="package")
