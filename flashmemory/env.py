@@ -236,6 +236,9 @@ class FlashMemoryEnv:
                            f"({pages} pages of 64 c4 chunks)")
         if out.dump_root and not os.path.isabs(out.dump_root):
             raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={out.dump_root!r}: must be an absolute directory")
+        if out.miss_low > out.miss_threshold:
+            raise EnvError(f"SGLANG_RETRIEVER_MISS_LOW={out.miss_low} is above SGLANG_RETRIEVER_MISS_THRESHOLD="
+                           f"{out.miss_threshold}: the shrink-back level must be at or below the escalation level")
         if out.dump_mode and not out.dump_root:
             raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
                            "dump requests may write under (their output_dir must lie inside it)")

@@ -108,3 +108,15 @@ def test_dump_mode_needs_an_absolute_root() -> None:
     e = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/data/d"})
     assert e.dump_mode and e.dump_root == "/data/d"
     assert FlashMemoryEnv.from_environ({}).dump_root == ""                 # gates off: nothing required
+
+
+def test_miss_low_above_miss_threshold_is_refused() -> None:
+    """Issue 17 #7, README "Errors and data safety": every numeric input is range-checked where it is read, the
+    `SGLANG_*` variables included. A shrink-back level above the escalation level would make the monitor
+    escalate and shrink on the same cycle; it was accepted without a word. The error names both variables."""
+    with pytest.raises(EnvError, match="SGLANG_RETRIEVER_MISS_LOW=0.3 is above SGLANG_RETRIEVER_MISS_THRESHOLD=0.2"):
+        FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_MISS_LOW": "0.3"})
+    with pytest.raises(EnvError, match="SGLANG_RETRIEVER_MISS_THRESHOLD=0.01"):
+        FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_MISS_THRESHOLD": "0.01"})
+    e = FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_MISS_LOW": "0.2", "SGLANG_RETRIEVER_MISS_THRESHOLD": "0.2"})
+    assert e.miss_low == e.miss_threshold == 0.2  # equal levels are allowed
