@@ -4,9 +4,11 @@
 fm_die() { echo "error: $*" >&2; exit 2; }
 fm_warn() { echo "warning: $*" >&2; }
 
-fm_int() {  # fm_int NAME VALUE [MIN]
+fm_int() {  # fm_int NAME VALUE [MIN]: decimal digits only, at most 9 (bash arithmetic wraps at 2^63 and reads
+  # a leading 0 as octal, so the string is checked before any arithmetic and read in base 10)
   [[ "$2" =~ ^[0-9]+$ ]] || fm_die "$1=$2 is not a non-negative integer"
-  (( $2 >= ${3:-0} )) || fm_die "$1=$2 must be >= ${3:-0}"
+  [[ "$2" =~ ^0*[0-9]{1,9}$ ]] || fm_die "$1=$2 is too large (at most 9 digits; is it a typo?)"
+  (( 10#$2 >= ${3:-0} )) || fm_die "$1=$2 must be >= ${3:-0}"
 }
 
 fm_float() {  # fm_float NAME VALUE: a number in (0, 1]
