@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashmemory.serve.procs import ServerStartError, Servers, free_ports
+from flashmemory.serve.procs import ServerStartError, Servers
 
 EXAMPLE = """\
 FlashMemory PD stack on CPU (tiny model: random weights, so the text is noise; it is for trying things out)
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     servers = Servers(Path(args.logs))
     try:
         print("starting decode + prefill, then the router (about 1-3 minutes on 2 cores) ...", flush=True)
-        router_port = args.port if args.port else free_ports(1)[0]
-        stack = start_pd(servers, cfg, router_port=router_port)
+        stack = start_pd(servers, cfg, router_port=args.port or None)
         print(EXAMPLE.format(router=stack.router_url, prefill=stack.prefill_url, decode=stack.decode_url,
                              fm="off (stock)" if args.stock else "on", logs=args.logs), flush=True)
         print("READY " + json.dumps({"router": stack.router_url, "prefill": stack.prefill_url,

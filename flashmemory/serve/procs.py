@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,18 +33,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free ports (held open together while picking, so they differ)."""
-    socks = []
+# Ports for servers that bind them only later (tens of seconds after the pick): below the kernel's ephemeral
+# range (32768+ here), where bind(0)/connect() never hand them to another process, and below sglang's own
+# below-ephemeral pick for its NCCL/TCPStore port (22000-29999, srt/utils/network.py), so neither steals ours.
+PORT_RANGE = (12000, 21999)
+
+
+def free_ports(n: int, host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE,
+               rng: random.Random | None = None) -> list[int]:
+    """`n` distinct ports in `port_range` that were free a moment ago (held open together while picking).
+
+    Random within the range, so two stacks picking at once rarely meet; `start_pd` retries a start that still
+    hit "address already in use". Raises OSError if the range has no `n` free ports."""
+    rng = rng or random.Random()
+    lo, hi = port_range
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for port in rng.sample(range(lo, hi + 1), min(hi - lo + 1, 64 * n)):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
+            if len(socks) == n:
+                return [int(x.getsockname()[1]) for x in socks]
+        raise OSError(f"free_ports: fewer than {n} free ports in {lo}-{hi} on {host}")
     finally:
         for s in socks:
             s.close()
+
+
+ADDR_IN_USE = ("address already in use", "addrinuse", "eaddrinuse", "errno 98")
+
+
+def port_clash(text: str) -> bool:
+    """Whether a server's log says it could not bind a port another process holds."""
+    low = text.lower()
+    return any(m in low for m in ADDR_IN_USE)
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -86,12 +114,22 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     started: float
+    log_offset: int = 0      # the log's size when this process started (logs are appended across restarts)
 
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+    def log_text(self) -> str:
+        """What this process (not an earlier one with the same name) wrote to its log."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
 
 @dataclass
@@ -106,9 +144,10 @@ class Servers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as f:
+            offset = f.tell()
             p = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd, stdout=f,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        proc = Proc(name, p, log, time.monotonic())
+        proc = Proc(name, p, log, time.monotonic(), offset)
         self.procs.append(proc)
         return proc
 
@@ -129,9 +168,11 @@ class Servers:
     def pgids(self) -> set[int]:
         return {p.popen.pid for p in self.procs}     # start_new_session: pgid == pid of the leader
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM every group, wait up to `grace` s for all members to go, then SIGKILL the rest; reap leaders."""
-        pgids = self.pgids()
+    def stop(self, grace: float = 20.0, only: Sequence[Proc] | None = None) -> None:
+        """SIGTERM every group (or those of `only`), wait up to `grace` s for all members to go, then SIGKILL
+        the rest; reap leaders."""
+        procs = self.procs if only is None else list(only)
+        pgids = {p.popen.pid for p in procs}
         for g in pgids:
             try:
                 os.killpg(g, signal.SIGTERM)
@@ -139,7 +180,7 @@ class Servers:
                 pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            for p in self.procs:
+            for p in procs:
                 p.popen.poll()
             if not _pgid_members(pgids):
                 break
@@ -149,7 +190,7 @@ class Servers:
                 os.killpg(g, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for p in self.procs:
+        for p in procs:
             try:
                 p.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -2,8 +2,9 @@
 
 `start_pd` runs `launch_decode.sh` and `launch_prefill.sh` at once (their startup is mostly imports; the two
 overlap), waits for both, then `launch_router.sh`, and returns the URLs and the measured startup seconds. Every
-port is picked free at start (other users of the box run servers too), and every process is owned by the
-`Servers` object passed in, which stops them all as process groups.
+port is picked free just before use, below the kernel's ephemeral range (see `procs.PORT_RANGE`), and a start
+that still hits "address already in use" (another stack started beside this one) is retried with fresh ports.
+Every process is owned by the `Servers` object passed in, which stops them all as process groups.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from flashmemory.serve.procs import Servers, free_ports
+from flashmemory.serve.procs import ServerStartError, Servers, free_ports, port_clash
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"   # FM_CPU_MODEL in scripts/launch_common.sh
@@ -44,6 +45,7 @@ class PDConfig:
     prefill_env: Mapping[str, str] = field(default_factory=dict)
     base_env: Mapping[str, str] | None = None   # the environment the scripts inherit (default: os.environ)
     startup_timeout: float = 420.0
+    launch_dir: Path = REPO                  # where launch_{decode,prefill,router}.sh are (tests use stand-ins)
 
 
 @dataclass
@@ -77,23 +79,46 @@ def router_ready(status: int, body: bytes, workers: int = 2) -> bool:
         and r.get("healthy_workers") == r.get("total_workers")
 
 
-def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None) -> PDStack:
+PORT_ATTEMPTS = 3
+
+
+def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
+             attempts: int = PORT_ATTEMPTS) -> PDStack:
     """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
 
-    Ports: the router's is `router_port` if given, every other one is picked free."""
-    p_port, d_port, boot_port, r_port, prom_port = free_ports(5, cfg.host)
-    r_port = router_port or r_port
+    Ports: the router's is `router_port` if given, every other one is picked free. A start that fails because a
+    port was taken meanwhile is stopped and retried with fresh ports (up to `attempts` in all), with a message."""
+    for attempt in range(1, attempts + 1):
+        first = len(servers.procs)
+        try:
+            return _start_pd_once(servers, cfg, router_port)
+        except ServerStartError:
+            mine = servers.procs[first:]
+            clashed = [p.name for p in mine if port_clash(p.log_text())]
+            if not clashed or attempt == attempts:
+                raise
+            servers.stop(only=mine)
+            print(f"port clash ({', '.join(clashed)}: address already in use); retrying with fresh ports "
+                  f"(attempt {attempt + 1}/{attempts}) ...", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _start_pd_once(servers: Servers, cfg: PDConfig, router_port: int | None) -> PDStack:
+    p_port, d_port, boot_port = free_ports(3, cfg.host)
     common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
-    d = servers.start("decode", ["bash", str(REPO / "launch_decode.sh")],
+    d = servers.start("decode", ["bash", str(cfg.launch_dir / "launch_decode.sh")],
                       _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
                            **dict(cfg.decode_env)))
-    p = servers.start("prefill", ["bash", str(REPO / "launch_prefill.sh")],
+    p = servers.start("prefill", ["bash", str(cfg.launch_dir / "launch_prefill.sh")],
                       _env(cfg, PORT=str(p_port), **common, **dict(cfg.prefill_env)))
     d_url, p_url = f"http://{cfg.host}:{d_port}", f"http://{cfg.host}:{p_port}"
     times = {"decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
              "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout)}
     t0 = time.monotonic()
-    r = servers.start("router", ["bash", str(REPO / "launch_router.sh")],
+    # picked now, not with the others: D and P took tens of seconds to start, and a port picked then could be gone
+    r_port, prom_port = free_ports(2, cfg.host)
+    r_port = router_port or r_port
+    r = servers.start("router", ["bash", str(cfg.launch_dir / "launch_router.sh")],
                       _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
                            DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot_port), PROMETHEUS_PORT=str(prom_port)))
     r_url = f"http://{cfg.host}:{r_port}"

@@ -45,3 +45,77 @@ def test_router_ready_needs_every_worker_healthy():
     assert not router_ready(200, b'{"status":"ready","healthy_workers":1,"total_workers":2}')
     assert not router_ready(200, b'{"status":"not ready","healthy_workers":0,"total_workers":0}')
     assert not router_ready(503, b"") and not router_ready(200, b"OK")
+
+
+def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own_pick():
+    """Ports bound only tens of seconds later must not be ones bind(0) hands to anyone else (32768+), nor the
+    range sglang picks its NCCL port from (22000-29999): two stacks side by side once stole each other's."""
+    from flashmemory.serve.procs import PORT_RANGE
+    lo, hi = PORT_RANGE
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        eph_low = int(f.read().split()[0])
+    assert hi < min(eph_low, 22000)
+    assert all(lo <= p <= hi for p in free_ports(8))
+
+
+def test_free_ports_skip_a_port_someone_holds():
+    import random
+    import socket
+    from flashmemory.serve.procs import PORT_RANGE
+    first = random.Random(7).sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), 1)[0]
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", first))
+        except OSError:
+            pytest.skip(f"port {first} is in use on this box already")
+        held.listen()
+        assert first not in free_ports(1, rng=random.Random(7))
+
+
+def _fake_launch_scripts(d, clash_times: int):
+    """Stand-ins for launch_{decode,prefill,router}.sh: D fails `clash_times` times with EADDRINUSE (as a server
+    whose port another stack took meanwhile does), then every script serves /health and /readiness on $PORT."""
+    server = d / "serve.py"
+    server.write_text(
+        "import http.server, json, os\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        b = json.dumps({'status': 'ready', 'healthy_workers': 2, 'total_workers': 2}).encode()\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b)\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n")
+    count = d / "decode_starts"
+    (d / "launch_decode.sh").write_text(
+        f"echo x >> {count}\n"
+        f"if [ $(wc -l < {count}) -le {clash_times} ]; then\n"
+        "  echo 'OSError: [Errno 98] Address already in use' >&2; exit 1\nfi\n"
+        f"exec {sys.executable} {server}\n")
+    for name in ("prefill", "router"):
+        (d / f"launch_{name}.sh").write_text(f"exec {sys.executable} {server}\n")
+    return count
+
+
+def test_start_pd_retries_a_port_clash_with_fresh_ports(tmp_path, capsys):
+    from flashmemory.serve.stack import PDConfig, start_pd
+    count = _fake_launch_scripts(tmp_path, clash_times=1)
+    with Servers(tmp_path / "logs") as s:
+        stack = start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60))
+        assert http_get(stack.router_url + "/readiness")[0] == 200
+    assert count.read_text().count("x") == 2
+    assert "port clash (decode: address already in use); retrying with fresh ports (attempt 2/3)" in \
+        capsys.readouterr().out
+    assert s.leftovers() == []
+
+
+def test_start_pd_gives_up_after_its_attempts_and_other_failures_are_not_retried(tmp_path):
+    from flashmemory.serve.stack import PDConfig, start_pd
+    count = _fake_launch_scripts(tmp_path, clash_times=5)
+    with Servers(tmp_path / "logs") as s:
+        with pytest.raises(ServerStartError, match="Address already in use"):
+            start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60), attempts=2)
+    assert count.read_text().count("x") == 2
+    (tmp_path / "launch_decode.sh").write_text("echo 'error: MODEL=/x does not exist' >&2; exit 2\n")
+    with Servers(tmp_path / "logs2") as s:
+        with pytest.raises(ServerStartError, match="MODEL=/x"):
+            start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60))
+    assert count.read_text().count("x") == 2

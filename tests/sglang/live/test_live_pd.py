@@ -65,18 +65,23 @@ def stock_tokens(live_servers, model, serving_model) -> list[int]:
 class ServeCli:
     """`flashmemory serve --port 0` in its own process group; `ready` is its READY line."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, *extra: str):
+        """Starts the command; `wait_ready()` waits for its READY line (two stacks can start side by side)."""
         self.log_dir = log_dir
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.t0 = time.monotonic()
         cmd = [sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--startup-timeout", "900",
-               "--logs", str(log_dir)]   # 900 s: the default 420 ran out at load 100 (other jobs' servers)
+               "--logs", str(log_dir), *extra]   # 900 s: the default 420 ran out at load 100 (other jobs' servers)
         self.p = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                   start_new_session=True)
         self.lines: list[str] = []
+        self.ready: dict | None = None
+
+    def wait_ready(self) -> "ServeCli":
         self.ready = self._read_until("READY ", READY_TIMEOUT)
         self.ready_s = time.monotonic() - self.t0
+        return self
 
     def _read_until(self, prefix: str, timeout: float) -> dict | None:
         """Lines come through a reader thread (select() on a buffered pipe misses lines already buffered)."""
@@ -126,15 +131,34 @@ class ServeCli:
 
 
 @pytest.fixture(scope="module")
-def serve(model, tmp_path_factory):
-    cli = ServeCli(tmp_path_factory.mktemp("serve_logs"))
+def stacks(model, tmp_path_factory):
+    """A FlashMemory stack and a stock one (`--stock`), started at the same moment as a user comparing them
+    would: every port of both is picked while the other's servers are starting and binding theirs (the second
+    stack's router once died with "Address already in use")."""
+    fm = ServeCli(tmp_path_factory.mktemp("serve_logs"))
+    stock = ServeCli(tmp_path_factory.mktemp("stock_serve_logs"), "--stock")
     try:
-        assert cli.ready is not None, "flashmemory serve never printed READY:\n" + "\n".join(cli.lines[-60:])
-        print(f"\nflashmemory serve: ready after {cli.ready_s:.0f} s, servers {cli.ready['startup_s']}")
-        yield cli
+        for name, cli in (("flashmemory", fm), ("stock", stock)):
+            cli.wait_ready()
+            assert cli.ready is not None, f"{name} serve never printed READY:\n" + "\n".join(cli.lines[-60:])
+            print(f"\n{name} serve: ready after {cli.ready_s:.0f} s, servers {cli.ready['startup_s']}")
+        yield {"flashmemory": fm, "stock": stock}
     finally:
-        cli.kill_all()             # after the Ctrl-C test this finds nothing; on failure it cleans up
-        assert _pgid_members(cli.pgids()) == []
+        for cli in (fm, stock):
+            cli.kill_all()         # after the Ctrl-C test this finds nothing; on failure it cleans up
+        assert _pgid_members(fm.pgids() | stock.pgids()) == []
+
+
+@pytest.fixture(scope="module")
+def serve(stacks):
+    return stacks["flashmemory"]
+
+
+def test_two_stacks_side_by_side_both_serve(stacks, stock_tokens):
+    """Stock and FlashMemory stacks on one host, started together, each answer through their own router."""
+    urls = [c.ready["router"] for c in stacks.values()]
+    assert len(set(urls)) == 2
+    assert generate(stacks["stock"].ready["router"], PROMPT, NEW_TOKENS) == stock_tokens
 
 
 def test_flashmemory_pd_moves_bytes_and_equals_stock(serve, stock_tokens):
@@ -158,6 +182,84 @@ def test_openai_chat_through_router(serve):
     print(f"\nopenai chat through the router: {time.monotonic() - t:.1f} s: {resp.choices[0].message.content!r}")
     assert resp.choices[0].message.content
     assert resp.usage.completion_tokens > 0
+
+
+def _post_status(url: str, body: bytes) -> int:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+BAD_REQUESTS = {   # what a buggy or hostile client sends; each must be a 4xx, never a crash or a hang
+    "broken json": b'{"model": "default", "messages": [',
+    "no messages": json.dumps({"model": "default", "max_tokens": 4}).encode(),
+    "unknown role": json.dumps({"model": "default", "max_tokens": 4,
+                                "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+    "negative max_tokens": json.dumps({"model": "default", "max_tokens": -5,
+                                       "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    "negative temperature": json.dumps({"model": "default", "max_tokens": 4, "temperature": -1,
+                                        "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    "prompt past the context": json.dumps({"model": "default", "max_tokens": 4,
+                                           "messages": [{"role": "user", "content": "word " * 6000}]}).encode(),
+}
+
+
+def test_churn_with_dropped_streams_and_bad_requests(serve):
+    """A concurrent burst through the router with the `openai` client (chats of ~60 to ~2,400 tokens, two streams
+    dropped after two chunks) and six malformed requests: every good one answered, every bad one a 4xx, and the
+    same greedy answer before and after; the servers still serve (issue 17, item 6)."""
+    openai = pytest.importorskip("openai")
+    router = serve.ready["router"]
+    client = openai.OpenAI(base_url=router + "/v1", api_key="none", timeout=900, max_retries=0)
+
+    def chat(words: int, max_tokens: int = 12) -> str:
+        text = " ".join(f"note {i} says the value is {i * 7 % 97}." for i in range(words // 6 + 1))
+        r = client.chat.completions.create(model="default", max_tokens=max_tokens, temperature=0,
+                                           messages=[{"role": "user", "content": text}])
+        assert r.usage.completion_tokens > 0
+        return r.choices[0].message.content
+
+    def dropped_stream(words: int) -> int:
+        stream = client.chat.completions.create(model="default", max_tokens=64, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": "tell me " * words}])
+        got = 0
+        for _ in stream:
+            got += 1
+            if got == 2:
+                break
+        stream.close()
+        return got
+
+    before = chat(30)
+    results: dict[str, object] = {}
+
+    def run(name, fn, *a):
+        try:
+            results[name] = fn(*a)
+        except Exception as e:  # noqa: BLE001 - reported below with its name
+            results[name] = e
+
+    jobs = [(f"chat{w}", chat, w) for w in (10, 60, 150, 250, 330, 400)]
+    jobs += [(f"stream{w}", dropped_stream, w) for w in (40, 120)]
+    jobs += [(f"bad: {k}", _post_status, router + "/v1/chat/completions", v) for k, v in BAD_REQUESTS.items()]
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=1200)
+    failed = {k: v for k, v in results.items() if isinstance(v, Exception)}
+    assert not failed, failed
+    assert len(results) == len(jobs)
+    for k in BAD_REQUESTS:
+        assert 400 <= results[f"bad: {k}"] < 500, (k, results[f"bad: {k}"])
+    assert all(results[f"stream{w}"] == 2 for w in (40, 120))
+    assert chat(30) == before
+    assert http_get(serve.ready["decode"] + "/health", timeout=30)[0] == 200
 
 
 def test_ctrl_c_stops_all_three(serve):
