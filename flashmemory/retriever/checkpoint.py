@@ -75,6 +75,38 @@ def split_layers(state: dict[str, torch.Tensor], single_layer_id: int | None = N
     return {lid: {k: v for k, v in sd.items() if k != "freqs_cis"} for lid, sd in out.items()}
 
 
+def checkpoint_keys(path: str | os.PathLike) -> list[str]:
+    """The tensor names in a checkpoint, without reading its tensors where the format allows (safetensors
+    header; a zip-format .pt memory-mapped), else by `read_state`."""
+    p = Path(path)
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(p), framework="pt") as f:
+                return list(f.keys())
+        obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(obj, dict) and isinstance(obj.get("model_state"), dict):
+            obj = obj["model_state"]
+        if isinstance(obj, dict):
+            return [str(k) for k in obj]
+    except Exception:  # an old-format .pt cannot be mapped; read_state names any real problem
+        pass
+    return list(read_state(p)[0])
+
+
+def unused_keys(state: dict[str, torch.Tensor] | list[str]) -> list[str]:
+    """Keys a load ignores without being told to: neither a retriever parameter (`PARAMS`, joint-prefixed or,
+    in a file without joint keys, unprefixed) nor a RoPE buffer (`freqs_cis`, recomputed at load)."""
+    joint = any(_JOINT_KEY.match(k) for k in state)
+    out = []
+    for k in state:
+        m = _JOINT_KEY.match(k)
+        name = m.group(2) if m else (None if joint else k)
+        if name not in PARAMS and name != "freqs_cis":
+            out.append(k)
+    return sorted(out)
+
+
 def infer_dims(sd: dict[str, torch.Tensor], lid: int, rope_dim: int) -> RetrieverDims:
     missing = [k for k in PARAMS if k not in sd]
     if missing:
@@ -189,8 +221,23 @@ def save_retriever(model: JointRetriever, path: str | os.PathLike, extra_meta: d
     state = {f"retrievers.l{lid}.{k}": v for lid, sd in by_layer.items() for k, v in sd.items()}
     meta = retriever_metadata(model) | (extra_meta or {})
     with atomic_path(p) as tmp:  # the temp file is removed if the write fails (disk full, target a dir)
-        save_file(state, str(tmp), metadata=meta)
+        try:
+            save_file(state, str(tmp), metadata=meta)
+        except Exception as e:  # safetensors reports a failed write (ENOSPC, EFBIG, EIO) as SafetensorError
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise _write_error(e, p) from e
     return p
+
+
+def _write_error(e: Exception, path: Path) -> Exception:
+    """What a failed safetensors write of `path` becomes: an `OSError` naming the path when its message ends in
+    "(os error N)" (the CLI prints "...: No space left on device (disk full)"), else a `CheckpointError`."""
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    return CheckpointError(f"{path}: could not write the checkpoint ({e})")
 
 
 def inspect_checkpoint(path: str | os.PathLike, single_layer_id: int | None = None) -> dict:
@@ -214,7 +261,8 @@ def inspect_checkpoint(path: str | os.PathLike, single_layer_id: int | None = No
         "layers": sorted(by_layer),
         "dims": {lid: d.__dict__ for lid, d in dims.items()},
         "dtypes": sorted({str(v.dtype) for v in state.values()}),
-        "n_params": sum(v.numel() for sd in by_layer.values() for v in sd.values()),
+        "n_params": sum(sd[k].numel() for sd in by_layer.values() for k in PARAMS),
         "ignored_keys": sorted(k for k in state if k.endswith("freqs_cis")),
+        "unknown_keys": unused_keys(state),
         "metadata": meta,
     }

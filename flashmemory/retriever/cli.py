@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from flashmemory.errors import fail
-from flashmemory.retriever.checkpoint import CheckpointError, inspect_checkpoint, load_retriever, save_retriever
+from flashmemory.retriever.checkpoint import (CheckpointError, checkpoint_keys, inspect_checkpoint, load_retriever,
+                                              save_retriever, unused_keys)
 
 DEFAULT_REPO = "libertywing/FlashMemory-Deepseek-V4"
 DEFAULT_FILE = "top3_R930_joint.pt"
@@ -83,9 +84,18 @@ def _inspect(args: argparse.Namespace) -> int:
     if info["ignored_keys"]:
         print(f"ignored     {len(info['ignored_keys'])} RoPE buffer(s) (recomputed at load): "
               f"{', '.join(info['ignored_keys'])}")
+    if info["unknown_keys"]:
+        print(f"unknown     {_keys_line(info['unknown_keys'])}")
     if info["metadata"]:
         print(f"metadata    {', '.join(sorted(info['metadata']))}")
     return 0
+
+
+def _keys_line(keys: list[str], shown: int = 8) -> str:
+    """'N key(s) the retriever does not use (not loaded, not converted): a, b, ... (+M more)'."""
+    more = f" (+{len(keys) - shown} more)" if len(keys) > shown else ""
+    return (f"{len(keys)} key(s) the retriever does not use (not loaded, not converted): "
+            f"{', '.join(keys[:shown])}{more}")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -109,6 +119,12 @@ def _convert(args: argparse.Namespace) -> int:
         out = save_retriever(model, dst, extra_meta={"source": Path(args.src).name})
     except (CheckpointError, ValueError, OSError) as e:
         return _fail(e)
+    try:
+        unknown = unused_keys(checkpoint_keys(args.src))
+    except CheckpointError:
+        unknown = []
+    if unknown:
+        print(f"note: {args.src}: {_keys_line(unknown)}", file=sys.stderr)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: layers {','.join(map(str, model.layers))}, {n:,} parameters, rope_dim {model.rope.rope_dim}")
     return 0

@@ -203,3 +203,44 @@ def test_save_never_writes_a_nan_checkpoint_nor_leaves_a_temp_file(tmp_path: Pat
     with pytest.raises(CheckpointError, match=r"retrievers\.l3\.wq_a\.weight holds 1 non-finite"):
         save_retriever(m, tmp_path / "x.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17 #7: a failed safetensors write was a `SafetensorError` traceback. README "Errors and data safety":
+    one line naming the file and the cause (a full path included), non-zero exit; writes are atomic (the temp
+    file is removed). The write really starts (bytes reach the temp file), then fails the way safetensors reports
+    ENOSPC: "I/O error: No space left on device (os error 28)"."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 4096)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    write_joint(tmp_path / "j.pt")
+    dst = tmp_path / "j.safetensors"
+    assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"flashmemory checkpoint: error: {dst}: No space left on device (disk full)\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.pt"]   # no temp file, no partial output
+
+
+def test_inspect_and_convert_name_the_keys_they_ignore(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 17 #7: `checkpoint inspect` skipped keys it does not know without a word. README "Errors and data
+    safety" (nothing is silently dropped): inspect lists them, convert says they were not converted."""
+    sd = write_joint(tmp_path / "j.pt", layers=(10,))
+    sd["retrievers.l10.bias_extra"] = torch.zeros(3)
+    sd["optimizer_step"] = torch.tensor(7)
+    torch.save(sd, tmp_path / "extra.pt")
+    assert main(["checkpoint", "inspect", str(tmp_path / "extra.pt")]) == 0
+    out = capsys.readouterr().out
+    assert ("unknown     2 key(s) the retriever does not use (not loaded, not converted): optimizer_step, "
+            "retrievers.l10.bias_extra") in out, out
+    assert f"{24 * 48 + 64 * 24 + 24 + 4 * 48:,}" in out   # the parameter count counts retriever weights only
+    assert main(["checkpoint", "inspect", "--json", str(tmp_path / "extra.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["unknown_keys"] == ["optimizer_step", "retrievers.l10.bias_extra"]
+    assert main(["checkpoint", "convert", str(tmp_path / "extra.pt"), str(tmp_path / "e.safetensors")]) == 0
+    assert "2 key(s) the retriever does not use" in capsys.readouterr().err
+    assert main(["checkpoint", "inspect", str(tmp_path / "j.pt")]) == 0
+    assert "unknown" not in capsys.readouterr().out      # freqs_cis is a known buffer, reported as such
