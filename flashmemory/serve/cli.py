@@ -22,6 +22,7 @@ FlashMemory PD stack on CPU (tiny model: random weights, so the text is noise; i
   router   {router}   (OpenAI-compatible: {router}/v1/chat/completions)
   prefill  {prefill}
   decode   {decode}   (FlashMemory: {fm}; live counters at {decode}/metrics, flashmemory_*)
+  Level 1  {ckpt}
   logs     {logs}
 Try:
   curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -40,15 +41,17 @@ def _raise_stop(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashmemory.serve.stack import PDConfig, ensure_model, start_pd
+    from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, start_pd
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
-    model = ensure_model(Path(args.model))
-    if args.ckpt and not Path(args.ckpt).is_file():
-        print(f"error: --ckpt {args.ckpt}: no such file", file=sys.stderr)
+    if args.ckpt not in ("auto", "none") and not Path(args.ckpt).is_file():
+        print(f"error: --ckpt {args.ckpt}: no such file (or 'auto', 'none')", file=sys.stderr)
         return 2
-    decode_env = {"CKPT": args.ckpt} if args.ckpt else {}
+    model = ensure_model(Path(args.model))
+    ckpt = "" if args.stock or args.ckpt == "none" else \
+        str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt
+    decode_env = {"CKPT": ckpt} if ckpt else {}
     cfg = PDConfig(model=model, flashmemory=not args.stock, decode_env=decode_env,
                    startup_timeout=args.startup_timeout)
     servers = Servers(Path(args.logs))
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         print("starting decode + prefill, then the router (about 1-3 minutes on 2 cores) ...", flush=True)
         stack = start_pd(servers, cfg, router_port=args.port or None)
         print(EXAMPLE.format(router=stack.router_url, prefill=stack.prefill_url, decode=stack.decode_url,
-                             fm="off (stock)" if args.stock else "on", logs=args.logs), flush=True)
+                             fm="off (stock)" if args.stock else "on", logs=args.logs,
+                             ckpt=ckpt or "off (no retriever)"), flush=True)
         print("READY " + json.dumps({"router": stack.router_url, "prefill": stack.prefill_url,
                                      "decode": stack.decode_url, "pgids": sorted(servers.pgids()),
                                      "startup_s": {k: round(v, 1) for k, v in stack.startup_s.items()}}),
@@ -86,7 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="P, D and the router on CPU with the tiny model (Ctrl-C stops them)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_CPU_MODEL), help="serving model dir (built if missing)")
-    p.add_argument("--ckpt", default="", help="retriever checkpoint for Level 1 on D (default: none)")
+    p.add_argument("--ckpt", default="auto",
+                   help="retriever checkpoint for Level 1 on D; 'auto' (default): one trained for the served model, "
+                        "built once beside it (about a minute) like the model; 'none': no Level 1, the recency "
+                        "tail alone decides what is resident")
     p.add_argument("--port", type=int, default=31503, help="router port (0: any free port; default 31503)")
     p.add_argument("--stock", action="store_true", help="D without FlashMemory (stock sglang decode)")
     p.add_argument("--logs", default="serve_logs", help="server logs directory (default serve_logs/)")

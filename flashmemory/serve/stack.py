@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,46 @@ def ensure_model(path: Path) -> Path:
     from flashmemory.hf.serving_build import build_serving
     print(f"building the tiny serving model at {path} (once) ...", flush=True)
     return Path(build_serving(path))
+
+
+def retriever_dir(model: Path) -> Path:
+    """Where `ensure_retriever` keeps the retriever built for the serving model at `model` (beside it)."""
+    return model.parent / f"{model.name}-retriever"
+
+
+def ensure_retriever(model: Path) -> Path:
+    """A Level-1 retriever checkpoint trained for the serving model at `model`, trained once (about a minute,
+    seeded) and kept beside the model like the model itself; later calls return it at once.
+
+    Trained into a temporary sibling and renamed into place, under a lock, so an interrupted or concurrent
+    first start never leaves (or reads) half a checkpoint. Returns the checkpoint file."""
+    import fcntl
+
+    from flashmemory.demo.tiny_retriever import train_tiny_retriever
+    from flashmemory.train.loop import BEST_F1
+
+    final = retriever_dir(model)
+    ckpt = final / "ckpt" / BEST_F1
+    if ckpt.is_file():
+        return ckpt
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ckpt.is_file():           # built by a concurrent start while this one waited
+            return ckpt
+        # our own temporaries only (this name, under this lock): left by a start that was killed mid-training
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        print(f"training a Level-1 retriever for {model} at {final} (once, about a minute) ...", flush=True)
+        try:
+            built = train_tiny_retriever(model, tmp)
+            if built != tmp / "ckpt" / BEST_F1 or not built.is_file():
+                raise RuntimeError(f"retriever training for {model} left no checkpoint at {built}")
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt
 
 
 @dataclass(frozen=True)
