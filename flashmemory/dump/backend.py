@@ -56,6 +56,9 @@ class DumpConfig:
 
 
 class DumpBackend(Protocol):
+    """A dump engine. It may also have `provenance`: a dict of JSON values the run adds to every metadata
+    line, so a dump says how to reproduce it (the hf backend: its `model` and `seed`, which `verify` checks)."""
+
     name: str
 
     @property

@@ -10,6 +10,7 @@ from pathlib import Path
 from flashmemory import errors
 
 DEFAULT_URL = "http://localhost:30000/v1"
+MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; the tiny models also seed a generator with seed + 1
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                  "sglang: the served model name (default: $MODEL_PATH or 'default')")
     p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per item (default: 2048 for "
                                                                 "sglang, 32 for hf)")
-    p.add_argument("--seed", type=int, default=0, help="hf: seed of the random tiny model")
+    p.add_argument("--seed", type=int, default=0, help=f"hf: seed of the random tiny model, in [0, {MAX_SEED}] "
+                                                       "(recorded in server_metadata.jsonl)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read upstream doc_*.pkl when verifying (runs code from the file; trusted dumps only)")
     p.add_argument("--url", default=None, help=f"sglang server (default $SGLANG_SERVER_URL or {DEFAULT_URL})")
@@ -70,6 +72,7 @@ def check_args(args: argparse.Namespace) -> None:
         (args.concurrency >= 1, f"--concurrency {args.concurrency} must be >= 1"),
         (args.batch_size >= 1, f"--batch-size {args.batch_size} must be >= 1"),
         (args.flush_timeout > 0, f"--flush-timeout {args.flush_timeout} must be > 0"),
+        (0 <= args.seed <= MAX_SEED, f"--seed {args.seed} must lie in [0, {MAX_SEED}] (2**63 - 1)"),
     ]
     for ok, msg in checks:
         if not ok:

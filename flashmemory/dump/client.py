@@ -1,8 +1,12 @@
 """The dump run: read inputs, skip what is already committed, run batches through a backend, commit.
 
 Resume: `DumpWriter` locks and repairs the output directory, and items of the same input file that
-already have a complete document (metadata `source` + `item_index`) are skipped; new documents continue
-the doc_index counter. A per-item `DumpItemError` is reported, recorded in `failed_items.jsonl` (a rerun
+already have a complete document of the same content (metadata `source` + `item_index` + `item_sha256`,
+the hash of the item's messages and answer) are skipped; new documents continue the doc_index counter.
+An item whose content changed since (the input was edited, or it is another file of the same name) is
+dumped again as a new document, with a message naming the items; the earlier document stays (it is valid
+for the input it was made from). Documents of an older version carry no hash: they count as done by file
+name and index, with a message saying so. A per-item `DumpItemError` is reported, recorded in `failed_items.jsonl` (a rerun
 skips it unless `retry_failed`) and skipped; any other exception stops the run (non-zero exit) after
 everything committed so far is safely on disk.
 """
@@ -23,6 +27,8 @@ from flashmemory.dump.writer import FAILED_FILE, DumpWriter
 class DumpReport:
     committed: list[int] = field(default_factory=list)   # doc indices written in this run
     skipped_done: int = 0                                 # items already complete (resume)
+    changed: list[int] = field(default_factory=list)      # items dumped before with other content: dumped again
+    legacy_done: list[int] = field(default_factory=list)  # taken as done from a document without a content hash
     bad_input: list[str] = field(default_factory=list)    # malformed input lines
     failed: list[str] = field(default_factory=list)       # items the backend could not dump (this run)
     skipped_failed: list[int] = field(default_factory=list)  # items that failed in an earlier run, not retried
@@ -60,6 +66,11 @@ def load_selection(input_path: str | Path, start_idx: int = 0, end_idx: int | No
     return chosen, bad
 
 
+def _some(indices: list[int], n: int = 5) -> str:
+    """'items 0, 3, 7' or 'items 0, 3, 7, 9, 11, ...' (the first n)."""
+    return "items " + ", ".join(map(str, indices[:n])) + (", ..." if len(indices) > n else "")
+
+
 def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Path, cfg: DumpConfig, *,
              start_idx: int = 0, end_idx: int | None = None, n_samples: int | None = None, batch_size: int = 10,
              progress: bool = True, log: TextIO | None = None, writer: DumpWriter | None = None,
@@ -79,15 +90,30 @@ def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Pat
         for msg in rep.recovered:
             print(f"resume: {msg}", file=log)
         source = Path(input_path).name
-        done, failed_before = w.done_items(source), ({} if retry_failed else w.failed_items(source))
+        digests = {it.item_index: it.content_sha256() for it in selected}
+        done = w.done_keys(source)
+        failed_before = {} if retry_failed else w.failed_items(source, digests)
         todo = []
         for it in selected:
-            if it.item_index in done:
+            have = done.get(it.item_index, set())
+            if digests[it.item_index] in have or None in have:
                 rep.skipped_done += 1
+                if digests[it.item_index] not in have:
+                    rep.legacy_done.append(it.item_index)
             elif it.item_index in failed_before:
                 rep.skipped_failed.append(it.item_index)
             else:
                 todo.append(it)
+                if have:
+                    rep.changed.append(it.item_index)
+        if rep.changed:
+            print(f"resume: {len(rep.changed)} item(s) of {source} ({_some(rep.changed)}) differ from the documents "
+                  f"dumped for them in {w.dir} (the input changed, or it is another file of the same name): dumping "
+                  "them again as new documents; the earlier documents stay", file=log)
+        if rep.legacy_done:
+            print(f"resume: {len(rep.legacy_done)} item(s) of {source} ({_some(rep.legacy_done)}) taken as done by "
+                  "file name and index only (dumped by an older version, which recorded no content hash); if the "
+                  "input changed since, dump into a new --output-dir", file=log)
         if rep.skipped_done:
             print(f"resume: {rep.skipped_done} item(s) already dumped in {w.dir}", file=log)
         if rep.skipped_failed:
@@ -106,9 +132,10 @@ def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Pat
                         rep.failed.append(str(out))
                         print(f"skipping {out}", file=log)
                         if getattr(out, "permanent", True):
-                            w.record_failure(source, item.item_index, str(out))
+                            w.record_failure(source, item.item_index, str(out), digests[item.item_index])
                     else:
                         w.commit(out, item_index=item.item_index, source=source, backend=backend.name,
+                                 item_sha256=digests[item.item_index], **getattr(backend, "provenance", {}),
                                  n_prompt_tokens=int(out.positions[out.target_layers[0]][0]) if out.n_tokens else None)
                         rep.committed.append(out.doc_index)
                     bar.update(1)

@@ -61,6 +61,7 @@ class HFBackend:
         from flashmemory.hf import HFEngine, load_model
         self.engine = HFEngine(*load_model(model, seed=seed))
         self.model_name = model
+        self.provenance = {"model": model, "seed": int(seed)}  # in every metadata line: `verify` checks the seed
         self.tokenize: Tokenize = tokenize or ByteChatTokenizer(self.engine.vocab_size, thinking=thinking)
         self.eos = getattr(self.engine.config, "eos_token_id", None)
 

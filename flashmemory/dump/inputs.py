@@ -8,6 +8,7 @@ JSON: a list of objects with a plain-string `prompt`, wrapped as one user messag
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,13 @@ class InputItem:
     messages: list[dict]     # [{"role": ..., "content": str}]
     answer: str | None
     where: str               # "file.jsonl:12" for messages
+
+    def content_sha256(self) -> str:
+        """sha256 (64 hex) of the item's messages and answer as canonical JSON: what a resumed dump compares
+        (with the file name and item index) to tell an item it already dumped from a changed one."""
+        blob = json.dumps({"messages": self.messages, "answer": self.answer}, sort_keys=True, ensure_ascii=False,
+                          separators=(",", ":"))
+        return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _messages(prompt: object) -> list[dict]:

@@ -7,20 +7,45 @@ all); two writers in one directory are refused because crash recovery and the sg
 need the whole directory to themselves.
 
 Nothing the project did not write as a temp file is deleted: `quarantine` moves a suspect file into
-`<dir>/.quarantine/` under a free name and returns the message to print.
+`<dir>/.quarantine/` under a free name and returns the message to print. The project's temp files are named
+by `tmp_name` (`.tmp-fm<tag>-<target>.<pid>`, where the tag is a hash of the rest of the name); recovery
+deletes only names `is_own_tmp` verifies, so a user's `.tmp-notes.txt` is never touched.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
+import re
 from pathlib import Path
 
 from flashmemory.dump.errors import DumpOutputError
 
 LOCK_FILE = ".dump.lock"
 QUARANTINE = ".quarantine"
-TMP_PREFIX = ".tmp-"   # the only names recovery deletes: temp files a dump process of this project wrote
+TMP_PREFIX = ".tmp-"   # every temp name starts so; recovery deletes only those `is_own_tmp` verifies
+_TMP_TAG = b"flashmemory-dump-temp/1\0"
+_OWN_TMP_RE = re.compile(r"^\.tmp-fm([0-9a-f]{12})-(.+)\.(\d+)$")
+LEGACY_TMP_RE = re.compile(r"^\.tmp-(doc_\d{5,}\.safetensors|server_metadata\.jsonl|probe)\.\d+$")  # before the tag
+
+
+def _tmp_tag(target: str, pid: int) -> str:
+    return hashlib.sha256(_TMP_TAG + f"{target}.{pid}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def tmp_name(target: str, pid: int | None = None) -> str:
+    """The name of this project's temp file for `target` (a plain file name), written by process `pid`
+    (default: this one): `.tmp-fm<tag>-<target>.<pid>`, tag = 12 hex digits of a sha256 over target and pid,
+    so `is_own_tmp` can tell it from any file a user named `.tmp-*`."""
+    pid = os.getpid() if pid is None else int(pid)
+    return f"{TMP_PREFIX}fm{_tmp_tag(target, pid)}-{target}.{pid}"
+
+
+def is_own_tmp(name: str) -> bool:
+    """True only for a name `tmp_name` makes (its tag matches the rest of the name)."""
+    m = _OWN_TMP_RE.match(name)
+    return bool(m) and m.group(1) == _tmp_tag(m.group(2), int(m.group(3)))
 
 
 def os_reason(e: OSError) -> str:
@@ -37,7 +62,7 @@ def prepare_output_dir(d: Path) -> None:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DumpOutputError(f"{d}: cannot create the output directory ({os_reason(e)})") from None
-    probe = d / f"{TMP_PREFIX}probe.{os.getpid()}"
+    probe = d / tmp_name("probe")
     try:
         with open(probe, "wb") as f:
             f.write(b"flashmemory dump write probe\n")

@@ -4,7 +4,8 @@ Commit protocol: the doc file is written to a hidden temp name in the same direc
 `os.replace`d into place; only then is its line (with the file's size) appended to `server_metadata.jsonl`
 (one write + fsync). So the metadata line is the commit record. The directory is locked for the writer's
 life (`outdir.DirLock`). On open, `DumpWriter` repairs what a crash (or an older, unlocked run) can leave:
-  - stray `.tmp-*` files (this project's temp files) are deleted;
+  - stray temp files of this project are deleted: only names `outdir.is_own_tmp` verifies (a tagged name
+    `tmp_name` made), never a user's `.tmp-notes.txt`; temp files of the older, untagged naming are left;
   - a torn last metadata line, a verbatim repeated line, and a line whose file vanished are dropped
     (that document is redone);
   - a committed file that is truncated (size differs from the one recorded at commit, or from what its
@@ -30,7 +31,7 @@ import torch
 from flashmemory.dump.errors import DumpFormatError
 from flashmemory.dump.format import FORMAT, TOPK_STEPS_KEY, DumpDoc, doc_filename, load_doc
 from flashmemory.dump.metadata import DOC_RE, METADATA_FILE, dedupe, metadata_lines, safetensors_problem
-from flashmemory.dump.outdir import TMP_PREFIX, DirLock, prepare_output_dir, quarantine
+from flashmemory.dump.outdir import LEGACY_TMP_RE, DirLock, is_own_tmp, prepare_output_dir, quarantine, tmp_name
 
 FAILED_FILE = "failed_items.jsonl"
 
@@ -76,22 +77,41 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def save_doc_file(path: str | os.PathLike, doc: DumpDoc) -> Path:
-    """Validate and atomically write one doc file (temp + fsync + os.replace). Also used by the server side."""
-    from safetensors.torch import save_file
+def _as_oserror(e: Exception, p: Path) -> OSError:
+    """safetensors reports I/O failures (a full disk) as SafetensorError: the OSError they stand for."""
+    m = re.search(r"os error (\d+)", str(e))
+    code = int(m.group(1)) if m else errno.EIO
+    return OSError(code, os.strerror(code), str(p))
+
+
+def save_doc_file(path: str | os.PathLike, doc: DumpDoc, *, dir_fd: int | None = None,
+                  header: dict[str, str] | None = None) -> Path:
+    """Validate and atomically write one doc file (temp + fsync + os.replace). Also used by the server side.
+
+    dir_fd: write `path`'s file name into this open directory (the dump server's confined write,
+    `confine.write_file_at`: nothing on the way is looked up by path, no symlink is followed); `path` then
+    only names the file in messages. header: extra string metadata for the file's header (additive)."""
+    from safetensors.torch import save, save_file
     p = Path(path)
     doc.validate(str(p))
     tensors, meta = doc_tensors(doc)
-    tmp = p.with_name(f"{TMP_PREFIX}{p.name}.{os.getpid()}")
+    meta.update(header or {})
+    if dir_fd is not None:
+        from flashmemory.dump.confine import write_file_at
+        try:
+            data = save(tensors, metadata=meta)
+        except Exception as e:  # noqa: BLE001 - see _as_oserror
+            raise _as_oserror(e, p) from e
+        write_file_at(dir_fd, p.name, data, str(p))
+        return p
+    tmp = p.with_name(tmp_name(p.name))
     try:
         try:
             save_file(tensors, str(tmp), metadata=meta)
         except OSError:
             raise
-        except Exception as e:  # safetensors reports I/O failures (a full disk) as SafetensorError
-            m = re.search(r"os error (\d+)", str(e))
-            code = int(m.group(1)) if m else errno.EIO
-            raise OSError(code, os.strerror(code), str(p)) from e
+        except Exception as e:  # noqa: BLE001 - see _as_oserror
+            raise _as_oserror(e, p) from e
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # safetensors creates 0600; dumps are shared with the training job
@@ -170,9 +190,12 @@ class DumpWriter:
     def _recover(self) -> list[str]:
         notes: list[str] = []
         for p in sorted(self.dir.iterdir()):
-            if p.name.startswith(TMP_PREFIX) and p.is_file():
+            if is_own_tmp(p.name) and p.is_file() and not p.is_symlink():
                 p.unlink()
                 notes.append(f"removed stray temp file {p.name}")
+            elif LEGACY_TMP_RE.match(p.name):
+                notes.append(f"left {p.name} alone: it looks like an older version's temp file, but carries no "
+                             "tag to prove it; remove it yourself if it is one")
         raw = self.meta_path.read_text() if self.meta_path.is_file() else ""
         lines = metadata_lines(self.dir)
         kept: list[dict] = []
@@ -246,10 +269,13 @@ class DumpWriter:
             return None, f"no metadata line and it does not load ({str(e).removeprefix(str(p) + ': ')})"
         if doc.doc_index != index:
             return None, f"no metadata line and it holds doc_index {doc.doc_index}"
-        return metadata_record(doc, p.name, **_source_item(doc.rid), file_size=p.stat().st_size, adopted=True), ""
+        h = _header_meta(p).get("item_sha256")
+        extra = {"item_sha256": h} if isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) else {}
+        return metadata_record(doc, p.name, **_source_item(doc.rid), **extra, file_size=p.stat().st_size,
+                               adopted=True), ""
 
     def _write_metadata(self, records: list[dict]) -> None:
-        tmp = self.meta_path.with_name(f"{TMP_PREFIX}{METADATA_FILE}.{os.getpid()}")
+        tmp = self.meta_path.with_name(tmp_name(METADATA_FILE))
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
             f.flush()
@@ -265,34 +291,56 @@ class DumpWriter:
         return max([int(r["doc_index"]) for r in self.records] + on_disk, default=-1) + 1
 
     def done_items(self, source: str) -> set[int]:
-        """Input item indices of `source` (input file name) that already have a complete document."""
-        return {int(r["item_index"]) for r in self.records if r.get("source") == source and "item_index" in r}
+        """Input item indices of `source` (input file name) that already have a complete document (any content)."""
+        return set(self.done_keys(source))
 
-    def failed_items(self, source: str) -> dict[int, str]:
-        """item index -> reason, for items of `source` that failed in an earlier run and are not done since."""
+    def done_keys(self, source: str) -> dict[int, set[str | None]]:
+        """item index -> the `item_sha256` (content hash, `InputItem.content_sha256`) of each complete document of
+        `source` at that index; None stands for a document of an older version, which recorded no hash."""
+        out: dict[int, set[str | None]] = {}
+        for r in self.records:
+            if r.get("source") == source and "item_index" in r:
+                h = r.get("item_sha256")
+                out.setdefault(int(r["item_index"]), set()).add(h if isinstance(h, str) else None)
+        return out
+
+    def failed_items(self, source: str, digests: dict[int, str] | None = None) -> dict[int, str]:
+        """item index -> reason, for items of `source` that failed in an earlier run and are not done since.
+
+        digests (item index -> content hash of the item now): a failure recorded with another hash is of other
+        content (the input changed) and does not count; failures recorded without a hash count by index."""
         out: dict[int, str] = {}
         if self.failed_path.is_file():
             for line in self.failed_path.read_text(errors="replace").splitlines():
                 try:
                     r = json.loads(line)
-                    if r.get("source") == source:
-                        out[int(r["item_index"])] = str(r.get("reason", ""))
+                    if r.get("source") != source:
+                        continue
+                    i, h = int(r["item_index"]), r.get("item_sha256")
+                    if digests is not None and isinstance(h, str) and digests.get(i) != h:
+                        continue
+                    out[i] = str(r.get("reason", ""))
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue  # a torn or foreign line: that item is simply tried again
-        done = self.done_items(source)
-        return {i: why for i, why in out.items() if i not in done}
+        done = self.done_keys(source)
+        return {i: why for i, why in out.items()
+                if not (done.get(i) and (digests is None or None in done[i] or digests.get(i) in done[i]))}
 
     # --- writing ------------------------------------------------------------------------------------------
-    def record_failure(self, source: str, item_index: int, reason: str) -> None:
-        """Note that an item failed, so a rerun skips it (unless asked to retry)."""
-        _append_line(self.failed_path, {"source": source, "item_index": int(item_index), "reason": reason[:500]})
+    def record_failure(self, source: str, item_index: int, reason: str, item_sha256: str | None = None) -> None:
+        """Note that an item failed, so a rerun skips it (unless asked to retry, or its content changed)."""
+        rec: dict = {"source": source, "item_index": int(item_index), "reason": reason[:500]}
+        if item_sha256 is not None:
+            rec["item_sha256"] = item_sha256
+        _append_line(self.failed_path, rec)
 
     def commit(self, doc: DumpDoc, **extra: object) -> dict:
         """Write the doc file atomically, then append its metadata line (with the file size). Returns the line."""
         if any(int(r["doc_index"]) == doc.doc_index for r in self.records):
             raise DumpFormatError(f"{self.dir}: doc_index {doc.doc_index} already committed")
         name = doc_filename(doc.doc_index)
-        path = save_doc_file(self.dir / name, doc)
+        head = {"item_sha256": str(extra["item_sha256"])} if extra.get("item_sha256") else None
+        path = save_doc_file(self.dir / name, doc, header=head)  # the hash survives a crash before the line
         rec = metadata_record(doc, name, **extra, file_size=path.stat().st_size)
         _append_line(self.meta_path, rec)
         self.records.append(rec)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashmemory.dump.confine import DocTargets
 from flashmemory.dump.format import DumpDoc, native_topk_rows
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest, under_root
 from flashmemory.dump.writer import save_doc_file
@@ -95,6 +96,7 @@ class DumpRecorder:
     def __init__(self, index_topk: int = 512, ratio: int = 4, n_c4_layers: int = 21,
                  root: str | os.PathLike | None = None):
         self.root = root  # the only tree dump files are written under (None: dump requests are refused)
+        self.targets = DocTargets(root)  # admission checks each target; writes go through a held root fd, no symlinks
         self.index_topk = index_topk
         self.ratio = ratio
         self.n_c4_layers = n_c4_layers
@@ -107,6 +109,7 @@ class DumpRecorder:
         req = parse_request(custom_params, rid, self.n_c4_layers, self.root)
         if req is None:
             return False
+        self.targets.admit(rid, req)  # a document that cannot be written there is refused now, with the reason
         self.pending[rid] = req
         return True
 
@@ -179,6 +182,7 @@ class DumpRecorder:
         `self.failed`, never raised; the client then finds no file and fails that item with a clear message."""
         st = self.docs.pop(rid, None)
         if st is None or not st.positions:
+            self.targets.forget(rid)
             return None
         try:
             return self._write(st)
@@ -204,8 +208,8 @@ class DumpRecorder:
             native_logits=dict(st.logits), topp=st.req.topp, min_layers=st.req.min_layers,
             native_topk=topk, native_topk_steps=topk_steps)
         path = st.req.doc_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_doc_file(path, doc)
+        with self.targets.open_dir(rid, st.req) as dir_fd:  # walked again from the root: a swapped dir is refused
+            save_doc_file(path, doc, dir_fd=dir_fd)
         self.written.append(str(path))
         logger.info("FlashMemory dump: wrote %s (pass %d, %d decode steps, %d labels, native top-k at %d steps)",
                     path, st.req.pass_, doc.n_tokens, int(doc.label_indices.numel()), int(topk_steps.numel()))

@@ -43,7 +43,8 @@ def test_resume_after_interrupt(tmp_path):
     assert [r["item_index"] for r in read_metadata(out)] == [0, 1, 2]
     # Crash debris: a temp file and a doc that was renamed but never got its metadata line (it is complete:
     # adopted, not redone).
-    (out / ".tmp-doc_00003.safetensors.99").write_bytes(b"xx")
+    from flashmemory.dump.outdir import tmp_name
+    (out / tmp_name("doc_00003.safetensors", 99)).write_bytes(b"xx")
     from flashmemory.dump.writer import save_doc_file
     debris = make_doc(3, seed=3)
     debris.rid = "in.jsonl:3"

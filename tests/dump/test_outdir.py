@@ -109,7 +109,7 @@ def test_output_dir_that_is_a_file_or_unwritable(tmp_path, monkeypatch):
     real_open = open
 
     def refuse(path, *a, **k):
-        if ".tmp-probe" in str(path):
+        if "-probe." in str(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *a, **k)
     monkeypatch.setattr("builtins.open", refuse)                          # root ignores mode bits: refuse here

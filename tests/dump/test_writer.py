@@ -9,7 +9,8 @@ def test_recovery_after_crash(tmp_path):
     w.commit(make_doc(0), item_index=0, source="a.jsonl")
     w.commit(make_doc(1), item_index=1, source="a.jsonl")
     # What a crash can leave: a temp file, a renamed doc without its line, a torn line, a line without a file.
-    (tmp_path / ".tmp-doc_00002.safetensors.123").write_bytes(b"partial")
+    from flashmemory.dump.outdir import tmp_name
+    (tmp_path / tmp_name("doc_00002.safetensors", 123)).write_bytes(b"partial")
     from flashmemory.dump.writer import save_doc_file
     save_doc_file(tmp_path / "doc_00003.safetensors", make_doc(3))
     (tmp_path / "doc_00001.safetensors").unlink()

@@ -244,7 +244,7 @@ def test_a_failing_document_does_not_raise_into_the_scheduler(tmp_path, monkeypa
     kw = dict(output_dir=str(tmp_path), topp=0.5, min_layers=1, target_csa_layers=(1,))
     calls = []
 
-    def broken(path, doc):
+    def broken(path, doc, **kw):
         calls.append(path)
         raise OSError("No space left on device")
 
