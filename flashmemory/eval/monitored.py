@@ -38,10 +38,16 @@ class MonitorEvalConfig:
     fallback_after: int = 2
 
 
-def captured_native_scorer(index_logits: Mapping[int, torch.Tensor]) -> NativeScorer:
+def captured_native_scorer(index_logits: Mapping[int, torch.Tensor], first_position: int = 0) -> NativeScorer:
     """Native logits of c4 layer `layer` at query position `position` over the first n_hist chunks.
-    index_logits: c4 id -> fp32 [S, N_c] (-inf where not visible), from `eval.decode.full_run`."""
-    def score(row: int, layer: int, n_hist: int, hidden, position: torch.Tensor) -> torch.Tensor:
+    index_logits: c4 id -> fp32 [S, N_c] (-inf where not visible), from `eval.decode.full_run`.
+    first_position: the first decode position P. A query before it was computed by the prefill, which attended
+    the full history: no decode step has attended a resident set yet, so the scorer returns None and the
+    monitor takes no reading (measuring then would compare the native top-k with the empty set the replay
+    admits: a miss mass of 1.0 by construction)."""
+    def score(row: int, layer: int, n_hist: int, hidden, position: torch.Tensor) -> torch.Tensor | None:
+        if int(position) < first_position:
+            return None
         lg = index_logits[layer]
         pos = min(max(int(position), 0), lg.shape[0] - 1)
         out = torch.full((n_hist,), float("-inf"))
@@ -53,14 +59,16 @@ def captured_native_scorer(index_logits: Mapping[int, torch.Tensor]) -> NativeSc
 
 def monitor_factory(index_logits: Mapping[int, torch.Tensor], layers: tuple[int, ...], base: int, cap: int,
                     topk: int, mc: MonitorEvalConfig) -> Callable:
-    """engine -> MissMonitor with base budget `base` and cap `cap` (one request: the shared pool is cap - base)."""
+    """(engine, first decode position P) -> MissMonitor with base budget `base` and cap `cap` (one request: the
+    shared pool is cap - base); no reading before position P (`captured_native_scorer`)."""
     cfg = EscalationConfig(threshold=mc.threshold, low_threshold=mc.low_threshold, base=base, cap=cap,
                            step=max(1, -(-(cap - base) // 2)), shrink_after=mc.shrink_after,
                            fallback_after=mc.fallback_after, extra_pool=cap - base, topk=topk,
                            fallback_history=len(layers))
 
-    def make(engine) -> MissMonitor:
-        return MissMonitor(engine, captured_native_scorer(index_logits), EscalationController(cfg), layers)
+    def make(engine, first_position: int) -> MissMonitor:
+        return MissMonitor(engine, captured_native_scorer(index_logits, first_position), EscalationController(cfg),
+                           layers)
     return make
 
 

@@ -7,6 +7,10 @@ states, the index keys of every c4 layer (stored as sglang stores them) and the 
      due cycle (t % tau == 0) runs synchronously, so its set serves steps [t, t + tau);
   2. a chunk completed by token P + t is appended to the row's decode region;
   3. the resident set of step t is read back from the engine's lookup table (the single source of truth).
+The replay admits a row with nothing resident, and its step-0 cycle runs on the prompt's last position (the
+prefill attended the full history densely): no decode step has attended a resident set yet, so the miss monitor
+takes no reading there (its native scorer gets the first decode position and returns None before it). A cycle at
+step t > 0 measures the native logits of position P + t - 1 against the set decode step t - 1 attended.
 Payload bytes: index-K rows are the real fp8 chunks; c4 KV rows are a deterministic pattern at the real
 584-byte DeepSeek-V4 entry size (the tiny model's KV is not in sglang's layout), so byte counts are real.
 """
@@ -24,8 +28,9 @@ from flashmemory.offload.layout import OffloadLayout
 from flashmemory.residency.level1 import Level1, Level1Config, Scorer
 from flashmemory.residency.policy import PagePolicy
 
-# engine -> a `flashmemory.residency.monitored.MissMonitor` over it (None: no monitor)
-MonitorFactory = Callable[[OffloadEngine], object]
+# (engine, first decode position P) -> a `flashmemory.residency.monitored.MissMonitor` over it (None: no monitor);
+# its native scorer must return None for a query position < P (no resident set attended yet: no reading)
+MonitorFactory = Callable[[OffloadEngine, int], object]
 
 KV_WIDTHS = (576, 8)  # DeepSeek-V4 c4 entry: 448 fp8 nope + 128 bf16 rope | 7 scales + 1 pad
 KV_ALIGN = 576
@@ -36,7 +41,9 @@ class ReplayResult:
     resident: torch.Tensor     # [T, N_c] bool: chunk j resident at decode step t (False past n_t)
     n_visible: torch.Tensor    # [T] int64: chunks visible at step t
     level1_s: float            # wall time spent in Level-1 calls (cycles included)
-    metrics: dict              # engine.metrics()["total"] at the end of the replay
+    metrics: dict              # engine.metrics()["total"] at the end of the replay, plus the monitor's readings:
+                               # "miss_values" (floats, cycle order) and "miss_steps" (the decode step t of each:
+                               # measured on position P + t - 1 against resident[t - 1])
     layout: OffloadLayout
 
 
@@ -59,8 +66,8 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
     hidden: target layer -> [S, hidden] indexer-input hidden of every position (S = P + n_steps).
     method: engine -> (scorer, policy) (see `flashmemory.eval.methods`); called once the engine exists
     because the retriever scorer reads the engine's target keys.
-    monitor: engine -> MissMonitor (escalation; `kmax` is then its base budget); page_cap: the engine's
-    per-request page cap (escalation's cap; default kmax).
+    monitor: (engine, prompt_len) -> MissMonitor (escalation; `kmax` is then its base budget); page_cap: the
+    engine's per-request page cap (escalation's cap; default kmax).
     """
     n_layers, n_total, cb = index_chunks.shape
     layout = OffloadLayout(n_layers=n_layers, page_chunks=page_chunks, kv_widths=KV_WIDTHS, kv_align=KV_ALIGN,
@@ -75,19 +82,25 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
     kv = kv_pattern(n_layers, n_total)
     level1 = Level1(engine, scorer, policy, Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep,
                                                          async_recall=False),
-                    monitor=monitor(engine) if monitor is not None else None)
+                    monitor=monitor(engine, prompt_len) if monitor is not None else None)
     n0 = prompt_len // ratio
     engine.admit(0, kv[:, :n0], index_chunks[:, :n0], rid="doc")
     resident = torch.zeros(n_steps, n_total, dtype=torch.bool)
     n_vis = torch.zeros(n_steps, dtype=torch.int64)
     rows = torch.tensor([0])
     spent = 0.0
+    values: list[float] = []
+    steps: list[int] = []
     try:
         for t in range(n_steps):
             pos = prompt_len + t - 1
+            n_read = engine.stats.miss_n
             t0 = time.perf_counter()
             level1.on_step([0], {lid: hidden[lid][pos:pos + 1] for lid in target_layers}, torch.tensor([pos]))
             spent += time.perf_counter() - t0
+            if engine.stats.miss_n > n_read:   # one row: at most one reading per step
+                values.append(engine.stats.miss_recent[-1])
+                steps.append(t)
             n_t = min((prompt_len + t + 1) // ratio, n_total)
             while engine.n_chunks(0) < n_t:
                 j = engine.n_chunks(0)
@@ -96,7 +109,7 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
             resident[t, :n_t] = (cells >= 0).cpu()
             n_vis[t] = n_t
         metrics = engine.metrics()["total"]
-        metrics["miss_values"] = list(engine.stats.miss_recent)   # the monitor's measurements, in cycle order
+        metrics["miss_values"], metrics["miss_steps"] = values, steps   # the monitor's readings, in cycle order
     finally:
         level1.close()
         engine.finish(0)

@@ -1,4 +1,8 @@
-"""Miss monitor: miss mass against a brute-force computation over the full native top-k; the monitor inside Level 1."""
+"""Miss monitor: miss mass against a brute-force computation over the full native top-k; the monitor inside Level 1.
+
+Level 1 is driven as serving drives it: the row is admitted with its tail page open and warm-started, and every
+`on_step` follows a decode forward, so each reading is against a set decode attended (never the empty set a bare
+`admit` leaves, which would read 1.0 by construction: issue 20)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from hypothesis import strategies as st
 
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, check_invariants
 from flashmemory.residency.escalation import EscalationConfig, EscalationController
-from flashmemory.residency.level1 import Level1, Level1Config
-from flashmemory.residency.monitor import miss_mass, miss_report, rotate_layer, topk_softmax
+from flashmemory.residency.level1 import Level1, Level1Config, warm_start
+from flashmemory.residency.monitor import miss_mass, miss_report, resident_mask, rotate_layer, topk_softmax
 from flashmemory.residency.monitored import MissMonitor, merge_selection
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
 from flashmemory.retriever.fp8 import quantize_chunks
@@ -78,17 +82,47 @@ def test_merge_selection_budget_and_order():
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(0, 1))
 
 
-def _engine():
+def _engine(kmax: int = 0):
+    """An engine with one 40-chunk (10-page) row; kmax > 0 admits it as serving does (tail page open, newest
+    kmax pages warm-started)."""
     eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=2, max_chunks=64, recall_blocks=16, decode_pages=1,
                                              max_resident_pages=8))
     n = 40
     kv = torch.randint(0, 256, (3, n, LAYOUT.kv.chunk_bytes), dtype=torch.uint8)
     ix = torch.stack([quantize_chunks(torch.randn(n, LAYOUT.index_head_dim)) for _ in range(3)])
-    return eng, eng.admit(0, kv, ix)
+    gen = eng.admit(0, kv, ix)
+    if kmax:
+        eng.open_tail_page(0)
+        warm_start(eng, 0, kmax)
+    return eng, gen
+
+
+def test_native_on_the_attended_tail_reads_no_miss_and_keeps_the_budget():
+    """Native attention on the newest page, which serving's admission holds: every reading is 0, nothing widens."""
+    eng, gen = _engine(kmax=2)
+
+    def native(row, layer, n, hidden, pos):
+        x = torch.full((n,), -5.0)
+        x[n - 4:] = 5.0
+        return x
+
+    ctl = EscalationController(EscalationConfig(threshold=0.2, low_threshold=0.05, base=2, cap=6, step=2,
+                                                shrink_after=1, fallback_after=2, extra_pool=3, topk=4))
+    l1 = Level1(eng, lambda r, n, h, p: torch.zeros(n), lambda s, n, b: torch.arange(-(-n // 4) - b, -(-n // 4)),
+                Level1Config(tau=1, max_resident_pages=2, last_keep=4, async_recall=False),
+                monitor=MissMonitor(eng, native, ctl, layers=(0, 1)))
+    hid, pos = {0: torch.zeros(1, 8), 1: torch.zeros(1, 8)}, torch.zeros(1, dtype=torch.long)
+    for _ in range(3):
+        l1.on_step([0], hid, pos)
+    m = eng.metrics()
+    req = m["requests"][eng.rows[0].rid]
+    assert req["monitor_cycles"] == 3 and m["total"]["miss_mass"]["sum"] == 0.0
+    assert req["escalations"] == 0 and req["fallbacks"] == 0 and req["budget_pages"] == 2 and ctl.granted == 0
 
 
 def test_monitor_in_level1_adds_missing_pages_widens_then_falls_back():
-    eng, gen = _engine()
+    eng, gen = _engine(kmax=2)
+    assert resident_mask(eng, 0, 40)[32:].all(), "the first reading is against the warm-started set, not nothing"
     wanted = 2  # native attention sits on page 2 (chunks 8..11), which the recency policy never picks
 
     def native(row, layer, n, hidden, pos):
@@ -109,7 +143,7 @@ def test_monitor_in_level1_adds_missing_pages_widens_then_falls_back():
     req = m["requests"][eng.rows[0].rid]
     assert req["escalations"] == 1 and req["missing_pages_added"] == 1 and req["budget_pages"] == 4
     assert wanted in eng.rows[0].recall, "the page the monitor saw missing is recalled in the same cycle"
-    assert m["total"]["miss_mass"]["n"] == 1 and m["total"]["miss_mass"]["counts"][-1] == 1  # all mass missed
+    assert m["total"]["miss_mass"]["n"] == 1 and m["total"]["miss_mass"]["counts"][-1] == 1  # page 2: all missed
     # Now the page is resident: the next cycle measures ~no miss, shrinks back one step (shrink_after=1).
     l1.on_step([0], hid, pos)
     req = eng.metrics()["requests"][eng.rows[0].rid]
@@ -121,7 +155,7 @@ def test_monitor_in_level1_adds_missing_pages_widens_then_falls_back():
 
 
 def test_fallback_holds_native_topk_and_pool_limits_widening():
-    eng, gen = _engine()
+    eng, gen = _engine(kmax=1)
     calls = []
 
     def native(row, layer, n, hidden, pos):  # attention spread over every page: misses stay high
