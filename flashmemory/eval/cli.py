@@ -25,7 +25,65 @@ def retriever_scores(model, ensemble: str = "max"):
     return fn
 
 
+def parse_budgets(raw: str | None) -> tuple[float, ...]:
+    """--budgets '0.1,0.25': fractions of the existing chunks, each in (0, 1] (a fraction above 1 would be
+    printed as asked while every policy ran at 1.0)."""
+    from flashmemory.errors import UserError
+    out = []
+    for x in (raw or "").split(","):
+        if not x.strip():
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise UserError(f"--budgets {raw!r}: {x.strip()!r} is not a number (comma-separated fractions like "
+                            "0.1,0.25)") from None
+        if not 0.0 < v <= 1.0:  # also refuses nan and inf
+            raise UserError(f"--budgets {raw!r}: {x.strip()} is not a fraction in (0, 1] of the existing chunks")
+        out.append(v)
+    return tuple(out)
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Range-check the numeric flags of every eval mode where they are read (UserError naming the flag)."""
+    import math
+    from flashmemory.errors import UserError
+    at_least = {"tau": 1, "stride": 0, "gen_tokens": 1, "page_chunks": 1, "tail_chunks": 0, "kmax_pages": 1}
+    for name, lo in at_least.items():
+        v = getattr(a, name, lo)
+        if v < lo:
+            raise UserError(f"--{name.replace('_', '-')} {v}: must be >= {lo}"
+                            + (" (0 = tau)" if name == "stride" else ""))
+    if not (math.isfinite(a.threshold) and 0.0 <= a.threshold <= 1.0):
+        raise UserError(f"--threshold {a.threshold}: must lie in [0, 1] (a sigmoid score)")
+    budget = getattr(a, "budget", 0.25)
+    if not 0.0 < budget <= 1.0:
+        raise UserError(f"--budget {budget}: must lie in (0, 1] (a fraction of the pages)")
+    parse_budgets(a.budgets)
+
+
+def check_sizes(model, docs: list, paths: list, checkpoint: str) -> None:
+    """Every document's hidden size and index-key width match the checkpoint's (CheckpointError naming both files):
+    a retriever trained for another model cannot score these documents."""
+    from flashmemory.retriever.checkpoint import CheckpointError
+    d = model.dims
+    for doc, p in zip(docs, paths):
+        for L in model.layers:
+            if L not in doc.hidden:
+                raise CheckpointError(f"{checkpoint}: layer {L} is not dumped in {p} (it has {doc.target_layers})")
+            hidden, width = int(doc.hidden[L].shape[-1]), int(doc.compk[L].shape[-1]) - 4
+            if hidden != d.hidden or width != d.head_dim:
+                raise CheckpointError(f"{checkpoint}: retriever hidden size {d.hidden}, head dim {d.head_dim}; {p} "
+                                      f"layer {L} has hidden size {hidden}, index-key dim {width}: the checkpoint "
+                                      "was trained for another model")
+
+
 def run(a: argparse.Namespace) -> int:
+    from flashmemory.errors import UserError, fail
+    try:
+        check_args(a)
+    except UserError as e:
+        return fail("eval", e)
     if a.residency:
         from flashmemory.eval.residency_cli import run_residency
         return run_residency(a)
@@ -66,10 +124,10 @@ def run(a: argparse.Namespace) -> int:
         if missing:
             raise CheckpointError(f"{a.checkpoint}: layers {missing} are not dumped in {a.dump} "
                                   f"(it has {docs[0].target_layers})")
-        fractions = tuple(float(x) for x in a.budgets.split(",")) if a.budgets else ()
+        check_sizes(model, docs, paths, a.checkpoint)
+        fractions = parse_budgets(a.budgets)
         cfg = EvalConfig(tau=a.tau, stride=a.stride, fractions=fractions, threshold=a.threshold, seed=a.seed)
     except (CheckpointError, DumpFormatError, DataConfigError, ValueError, OSError) as e:
-        from flashmemory.errors import fail
         return fail("eval", e)
     print(split_line)
     res = evaluate(docs, retriever_scores(model, a.ensemble), cfg)
