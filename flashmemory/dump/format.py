@@ -137,6 +137,7 @@ class DumpDoc:
                 raise bad(f"positions_layer_{L}", f"differs from positions_layer_{L0}")
         for L in self.target_layers:
             _check_finite(self.hidden[L], f"hidden_layer_{L}", bad)
+            _check_keys(self.compk[L], f"compk_layer_{L}", bad)
         if T and int(self.n_chunks_at.max()) > self.n_chunks:
             raise bad("compk", f"{self.n_chunks} chunks but the last decode step sees {int(self.n_chunks_at.max())}")
         if self.label_indices.numel() and int(self.label_indices.max()) >= self.n_chunks:
@@ -188,6 +189,24 @@ def _check_finite(x: torch.Tensor, key: str, bad) -> None:
         n = int((~ok).sum())
         first = int((~ok).reshape(x.shape[0], -1).any(1).nonzero()[0]) if x.dim() else 0
         raise bad(key, f"{n} non-finite value(s) (NaN/Inf), first in row {first}")
+
+
+def _check_keys(c: torch.Tensor, key: str, bad) -> None:
+    """Index-key chunks [N, D+4] uint8 (D float8_e4m3fn bytes + a little-endian fp32 scale): a NaN fp8 byte
+    (0x7F / 0xFF, e4m3fn has no inf) or a NaN/Inf scale is an error naming the key, the count and the first
+    chunk, where the document enters (a key like that scores NaN and silently wrecks labels, F1 and training)."""
+    if c.numel() == 0:
+        return
+    d = c.shape[1] - 4
+    scale = c[:, d:].contiguous().view(torch.float32).reshape(-1)
+    bad_scale = ~torch.isfinite(scale)
+    if bool(bad_scale.any()):
+        raise bad(key, f"{int(bad_scale.sum())} non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk "
+                       f"{int(bad_scale.nonzero()[0])}")
+    nan8 = ((c[:, :d] & 0x7F) == 0x7F).any(1)
+    if bool(nan8.any()):
+        raise bad(key, f"{int(nan8.sum())} chunk(s) with a NaN fp8 key byte (0x7f/0xff), first in chunk "
+                       f"{int(nan8.nonzero()[0])}")
 
 
 def topk_store_steps(n_tokens: int, mode: str, interval: int = 64) -> torch.Tensor:

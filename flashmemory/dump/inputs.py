@@ -3,7 +3,9 @@
 JSONL (upstream MRCR / "formated"): one object per line with `prompt` = a JSON string that decodes to
 an OpenAI messages list (a list itself, or a plain string, is accepted too) and optional `answer`.
 JSON: a list of objects with a plain-string `prompt`, wrapped as one user message with upstream's
-"\\boxed{}" instruction. Bad items are reported by line (or list position) and skipped.
+"\\boxed{}" instruction. Bad items are reported by line (or list position) and skipped. Input must be
+UTF-8: a JSONL line with an invalid byte is such a bad item (never dumped with U+FFFD in its place); a
+.json list with one is refused whole, naming the line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ class InputItem:
         return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _check_text(text: str, what: str) -> None:
+    """ValueError when `text` is not encodable as UTF-8 (a lone surrogate from a \\ud800-style JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X}, a JSON \\u escape of half a "
+                         f"pair) at character {e.start}: not valid UTF-8 text") from None
+
+
 def _messages(prompt: object) -> list[dict]:
     if isinstance(prompt, str):
         try:
@@ -51,6 +62,7 @@ def _messages(prompt: object) -> list[dict]:
     for i, m in enumerate(prompt):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} must be {{'role': one of {ROLES}, 'content': str}}, got {str(m)[:80]}")
+        _check_text(m["content"], f"message {i} content")
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
@@ -72,8 +84,16 @@ def load_items(path: str | Path) -> tuple[list[InputItem], list[str]]:
 def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
     items, errors = [], []
     if p.suffix == ".json":
+        raw = p.read_bytes()
         try:
-            data = json.loads(p.read_text(encoding="utf-8", errors="replace"))
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+            raise InputError(f"{p}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {col} of the line); "
+                             "fix or re-encode the file") from None
+        try:
+            data = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as e:
             raise InputError(f"{p}: not valid JSON (line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)})") from None
         if not isinstance(data, list):
@@ -83,6 +103,7 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
             try:
                 if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                     raise ValueError("expected an object with a string `prompt`")
+                _check_text(obj["prompt"], "prompt")
                 items.append(InputItem(i, [{"role": "user", "content": obj["prompt"] + BOXED}],
                                        obj.get("answer"), where))
             except ValueError as e:
@@ -91,12 +112,17 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
     if p.suffix != ".jsonl":
         raise InputError(f"{p}: unknown input type {p.suffix!r} (use .jsonl or a .json list)")
     idx = 0
-    with open(p, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{p.name}:{lineno}"
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
+                                     "item skipped, never dumped with a replacement character") from None
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:

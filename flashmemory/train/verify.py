@@ -12,6 +12,10 @@ indexer applies the same RoPE to q before its scorer). Pearson r and top-K overl
 
 Checkpoint mode (--checkpoint CKPT): a trained retriever's fp32 logits on the dump vs an
 independent float64 reference written out here (explicit Hadamard matrix, explicit rotation).
+
+A dump made by the hf backend records its `model` and `seed` in every metadata line. Native mode with a
+seeded random model (a shipped name or a .json config) refuses a --seed the dump was not made with, and a
+FAIL line names the dump's model and seed (or says the dump records none: an older dump).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flashmemory.retriever.rope import RopeConfig, rope_angles
 
 TOPK = (10, 50, 512)
 PASS_R = 0.95
+MAX_SEED = 2**63 - 1  # as `flashmemory dump --seed`
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,6 +166,40 @@ def verify_checkpoint(a: argparse.Namespace, docs: list) -> list[dict]:
     return rows
 
 
+def dump_provenance(dump: str, paths: list[Path]) -> set[tuple[str, int]]:
+    """(model, seed) pairs the metadata lines of `paths` record (hf dumps; empty for older or sglang dumps)."""
+    from flashmemory.dump.format import read_metadata
+    names = {p.name for p in paths}
+    return {(str(r["model"]), r["seed"]) for r in read_metadata(dump)
+            if r["filename"] in names and "model" in r and isinstance(r.get("seed"), int)}
+
+
+def seed_problem(a: argparse.Namespace, made: set[tuple[str, int]]) -> str | None:
+    """Why --model/--seed cannot reproduce the dump's native logits, or None (nothing recorded, or a match)."""
+    if not a.model or a.weight_dir or not made:
+        return None
+    seeds = sorted(s for m, s in made if m == a.model)
+    seeded = not Path(a.model).is_dir()  # a checkpoint directory ignores the seed
+    if seeded and seeds and a.seed not in seeds:
+        return (f"--seed {a.seed}: the dump {a.dump} was made with --model {a.model} --seed "
+                f"{' / '.join(map(str, seeds))} (server_metadata.jsonl); its native logits come from that random "
+                f"model, so pass --seed {seeds[0]}")
+    return None
+
+
+def fail_reason(a: argparse.Namespace, made: set[tuple[str, int]]) -> str:
+    """What a native-mode FAIL line adds: the dump's recorded model and seed, or that it records none."""
+    if a.checkpoint or a.weight_dir:
+        return ""
+    if not made:
+        return ("; the dump records no model/seed (an older or sglang dump): check that --model and --seed are the "
+                "ones it was made with")
+    if (a.model, a.seed) in made or any(m == a.model and Path(a.model).is_dir() for m, _ in made):
+        return ""  # the dump's own model and seed: the mismatch is real
+    pairs = ", ".join(f"--model {m} --seed {s}" for m, s in sorted(made))
+    return f"; the dump was made with {pairs}, not --model {a.model} --seed {a.seed}"
+
+
 def run(a: argparse.Namespace) -> int:
     from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
     modes = [x for x in (a.model, a.weight_dir, a.checkpoint) if x]
@@ -168,10 +207,18 @@ def run(a: argparse.Namespace) -> int:
         print("flashmemory verify: error: give exactly one of --model, --weight-dir (native mode) or --checkpoint",
               file=sys.stderr)
         return 2
+    if not 0 <= a.seed <= MAX_SEED:
+        print(f"flashmemory verify: error: --seed {a.seed} must lie in [0, {MAX_SEED}] (2**63 - 1)", file=sys.stderr)
+        return 2
     try:
-        docs = [load_doc(p, allow_pickle=a.allow_pickle) for p in list_docs(a.dump)[: a.max_docs]]
+        paths = list_docs(a.dump)[: a.max_docs]
+        docs = [load_doc(p, allow_pickle=a.allow_pickle) for p in paths]
         if not docs:
             raise DumpFormatError(f"{a.dump}: no complete documents")
+        made = dump_provenance(a.dump, paths)
+        why = seed_problem(a, made)
+        if why:
+            raise ValueError(why)
         rows = verify_checkpoint(a, docs) if a.checkpoint else verify_native(a, docs)
     except (DumpFormatError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"flashmemory verify: error: {e}", file=sys.stderr)
@@ -190,7 +237,8 @@ def run(a: argparse.Namespace) -> int:
         worst = max(r["max_rel_err"] for r in rows)
         ok = ok and worst < 1e-4
         print(f"max relative error vs float64: {worst:.2e}")
-    print(f"{'PASS' if ok else 'FAIL'}: min r = {min_r:.5f} over {len(rows)} rows (need >= {need})")
+    print(f"{'PASS' if ok else 'FAIL'}: min r = {min_r:.5f} over {len(rows)} rows (need >= {need})"
+          + ("" if ok else fail_reason(a, made)))
     return 0 if ok else 1
 
 
@@ -200,7 +248,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "checkpoint mode needs --checkpoint.")
     p.add_argument("--dump", required=True, help="dump directory")
     p.add_argument("--model", default=None, help="native mode: shipped model name (micro, tiny-flash) or HF model dir")
-    p.add_argument("--seed", type=int, default=0, help="seed of a shipped random model (must match the dump's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a shipped random model (must match the dump's; "
+                                                       "a dump records it, and a mismatch is refused)")
     p.add_argument("--weight-dir", default=None, help="native mode: dir of DeepSeek-V4 safetensors shards + config.json")
     p.add_argument("--checkpoint", default=None, help="checkpoint mode: a retriever checkpoint")
     p.add_argument("--max-docs", type=int, default=4, help="documents to check (default %(default)s)")

@@ -4,6 +4,7 @@ import torch
 
 from flashmemory.dump import DumpDoc
 from flashmemory.labels import golden_labels
+from flashmemory.retriever.fp8 import quantize_chunks
 
 
 def make_doc(doc_index=0, P=37, T=9, layers=(1, 3), hidden=8, D=16, seed=0, ratio=4):
@@ -17,7 +18,7 @@ def make_doc(doc_index=0, P=37, T=9, layers=(1, 3), hidden=8, D=16, seed=0, rati
         doc_index=doc_index, rid=f"r{doc_index}",
         hidden={L: torch.randn(T, hidden, generator=g) for L in layers},
         positions={L: pos.clone() for L in layers},
-        compk={L: torch.randint(0, 255, (N, D + 4), dtype=torch.uint8, generator=g) for L in layers},
+        compk={L: quantize_chunks(torch.randn(N, D, generator=g)) for L in layers},  # finite keys and scales
         label_indices=lab.indices, label_scores=lab.scores, label_pointers=lab.pointers,
         n_prompt_blocks=P // ratio, ratio=ratio,
         native_logits={(L, t): lg[0, t, : int(vis[t])].clone() for L in layers for t in range(min(3, T))},

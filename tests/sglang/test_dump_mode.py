@@ -95,6 +95,12 @@ def test_a_bad_block_aborts_the_request_with_the_reason(tmp_path, monkeypatch):
     assert not rec.pending
 
 
+def _keys(g=None):
+    """64 index-key chunks [64, 132] uint8 with finite fp8 keys and scales (the dump refuses NaN ones)."""
+    from flashmemory.retriever.fp8 import quantize_chunks
+    return quantize_chunks(torch.randn(64, 128, generator=g))
+
+
 def _run_request(rec, rid, req, prompt, steps, kv, per_layer=None, seed=0, n_layers=3, finish=True):
     """Feed the recorder what the indexer hook would for one request: every c4 layer, every decode step."""
     g = torch.Generator().manual_seed(seed)
@@ -122,8 +128,8 @@ def test_recorder_files_go_through_the_client_merge(tmp_path):
     r1, r2 = DumpRequest(pass_=1, **kw), DumpRequest(pass_=2, **kw)
     rec = DumpRecorder(index_topk=8, root=tmp_path)
     g = torch.Generator().manual_seed(1)
-    kv1 = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
-    kv2 = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
+    kv1 = _keys(g)
+    kv2 = _keys(g)
     prompt, steps = 40, 6
     per_layer = [[] for _ in range(3)]
     _run_request(rec, "p1", r1, prompt, steps, kv1, per_layer)
@@ -156,7 +162,7 @@ def test_merge_rejects_a_short_pass2(tmp_path):
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r1, r2 = DumpRequest(pass_=1, **kw), DumpRequest(pass_=2, **kw)
     rec = DumpRecorder(index_topk=8, root=tmp_path)
-    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    kv = _keys()
     _run_request(rec, "a", r1, 40, 8, kv)
     _run_request(rec, "b", r2, 8, 1, kv)                                # far too few chunks for pass 1's steps
     with pytest.raises(DumpItemError, match="compk"):
@@ -185,7 +191,7 @@ def test_recorder_stores_native_topk_of_every_layer(tmp_path, mode, interval, k,
     req = DumpRequest(pass_=1, doc_index=1, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1,
                       store_topk=mode, topk_interval=interval)
     rec = DumpRecorder(index_topk=k, root=tmp_path)
-    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    kv = _keys()
     per_layer = [[] for _ in range(3)]
     prompt, steps = 6, 30                                               # step 0 sees 1 chunk, step 29 sees 8
     _run_request(rec, "q", req, prompt, steps, kv, per_layer, seed=3, finish=False)
@@ -211,7 +217,7 @@ def test_recorder_stores_native_topk_of_every_layer(tmp_path, mode, interval, k,
 
 def test_recorder_stores_no_topk_for_none_or_pass2(tmp_path):
     rec = DumpRecorder(index_topk=8, root=tmp_path)
-    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    kv = _keys()
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r_none, r_p2 = DumpRequest(pass_=1, store_topk="none", **kw), DumpRequest(pass_=2, store_topk="all", **kw)
     _run_request(rec, "a", r_none, 40, 5, kv)
@@ -227,7 +233,7 @@ def test_merge_rejects_topk_steps_other_than_asked(tmp_path):
     kw = dict(doc_index=0, output_dir=str(tmp_path), target_csa_layers=(1,), min_layers=1)
     r1, r2 = DumpRequest(pass_=1, topk_interval=2, **kw), DumpRequest(pass_=2, **kw)
     rec = DumpRecorder(index_topk=8, root=tmp_path)
-    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8)
+    kv = _keys()
     _run_request(rec, "a", r1, 40, 6, kv)
     _run_request(rec, "b", r2, 46, 2, kv)
     assert merge_passes(r1, r2, rid="x").native_topk_steps.tolist() == [0, 2, 4]
@@ -239,7 +245,7 @@ def test_a_failing_document_does_not_raise_into_the_scheduler(tmp_path, monkeypa
     """A document whose write fails (here: the disk) is logged and listed in `failed`; the next one still writes."""
     import flashmemory.sglang.dump_mode as dm
     g = torch.Generator().manual_seed(3)
-    kv = torch.randint(0, 255, (64, 132), dtype=torch.uint8, generator=g)
+    kv = _keys(g)
     rec = DumpRecorder(index_topk=8, root=tmp_path)
     kw = dict(output_dir=str(tmp_path), topp=0.5, min_layers=1, target_csa_layers=(1,))
     calls = []
