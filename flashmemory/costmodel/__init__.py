@@ -2,11 +2,13 @@
 of throughput). Pure functions; `flashmemory bench costmodel` prints it next to upstream's tables."""
 
 from flashmemory.costmodel.bytes import (EntryBytes, PolicyKnobs, RequestBytes, all_miss_bytes, baseline_bytes,
-                                         flashmemory_bytes, hisparse_bytes)
+                                         flashmemory_bytes)
 from flashmemory.costmodel.flops import (CountRules, FlashShape, FlopBreakdown, RetrieverShape, Term,
                                          attention_core_terms, baseline_flops, constant_terms, fit_line,
                                          flashmemory_flops, n_chunks, resident_chunks)
-from flashmemory.costmodel.throughput import Estimate, Hardware, estimate, kv_budget_per_gpu, weight_bytes
+from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens
+from flashmemory.costmodel.throughput import (Estimate, Hardware, estimate, kv_budget_per_gpu, throughput_at,
+                                              weight_bytes)
 
 # Upstream README (8xH20, TP8): context -> (KMAX, baseline GFLOP, ours GFLOP, baseline conc, baseline tok/s,
 # ours conc, ours tok/s). Reference values to compare against, never used inside the model.
@@ -21,5 +23,6 @@ __all__ = [
     "UPSTREAM", "UPSTREAM_CONSTANT_GFLOP", "CountRules", "FlashShape", "FlopBreakdown", "RetrieverShape", "Term",
     "attention_core_terms", "baseline_flops", "constant_terms", "fit_line", "flashmemory_flops", "n_chunks",
     "resident_chunks", "EntryBytes", "PolicyKnobs", "RequestBytes", "all_miss_bytes", "baseline_bytes",
-    "flashmemory_bytes", "hisparse_bytes", "Estimate", "Hardware", "estimate", "kv_budget_per_gpu", "weight_bytes",
+    "flashmemory_bytes", "hisparse_bytes", "HiSparseKnobs", "hisparse_swap_tokens", "Estimate", "Hardware",
+    "estimate", "kv_budget_per_gpu", "throughput_at", "weight_bytes",
 ]

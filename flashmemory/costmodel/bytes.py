@@ -1,13 +1,12 @@
-"""Per-request KV bytes (device / host), per-step HBM reads and PCIe traffic for three policies.
+"""Per-request KV bytes (device / host), per-step HBM reads and PCIe traffic for stock and FlashMemory.
 
 - baseline: every KV region on the GPU; the indexer reads all index keys every step.
 - flashmemory: c4 KV resident only for KMAX*64 chunks (one global resident set shared by all 21 c4
   layers); full c4 mirror on host. Index keys: all 21 layers on GPU, or with Path-I only the 3 retriever
   layers in full plus the resident chunks of the other 18 (their full copy on host). Level 2 reads only
   resident index keys; Level 1 reads the retriever layers' full index keys once per tau.
-- hisparse: LRU hot buffer of the same KMAX*64 c4 slots per layer; all index keys, c128 and SWA stay on
-  GPU, so the indexer still reads the full history every step; misses among the top-512 are swapped in
-  synchronously every step.
+- hisparse: sglang's own HiSparse, in `flashmemory.costmodel.hisparse` (its hot buffer is sized by
+  --hisparse-config, not by KMAX).
 
 Entry sizes (sglang 0.5.23 DSv4 pools): c4/c128/SWA KV 584 B (448 fp8 nope + 128 bf16 rope + 7 scales
 + 1 pad), index key 132 B (128 fp8 + fp32 scale). Every layer keeps its own 128-token SWA ring.
@@ -32,7 +31,6 @@ class PolicyKnobs:
 
     path_i: bool = False  # offload the 18 non-retriever layers' index keys (upstream needs it at 1M)
     turnover: float = 1.0  # fraction of the resident set replaced per Level-1 cycle (1.0 = worst case)
-    hisparse_miss: float = 0.05  # fraction of the per-step top-512 not in the LRU buffer (IndexCache >=95% overlap)
 
 
 @dataclass(frozen=True)
@@ -89,19 +87,6 @@ def flashmemory_bytes(ctx: int, kmax: int, knobs: PolicyKnobs = PolicyKnobs(), s
     # New chunks written back to the host mirror: 1/ratio chunk per step per layer.
     backup = (s.n_c4 * e.kv + offl_idx_layers * e.index_key) / s.c4_ratio
     return RequestBytes("flashmemory", sum(dev.values()), host, read, cycle / r.interval + backup, cycle, dev)
-
-
-def hisparse_bytes(ctx: int, kmax: int, knobs: PolicyKnobs = PolicyKnobs(), s: FlashShape = FlashShape(),
-                   r: RetrieverShape = RetrieverShape(), e: EntryBytes = EntryBytes()) -> RequestBytes:
-    n = n_chunks(ctx, s)
-    slots = resident_chunks(kmax, ctx, s, r)
-    reg = _regions(ctx, s, e)
-    dev = dict(reg)
-    dev["c4 kv"] = s.n_c4 * slots * e.kv
-    read = reg["index keys"] + _attend_read(ctx, s, e)
-    miss = knobs.hisparse_miss * min(s.index_topk, n) * s.n_c4 * e.kv
-    backup = s.n_c4 * e.kv / s.c4_ratio
-    return RequestBytes("hisparse", sum(dev.values()), reg["c4 kv"], read, miss + backup, miss * r.interval, dev)
 
 
 def all_miss_bytes(ctx: int, s: FlashShape = FlashShape(), e: EntryBytes = EntryBytes()) -> float:

@@ -102,8 +102,10 @@ def kv_budget_per_gpu(hw: Hardware, s: FlashShape = FlashShape()) -> float:
 
 
 def step_time(batch: int, req: RequestBytes, flops_per_token: float, hw: Hardware,
-              s: FlashShape = FlashShape(), sync_pcie: bool = False) -> tuple[float, float, float, float]:
-    """(step, hbm, compute, pcie) seconds for `batch` decoding requests, each like `req`."""
+              s: FlashShape = FlashShape(), sync_pcie: bool = False,
+              extra_ms: float = 0.0) -> tuple[float, float, float, float]:
+    """(step, hbm, compute, pcie) seconds for `batch` decoding requests, each like `req`; `extra_ms` is a
+    policy's own fixed per-step cost on top of `hw.overhead_ms`."""
     w_total, w_routed = _weights_per_gpu(hw, s)
     touched = 1.0 - (1.0 - s.experts_per_tok / s.n_experts) ** batch
     w_read = w_total - w_routed + w_routed * touched
@@ -111,16 +113,35 @@ def step_time(batch: int, req: RequestBytes, flops_per_token: float, hw: Hardwar
     compute = batch * flops_per_token / (hw.n_gpus * hw.tflops * 1e12 * hw.mfu)
     pcie = batch * req.pcie_step / (hw.pcie_gbps * 1e9)
     core = max(hbm, compute) + pcie if sync_pcie else max(hbm, compute, pcie)
-    return hw.overhead_ms * 1e-3 + core, hbm, compute, pcie
+    return (hw.overhead_ms + extra_ms) * 1e-3 + core, hbm, compute, pcie
+
+
+def capacity(req: RequestBytes, hw: Hardware, s: FlashShape = FlashShape()) -> tuple[int, int | None]:
+    """(requests that fit the HBM KV budget of one GPU, requests whose host mirrors fit host DRAM or None)."""
+    dev = math.floor(kv_budget_per_gpu(hw, s) / req.device)
+    if req.host <= 0:
+        return dev, None
+    return dev, math.floor(hw.host_ram_gb * 1e9 * hw.host_fraction / (req.host * hw.n_gpus))
+
+
+def throughput_at(req: RequestBytes, flops_per_token: float, hw: Hardware, batch: int,
+                  s: FlashShape = FlashShape(), sync_pcie: bool = False,
+                  extra_ms: float = 0.0) -> tuple[float, float] | None:
+    """(aggregate tok/s, step ms) with `batch` requests like `req` decoding at once; None when they do not fit
+    the HBM KV budget or host DRAM (max-running is not applied: the caller picks the batch)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    dev, host = capacity(req, hw, s)
+    if batch > dev or (host is not None and batch > host):
+        return None
+    st = step_time(batch, req, flops_per_token, hw, s, sync_pcie, extra_ms)[0]
+    return batch / st, st * 1e3
 
 
 def estimate(req: RequestBytes, flops_per_token: float, hw: Hardware, s: FlashShape = FlashShape(),
-             sync_pcie: bool = False) -> Estimate:
+             sync_pcie: bool = False, extra_ms: float = 0.0) -> Estimate:
     """Concurrency ceiling (min of HBM, host DRAM, max-running) and aggregate tok/s at that concurrency."""
-    dev = math.floor(kv_budget_per_gpu(hw, s) / req.device)
-    host = None
-    if req.host > 0:
-        host = math.floor(hw.host_ram_gb * 1e9 * hw.host_fraction / (req.host * hw.n_gpus))
+    dev, host = capacity(req, hw, s)
     bounds = {"HBM": dev, "max-running": hw.max_running}
     if host is not None:
         bounds["host DRAM"] = host
@@ -128,5 +149,5 @@ def estimate(req: RequestBytes, flops_per_token: float, hw: Hardware, s: FlashSh
     conc = bounds[bound]
     if conc < 1:
         return Estimate(req.policy, dev, host, 0, bound, math.inf, 0.0, 0.0, 0.0, 0.0)
-    st, hbm, comp, pcie = step_time(conc, req, flops_per_token, hw, s, sync_pcie)
+    st, hbm, comp, pcie = step_time(conc, req, flops_per_token, hw, s, sync_pcie, extra_ms)
     return Estimate(req.policy, dev, host, conc, bound, st * 1e3, hbm * 1e3, comp * 1e3, pcie * 1e3, conc / st)

@@ -3,14 +3,17 @@ KMAX / context, keeps its byte accounting consistent, and the bench command runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from flashmemory.bench import costmodel as bench
-from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, PolicyKnobs,
-                                   baseline_bytes, baseline_flops, constant_terms, estimate, fit_line,
-                                   flashmemory_bytes, flashmemory_flops, hisparse_bytes, n_chunks, resident_chunks)
+from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, HiSparseKnobs,
+                                   PolicyKnobs, baseline_bytes, baseline_flops, constant_terms, estimate, fit_line,
+                                   flashmemory_bytes, flashmemory_flops, hisparse_bytes, hisparse_swap_tokens,
+                                   kv_budget_per_gpu, n_chunks, resident_chunks, throughput_at)
+from flashmemory.costmodel.peers import B200_PAIR, check_published, kmax_for, peer_table
 
 G = 1e9
 
@@ -87,9 +90,9 @@ def test_byte_model_is_consistent():
     assert f.host > f_no.host == b.device_parts["c4 kv"]
     # Level 2 reads far fewer index keys than the baseline; HiSparse reads as much as the baseline
     assert f.hbm_read_step < 0.3 * b.hbm_read_step
-    h = hisparse_bytes(ctx, kmax, PolicyKnobs(hisparse_miss=0.1))
+    h = hisparse_bytes(ctx, HiSparseKnobs(hit_rate=0.9))
     assert h.hbm_read_step == b.hbm_read_step
-    assert h.pcie_step > hisparse_bytes(ctx, kmax, PolicyKnobs(hisparse_miss=0.0)).pcie_step
+    assert h.pcie_step > hisparse_bytes(ctx, HiSparseKnobs(hit_rate=1.0)).pcie_step
     assert flashmemory_bytes(ctx, kmax, PolicyKnobs(turnover=0.5)).recall_cycle == pytest.approx(f_no.recall_cycle / 2)
     assert flashmemory_bytes(ctx, 2 * kmax).device > f_no.device
 
@@ -115,6 +118,87 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "ESTIMATE" in text and "upstream" in text
     data = json.loads(out.read_text())
-    assert {"flops", "assumptions", "bytes", "throughput"} <= set(data)
+    assert {"flops", "assumptions", "bytes", "throughput", "peers", "hisparse_check"} <= set(data)
     assert len(data["flops"]["cases"]) == 3
+    assert "PROJECTED stock vs HiSparse vs FlashMemory" in text and "CHECK vs HiSparse's published figure" in text
+    assert len(data["peers"]["cells"]) == 9 and set(data["hisparse_check"]["variants"]) >= {"roofline"}
     assert bench.run(p.parse_args(["--contexts", "1024"])) == 2
+    assert bench.run(p.parse_args(["--hisparse-buffer", "100"])) == 2
+    assert "--hisparse-buffer 100" in capsys.readouterr().out
+
+
+def test_hisparse_bytes_by_hand():
+    # 128K: 32768 c4 entries; sglang's default hot buffer 4096 + one 64-entry page per c4 layer
+    h = hisparse_bytes(131072)
+    assert h.device_parts == {"c4 hot buffer": 21 * 4160 * 584, "index keys": 21 * 32768 * 132,
+                              "c128 kv": 20 * 1024 * 584, "swa kv": 43 * 128 * 584}
+    assert h.device == 51_018_240 + 90_832_896 + 11_960_320 + 3_214_336 == 157_025_792
+    assert h.host == 21 * 32768 * 584 == 401_866_752
+    # swap-in: 5% of 512 picks x 21 layers x 584 B; backup: one 584-B entry per layer every 4 steps
+    assert h.pcie_step == pytest.approx(0.05 * 512 * 21 * 584 + 21 * 584 / 4) == 313_958.4 + 3066
+    assert h.hbm_read_step == 90_832_896 + 21 * 512 * 584 + 11_960_320 + 3_214_336
+    assert h.recall_cycle == pytest.approx(313_958.4 * 64)
+    # the native indexer still reads every index key: the same HBM read as stock, a fraction of stock's device bytes
+    assert h.hbm_read_step == baseline_bytes(131072).hbm_read_step
+    assert hisparse_swap_tokens(1048576, HiSparseKnobs(hit_rate=0.9)) == pytest.approx(0.1 * 512 * 21)
+    # fast path: a history that fits the buffer swaps nothing in (4096 entries = 16K tokens), one more does
+    assert hisparse_swap_tokens(16384) == 0 and hisparse_swap_tokens(16388) > 0
+    assert hisparse_bytes(16384).pcie_step == 21 * 584 / 4
+    # the buffer is allocated whole whatever the history
+    assert hisparse_bytes(4096).device_parts["c4 hot buffer"] == 21 * 4160 * 584
+    with pytest.raises(ValueError, match="device_buffer_size 256 < index_topk 512"):
+        hisparse_bytes(131072, HiSparseKnobs(device_buffer_size=256))
+    with pytest.raises(ValueError, match="hit_rate"):
+        HiSparseKnobs(hit_rate=1.5)
+
+
+def test_throughput_at_fits_or_says_none():
+    hw = Hardware()
+    b = baseline_bytes(262144)
+    cap = int(kv_budget_per_gpu(hw) // b.device)
+    assert cap == 56
+    tok, ms = throughput_at(b, baseline_flops(262144).total, hw, cap)
+    assert tok == pytest.approx(cap / (ms / 1e3))
+    assert throughput_at(b, baseline_flops(262144).total, hw, cap + 1) is None
+    # a HiSparse step costs at least its synchronous swap-in on top of stock's step
+    hs = hisparse_bytes(262144)
+    t_stock = throughput_at(b, baseline_flops(262144).total, hw, 16)[1]
+    t_hs = throughput_at(hs, baseline_flops(262144).total, hw, 16, sync_pcie=True)[1]
+    assert t_hs >= t_stock + 16 * hs.pcie_step / 50e9 * 1e3 - 1e-9
+    with pytest.raises(ValueError, match="batch"):
+        throughput_at(b, 1.0, hw, 0)
+
+
+def test_peer_table_by_hand():
+    assert [kmax_for(c) for c in (131072, 262144, 1048576)] == [48, 96, 384]
+    cells = {(c.policy, c.ctx): c for c in peer_table(Hardware())}
+    stock = cells["stock", 131072]
+    assert stock.device_bytes == 21 * 32768 * (584 + 132) + 20 * 1024 * 584 + 43 * 128 * 584 == 507_874_304
+    assert stock.max_conc == int(kv_budget_per_gpu(Hardware()) // 507_874_304) == 112
+    assert cells["stock", 262144].tok_s[64] is None and cells["stock", 262144].tok_s[16] is not None
+    # HiSparse at 1M is held by the host mirrors: 2265 GB x 0.7 / (21 x 262144 x 584 B x 8 ranks)
+    hs1m = cells["hisparse", 1048576]
+    host_cap = int(2265e9 * 0.7 // (21 * 262144 * 584 * 8))
+    assert (hs1m.max_conc, hs1m.bound) == (host_cap, "host DRAM") and host_cap == 61
+    for ctx in (131072, 262144, 1048576):
+        assert cells["hisparse", ctx].device_bytes < cells["stock", ctx].device_bytes
+        assert cells["hisparse", ctx].device_parts["index keys"] == cells["stock", ctx].device_parts["index keys"]
+
+
+def test_published_check_by_hand():
+    r = check_published()
+    # 40K tokens at the end: 10240 c4 entries
+    assert r.stock_device_gb * 1e9 == pytest.approx(21 * 10240 * 716 + 20 * 320 * 584 + 43 * 128 * 584)
+    assert r.hisparse_device_gb * 1e9 == pytest.approx(21 * 4160 * 584 + 21 * 10240 * 132 + 20 * 320 * 584
+                                                       + 43 * 128 * 584)
+    # both fit 64 at once on 2xB200, so the model cannot reproduce the published 2.1x: it says so
+    assert (r.stock_conc, r.hisparse_conc) == (64, 64)
+    assert r.speedup < 1.05 and r.off_generation == pytest.approx(r.speedup / 2.1 - 1)
+    assert r.off_decode == pytest.approx(r.speedup / 2.9 - 1)
+    assert 1 <= r.implied_stock_conc < 64
+    assert r.implied_budget_gb == pytest.approx(r.implied_stock_conc * r.stock_device_gb)
+    # where stock IS capacity-bound (weights leave 3.5 GB/GPU: 21 stock requests, 40 HiSparse), the ratio rises
+    tight = check_published(dataclasses.replace(B200_PAIR, overhead_ms=20.0, weights_gb=281.0))
+    assert tight.kv_budget_gb == pytest.approx(180 * 0.8 - 281 / 2)
+    assert (tight.stock_conc, tight.hisparse_conc) == (int(3.5e9 // 160_920_576), int(3.5e9 // 86_355_456)) == (21, 40)
+    assert tight.speedup > 1.5
