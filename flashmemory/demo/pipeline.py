@@ -30,7 +30,7 @@ from flashmemory.demo.config import SERVE_STAGE, WORK_MARKER, DemoConfig
 from flashmemory.demo.dumps import dump_runs
 from flashmemory.errors import UserError
 from flashmemory.eval.decode import full_run
-from flashmemory.eval.harness import HarnessConfig, evaluate_doc, mean_rows
+from flashmemory.eval.harness import HarnessConfig, budget_cells, evaluate_doc, mean_rows
 from flashmemory.outdir import DirLock, prepare_dir
 
 
@@ -210,12 +210,7 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
             rows = per_doc if b == cfg.budget else [
                 evaluate_doc(engine, r, retriever, hc, targets, b, decode_text)
                 for r in tqdm(test_runs, desc=f"task accuracy at {b:.0%}", disable=not progress)]
-            task_by_budget[str(b)] = {name: {k: m.get(k) for k in ("task_score", "mass", "resident_frac", "kmax")}
-                                      for name, m in mean_rows(rows).items()}
-            for task in dict.fromkeys(r.record["task"] for r in test_runs):
-                sel = [d for r, d in zip(test_runs, rows) if r.record["task"] == task]
-                task_by_budget[str(b)][f"task:{task}"] = {name: m.get("task_score")
-                                                          for name, m in mean_rows(sel).items()}
+            task_by_budget[str(b)] = budget_cells(rows, [r.record["task"] for r in test_runs])  # + intervals
         sweep = {}
         for b in tqdm(cfg.sweep, desc="budget sweep", disable=not progress):
             sweep[b] = mean_rows([evaluate_doc(engine, r, retriever, hc, targets, b, quality=False)

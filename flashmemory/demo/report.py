@@ -27,19 +27,82 @@ SCOPE_TRAINED = ("The model is a 1.9M-parameter DeepSeek-V4 trained only on thes
                  "resident set applies from the second decode step on.")
 
 
+INTERVAL_NOTE = ("Intervals: [lo, hi] is a 95% interval over documents (Wilson score interval for task accuracy, "
+                 "counting a document's score as its share of a success; percentile bootstrap over documents, 2000 "
+                 "seeded resamples, for the other rates); n = documents (a cell over fewer says n=k).")
+
+
 def _fmt(v, fmt: str, key: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return fmt.format(v / 1024 if key == "recall_bytes" else v)
 
 
+def _nan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def interval_cell(v, ci: dict | None, fmt: str, n_row: int | None = None) -> str:
+    """`v [lo, hi]` (and ` n=k` when the interval covers k != n_row documents); just `v` without an interval."""
+    if _nan(v):
+        return "-"
+    out = fmt.format(v)
+    if ci and ci.get("n") and not _nan(ci.get("lo")):
+        out += f" [{fmt.format(ci['lo'])}, {fmt.format(ci['hi'])}]"
+        if n_row is not None and ci["n"] != n_row:
+            out += f" n={ci['n']}"
+    return out
+
+
+def row_n(m: dict) -> int | None:
+    """Documents behind a mean row: the largest n among its intervals (None without any)."""
+    ns = [v["n"] for k, v in m.items() if k.endswith("_ci") and isinstance(v, dict) and "n" in v]
+    return max(ns) if ns else None
+
+
+def budget_cell(m: dict) -> str:
+    """The equal-budget column: "-" for a method without a search, "matched", or the mismatch with both means."""
+    u = m.get("budget_unmatched")
+    if not u:
+        return "-"
+    if not u["docs"]:
+        return "matched"
+    return (f"**NOT matched** on {u['docs']}/{u['of']} docs: mean pages {u['mean_pages']:.2f} vs "
+            f"FlashMemory {u['target_pages']:.2f}")
+
+
+def _cell(m: dict, key: str, fmt: str, n_row: int | None) -> str:
+    if f"{key}_ci" in m:
+        return interval_cell(m.get(key), m[f"{key}_ci"], fmt, n_row)
+    return _fmt(m.get(key), fmt, key)
+
+
 def method_table(methods: dict[str, dict]) -> str:
-    """A GitHub-style markdown table, one row per method."""
-    head = "| method | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
-    sep = "|---|" + "|".join("---:" for _ in COLUMNS) + "|"
-    rows = [f"| {name} | " + " | ".join(_fmt(m.get(k), f, k) for k, _, f in COLUMNS) + " |"
-            for name, m in methods.items()]
+    """A GitHub-style markdown table, one row per method: each rate with its 95% interval, n documents, and (when a
+    method ran an equal-budget search) whether the budget matched, with both mean page counts where it did not."""
+    budget = any("budget_unmatched" in m for m in methods.values())
+    head = "| method | n | " + " | ".join(h for _, h, _ in COLUMNS) + (" | equal budget |" if budget else " |")
+    sep = "|---|---:|" + "|".join("---:" for _ in COLUMNS) + ("|---|" if budget else "|")
+    rows = []
+    for name, m in methods.items():
+        n = row_n(m)
+        rows.append(f"| {name} | {'-' if n is None else n} | " +
+                    " | ".join(_cell(m, k, f, n) for k, _, f in COLUMNS) +
+                    (f" | {budget_cell(m)} |" if budget else " |"))
     return "\n".join([head, sep, *rows])
+
+
+def unmatched_notes(methods: dict[str, dict], where: str = "") -> list[str]:
+    """One line per method whose equal-budget search did not match on some document, with both means."""
+    out = []
+    for name, m in methods.items():
+        u = m.get("budget_unmatched")
+        if u and u["docs"]:
+            out.append(f"- **Budget not matched{where}**: {name}'s equal-budget search found no base budget whose mean "
+                       f"resident pages stay within FlashMemory's on {u['docs']} of {u['of']} documents; on those its "
+                       f"mean resident pages are {u['mean_pages']:.2f} against FlashMemory's {u['target_pages']:.2f}, "
+                       "so its row there is not at an equal budget.")
+    return out
 
 
 def scope(results: dict) -> str:
@@ -48,24 +111,40 @@ def scope(results: dict) -> str:
 
 
 def task_tables(tb: dict) -> list[str]:
-    """Markdown: each method's task accuracy (and top-k mass) at each task budget, then per task."""
+    """Markdown: each method's task accuracy (and top-k mass) at each task budget with 95% intervals and n, then
+    per task. A method whose equal-budget search did not match at a budget is marked (†) with both means."""
     if not tb:
         return []
     budgets = list(tb)
-    methods = [m for m in next(iter(tb.values())) if not m.startswith("task:")]
-    head = "| method | " + " | ".join(f"task acc @ {float(b):.0%}" for b in budgets) + " | " + \
+    methods = [m for m in next(iter(tb.values())) if not m.startswith(("task:", "task_ci:"))]
+    head = "| method | n | " + " | ".join(f"task acc @ {float(b):.0%}" for b in budgets) + " | " + \
         " | ".join(f"top-k mass @ {float(b):.0%}" for b in budgets) + " |"
-    lines = [head, "|---|" + "---:|" * (2 * len(budgets))]
+    lines = [head, "|---|---:|" + "---:|" * (2 * len(budgets))]
+    notes = []
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(_fmt(tb[b][m].get("task_score"), "{:.3f}", "") for b in budgets) +
-                     " | " + " | ".join(_fmt(tb[b][m].get("mass"), "{:.3f}", "") for b in budgets) + " |")
+        n = row_n(tb[budgets[0]][m])
+        mark = {b: " †" if (tb[b][m].get("budget_unmatched") or {}).get("docs") else "" for b in budgets}
+        lines.append(f"| {m} | {'-' if n is None else n} | " +
+                     " | ".join(_cell(tb[b][m], "task_score", "{:.3f}", n) + mark[b] for b in budgets) + " | " +
+                     " | ".join(_cell(tb[b][m], "mass", "{:.3f}", n) + mark[b] for b in budgets) + " |")
+        for b in budgets:
+            if mark[b]:
+                notes += [x.replace("- **Budget", "- † **Budget", 1)
+                          for x in unmatched_notes({m: tb[b][m]}, f" at {float(b):.0%}")]
+    if notes:
+        lines += ["", *notes]
     tasks = [k[5:] for k in tb[budgets[0]] if k.startswith("task:")]
     if tasks:
-        lines += ["", "Per task (task accuracy " + " / ".join(f"@ {float(b):.0%}" for b in budgets) + "):", "",
-                  "| task | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+        lines += ["", "Per task (task accuracy " + " / ".join(f"@ {float(b):.0%}" for b in budgets) +
+                  ", each with its 95% Wilson interval):", "",
+                  "| task | n | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
         for t in tasks:
-            lines.append(f"| {t} | " + " | ".join(" / ".join(_fmt(tb[b][f"task:{t}"].get(m), "{:.2f}", "")
-                                                              for b in budgets) for m in methods) + " |")
+            cis = [tb[b].get(f"task_ci:{t}", {}) for b in budgets]
+            ns = [c.get("n") for ci in cis for c in ci.values() if c]
+            n = max(ns) if ns else None
+            lines.append(f"| {t} | {'-' if n is None else n} | " + " | ".join(
+                " / ".join(interval_cell(tb[b][f"task:{t}"].get(m), ci.get(m), "{:.2f}", n)
+                           for b, ci in zip(budgets, cis)) for m in methods) + " |")
     return lines
 
 
@@ -88,13 +167,19 @@ def monitor_section(results: dict) -> list[str]:
     per_task = results.get("monitor_tasks") or {}
     if not per_task:
         return []
-    head = "| task | method | " + " | ".join(h for _, h, _ in MONITOR_COLS) + " |"
+    head = "| task | method | n | " + " | ".join(h for _, h, _ in MONITOR_COLS) + " | equal budget |"
     lines = ["## Miss monitor: FlashMemory vs FlashMemory+monitor", "", head,
-             "|---|---|" + "|".join("---:" for _ in MONITOR_COLS) + "|"]
+             "|---|---|---:|" + "|".join("---:" for _ in MONITOR_COLS) + "|---|"]
+    notes = []
     for task, methods in per_task.items():
         for name in ("FlashMemory", "FlashMemory+monitor"):
             m = methods.get(name, {})
-            lines.append(f"| {task} | {name} | " + " | ".join(_fmt(m.get(k), f, k) for k, _, f in MONITOR_COLS) + " |")
+            n = row_n(m)
+            lines.append(f"| {task} | {name} | {'-' if n is None else n} | " +
+                         " | ".join(_cell(m, k, f, n) for k, _, f in MONITOR_COLS) + f" | {budget_cell(m)} |")
+        notes += unmatched_notes({n: m for n, m in methods.items() if n == "FlashMemory+monitor"}, f" ({task})")
+    if notes:
+        lines += ["", *notes]
     mon = results["methods"].get("FlashMemory+monitor", {})
     q = quantiles(mon.get("miss_values", []))
     lines += ["", f"Miss mass measured by the monitor on the test documents (FlashMemory+monitor, one rotated target "
@@ -132,6 +217,10 @@ def report_markdown(results: dict) -> str:
         results.get("model_note", ""),
         "",
         method_table(results["methods"]),
+        "",
+        *unmatched_notes(results["methods"]),
+        "",
+        INTERVAL_NOTE,
         "",
         *live_section(results),
         "## Task accuracy by page budget",
@@ -205,6 +294,8 @@ def write_outputs(results: dict, out: Path, plot: bool = True, log=print) -> Non
         plot_coverage(results, out / "coverage.png")
     log("")
     log(method_table(results["methods"]))
+    for line in unmatched_notes(results["methods"]):
+        log(line)
     log("")
     for line in live_section(results):
         log(line)

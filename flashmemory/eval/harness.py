@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmemory.eval.decode import DocRun, mass_covered, method_quality, resident_stats
+from flashmemory.eval.intervals import interval
 from flashmemory.eval.methods import METHODS, DocView, make_method
 from flashmemory.eval.monitored import (METHOD as MONITORED, MonitorEvalConfig, cap_pages, equal_budget_replay,
                                         mean_resident_pages, monitor_factory)
@@ -98,8 +99,20 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
     return out
 
 
+# The per-document rates printed with a 95% interval over documents (`flashmemory.eval.intervals`): Wilson for
+# the task accuracy, the bootstrap for the rest. Each mean row gains "<key>_ci": {"n", "lo", "hi", "method"}.
+RATE_INTERVALS = {"task_score": "wilson", "mass": "bootstrap", "golden_recall": "bootstrap",
+                  "agreement": "bootstrap", "resident_frac": "bootstrap", "bytes_vs_full": "bootstrap",
+                  "level1_share": "bootstrap", "miss_mass_mean": "bootstrap"}
+
+
 def mean_rows(per_doc: list[dict[str, dict]]) -> dict[str, dict]:
-    """Average each method's metrics over documents (NaNs skipped; lists, e.g. miss-mass samples, concatenated)."""
+    """Average each method's metrics over documents (NaNs skipped; lists, e.g. miss-mass samples, concatenated).
+
+    Additive fields: "<key>_ci" (a 95% interval with its n, for each key of RATE_INTERVALS present) and, for a
+    method with an equal-budget search ("budget_matched" per document), "budget_unmatched": {"docs": documents
+    whose search did not match, "of": documents searched, "mean_pages" / "target_pages": the method's and
+    FlashMemory's mean resident pages averaged over the unmatched documents (nan when none)}."""
     out: dict[str, dict] = {}
     for name in per_doc[0]:
         out[name] = {}
@@ -109,4 +122,29 @@ def mean_rows(per_doc: list[dict[str, dict]]) -> dict[str, dict]:
                 continue
             vals = [d[name][k] for d in per_doc if not (isinstance(d[name][k], float) and math.isnan(d[name][k]))]
             out[name][k] = sum(vals) / len(vals) if vals else float("nan")
+        for k, how in RATE_INTERVALS.items():
+            if k in per_doc[0][name]:
+                out[name][f"{k}_ci"] = interval([d[name][k] for d in per_doc], how)
+        if "budget_matched" in per_doc[0][name]:
+            miss = [d[name] for d in per_doc if not d[name]["budget_matched"]]
+            nan = float("nan")
+            out[name]["budget_unmatched"] = {
+                "docs": len(miss), "of": len(per_doc),
+                "mean_pages": sum(m["mean_pages"] for m in miss) / len(miss) if miss else nan,
+                "target_pages": sum(m["target_pages"] for m in miss) / len(miss) if miss else nan}
+    return out
+
+
+def budget_cells(rows: list[dict[str, dict]], tasks: list[str]) -> dict[str, dict]:
+    """One budget's entry of the demo's `task_by_budget`: per method the mean task score, top-k mass, resident
+    fraction and KMAX with their intervals (and "budget_unmatched"); per task "task:<task>" -> {method: mean task
+    score} and "task_ci:<task>" -> {method: its interval}. rows: one {method: metrics} per document; tasks: each
+    document's task, in the same order."""
+    extra = ("task_score_ci", "mass_ci", "resident_frac_ci", "budget_unmatched")
+    out: dict[str, dict] = {name: {k: m.get(k) for k in ("task_score", "mass", "resident_frac", "kmax")} |
+                            {k: m[k] for k in extra if k in m} for name, m in mean_rows(rows).items()}
+    for task in dict.fromkeys(tasks):
+        sel = mean_rows([d for t, d in zip(tasks, rows) if t == task])
+        out[f"task:{task}"] = {name: m.get("task_score") for name, m in sel.items()}
+        out[f"task_ci:{task}"] = {name: m.get("task_score_ci") for name, m in sel.items()}
     return out
