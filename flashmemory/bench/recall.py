@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
-from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall
+from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall, recall_now
 from flashmemory.retriever.fp8 import quantize_chunks
 
 
@@ -111,7 +111,7 @@ def _level2_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str
         ix = quantize_chunks(torch.randn(n, d, generator=g)).unsqueeze(0).expand(2, -1, -1).contiguous()
         gen = eng.admit(row, torch.zeros(2, n, 8, dtype=torch.uint8), ix)
         pages = torch.randperm(n_pages, generator=g)[:kres].tolist()
-        eng.recall([RecallRequest(row, gen, tuple(pages), tuple(1.0 for _ in pages))])
+        recall_now(eng, [RecallRequest(row, gen, tuple(pages), tuple(1.0 for _ in pages))])
     bar.update(1)
     l2 = Level2(eng, max_batch=b, topk=args.topk)
     rows_t = torch.arange(b, device=dev)

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fm_bench_serve_"))
     ckpt = args.ckpt
     if ckpt == "auto":
-        from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
+        from flashmemory.serve.tiny_retriever import train_tiny_retriever
         print(f"bench serve: training a retriever for {model} (about a minute) ...", flush=True)
         ckpt = str(train_tiny_retriever(model, logs / "retriever"))
     print(f"bench serve: {args.requests} concurrent requests, contexts {lens}, {tokens} tokens each; "

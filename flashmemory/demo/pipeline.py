@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from flashmemory.demo.config import SERVE_STAGE, WORK_MARKER, DemoConfig
-from flashmemory.demo.dumps import dump_runs
+from flashmemory.serve.tiny_retriever import dump_runs
 from flashmemory.errors import UserError
 from flashmemory.eval.decode import full_run
 from flashmemory.eval.harness import HarnessConfig, budget_cells, evaluate_doc, mean_rows

@@ -8,7 +8,7 @@ end: resident fraction, pages and bytes recalled, Level-1 cycles.
 sglang serves only the serving-tiny geometry (head_dim 512, rope 64, index 128, pages of 256 tokens:
 `checkpoints/tiny-dsv4-sglang`, random weights, 2 c4 layers), not the trained replay model of stages 1-6, so the
 served model is that one and the retriever must fit it: when the demo ran on another model, a retriever is trained
-here for the served model from a dump of it on the demo's own training text (`flashmemory.sglang.cpu.tiny_retriever`);
+here for the served model from a dump of it on the demo's own training text (`flashmemory.serve.tiny_retriever`);
 when the demo itself ran on the served model (`--model checkpoints/tiny-dsv4-sglang`), the demo's checkpoint serves.
 """
 
@@ -74,7 +74,7 @@ def choose_retriever(demo_model: str, demo_ckpt: Path, demo_layers: tuple[int, .
         return ServedRetriever(demo_ckpt, tuple(demo_layers),
                                f"the retriever the demo trained in stage 4 ({demo_ckpt.name}, c4 layers "
                                f"{tuple(demo_layers)}): the demo ran on the served model")
-    from flashmemory.sglang.cpu.tiny_retriever import TARGETS, TinyRetrieverConfig, train_tiny_retriever
+    from flashmemory.serve.tiny_retriever import TARGETS, TinyRetrieverConfig, train_tiny_retriever
     tcfg = TinyRetrieverConfig(progress=False)
     on_texts = len(texts) >= tcfg.n_train + tcfg.n_val
     if train is None:

@@ -33,9 +33,9 @@ from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.layout import OffloadLayout, PageFormat
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
 from flashmemory.offload.recall import (RecallPlan, RecallRequest, cancel_recall, execute_recall, gather_copy,
-                                        plan_recall, publish_recall)
+                                        plan_recall, publish_recall, recall_now)
 from flashmemory.offload.reserve import DeviceReserve, TargetIndexPool
 
 __all__ = ["check_invariants", "EngineConfig", "OffloadEngine", "OffloadLayout", "PageFormat", "HostMirror", "OffloadCapacityError",
            "RecallPlan", "RecallRequest", "cancel_recall", "execute_recall", "gather_copy", "plan_recall",
-           "publish_recall", "DeviceReserve", "TargetIndexPool"]
+           "publish_recall", "recall_now", "DeviceReserve", "TargetIndexPool"]

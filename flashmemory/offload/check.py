@@ -76,7 +76,7 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
                 if not torch.equal(ix_r, ix_m):
                     bad.append("resident chunks: Path-I index bytes in the reserve differ from the mirror")
         owned = [b for b, o in enumerate(eng.owner) if o is not None]
-        free = list(eng.blocks._free)
+        free = eng.blocks.free_blocks()
         if len(set(free)) != len(free) or set(free) & set(owned) or len(free) + len(owned) != res.recall_blocks:
             bad.append(f"recall blocks leak or double-book: {len(free)} free + {len(owned)} owned != {res.recall_blocks}")
         for b in owned:

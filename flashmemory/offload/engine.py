@@ -1,7 +1,8 @@
 """`OffloadEngine`: request lifecycle (admit, decode, finish) over the mirror, the reserve and the lookup table.
 
-All host bookkeeping happens under `engine.lock`; Level-1 recall (`flashmemory.offload.recall`) takes the
-same lock only to plan and to publish, and copies bytes without it.
+All host bookkeeping happens under `engine.lock`; Level-1 recall (`flashmemory.offload.recall`, which imports
+this module's public surface only; this module never imports it) takes the same lock only to plan and to
+publish, and copies bytes without it.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class OffloadEngine:
         self.side_stream = torch.cuda.Stream(self.device) if cuda else None
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _main(self):
+    def on_main_stream(self):
+        """Context: work issued inside runs on the stream decode reads the tables from (no-op without CUDA)."""
         return torch.cuda.stream(self.main_stream) if self.main_stream is not None else nullcontext()
 
     def _live(self, row: int) -> _Row:
@@ -126,9 +128,9 @@ class OffloadEngine:
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
 
     def _rebuild_res(self, row: int) -> None:
-        self._rebuild_res_rows([row])
+        self.rebuild_resident_tables([row])
 
-    def _rebuild_res_rows(self, rows: Iterable[int]) -> None:
+    def rebuild_resident_tables(self, rows: Iterable[int]) -> None:
         """Rewrite the compact resident tables of `rows` (recalled + decode-region pages, ascending page) in one
         indexed copy per table: res_pages/res_blocks/res_mpages [max_rows, res_cap], res_count [max_rows]."""
         rows = sorted(set(rows))
@@ -146,7 +148,7 @@ class OffloadEngine:
             table.append([[p for p, _ in items] + pad, [b for _, b in items] + pad,
                           [st.mpages[p] for p, _ in items] + pad])
             counts.append(len(items))
-        with self._main():  # the uploads too: everything on the stream decode reads the tables from
+        with self.on_main_stream():  # the uploads too: everything on the stream decode reads the tables from
             buf = torch.tensor(table, dtype=torch.int32).to(self.device)  # [n, 3, res_cap]
             idx = torch.tensor(rows, dtype=torch.int64).to(self.device)
             self.res_pages.index_copy_(0, idx, buf[:, 0])
@@ -193,7 +195,7 @@ class OffloadEngine:
                 self.mirror.write_index(m, index)
             if index is not None:
                 self.target.write(m, index)
-            with self._main():
+            with self.on_main_stream():
                 for mp in mpages:  # freed pages are already clear; this keeps a reused page clean by construction
                     self.lut.clear_page(mp)
                 self.lut.row_pages[row].fill_(-1)
@@ -231,7 +233,7 @@ class OffloadEngine:
                     raise OffloadCapacityError(f"row {r}: history reached max_chunks={self.cfg.max_chunks}")
                 if st.n_chunks // pc == len(st.mpages):
                     st.mpages += self.mirror.alloc(1)
-                    with self._main():
+                    with self.on_main_stream():
                         self.lut.row_pages[r, len(st.mpages) - 1] = st.mpages[-1]
             idx = [i for i in range(b) if ok[i]]
             m = torch.tensor([sts[rows_l[i]].mpages[sts[rows_l[i]].n_chunks // pc] * pc
@@ -243,7 +245,7 @@ class OffloadEngine:
             if idx and index is not None:
                 self.target.write(m, index[:, idx])
             cells = torch.full((b,), self.reserve.sink_cell, dtype=torch.int64)
-            with self._main():
+            with self.on_main_stream():
                 for i in idx:
                     r = rows_l[i]
                     st = sts[r]
@@ -270,7 +272,7 @@ class OffloadEngine:
                 raise OffloadCapacityError(f"row {row}: {len(st.mpages) + len(mpages)} pages exceed max_chunks="
                                            f"{self.cfg.max_chunks}")
             got = self.mirror.claim(list(mpages))
-            with self._main():
+            with self.on_main_stream():
                 self.lut.row_pages[row, len(st.mpages):len(st.mpages) + len(got)] = torch.tensor(got, dtype=torch.int32)
             st.mpages += got
 
@@ -281,7 +283,7 @@ class OffloadEngine:
             st = self._live(row)
             page = (st.n_chunks - 1) // self.layout.page_chunks
             if page not in st.recall and page not in st.ring:
-                with self._main():
+                with self.on_main_stream():
                     self._ring_block(row, st, page, upto=st.n_chunks)
 
     def _ring_block(self, row: int, st: _Row, page: int, upto: int | None = None) -> int:
@@ -330,7 +332,7 @@ class OffloadEngine:
         A recall still in flight for it is discarded when it publishes (its blocks are freed then)."""
         with self.lock:
             st = self._live(row)
-            with self._main():
+            with self.on_main_stream():
                 for blk in st.recall.values():
                     self.lru.remove(blk)
                     self.owner[blk] = None
@@ -385,12 +387,3 @@ class OffloadEngine:
             snap["total"].update(free_blocks=len(self.blocks), inflight_blocks=len(self.inflight),
                                  free_mirror_pages=self.mirror.free_pages)
             return snap
-
-    # ---- Level-1 recall (see flashmemory.offload.recall) -----------------------------------------
-    def recall(self, requests: Sequence["RecallRequest"]) -> "RecallPlan":  # noqa: F821
-        """Plan, copy and publish in one call (synchronous)."""
-        from flashmemory.offload.recall import execute_recall, plan_recall, publish_recall
-        plan = plan_recall(self, requests)
-        execute_recall(self, plan)
-        publish_recall(self, plan)
-        return plan

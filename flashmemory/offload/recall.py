@@ -109,7 +109,7 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest], count_c
     # (decode may still grow the history), which keeps the order: (priority desc, page desc), duplicates merged.
     ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
              for rq in requests]
-    with eng.lock, eng._main():
+    with eng.lock, eng.on_main_stream():
         try:
             for rq, ranked in zip(requests, ranks):
                 st = eng.rows[rq.row] if 0 <= rq.row < len(eng.rows) else None
@@ -169,7 +169,7 @@ def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest], count_c
                 plan.entries.append((row, gen, page, st.mpages[page], blk))
         finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
             eng.lut.clear_pages(cleared)
-        eng._rebuild_res_rows(touched)
+        eng.rebuild_resident_tables(touched)
     return plan
 
 
@@ -212,7 +212,7 @@ def publish_recall(eng: "OffloadEngine", plan: RecallPlan, also_count: str | Non
     counts: list[int] = []
     cells: list[int] = []
     done = 0
-    with eng.lock, eng._main():
+    with eng.lock, eng.on_main_stream():
         for row, gen, page, mp, blk in plan.entries:
             eng.inflight.discard(blk)
             st = eng.rows[row]
@@ -238,7 +238,7 @@ def publish_recall(eng: "OffloadEngine", plan: RecallPlan, also_count: str | Non
             eng.stats.add(eng.rows[row].rid, "recall_bytes", n * per_page)
             if also_count:
                 eng.stats.add(eng.rows[row].rid, also_count, n)
-        eng._rebuild_res_rows(published)
+        eng.rebuild_resident_tables(published)
         eng.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
     plan.staging.clear()
     return done
@@ -254,3 +254,11 @@ def cancel_recall(eng: "OffloadEngine", plan: RecallPlan) -> None:
         eng.stats.finished["cancelled_pages"] += len(plan.entries)
     plan.entries.clear()
     plan.staging.clear()
+
+
+def recall_now(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> RecallPlan:
+    """Plan, copy and publish in one call (synchronous; tests, benches and warm starts)."""
+    plan = plan_recall(eng, requests)
+    execute_recall(eng, plan)
+    publish_recall(eng, plan)
+    return plan

@@ -84,6 +84,10 @@ class BlockAllocator:
             raise IndexError(f"block {block} is not a recall block (0..{self.n - 1})")
         self._free.append(block)
 
+    def free_blocks(self) -> list[int]:
+        """A copy of the free list (invariant checks)."""
+        return list(self._free)
+
 
 class TargetIndexPool:
     """Full index-K of the target layers on the device, by mirror page: `pages[t]` is uint8 [n_pages,

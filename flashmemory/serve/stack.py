@@ -46,7 +46,7 @@ def ensure_retriever(model: Path) -> Path:
     first start never leaves (or reads) half a checkpoint. Returns the checkpoint file."""
     import fcntl
 
-    from flashmemory.demo.tiny_retriever import train_tiny_retriever
+    from flashmemory.serve.tiny_retriever import train_tiny_retriever
     from flashmemory.train.loop import BEST_F1
 
     final = retriever_dir(model)

@@ -16,7 +16,6 @@ land per layer via `on_c4_store` and are settled from the pool for all layers at
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -24,7 +23,6 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout
-from flashmemory.offload.mirror import check_host_memory
 from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer, warm_start
 from flashmemory.residency.level2 import Level2
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
@@ -32,7 +30,6 @@ from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
 from flashmemory.sglang.geometry import (RATIO, PoolGeometry, PoolGeometryError, c4_counts, page_locs,  # noqa: F401
                                          pool_buffers, read_chunk_rows, read_geometry)
 
-logger = logging.getLogger(__name__)
 
 
 class _AllPass:
@@ -43,7 +40,8 @@ class _AllPass:
 
 
 class SGLangOffload:
-    """What `flashmemory.sglang.runtime` drives (see `runtime.OffloadEngine`). Build it with `build(pool, env)`."""
+    """What `flashmemory.sglang.runtime` drives (see `runtime.OffloadEngine`). Build it with
+    `adapter_factory.build(pool, env)` (copy mode here, shrink mode in `shrink.ShrunkOffload`)."""
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         self.pool, self.env = pool, env
@@ -341,40 +339,3 @@ class SGLangOffload:
 
     def close(self) -> None:
         self.l1.close()
-
-
-def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
-          retriever: Any = None) -> SGLangOffload:
-    """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
-    SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`).
-
-    shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
-    on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
-    from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
-    if retriever is None and env.retriever_ckpt:
-        from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
-        retriever = load_serving_retriever(env, served_model_path(server_args, []))
-    if shrink is None:
-        blockers = shrink_blockers(server_args) if env.pd_c4_shrink else []
-        shrink = env.pd_c4_shrink and not blockers
-        if blockers:
-            logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device memory "
-                           "saved): SGLANG_PD_B_C4_SHRINK needs %s", "; ".join(f"not {b}" for b in blockers))
-    if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
-        logger.warning("FlashMemory Path-P with a decode radix cache: requests sharing prefix pages each keep their "
-                       "own mirror copy, and a page's residency follows the request that mapped it last")
-    geo = read_geometry(pool)
-    n_off = geo.n_c4_layers - len(env.retriever_layers) if env.index_k_offload else 0
-    tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
-    check_host_memory(geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes),
-                      processes=max(1, tp // nodes))
-    from flashmemory.sglang.geometry import check_reserve_memory, device_free_bytes, pool_buffers, reserve_bytes
-    check_reserve_memory(reserve_bytes(env, geo, n_off), device_free_bytes(pool_buffers(pool)[0][0].device))
-    if shrink:
-        eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
-    else:
-        eng = SGLangOffload(pool, env, retriever)
-    logger.info("FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
-                "retriever %s", eng.mode, eng.geo.n_c4_layers, eng.geo.n_pages, eng.cfg.recall_blocks,
-                eng.cfg.max_resident_pages, env.retriever_ckpt or "off (newest pages)")
-    return eng

@@ -29,7 +29,7 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     layer that does not come after that one starts a new forward (also each CUDA-graph warmup and capture
     run, so the capture records the view's computation instead of baking in a warmup-time tensor).
     """
-    cache = RUNTIME._rs_cache
+    cache = RUNTIME.view_cache
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     bs = md.page_table.shape[0]
@@ -40,19 +40,19 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
-    RUNTIME._rs_cache = (md, layer, view)
+    RUNTIME.view_cache = (md, layer, view)
     return view
 
 
 def _resident_block_metadata(md: Any, layer: int) -> Any:
     """Score-resident view for a layer whose index-K lives in the Path-I reserve: the same columns as
     `_resident_metadata`, with the page table mapped to reserve blocks (so top-k come out as reserve cells)."""
-    cache = RUNTIME._rs_block_cache
+    cache = RUNTIME.block_view_cache
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     view = _resident_metadata(md, layer)
     blocks = dataclasses.replace(view, page_table=RUNTIME.engine.block_table(view.page_table))
-    RUNTIME._rs_block_cache = (md, layer, blocks)
+    RUNTIME.block_view_cache = (md, layer, blocks)
     return blocks
 
 

@@ -81,9 +81,9 @@ def register() -> None:
         return
     if "path_p" in features:
         try:
-            from flashmemory.sglang import engine_adapter  # noqa: F401  (built when the pool exists)
+            from flashmemory.sglang import adapter_factory  # noqa: F401  (built when the pool exists)
         except ImportError as e:
-            raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.engine_adapter ({e})") from None
+            raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.adapter_factory ({e})") from None
         if env.retriever_ckpt:
             retriever = check_retriever(env)
     specs = specs_for(features)

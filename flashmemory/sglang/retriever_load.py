@@ -1,6 +1,6 @@
 """The serving path's retriever: loaded and checked completely at plugin registration, before the model loads.
 
-One function loads it for both the check and the engine (`engine_adapter.build`), so what is checked is
+One function loads it for both the check and the engine (`adapter_factory.build`), so what is checked is
 what serves: the layers of SGLANG_RETRIEVER_INLINE_LAYERS, every weight's shape and finiteness, the
 hidden size against the served model's config.json when the model path is a local directory, and the
 RoPE clamp of SGLANG_RETRIEVER_MAX_POSITION (a checkpoint's stored table length is ignored: training

@@ -57,10 +57,10 @@ def server_args() -> Any:
 
 
 def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> OffloadEngine:
-    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.engine_adapter.build`), with the
+    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.adapter_factory.build`), with the
     retriever the plugin checked at registration."""
-    from flashmemory.sglang import engine_adapter
-    return engine_adapter.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
+    from flashmemory.sglang import adapter_factory
+    return adapter_factory.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
 
 
 def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -128,8 +128,8 @@ class Runtime:
         self.indexers: dict[int, Any] = {}                # target c4 layer -> sglang's C4Indexer (miss monitor)
         self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
-        self._rs_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
-        self._rs_block_cache: tuple[Any, int, Any] | None = None  # the same, for the Path-I reserve-block view
+        self.view_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
+        self.block_view_cache: tuple[Any, int, Any] | None = None  # the same, for the Path-I reserve-block view
         self.keep_alive: list[torch.Tensor] = []          # translated store locs of the running forward
         self.in_compressed_pools = False                  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
         self._shrink: bool | None = None                  # shrink decision, made once per process

@@ -99,8 +99,9 @@ def test_a_server_that_does_not_start_is_reported_not_raised(monkeypatch, tmp_pa
 
 
 def test_dump_runs_lives_outside_the_pipeline():
-    """tiny_retriever (sglang.cpu) and the demo pipeline both use dump_runs; its module imports neither."""
-    code = ("import sys, flashmemory.demo.dumps, flashmemory.sglang.cpu.tiny_retriever; "
+    """The demo pipeline and the serving-tiny model's retriever both use dump_runs; its module
+    (`serve.tiny_retriever`) does not pull in the pipeline."""
+    code = ("import sys, flashmemory.serve.tiny_retriever; "
             "assert 'flashmemory.demo.pipeline' not in sys.modules, 'dumps pulled in the pipeline'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[2])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from flashmemory.offload import (EngineConfig, OffloadCapacityError, OffloadEngine, OffloadLayout, RecallRequest,
-                                 check_invariants, execute_recall, plan_recall, publish_recall)
+                                 check_invariants, execute_recall, plan_recall, publish_recall, recall_now)
 from flashmemory.residency.level2 import Level2
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
@@ -82,7 +82,7 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def cycle(self, data) -> None:
-        self.eng.recall(self._requests(data))
+        recall_now(self.eng, self._requests(data))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), reuse=st.booleans())
@@ -165,14 +165,14 @@ def test_exhaustion_degrades_and_counts():
     gens = [eng.admit(r, *rand_chunks(40, g)) for r in range(2)]  # 10 pages each
     # Row 0 selects 4 pages (tail page 9 protected), row 1 too: 8 wanted, 5 blocks.
     reqs = [RecallRequest(r, gens[r], (1, 3, 5, 9), (0.9, 0.1, 0.5, float("inf"))) for r in range(2)]
-    eng.recall(reqs)
+    recall_now(eng, reqs)
     assert not check_invariants(eng)
     m = eng.metrics()["total"]
     assert m["recall_pages"] == 5 and m["budget_hits"] == 3 and m["tail_drops"] == 0
     r1 = eng.rows[1].recall
     assert 9 in r1 and 3 not in r1, f"row 1 should keep its tail and drop its lowest-scoring page, got {sorted(r1)}"
     # A request over its cap: the lowest-priority pages are cut, counted.
-    eng.recall([RecallRequest(0, gens[0], (0, 1, 2, 3, 4, 9), (0.1, 0.2, 0.3, 0.4, 0.5, float("inf")))])
+    recall_now(eng, [RecallRequest(0, gens[0], (0, 1, 2, 3, 4, 9), (0.1, 0.2, 0.3, 0.4, 0.5, float("inf")))])
     assert eng.metrics()["requests"][eng.rows[0].rid]["budget_hits"] >= 2
     assert len(eng.rows[0].recall) <= cfg.max_resident_pages and not check_invariants(eng)
 

@@ -3,7 +3,7 @@ cells-only decode appends, and the newest page is never evicted from under a dec
 import pytest
 import torch
 
-from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants
+from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants, recall_now
 from flashmemory.offload.mirror import HostMirror
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
@@ -66,9 +66,9 @@ def test_newest_page_is_not_evicted_by_its_own_cycle():
                                              max_resident_pages=1), "cpu")
     g = torch.Generator().manual_seed(1)
     gen = eng.admit(0, *rand(10, g))                     # pages 0, 1, 2 (page 2 holds the newest chunk)
-    eng.recall([RecallRequest(0, gen, (2,), (1.0,))])
+    recall_now(eng, [RecallRequest(0, gen, (2,), (1.0,))])
     assert 2 in eng.rows[0].recall
-    eng.recall([RecallRequest(0, gen, (0,), (1.0,))])    # a selection without the newest page (no recency tail)
+    recall_now(eng, [RecallRequest(0, gen, (0,), (1.0,))])    # a selection without the newest page (no recency tail)
     assert 2 in eng.rows[0].recall and not check_invariants(eng)
 
 

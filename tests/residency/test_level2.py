@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest
+from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, recall_now
 from flashmemory.retriever.fp8 import FP8
 from flashmemory.residency.level2 import Level2, paged_index_logits
 
@@ -39,7 +39,7 @@ def native_logits(eng: OffloadEngine, layer: int, q, w, rows: list[int]) -> torc
 
 
 def check(eng, gens, sel: dict[int, tuple[int, ...]], k: int = 12):
-    eng.recall([RecallRequest(r, gens[r], p, tuple(1.0 for _ in p)) for r, p in sel.items()])
+    recall_now(eng, [RecallRequest(r, gens[r], p, tuple(1.0 for _ in p)) for r, p in sel.items()])
     l2 = Level2(eng, max_batch=4, topk=16)
     rows = list(sel)
     q = torch.zeros(len(rows), 2, 4)
@@ -75,7 +75,7 @@ def test_partial_residency_equals_masked_topk():
 
 def test_few_resident_chunks_marks_rest_invalid():
     eng, gens = make(n_rows=1)
-    eng.recall([RecallRequest(0, gens[0], (7,), (1.0,))])  # 4 valid chunks on the last page (60 = 7*8 + 4)
+    recall_now(eng, [RecallRequest(0, gens[0], (7,), (1.0,))])  # 4 valid chunks on the last page (60 = 7*8 + 4)
     l2 = Level2(eng, max_batch=2, topk=16)
     out = l2.mask_topk(torch.randn(2, 64), torch.tensor([0, -1]), 16)
     assert int((out.chunks[0] >= 0).sum()) == 4 and (out.chunks[1] == -1).all() and (out.cells[1] == -1).all()

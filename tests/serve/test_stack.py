@@ -17,7 +17,7 @@ def _fake_train(calls, fail=False):
 
 
 def test_built_once_beside_the_model_then_reused(tmp_path, monkeypatch):
-    import flashmemory.demo.tiny_retriever as tr
+    import flashmemory.serve.tiny_retriever as tr
     calls: list = []
     monkeypatch.setattr(tr, "train_tiny_retriever", _fake_train(calls))
     model = tmp_path / "tiny-dsv4-sglang"
@@ -28,7 +28,7 @@ def test_built_once_beside_the_model_then_reused(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_build_leaves_no_checkpoint_to_mistake_for_a_whole_one(tmp_path, monkeypatch):
-    import flashmemory.demo.tiny_retriever as tr
+    import flashmemory.serve.tiny_retriever as tr
     calls: list = []
     monkeypatch.setattr(tr, "train_tiny_retriever", _fake_train(calls, fail=True))
     with pytest.raises(RuntimeError, match="interrupted"):

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload import check_invariants
+from flashmemory.offload import OffloadLayout, check_invariants
 from flashmemory.retriever import save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.sglang import engine_adapter
-from flashmemory.sglang.engine_adapter import PoolGeometryError, build, read_chunk_rows
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, read_chunk_rows
 from flashmemory.sglang.level2 import apply_resident_mask, pool_locs, resident_view
 from flashmemory.sglang.metrics import METRICS, MONITOR_KEYS
 from flashmemory.sglang.runtime import Runtime, c4_page_table
@@ -50,7 +51,7 @@ def env(ckpt="", **kw):
 def write_chunk(pool, loc, seed):
     """What sglang's store kernels do: new bytes for pool loc `loc` in every c4 layer (KV and index-K)."""
     g = torch.Generator().manual_seed(seed)
-    lay = engine_adapter.OffloadLayout(n_layers=N_C4, target_layers=(1,))
+    lay = OffloadLayout(n_layers=N_C4, target_layers=(1,))
     for l in range(N_C4):
         lay.kv.write_chunks(pool.c4_kv_pool.kv_buffer[l], torch.tensor([loc // 64]), torch.tensor([loc % 64]),
                             torch.randint(0, 256, (1, 584), dtype=torch.uint8, generator=g))
@@ -80,7 +81,7 @@ def test_prefill_decode_level1_level2(ckpt):
         s = torch.tensor([seq + 1 + step])
         table = c4_page_table(r2t, torch.tensor([1]), s, PAGE)
         assert table[0].tolist() == pages
-        before, after = engine_adapter.c4_counts(s)
+        before, after = c4_counts(s)
         if after > before:                               # sglang closes a chunk this step: layer by layer
             loc = pages[int(before) // 64] * 64 + int(before) % 64
             write_chunk(pool, loc, seed=step)
@@ -150,7 +151,7 @@ def test_runtime_attach_pool_builds_adapter(ckpt, monkeypatch):
 
 def test_a_reserve_larger_than_the_device_is_refused_before_allocation(monkeypatch) -> None:
     from flashmemory.sglang import geometry
-    from flashmemory.sglang.engine_adapter import build
+    from flashmemory.sglang.adapter_factory import build
     from flashmemory.sglang.geometry import PoolGeometryError, read_geometry, reserve_bytes
     pool, e = fake_pool(), env(reserve_pages=1 << 24, decode_max_conc=1 << 16)
     geo = read_geometry(pool)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flashmemory.sglang import hooks
-from flashmemory.sglang.engine_adapter import build, c4_counts, read_chunk_rows
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.geometry import c4_counts, read_chunk_rows
 from flashmemory.sglang.runtime import RUNTIME, c4_page_table
 from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool, write_chunk
 
@@ -51,7 +52,7 @@ def live(monkeypatch):
     pool = fake_pool(4)
     eng = build(pool, env(""))
     for name, val in (("engine", eng), ("pool", pool), ("attn_layer", None), ("env", eng.env),
-                      ("bufs", None), ("_rs_cache", None), ("counters", {})):
+                      ("bufs", None), ("view_cache", None), ("counters", {})):
         monkeypatch.setattr(RUNTIME, name, val)
     yield pool, eng
     eng.close()

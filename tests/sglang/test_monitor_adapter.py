@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashmemory.offload import check_invariants
-from flashmemory.sglang.engine_adapter import build, c4_counts
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.geometry import c4_counts
 from flashmemory.sglang.metrics import METRICS, FlashMemoryMetrics
 from flashmemory.sglang.runtime import Runtime
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool

@@ -12,7 +12,8 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import check_invariants
 from flashmemory.sglang import hooks
-from flashmemory.sglang.engine_adapter import build, c4_counts
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.geometry import c4_counts
 from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.shrink import LandingOverflowError, ShrunkOffload, landing_chunks, shrink_blockers
 

@@ -7,7 +7,8 @@ import torch
 
 from flashmemory.offload import check_invariants
 from flashmemory.sglang import hooks
-from flashmemory.sglang.engine_adapter import build, c4_counts
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.geometry import c4_counts
 from flashmemory.sglang.runtime import RUNTIME
 from tests.sglang.test_shrink import PAGE, _rand, c4_layer_ids, env, make_pool, sa  # noqa: F401  (sa: fixture)
 
@@ -43,8 +44,8 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     monkeypatch.setattr(RUNTIME, "engine", eng)
     monkeypatch.setattr(RUNTIME, "pool", pool)
     monkeypatch.setattr(RUNTIME, "bufs", Level2Buffers.allocate(2, RUNTIME.level2_width(), "cpu"))
-    monkeypatch.setattr(RUNTIME, "_rs_cache", None)
-    monkeypatch.setattr(RUNTIME, "_rs_block_cache", None)
+    monkeypatch.setattr(RUNTIME, "view_cache", None)
+    monkeypatch.setattr(RUNTIME, "block_view_cache", None)
     lay, g, ids = eng.layout, torch.Generator().manual_seed(2), c4_layer_ids(pool)
     ix = pool.c4_indexer_kv_pool.index_k_with_scale_buffer
     res = eng.engine.reserve

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashmemory.sglang import hooks
-from flashmemory.sglang.engine_adapter import build
+from flashmemory.sglang.adapter_factory import build
 from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool

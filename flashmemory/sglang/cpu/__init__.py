@@ -1,7 +1,7 @@
 """CPU execution layer for sglang 0.5.23's DeepSeek-V4 path (gate: SGLANG_FLASHMEMORY_CPU=1, with --device cpu).
 
 Pure-torch CPU versions of the CUDA-only ops on the DSv4 prefill and decode path: each public function of the
-op modules (`norm_rope`, `indexer_q`, `compress_plan`, `compressor`, `stores`, `mhc`, `activation`, `pinning`)
+op modules (`norm_rope`, `indexer_q`, `compress_plan`, `compressor`, `stores`, `mhc`, `activation`)
 is a drop-in for the sglang function named in its docstring (same arguments, same output layout and bytes);
 `README.md` maps each to its sglang file:line and its test. Importing this package does not import sglang.
 

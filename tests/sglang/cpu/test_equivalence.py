@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flashmemory.sglang.cpu.equivalence import (MULTIPLE, compare, fp8_kv_simulation, judge, logprob_rows,
+from tests.sglang.equivalence import (MULTIPLE, compare, fp8_kv_simulation, judge, logprob_rows,
                                                 reference_logprobs, summary)
 
 V = 8

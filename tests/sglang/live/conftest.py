@@ -46,7 +46,7 @@ def live_logs(tmp_path_factory):
 def no_process_left():
     """After the whole session: every server this folder started is gone, children included."""
     yield
-    from flashmemory.sglang.cpu.server import marked_processes
+    from flashmemory.serve.cpu_server import marked_processes
     left = {s.log.name: marked_processes(s.id) for s in _STARTED}
     for s in _STARTED:
         s.stop()
@@ -55,7 +55,7 @@ def no_process_left():
 
 def make_server(model, logs, name: str, env: dict | None = None, extra_args: tuple = ()):
     """A CpuServer with this repo on PYTHONPATH, launched now; registered for the leftover check."""
-    from flashmemory.sglang.cpu.server import CpuServer
+    from flashmemory.serve.cpu_server import CpuServer
     srv = CpuServer(model, Path(logs) / f"{name}.log", env=env, extra_args=extra_args, pythonpath=REPO)
     _STARTED.append(srv)
     return srv.launch()
@@ -80,7 +80,7 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
     """A retriever trained here from a dump of the serving model (about half a minute), shared by the session.
     Trained into a *relative* output dir from another working directory, as `make demo` does: a data config
     written with cwd-relative paths once broke the demo's serving stage on a clean clone (issue 17)."""
-    from flashmemory.sglang.cpu.tiny_retriever import train_tiny_retriever
+    from flashmemory.serve.tiny_retriever import train_tiny_retriever
     base = tmp_path_factory.mktemp("retriever")
     cwd = os.getcwd()
     os.chdir(base)

@@ -2,7 +2,7 @@
 checkpoint: full-vocabulary next-token log-probs and greedy tokens over 8 steps of prompts of 300 and 500 tokens.
 
 The metric, the bound (2 x the reference's own fp8-KV / bf16 noise) and the greedy rule are in
-`flashmemory.sglang.cpu.equivalence` (module doc, `judge`); measured numbers in flashmemory/sglang/cpu/README.md.
+`tests.sglang.equivalence` (module doc, `judge`); measured numbers in flashmemory/sglang/cpu/README.md.
 
 Why its own server: the session's serving model (init_std 0.1) is chaotic under fp8 noise. Simulated fp8 KV
 alone moves its log-probs by up to 3.5 nats (against a top-1-to-median spread of ~5) and flips half the greedy
@@ -49,7 +49,7 @@ def reference(small_init_model):
 
 def _references(model, ids: list[int], tokens: list[int]):
     """fp32 reference, the same with fp8-KV simulation, and in bf16: three [steps, vocab] fp32 tensors."""
-    from flashmemory.sglang.cpu.equivalence import reference_logprobs
+    from tests.sglang.equivalence import reference_logprobs
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -66,7 +66,7 @@ def _fmt(xs) -> str:
 @pytest.fixture(scope="module")
 def runs(eq_server, reference):
     """Per prompt: (prompt ids, sglang tokens, sglang rows [steps, vocab], judge's Verdict)."""
-    from flashmemory.sglang.cpu.equivalence import judge, logprob_rows
+    from tests.sglang.equivalence import judge, logprob_rows
     model, vocab = reference
     out = {}
     for n, seed in PROMPTS:
@@ -97,7 +97,7 @@ def test_the_check_sees_one_token_in_the_compressed_kv(runs, reference):
     """Negative control: the reference of the 300-token prompt with token 10 changed (290 positions back, far
     outside the 128-token window, so only the c4/c128 KV carries it) must fail the same check. Measured:
     max |d logprob| 0.196 against a bound of 0.083."""
-    from flashmemory.sglang.cpu.equivalence import judge
+    from tests.sglang.equivalence import judge
     model, _ = reference
     ids, tokens, rows, _ = runs[PROMPTS[0]]
     other = list(ids)

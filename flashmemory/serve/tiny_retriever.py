@@ -1,6 +1,7 @@
 """Train a small retriever for the serving-tiny model, the project's way: Full-attention decode with the
-transformers engine, golden-label dump (`flashmemory.dump`), `flashmemory.train` on it. For the live tests
-and demos that need a checkpoint trained on *this* model; minutes on CPU, seeded.
+transformers engine, golden-label dump (`flashmemory.dump`, through `dump_runs`), `flashmemory.train` on it.
+For `make serve` (`stack.ensure_retriever`), the demo's serving stage, `bench serve` and the live tests, which
+need a checkpoint trained on *this* model; minutes on CPU, seeded. `dump_runs` is also the demo's stage 3.
 
 The serving-tiny model has 2 c4 layers, so the retriever targets c4 layers (0, 1).
 """
@@ -11,7 +12,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from flashmemory.eval.decode import DocRun
 
 TARGETS = (0, 1)
 
@@ -25,6 +29,23 @@ class TinyRetrieverConfig:
     epochs: int = 2
     seed: int = 0
     progress: bool = True      # the training progress bar (the demo logs one line instead)
+
+
+def dump_runs(runs: "list[DocRun]", out: Path, engine, targets: tuple[int, ...], start: int, *, topp: float,
+              min_layers: int, max_tokens: int) -> None:
+    """Commit `runs` (each with its capture `run.cap`) under `out` in the dump format, doc indices from `start`.
+
+    topp / min_layers: the golden-label nucleus per layer and the layer votes a golden chunk needs; max_tokens: the
+    decode steps each document was run for; engine: the `HFEngine` the runs came from (index top-k, c4 layers)."""
+    from flashmemory.dump.backend import DumpConfig
+    from flashmemory.dump.hf_backend import doc_from_capture
+    from flashmemory.dump.writer import DumpWriter
+    writer = DumpWriter(out)
+    dcfg = DumpConfig(topp=topp, min_layers=min_layers, target_layers=targets, max_tokens=max_tokens)
+    for i, run in enumerate(runs):
+        doc = doc_from_capture(run.cap, run.prompt_ids, run.response_ids, dcfg, doc_index=start + i, rid=run.name,
+                               index_topk=engine.index_topk, n_c4_layers=engine.n_c4_layers)
+        writer.commit(doc, source="demo", item_index=start + i)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -44,7 +65,6 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
         raise ValueError(f"train_tiny_retriever: {len(prompts)} prompts given, {n} needed (n_train + n_val)")
     import torch
 
-    from flashmemory.demo.dumps import dump_runs
     from flashmemory.eval.decode import full_run
     from flashmemory.hf import HFEngine
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer

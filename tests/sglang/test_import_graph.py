@@ -1,0 +1,206 @@
+"""The package's import graph, read from the source (ast; imports inside functions and `TYPE_CHECKING` blocks
+count too): no circles between modules, every import between folders goes down a floor, the sglang plugin
+imports none of the dev tools, and the serving path reaches into no other module's private attributes.
+
+Floors, lowest first (a folder may import only folders on lower floors, and modules inside itself):
+    0  errors
+    1  atomic, outdir, env, the package root
+    2  retriever, labels, tasks, costmodel
+    3  hf, offload
+    4  dump, residency
+    5  sglang (the serving plugin), train
+    6  eval, tiny
+    7  serve (the local stack, the CPU test server, the serving-tiny retriever's trainer)
+    8  demo
+    9  bench
+    10 cli
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "flashmemory"
+
+FLOORS: dict[str, int] = {
+    "errors": 0,
+    "flashmemory": 1, "atomic": 1, "outdir": 1, "env": 1,
+    "retriever": 2, "labels": 2, "tasks": 2, "costmodel": 2,
+    "hf": 3, "offload": 3,
+    "dump": 4, "residency": 4,
+    "sglang": 5, "train": 5,
+    "eval": 6, "tiny": 6,
+    "serve": 7,
+    "demo": 8,
+    "bench": 9,
+    "cli": 10,
+}
+DEV_TOOLS = ("demo", "eval", "train", "tiny", "bench", "serve", "cli")
+# Attribute names with a leading underscore that belong to sglang (installed or read by us on its objects).
+SGLANG_PRIVATE = {"_translate_loc_to_hisparse_device"}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under root (a package named root.name)."""
+    out = {}
+    for p in sorted(root.rglob("*.py")):
+        parts = (root.name,) + p.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the package modules it imports (`from pkg import name` counts as pkg.name when that is a
+    module, else as pkg). Every import statement in the file counts, wherever it sits."""
+    mods = modules(root)
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.split(".")[0] == root.name}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg
+                    for _ in range(node.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = f"{up}.{base}" if base else up
+                if base.split(".")[0] != root.name:
+                    continue
+                for a in node.names:
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else owner(base))
+        graph[mod] = {d for d in deps if d is not None and d != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def folder(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for a, deps in sorted(graph.items()):
+        for b in sorted(deps):
+            fa, fb = folder(a), folder(b)
+            if fa == fb:
+                continue
+            if fa not in FLOORS or fb not in FLOORS:
+                bad.append(f"{a} -> {b}: folder {fa if fa not in FLOORS else fb} has no floor (add it to FLOORS)")
+            elif FLOORS[fb] >= FLOORS[fa]:
+                bad.append(f"{a} (floor {FLOORS[fa]}) -> {b} (floor {FLOORS[fb]})")
+    return bad
+
+
+def private_reaches(files: list[Path]) -> list[str]:
+    """`x._name` where x is not self/cls (and the name is not sglang's): one module using another's internals."""
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in SGLANG_PRIVATE
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_no_import_circles() -> None:
+    found = circles(import_graph(PKG))
+    assert not found, f"import circles: {found}"
+
+
+def test_imports_go_down_the_floors() -> None:
+    bad = floor_violations(import_graph(PKG))
+    assert not bad, "imports from a floor to one at or above it:\n" + "\n".join(bad)
+
+
+def test_the_plugin_imports_no_dev_tool() -> None:
+    graph = import_graph(PKG)
+    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() if folder(a) == "sglang"
+                 for b in deps if folder(b) in DEV_TOOLS)
+    assert not bad, "the sglang plugin imports dev tools:\n" + "\n".join(bad)
+
+
+def test_the_serving_path_uses_no_other_modules_private_attributes() -> None:
+    files = [p for d in ("sglang", "offload", "residency") for p in sorted((PKG / d).rglob("*.py"))]
+    bad = private_reaches(files)
+    assert not bad, "private attributes reached from outside their object:\n" + "\n".join(bad)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / "flashmemory" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root / "flashmemory"
+
+
+def test_the_reader_sees_function_level_and_relative_circles(tmp_path: Path) -> None:
+    """The checks can fail: a circle closed only inside a function body (the shape of the old
+    offload.engine <-> offload.recall circle) and one through a relative import are both found."""
+    pkg = _write(tmp_path, {
+        "__init__.py": "", "offload/__init__.py": "", "sglang/__init__.py": "", "demo/__init__.py": "",
+        "offload/engine.py": "def recall():\n    from flashmemory.offload.recall import plan\n",
+        "offload/recall.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import E\n",
+        "sglang/a.py": "from flashmemory.sglang import b\n",
+        "sglang/b.py": "def f():\n    from . import a\n    from flashmemory.demo import x\n",
+        "demo/x.py": "import flashmemory.offload.engine\n",
+    })
+    graph = import_graph(pkg)
+    assert graph["flashmemory.offload.recall"] == {"flashmemory.offload.engine"}
+    assert sorted(circles(graph)) == [["flashmemory.offload.engine", "flashmemory.offload.recall"],
+                                      ["flashmemory.sglang.a", "flashmemory.sglang.b"]]
+    assert floor_violations(graph) == ["flashmemory.sglang.b (floor 5) -> flashmemory.demo.x (floor 8)"]
