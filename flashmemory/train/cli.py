@@ -110,6 +110,27 @@ def check_ranges(cfg) -> None:
         v = getattr(cfg, name)
         if not (math.isfinite(v) and lo <= v <= hi) or (name == "lr" and v == 0):
             raise UserError(f"--{name} {v}: must lie in {'(' if name == 'lr' else '['}{lo}, {hi}]")
+    check_device(cfg.device)
+
+
+def check_device(name: str) -> None:
+    """--device names a torch device this process can use (UserError naming the flag, before any data is read)."""
+    from flashmemory.errors import UserError
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name}: not a torch device (cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+                            "use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(1, device=dev)
+        except Exception as e:  # torch raises several types for a backend that is absent
+            raise UserError(f"--device {name}: not usable here ({type(e).__name__}: {e})") from None
 
 
 def run(a: argparse.Namespace) -> int:
@@ -126,6 +147,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         if trainer.moved_aside is not None:
             print(f"moved the earlier run's files in {cfg.output_dir} aside into {trainer.moved_aside}")
+        for note in trainer.resume_notes:
+            print(f"note: {note}")
         if trainer.info.is_main:
             if trainer.layer_note:
                 print(f"note: {trainer.layer_note}")

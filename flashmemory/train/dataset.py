@@ -80,6 +80,24 @@ def check_layers(doc: DumpDoc, layers: tuple[int, ...], source: str) -> None:
                               f"--joint-layers {missing}")
 
 
+def check_sizes(doc: DumpDoc, layers: tuple[int, ...], source: str, want: tuple[int, int] | None,
+                want_source: str = "") -> tuple[int, int]:
+    """(hidden size, index-key dim) of `doc`'s `layers`, the same for every layer and equal to `want` when given.
+
+    Documents of one run must come from one model: samples of different sizes cannot be batched (a
+    DataConfigError naming both files here, not a `torch.stack` error mid-epoch)."""
+    for L in layers:
+        got = (int(doc.hidden[L].shape[-1]), int(doc.compk[L].shape[-1]) - 4)
+        if want is None:
+            want, want_source = got, f"{source} layer {L}"
+        elif got != want:
+            raise DataConfigError(f"{source}: layer {L} has hidden size {got[0]} and index-key dim {got[1]}, but "
+                                  f"{want_source} has {want[0]} and {want[1]}: every document of a run must be "
+                                  "dumped from the same model")
+    assert want is not None
+    return want
+
+
 class SampleDataset(Dataset):
     """Items: one training sample per (doc, t); see `flashmemory.train.samples`.
 
@@ -97,18 +115,22 @@ class SampleDataset(Dataset):
         self.targets: list[DocTargets] = []
         index = []
         self.max_position = 0
+        self.sizes: tuple[int, int] | None = None   # (hidden size, index-key dim), one for all documents
+        first = ""
         for i, p in enumerate(self.cache.paths):
             doc = self.cache.get(i)
             check_layers(doc, self.layers, str(p))
+            first = first or f"{p} layer {self.layers[0]}"
+            self.sizes = check_sizes(doc, self.layers, str(p), self.sizes, first)
             tg = doc_targets(doc, cfg)
             self.targets.append(tg)
             index.append(torch.stack((torch.full_like(tg.rows, i), tg.rows), 1))
             if doc.n_tokens:
                 self.max_position = max(self.max_position, int(doc.positions[self.layers[0]].max()))
         self.index = torch.cat(index) if index else torch.zeros(0, 2, dtype=torch.long)
-        first = self.cache.get(0)
-        self.hidden_size = int(first.hidden[self.layers[0]].shape[1])
-        self.head_dim = int(first.compk[self.layers[0]].shape[1]) - 4
+        if self.sizes is None:
+            raise DataConfigError("no documents to train on")
+        self.hidden_size, self.head_dim = self.sizes
 
     def __len__(self) -> int:
         return int(self.index.shape[0])

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from flashmemory.atomic import atomic_path
+from flashmemory.atomic import atomic_path, atomic_write_text
 from flashmemory.errors import UserError
 from flashmemory.outdir import DirLock, move_aside, prepare_dir
 from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
@@ -36,11 +36,11 @@ from flashmemory.train.data_config import load_data_config, trained_on_meta
 from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
 from flashmemory.train.ddp import DistInfo, barrier, broadcast_flag, init_distributed
 from flashmemory.train.losses import retrieval_loss
+from flashmemory.train.rundir import BEST_F1, BEST_FILES, BEST_RK, METRICS, plan_resume, run_files
 from flashmemory.train.samples import SampleConfig
 from flashmemory.train.validate import Validator
 
-BEST_F1 = "ckpt_joint_best_ens_f1.safetensors"
-BEST_RK = "ckpt_joint_best_ens_rk.safetensors"
+__all__ = ["BEST_F1", "BEST_RK", "TrainConfig", "Trainer", "TrainingDivergedError", "run_files"]
 RK_KEY = "r@512"
 
 
@@ -157,20 +157,6 @@ class TrainingDivergedError(UserError):
     """The loss or the gradient became NaN/inf; training stops and writes no checkpoint of that state."""
 
 
-def run_files(out: Path) -> list[str]:
-    """Names in `out` that a training run writes (and a new run would overwrite or mix with)."""
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if p.is_file() and
-                  (p.name == "metrics.jsonl" or (p.name.startswith("ckpt_joint_") and p.suffix in (".pt", ".safetensors"))))
-
-
-def _epoch_of(name: str) -> int | None:
-    """E of a `ckpt_joint_epoch{E:03d}.pt` file name, else None."""
-    stem = name.removeprefix("ckpt_joint_epoch").removesuffix(".pt")
-    return int(stem) if name.startswith("ckpt_joint_epoch") and name.endswith(".pt") and stem.isdigit() else None
-
-
 def _atomic_torch_save(obj: dict, path: Path) -> None:
     with atomic_path(path) as tmp:  # the temp file is removed if the write fails (disk full)
         try:
@@ -196,7 +182,8 @@ class Trainer:
             raise ValueError(f"{cfg.data_config}: the train split yields no samples (no decode step has a golden "
                              "label among its existing chunks)")
         self.validator = Validator(resolve_docs(data.val, "val split"), self.layers, cfg.sample,
-                                   cfg.val_stride, cfg.threshold, allow_pickle=cfg.allow_pickle)
+                                   cfg.val_stride, cfg.threshold, allow_pickle=cfg.allow_pickle,
+                                   sizes=self.train_ds.sizes)
         # Training never bakes a short table into what it ships: the clamp is DeepSeek-V4's 1M unless asked.
         max_pos = cfg.max_position or RopeConfig().max_position
         if max_pos <= self.train_ds.max_position:
@@ -223,9 +210,10 @@ class Trainer:
         self.step, self.start_epoch = 0, 0
         self.best = {"f1": -1.0, "rk": -1.0, "stale": 0}
         self.out = Path(cfg.output_dir)
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.metrics_path = self.out / METRICS
         self.lock: DirLock | None = None
         self.moved_aside: Path | None = None
+        self.resume_notes: list[str] = []
         try:
             if cfg.resume_from:
                 self.load_checkpoint(cfg.resume_from)  # every rank: same file, same outcome
@@ -252,15 +240,11 @@ class Trainer:
     def _claim_output_dir(self) -> Path | None:
         """Refuse to mix with an earlier run in the output dir, unless resuming it or told to overwrite.
 
-        Resuming keeps metrics.jsonl, the best checkpoints and the epoch files up to the resumed one; epoch
-        files past it (a longer earlier run) are moved aside. --overwrite moves every run file aside."""
+        Resuming keeps what the run held at the resumed checkpoint and moves the rest aside
+        (`flashmemory.train.rundir`). --overwrite moves every run file aside."""
         old = run_files(self.out)
         if self.cfg.resume_from and not self.cfg.overwrite:
-            later = [n for n in old if (e := _epoch_of(n)) is not None and e >= self.start_epoch]
-            if not later:
-                return None
-            # The best checkpoints may come from those later epochs; they go aside with them.
-            return move_aside(self.out, later + [n for n in old if n in (BEST_F1, BEST_RK)])
+            return self._resume_into_dir()
         if not old:
             return None
         if not self.cfg.overwrite:
@@ -269,6 +253,22 @@ class Trainer:
                             f"{self.out}/ckpt_joint_epochEEE.pt to continue it, --overwrite to move its files aside "
                             "into a previous-<time>/ folder there, or choose another --output-dir")
         return move_aside(self.out, old)
+
+    def _resume_into_dir(self) -> Path | None:
+        plan = plan_resume(self.out, self.start_epoch - 1, self.step)
+        dest = move_aside(self.out, list(plan.move)) if plan.move else None
+        if plan.metrics is not None:
+            atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in plan.metrics))
+            self.resume_notes.append(f"{self.metrics_path}: kept the records up to step {self.step}; the old file "
+                                     f"(with records after the resumed checkpoint) is in {dest}")
+        for key in plan.lost_best:
+            if self.best[key] >= 0:
+                self.resume_notes.append(
+                    f"{self.out / BEST_FILES[key]}: the best checkpoint of the resumed run (score "
+                    f"{self.best[key]:.4f}) is not here or was chosen after step {self.step}; the next validation "
+                    "writes it, and later ones replace it when they score higher")
+            self.best[key] = -1.0
+        return dest
 
     # ---- checkpoints -------------------------------------------------------------------------
     def epoch_checkpoint(self, epoch: int) -> Path:

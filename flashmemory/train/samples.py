@@ -25,6 +25,9 @@ import torch
 from flashmemory.labels import LabelsCSR, lookahead_union_all
 
 
+MAX_NEG_RATIO = 1e6   # far above any useful ratio (negatives are capped by the chunks that exist anyway)
+
+
 @dataclass(frozen=True)
 class SampleConfig:
     label_interval: int = 64      # tau: lookahead window [t, t + tau)
@@ -41,8 +44,8 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.label_interval < 1 or self.max_pos < 1 or self.sample_interval < 1:
             raise ValueError("label_interval, max_pos and sample_interval must be >= 1")
-        if self.neg_ratio < 0:
-            raise ValueError(f"neg_ratio must be >= 0, got {self.neg_ratio}")
+        if not 0 <= self.neg_ratio <= MAX_NEG_RATIO:  # also NaN and inf, which reach int() in `draw_sample`
+            raise ValueError(f"--neg-ratio {self.neg_ratio}: must lie in [0, {MAX_NEG_RATIO:g}] (negatives per positive)")
         if self.vote_hi <= self.vote_lo:
             raise ValueError(f"vote_hi ({self.vote_hi}) must exceed vote_lo ({self.vote_lo})")
 

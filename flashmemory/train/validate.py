@@ -14,7 +14,7 @@ import torch
 
 from flashmemory.retriever.fp8 import dequantize_chunks
 from flashmemory.retriever.model import JointRetriever
-from flashmemory.train.dataset import DocCache, check_layers
+from flashmemory.train.dataset import DocCache, check_layers, check_sizes
 from flashmemory.train.metrics import K_LIST, RowMetrics, auto_k_scale, effective_k
 from flashmemory.train.samples import SampleConfig, doc_targets
 
@@ -46,7 +46,8 @@ class Validator:
 
     def __init__(self, paths: list[Path], layers: tuple[int, ...], cfg: SampleConfig, stride: int = 4,
                  threshold: float = 0.5, k_scale: float | None = None, allow_pickle: bool = False,
-                 cache_size: int = 64):
+                 cache_size: int = 64, sizes: tuple[int, int] | None = None):
+        """sizes: (hidden size, index-key dim) every val doc must have (the train split's), if given."""
         if stride < 1:
             raise ValueError(f"val stride must be >= 1, got {stride}")
         self.cache = DocCache(paths, cache_size, allow_pickle)
@@ -57,6 +58,8 @@ class Validator:
         for i, p in enumerate(self.cache.paths):
             doc = self.cache.get(i)
             check_layers(doc, self.layers, str(p))
+            if sizes is not None:
+                check_sizes(doc, self.layers, f"val split: {p}", sizes, "the train split")
             tg = doc_targets(doc, cfg)
             rows = torch.arange(0, doc.n_tokens, stride)
             rows = rows[tg.n_avail[rows] > 0]
