@@ -19,7 +19,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", default="./checkpoints", help="where checkpoints and metrics.jsonl go (default %(default)s)")
     g.add_argument("--resume-from", default=None, metavar="CKPT",
                    help="epoch checkpoint (ckpt_joint_epochEEE.pt) to continue from: weights, optimizer, schedule, step. "
-                        "Into the same --output-dir it continues that run (epoch files after CKPT are moved aside)")
+                        "Into the same --output-dir it continues that run as it stood at CKPT (what was written after it, "
+                        "e.g. by a killed run, is moved aside)")
     g.add_argument("--overwrite", action="store_true",
                    help="if --output-dir already holds a run, move its checkpoints and metrics.jsonl aside into "
                         "OUTPUT_DIR/previous-<time>/ and start fresh (without it, such a dir is refused)")
