@@ -65,8 +65,8 @@ class Sizes:
 
     @classmethod
     def tiny(cls) -> "Sizes":
-        return cls(quick=True, trace_rows=3, trace_max_chunks=192, trace_ops=40, trace_recall_blocks=4,
-                   trace_kmax=2, recall_kmax=2, l2_batches=(1, 3, 4), l2_max_chunks=256, l2_kmax=2, l2_steps=6,
+        return cls(quick=True, trace_rows=4, trace_max_chunks=256, trace_ops=100, trace_recall_blocks=6,
+                   trace_kmax=2, recall_kmax=2, l2_batches=(1, 3, 4), l2_max_chunks=256, l2_kmax=2, l2_steps=12,
                    l2_topk=32, batches=(1, 2), chunks=(256, 512),
                    dims=RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16, rope_dim=8),
                    native_heads=4, kmax=2, tau=64, repeats=1)

@@ -271,18 +271,16 @@ def _overlap(res: CheckResult, eng: OffloadEngine, g_: int, k: int, device: torc
     e1.synchronize()
     alone = e0.elapsed_time(e1) / 1e3
     e0, e1 = run_compute()
-    n_rec, t0 = 0, time.perf_counter()
+    n_rec, moved, t0 = 0, 0, time.perf_counter()
     while not e1.query() or n_rec == 0:
-        recall_sync(eng, _half(g_, k, n_rec))
+        moved += recall_sync(eng, _half(g_, k, n_rec)).nbytes
         n_rec += 1
     t_rec = time.perf_counter() - t0
     e1.synchronize()
     with_recall = e0.elapsed_time(e1) / 1e3
-    per_recall = k * (eng.reserve.kv.shape[0] * eng.reserve.kv.shape[2]
-                      + eng.reserve.index.shape[0] * eng.reserve.index.shape[2])
     res.figures["overlap"] = dict(compute=f"{n_mm} x bf16 mm 8192^3 on its own stream", compute_alone_s=alone,
                                   compute_with_recall_s=with_recall, slowdown=with_recall / alone,
-                                  recalls_during=n_rec, recall_GBps_during=n_rec * per_recall / t_rec / 1e9)
+                                  recalls_during=n_rec, recall_GBps_during=moved / t_rec / 1e9)
     res.expect(not check_invariants(eng), "bandwidth engine: invariants violated after the recalls")
 
 
