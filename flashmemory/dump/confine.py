@@ -164,12 +164,13 @@ class DocTargets:
         name, path = req.doc_path().name, req.doc_path()
         try:
             fd = open_below(self._root(), self.root or "/", self._parts(req), create=True)
-        except ConfineError as e:
-            raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.output_dir={req.output_dir!r}: {e.strerror}") from None
+        except OSError as e:  # a ConfineError, or the OS (out of descriptors): the request fails, not the server
+            raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.output_dir={req.output_dir!r}: "
+                                    f"{e.strerror or e}") from None
         try:
             self._check_name(fd, name, str(path))
             st = os.fstat(fd)
-        except ConfineError as e:
+        except OSError as e:
             raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.doc_index={req.doc_index}: {e.strerror}") from None
         finally:
             os.close(fd)

@@ -6,12 +6,14 @@ sends each item's messages plus the assistant response with max_tokens=2 (the se
 steps; with 1 token the request ends after prefill) and a pass-2 block (no top-k), one at a time; then
 the pass-2 keys replace pass 1's (pass 1's labels, logits and top-k stay) and the document is handed
 back for commit. The server writes the per-pass files under `<output_dir>/.staging/` (see `protocol.py`).
+An interrupted run's per-pass files are cleared at start (`clear_staging`): only files the server wrote
+(a `doc_*.safetensors` whose header says it is a flashmemory dump file) and this project's tagged temp
+files are deleted; anything else is left, and a doc-named file it cannot verify stops the run.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +24,10 @@ from typing import Iterator
 import torch
 
 from flashmemory.dump.backend import DumpBackendError, DumpConfig, DumpItemError
-from flashmemory.dump.format import DumpDoc, DumpFormatError, load_doc, topk_store_steps
+from flashmemory.dump.format import FORMAT, DumpDoc, DumpFormatError, load_doc, topk_store_steps
 from flashmemory.dump.inputs import InputItem
+from flashmemory.dump.metadata import DOC_RE
+from flashmemory.dump.outdir import is_own_tmp
 from flashmemory.dump.protocol import DumpRequest
 
 STAGING = ".staging"
@@ -35,6 +39,33 @@ def _post(url: str, body: dict, timeout: float) -> dict:
                                  headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
+
+
+def clear_staging(staging: Path) -> int:
+    """Delete what an interrupted run left in `staging/pass{1,2}/`: per-pass files the server wrote (doc-named,
+    with a flashmemory dump header) and this project's tagged temp files. Returns how many. Nothing else is
+    deleted; a doc-named file that is not verifiably the server's would be read as this run's output, so it
+    is a DumpBackendError naming it (move it away)."""
+    from flashmemory.dump.writer import _header_meta
+    n = 0
+    for sub in (staging / "pass1", staging / "pass2"):
+        if sub.is_symlink() or not sub.is_dir():
+            if sub.is_symlink() or sub.exists():
+                raise DumpBackendError(f"{sub}: not a directory of the staging area (a symlink or a file); move it "
+                                       "away, the dump server refuses to write through it")
+            continue
+        for f in sorted(sub.iterdir()):
+            plain = f.is_file() and not f.is_symlink()
+            if plain and is_own_tmp(f.name):
+                f.unlink()
+                n += 1
+            elif DOC_RE.match(f.name):
+                if not (plain and f.suffix == ".safetensors" and _header_meta(f).get("format") == FORMAT):
+                    raise DumpBackendError(f"{f}: in the dump staging area, but not a file the dump server wrote "
+                                           "(never deleted): move it away and rerun")
+                f.unlink()
+                n += 1
+    return n
 
 
 def read_compk(path: Path) -> dict[int, torch.Tensor]:
@@ -89,7 +120,7 @@ class SGLangBackend:
         self.timeout = timeout
         self.flush_timeout = flush_timeout
         self._check_reachable()
-        shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of an interrupted run are redone
+        clear_staging(self.staging)  # leftovers of an interrupted run are redone; nothing else is deleted
 
     def _check_reachable(self) -> None:
         try:

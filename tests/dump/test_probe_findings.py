@@ -18,6 +18,7 @@ from flashmemory.dump.outdir import is_own_tmp, tmp_name
 from flashmemory.dump.writer import doc_tensors
 from .synth import make_doc
 from .test_client import FakeBackend
+from .test_sglang_backend import server  # noqa: F401 - the stand-in dump server fixture
 
 
 def _lines(path, prompts):
@@ -220,3 +221,27 @@ def test_dump_reports_an_invalid_utf8_item_and_dumps_the_rest(tmp_path, capsys):
     rep = run_dump(FakeBackend(), p, tmp_path / "out", DumpConfig(target_layers=(1, 3)), progress=False)
     assert len(rep.committed) == 2 and len(rep.bad_input) == 1
     assert "skipping malformed input in.jsonl:2: not valid UTF-8 (byte 0xc3 at byte 13" in capsys.readouterr().err
+
+
+def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tmp_path, server):
+    """Promise: "Nothing is deleted that the project did not write as a temporary file." Starting an sglang
+    dump used to `rmtree` `<output-dir>/.staging` whole, whatever was in it."""
+    from flashmemory.dump.backend import DumpBackendError
+    from flashmemory.dump.sglang_backend import SGLangBackend, clear_staging
+    from flashmemory.dump.writer import save_doc_file
+    out = tmp_path / "out"
+    p1 = out / ".staging" / "pass1"
+    p1.mkdir(parents=True)
+    save_doc_file(p1 / "doc_00003.safetensors", make_doc(3))               # the server's, from a killed run
+    (p1 / tmp_name("doc_00004.safetensors", 9)).write_bytes(b"torn")       # the server's temp file
+    keep = {p1 / "notes.txt": b"mine", out / ".staging" / "README": b"mine", p1 / ".tmp-x": b"mine"}
+    for f, data in keep.items():
+        f.write_bytes(data)
+    SGLangBackend(server, out)
+    assert sorted(p.name for p in p1.iterdir()) == [".tmp-x", "notes.txt"]
+    assert all(f.read_bytes() == data for f, data in keep.items())
+    (p1 / "doc_00005.safetensors").write_bytes(b"not the server's")
+    with pytest.raises(DumpBackendError, match=r"pass1/doc_00005.safetensors: in the dump staging area, but not a "
+                                               r"file the dump server wrote \(never deleted\)"):
+        clear_staging(out / ".staging")
+    assert (p1 / "doc_00005.safetensors").read_bytes() == b"not the server's"
