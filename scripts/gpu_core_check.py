@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device(args.device)
     sz = Sizes.tiny() if args.quick else Sizes.full()
-    out = args.out if args.out is not None else (None if args.quick else "docs/gpu")
+    default_out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "gpu")
+    out = args.out if args.out is not None else (None if args.quick else default_out)
     env = _env(device, sz)
     print(f"{PROG}: {env['device']}, torch {env['torch']}, {'quick' if sz.quick else 'full'}; checks "
           f"{','.join(c for c in CHECKS if c in only)}", flush=True)
