@@ -6,10 +6,11 @@
    operations, and at the end, their reserve contents (the sink block excepted: padding rows race to write it),
    lookup table, page tables, compact resident tables, target index pool and mirror must be equal byte for byte,
    and `check_invariants` must find nothing on either. Two layouts at DeepSeek-V4 entry sizes (21 c4 layers,
-   584-B KV, 132-B index-K, 64-chunk pages, Path-I on):
-     copy    the engine allocates mirror pages and owns its target index pool;
+   584-B KV, 132-B index-K, 64-chunk pages):
+     copy    the engine allocates mirror pages and owns its target index pool; Path-I off (the served default);
      shrink  the caller owns the page ids (admission claims scattered "pool pages", later pages are added by
-             id), the target index pool is a view of caller buffers, and landing blocks are reserved.
+             id), the target index pool is a view of caller buffers, landing blocks are reserved, and Path-I is
+             on (the non-target index-K in the mirror and the reserve, as with score-resident Level 2).
 2. Recall bandwidth (CUDA): KMAX pages mirror -> reserve (`execute_recall`: host gather into pinned staging, then
    the copy on the side stream) against a raw pinned host->device copy of the same bytes.
 3. Overlap (CUDA): a bf16 matmul loop on its own stream, timed alone and while recalls run (slowdown = ratio).
@@ -34,7 +35,8 @@ class _Twin:
 
     def __init__(self, mode: str, sz: Sizes, device: torch.device, seed: int):
         self.mode, self.device = mode, device
-        self.layout = OffloadLayout()   # DeepSeek-V4-Flash entry sizes
+        # DeepSeek-V4-Flash entry sizes; Path-I as served: off by default (copy), on with shrink + score-resident
+        self.layout = OffloadLayout(index_offload=(mode == "shrink"))
         pc, rows = self.layout.page_chunks, sz.trace_rows
         self.max_pages = self.layout.pages_for(sz.trace_max_chunks)
         n_mirror = rows * self.max_pages + 4
