@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -106,6 +109,19 @@ def make_items(cfg: DemoConfig, tok) -> list:
     return items
 
 
+def make_all_items(cfg: DemoConfig, tok) -> tuple[list, list]:
+    """The run's task items and its extra monitor items (stage 6), generated up front: a `--doc-len` too short for
+    one of them is a UserError naming the flag now, not after minutes of decoding."""
+    from flashmemory.tasks.suite import generate
+    try:
+        items = make_items(cfg, tok)
+        extra = [generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
+                 for j, task in enumerate(cfg.monitor_tasks)]
+    except ValueError as e:
+        raise UserError(f"--doc-len {cfg.doc_len}: {e}") from None
+    return items, extra
+
+
 def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progress: bool = True):
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
@@ -121,6 +137,80 @@ def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progre
                      device="cpu", log_interval=10**9, progress=progress)
     summary = Trainer(tc).fit()
     return load_retriever(work / "ckpt" / BEST_F1), summary
+
+
+OUTPUTS = ("tasks.jsonl", "results.json", "report.md", "coverage.png")   # what a run writes into --out-dir
+OUTPUTS_MANIFEST = ".flashmemory-demo-outputs.json"   # {name: sha256} of the outputs the demo itself wrote last
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _own_outputs(out: Path) -> dict[str, str]:
+    try:
+        own = json.loads((out / OUTPUTS_MANIFEST).read_text())
+        return {str(k): str(v) for k, v in own.items()} if isinstance(own, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def record_outputs(out: Path, names: tuple[str, ...]) -> None:
+    """Note the sha256 of outputs the demo just wrote, so its next run knows them as its own (and replaces them)."""
+    from flashmemory.atomic import atomic_write_text
+    own = _own_outputs(out) | {n: _sha256(out / n) for n in names if (out / n).is_file()}
+    atomic_write_text(out / OUTPUTS_MANIFEST, json.dumps(own, indent=1, sort_keys=True))
+
+
+def _move_no_replace(src: Path, dest: Path) -> None:
+    """Rename `src` to `dest`; FileExistsError if `dest` exists. A file goes by hard link + unlink, which cannot
+    replace an existing backup (a rename could); a directory, or a file system without hard links, by a
+    rename after checking `dest` is free (the output dir is locked, so nothing of ours races it)."""
+    if not src.is_dir() or src.is_symlink():
+        try:
+            os.link(src, dest, follow_symlinks=False)
+            os.unlink(src)
+            return
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+    if dest.exists() or dest.is_symlink():
+        raise FileExistsError(dest)
+    os.rename(src, dest)
+
+
+def move_aside_outputs(out: Path, names: tuple[str, ...], log=print) -> list[tuple[str, str]]:
+    """Before a run writes `names` into `out`: move each existing one aside to `name.bak-<UTC time>[-n]` (never
+    onto an existing backup), unless it is byte for byte what the demo itself wrote last (`OUTPUTS_MANIFEST`).
+    Says so in one line; returns [(name, backup name)]."""
+    own = _own_outputs(out)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    moved = []
+    for name in names:
+        p = out / name
+        if not (p.exists() or p.is_symlink()):
+            continue
+        if p.is_file() and not p.is_symlink() and own.get(name) == _sha256(p):
+            continue   # the demo's own output of its last run
+        n = 1
+        while True:
+            dest = out / (f"{name}.bak-{stamp}" + (f"-{n}" if n > 1 else ""))
+            try:
+                _move_no_replace(p, dest)
+                break
+            except FileExistsError:
+                n += 1
+        moved.append((name, dest.name))
+    if moved:
+        log(f"[demo] moved earlier files the demo would overwrite aside in {out}: "
+            + ", ".join(f"{a} -> {b}" for a, b in moved))
+    return moved
 
 
 def clean_work_dir(out: Path) -> None:
@@ -157,7 +247,10 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     if cfg.serve:
         from flashmemory.demo.serve_stage import check_serve_modules
         check_serve_modules()
+    tok = load_tokenizer(None)
+    items, monitor_items = make_all_items(cfg, tok)   # before any work: a --doc-len too short is named now
     torch.manual_seed(cfg.seed)
+    move_aside_outputs(out, OUTPUTS if cfg.plot else OUTPUTS[:3], log)
     # A re-run starts clean; only the demo's own work folder is removed, so a dump a user made at
     # demo_out/dump (training/README.md) is left alone.
     clean_work_dir(out)
@@ -174,10 +267,9 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         log(f"       {cfg.model}: {engine.n_c4_layers} c4 layers, index top-{engine.index_topk}, "
             f"retriever on c4 layers {targets}")
     with stage("2. generate tasks"):
-        tok = load_tokenizer(None)
-        items = make_items(cfg, tok)
         from flashmemory.tasks.suite import write_jsonl
         write_jsonl(items, str(out / "tasks.jsonl"))
+        record_outputs(out, ("tasks.jsonl",))
     with stage("3. decode under Full attention, dump golden labels"):
         runs = []
         for i, it in enumerate(tqdm(items, desc="full decode + capture", disable=not progress)):
@@ -218,9 +310,7 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     with stage("6. miss monitor: per task, and residency against length"):
         from flashmemory.eval.residency import ResidencyConfig, extend_costmodel, residency_vs_length
         extra = []
-        for j, task in enumerate(cfg.monitor_tasks):
-            from flashmemory.tasks.suite import generate
-            it = generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
+        for j, it in enumerate(monitor_items):
             extra.append(full_run(engine, f"{it.task}-{cfg.n_docs + j}", tok.encode_chat(it.messages), cfg.gen_tokens,
                                   targets, cfg.topp, cfg.min_layers, record=it.to_record()))
             extra[-1].cap = None
@@ -259,4 +349,5 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         results["stage_seconds"] = stage.times
     with stage("8. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)
+        record_outputs(out, OUTPUTS)
     return results

@@ -192,3 +192,11 @@ def test_a_failed_serving_stage_fails_the_command(monkeypatch, capsys):
     monkeypatch.setattr(pipeline, "run_demo", lambda *a, **k: {"serving": {"error": "router did not start"}})
     assert main(["demo", "--serve"]) == 1
     assert "live serving (stage 7) failed: router did not start" in capsys.readouterr().err
+
+
+def test_a_rerun_knows_the_demos_own_outputs(demo_run):
+    """The outputs a run wrote are recorded as its own, so `make demo` run again replaces them instead of
+    piling up backups (a user's file there is moved aside: tests/demo/test_outputs_safety.py)."""
+    from flashmemory.demo.pipeline import move_aside_outputs
+    out, _ = demo_run
+    assert move_aside_outputs(out, ("tasks.jsonl", "results.json", "report.md"), log=lambda *a: None) == []
