@@ -57,6 +57,8 @@ class DemoConfig:
         bad = [b for b in self.sweep + self.task_budgets if not 0.0 < b <= 1.0]
         if bad:
             raise ValueError(f"--sweep budgets must lie in (0, 1], got {bad}")
+        if not 0 <= self.seed < 2**32:  # mixed into 64-bit torch seeds per document
+            raise ValueError(f"--seed {self.seed}: must lie in [0, 2**32)")
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")

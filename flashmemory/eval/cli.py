@@ -54,6 +54,8 @@ def check_args(a: argparse.Namespace) -> None:
         if v < lo:
             raise UserError(f"--{name.replace('_', '-')} {v}: must be >= {lo}"
                             + (" (0 = tau)" if name == "stride" else ""))
+    if not 0 <= a.seed < 2**32:  # mixed into 64-bit torch seeds per (doc, step)
+        raise UserError(f"--seed {a.seed}: must lie in [0, 2**32)")
     if not (math.isfinite(a.threshold) and 0.0 <= a.threshold <= 1.0):
         raise UserError(f"--threshold {a.threshold}: must lie in [0, 1] (a sigmoid score)")
     budget = getattr(a, "budget", 0.25)

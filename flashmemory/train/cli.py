@@ -105,6 +105,8 @@ def check_ranges(cfg) -> None:
     for name, lo in at_least.items():
         if getattr(cfg, name) < lo:
             raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= {lo}")
+    if not 0 <= cfg.seed < 2**63:  # torch seeds are 64-bit; a larger one was "Overflow when unpacking long long"
+        raise UserError(f"--seed {cfg.seed}: must lie in [0, 2**63)")
     if cfg.rope_dim % 2:
         raise UserError(f"--rope-dim {cfg.rope_dim}: must be even")
     for name, lo, hi in (("lr", 0.0, 10.0), ("wd", 0.0, 10.0), ("threshold", 0.0, 1.0), ("pairwise", 0.0, 1e3)):

@@ -81,3 +81,11 @@ def test_the_demos_own_outputs_are_replaced_and_edited_ones_kept(tmp_path) -> No
     assert set(moved) == {"report.md", "results.json"}
     assert (out / moved["report.md"]).read_text().endswith("with my notes") and (out / moved["results.json"]).is_dir()
     assert (out / "tasks.jsonl").read_text() == "demo's tasks.jsonl"   # left for the run to replace
+
+
+def test_a_seed_out_of_range_names_the_flag(tmp_path, capsys, no_work) -> None:
+    """Was torch's "Overflow when unpacking long long" at the start of the run. Promise: every numeric input is
+    range-checked where it is read; the error names the flag."""
+    assert main(["demo", "--seed", str(2**64), "--model", "micro", "--out-dir", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
+    assert capsys.readouterr().err == f"flashmemory demo: error: --seed {2**64}: must lie in [0, 2**32)\n"

@@ -26,6 +26,7 @@ from flashmemory.retriever.checkpoint import save_retriever
     (["--decode", "--gen-tokens", "0"], "--gen-tokens 0: must be >= 1"),
     (["--residency", "--page-chunks", "0"], "--page-chunks 0: must be >= 1"),
     (["--decode", "--budget", "nan"], "--budget nan: must lie in (0, 1]"),
+    (["--seed", str(2**64)], f"--seed {2**64}: must lie in [0, 2**32)"),           # was an overflow, no flag
 ])
 def test_bad_numbers_are_one_line_before_any_work(synth, teacher, tmp_path, capsys, extra, msg) -> None:
     ck = save_retriever(teacher, tmp_path / "t.safetensors")

@@ -134,3 +134,12 @@ def test_a_resumed_run_always_ends_with_its_best_checkpoints(synth, tmp_path, ca
                                                                                       "metrics.jsonl"]
     else:          # nothing to keep there: the resumed run's validation writes them, and says so
         assert "note: " in printed and "the next validation writes it" in printed
+
+
+@pytest.mark.parametrize("value", [str(2**64), "-1"])
+def test_a_seed_torch_cannot_take_names_the_flag(synth, tmp_path, capsys, value) -> None:
+    """--seed 2**64 was "Overflow when unpacking long long" (torch's words, no flag). Promise: every numeric input
+    is range-checked where it is read, and the error names the flag."""
+    assert main(_argv(synth / "data.json", tmp_path / "o", "--seed", value)) == 2
+    err = capsys.readouterr().err
+    assert err == f"flashmemory train: error: --seed {value}: must lie in [0, 2**63)\n", err
