@@ -90,11 +90,16 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: 
             return sum(t > t0 for t in times) >= steady_tokens
         return stop
 
+    done = [0]
+
     def one(i: int) -> None:
         try:
             out[i] = generate_stream(url, prompts[i], tokens, stop=stop_after_steady(i))
         except BaseException as e:   # re-raised below, in the caller's thread
             out[i] = e
+        with lock:
+            done[0] += 1
+            print(f"  request {i} ({len(prompts[i])} tokens) finished: {done[0]}/{n}", flush=True)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -114,8 +119,12 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
     knobs = {"CTX_LEN": str(ctx), "MAX_RUN": str(max(4, len(prompts)))}
     decode_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL="16", CKPT=ckpt)
     cfg = PDConfig(model=model, flashmemory=fm, decode_env=decode_env, prefill_env=knobs)
-    with Servers(logs / ("flashmemory" if fm else "stock")) as servers:
+    arm = "flashmemory" if fm else "stock"
+    print(f"arm {arm}: starting P, D and the router (1-3 minutes on 2 cores; logs {logs / arm}) ...", flush=True)
+    with Servers(logs / arm) as servers:
         stack = start_pd(servers, cfg)
+        print(f"arm {arm}: ready ({', '.join(f'{k} {v:.0f} s' for k, v in stack.startup_s.items())}); "
+              f"streaming {len(prompts)} requests ...", flush=True)
         generate(stack.router_url, prompts[0][:16], 2)          # warm the path once (not timed)
         res = summarize(_concurrent(stack.router_url, prompts, tokens, steady_tokens))
         res["startup_s"] = stack.startup_s

@@ -19,3 +19,14 @@ def test_summary_counts_tokens_after_the_first_over_the_shared_window():
     assert math.isclose(s["steady_tok_s"], 3 / 1.0) and s["steady_window_s"] == 1.0  # both decoding: (2.0, 3.0]
     late = StreamResult(sent=0.0, token_times=[4.0, 6.0], n_tokens=2)        # starts after `a` ended
     assert math.isnan(summarize([a, late])["steady_tok_s"])
+
+
+def test_concurrent_requests_report_progress_as_they_finish(monkeypatch, capsys):
+    """bench serve's arms run for minutes: each finished request prints a line (issue 17, item 8)."""
+    import flashmemory.bench.serve as bs
+    monkeypatch.setattr(bs, "generate_stream", lambda url, ids, n, stop: StreamResult(
+        sent=0.0, token_times=[1.0, 2.0], n_tokens=2))
+    out = bs._concurrent("http://x", [[1] * 5, [2] * 7, [3] * 9], 4, 2)
+    assert len(out) == 3
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "finished" in ln]
+    assert len(lines) == 3 and lines[-1].endswith("3/3") and any("(7 tokens)" in ln for ln in lines)
