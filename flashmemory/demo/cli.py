@@ -11,8 +11,9 @@ from flashmemory.demo.config import (EXPECTED_SECONDS, EXPECTED_SERVE_SECONDS, S
 HELP = {
     "model": "auto (the shipped trained model, else tiny-flash), a shipped random model (tiny-flash: 43-layer "
              "Flash pattern; micro: 9 layers) or a local checkpoint dir",
-    "out_dir": "where report.md, results.json, coverage.png, the dump and the checkpoint go (--quick: demo_out_quick, "
-               "so it never replaces the full run's outputs)",
+    "out_dir": "where tasks.jsonl, report.md, results.json, coverage.png, the dump and the checkpoint go (--quick: "
+               "demo_out_quick, so it never replaces the full run's outputs); such files there that the demo did not "
+               "write itself are first moved aside to NAME.bak-<time>",
     "seed": "seed of the model weights, the tasks and the random baseline",
     "doc_len": "prompt tokens per document",
     "gen_tokens": "decode steps per document",
