@@ -12,6 +12,9 @@ Metrics, averaged over cycles:
                   dumped native logits contribute (the first 3 decode steps of the target layers), so
                   it covers the t = 0 cycle only. `mass_steps` says how many steps it averages
   resident frac   resident / n_t;  chunks = mean resident count;  pages = mean 64-chunk pages touched
+Golden recall and native mass also carry a 95% interval over documents ("golden_recall_ci", "native_mass_ci":
+{"n": documents, "lo", "hi", "method": "bootstrap"}): the bootstrap resamples whole documents and recomputes the
+pooled mean over their cycles (`flashmemory.eval.intervals.bootstrap_pooled`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashmemory.eval.intervals import bootstrap_pooled
 from flashmemory.eval.policies import n_at, oracle, random_policy, reactive, recency
 from flashmemory.labels import lookahead_union
 
@@ -90,9 +94,14 @@ def native_mass(doc, t: int, mask_t: torch.Tensor, tau: int, topk: int) -> list[
 
 
 class Acc:
+    """Running sums of one (budget, policy) cell over cycles, with per-document subtotals for the intervals."""
+
     def __init__(self):
         self.recall, self.frac, self.chunks, self.pages, self.mass, self.n = 0.0, 0.0, 0.0, 0.0, [], 0
         self.recall_rows = 0
+        self.doc_recall: list[tuple[float, int]] = []   # per finished document: (recall sum, cycles with gold)
+        self.doc_mass: list[tuple[float, int]] = []     # per finished document: (mass sum, mass steps)
+        self._mark = (0.0, 0, 0)                        # (recall, recall_rows, len(mass)) when the document began
 
     def add(self, mask: torch.Tensor, gold: torch.Tensor, mass: list[float]) -> None:
         n = mask.numel()
@@ -105,12 +114,26 @@ class Acc:
         self.mass.extend(mass)
         self.n += 1
 
+    def end_doc(self) -> None:
+        """Close the current document's subtotals (a document with no recall row / mass step adds none)."""
+        r0, rows0, m0 = self._mark
+        if self.recall_rows > rows0:
+            self.doc_recall.append((self.recall - r0, self.recall_rows - rows0))
+        if len(self.mass) > m0:
+            self.doc_mass.append((sum(self.mass[m0:]), len(self.mass) - m0))
+        self._mark = (self.recall, self.recall_rows, len(self.mass))
+
     def result(self) -> dict:
         nan = float("nan")
+
+        def ci(per_doc: list[tuple[float, int]]) -> dict:
+            lo, hi = bootstrap_pooled([s for s, _ in per_doc], [c for _, c in per_doc])
+            return {"n": len(per_doc), "lo": lo, "hi": hi, "method": "bootstrap"}
         return {"golden_recall": self.recall / self.recall_rows if self.recall_rows else nan,
                 "native_mass": sum(self.mass) / len(self.mass) if self.mass else nan, "mass_steps": len(self.mass),
                 "resident_frac": self.frac / max(self.n, 1), "chunks": self.chunks / max(self.n, 1),
-                "pages": self.pages / max(self.n, 1), "cycles": self.n}
+                "pages": self.pages / max(self.n, 1), "cycles": self.n,
+                "golden_recall_ci": ci(self.doc_recall), "native_mass_ci": ci(self.doc_mass)}
 
 
 def evaluate(docs: list, fm_scores, cfg: EvalConfig) -> dict:
@@ -139,6 +162,9 @@ def evaluate(docs: list, fm_scores, cfg: EvalConfig) -> dict:
                 }
                 for name, m in masks.items():
                     acc[b].setdefault(name, Acc()).add(m, gold, native_mass(doc, t, m, cfg.tau, cfg.native_topk))
+        for pol in acc.values():
+            for a in pol.values():
+                a.end_doc()
     # The unconstrained golden set, for reference: its size is what a perfect retriever keeps.
     out = {b: {p: a.result() for p, a in pol.items()} for b, pol in acc.items()}
     return out
@@ -165,10 +191,18 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def format_table(res: dict) -> str:
-    head = f"{'budget':>8} {'policy':>12} {'frac':>6} {'chunks':>7} {'pages':>6} {'recall':>7} {'mass':>6} {'n':>4}"
+    """One line per (budget, policy); recall and mass with their 95% intervals over documents, n = documents."""
+    head = (f"{'budget':>8} {'policy':>12} {'frac':>6} {'chunks':>7} {'pages':>6} {'recall [95% CI]':>21} "
+            f"{'mass [95% CI]':>21} {'docs':>4} {'n':>4}")
     lines = [head, "-" * len(head)]
+
+    def cell(m: dict, key: str) -> str:
+        c = m.get(f"{key}_ci") or {}
+        lo, hi = c.get("lo", float("nan")), c.get("hi", float("nan"))
+        return f"{m[key]:.3f} [{lo:.3f}, {hi:.3f}]" if not math.isnan(lo) else f"{m[key]:.3f}"
     for b, pol in res.items():
         for p, m in pol.items():
+            docs = max((m.get(k) or {}).get("n", 0) for k in ("golden_recall_ci", "native_mass_ci"))
             lines.append(f"{b:>8} {p:>12} {m['resident_frac']:6.3f} {m['chunks']:7.1f} {m['pages']:6.2f} "
-                         f"{m['golden_recall']:7.3f} {m['native_mass']:6.3f} {m['cycles']:4d}")
+                         f"{cell(m, 'golden_recall'):>21} {cell(m, 'native_mass'):>21} {docs:4d} {m['cycles']:4d}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@
   Bernoulli (native top-k mass covered, golden recall, agreement, resident fraction, miss mass). Resampling is
   over documents, the unit that varies (steps within a document are not independent). Seeded: the same values
   give the same interval.
+- `bootstrap_pooled`: the same over documents for a mean pooled over their cycles (`eval.evaluate`).
 - `interval`: either one as a JSON-ready cell {"n", "lo", "hi", "method"}; NaN values (a document without golden
   labels has no recall) are left out of n; an infinite value is refused where it enters.
 """
@@ -49,18 +50,30 @@ def bootstrap_mean(values: Sequence[float], level: float = 0.95, n_boot: int = N
     Draws `n_boot` resamples of len(values) with replacement (torch generator seeded with `seed`), takes each
     resample's mean, sorts the means m[0..B-1] and returns the nearest-rank quantiles
     m[floor(a B)] and m[ceil((1 - a) B) - 1], a = (1 - level) / 2. One value, or equal values, give (v, v)."""
+    return bootstrap_pooled(values, [1.0] * len(values), level, n_boot, seed)
+
+
+def bootstrap_pooled(sums: Sequence[float], counts: Sequence[float], level: float = 0.95, n_boot: int = N_BOOT,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap over documents of a pooled mean sum(sums) / sum(counts) (document i contributes
+    sums[i] over counts[i] > 0 items, e.g. cycles): documents are resampled whole, as in `bootstrap_mean`
+    (which is this with every count 1). (nan, nan) without documents."""
     if not 0.0 < level < 1.0 or n_boot < 1:
-        raise ValueError(f"bootstrap_mean: need 0 < level < 1 and n_boot >= 1, got {level}, {n_boot}")
-    x = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        raise ValueError(f"bootstrap: need 0 < level < 1 and n_boot >= 1, got {level}, {n_boot}")
+    if len(sums) != len(counts):
+        raise ValueError(f"bootstrap: {len(sums)} sums against {len(counts)} counts")
+    x = torch.tensor([float(v) for v in sums], dtype=torch.float64)
+    c = torch.tensor([float(v) for v in counts], dtype=torch.float64)
     if x.numel() == 0:
         return math.nan, math.nan
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("bootstrap_mean: values must be finite")
-    if bool((x == x[0]).all()):
-        return float(x[0]), float(x[0])
+    if not bool(torch.isfinite(x).all() and torch.isfinite(c).all()) or bool((c <= 0).any()):
+        raise ValueError("bootstrap: values must be finite and counts > 0")
+    ratio = x / c
+    if bool((ratio == ratio[0]).all()):
+        return float(ratio[0]), float(ratio[0])
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, x.numel(), (n_boot, x.numel()), generator=g)
-    means = x[idx].mean(1).sort().values
+    means = (x[idx].sum(1) / c[idx].sum(1)).sort().values
     a = (1.0 - level) / 2.0
     lo = means[min(n_boot - 1, math.floor(a * n_boot))]
     hi = means[max(0, math.ceil((1.0 - a) * n_boot) - 1)]

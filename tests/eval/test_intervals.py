@@ -76,3 +76,34 @@ def test_budget_cells_keep_the_old_keys_and_add_intervals():
     fm = cells["FlashMemory"]
     assert {"task_score", "mass", "resident_frac", "kmax", "task_score_ci", "mass_ci"} <= set(fm)
     assert cells["FlashMemory+monitor"]["budget_unmatched"]["docs"] == 1
+
+
+def test_bootstrap_pooled_resamples_whole_documents():
+    from flashmemory.eval.intervals import bootstrap_pooled
+    # doc 0: 0 of 1 cycle, doc 1: 3 of 3: a resample is {0,0} (p 1/4) -> 0, {1,1} (1/4) -> 1, mixed -> 3/4
+    assert bootstrap_pooled([0.0, 3.0], [1, 3]) == (0.0, 1.0)
+    assert bootstrap_pooled([2.0, 1.0], [4, 2]) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="counts > 0"):
+        bootstrap_pooled([1.0], [0])
+
+
+def test_policy_eval_cells_carry_per_document_intervals():
+    import torch
+
+    from flashmemory.eval.evaluate import Acc, format_table
+    acc = Acc()
+    gold = torch.tensor([True, True, False, False])
+    acc.add(torch.tensor([True, False, False, False]), gold, [0.2, 0.4])   # doc 0: recall 0.5, mass 0.2 + 0.4
+    acc.add(torch.tensor([True, True, False, False]), gold, [])            # doc 0: recall 1.0
+    acc.end_doc()
+    acc.add(torch.tensor([False, False, True, True]), gold, [0.9])         # doc 1: recall 0.0, mass 0.9
+    acc.end_doc()
+    assert acc.doc_recall == [(1.5, 2), (0.0, 1)]
+    assert acc.doc_mass == [(pytest.approx(0.6), 2), (0.9, 1)]
+    r = acc.result()
+    assert r["golden_recall"] == pytest.approx(0.5) and r["native_mass"] == pytest.approx(0.5)
+    assert r["golden_recall_ci"]["n"] == 2 and r["native_mass_ci"]["n"] == 2
+    # the extremes of a two-document resample: doc 1 twice (0.0) and doc 0 twice (0.75)
+    assert (r["golden_recall_ci"]["lo"], r["golden_recall_ci"]["hi"]) == (0.0, 0.75)
+    line = format_table({"0.1": {"flashmemory": r}}).splitlines()[-1]
+    assert "0.500 [0.000, 0.750]" in line and line.split()[-2:] == ["2", "3"]
