@@ -42,8 +42,9 @@ class SampleConfig:
     frequent_weight: float = 0.5  # ... get this weight (always applied, as upstream)
 
     def __post_init__(self) -> None:
-        if self.label_interval < 1 or self.max_pos < 1 or self.sample_interval < 1:
-            raise ValueError("label_interval, max_pos and sample_interval must be >= 1")
+        for name in ("label_interval", "max_pos", "sample_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if not 0 <= self.neg_ratio <= MAX_NEG_RATIO:  # also NaN and inf, which reach int() in `draw_sample`
             raise ValueError(f"--neg-ratio {self.neg_ratio}: must lie in [0, {MAX_NEG_RATIO:g}] (negatives per positive)")
         if self.vote_hi <= self.vote_lo:

@@ -169,6 +169,7 @@ def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> 
 @pytest.mark.parametrize("flag, value, why", [
     ("--epochs", "0", ">= 1"), ("--lr", "0", "(0.0, 10.0]"), ("--lr", "nan", "(0.0, 10.0]"), ("--wd", "-1", "[0.0"),
     ("--threshold", "1.5", "[0.0, 1.0]"), ("--rope-dim", "7", "even"), ("--batch-size", "-2", ">= 1"),
+    ("--label-interval", "0", ">= 1"), ("--sample-interval", "0", ">= 1"), ("--max-pos", "-3", ">= 1"),
 ])
 def test_numeric_flags_are_range_checked(synth, tmp_path, capsys, flag, value, why) -> None:
     assert main(_argv(synth, tmp_path / "o", flag, value)) == 2
