@@ -136,7 +136,9 @@ def _run(args: argparse.Namespace) -> int:
         for p in sorted(out_dir.glob("doc_*.safetensors"))[-1:]:  # cheap self-check of the newest file
             load_doc(p, allow_pickle=args.allow_pickle)
     print(f"dumped {len(rep.committed)} document(s) to {out_dir} (target layers {' '.join(map(str, layers))}); "
-          f"{rep.skipped_done} already done, {len(rep.bad_input)} malformed input line(s) skipped, "
+          f"{rep.skipped_done} already done, "
+          + (f"{len(rep.changed)} changed since an earlier dump (dumped again), " if rep.changed else "")
+          + f"{len(rep.bad_input)} malformed input line(s) skipped, "
           f"{len(rep.failed)} item(s) failed" + (f", {len(rep.skipped_failed)} skipped as failed before"
                                                  if rep.skipped_failed else ""))
     if rep.incomplete:

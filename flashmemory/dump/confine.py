@@ -39,6 +39,9 @@ class ConfineError(OSError):
     """A path below the dump root cannot be used: a symlink, a file where a directory should be, a name too
     long, or a directory that changed since admission. The message names the path and the reason."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
 
 def relative_parts(target: str, root: str) -> list[str]:
     """The components of absolute `target` below `root` (lexically: the root as given or its real path).
@@ -171,7 +174,8 @@ class DocTargets:
             self._check_name(fd, name, str(path))
             st = os.fstat(fd)
         except OSError as e:
-            raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.doc_index={req.doc_index}: {e.strerror}") from None
+            shown = str(req.doc_index) if req.doc_index < 10**20 else f"{str(req.doc_index)[:20]}..."
+            raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.doc_index={shown}: {e.strerror or e}") from None
         finally:
             os.close(fd)
         if len(self._ident) >= _MAX_TRACKED:
