@@ -18,11 +18,12 @@ bools); target_csa_layers is a JSON list of distinct ids (a string such as "10" 
 layers 1 and 0); n_logit_tokens in [0, MAX_LOGIT_TOKENS]; output_dir absolute without '..'. custom_params
 itself must be an object. The server adds what only it knows (`flashmemory.sglang.dump_mode.parse_request`):
 output_dir must lie under the operator's SGLANG_FLASHMEMORY_DUMP_ROOT (`under_root`), the layer ids and
-min_layers must fit the served model's c4 layers.
+min_layers must fit the served model's c4 layers, and the document must be writable there without following
+a symlink (`flashmemory.dump.confine.DocTargets`: checked at admission, and again at the write).
 
 No shared /tmp command file: each request says what to record. The server (dump mode,
 SGLANG_FLASHMEMORY_DUMP=1) records that request only and, when it finishes, writes with
-`flashmemory.dump.writer.save_doc_file` (atomic):
+`flashmemory.dump.writer.save_doc_file` (atomic, relative to a directory descriptor walked from the root):
   pass 1: `{output_dir}/pass1/doc_{doc_index:05d}.safetensors`, a full document (hidden, positions,
           labels over all c4 layers, first-token logits, compk of what it has, the stored native top-k);
   pass 2: `{output_dir}/pass2/doc_{doc_index:05d}.safetensors`, whose `compk_layer_{L}` cover
