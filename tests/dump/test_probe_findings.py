@@ -104,6 +104,22 @@ def test_a_failure_of_changed_content_is_not_skipped(tmp_path):
     assert fb.seen == [1] and not rep.skipped_failed and len(rep.committed) == 1
 
 
+def test_a_document_adopted_after_a_crash_keeps_its_content_hash(tmp_path):
+    """Promise as above, across a crash between the rename and the metadata append: the doc file's header
+    carries `item_sha256`, so the adopted document still resumes by content, not only by name."""
+    out, cfg = tmp_path / "out", DumpConfig(target_layers=(1, 3))
+    inp = _lines(tmp_path / "in.jsonl", ["q0", "q1"])
+    run_dump(FakeBackend(), inp, out, cfg, progress=False)
+    meta = out / "server_metadata.jsonl"
+    meta.write_text(meta.read_text().splitlines()[0] + "\n")               # item 1's line was never appended
+    fb = FakeBackend()
+    rep = run_dump(fb, inp, out, cfg, progress=False)
+    assert any("adopted doc_00001" in n for n in rep.recovered)
+    assert fb.seen == [] and rep.skipped_done == 2 and not rep.legacy_done
+    from flashmemory.dump.inputs import load_items
+    assert read_metadata(out)[1]["item_sha256"] == load_items(inp)[0][1].content_sha256()
+
+
 # --- 5. --seed out of range ------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", [str(2**70), "-1"])
 def test_dump_seed_out_of_range_names_the_flag(tmp_path, capsys, seed):
