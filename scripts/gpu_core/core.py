@@ -34,10 +34,12 @@ class Sizes:
     """Every size the checks use. `full()` is the H200 run (<= 8 minutes), `quick()` the CPU smoke run."""
 
     quick: bool
-    # (a) offload engine: churn trace at DeepSeek-V4 entry sizes (584-B c4 KV, 132-B index-K chunks, 21 layers)
+    # (a) offload engine: churn trace at DeepSeek-V4 entry sizes (584-B c4 KV, 132-B index-K chunks)
+    trace_layers: tuple[int, tuple[int, ...]]   # (c4 layers, target layers): (21, (10, 12, 20)) at full size
     trace_rows: int
     trace_max_chunks: int
     trace_ops: int
+    trace_budget_s: float       # per layout: the trace stops early (and says so) to keep the run in its 8 minutes
     trace_recall_blocks: int
     trace_kmax: int
     recall_kmax: int            # pages per bandwidth measurement (KMAX)
@@ -58,17 +60,19 @@ class Sizes:
 
     @classmethod
     def full(cls) -> "Sizes":
-        return cls(quick=False, trace_rows=8, trace_max_chunks=1024, trace_ops=400, trace_recall_blocks=40,
-                   trace_kmax=8, recall_kmax=96, l2_batches=(1, 64, 128), l2_max_chunks=4096, l2_kmax=8,
-                   l2_steps=100, l2_topk=TOPK, batches=(1, 64, 128), chunks=(65536, 262144), dims=RetrieverDims(),
+        return cls(quick=False, trace_layers=(N_C4_LAYERS, TARGET_LAYERS), trace_rows=8, trace_max_chunks=1024,
+                   trace_ops=400, trace_budget_s=75.0, trace_recall_blocks=40, trace_kmax=8, recall_kmax=96,
+                   l2_batches=(1, 64, 128), l2_max_chunks=4096, l2_kmax=8, l2_steps=100, l2_topk=TOPK,
+                   batches=(1, 64, 128), chunks=(65536, 262144), dims=RetrieverDims(),
                    native_heads=NATIVE_HEADS, kmax=96, tau=64, repeats=3)
 
     @classmethod
     def tiny(cls) -> "Sizes":
-        return cls(quick=True, trace_rows=4, trace_max_chunks=256, trace_ops=100, trace_recall_blocks=6,
-                   trace_kmax=2, recall_kmax=2, l2_batches=(1, 3, 4), l2_max_chunks=256, l2_kmax=2, l2_steps=12,
-                   l2_topk=32, batches=(1, 2), chunks=(256, 512),
-                   dims=RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16, rope_dim=8),
+        return cls(quick=True, trace_layers=(4, (1, 3)), trace_rows=4, trace_max_chunks=512, trace_ops=120,
+                   trace_budget_s=600.0, trace_recall_blocks=5, trace_kmax=3, recall_kmax=2,
+                   l2_batches=(1, 3, 4), l2_max_chunks=256, l2_kmax=2, l2_steps=12, l2_topk=32,
+                   batches=(1, 2), chunks=(256, 512), dims=RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16,
+                                                                          rope_dim=8),
                    native_heads=4, kmax=2, tau=64, repeats=1)
 
 
@@ -127,7 +131,7 @@ def random_index_chunks(n: int, head_dim: int, g: torch.Generator) -> torch.Tens
 def random_engine_chunks(layout: OffloadLayout, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv uint8 [n_layers, n, kv_chunk_bytes] random bytes, index uint8 [n_layers, n, D+4] valid fp8 chunks)."""
     kv = torch.randint(0, 256, (layout.n_layers, n, layout.kv.chunk_bytes), dtype=torch.uint8, generator=g)
-    ix = torch.stack([random_index_chunks(n, layout.index_head_dim, g) for _ in range(layout.n_layers)])
+    ix = random_index_chunks(layout.n_layers * n, layout.index_head_dim, g).view(layout.n_layers, n, -1)
     return kv, ix
 
 

@@ -11,6 +11,7 @@ standard library, torch (with its own requirements), numpy, or this repository.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.metadata as md
 import importlib.util
 import json
@@ -231,3 +232,16 @@ def test_core_the_script_imports_names_only_long_stable_torch_apis():
     assert "torch.float8_e4m3fn" in used
     new = sorted(used - STABLE_TORCH_CORE)
     assert not new, f"torch APIs in the package core not yet checked against torch 2.11: {new}"
+
+
+def test_trace_stops_at_its_time_budget_with_a_final_comparison():
+    """With no time left the churn trace stops after one operation, still compares, and reports the ops it ran."""
+    _load()
+    from gpu_core import offload_check
+    from gpu_core.core import CheckResult, Sizes
+    res = CheckResult("a", "t")
+    offload_check._trace(res, dataclasses.replace(Sizes.tiny(), trace_budget_s=0.0), torch.device("cpu"), seed=0)
+    assert res.ok, res.failures
+    for mode in ("copy", "shrink"):
+        fig = res.figures[f"trace_{mode}"]
+        assert fig["ops"] == 1 and fig["ops_planned"] == Sizes.tiny().trace_ops and fig["equal"] is True
