@@ -36,7 +36,7 @@ from flashmemory.train.data_config import load_data_config, trained_on_meta
 from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
 from flashmemory.train.ddp import DistInfo, barrier, broadcast_flag, init_distributed
 from flashmemory.train.losses import retrieval_loss
-from flashmemory.train.rundir import BEST_F1, BEST_FILES, BEST_RK, METRICS, plan_resume, run_files
+from flashmemory.train.rundir import BEST_F1, BEST_FILES, BEST_RK, METRICS, plan_resume, read_progress, run_files
 from flashmemory.train.samples import SampleConfig
 from flashmemory.train.validate import Validator
 
@@ -305,12 +305,12 @@ class Trainer:
         self.sched.load_state_dict(obj["scheduler"])
         # The schedule follows this run's --epochs, continuing from the saved step.
         self.sched.T_max = max(1, self.steps_per_epoch * self.cfg.epochs)
-        self.step, self.start_epoch = int(obj["step"]), int(obj["epoch"]) + 1
+        self.step, epoch, self.best = read_progress(obj, path, self.best)
+        self.start_epoch = epoch + 1
         if self.start_epoch >= self.cfg.epochs:
             raise UserError(f"--resume-from {path}: that run already finished epoch {self.start_epoch} of "
                             f"--epochs {self.cfg.epochs} (epochs count from 1); nothing is left to train. Pass "
                             f"--epochs greater than {self.start_epoch} to train further")
-        self.best = {k: (float(v) if k != "stale" else int(v)) for k, v in obj.get("best", self.best).items()}
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self, epoch: int) -> bool:

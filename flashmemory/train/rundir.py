@@ -81,3 +81,26 @@ def plan_resume(out: Path, epoch: int, step: int) -> ResumePlan:
             move.append(METRICS)
     lost = tuple(k for k, name in BEST_FILES.items() if name not in names or name in move)
     return ResumePlan(tuple(move), metrics, lost)
+
+
+def read_progress(obj: dict, path: str | Path, best: dict) -> tuple[int, int, dict]:
+    """(step, epoch, best) of an epoch checkpoint, checked where they are read: step and epoch non-negative
+    integers, best scores finite or -1 (unset), `stale` a count. A NaN or a string there would reach `int()`
+    or be compared as a score (a CheckpointError naming the file and the field)."""
+    import math
+    from flashmemory.retriever.checkpoint import CheckpointError
+
+    def number(key: str, v: object, integer: bool) -> float:
+        x = v.item() if hasattr(v, "item") else v
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        if not ok or (integer and (x != int(x) or x < 0)):
+            kind = "a non-negative integer" if integer else "a finite number"
+            raise CheckpointError(f"--resume-from {path}: '{key}' is {x!r}, not {kind}; not an epoch checkpoint "
+                                  "written by `flashmemory train`?")
+        return int(x) if integer else float(x)
+    step, epoch = number("step", obj["step"], True), number("epoch", obj["epoch"], True)
+    saved = obj.get("best", best)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"--resume-from {path}: 'best' is not a dict of scores")
+    out = {k: number(f"best.{k}", v, k == "stale") for k, v in saved.items()}
+    return step, epoch, best | out

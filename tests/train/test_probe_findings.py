@@ -143,3 +143,21 @@ def test_a_seed_torch_cannot_take_names_the_flag(synth, tmp_path, capsys, value)
     assert main(_argv(synth / "data.json", tmp_path / "o", "--seed", value)) == 2
     err = capsys.readouterr().err
     assert err == f"flashmemory train: error: --seed {value}: must lie in [0, 2**63)\n", err
+
+
+@pytest.mark.parametrize("field, value", [("step", float("nan")), ("epoch", float("inf")), ("best", {"f1": "0.5"})])
+def test_a_resume_checkpoint_with_a_nan_step_is_named(synth, tmp_path, capsys, field, value) -> None:
+    """A NaN in an epoch checkpoint's progress fields reached `int()` ("cannot convert float NaN to integer",
+    naming neither the file nor the field). Promises: non-finite values are caught where they enter; one line
+    naming the file and the field."""
+    out = tmp_path / "r"
+    Trainer(_cfg(synth, out, epochs=1)).fit()
+    obj = torch.load(str(out / "ckpt_joint_epoch000.pt"), weights_only=True)
+    obj[field] = value
+    bad = tmp_path / "bad.pt"
+    torch.save(obj, bad)
+    assert main(_argv(synth / "data.json", tmp_path / "o", "--epochs", "3", "--resume-from", str(bad))) == 2
+    err = capsys.readouterr().err
+    key = "best.f1" if field == "best" else field
+    assert err.startswith(f"flashmemory train: error: --resume-from {bad}: '{key}' is "), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
