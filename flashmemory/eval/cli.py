@@ -82,6 +82,8 @@ def check_sizes(model, docs: list, paths: list, checkpoint: str) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from flashmemory.errors import UserError, fail
+    if a.checkpoint is None:   # not required by argparse only so that `eval quality` (no checkpoint) parses
+        a.eval_parser.error("the following arguments are required: --checkpoint")
     try:
         check_args(a)
     except UserError as e:
@@ -151,7 +153,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate a retriever checkpoint against residency baselines on a dump",
                        description="Policies (FlashMemory, recency, random, reactive, oracle) at equal resident "
                                    "budgets; golden recall, native top-k mass, resident fraction and pages.")
-    p.add_argument("--checkpoint", required=True, help="retriever checkpoint (.safetensors or .pt)")
+    p.add_argument("--checkpoint", default=None, help="retriever checkpoint (.safetensors or .pt); required")
     p.add_argument("--dump", default=None, help="dump directory (flashmemory-dump/1); not with --decode")
     p.add_argument("--data-config", default=None, help="score one split of a training data config instead of --dump")
     p.add_argument("--split", choices=("test", "val", "train"), default="test",
@@ -171,4 +173,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     from flashmemory.eval.residency_cli import add_residency_args
     add_decode_args(p)
     add_residency_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, eval_parser=p)
+    from flashmemory.eval.quality_cli import register_quality
+    register_quality(p)   # `flashmemory eval quality`
