@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+
+from flashmemory.serve.procs import free_ports
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
 # Flags that keep the tiny model's pools small and startup short on CPU (see the module README). sglang's own
@@ -36,12 +37,6 @@ class ServerError(RuntimeError):
     """The server did not come up, or a request to it failed."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -55,7 +50,7 @@ class CpuServer:
     def __init__(self, model: str | os.PathLike, log: str | os.PathLike, env: dict[str, str] | None = None,
                  extra_args: tuple[str, ...] = (), python: str = sys.executable, pythonpath: str | None = None):
         self.model, self.log = str(model), Path(log)
-        self.port = free_port()
+        self.port = free_ports(1)[0]   # below the ephemeral range: nothing takes it before sglang binds it
         self.id = uuid.uuid4().hex
         self.env = {**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1", MARKER: self.id,
                     **(env or {})}
