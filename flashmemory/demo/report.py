@@ -32,6 +32,11 @@ INTERVAL_NOTE = ("Intervals: [lo, hi] is a 95% interval over documents (Wilson s
                  "seeded resamples, for the other rates); n = documents (a cell over fewer says n=k).")
 
 
+QUALITY_POINTER = ("This is the demo's small run (a few documents per task: wide intervals). The same pipeline over 48 "
+                   "held-out documents per task is `flashmemory eval quality`; its committed result is "
+                   "docs/quality/report.md, which the README's quality tables cite.")
+
+
 def _fmt(v, fmt: str, key: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -226,6 +231,8 @@ def report_markdown(results: dict) -> str:
         "## Task accuracy by page budget",
         "",
         *task_tables(results.get("task_by_budget", {})),
+        "",
+        QUALITY_POINTER,
         "",
         "Columns: share of Full's native top-k softmax mass (every c4 layer, every decode step) inside the resident "
         "set; share of each step's golden labels resident; greedy next-token agreement with Full (teacher-forced); "

@@ -137,3 +137,10 @@ def test_plain_eval_still_requires_a_checkpoint(capsys) -> None:
         main(["eval", "--dump", "somewhere"])
     assert e.value.code == 2
     assert "the following arguments are required: --checkpoint" in capsys.readouterr().err
+
+
+def test_the_demo_report_points_to_the_quality_run() -> None:
+    from flashmemory.demo.report import report_markdown as demo_markdown
+    from tests.demo.test_report import _doc, _results as demo_results
+    md = demo_markdown(demo_results([_doc(1.0, 0.8), _doc(0.0, 0.6), _doc(1.0, 0.7)]))
+    assert "`flashmemory eval quality`" in md and "docs/quality/report.md" in md
