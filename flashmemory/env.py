@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from flashmemory.errors import UserError
 
@@ -79,7 +79,7 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
 
 # Upper bounds of the sizing knobs: far above any real server, low enough that a typo (1e12) is named here
 # instead of surfacing as an overflow or a failed allocation. Memory itself is checked before allocation
-# (`flashmemory.sglang.engine_adapter.check_reserve_memory`).
+# (`flashmemory.sglang.geometry.check_reserve_memory`).
 MAX_POSITION = 1 << 30      # tokens per request (DeepSeek-V4 serves 1,048,576)
 MAX_PAGES = MAX_POSITION // (4 * 64)  # c4 pages (64 chunks of 4 tokens) of a MAX_POSITION request
 MAX_ROWS = 1 << 16          # concurrent requests
@@ -87,6 +87,27 @@ MAX_BLOCKS = 1 << 24        # reserve page blocks per layer
 
 
 CPU_GATE = "SGLANG_FLASHMEMORY_CPU"
+
+
+STATS_FILE = "FLASHMEMORY_STATS_FILE"
+
+
+def stats_file(env: Mapping[str, str] | None = None) -> str:
+    """FLASHMEMORY_STATS_FILE: where a scheduler writes its diagnostic counters as JSON ("" = off). A diagnostic
+    for `scripts/gpu_check.py`, not a gate, so it is not part of `FlashMemoryEnv`."""
+    return (os.environ if env is None else env).get(STATS_FILE, "")
+
+
+def set_defaults(values: Mapping[str, str], env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set each variable of `values` that is not set yet (in `env`, default the process environment, which sglang
+    reads); returns {name: value} for those already set to something else (the user's choice wins)."""
+    e = os.environ if env is None else env
+    differ = {}
+    for k, v in values.items():
+        cur = e.setdefault(k, v)
+        if cur != v:
+            differ[k] = cur
+    return differ
 
 
 def cpu_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -7,7 +7,6 @@ publish, and copies bytes without it.
 
 from __future__ import annotations
 
-import math
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -42,15 +41,6 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.mirror_pages < 0 or self.landing_blocks < 0:
             raise ValueError("EngineConfig.mirror_pages and landing_blocks must be >= 0")
-
-    @classmethod
-    def from_env(cls, env: Any, max_chunks: int = 65536, page_chunks: int = 64, **over: Any) -> "EngineConfig":
-        """From a `flashmemory.env.FlashMemoryEnv` (reserve pages, decode region, KMAX, max concurrency)."""
-        kw = dict(max_rows=env.decode_max_conc, max_chunks=max_chunks, recall_blocks=env.auto_reserve_pages(),
-                  decode_pages=math.ceil(env.decode_resident_chunks / page_chunks),
-                  max_resident_pages=env.kmax(page_chunks))
-        kw.update(over)
-        return cls(**kw)
 
 
 @dataclass

@@ -56,16 +56,6 @@ class EscalationConfig:
         if min(self.shrink_after, self.fallback_after, self.fallback_history) < 1 or self.extra_pool < 0:
             raise ValueError(f"EscalationConfig: patience and history must be >= 1, extra_pool >= 0: {self}")
 
-    @classmethod
-    def from_env(cls, env, base: int, reserve_blocks: int, rows: int) -> "EscalationConfig":
-        """From a `flashmemory.env.FlashMemoryEnv`: pool = SGLANG_RETRIEVER_MISS_EXTRA_PAGES, or (0 = auto) what
-        the reserve holds beyond `rows` requests at `base` pages each, at least one step."""
-        cap = max(base, env.miss_kmax_cap_pages(base))
-        pool = env.miss_extra_pages or max(reserve_blocks - rows * (base + 1), cap - base)
-        return cls(threshold=env.miss_threshold, low_threshold=min(env.miss_low, env.miss_threshold), base=base,
-                   cap=cap, step=max(1, -(-(cap - base) // 3)) if cap > base else 1,
-                   shrink_after=env.miss_shrink_after, fallback_after=env.miss_fallback_after, extra_pool=pool)
-
 
 @dataclass
 class _Req:

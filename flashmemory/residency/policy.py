@@ -34,12 +34,6 @@ class SelectionConfig:
         if min(self.last_keep, self.first_keep, self.max_resident) < 0:
             raise ValueError("last_keep, first_keep and max_resident must be >= 0")
 
-    @classmethod
-    def from_env(cls, env) -> "SelectionConfig":
-        """From a `flashmemory.env.FlashMemoryEnv`."""
-        return cls(threshold=env.threshold, ensemble=env.ensemble_mode, last_keep=env.last_keep,
-                   first_keep=env.first_keep, max_resident=env.max_resident, kmax=env.kmax())
-
     @property
     def page_cap(self) -> int:
         """Pages a request may hold: kmax, tightened by max_resident when that is set."""

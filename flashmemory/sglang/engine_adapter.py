@@ -16,19 +16,19 @@ land per layer via `on_c4_store` and are settled from the pool for all layers at
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout
-from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer, warm_start
-from flashmemory.residency.level2 import Level2
-from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
+from flashmemory.offload import OffloadEngine
+from flashmemory.residency.level1 import Level1, retriever_scorer, warm_start
+from flashmemory.residency.policy import ThresholdPagePolicy
+from flashmemory.sglang.core_config import core_config
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
 from flashmemory.sglang.geometry import (RATIO, PoolGeometry, PoolGeometryError, c4_counts, page_locs,  # noqa: F401
                                          pool_buffers, read_chunk_rows, read_geometry)
+from flashmemory.sglang.monitor import build_monitor, monitor_stats
 
 
 
@@ -40,7 +40,8 @@ class _AllPass:
 
 
 class SGLangOffload:
-    """What `flashmemory.sglang.runtime` drives (see `runtime.OffloadEngine`). Build it with
+    """What `flashmemory.sglang.runtime` drives: every method the hooks and runtime call, copy mode's behaviour
+    (no-ops for what only shrink mode does; `shrink.ShrunkOffload` overrides them). Build it with
     `adapter_factory.build(pool, env)` (copy mode here, shrink mode in `shrink.ShrunkOffload`)."""
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
@@ -52,27 +53,15 @@ class SGLangOffload:
             raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
                                     f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
         self.device = torch.device(device) if device is not None else self.kv_bufs[0].device
-        self.layout = OffloadLayout(n_layers=geo.n_c4_layers, page_chunks=geo.page_chunks,
-                                    index_head_dim=geo.index_head_dim, target_layers=tuple(env.retriever_layers),
-                                    index_offload=env.index_k_offload)
-        # A row may grow as long as the pool lets it: sglang admits requests up to its --context-length, which
-        # SGLANG_DSV4_TARGET_CONTEXT (reserve sizing) does not bound; capping rows by it crashed the scheduler
-        # once a request outgrew it (bench serve: 4K-token prompt + 128 tokens, TARGET_CONTEXT 4096).
-        max_chunks = geo.n_locs
-        kmax = env.kmax(geo.page_chunks)
-        cap = env.miss_kmax_cap_pages(kmax)   # KMAX, or the escalation cap with the miss monitor
-        self.cfg = EngineConfig.from_env(env, max_chunks=max_chunks, page_chunks=geo.page_chunks,
-                                         mirror_pages=geo.n_pages, max_resident_pages=cap, **self._engine_overrides())
+        # The env stops here: the core takes the typed configs made from it in one function.
+        self.core = core_config(env, geo, landing_blocks=self._landing_blocks())
+        self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
         self.engine = OffloadEngine(self.layout, self.cfg, self.device, target_buffers=self._target_buffers())
-        sel = replace(SelectionConfig.from_env(env), kmax=cap)   # Level1Config's budget (KMAX or escalated) binds
-        scorer = retriever_scorer(retriever, self.engine, env.ensemble_mode) if retriever is not None else _AllPass()
-        self.level1_cfg = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=kmax,
-                                       last_keep=env.last_keep, async_recall=env.async_recall)
+        scorer = retriever_scorer(retriever, self.engine, self.core.ensemble) if retriever is not None else _AllPass()
         self.indexers: dict[int, Any] = {}   # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
-        from flashmemory.sglang.monitor import build_monitor
-        self.monitor = build_monitor(self)
-        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(sel), self.level1_cfg, monitor=self.monitor)
-        self.l2 = Level2(self.engine, max_batch=self.cfg.max_rows, topk=512)
+        self.monitor = build_monitor(self.core.escalation, self.engine, lambda: self.indexers)
+        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(self.core.selection), self.level1_cfg,
+                         monitor=self.monitor)
         self._kv_byte_map = self.layout.kv.byte_map.to(self.device)   # device copy: no H2D copy under capture
         self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
         self.rows: dict[str, int] = {}             # rid -> engine row
@@ -82,9 +71,12 @@ class SGLangOffload:
         self._unsettled: list[torch.Tensor] = []   # pool locs appended last step: re-read from the pool next step
 
     mode = "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink.ShrunkOffload)
+    # An extend forward's c4 attention reads the reserve (shrink mode): the runtime counts such forwards.
+    extend_reads_reserve = False
 
-    def _engine_overrides(self) -> dict[str, Any]:
-        return {}
+    def _landing_blocks(self) -> int:
+        """Reserve scratch blocks for extend stores (none in copy mode: the pool stays complete)."""
+        return 0
 
     def _target_buffers(self) -> list[torch.Tensor] | None:
         return None
@@ -135,6 +127,32 @@ class SGLangOffload:
         # The core allocates mirror pages itself, so PD cannot receive straight into the mirror; it receives
         # into the device pool as stock sglang does and `begin_step` copies each new request's history.
         return {}
+
+    # --- what shrink mode adds (no-ops here, so callers never probe for them) -------------------------
+    def index_in_reserve(self, layer: int | None) -> bool:
+        """c4 layer `layer`'s index-K lives in the Path-I reserve (never in copy mode)."""
+        return False
+
+    def block_table(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pool pages [B, K] -> reserve blocks; only for layers with `index_in_reserve` (none in copy mode)."""
+        raise RuntimeError("copy mode keeps no index-K in the reserve (index_in_reserve is False for every layer)")
+
+    def drop_sink(self, cells: torch.Tensor) -> torch.Tensor:
+        """Top-k picks [B, K] with the sink block's removed (copy mode has no reserve-block picks: unchanged)."""
+        return cells
+
+    def begin_forward(self, is_decode: bool) -> None:
+        """Before any non-idle forward: where its c4 stores land (copy mode: sglang's pool, nothing to do)."""
+
+    def end_extend(self) -> None:
+        """After an extend forward (copy mode: its stores are in sglang's pool, read at admission)."""
+
+    def settle(self) -> None:
+        """After a decode forward (copy mode: this step's entries are re-read from the pool at `begin_step`)."""
+
+    def host_ptrs(self) -> set[int]:
+        """Mirror pointers NIXL must register as host DRAM (copy mode: none; PD lands in the device pool)."""
+        return set()
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def _map_pages(self, row: int) -> None:
@@ -332,7 +350,6 @@ class SGLangOffload:
     def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
         if self.monitor is None:
             return {}
-        from flashmemory.sglang.monitor import monitor_stats
         with self.engine.lock:
             recent = list(self.engine.stats.miss_recent)
         return monitor_stats(snap, recent)

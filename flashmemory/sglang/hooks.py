@@ -73,7 +73,7 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
         # In-place copy into the static side band: recorded into the graph, so it replays every step.
         RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing, q_lora, c4_indexer)
     engine = RUNTIME.engine
-    picks_are_cells = engine is not None and getattr(engine, "index_in_reserve", lambda l: False)(layer)
+    picks_are_cells = engine is not None and engine.index_in_reserve(layer)
     if picks_are_cells:  # Path-I in the reserve (implies score-resident): the table holds reserve blocks
         meta.indexer_metadata = _resident_block_metadata(md, layer)
         try:
@@ -306,10 +306,9 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
     """PD decode into the host mirror: the c4 KV entries of `args` already point at the mirror
     (`around_contiguous_buf_infos`); NIXL must register them as DRAM, not VRAM."""
     engine = RUNTIME.engine
-    host = getattr(engine, "host_ptrs", None)
-    if host is None:
+    if engine is None:
         return
-    hp = host()
+    hp = engine.host_ptrs()
     ptrs = list(getattr(args, "kv_data_ptrs", None) or [])
     if not any(p in hp for p in ptrs):
         return
@@ -325,7 +324,7 @@ def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batc
     call the locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
     engine = RUNTIME.engine
     if (engine is None or not getattr(compressor, "is_in_indexer", False) or getattr(compressor, "ratio", None) != 4
-            or forward_batch.forward_mode.is_idle() or not hasattr(engine, "index_in_reserve")
+            or forward_batch.forward_mode.is_idle()
             or not engine.index_in_reserve(RUNTIME.c4_layer(self.token_to_kv_pool, layer_id))):
         return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
     cm = self.forward_metadata.core_metadata

@@ -10,10 +10,11 @@ monitor skips its measurement; nothing else changes.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
+from flashmemory.offload import OffloadEngine
 from flashmemory.residency.escalation import EscalationConfig, EscalationController
 from flashmemory.residency.monitor import keys_native_scorer
 from flashmemory.residency.monitored import MissMonitor
@@ -33,21 +34,19 @@ def indexer_query(indexers: Mapping[int, Any], layer: int, hidden: Mapping[Any, 
     return q.reshape(-1, q.shape[-1]).float(), w.reshape(-1).float()
 
 
-def build_monitor(adapter: Any) -> MissMonitor | None:
-    """The adapter's MissMonitor (None with the gate off): base budget KMAX, cap and shared pool from the env."""
-    env = adapter.env
-    if not env.miss_monitor:
+def build_monitor(cfg: EscalationConfig | None, eng: OffloadEngine,
+                  indexers: Callable[[], Mapping[int, Any]]) -> MissMonitor | None:
+    """The adapter's MissMonitor (None with the gate off, cfg None; `core_config.escalation_config` makes cfg).
+    indexers: returns the current map target c4 layer -> sglang's C4Indexer (the runtime shares its own map,
+    filled by the indexer hook as layers run), read at each measurement."""
+    if cfg is None:
         return None
-    eng = adapter.engine
-    cfg = EscalationConfig.from_env(env, base=env.kmax(adapter.geo.page_chunks),
-                                    reserve_blocks=adapter.cfg.recall_blocks, rows=adapter.cfg.max_rows)
-    if cfg.cap > adapter.cfg.max_resident_pages:
+    if cfg.cap > eng.cfg.max_resident_pages:
         raise ValueError(f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap "
-                         f"{adapter.cfg.max_resident_pages}")
+                         f"{eng.cfg.max_resident_pages}")
     ctl = EscalationController(cfg, free_blocks=lambda: len(eng.blocks))
-    native = keys_native_scorer(
-        eng, lambda row, layer, hidden, pos: indexer_query(adapter.indexers, layer, hidden, pos))
-    return MissMonitor(eng, native, ctl, adapter.layout.target_layers)
+    native = keys_native_scorer(eng, lambda row, layer, hidden, pos: indexer_query(indexers(), layer, hidden, pos))
+    return MissMonitor(eng, native, ctl, eng.layout.target_layers)
 
 
 def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """Process-wide FlashMemory state inside one sglang scheduler process, and the offload-core contract.
 
-The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`. The
-engine-agnostic offload core (`flashmemory.offload`) provides the object behind `OffloadEngine`; this
-module only drives it. Static buffers live here so the decode CUDA graph can bake them in.
+The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`. The Path-P
+adapter (`engine_adapter.SGLangOffload`, or its shrink-mode subclass `shrink.ShrunkOffload`) puts the offload
+core behind sglang's pool; the base class carries every method the hooks call (no-ops where copy mode has
+nothing to do), so neither this module nor the hooks probe what the adapter can do. Static buffers live here
+so the decode CUDA graph can bake them in.
 """
 
 from __future__ import annotations
@@ -11,40 +13,17 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashmemory.env import FlashMemoryEnv
+from flashmemory.env import FlashMemoryEnv, stats_file
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 
+if TYPE_CHECKING:
+    from flashmemory.sglang.engine_adapter import SGLangOffload
+
 logger = logging.getLogger(__name__)
-
-
-class OffloadEngine(Protocol):
-    """What the sglang glue needs from the offload side (`engine_adapter.SGLangOffload`). Per c4 layer l:
-
-    resident_mask   Bool [n_locs]        pool loc -> resident (mask mode; layer-uniform)
-    cells_of(locs)  Int32 [B, K]         top-k pool locs -> reserve cells, -1 = not resident (graph safe)
-    reserve_kv(l)   uint8 [blocks, 37440] device reserve rows read by attention instead of the c4 pool
-    reserve_index(l) uint8 [blocks, 8448] or None   Path-I reserve for non-target index-K
-    begin_step      sync requests before a decode forward (rids, c4 page table [B, P], token lengths [B])
-    refresh_from_pool(l, locs)  copy this step's new c4 entries (pool locs [T]) into their cells (graph safe)
-    """
-
-    resident_mask: torch.Tensor
-
-    def cells_of(self, locs: torch.Tensor) -> torch.Tensor: ...
-    def reserve_kv(self, layer: int) -> torch.Tensor: ...
-    def reserve_index(self, layer: int) -> torch.Tensor | None: ...
-    def begin_step(self, rids: list[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
-    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None: ...
-    def on_c4_store(self, layer: int, locs: torch.Tensor) -> None: ...
-    def on_index_store(self, layer: int, locs: torch.Tensor) -> None: ...
-    def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]: ...
-    def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-    def resident_pages(self, rows: torch.Tensor) -> torch.Tensor: ...
-    def stats(self) -> dict[str, float]: ...
 
 
 def server_args() -> Any:
@@ -56,7 +35,7 @@ def server_args() -> Any:
         return None
 
 
-def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> OffloadEngine:
+def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> "SGLangOffload":
     """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.adapter_factory.build`), with the
     retriever the plugin checked at registration."""
     from flashmemory.sglang import adapter_factory
@@ -115,7 +94,7 @@ class Runtime:
         self.env = FlashMemoryEnv()
         self.features: tuple[str, ...] = ()
         self.pool: Any = None
-        self.engine: OffloadEngine | None = None
+        self.engine: SGLangOffload | None = None         # copy or shrink mode: one base, no capability probes
         self.retriever: Any = None                        # JointRetriever checked at registration (Level 1 on)
         self.bufs: Level2Buffers | None = None
         self.dump = None
@@ -135,7 +114,7 @@ class Runtime:
         self._shrink: bool | None = None                  # shrink decision, made once per process
         self.steps = 0
         self.counters: dict[str, int] = {}
-        self.diag_path = os.environ.get("FLASHMEMORY_STATS_FILE", "")  # diagnostics for scripts/gpu_check.py
+        self.diag_path = stats_file()                     # diagnostics for scripts/gpu_check.py
 
     def count(self, name: str) -> None:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""
@@ -149,7 +128,7 @@ class Runtime:
                              "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None}
         if self.engine is not None:
             d.update(self.engine.stats())
-            d["mode"] = getattr(self.engine, "mode", None)
+            d["mode"] = self.engine.mode
         tmp = f"{self.diag_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(d, f)
@@ -191,8 +170,7 @@ class Runtime:
         self.pool = pool
         if self.on("path_p"):
             self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
-            if hasattr(self.engine, "indexers"):
-                self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
+            self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
             try:
                 from flashmemory.sglang.metrics import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()
@@ -259,9 +237,9 @@ class Runtime:
         self.keep_alive = []
         if self.sideband is not None and decode:
             self.sideband.begin_forward()
-        if self.engine is not None and hasattr(self.engine, "begin_forward") and not forward_batch.forward_mode.is_idle():
+        if self.engine is not None and not forward_batch.forward_mode.is_idle():
             self.engine.begin_forward(decode)   # shrink mode: where this forward's c4 stores land
-            if not decode and getattr(forward_batch, "rids", None):
+            if not decode and self.engine.extend_reads_reserve and getattr(forward_batch, "rids", None):
                 # Its stores are kept (landing -> mirror), but its c4 attention reads the reserve by pool loc.
                 # sglang 0.5.23 re-bootstraps retracted DSv4 requests through P, so a PD decode server should
                 # never get here; say so loudly if it does.
@@ -297,10 +275,9 @@ class Runtime:
         self.steps += 1
         if self.engine is None:
             return
-        if hasattr(self.engine, "settle"):
-            # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
-            # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
-            self.engine.settle()
+        # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
+        # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
+        self.engine.settle()
         snapshot = self.sideband_snapshot(len(getattr(forward_batch, "rids", None) or []))
         if snapshot is not None:
             self.engine.level1(snapshot)
@@ -314,7 +291,7 @@ class Runtime:
 
     def after_extend_forward(self) -> None:
         """Shrink mode: the extend's landing cells -> the mirror."""
-        if self.engine is not None and hasattr(self.engine, "end_extend"):
+        if self.engine is not None:
             self.engine.end_extend()
 
 

@@ -85,6 +85,7 @@ class ShrunkOffload(SGLangOffload):
     """`SGLangOffload` with a pool-addressed mirror and the device c4 KV pool replaced by the reserve."""
 
     mode = "shrink"
+    extend_reads_reserve = True
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None,
                  n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128):
@@ -101,8 +102,8 @@ class ShrunkOffload(SGLangOffload):
         self.device_bytes_saved = 0
         self._shrink()
 
-    def _engine_overrides(self) -> dict[str, Any]:
-        return {"landing_blocks": math.ceil(self.n_landing / self.geo.page_chunks)}
+    def _landing_blocks(self) -> int:
+        return math.ceil(self.n_landing / self.geo.page_chunks)
 
     def _target_buffers(self) -> list[torch.Tensor]:
         return [self.ix_bufs[l][: self.geo.n_pages] for l in self.layout.target_layers]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.env import FlashMemoryEnv
 from flashmemory.residency.policy import (SelectionConfig, ThresholdPagePolicy, ensemble_scores, forced_mask,
                                           select_chunks, select_pages)
 
@@ -171,20 +170,13 @@ def test_select_pages_matches_brute_force_on_random_inputs() -> None:
             assert torch.all(pages[r, counts[r]:] == -1)
 
 
-def test_threshold_page_policy_and_from_env() -> None:
+def test_threshold_page_policy() -> None:
     s = torch.zeros(64 * 4)
     s[64 + 1] = 0.9
     policy = ThresholdPagePolicy(SelectionConfig(last_keep=2, kmax=96))
     assert policy(s, 64 * 3, budget_pages=8).tolist() == [1, 2]
     assert policy(s, 64 * 3, budget_pages=1).tolist() == [2]
-    env = FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_SIGMOID_THRESH": "0.3",
-                                       "SGLANG_RETRIEVER_ENSEMBLE_MODE": "mean", "SGLANG_RETRIEVER_LAST_KEEP": "17",
-                                       "SGLANG_RETRIEVER_FIRST_KEEP": "5",
-                                       "SGLANG_RETRIEVER_MAX_RESIDENT": "640", "SGLANG_PATHP_PAGE_KMAX": "12"})
-    cfg = SelectionConfig.from_env(env)
-    assert (cfg.threshold, cfg.ensemble, cfg.last_keep, cfg.first_keep, cfg.max_resident, cfg.kmax) == \
-        (0.3, "mean", 17, 5, 640, 12)
-    assert cfg.page_cap == 10
+    assert SelectionConfig(max_resident=640, kmax=12).page_cap == 10
 
 
 def test_equal_counts_rank_by_score_before_recency() -> None:

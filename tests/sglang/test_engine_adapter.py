@@ -7,6 +7,7 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import OffloadLayout, check_invariants
+from flashmemory.residency.level2 import Level2
 from flashmemory.retriever import save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.sglang import engine_adapter
@@ -120,7 +121,7 @@ def test_prefill_decode_level1_level2(ckpt):
     cols = (vt.long()[0].repeat_interleave(64) * 64 + torch.arange(64).repeat(vt.shape[1]))[: int(vl)]
     assert (eng.cells_of(cols.view(1, -1)) >= 0).all()
     # the core's Level2 agrees on what is resident
-    out = eng.l2.mask_topk(torch.randn(1, n), rows, k=64)
+    out = Level2(eng.engine, max_batch=eng.cfg.max_rows).mask_topk(torch.randn(1, n), rows, k=64)
     assert (out.cells[out.chunks >= 0] >= 0).all()
     st = eng.stats()
     assert set(st) == set(METRICS) - set(MONITOR_KEYS) and st["recall_pages"] >= 1 and 0 < st["resident_fraction"] <= 1
@@ -177,3 +178,13 @@ def test_a_request_longer_than_the_target_context_is_served():
         rows = eng.begin_step(["long"], table, torch.tensor([3 * PAGE + 9 + 4 * step]))
     assert eng.engine.n_chunks(int(rows[0])) == (3 * PAGE + 9 + 12) // 4
     eng.close()
+
+
+def test_serving_allocates_no_core_level2(monkeypatch) -> None:
+    """Serving reads residency through `cells_of` / `resident_pages` and sglang's own top-k; a core `Level2`
+    ([max_rows, max_chunks] + [max_rows, reserve cells] fp32 on the pool's device) would be memory nothing reads."""
+    made = []
+    monkeypatch.setattr(Level2, "__init__", lambda self, *a, **k: made.append(a))
+    eng = build(fake_pool(), env(), shrink=False)
+    eng.close()
+    assert made == []

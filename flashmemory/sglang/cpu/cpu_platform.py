@@ -6,11 +6,9 @@ out-of-tree): sglang's CPU code paths apply unchanged; it only adds the DeepSeek
 
 from __future__ import annotations
 
-import os
-
 from sglang.srt.platforms.cpu import CpuSRTPlatform
 
-from flashmemory.env import CPU_GATE
+from flashmemory.env import CPU_GATE, cpu_enabled
 
 
 class FlashMemoryCpuPlatform(CpuSRTPlatform):
@@ -20,6 +18,6 @@ class FlashMemoryCpuPlatform(CpuSRTPlatform):
         # The DSv4 top-k kernels are CUDA; sglang's own torch top-k is the only one that runs here.
         if getattr(server_args, "dsa_topk_backend", None) != "torch":
             server_args.dsa_topk_backend = "torch"
-        if os.environ.get(CPU_GATE) and getattr(server_args, "device", "cpu") not in (None, "cpu"):
+        if cpu_enabled() and getattr(server_args, "device", "cpu") not in (None, "cpu"):
             raise SystemExit(f"FlashMemory startup error: {CPU_GATE}=1 needs --device cpu "
                              f"(got --device {server_args.device})")

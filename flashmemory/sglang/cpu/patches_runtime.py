@@ -5,8 +5,10 @@
   `get_rope` (its CPU-safe torch RoPE); scaled layers keep `get_rope_cpu`.
 - `KVCacheConfigurator.configure` (kv_cache_configurator.py:459-467): refuses an fp8 KV cache on CPU
   without Intel AMX. DSv4 stores its fp8 KV as raw bytes written by the torch stores, so for the DSv4 pool
-  the check is skipped: during `configure` the module sees a platform view whose `is_cpu()` is False (the
-  only `is_cpu()` reads in that module are that check and the MHA fp8 quant method at :453).
+  the check is skipped: the module's `current_platform` is a delegating view (installed once, never put back)
+  whose `is_cpu()` is False only on the thread running a DSv4 fp8 `configure`, and true everywhere else, so
+  a configure on one thread changes nothing another thread sees (the only `is_cpu()` reads in that module
+  are that check and the MHA fp8 quant method at :453).
 - `DeepseekV4AttnBackend` decode (deepseek_v4_backend.py:4384): calls `self._flash_mla_with_kvcache`, which
   `__init__` sets only on CUDA (:1262). After `__init__` it is set to the torch sparse decode
   (`sparse_attention.sparse_decode_fwd`: the math of sglang's torch path `flash_mla_sm120.py:136
@@ -17,7 +19,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,17 +42,39 @@ def rope_wrapper(original: Callable, head_size: int, rotary_dim: int, max_positi
                     partial_rotary_factor, device)
 
 
-class _NotCpuView:
-    """Delegates to the platform, except `is_cpu()` -> False (see the module docstring)."""
+class Dsv4Fp8PlatformView:
+    """Delegates to sglang's platform, except that `is_cpu()` is False on a thread inside `inside()` (a DSv4
+    fp8 `configure`; see the module docstring). The depth is per thread, so other threads see the truth."""
 
     def __init__(self, platform: Any):
-        self._platform = platform
+        self.platform = platform
+        self.local = threading.local()
 
     def is_cpu(self) -> bool:
-        return False
+        return False if getattr(self.local, "depth", 0) else self.platform.is_cpu()
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.depth -= 1
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._platform, name)
+        return getattr(self.platform, name)
+
+
+_VIEW_LOCK = threading.Lock()
+
+
+def platform_view(module: Any) -> Dsv4Fp8PlatformView:
+    """`module.current_platform` as a `Dsv4Fp8PlatformView`, installed on first use (once per process)."""
+    with _VIEW_LOCK:
+        view = module.current_platform
+        if not isinstance(view, Dsv4Fp8PlatformView):
+            view = module.current_platform = Dsv4Fp8PlatformView(view)
+        return view
 
 
 def configure_dsv4_fp8(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,12 +82,8 @@ def configure_dsv4_fp8(original: Callable, self: Any, *args: Any, **kwargs: Any)
     from sglang.srt.configs.model_config import is_deepseek_v4
     if not (is_deepseek_v4(self.model_config.hf_config) and self.kv_cache_dtype == torch.float8_e4m3fn):
         return original(self, *args, **kwargs)
-    real = kcc.current_platform
-    kcc.current_platform = _NotCpuView(real)
-    try:
+    with platform_view(kcc).inside():
         return original(self, *args, **kwargs)
-    finally:
-        kcc.current_platform = real
 
 
 def no_flashmla_metadata() -> None:

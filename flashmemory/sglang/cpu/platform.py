@@ -13,9 +13,9 @@ The torch fallbacks themselves are installed later, by `flashmemory.sglang.cpu.i
 from __future__ import annotations
 
 import logging
-import os
+from typing import MutableMapping
 
-from flashmemory.env import CPU_GATE, cpu_enabled
+from flashmemory.env import CPU_GATE, cpu_enabled, set_defaults
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 
@@ -47,14 +47,10 @@ CPU_SWITCHES: dict[str, str] = {
 PLATFORM_CLASS = "flashmemory.sglang.cpu.cpu_platform.FlashMemoryCpuPlatform"
 
 
-def apply_switches(environ=os.environ) -> dict[str, str]:
-    """Set each switch the user did not set; returns the ones that differ from ours (the user's choice wins)."""
-    differ = {}
-    for k, v in CPU_SWITCHES.items():
-        cur = environ.setdefault(k, v)
-        if cur != v:
-            differ[k] = cur
-    return differ
+def apply_switches(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set each switch the user did not set (`flashmemory.env.set_defaults`, default the process environment);
+    returns the ones that differ from ours (the user's choice wins)."""
+    return set_defaults(CPU_SWITCHES, environ)
 
 
 def activate() -> str | None:

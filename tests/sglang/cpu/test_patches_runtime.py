@@ -1,0 +1,59 @@
+"""`configure_dsv4_fp8`: sglang's CPU fp8 KV check is skipped for the DSv4 pool on the configuring thread only."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from flashmemory.sglang.cpu.patches_runtime import Dsv4Fp8PlatformView, configure_dsv4_fp8
+
+kcc = pytest.importorskip("sglang.srt.mem_cache.kv_cache_configurator")
+
+
+class CpuPlatform:
+    name = "cpu-for-test"
+
+    def is_cpu(self) -> bool:
+        return True
+
+
+def configurator(arch: str, dtype: torch.dtype) -> types.SimpleNamespace:
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=[arch])),
+                                 kv_cache_dtype=dtype)
+
+
+def test_only_the_configuring_thread_sees_a_non_cpu_platform(monkeypatch) -> None:
+    monkeypatch.setattr(kcc, "current_platform", CpuPlatform())
+    seen: dict[str, object] = {}
+
+    def original(self, *, pre_model_load_memory: int) -> str:
+        seen["inside"] = kcc.current_platform.is_cpu()
+        seen["name"] = kcc.current_platform.name           # everything else delegates
+        other = threading.Thread(target=lambda: seen.__setitem__("other", kcc.current_platform.is_cpu()))
+        other.start()
+        other.join()
+        return "configured"
+
+    out = configure_dsv4_fp8(original, configurator("DeepseekV4ForCausalLM", torch.float8_e4m3fn),
+                             pre_model_load_memory=0)
+    assert out == "configured"
+    assert seen == {"inside": False, "name": "cpu-for-test", "other": True}
+    assert kcc.current_platform.is_cpu()                    # after the call, on this thread too
+    view = kcc.current_platform
+    assert isinstance(view, Dsv4Fp8PlatformView)
+    configure_dsv4_fp8(lambda self, **kw: None, configurator("DeepseekV4ForCausalLM", torch.float8_e4m3fn),
+                       pre_model_load_memory=0)
+    assert kcc.current_platform is view                     # installed once, not stacked
+
+
+@pytest.mark.parametrize("arch,dtype", [("DeepseekV4ForCausalLM", torch.bfloat16),
+                                        ("LlamaForCausalLM", torch.float8_e4m3fn)])
+def test_other_models_and_dtypes_keep_the_check(monkeypatch, arch, dtype) -> None:
+    monkeypatch.setattr(kcc, "current_platform", CpuPlatform())
+    seen = []
+    configure_dsv4_fp8(lambda self, **kw: seen.append(kcc.current_platform.is_cpu()), configurator(arch, dtype),
+                       pre_model_load_memory=0)
+    assert seen == [True]
