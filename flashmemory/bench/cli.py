@@ -12,7 +12,7 @@ BENCHES = {
     "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
     "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
-    "monitor": ("flashmemory.bench.monitor", "miss monitor (1 native layer per tau steps) vs the native indexer on 21 "
+    "monitor": ("flashmemory.bench.monitor_cost", "miss monitor (1 native layer per tau steps) vs the native indexer on 21 "
                                              "layers every step"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-# what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/metrics.py)
+# what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/prometheus.py)
 LIVE_COLUMNS = [
     ("flashmemory_resident_fraction", "resident frac", "{:.3f}"),
     ("flashmemory_recall_bytes_total", "recalled KiB", "{:.0f}"),

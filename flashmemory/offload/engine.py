@@ -17,7 +17,7 @@ import torch
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
-from flashmemory.offload.metrics import OffloadMetrics
+from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
 
@@ -365,7 +365,7 @@ class OffloadEngine:
                 self.stats.add(st.rid, name, n)
 
     def metrics(self) -> dict[str, Any]:
-        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.metrics.COUNTERS`)."""
+        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.counters.COUNTERS`)."""
         with self.lock:
             res = {}
             for r, st in enumerate(self.rows):

@@ -28,7 +28,7 @@ from flashmemory.sglang.core_config import core_config
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
 from flashmemory.sglang.geometry import (RATIO, PoolGeometry, PoolGeometryError, c4_counts, page_locs,  # noqa: F401
                                          pool_buffers, read_chunk_rows, read_geometry)
-from flashmemory.sglang.monitor import build_monitor, monitor_stats
+from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
 
 
 
@@ -333,7 +333,7 @@ class SGLangOffload:
         return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
 
     def stats(self) -> dict[str, float]:
-        """The keys of `flashmemory.sglang.metrics.METRICS`."""
+        """The keys of `flashmemory.sglang.prometheus.METRICS`."""
         snap = self.engine.metrics()["total"]
         eng = self.engine
         with eng.lock:

@@ -1,5 +1,5 @@
 """The hook callables registered with sglang's HookRegistry (see `targets.SPECS`). Glue only: each one reads
-sglang objects, calls the plain tensor functions in `level2` or the state in `runtime.RUNTIME`, and returns.
+sglang objects, calls the plain tensor functions in `resident_topk` or the state in `runtime.RUNTIME`, and returns.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from flashmemory.sglang.level2 import apply_resident_mask, resident_view
+from flashmemory.sglang.resident_topk import apply_resident_mask, resident_view
 from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def _dump_observe(backend: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexe
                   layer: int, md: Any, meta: Any) -> None:
     """Recompute this layer's native logits (q, weights are locals of the indexer) and hand them to the recorder."""
     from flashmemory.retriever.fp8 import pages_to_chunks
-    from flashmemory.sglang.level2 import paged_index_scores
+    from flashmemory.sglang.resident_topk import paged_index_scores
 
     rec = RUNTIME.dump
     rids = list(forward_batch.rids or [])

@@ -172,7 +172,7 @@ class Runtime:
             self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
             self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
             try:
-                from flashmemory.sglang.metrics import FlashMemoryMetrics
+                from flashmemory.sglang.prometheus import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()
             except (ImportError, ValueError) as e:  # no prometheus_client, or already registered in this process
                 logger.warning("FlashMemory: metrics not exported (%s)", e)

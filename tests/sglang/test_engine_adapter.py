@@ -13,8 +13,8 @@ from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.sglang import engine_adapter
 from flashmemory.sglang.adapter_factory import build
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, read_chunk_rows
-from flashmemory.sglang.level2 import apply_resident_mask, pool_locs, resident_view
-from flashmemory.sglang.metrics import METRICS, MONITOR_KEYS
+from flashmemory.sglang.resident_topk import apply_resident_mask, pool_locs, resident_view
+from flashmemory.sglang.prometheus import METRICS, MONITOR_KEYS
 from flashmemory.sglang.runtime import Runtime, c4_page_table
 
 pytestmark = pytest.mark.sglang

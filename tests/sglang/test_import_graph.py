@@ -248,3 +248,17 @@ def test_the_reader_sees_function_level_and_relative_circles(tmp_path: Path) -> 
     assert sorted(circles(graph)) == [["flashmemory.offload.engine", "flashmemory.offload.recall"],
                                       ["flashmemory.sglang.a", "flashmemory.sglang.b"]]
     assert floor_violations(graph) == ["flashmemory.sglang.b (floor 5) -> flashmemory.demo.x (floor 8)"]
+
+
+def test_the_decode_step_walk_names_files_that_exist() -> None:
+    """flashmemory/sglang/README.md walks one decode step call by call; every file it names must exist (a rename
+    that leaves the walk behind fails here), and its crossings are numbered X1..Xn without gaps."""
+    import re
+    text = (PKG / "sglang" / "README.md").read_text()
+    walk = text[text.index("### One decode step, call by call"):]
+    walk = walk[:walk.index("\n### ", 1)]
+    files = set(re.findall(r"`((?:sglang|offload|residency)/[a-z_/]+\.py)`", walk))
+    assert files and not [f for f in sorted(files) if not (PKG / f).is_file()], sorted(files)
+    marks = [int(n) for n in re.findall(r"\*\*\[X(\d+)\]\*\*", walk)]
+    assert marks == list(range(1, len(marks) + 1))
+    assert f"Crossings: {len(marks)} " in walk

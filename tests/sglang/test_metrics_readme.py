@@ -20,7 +20,7 @@ def test_readme_gate_table_is_generated_and_complete(readme):
 
 def test_metrics_export():
     prom = pytest.importorskip("prometheus_client")
-    from flashmemory.sglang.metrics import FlashMemoryMetrics
+    from flashmemory.sglang.prometheus import FlashMemoryMetrics
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
     m.publish({"recall_bytes": 1000, "resident_fraction": 0.25, "unknown": 1})

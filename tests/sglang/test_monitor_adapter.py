@@ -7,7 +7,7 @@ import torch
 from flashmemory.offload import check_invariants
 from flashmemory.sglang.adapter_factory import build
 from flashmemory.sglang.geometry import c4_counts
-from flashmemory.sglang.metrics import METRICS, FlashMemoryMetrics
+from flashmemory.sglang.prometheus import METRICS, FlashMemoryMetrics
 from flashmemory.sglang.runtime import Runtime
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
 from tests.sglang.test_shrink import c4_layer_ids, make_pool, sa  # noqa: F401 (sa is a fixture)

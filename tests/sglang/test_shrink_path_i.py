@@ -28,7 +28,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     the full pool would over the resident columns, its picks being cells whose KV is the true KV."""
     from dataclasses import dataclass
 
-    from flashmemory.sglang.level2 import paged_index_scores
+    from flashmemory.sglang.resident_topk import paged_index_scores
     from flashmemory.sglang.runtime import Level2Buffers
 
     @dataclass

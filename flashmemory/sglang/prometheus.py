@@ -33,7 +33,7 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")
-MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.metrics.MISS_BUCKETS
+MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
 
 
 @dataclass

@@ -50,7 +50,7 @@ def build_monitor(cfg: EscalationConfig | None, eng: OffloadEngine,
 
 
 def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:
-    """The monitor's keys of `flashmemory.sglang.metrics.METRICS` from `engine.metrics()["total"]`."""
+    """The monitor's keys of `flashmemory.sglang.prometheus.METRICS` from `engine.metrics()["total"]`."""
     hist = snap_total.get("miss_mass", {})
     return {k: float(snap_total.get(k, 0)) for k in ("monitor_cycles", "escalations", "escalations_denied",
                                                       "fallbacks", "missing_pages_added")} | {
