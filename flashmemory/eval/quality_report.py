@@ -54,8 +54,9 @@ def monitor_lines(results: dict) -> list[str]:
     if not mon:
         return []
     lines = ["## The monitor's case: FlashMemory vs FlashMemory+monitor vs Oracle", "",
-             "| budget | task | method | n | task score | top-k mass | mean pages | miss mass | escalations / doc | "
-             "fallbacks / doc | equal budget |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| budget | task | method | n | task score | top-k mass | mean pages | KMAX / base / cap | miss mass | "
+             "escalations / doc | fallbacks / doc | equal budget |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b, per_task in mon.items():
         for task, methods in per_task.items():
             for name in MONITOR_METHODS:
@@ -65,10 +66,14 @@ def monitor_lines(results: dict) -> list[str]:
                 n = row_n(m)
                 esc = "-" if name != "FlashMemory+monitor" else f"{m.get('escalations', math.nan):.2f}"
                 fb = "-" if name != "FlashMemory+monitor" else f"{m.get('fallbacks', math.nan):.2f}"
+                caps = (f"{m.get('kmax', math.nan):.2f} / {m.get('base_pages', math.nan):.2f} / "
+                        f"{m.get('cap_pages', math.nan):.2f}" if name == "FlashMemory+monitor" else
+                        f"{m.get('kmax', math.nan):.2f}")
                 lines.append(
                     f"| {float(b):.0%} | {task} | {name} | {'-' if n is None else n} | "
                     f"{interval_cell(m.get('task_score'), m.get('task_score_ci'), '{:.3f}', n)} | "
-                    f"{interval_cell(m.get('mass'), m.get('mass_ci'), '{:.3f}', n)} | {m.get('mean_pages', 0):.2f} | "
+                    f"{interval_cell(m.get('mass'), m.get('mass_ci'), '{:.3f}', n)} | "
+                    f"{m.get('mean_pages', 0):.2f} | {caps} | "
                     f"{interval_cell(m.get('miss_mass_mean'), m.get('miss_mass_mean_ci'), '{:.3f}', n)} | "
                     f"{esc} | {fb} | {budget_cell(m)} |")
     lines.append("")
@@ -78,7 +83,20 @@ def monitor_lines(results: dict) -> list[str]:
             lines.append(f"- at {float(b):.0%}: monitor miss mass {_q(m.get('miss_values', []))}; "
                          f"{m.get('escalations', 0) * row_n(m):.0f} escalations and "
                          f"{m.get('fallbacks', 0) * row_n(m):.0f} fallbacks over {row_n(m)} documents")
-    return lines + [""]
+    return lines + ["", "KMAX / base / cap: mean pages per document. FlashMemory+monitor runs at the largest base "
+                    "budget (and cap) whose mean resident pages stay within FlashMemory's; where the cap equals KMAX, the "
+                    "monitor cannot widen the budget and the pages it injects replace retriever picks. The miss mass "
+                    "of a reading is 1 - the rotated layer's native top-k mass over the set the previous decode step "
+                    "attended; the first cycle (before any decode step) takes no reading.", ""]
+
+
+def command(qc: dict) -> str:
+    """The `flashmemory eval quality` command line of a run's QualityConfig (as a dict)."""
+    parts = ["flashmemory eval quality", f"--out-dir {qc['out_dir']}", f"--n-per-task {qc['n_per_task']}",
+             f"--budgets {','.join(str(b) for b in qc['budgets'])}"]
+    parts += [f"--{k.replace('_', '-')} {','.join(v) if isinstance(v, (list, tuple)) else v}"
+              for k, v in qc.items() if k in ("methods", "tasks", "tau", "seed", "retriever") and v]
+    return " ".join(parts)
 
 
 def report_markdown(results: dict) -> str:
@@ -106,9 +124,8 @@ def report_markdown(results: dict) -> str:
                   *unmatched_notes(methods, f" at {float(b):.0%}"), ""]
     lines += monitor_lines(results)
     lines += [f"Scope: {scope(results)}", "",
-              "Reproduce: `flashmemory eval quality --out-dir quality_out --n-per-task "
-              f"{qc['n_per_task']} --budgets {','.join(str(b) for b in qc['budgets'])}` (resumable: rerun it to "
-              "continue; per-document records in quality_out/docs/)."]
+              f"Reproduce: `{command(qc)}` (resumable: rerun it to continue; per-document records in "
+              f"{qc['out_dir']}/docs/)."]
     return "\n".join(lines) + "\n"
 
 

@@ -96,7 +96,8 @@ def _results(n: int, planned: int) -> dict:
     recs = [{"index": i, "task": TASKS[i % 3], "seconds": 2.0, "budgets": _rows(i)} for i in range(8, 8 + n)]
     cfg = {"model": "/x/dsv4-retrieval", "doc_len": 1024, "gen_tokens": 24, "n_train": 6, "n_val": 2,
            "target_layers": [0, 1, 2], "tau": 16, "page_chunks": 8, "tail_chunks": 8, "fingerprint": "f",
-           "quality": {"n_per_task": 48, "budgets": [0.1, 0.2]}}
+           "quality": {"out_dir": "q", "n_per_task": 48, "budgets": [0.1, 0.2], "methods": [], "tasks": ["mqar"],
+                       "tau": 8, "seed": 0, "retriever": ""}}
     return aggregate(recs, cfg, "model dsv4-retrieval: the shipped trained tiny DeepSeek-V4", planned)
 
 
@@ -116,6 +117,8 @@ def test_every_cell_has_n_and_an_interval_and_a_partial_run_says_so() -> None:
     assert "**12 of 144 planned documents are done**" in md
     assert "| Full | 12 | 1.000 [0.758, 1.000] | 1.000 [0.758, 1.000] |" in md   # Wilson, 12 of 12
     assert "The monitor's case" in md and "| 10% | mqar | FlashMemory+monitor | 4 |" in md
+    assert ("Reproduce: `flashmemory eval quality --out-dir q --n-per-task 48 --budgets 0.1,0.2 --tasks mqar "
+            "--tau 8`") in md
     assert "p10/p50/p90 0.100 / 0.300 / 0.300 over 24 readings" in md
     assert "All 144 planned documents are done." in report_markdown(_results(144, 144))
     assert json.loads(json.dumps(res, default=str))["docs_done"] == 12
