@@ -85,9 +85,9 @@ def monitor_lines(results: dict) -> list[str]:
                          f"{m.get('fallbacks', 0) * row_n(m):.0f} fallbacks over {row_n(m)} documents")
     return lines + ["", "KMAX / base / cap: mean pages per document. FlashMemory+monitor runs at the largest base "
                     "budget (and cap) whose mean resident pages stay within FlashMemory's; where the cap equals KMAX, "
-                    "the monitor cannot widen the budget and the pages it injects replace retriever picks. The miss mass "
-                    "of a reading is 1 - the rotated layer's native top-k mass over the set the previous decode step "
-                    "attended; the first cycle (before any decode step) takes no reading.", ""]
+                    "the monitor cannot widen the budget and the pages it injects replace retriever picks. The miss "
+                    "mass of a reading is 1 - the rotated layer's native top-k mass over the set the previous decode "
+                    "step attended; the first cycle (before any decode step) takes no reading.", ""]
 
 
 def command(qc: dict) -> str:
