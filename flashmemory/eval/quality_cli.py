@@ -12,7 +12,7 @@ def _tuple(raw: str | None) -> tuple[str, ...]:
 def config_from_args(a: argparse.Namespace):
     """QualityConfig from the parsed flags (UserError naming a bad flag)."""
     from flashmemory.errors import UserError
-    from flashmemory.eval.cli import parse_budgets
+    from flashmemory.eval.budgets import parse_budgets
     from flashmemory.eval.quality import QualityConfig
     budgets = parse_budgets(a.budgets)
     if not budgets:
