@@ -69,6 +69,10 @@ COMMON = {"SGLANG_RETRIEVER_INLINE_LAYERS": "0,1", "SGLANG_DSV4_TARGET_CONCURREN
 # chunks) hold every chunk of these <= 1.2K-token requests, so nothing is ever evicted.
 FULL_BUDGET = {**COMMON, "SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1",
                "SGLANG_PATHP_PAGE_KMAX": "16", "SGLANG_RETRIEVER_LAST_KEEP": "2048"}
+# (b') the same budget, but Level 1 decides what is resident: every chunk passes it (logit offset 30, threshold
+# 1e-4) and the recency tail is 16 chunks, so a page is resident because a Level-1 cycle (every 4 steps) kept it.
+LEVEL1_FULL = {**FULL_BUDGET, "SGLANG_RETRIEVER_LAST_KEEP": "16", "SGLANG_RETRIEVER_LOGIT_OFFSET": "30",
+               "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.0001"}
 # (c) the same features at a small budget: two resident pages (of 64 chunks) per request, one of them the page
 # the 16-chunk recency tail is on, the other the retriever's pick: 13-25% of the (c) requests' 8-15 pages.
 SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_RETRIEVER_LAST_KEEP": "16"}
@@ -98,7 +102,7 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
     stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
     off = make_server(serving_model, live_logs, "gates_off")
     ckpt = tiny_retriever_ckpt
-    full = make_server(serving_model, live_logs, "full_budget", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
+    full = make_server(serving_model, live_logs, "full_budget", env={**LEVEL1_FULL, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
                         env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
     servers = {"stock": stock, "off": off, "full": full, "small": small}

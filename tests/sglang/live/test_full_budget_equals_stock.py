@@ -1,25 +1,39 @@
-"""(b) Path-P + Level 1 + score-resident Level 2 with a budget that holds the whole history: the tokens of
-stock sglang. Two requests of different lengths run concurrently on both servers, as each server's first
-requests (a fresh server's first decode step once scored only the newest page: Level-2 buffers were allocated
-lazily, after the publish)."""
+"""(b) Path-P + Level 1 + score-resident Level 2 at a budget that holds the whole history: stock sglang's tokens,
+with Level 1 deciding what is resident (every chunk passes it; the recency tail is 16 chunks), more decode steps
+than 2 x tau (tau = 4), and four concurrent requests of different lengths (issue 17, item 5).
 
-from concurrent.futures import ThreadPoolExecutor
+Why one batched /generate call: stock sglang on CPU is not batch-invariant. The same request decoded alone and
+beside three others gave logprobs up to 0.65 apart and other greedy tokens after 4-22 steps (and two concurrent
+runs of one stock server differed once, when the arrival order changed the batches), so two servers fed by
+separate HTTP threads can legitimately disagree. One call hands the scheduler all four at once, on both servers.
+Why <= 512 chunks (<= 2,048 tokens): below the indexer's top-512 every chunk is attended, and there FlashMemory is
+bit-identical to stock (measured: logprob deltas 0.0); beyond it, see the README's "Exactness at full budget"."""
 
 from tests.sglang.live.conftest import prompt
 
-REQS = [(1100, 3, 12), (760, 4, 8)]   # (prompt tokens, seed, decode steps)
+REQS = [(300, 3), (700, 4), (1200, 5), (1900, 6)]   # (prompt tokens, seed): 75 to 475 chunks, 2 to 8 pages
+STEPS = 16                                          # > 2 x SGLANG_RETRIEVER_INTERVAL (4): Level-1 cycles decide
 
 
-def _run(server):
-    with ThreadPoolExecutor(len(REQS)) as ex:
-        futs = [ex.submit(server.generate, prompt(n, seed), steps) for n, seed, steps in REQS]
-        return [f.result()["output_ids"] for f in futs]
+def _batched(server) -> list[list[int]]:
+    body = {"input_ids": [prompt(n, seed) for n, seed in REQS],
+            "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}}
+    return [r["output_ids"] for r in server.post("/generate", body, 1800)]
 
 
-def test_full_budget_tokens_equal_stock(live_servers):
+def _counter(server, name: str) -> float:
+    from flashmemory.serve.client import parse_metrics
+    return parse_metrics(server.get_text("/metrics"), prefix=name).get(name, 0.0)
+
+
+def test_full_budget_tokens_equal_stock_under_level1_cycles(live_servers):
     stock, full = live_servers["stock"], live_servers["full"]
-    with ThreadPoolExecutor(2) as ex:
-        a, b = ex.map(_run, (stock, full))
-    assert a == b, (a, b)
+    cycles0 = _counter(full, "flashmemory_level1_cycles_total")
+    a = _batched(stock)
+    b = _batched(full)
+    assert [len(x) for x in b] == [STEPS] * len(REQS)
+    diff = [(i, next(k for k in range(STEPS) if x[k] != y[k])) for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    assert not diff, f"(request, first differing step): {diff}; stock {a}; full {b}"
+    assert _counter(full, "flashmemory_level1_cycles_total") >= cycles0 + 2, "Level 1 did not cycle"
     log = full.log.read_text()
     assert "FlashMemory: offload engine attached" in log and "Level-1 side band" in log
