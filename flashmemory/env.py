@@ -98,6 +98,43 @@ def stats_file(env: Mapping[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get(STATS_FILE, "")
 
 
+FAULT_INJECT = "FLASHMEMORY_FAULT_INJECT"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """FLASHMEMORY_FAULT_INJECT="hook=<hook name>,rid=<regex>": test only. The guarded FlashMemory hook `hook` raises
+    a `RequestFailure` for each request of its batch whose id matches `rid` (`re.search`), before its body runs."""
+
+    hook: str
+    rid: str
+
+
+def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = ()) -> FaultSpec | None:
+    """Parse FLASHMEMORY_FAULT_INJECT (None when unset or empty). `hooks`: the hook names it may name (unchecked when
+    empty). A malformed value is an EnvError naming the variable."""
+    import re
+    raw = ((os.environ if env is None else env).get(FAULT_INJECT) or "").strip()
+    if not raw:
+        return None
+    fields: dict[str, str] = {}
+    for part in raw.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("hook", "rid") or key in fields:
+            raise EnvError(f"{FAULT_INJECT}={raw!r}: expected 'hook=<hook name>,rid=<regex>' (bad part {part!r})")
+        fields[key] = value.strip()
+    if not fields.get("hook") or not fields.get("rid"):
+        raise EnvError(f"{FAULT_INJECT}={raw!r}: needs both hook=<hook name> and rid=<regex>")
+    if hooks and fields["hook"] not in hooks:
+        raise EnvError(f"{FAULT_INJECT}={raw!r}: unknown hook {fields['hook']!r} (one of {', '.join(sorted(hooks))})")
+    try:
+        re.compile(fields["rid"])
+    except re.error as e:
+        raise EnvError(f"{FAULT_INJECT}={raw!r}: rid is not a regular expression ({e})") from None
+    return FaultSpec(fields["hook"], fields["rid"])
+
+
 def set_defaults(values: Mapping[str, str], env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set each variable of `values` that is not set yet (in `env`, default the process environment, which sglang
     reads); returns {name: value} for those already set to something else (the user's choice wins)."""
