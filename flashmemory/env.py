@@ -154,6 +154,56 @@ def cpu_enabled(env: Mapping[str, str] | None = None) -> bool:
     return _bool(os.environ if env is None else env, CPU_GATE, False)
 
 
+MAX_DISK_GB = float(1 << 20)  # 1 PB of page store per rank: a larger value is a typo
+MAX_HOST_CACHE_GB = float(1 << 14)  # 16 TB of host page cache per rank
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """The disk tier below the host mirror (issue 22): where each rank's page store lives and how big it and the
+    host-DRAM page cache in front of it may grow. `enabled` iff `dir` is set.
+
+    dir: SGLANG_PATHP_DISK_DIR, an absolute directory ("" = no disk tier); each rank creates its own uniquely named
+    store file there. disk_gb: SGLANG_PATHP_DISK_GB, the store's size bound per rank (GB = 1e9 B). host_cache_gb:
+    SGLANG_PATHP_HOST_CACHE_GB, the host page cache per rank (GB = 1e9 B).
+    """
+
+    dir: str = ""
+    disk_gb: float = 64.0
+    host_cache_gb: float = 8.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_gb * 1e9)
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return int(self.host_cache_gb * 1e9)
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "DiskTierConfig":
+        e = os.environ if env is None else env
+        d = cls()
+        out = cls(
+            dir=(e.get("SGLANG_PATHP_DISK_DIR") or "").strip(),
+            disk_gb=_float(e, "SGLANG_PATHP_DISK_GB", d.disk_gb, 0.0, MAX_DISK_GB),
+            host_cache_gb=_float(e, "SGLANG_PATHP_HOST_CACHE_GB", d.host_cache_gb, 0.0, MAX_HOST_CACHE_GB),
+        )
+        if out.dir and not os.path.isabs(out.dir):
+            raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.dir!r}: must be an absolute directory")
+        for name, v in (("SGLANG_PATHP_DISK_GB", out.disk_gb), ("SGLANG_PATHP_HOST_CACHE_GB", out.host_cache_gb)):
+            if v <= 0:
+                raise EnvError(f"{name}={v}: must be > 0")
+            if not out.dir and (e.get(name) or "").strip():
+                raise EnvError(f"{name} is set but SGLANG_PATHP_DISK_DIR is not: the disk tier is off without a "
+                               "directory (set SGLANG_PATHP_DISK_DIR=/abs/dir or unset " + name + ")")
+        return out
+
+
 @dataclass(frozen=True)
 class FlashMemoryEnv:
     """The resolved gates and knobs; defaults match upstream `launch_decode.sh` where that still makes sense."""
@@ -201,6 +251,8 @@ class FlashMemoryEnv:
     # PD decode ("B mode"): where the c4 KV lives.
     pd_c4_shrink: bool = True            # SGLANG_PD_B_C4_SHRINK: PD lands c4 KV in the mirror, device pool -> reserve
     pd_credit_c4: bool = False           # SGLANG_PD_CREDIT_OFFLOADED_C4: size the token pool without the c4 KV term
+    # Disk tier below the host mirror (issue 22): SGLANG_PATHP_DISK_DIR / _DISK_GB / _HOST_CACHE_GB.
+    disk: DiskTierConfig = DiskTierConfig()
 
     @property
     def any_gate(self) -> bool:
@@ -286,6 +338,7 @@ class FlashMemoryEnv:
             target_concurrency=_int(e, "SGLANG_DSV4_TARGET_CONCURRENCY", d.target_concurrency, lo=1, hi=MAX_ROWS),
             pd_c4_shrink=_bool(e, "SGLANG_PD_B_C4_SHRINK", d.pd_c4_shrink),
             pd_credit_c4=_bool(e, "SGLANG_PD_CREDIT_OFFLOADED_C4", d.pd_credit_c4),
+            disk=DiskTierConfig.from_environ(e),
         )
         pages = math.ceil(out.max_position / (4 * 64))
         if out.page_kmax > pages:
@@ -350,6 +403,10 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
     "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
                                      "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
+    "SGLANG_PATHP_DISK_DIR": ("", "Disk tier (work in progress, not wired into serving yet): absolute directory for each "
+                              "rank's c4 KV page store file; empty = no disk tier"),
+    "SGLANG_PATHP_DISK_GB": ("64", "Disk tier: page store size per rank, in GB (1e9 B)"),
+    "SGLANG_PATHP_HOST_CACHE_GB": ("8", "Disk tier: host-DRAM page cache in front of the store, per rank, in GB (1e9 B)"),
     "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
                                "(with --device cpu; independent of the FlashMemory gates)"),
 }
