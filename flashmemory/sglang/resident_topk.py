@@ -45,18 +45,27 @@ def resident_view(page_table: torch.Tensor, seq_lens: torch.Tensor, sel_pages: t
 
     sel_pages: [B, K] int64 logical pages chosen by Level 1, ascending, -1 padded. The newest `tail_pages`
     logical pages of each row are always added (decode-time chunks arrive there between Level-1 cycles).
-    Returns (view_table [B, K + tail_pages] int32 physical pages in ascending logical order, padded with the
-    row's first page; view_lens [B] int32 chunk columns). Only the row's last logical page can be partial and
-    it sorts last, so the columns are exactly the resident chunks; top-k over them maps through view_table
-    straight to pool locs.
+    Returns (view_table [B, P] int32 physical pages in ascending logical order, padded with the row's first
+    page; view_lens [B] int32 chunk columns). Only the row's last logical page can be partial and it sorts
+    last, so the columns are exactly the resident chunks; top-k over them maps through view_table straight to
+    pool locs.
+
+    Why P columns (the full table's width), not K + tail_pages: sglang sizes the logits it hands to top-k from
+    the table's width (`max_compressed_seq_len`), and `torch.topk(sorted=False)` breaks ties among equal
+    scores differently for a different width. With every page resident the view's columns are the full
+    table's, so the same width makes the logits and the picks bit-identical to stock (full budget = stock's
+    tokens); a narrower view flipped tied picks past the 512th chunk. At most P pages can be valid (a row's
+    history fits its table), so nothing is cut. Cost: the scorer's output buffer is as wide as stock's.
     """
     b, p = page_table.shape
-    k_out = sel_pages.shape[1] + tail_pages
+    k_out = p
     dev = page_table.device
     n_pages = (seq_lens.long() + page_chunks - 1) // page_chunks            # [B]
     big = torch.iinfo(torch.int64).max
     tail = n_pages.unsqueeze(1) - 1 - torch.arange(tail_pages, device=dev).unsqueeze(0)  # [B, tail]
     cand = torch.cat((sel_pages.long(), tail), dim=1)
+    if cand.shape[1] < k_out:  # fewer candidates than table columns: pad with invalid pages
+        cand = torch.cat((cand, torch.full((b, k_out - cand.shape[1]), -1, dtype=torch.long, device=dev)), dim=1)
     ok = (cand >= 0) & (cand < n_pages.unsqueeze(1))
     cand = torch.where(ok, cand, torch.full_like(cand, big)).sort(dim=1).values
     dup = torch.zeros_like(ok)

@@ -70,3 +70,29 @@ def test_resident_view_dedups_tail_and_handles_empty_rows():
     table = torch.arange(6, dtype=torch.int32).view(2, 3)
     vt, vl = resident_view(table, torch.tensor([130, 0], dtype=torch.int32), torch.tensor([[0, 2], [-1, -1]]))
     assert vt[0, :2].tolist() == [0, 2] and vl.tolist() == [64 + 2, 0]
+
+
+def test_full_selection_view_picks_exactly_what_stock_picks_past_512_chunks(sg):
+    """Full budget = stock: with every page selected, sglang's own scorer + top-k over the view give the same
+    pool locs in the same order as over the full table, also when the history is past index_topk (512) and
+    scores tie (chunks with equal keys). A view narrower than the table broke ties differently (issue 17)."""
+    ref_fn, topk = sg["indexer"].fp8_paged_mqa_logits_torch, sg["indexer"].topk_transform_pytorch_vectorized
+    n_pages, width, n = 11, 16, 700                                     # 700 chunks > 512, table wider than the history
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(40, D, generator=g)[torch.randint(0, 40, (n_pages * 64,), generator=g)]  # many exact ties
+    pages = chunks_to_pages(quantize_chunks(keys))
+    perm = torch.randperm(n_pages, generator=g).to(torch.int32)
+    table = torch.cat([perm, torch.zeros(width - n_pages, dtype=torch.int32)]).view(1, -1)
+    lens = torch.tensor([n], dtype=torch.int32)
+    sel = torch.cat([torch.arange(n_pages), torch.full((1,), -1)]).view(1, -1)   # Level 1 kept every page
+    vt, vl = resident_view(table, lens, sel, tail_pages=1)
+    assert vt.shape == table.shape and vl.item() == n
+    kv = pages.view(n_pages, 64, 1, D + 4)
+    for seed in range(4):
+        q, w = _q(1, seed=10 + seed)
+        full = ref_fn(q.unsqueeze(1), kv, w, lens, table, None, width * 64, False)
+        view = ref_fn(q.unsqueeze(1), kv, w, vl, vt, None, vt.shape[1] * 64, False)
+        a, b = torch.empty(1, 512, dtype=torch.int32), torch.empty(1, 512, dtype=torch.int32)
+        topk(full, lens, table, a, 64)
+        topk(view, vl, vt, b, 64)
+        assert torch.equal(a, b), f"seed {seed}: picks differ from stock at {(a != b).sum().item()} of 512"
