@@ -1,0 +1,24 @@
+"""The disk tier (issue 22, work in progress): c4 KV pages (+ Path-I index-K pages) of the host mirror on local
+disk, below a bounded host-DRAM page cache, recalled ahead of need within Level 1's tau window.
+
+Three tiers: device reserve <- host page cache (`HostPageCache`, LRU, write-behind, read-ahead on a worker)
+<- page store (`PageStore`, one checksummed, page-aligned file per rank, O_DIRECT where allowed). Not yet wired
+into the serving path (that follows the serving-path restructure); `flashmemory bench tier` measures it.
+Configuration: `flashmemory.env.DiskTierConfig` (SGLANG_PATHP_DISK_DIR, _DISK_GB, _HOST_CACHE_GB).
+"""
+
+from flashmemory.offload.disk.cache import DiskTierCounters, HostPageCache
+from flashmemory.offload.disk.faults import FaultPlan, FaultyFileOps
+from flashmemory.offload.disk.fileops import ALIGN, FileOps, OsFileOps
+from flashmemory.offload.disk.format import disk_page_bytes, pack_page, unpack_page
+from flashmemory.offload.disk.store import (CorruptPageError, DiskTierError, PageStore, remove_stale_stores)
+
+__all__ = ["DiskTierCounters", "HostPageCache", "FaultPlan", "FaultyFileOps", "ALIGN", "FileOps", "OsFileOps",
+           "disk_page_bytes", "pack_page", "unpack_page", "CorruptPageError", "DiskTierError", "PageStore",
+           "remove_stale_stores", "open_tier"]
+
+
+def open_tier(cfg: "DiskTierConfig", page_bytes: int, rank: int = 0) -> HostPageCache:  # noqa: F821
+    """The store + cache a rank gets from its `DiskTierConfig` (startup logs size and place)."""
+    store = PageStore(cfg.dir, cfg.disk_bytes, page_bytes, rank=rank)
+    return HostPageCache(store, cfg.host_cache_bytes)

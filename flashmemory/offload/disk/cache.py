@@ -1,0 +1,305 @@
+"""`HostPageCache`: a bounded LRU of page buffers in host DRAM in front of a `PageStore` (issue 22).
+
+- `put(rid, page, data)` admits a page (landed by PD or written by decode) as dirty; when the cache is over its
+  bound, the least recently used unpinned pages leave it: clean ones are dropped (the store holds them), dirty
+  ones are written behind to the store first.
+- `prefetch(rid, pages)` queues read-ahead on the worker thread (Level 1's picks for the next tau window);
+  `get(rid, page)` returns the page, waiting for a read in flight or reading it itself.
+- A page that fails verification raises `CorruptPageError(rid, page)` from `get` for that request only (until it
+  is freed); other requests are unaffected.
+- ENOSPC / EIO at write-behind: the page stays in DRAM, pinned (the cache goes over its bound by the pinned
+  pages only) and counted; `retry_pinned()` (run at every `free_request`, when space comes back) writes them.
+
+Invariants (checked by `check()`): every live page is in DRAM or in the store; unpinned pages in DRAM never
+exceed `capacity_pages`; a clean page in DRAM is also in the store; a pinned page is dirty.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+from flashmemory.offload.disk.store import CorruptPageError, DiskTierError, PageStore
+
+log = logging.getLogger("flashmemory.offload.disk")
+
+Key = tuple[str, int]
+
+
+@dataclass
+class DiskTierCounters:
+    """Monotonic counters of one cache (+ its store); `hit_rate` over gets."""
+
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    readahead_late: int = 0   # a get found its read-ahead still queued or in flight: it missed its window
+    write_errors: int = 0     # write-behind failures (ENOSPC, EIO, ...): the page stayed in DRAM
+    corrupt_pages: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.cache_hits + self.cache_misses
+        return self.cache_hits / n if n else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(asdict(self))
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+@dataclass
+class _Entry:
+    buf: bytearray
+    dirty: bool
+    pinned: bool = False  # write-behind failed: kept in DRAM over the bound until a retry succeeds
+
+
+class HostPageCache:
+    """Pages of `store.page_bytes` bytes, keyed (rid, page); at most `capacity_bytes // page_bytes` unpinned.
+
+    Thread-safe. Write-behind runs in the thread that overflows the cache (under the cache lock, so writes and
+    frees of a page are ordered); disk reads run outside the lock, on the worker (read-ahead) or in `get`.
+    """
+
+    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True):
+        self.store = store
+        self.page_bytes = store.page_bytes
+        self.capacity_pages = capacity_bytes // self.page_bytes
+        if self.capacity_pages < 1:
+            raise DiskTierError(f"disk tier: a host cache of {capacity_bytes} B holds no {self.page_bytes}-B page "
+                                "(raise SGLANG_PATHP_HOST_CACHE_GB)")
+        self.counters = DiskTierCounters()
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[Key, _Entry] = OrderedDict()
+        self._live: dict[str, set[int]] = {}
+        self._ver: dict[Key, int] = {}
+        self._next_ver = 0
+        self._loading: dict[Key, threading.Event] = {}
+        self._failed: dict[Key, BaseException] = {}
+        self._ahead: set[Key] = set()
+        self._q: queue.Queue[Key | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if worker:
+            self._thread = threading.Thread(target=self._work, name="fm-disk-readahead", daemon=True)
+            self._thread.start()
+
+    # -- admission and lookup ----------------------------------------------------------------------
+    @property
+    def pinned_pages(self) -> int:
+        return sum(1 for e in self._lru.values() if e.pinned)
+
+    def resident(self, rid: str, page: int) -> bool:
+        return (rid, page) in self._lru
+
+    def live_pages(self) -> dict[str, set[int]]:
+        with self._lock:
+            return {r: set(p) for r, p in self._live.items()}
+
+    def put(self, rid: str, page: int, data: bytes | bytearray | memoryview) -> None:
+        """Admit (or overwrite) a page; it is dirty until written behind. data: exactly page_bytes bytes."""
+        buf = bytearray(memoryview(data).cast("B"))
+        if len(buf) != self.page_bytes:
+            raise ValueError(f"HostPageCache.put: {len(buf)} B for a {self.page_bytes}-B page")
+        key = (rid, page)
+        with self._lock:
+            self._next_ver += 1
+            self._ver[key] = self._next_ver
+            self._lru.pop(key, None)  # new bytes replace old ones (a pinned copy too: they are written behind)
+            self._lru[key] = _Entry(buf, dirty=True)
+            self._failed.pop(key, None)
+            self._live.setdefault(rid, set()).add(page)
+            self._shrink()
+
+    def get(self, rid: str, page: int) -> memoryview:
+        """The page's bytes (read-only view, page_bytes). Blocks while its read is in flight. KeyError: not a
+        live page; CorruptPageError: the disk copy failed verification (this request only)."""
+        key = (rid, page)
+        while True:
+            with self._lock:
+                if page not in self._live.get(rid, ()):
+                    raise KeyError(f"disk tier: page {page} of request {rid!r} is not held")
+                if key in self._failed:
+                    raise self._failed[key]
+                ent = self._lru.get(key)
+                if ent is not None:
+                    self._lru.move_to_end(key)
+                    self.counters.cache_hits += 1
+                    self._ahead.discard(key)
+                    return memoryview(ent.buf).toreadonly()
+                if key in self._ahead:  # read-ahead asked for it but it has not arrived: it missed its window
+                    self._ahead.discard(key)
+                    self.counters.readahead_late += 1
+                ev = self._loading.get(key)
+                if ev is None:
+                    self.counters.cache_misses += 1
+                    ver = self._ver[key]
+                    ev = self._loading[key] = threading.Event()
+                    mine = True
+                else:
+                    mine = False
+            if mine:
+                self._load(key, ver, ev)
+            else:
+                ev.wait()
+
+    def prefetch(self, rid: str, pages: list[int]) -> int:
+        """Queue read-ahead of these pages into the cache; returns how many were queued (not already in DRAM)."""
+        n = 0
+        with self._lock:
+            live = self._live.get(rid, set())
+            for p in pages:
+                key = (rid, p)
+                if p in live and key not in self._lru and key not in self._loading and key not in self._ahead:
+                    self._ahead.add(key)
+                    self._q.put(key)
+                    n += 1
+        if self._thread is None:  # no worker (tests, single-threaded tools): read ahead now
+            self.drain()
+        return n
+
+    def drain(self) -> None:
+        """Run the queued read-ahead in this thread (used when there is no worker)."""
+        while True:
+            try:
+                key = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if key is not None:
+                self._prefetch_one(key)
+
+    # -- release -----------------------------------------------------------------------------------
+    def free_request(self, rid: str) -> int:
+        """Drop every page of `rid` from DRAM and the store (space returns); then retry pinned pages."""
+        with self._lock:
+            pages = self._live.pop(rid, set())
+            for p in pages:
+                key = (rid, p)
+                self._lru.pop(key, None)
+                self._ver.pop(key, None)
+                self._failed.pop(key, None)
+                self._ahead.discard(key)
+            self.store.free_request(rid)
+            self._retry_pinned()
+        return len(pages)
+
+    def retry_pinned(self) -> int:
+        """Try again to write pages kept in DRAM by a failed write-behind; returns how many are still pinned."""
+        with self._lock:
+            self._retry_pinned()
+            return self.pinned_pages
+
+    def flush(self) -> None:
+        """Write every dirty page to the store now (errors pin, as at write-behind)."""
+        with self._lock:
+            for key, ent in list(self._lru.items()):
+                if ent.dirty:
+                    self._write_behind(key, ent)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- internals (caller holds self._lock unless stated) ----------------------------------------
+    def _write_behind(self, key: Key, ent: _Entry) -> bool:
+        try:
+            self.store.write(key[0], key[1], ent.buf)
+        except OSError as e:
+            if not ent.pinned:
+                log.warning("disk tier: write-behind of page %d of %r failed (%s); kept in host memory",
+                            key[1], key[0], e.strerror or e)
+            ent.pinned = True
+            self.counters.write_errors += 1
+            return False
+        ent.dirty = ent.pinned = False
+        self.counters.disk_bytes_written += self.page_bytes
+        return True
+
+    def _shrink(self) -> None:
+        over = len(self._lru) - self.pinned_pages - self.capacity_pages
+        for key in list(self._lru):
+            if over <= 0:
+                return
+            ent = self._lru[key]
+            if ent.pinned:
+                continue
+            if ent.dirty and not self._write_behind(key, ent):
+                continue  # pinned now: it no longer counts against the bound
+            del self._lru[key]
+            self.counters.evictions += 1
+            over -= 1
+
+    def _retry_pinned(self) -> None:
+        for key, ent in list(self._lru.items()):
+            if ent.pinned and not self._write_behind(key, ent):
+                break  # the disk still refuses: keep the rest pinned, try at the next release
+        self._shrink()
+
+    def _prefetch_one(self, key: Key) -> None:
+        """Worker side of read-ahead (no lock held on entry)."""
+        with self._lock:
+            if key not in self._ahead or key in self._lru or key in self._loading or key not in self._ver:
+                return
+            ver = self._ver[key]
+            ev = self._loading[key] = threading.Event()
+        self._load(key, ver, ev)
+
+    def _load(self, key: Key, ver: int, ev: threading.Event) -> None:
+        """Read `key` from the store outside the lock and insert it if it is still the same live page."""
+        data: bytearray | None = None
+        err: BaseException | None = None
+        try:
+            data = self.store.read(key[0], key[1])  # type: ignore[assignment]
+        except KeyError:
+            pass  # freed (or never written) meanwhile
+        except Exception as e:  # CorruptPageError, or a bug: handed to this page's reader, never swallowed
+            err = e
+        with self._lock:
+            try:
+                if self._ver.get(key) != ver or key in self._lru:
+                    return  # freed or rewritten while we read: the bytes we read are not the page any more
+                if err is not None:
+                    self._failed[key] = err
+                    self.counters.corrupt_pages += isinstance(err, CorruptPageError)
+                    if not isinstance(err, CorruptPageError):
+                        log.error("disk tier: reading page %d of %r failed: %r", key[1], key[0], err)
+                elif data is None:
+                    self._failed[key] = CorruptPageError(key[0], key[1], "neither in host memory nor on disk")
+                else:
+                    self.counters.disk_bytes_read += self.page_bytes
+                    self._lru[key] = _Entry(data, dirty=False)
+                    self._shrink()
+            finally:
+                self._loading.pop(key, None)
+                ev.set()
+
+    def _work(self) -> None:
+        while True:
+            key = self._q.get()
+            if key is None:
+                return
+            try:
+                self._prefetch_one(key)
+            except Exception:  # keep read-ahead alive; the page's get reads it itself
+                log.exception("disk tier: read-ahead of %r failed", key)
+
+    # -- invariants (tests, debugging) ---------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+        with self._lock:
+            pinned = self.pinned_pages
+            assert len(self._lru) - pinned <= self.capacity_pages, (len(self._lru), pinned, self.capacity_pages)
+            for (rid, page), ent in self._lru.items():
+                assert page in self._live.get(rid, ()), f"dead page {page} of {rid!r} in DRAM"
+                assert not ent.pinned or ent.dirty, f"pinned page {page} of {rid!r} is clean"
+                assert ent.dirty or (rid, page) in self.store, f"clean page {page} of {rid!r} not on disk"
+            for rid, pages in self._live.items():
+                for p in pages:
+                    assert (rid, p) in self._lru or (rid, p) in self.store, f"page {p} of {rid!r} lost"
