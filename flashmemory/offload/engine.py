@@ -1,15 +1,15 @@
 """`OffloadEngine`: request lifecycle (admit, decode, finish) over the mirror, the reserve and the lookup table.
 
-All host bookkeeping happens under `engine.lock`; Level-1 recall (`flashmemory.offload.recall`, which imports
-this module's public surface only; this module never imports it) takes the same lock only to plan and to
-publish, and copies bytes without it.
+All host bookkeeping happens under `engine.lock`. Level-1 recall is executed by `engine.recaller`
+(`flashmemory.offload.recall.Recaller`, built here from the parts it needs; that module never imports this
+one), which takes the same lock to plan and to publish and copies bytes without it. Planners outside the core
+read `snapshot_rows()` instead of the rows. `sync_batch` applies one decode step's lifecycle in one call.
 """
 
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -19,7 +19,10 @@ from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
 from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
+from flashmemory.offload.recall import Recaller
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
+from flashmemory.offload.rows import ResidentTables, RowState, main_stream_context
+from flashmemory.offload.sync import BatchSync, SyncResult
 
 
 @dataclass(frozen=True)
@@ -41,18 +44,6 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.mirror_pages < 0 or self.landing_blocks < 0:
             raise ValueError("EngineConfig.mirror_pages and landing_blocks must be >= 0")
-
-
-@dataclass
-class _Row:
-    rid: Hashable
-    gen: int
-    mpages: list[int]                      # logical page -> mirror page
-    n_chunks: int
-    recall: dict[int, int] = field(default_factory=dict)   # logical page -> recall block (published)
-    ring: list[int] = field(default_factory=list)          # decode slot -> logical page, -1 = empty
-    ring_next: int = 0
-    selection: frozenset[int] = frozenset()                # latest Level-1 selection: protected from eviction
 
 
 class OffloadEngine:
@@ -78,28 +69,41 @@ class OffloadEngine:
         self.lru = PageLRU()
         self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
         self.inflight: set[int] = set()
-        self.rows: list[_Row | None] = [None] * cfg.max_rows
-        # Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
-        self.res_cap = cfg.max_resident_pages + cfg.decode_pages
-        mk = lambda: torch.full((cfg.max_rows, self.res_cap), -1, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.res_pages, self.res_blocks, self.res_mpages = mk(), mk(), mk()
-        self.res_count = torch.zeros(cfg.max_rows, dtype=torch.int32, device=self.device)
+        self.rows: list[RowState | None] = [None] * cfg.max_rows
         self.lock = threading.RLock()
         self.stats = OffloadMetrics()
-        self.copy_hook: Callable[[], None] | None = None  # called between the KV and index copies (tests)
-        self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
-        self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
         self._gen = 0
         cuda = self.device.type == "cuda"
         self.main_stream = torch.cuda.current_stream(self.device) if cuda else None
         self.side_stream = torch.cuda.Stream(self.device) if cuda else None
+        # Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
+        self.res_cap = cfg.max_resident_pages + cfg.decode_pages
+        self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.main_stream)
+        self.res_pages, self.res_blocks = self.tables.pages, self.tables.blocks
+        self.res_mpages, self.res_count = self.tables.mpages, self.tables.count
+        self.recaller = Recaller(layout=layout, max_resident_pages=cfg.max_resident_pages, rows=self.rows,
+                                 owner=self.owner, inflight=self.inflight, blocks=self.blocks, lru=self.lru,
+                                 lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
+                                 stats=self.stats, lock=self.lock, main_stream=self.main_stream,
+                                 side_stream=self.side_stream)
+        self.staging = self.recaller.staging               # reusable recall staging (the recaller's)
+        self.copy_lock = self.recaller.copy_lock
+
+    @property
+    def copy_hook(self) -> Callable[[], None] | None:
+        """Called between the KV and index copies of a recall (tests); lives on the recaller."""
+        return self.recaller.copy_hook
+
+    @copy_hook.setter
+    def copy_hook(self, fn: Callable[[], None] | None) -> None:
+        self.recaller.copy_hook = fn
 
     # ---- helpers -------------------------------------------------------------------------------------
     def on_main_stream(self):
         """Context: work issued inside runs on the stream decode reads the tables from (no-op without CUDA)."""
-        return torch.cuda.stream(self.main_stream) if self.main_stream is not None else nullcontext()
+        return main_stream_context(self.main_stream)
 
-    def _live(self, row: int) -> _Row:
+    def _live(self, row: int) -> RowState:
         if not 0 <= row < self.cfg.max_rows:
             raise IndexError(f"row {row} outside [0, {self.cfg.max_rows})")
         st = self.rows[row]
@@ -112,39 +116,16 @@ class OffloadEngine:
         if t.dtype != torch.uint8 or tuple(t.shape) != want:
             raise ValueError(f"{what}: expected uint8 {want} chunk rows, got {t.dtype} {tuple(t.shape)}")
 
-    def _mchunks(self, st: _Row, start: int, stop: int) -> torch.Tensor:
+    def _mchunks(self, st: RowState, start: int, stop: int) -> torch.Tensor:
         pc = self.layout.page_chunks
         j = torch.arange(start, stop)
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
 
-    def _rebuild_res(self, row: int) -> None:
-        self.rebuild_resident_tables([row])
-
     def rebuild_resident_tables(self, rows: Iterable[int]) -> None:
-        """Rewrite the compact resident tables of `rows` (recalled + decode-region pages, ascending page) in one
-        indexed copy per table: res_pages/res_blocks/res_mpages [max_rows, res_cap], res_count [max_rows]."""
-        rows = sorted(set(rows))
-        if not rows:
-            return
-        table: list[list[list[int]]] = []
-        counts: list[int] = []
-        for row in rows:
-            st = self.rows[row]
-            items = [] if st is None else sorted(list(st.recall.items()) + [
-                (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
-            if len(items) > self.res_cap:
-                raise RuntimeError(f"row {row}: {len(items)} resident pages exceed the compact table ({self.res_cap})")
-            pad = [-1] * (self.res_cap - len(items))
-            table.append([[p for p, _ in items] + pad, [b for _, b in items] + pad,
-                          [st.mpages[p] for p, _ in items] + pad])
-            counts.append(len(items))
-        with self.on_main_stream():  # the uploads too: everything on the stream decode reads the tables from
-            buf = torch.tensor(table, dtype=torch.int32).to(self.device)  # [n, 3, res_cap]
-            idx = torch.tensor(rows, dtype=torch.int64).to(self.device)
-            self.res_pages.index_copy_(0, idx, buf[:, 0])
-            self.res_blocks.index_copy_(0, idx, buf[:, 1])
-            self.res_mpages.index_copy_(0, idx, buf[:, 2])
-            self.res_count.index_copy_(0, idx, torch.tensor(counts, dtype=torch.int32).to(self.device))
+        """Rewrite the compact resident tables of `rows` (`ResidentTables.rebuild`): res_pages/res_blocks/
+        res_mpages [max_rows, res_cap], res_count [max_rows]."""
+        with self.lock:
+            self.tables.rebuild(rows)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def admit(self, row: int, kv: torch.Tensor | None, index: torch.Tensor | None, rid: Hashable | None = None,
@@ -176,7 +157,7 @@ class OffloadEngine:
                 raise RuntimeError(f"admit: row {row} is busy with request {self.rows[row].rid!r}; finish it first")
             mpages = self.mirror.alloc(self.layout.pages_for(n)) if mpages is None else self.mirror.claim(list(mpages))
             self._gen += 1
-            st = _Row(rid=rid if rid is not None else f"row{row}/gen{self._gen}", gen=self._gen, mpages=mpages,
+            st = RowState(rid=rid if rid is not None else f"row{row}/gen{self._gen}", gen=self._gen, mpages=mpages,
                       n_chunks=n, ring=[-1] * self.cfg.decode_pages)
             m = self._mchunks(st, 0, n)
             if kv is not None:
@@ -192,7 +173,7 @@ class OffloadEngine:
                 self.lut.row_pages[row, :len(mpages)] = torch.tensor(mpages, dtype=torch.int32)
             self.rows[row] = st
             self.stats.per_req[st.rid]  # register the request in the metrics
-            self._rebuild_res(row)
+            self.tables.rebuild([row])
             return st.gen
 
     def decode_append(self, rows: Sequence[int] | torch.Tensor, kv: torch.Tensor | None, index: torch.Tensor | None,
@@ -276,7 +257,7 @@ class OffloadEngine:
                 with self.on_main_stream():
                     self._ring_block(row, st, page, upto=st.n_chunks)
 
-    def _ring_block(self, row: int, st: _Row, page: int, upto: int | None = None) -> int:
+    def _ring_block(self, row: int, st: RowState, page: int, upto: int | None = None) -> int:
         """Decode block of `page`, opened (copied from the mirror) if needed. upto: chunks of the history to map,
         default n_chunks + 1 (the chunk being appended)."""
         if page in st.ring:
@@ -296,10 +277,10 @@ class OffloadEngine:
         self.lut.set_range(mp, 0, min(self.layout.page_chunks, upto - page * self.layout.page_chunks),
                            blk * self.layout.page_chunks)
         self.stats.add(st.rid, "decode_page_opens")
-        self._rebuild_res(row)
+        self.tables.rebuild([row])
         return blk
 
-    def _retire(self, row: int, st: _Row, slot: int) -> None:
+    def _retire(self, row: int, st: RowState, slot: int) -> None:
         """Free a decode slot. Its page is full (ring pages open in order), so it moves to a free recall block if
         the request is under its cap; otherwise it just stops being resident (still in the mirror)."""
         page = st.ring[slot]
@@ -332,10 +313,35 @@ class OffloadEngine:
                 self.lut.row_pages[row].fill_(-1)
             self.mirror.free(st.mpages)
             self.rows[row] = None
-            self._rebuild_res(row)
+            self.tables.rebuild([row])
             self.stats.retire(st.rid)
 
+    def sync_batch(self, sync: BatchSync) -> SyncResult:
+        """One decode step's lifecycle in one call, in this order: finish `sync.finished`; per batch row, admit
+        (newest page made resident, then the warm start) and claim added mirror pages; then each append round.
+        Each part takes the lock itself as the separate calls do (the warm-start copy runs without it)."""
+        for row in sync.finished:
+            self.finish(row)
+        for rs in sync.rows:
+            a = rs.admit
+            if a is not None:
+                self.admit(a.row, a.kv, a.index, rid=a.rid, mpages=a.mpages, n_chunks=a.n_chunks)
+                self.open_tail_page(a.row)       # the newest page is readable from the first step on
+                if a.warm_pages > 0:
+                    self.recaller.warm_start(a.row, a.warm_pages)   # older pages until the first cycle
+            if rs.add_pages:
+                self.add_pages(rs.row, rs.add_pages)
+        cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
+        with self.lock:
+            return SyncResult(cells, {rs.row: tuple(self._live(rs.row).mpages) for rs in sync.rows})
+
     # ---- queries -----------------------------------------------------------------------------------
+    def snapshot_rows(self) -> dict[int, tuple[int, int]]:
+        """{row: (gen, n_chunks)} of every admitted request, taken under the lock: what planners outside the core
+        (Level 1) read instead of the rows themselves."""
+        with self.lock:
+            return {r: (st.gen, st.n_chunks) for r, st in enumerate(self.rows) if st is not None}
+
     def gen(self, row: int) -> int:
         with self.lock:
             return self._live(row).gen
@@ -363,6 +369,20 @@ class OffloadEngine:
             st = self.rows[row] if 0 <= row < len(self.rows) else None
             if st is not None:
                 self.stats.add(st.rid, name, n)
+
+    def record(self, row: int, gen: int, counts: dict[str, int], gauges: dict[str, float],
+               miss: float | None = None) -> None:
+        """If `row` still holds generation `gen`: add `counts` to its per-request counters, set `gauges`, and
+        observe one miss-mass value (the miss monitor's cycle result). Otherwise nothing."""
+        with self.lock:
+            st = self.rows[row] if 0 <= row < len(self.rows) else None
+            if st is None or st.gen != gen:
+                return
+            for name, n in counts.items():
+                self.stats.add(st.rid, name, n)
+            if miss is not None:
+                self.stats.observe_miss(miss)
+            self.stats.gauge(st.rid, **gauges)
 
     def metrics(self) -> dict[str, Any]:
         """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.counters.COUNTERS`)."""

@@ -1,4 +1,9 @@
-"""Level-1 page recall: plan (under the lock), copy (no lock), publish (under the lock).
+"""Level-1 page recall, executed by a `Recaller`: plan (under the lock), copy (no lock), publish (under the lock).
+
+The engine builds one `Recaller` from exactly the parts recall touches (row states, block owners, free list, LRU,
+lookup table, mirror, reserve, resident tables, counters, lock, streams) and exposes it as `engine.recaller`;
+Level 1 (`flashmemory.residency.level1`) computes `RecallRequest`s without the lock and hands them over. This
+module imports no engine (the engine imports it), and nothing here reaches into another module's private names.
 
 plan     For each request's selection: pages already resident are touched in the LRU; the request's own stale
          pages are evicted first when it would exceed its cap; each missing page takes a free recall block,
@@ -15,14 +20,20 @@ publish  Lookup-table entries are written only now. A page whose request finishe
 from __future__ import annotations
 
 import time
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from flashmemory.offload.engine import OffloadEngine
+from flashmemory.offload.counters import OffloadMetrics
+from flashmemory.offload.layout import OffloadLayout
+from flashmemory.offload.lru import PageLRU
+from flashmemory.offload.lut import ChunkLUT
+from flashmemory.offload.mirror import HostMirror
+from flashmemory.offload.reserve import BlockAllocator, DeviceReserve
+from flashmemory.offload.rows import ResidentTables, RowState, main_stream_context
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class RecallRequest:
 
 @dataclass
 class RecallPlan:
-    """entries: (row, gen, page, mirror page, block) to copy. Filled by `plan_recall`."""
+    """entries: (row, gen, page, mirror page, block) to copy. Filled by `Recaller.plan`."""
 
     entries: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     t0: float = 0.0
@@ -87,176 +98,257 @@ def page_by_page_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], 
             dst[layer, d].copy_(src[layer, s])
 
 
-def _evict(eng: "OffloadEngine", blk: int, touched: set[int], cleared: list[int]) -> None:
-    """Drop a published page from its request; its mirror page is appended to `cleared` for one batched clear."""
-    row, _, page = eng.owner[blk]
-    st = eng.rows[row]
-    del st.recall[page]
-    cleared.append(st.mpages[page])
-    eng.lru.remove(blk)
-    eng.owner[blk] = None
-    eng.stats.add(st.rid, "evictions")
-    touched.add(row)
-
-
-def plan_recall(eng: "OffloadEngine", requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
-    plan = RecallPlan(t0=time.perf_counter())
-    pc = eng.layout.page_chunks
-    touched: set[int] = set()
-    cleared: list[int] = []  # mirror pages of evicted pages, cleared from the table before the lock is released
-    need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
-    # Ranking needs no engine state, so it happens before the lock; pages past the history are dropped under it
-    # (decode may still grow the history), which keeps the order: (priority desc, page desc), duplicates merged.
-    ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
-             for rq in requests]
-    with eng.lock, eng.on_main_stream():
-        try:
-            for rq, ranked in zip(requests, ranks):
-                st = eng.rows[rq.row] if 0 <= rq.row < len(eng.rows) else None
-                if st is None or st.gen != rq.gen:
-                    continue  # finished or replaced before its cycle was planned
-                if count_cycle:   # an admission warm start (`residency.level1.warm_start`) is not a cycle
-                    eng.stats.add(st.rid, "cycles")
-                cap = min(eng.cfg.max_resident_pages, rq.budget or eng.cfg.max_resident_pages)
-                n_pages = len(st.mpages)
-                ranked = [x for x in ranked if x[0] < n_pages]
-                if len(ranked) > cap:
-                    eng.stats.add(st.rid, "budget_hits", len(ranked) - cap)
-                    eng.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
-                    ranked = ranked[:cap]
-                sel = {p for p, _ in ranked}
-                st.selection = frozenset(sel)
-                for p in sel & st.recall.keys():
-                    eng.lru.touch(st.recall[p])
-                missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
-                # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
-                # next chunk there during the very forward a recall copy into a reused block could overlap.
-                tip = (st.n_chunks - 1) // pc
-                stale = [p for p in st.recall if p not in sel and p != tip]
-                while stale and len(st.recall) + len(missing) > cap:
-                    blk = st.recall[stale.pop(0)]
-                    _evict(eng, blk, touched, cleared)
-                    eng.blocks.push(blk)
-                over = len(st.recall) + len(missing) - cap
-                if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
-                    eng.stats.add(st.rid, "budget_hits", over)
-                    eng.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
-                    missing = missing[:-over]
-                need += [(rq.row, rq.gen, p, q) for p, q in missing]
-
-            def evictable(blk: int) -> bool:
-                row, gen, page = eng.owner[blk]
-                st = eng.rows[row]
-                return st is not None and st.gen == gen and page not in st.selection and page != (st.n_chunks - 1) // pc
-
-            # Within this pass evictability is fixed (selections are set above, nothing else runs under the lock) and
-            # the LRU only loses the victims taken, so one forward scan yields the same victims as a fresh search each.
-            victims = eng.lru.victims(evictable)
-            for row, gen, page, prio in need:
-                st = eng.rows[row]
-                blk = eng.blocks.pop()
-                if blk is None:
-                    blk = next(victims, None)
-                    if blk is not None:
-                        _evict(eng, blk, touched, cleared)
-                if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
-                    eng.stats.add(st.rid, "budget_hits")
-                    if prio == float("inf"):
-                        eng.stats.add(st.rid, "tail_drops")
-                    continue
-                eng.owner[blk] = (row, gen, page)
-                eng.inflight.add(blk)
-                plan.entries.append((row, gen, page, st.mpages[page], blk))
-        finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
-            eng.lut.clear_pages(cleared)
-        eng.rebuild_resident_tables(touched)
-    return plan
-
 
 def _keep(cache: dict[str, torch.Tensor], key: str, stage: torch.Tensor) -> None:
     if key not in cache or stage.numel() > cache[key].numel():
         cache[key] = stage.view(-1)
 
 
-def execute_recall(eng: "OffloadEngine", plan: RecallPlan) -> None:
-    """Copy the planned pages mirror -> reserve, without the engine lock: in-flight blocks are neither read nor
-    written by anyone else. If the request finishes meanwhile its mirror pages may be reused and the copy
-    reads mixed bytes; publish then sees the changed generation and discards them."""
-    if not plan.entries:
-        return
-    src = torch.tensor([e[3] for e in plan.entries], dtype=torch.int64)
-    dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
-    side = eng.side_stream
-    if side is not None:
-        side.wait_stream(eng.main_stream)  # forwards that read the victims' old entries finish first
-    with eng.copy_lock, (torch.cuda.stream(side) if side is not None else nullcontext()):
-        stage = gather_copy(eng.mirror.kv, eng.reserve.kv, src, dst, eng.staging.get("kv"))
-        _keep(eng.staging, "kv", stage)
-        if eng.copy_hook is not None:
-            eng.copy_hook()
-        if eng.reserve.index.shape[0]:
-            stage = gather_copy(eng.mirror.index, eng.reserve.index, src, dst, eng.staging.get("index"))
-            _keep(eng.staging, "index", stage)
+class Recaller:
+    """Plans, copies, publishes and cancels page recalls over the engine's shared state (see the module doc).
+
+    Every argument is the engine's own object, shared by reference (the row list and owner list are mutated in
+    place, never rebound). `lock` guards all of them; `copy_lock` serialises copies (they own `staging`).
+    """
+
+    def __init__(self, *, layout: OffloadLayout, max_resident_pages: int, rows: list[RowState | None],
+                 owner: list[tuple[int, int, int] | None], inflight: set[int], blocks: BlockAllocator, lru: PageLRU,
+                 lut: ChunkLUT, mirror: HostMirror, reserve: DeviceReserve, tables: ResidentTables,
+                 stats: OffloadMetrics, lock: threading.RLock, main_stream: Any = None, side_stream: Any = None):
+        self.layout, self.max_resident_pages = layout, max_resident_pages
+        self.rows, self.owner, self.inflight, self.blocks, self.lru = rows, owner, inflight, blocks, lru
+        self.lut, self.mirror, self.reserve, self.tables, self.stats = lut, mirror, reserve, tables, stats
+        self.lock, self.main_stream, self.side_stream = lock, main_stream, side_stream
+        self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
+        self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
+        self.copy_hook: Callable[[], None] | None = None   # called between the KV and index copies (tests)
+
+    def _evict(self, blk: int, touched: set[int], cleared: list[int]) -> None:
+        """Drop a published page from its request; its mirror page goes to `cleared` for one batched clear."""
+        row, _, page = self.owner[blk]
+        st = self.rows[row]
+        del st.recall[page]
+        cleared.append(st.mpages[page])
+        self.lru.remove(blk)
+        self.owner[blk] = None
+        self.stats.add(st.rid, "evictions")
+        touched.add(row)
+
+    def plan(self, requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
+        """Choose a block for each missing page and evict what must go (see the module doc).
+
+        Ranking needs no engine state and runs before the lock. The rest holds the engine lock for the whole
+        pass: eviction decisions must be atomic with respect to decode (which maps pages and grows histories),
+        and victims must leave the lookup table before their blocks can be overwritten."""
+        plan = RecallPlan(t0=time.perf_counter())
+        pc = self.layout.page_chunks
+        touched: set[int] = set()
+        cleared: list[int] = []  # mirror pages of evicted pages, cleared from the table before the lock is released
+        need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
+        # Order: (priority desc, page desc), duplicates merged; pages past the history are dropped under the lock.
+        ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
+                 for rq in requests]
+        with self.lock, main_stream_context(self.main_stream):
+            try:
+                for rq, ranked in zip(requests, ranks):
+                    st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
+                    if st is None or st.gen != rq.gen:
+                        continue  # finished or replaced before its cycle was planned
+                    if count_cycle:   # an admission warm start (`warm_start`) is not a cycle
+                        self.stats.add(st.rid, "cycles")
+                    cap = min(self.max_resident_pages, rq.budget or self.max_resident_pages)
+                    n_pages = len(st.mpages)
+                    ranked = [x for x in ranked if x[0] < n_pages]
+                    if len(ranked) > cap:
+                        self.stats.add(st.rid, "budget_hits", len(ranked) - cap)
+                        self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
+                        ranked = ranked[:cap]
+                    sel = {p for p, _ in ranked}
+                    st.selection = frozenset(sel)
+                    for p in sel & st.recall.keys():
+                        self.lru.touch(st.recall[p])
+                    missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
+                    # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
+                    # next chunk there during the very forward a recall copy into a reused block could overlap.
+                    tip = (st.n_chunks - 1) // pc
+                    stale = [p for p in st.recall if p not in sel and p != tip]
+                    while stale and len(st.recall) + len(missing) > cap:
+                        blk = st.recall[stale.pop(0)]
+                        self._evict(blk, touched, cleared)
+                        self.blocks.push(blk)
+                    over = len(st.recall) + len(missing) - cap
+                    if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
+                        self.stats.add(st.rid, "budget_hits", over)
+                        self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
+                        missing = missing[:-over]
+                    need += [(rq.row, rq.gen, p, q) for p, q in missing]
+
+                def evictable(blk: int) -> bool:
+                    row, gen, page = self.owner[blk]
+                    st = self.rows[row]
+                    return (st is not None and st.gen == gen and page not in st.selection
+                            and page != (st.n_chunks - 1) // pc)
+
+                # Within this pass evictability is fixed (selections are set above, nothing else runs under the
+                # lock) and the LRU only loses the victims taken, so one forward scan yields the same victims.
+                victims = self.lru.victims(evictable)
+                for row, gen, page, prio in need:
+                    st = self.rows[row]
+                    blk = self.blocks.pop()
+                    if blk is None:
+                        blk = next(victims, None)
+                        if blk is not None:
+                            self._evict(blk, touched, cleared)
+                    if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
+                        self.stats.add(st.rid, "budget_hits")
+                        if prio == float("inf"):
+                            self.stats.add(st.rid, "tail_drops")
+                        continue
+                    self.owner[blk] = (row, gen, page)
+                    self.inflight.add(blk)
+                    plan.entries.append((row, gen, page, st.mpages[page], blk))
+            finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
+                self.lut.clear_pages(cleared)
+            self.tables.rebuild(touched)
+        return plan
+
+    def copy(self, plan: RecallPlan) -> None:
+        """Copy the planned pages mirror -> reserve, without the engine lock: in-flight blocks are neither read
+        nor written by anyone else. If the request finishes meanwhile its mirror pages may be reused and the copy
+        reads mixed bytes; publish then sees the changed generation and discards them."""
+        if not plan.entries:
+            return
+        src = torch.tensor([e[3] for e in plan.entries], dtype=torch.int64)
+        dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
+        side = self.side_stream
         if side is not None:
-            side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
-    plan.nbytes = len(plan.entries) * (eng.reserve.kv.shape[0] * eng.reserve.kv.shape[2]
-                                       + eng.reserve.index.shape[0] * eng.reserve.index.shape[2])
+            side.wait_stream(self.main_stream)  # forwards that read the victims' old entries finish first
+        with self.copy_lock, (torch.cuda.stream(side) if side is not None else nullcontext()):
+            stage = gather_copy(self.mirror.kv, self.reserve.kv, src, dst, self.staging.get("kv"))
+            _keep(self.staging, "kv", stage)
+            if self.copy_hook is not None:
+                self.copy_hook()
+            if self.reserve.index.shape[0]:
+                stage = gather_copy(self.mirror.index, self.reserve.index, src, dst, self.staging.get("index"))
+                _keep(self.staging, "index", stage)
+            if side is not None:
+                side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
+        plan.nbytes = len(plan.entries) * (self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
+                                           + self.reserve.index.shape[0] * self.reserve.index.shape[2])
+
+    def publish(self, plan: RecallPlan, also_count: str | None = None) -> int:
+        """Write the lookup table for the copied pages (under the lock); returns the pages published. also_count:
+        a second counter the published pages are added to besides recall_pages (e.g. "warm_start_pages")."""
+        pc = self.layout.page_chunks
+        published: dict[int, int] = {}  # row -> pages published
+        mps: list[int] = []
+        counts: list[int] = []
+        cells: list[int] = []
+        done = 0
+        with self.lock, main_stream_context(self.main_stream):
+            for row, gen, page, mp, blk in plan.entries:
+                self.inflight.discard(blk)
+                st = self.rows[row]
+                if st is None or st.gen != gen or page in st.recall or page in st.ring:
+                    self.owner[blk] = None
+                    self.blocks.push(blk)
+                    if st is not None and st.gen == gen:
+                        self.stats.add(st.rid, "cancelled_pages")
+                    else:
+                        self.stats.finished["cancelled_pages"] += 1
+                    continue
+                st.recall[page] = blk
+                self.lru.touch(blk)
+                mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
+                counts.append(min(pc, st.n_chunks - page * pc))
+                cells.append(blk * pc)
+                published[row] = published.get(row, 0) + 1
+                done += 1
+            self.lut.set_pages(mps, counts, cells)
+            per_page = plan.nbytes // max(1, len(plan.entries))
+            for row, n in published.items():
+                rid: Hashable = self.rows[row].rid
+                self.stats.add(rid, "recall_pages", n)
+                self.stats.add(rid, "recall_bytes", n * per_page)
+                if also_count:
+                    self.stats.add(rid, also_count, n)
+            self.tables.rebuild(published)
+            self.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
+        plan.staging.clear()
+        return done
+
+    def cancel(self, plan: RecallPlan) -> None:
+        """Give back a plan's in-flight blocks without publishing anything (the copy failed)."""
+        with self.lock:
+            for row, gen, page, mp, blk in plan.entries:
+                self.inflight.discard(blk)
+                self.owner[blk] = None
+                self.blocks.push(blk)
+            self.stats.finished["cancelled_pages"] += len(plan.entries)
+        plan.entries.clear()
+        plan.staging.clear()
+
+    def recall(self, requests: Sequence[RecallRequest], count_cycle: bool = True,
+               also_count: str | None = None) -> int:
+        """Plan, copy (cancelled if it fails, then re-raised) and publish; returns the pages published."""
+        plan = self.plan(requests, count_cycle=count_cycle)
+        try:
+            self.copy(plan)
+        except BaseException:
+            self.cancel(plan)  # blocks back to the free list, nothing published
+            raise
+        return self.publish(plan, also_count=also_count)
+
+    def warm_start(self, row: int, kmax: int) -> int:
+        """Recall a newly admitted row's newest kmax history pages synchronously, before its first decode step
+        (the newest page itself is already held by the engine's `open_tail_page`, so at most kmax - 1 are copied).
+
+        Why: a request's first Level-1 cycle comes only after its first decode forward (up to tau steps later with
+        a stagger); until then it would decode with its newest page alone, so even a budget that holds the whole
+        history would differ from Full attention on those steps. The first cycle re-plans from this recency set.
+        Returns the pages published (counted as warm_start_pages, not as a Level-1 cycle). Raises KeyError if
+        the row holds no request."""
+        with self.lock:
+            st = self.rows[row]
+            if st is None:
+                raise KeyError(f"row {row} holds no request (admit it first)")
+            gen, n_pages = st.gen, -(-st.n_chunks // self.layout.page_chunks)
+        older = tuple(range(max(0, n_pages - kmax), n_pages - 1))
+        if not older:
+            return 0
+        req = RecallRequest(row=row, gen=gen, pages=older, priority=tuple(float(p) for p in older))
+        plan = self.plan([req], count_cycle=False)
+        self.copy(plan)
+        return self.publish(plan, also_count="warm_start_pages")
 
 
-def publish_recall(eng: "OffloadEngine", plan: RecallPlan, also_count: str | None = None) -> int:
-    """Write the lookup table for the copied pages; returns the number of pages published. also_count: a second
-    counter the published pages are added to besides recall_pages (e.g. "warm_start_pages")."""
-    pc = eng.layout.page_chunks
-    published: dict[int, int] = {}  # row -> pages published
-    mps: list[int] = []
-    counts: list[int] = []
-    cells: list[int] = []
-    done = 0
-    with eng.lock, eng.on_main_stream():
-        for row, gen, page, mp, blk in plan.entries:
-            eng.inflight.discard(blk)
-            st = eng.rows[row]
-            if st is None or st.gen != gen or page in st.recall or page in st.ring:
-                eng.owner[blk] = None
-                eng.blocks.push(blk)
-                if st is not None and st.gen == gen:
-                    eng.stats.add(st.rid, "cancelled_pages")
-                else:
-                    eng.stats.finished["cancelled_pages"] += 1
-                continue
-            st.recall[page] = blk
-            eng.lru.touch(blk)
-            mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
-            counts.append(min(pc, st.n_chunks - page * pc))
-            cells.append(blk * pc)
-            published[row] = published.get(row, 0) + 1
-            done += 1
-        eng.lut.set_pages(mps, counts, cells)
-        per_page = plan.nbytes // max(1, len(plan.entries))
-        for row, n in published.items():
-            eng.stats.add(eng.rows[row].rid, "recall_pages", n)
-            eng.stats.add(eng.rows[row].rid, "recall_bytes", n * per_page)
-            if also_count:
-                eng.stats.add(eng.rows[row].rid, also_count, n)
-        eng.rebuild_resident_tables(published)
-        eng.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
-    plan.staging.clear()
-    return done
+class HasRecaller(Protocol):
+    """Anything that exposes a `Recaller` (the engine); the free functions below take it."""
+
+    recaller: Recaller
 
 
-def cancel_recall(eng: "OffloadEngine", plan: RecallPlan) -> None:
-    """Give back a plan's in-flight blocks without publishing anything (the copy failed)."""
-    with eng.lock:
-        for row, gen, page, mp, blk in plan.entries:
-            eng.inflight.discard(blk)
-            eng.owner[blk] = None
-            eng.blocks.push(blk)
-        eng.stats.finished["cancelled_pages"] += len(plan.entries)
-    plan.entries.clear()
-    plan.staging.clear()
+def plan_recall(eng: HasRecaller, requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
+    """`eng.recaller.plan` (kept for benches, scripts and tests)."""
+    return eng.recaller.plan(requests, count_cycle)
 
 
-def recall_now(eng: "OffloadEngine", requests: Sequence[RecallRequest]) -> RecallPlan:
+def execute_recall(eng: HasRecaller, plan: RecallPlan) -> None:
+    """`eng.recaller.copy`."""
+    eng.recaller.copy(plan)
+
+
+def publish_recall(eng: HasRecaller, plan: RecallPlan, also_count: str | None = None) -> int:
+    """`eng.recaller.publish`."""
+    return eng.recaller.publish(plan, also_count)
+
+
+def cancel_recall(eng: HasRecaller, plan: RecallPlan) -> None:
+    """`eng.recaller.cancel`."""
+    eng.recaller.cancel(plan)
+
+
+def recall_now(eng: HasRecaller, requests: Sequence[RecallRequest]) -> RecallPlan:
     """Plan, copy and publish in one call (synchronous; tests, benches and warm starts)."""
     plan = plan_recall(eng, requests)
     execute_recall(eng, plan)

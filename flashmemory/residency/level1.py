@@ -2,7 +2,9 @@
 
 Pipeline per due request: scorer (the retriever over the full target-layer index-K) -> scores [N] ->
 `PagePolicy` (scores, history length, budget) -> pages -> `RecallRequest` with page priorities (recency
-tail = +inf, then the page's best chunk score) -> engine plan / copy / publish. With `async_recall` the
+tail = +inf, then the page's best chunk score) -> `engine.recaller` plan / copy / publish. Level 1 reads the
+engine only through its public snapshot (`snapshot_rows`: {row: (gen, n_chunks)}, one lock hold per step) and
+queries (`gen`, `target_keys`, `note`); it never takes the engine lock itself. With `async_recall` the
 cycle runs on one worker thread and its result applies from a later window; decode keeps using the
 previously published set. A request that finishes or whose row is reused before publish is discarded
 by the engine's generation check; nothing it planned leaks.
@@ -23,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from flashmemory.offload.engine import OffloadEngine
-from flashmemory.offload.recall import RecallRequest, cancel_recall, execute_recall, plan_recall, publish_recall
+from flashmemory.offload.recall import RecallRequest
 from flashmemory.residency.policy import PagePolicy, ensemble_scores
 
 # (row, n_hist, hidden {target layer: [hidden]}, position [] int) -> scores [n_hist] fp32
@@ -31,22 +33,9 @@ Scorer = Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor], torch.Te
 
 
 def warm_start(engine: OffloadEngine, row: int, kmax: int) -> int:
-    """Recall a newly admitted row's newest kmax history pages synchronously, before its first decode step (the
-    newest page itself is already held by `open_tail_page`, so at most kmax - 1 are copied here).
-
-    Why: a request's first Level-1 cycle comes only after its first decode forward (up to tau steps later with
-    a stagger); until then it would decode with its newest page alone, so even a budget that holds the whole
-    history would differ from Full attention on those steps. The first cycle re-plans from this recency set.
-    Returns the pages published (not counted as a Level-1 cycle).
-    """
-    n_pages = -(-engine.n_chunks(row) // engine.layout.page_chunks)
-    older = tuple(range(max(0, n_pages - kmax), n_pages - 1))
-    if not older:
-        return 0
-    req = RecallRequest(row=row, gen=engine.gen(row), pages=older, priority=tuple(float(p) for p in older))
-    plan = plan_recall(engine, [req], count_cycle=False)
-    execute_recall(engine, plan)
-    return publish_recall(engine, plan, also_count="warm_start_pages")
+    """A newly admitted row's recency-tail warm start (`Recaller.warm_start`; `OffloadEngine.sync_batch` runs it
+    for admissions). Returns the pages published."""
+    return engine.recaller.warm_start(row, kmax)
 
 
 @dataclass(frozen=True)
@@ -114,15 +103,12 @@ class Level1:
         self._raise()
         due: list[tuple[int, int, int, int]] = []  # (batch index, row, gen, n_hist)
         eng = self.engine
+        live = eng.snapshot_rows()   # {row: (gen, n_chunks)}; decode (this thread) is what changes it
         with self._mu:
             for i, row in enumerate(int(r) for r in rows):
-                if row < 0:
+                if row < 0 or row not in live:
                     continue
-                with eng.lock:
-                    st = eng.rows[row]
-                    if st is None:
-                        continue
-                    gen, n_hist = st.gen, st.n_chunks
+                gen, n_hist = live[row]
                 g, step, phase = self._state.get(row, (None, 0, 0))
                 if g != gen:  # new occupant of the row: its first step is due at once
                     step, phase = 0, (self._next_phase if self.cfg.stagger else 0)
@@ -134,12 +120,10 @@ class Level1:
                         self._pending.add((row, gen))
                         due.append((i, row, gen, n_hist))
                 self._state[row] = (gen, step + 1, phase)
-            for row in [r for r in self._state if eng.rows[r] is None]:
+            for row in [r for r in self._state if r not in live]:
                 del self._state[row]
         if self.monitor is not None:  # finished or replaced requests give their budget grant back now
-            with eng.lock:
-                live = {r: st.gen for r, st in enumerate(eng.rows) if st is not None}
-            self.monitor.sync(live)
+            self.monitor.sync({r: g for r, (g, _) in live.items()})
         if not due:
             return []
         idx = torch.tensor([d[0] for d in due])
@@ -186,13 +170,7 @@ class Level1:
                     pages, prio = merge_selection(pages.tolist(), prio, extra, extra_prio, budget)
                 reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio),
                                           budget=budget if self.monitor is not None else None))
-            plan = plan_recall(self.engine, reqs)
-            try:
-                execute_recall(self.engine, plan)
-            except BaseException:
-                cancel_recall(self.engine, plan)  # blocks back to the free list, nothing published
-                raise
-            publish_recall(self.engine, plan)
+            self.engine.recaller.recall(reqs)   # a failed copy is cancelled: nothing published, blocks freed
         finally:
             with self._mu:
                 for row, gen, *_ in job:

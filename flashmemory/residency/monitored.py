@@ -70,17 +70,12 @@ class MissMonitor:
             return self.ctl.budget(row, gen), extra, prio
         dec = self.ctl.observe(row, gen, rep)
         extra, prio = self.ctl.extra_pages(row, gen)
-        eng = self.engine
-        with eng.lock:
-            st = eng.rows[row]
-            if st is not None and st.gen == gen:
-                for name, n in dec.events.items():
-                    eng.stats.add(st.rid, name, n)
-                if rep.miss_mass > self.ctl.cfg.threshold:
-                    eng.stats.add(st.rid, "missing_pages_added", min(len(rep.missing_pages), dec.budget))
-                eng.stats.observe_miss(rep.miss_mass)
-                eng.stats.gauge(st.rid, budget_pages=dec.budget, fallback=int(dec.fallback),
-                                miss_mass_last=rep.miss_mass)
+        counts = dict(dec.events)
+        if rep.miss_mass > self.ctl.cfg.threshold:
+            counts["missing_pages_added"] = counts.get("missing_pages_added", 0) + min(len(rep.missing_pages),
+                                                                                       dec.budget)
+        self.engine.record(row, gen, counts, {"budget_pages": dec.budget, "fallback": int(dec.fallback),
+                                              "miss_mass_last": rep.miss_mass}, miss=rep.miss_mass)
         return dec.budget, extra, prio
 
     def sync(self, live: Mapping[int, int]) -> None:

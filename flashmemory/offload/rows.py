@@ -1,0 +1,79 @@
+"""Per-request row state and the compact resident tables, shared by the engine (lifecycle) and the recaller.
+
+Both `OffloadEngine` and `flashmemory.offload.recall.Recaller` are handed the same `RowState` list and the same
+`ResidentTables`; every read or write of either happens under the engine's lock (`threading.RLock`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable
+
+import torch
+
+from flashmemory.offload.reserve import DeviceReserve
+
+
+@dataclass
+class RowState:
+    """One admitted request. Invariants: `mpages[p]` is the mirror page of logical page p; a page is in at most
+    one of `recall` (published recall block) and `ring` (decode slot -> page, -1 = empty); `gen` is unique per
+    admission, so work planned for an older occupant of the row is recognised."""
+
+    rid: Hashable
+    gen: int
+    mpages: list[int]                      # logical page -> mirror page
+    n_chunks: int
+    recall: dict[int, int] = field(default_factory=dict)   # logical page -> recall block (published)
+    ring: list[int] = field(default_factory=list)          # decode slot -> logical page, -1 = empty
+    ring_next: int = 0
+    selection: frozenset[int] = frozenset()                # latest Level-1 selection: protected from eviction
+
+
+def main_stream_context(stream: Any):
+    """Context: work issued inside runs on `stream` (the stream decode reads the tables from); no-op for None."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+class ResidentTables:
+    """Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
+
+    pages / blocks / mpages: int32 [max_rows, res_cap] (-1 padded); count: int32 [max_rows]. res_cap =
+    max_resident_pages + decode_pages. Allocated once on the reserve's device; rewritten in place (index_copy_),
+    so tensors handed out earlier (and a CUDA graph that recorded them) stay valid.
+    """
+
+    def __init__(self, rows: list[RowState | None], reserve: DeviceReserve, res_cap: int, main_stream: Any = None):
+        self.rows, self.reserve, self.res_cap, self.main_stream = rows, reserve, res_cap, main_stream
+        n, dev = len(rows), reserve.device
+        mk = lambda: torch.full((n, res_cap), -1, dtype=torch.int32, device=dev)  # noqa: E731
+        self.pages, self.blocks, self.mpages = mk(), mk(), mk()
+        self.count = torch.zeros(n, dtype=torch.int32, device=dev)
+
+    def rebuild(self, rows: Iterable[int]) -> None:
+        """Rewrite the tables of `rows` (recalled + decode-region pages, ascending page) in one indexed copy per
+        table. Call under the engine's lock."""
+        rows = sorted(set(rows))
+        if not rows:
+            return
+        table: list[list[list[int]]] = []
+        counts: list[int] = []
+        for row in rows:
+            st = self.rows[row]
+            items = [] if st is None else sorted(list(st.recall.items()) + [
+                (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
+            if len(items) > self.res_cap:
+                raise RuntimeError(f"row {row}: {len(items)} resident pages exceed the compact table ({self.res_cap})")
+            pad = [-1] * (self.res_cap - len(items))
+            table.append([[p for p, _ in items] + pad, [b for _, b in items] + pad,
+                          [st.mpages[p] for p, _ in items] + pad])
+            counts.append(len(items))
+        dev = self.reserve.device
+        with main_stream_context(self.main_stream):  # the uploads too: on the stream decode reads the tables from
+            buf = torch.tensor(table, dtype=torch.int32).to(dev)  # [n, 3, res_cap]
+            idx = torch.tensor(rows, dtype=torch.int64).to(dev)
+            self.pages.index_copy_(0, idx, buf[:, 0])
+            self.blocks.index_copy_(0, idx, buf[:, 1])
+            self.mpages.index_copy_(0, idx, buf[:, 2])
+            self.count.index_copy_(0, idx, torch.tensor(counts, dtype=torch.int32).to(dev))

@@ -1,0 +1,66 @@
+"""One decode step's request lifecycle as plain data, applied by `OffloadEngine.sync_batch` in one call.
+
+A host driver (the sglang adapter) describes the step: rows to finish, then per batch row (in batch order) an
+admission and/or mirror pages to add, then rounds of decode appends (one chunk per listed row per round). The
+engine applies them in exactly that order, which is the order the separate calls (`finish`, `admit`,
+`open_tail_page`, warm start, `add_pages`, `decode_append`) were made in before, so reserve blocks, lookup
+table and resident tables come out identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A new request in `row` with n_chunks of history. kv / index: uint8 [n_layers, n_chunks, chunk bytes] to
+    write (copy mode), or None with `mpages` (mirror pages, logical order) that already hold the bytes (shrink
+    mode). Its newest page is made resident at once; warm_pages > 0 then recalls its newest warm_pages pages
+    (a recency-tail warm start, not a Level-1 cycle)."""
+
+    row: int
+    rid: Hashable
+    n_chunks: int
+    kv: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    mpages: tuple[int, ...] | None = None
+    warm_pages: int = 0
+
+
+@dataclass(frozen=True)
+class RowSync:
+    """One batch row: `admit` if it is new this step; `add_pages`: mirror pages to claim and append (shrink)."""
+
+    row: int
+    admit: Admission | None = None
+    add_pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AppendRound:
+    """One `decode_append`: rows [n] each get one chunk; kv / index: [n_layers, n, chunk bytes] or None (the
+    caller's store kernel writes the cells)."""
+
+    rows: tuple[int, ...]
+    kv: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BatchSync:
+    finished: tuple[int, ...] = ()
+    rows: tuple[RowSync, ...] = ()
+    appends: tuple[AppendRound, ...] = ()
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """cells: per append round, int64 [len(rows)] reserve cells written; mpages: mirror pages (logical order)
+    of every row in `BatchSync.rows` after the sync."""
+
+    cells: tuple[torch.Tensor, ...] = ()
+    mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
