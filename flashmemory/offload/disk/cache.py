@@ -120,6 +120,7 @@ class HostPageCache:
         """The page's bytes (read-only view, page_bytes). Blocks while its read is in flight. KeyError: not a
         live page; CorruptPageError: the disk copy failed verification (this request only)."""
         key = (rid, page)
+        counted = False  # one get counts once: a hit, or a miss (+ late) followed by the read it waited for
         while True:
             with self._lock:
                 if page not in self._live.get(rid, ()):
@@ -129,15 +130,16 @@ class HostPageCache:
                 ent = self._lru.get(key)
                 if ent is not None:
                     self._lru.move_to_end(key)
-                    self.counters.cache_hits += 1
+                    self.counters.cache_hits += not counted
                     self._ahead.discard(key)
                     return memoryview(ent.buf).toreadonly()
                 if key in self._ahead:  # read-ahead asked for it but it has not arrived: it missed its window
                     self._ahead.discard(key)
                     self.counters.readahead_late += 1
+                self.counters.cache_misses += not counted
+                counted = True
                 ev = self._loading.get(key)
                 if ev is None:
-                    self.counters.cache_misses += 1
                     ver = self._ver[key]
                     ev = self._loading[key] = threading.Event()
                     mine = True

@@ -20,7 +20,7 @@ class FaultPlan:
     """Pending faults. write_errors / read_errors: errnos raised by the next transfers, first first; tear: the
     next writes store only their first `tear_keep` bytes (and report success, as a crash mid-write would leave
     them); corrupt: the next writes land with one byte flipped at `corrupt_at`; full: every write raises ENOSPC;
-    delay_s: sleep before every read (a slow drive)."""
+    delay_s: sleep before every read (a slow drive); read_gate: reads block until it is set."""
 
     write_errors: list[int] = field(default_factory=list)
     read_errors: list[int] = field(default_factory=list)
@@ -30,6 +30,7 @@ class FaultPlan:
     corrupt_at: int = 100
     full: bool = False
     delay_s: float = 0.0
+    read_gate: threading.Event | None = None  # reads wait until it is set (a read held in flight on purpose)
 
 
 class FaultyFileOps:
@@ -39,6 +40,7 @@ class FaultyFileOps:
         self.inner = inner or OsFileOps()
         self.plan = plan or FaultPlan()
         self.injected: dict[str, int] = {}
+        self.damaged: list[bytes] = []  # the first 64 bytes (the slot header) of every torn or corrupted write
         self._lock = threading.Lock()
 
     def _count(self, kind: str) -> None:
@@ -62,6 +64,9 @@ class FaultyFileOps:
             if corrupt:
                 p.corrupt -= 1
                 self._count("corrupt")
+        if tear or corrupt:
+            with self._lock:
+                self.damaged.append(bytes(buf[:64]))
         if tear:
             keep = min(self.plan.tear_keep, len(buf))
             self.inner.pwrite(fd, buf[:keep], off)
@@ -74,10 +79,12 @@ class FaultyFileOps:
 
     def preadv(self, fd: int, buf: memoryview, off: int) -> int:
         with self._lock:
-            delay = self.plan.delay_s
+            delay, gate = self.plan.delay_s, self.plan.read_gate
             code = self.plan.read_errors.pop(0) if self.plan.read_errors else None
             if code is not None:
                 self._count("read_" + errno.errorcode.get(code, str(code)).lower())
+        if gate is not None:
+            gate.wait()
         if delay > 0:
             time.sleep(delay)
         if code is not None:

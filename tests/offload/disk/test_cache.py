@@ -1,0 +1,152 @@
+"""HostPageCache: write-behind and read-ahead, disk full / EIO (counted, nothing lost), a corrupt page failing
+only its own request, a read-ahead that misses its window, and concurrent use from several threads."""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+
+import pytest
+
+from flashmemory.offload.disk import CorruptPageError, FaultPlan, FaultyFileOps, HostPageCache, PageStore
+
+PB = 5000
+
+
+def page(rid: str, i: int, v: int = 0) -> bytes:
+    return bytes((hash((rid, i, v)) + j) % 256 for j in range(PB))
+
+
+@pytest.fixture
+def tier(tmp_path):
+    ops = FaultyFileOps()
+    store = PageStore(str(tmp_path), 16 * 8192, PB, ops=ops)
+    cache = HostPageCache(store, 3 * PB)
+    yield cache, store, ops
+    cache.close()
+    store.close()
+
+
+def test_write_behind_and_read_back(tier) -> None:
+    cache, store, _ = tier
+    for i in range(8):
+        cache.put("a", i, page("a", i))
+    cache.check()
+    assert len(cache._lru) == 3 and store.used_slots == 5          # 5 written behind, 3 still dirty in DRAM
+    assert cache.counters.disk_bytes_written == 5 * PB and cache.counters.evictions == 5
+    for i in reversed(range(8)):
+        assert bytes(cache.get("a", i)) == page("a", i)
+    assert cache.counters.cache_hits == 3 and cache.counters.cache_misses == 5 and cache.counters.disk_bytes_read == 5 * PB
+    cache.check()
+    assert cache.free_request("a") == 8 and store.used_slots == 0 and len(cache._lru) == 0
+    with pytest.raises(KeyError, match="page 0 of request 'a' is not held"):
+        cache.get("a", 0)
+
+
+@pytest.mark.parametrize("fault", ["full", "eio", "slots"])
+def test_disk_full_or_eio_is_counted_and_nothing_is_lost(tmp_path, fault: str) -> None:
+    ops = FaultyFileOps()
+    store = PageStore(str(tmp_path), (2 if fault == "slots" else 16) * 8192, PB, ops=ops)
+    cache = HostPageCache(store, 2 * PB)
+    if fault == "full":
+        ops.plan.full = True
+    elif fault == "eio":
+        ops.plan.write_errors = [errno.EIO] * 3
+    for i in range(6):
+        cache.put("r", i, page("r", i))
+    cache.check()
+    c = cache.counters
+    assert c.write_errors >= 3 and cache.pinned_pages >= 2
+    assert len(cache._lru) > cache.capacity_pages                  # over the bound by the pinned pages only
+    assert len(cache._lru) - cache.pinned_pages <= cache.capacity_pages
+    for i in range(6):                                             # nothing lost
+        assert bytes(cache.get("r", i)) == page("r", i)
+    ops.plan.full = False
+    cache.put("s", 0, page("s", 0))
+    cache.free_request("s")                                        # space returns: pinned pages are retried
+    if fault != "slots":
+        assert cache.pinned_pages == 0 and len(cache._lru) <= cache.capacity_pages
+    for i in range(6):
+        assert bytes(cache.get("r", i)) == page("r", i)
+    cache.check()
+    cache.close()
+    store.close()
+
+
+def test_corrupt_page_fails_its_request_only(tier) -> None:
+    cache, store, ops = tier
+    cache.put("bad", 0, page("bad", 0))
+    cache.put("bad", 1, page("bad", 1))
+    ops.plan.corrupt = 1
+    cache.flush()                                # oldest first: "bad" 0 lands with a flipped byte, "bad" 1 fine
+    assert ops.injected == {"corrupt": 1}
+    for i in range(4):
+        cache.put("other", i, page("other", i))  # pushes both "bad" pages out of DRAM
+    assert not cache.resident("bad", 0) and not cache.resident("bad", 1)
+    with pytest.raises(CorruptPageError, match=r"page 0 of request 'bad' is corrupt on disk") as e:
+        cache.get("bad", 0)
+    assert (e.value.rid, e.value.page) == ("bad", 0)
+    with pytest.raises(CorruptPageError):        # stays an error for that request, never wrong bytes
+        cache.get("bad", 0)
+    assert bytes(cache.get("bad", 1)) == page("bad", 1)
+    assert cache.counters.corrupt_pages == 1
+    for i in range(4):
+        assert bytes(cache.get("other", i)) == page("other", i)  # the next request is served
+    free_before = store.free_slots
+    cache.free_request("bad")                    # the request is finished: its slots come back
+    assert store.free_slots == free_before + 2
+    cache.check()
+
+
+def test_read_ahead_hit_and_late(tier) -> None:
+    cache, store, ops = tier
+    for i in range(6):
+        cache.put("r", i, page("r", i))
+    assert not cache.resident("r", 0)
+    gate = threading.Event()
+    ops.plan.read_gate = gate
+    assert cache.prefetch("r", [0, 1]) == 2
+    threading.Timer(0.2, gate.set).start()       # the reads arrive after the get asked: late, still correct
+    assert bytes(cache.get("r", 0)) == page("r", 0)
+    assert cache.counters.readahead_late == 1
+    ops.plan.read_gate = None
+    cache.prefetch("r", [2])
+    cache.close()                                # joins the worker: every queued read-ahead has landed
+    hits = cache.counters.cache_hits
+    assert cache.resident("r", 2) and bytes(cache.get("r", 2)) == page("r", 2)
+    assert cache.counters.cache_hits == hits + 1 and cache.counters.readahead_late == 1
+
+
+def test_threads_share_the_cache(tmp_path) -> None:
+    ops = FaultyFileOps(plan=FaultPlan(delay_s=0.0005))
+    store = PageStore(str(tmp_path), 64 * 8192, PB, ops=ops)
+    cache = HostPageCache(store, 4 * PB)
+    errors: list[BaseException] = []
+
+    def client(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            for round_ in range(3):
+                rid = f"t{t}-{round_}"
+                n = rng.randint(2, 6)
+                for i in range(n):
+                    cache.put(rid, i, page(rid, i))
+                cache.prefetch(rid, list(range(n)))
+                for _ in range(10):
+                    i = rng.randrange(n)
+                    assert bytes(cache.get(rid, i)) == page(rid, i)
+                cache.free_request(rid)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    cache.close()
+    assert not errors, errors
+    cache.check()
+    assert store.used_slots == 0 and cache.live_pages() == {}
+    store.close()
