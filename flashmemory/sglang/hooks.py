@@ -1,5 +1,6 @@
 """The hook callables registered with sglang's HookRegistry (see `targets.SPECS`). Glue only: each one reads
 sglang objects, calls the plain tensor functions in `resident_topk` or the state in `runtime.RUNTIME`, and returns.
+Every hook runs under `guard.GUARD` (wrapped at the bottom of this module): a failure costs one request.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from flashmemory.sglang.guard import GUARD, batch_rids, guarded
 from flashmemory.sglang.resident_topk import apply_resident_mask, resident_view
 from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
 
@@ -239,7 +241,7 @@ def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
     if not getattr(self, "is_draft_worker", False):
         r2t = getattr(getattr(self, "req_to_token_pool", None), "req_to_token", None)
-        RUNTIME.before_forward(forward_batch, r2t)
+        RUNTIME.before_forward(GUARD.without_failed(forward_batch), r2t)   # failed requests: rows released
 
 
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -248,6 +250,9 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
     mode = forward_batch.forward_mode
     if mode.is_decode():
         RUNTIME.after_decode_forward(forward_batch)
+        if RUNTIME.metrics is not None and RUNTIME.engine is not None:
+            RUNTIME.metrics.refresh(RUNTIME.engine)   # all stats when a request joined or left, else the gauges
+            GUARD.idle_published = False
     elif not mode.is_idle():
         RUNTIME.after_extend_forward()
 
@@ -265,9 +270,35 @@ def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
             abort(f"FlashMemory dump: {e}")
 
 
+def before_process_batch_result(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> None:
+    """Scheduler.process_batch_result: requests failed during this batch's forward finish with an abort now."""
+    GUARD.abort_failed(list(getattr(batch, "reqs", None) or []))
+
+
+def _scheduler_idle(sched: Any) -> bool:
+    """No request runs or has a forward whose result is still to be processed (so none holds an engine row)."""
+    running, last = getattr(sched, "running_batch", None), getattr(sched, "last_batch", None)
+    return ((running is None or running.is_empty()) and (last is None or last.is_empty())
+            and not getattr(sched, "result_queue", None))
+
+
 def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """Scheduler.on_idle: flush dump documents; with nothing running, release the engine rows of requests that
+    finished after the last decode forward (normally released by the next `begin_step`) and publish the gauges
+    once, so /metrics says idle (live requests 0, every reserve block free, no mirror bytes)."""
     if RUNTIME.dump is not None and RUNTIME.dump.docs:
         RUNTIME.dump.flush_all()
+    engine = RUNTIME.engine
+    if engine is None or not _scheduler_idle(self):
+        return
+    if engine.rows:
+        engine.l1.wait()   # a Level-1 cycle in flight publishes (or is discarded) first
+        engine.begin_step([], torch.empty((0, 1), dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+        GUARD.idle_published = False
+    GUARD.forget_all()
+    if not GUARD.idle_published and RUNTIME.metrics is not None:
+        RUNTIME.metrics.refresh(engine, full=True)
+        GUARD.idle_published = True
 
 
 # --- shrink mode (`flashmemory.sglang.shrink`): the device c4 KV pool is never allocated at full size ----------
@@ -336,3 +367,22 @@ def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batc
         return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
     finally:
         cm.c4_out_loc = locs
+
+
+# --- the guard: every hook above, wrapped once (name = the HookSpec's hook) ------------------------------
+# Where each hook's forward batch sits (HookRegistry passes (original, *args) to around hooks, (result, *args) to
+# after hooks), so the injector and the guard know the batch's request ids.
+_GUARDED: dict[str, Any] = {
+    "around_forward_c4_indexer": batch_rids(5), "around_topk": None, "after_pool_init": None,
+    "around_attention": batch_rids(6), "around_get_extra_key_buffer": None, "after_set_extra_key": None,
+    "around_contiguous_buf_infos": None, "around_get_index_k": None, "after_set_index_k": None,
+    "before_init_cuda_graphs": None, "before_forward": batch_rids(1), "after_forward": batch_rids(2),
+    "before_add_request": lambda a, k: [str(getattr(a[1] if len(a) > 1 else k.get("req"), "rid", ""))],
+    "before_process_batch_result": None, "after_on_idle": None, "around_init_compressed_pools": None,
+    "around_make_kv_pool": None, "around_c4_bytes_per_token": None, "before_nixl_manager_init": None,
+    "around_compress": batch_rids(3),
+}
+HOOK_NAMES = tuple(_GUARDED)
+GUARD.hook_names = HOOK_NAMES
+for _name, _rids in _GUARDED.items():
+    globals()[_name] = guarded(_name, _rids)(globals()[_name])

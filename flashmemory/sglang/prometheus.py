@@ -31,22 +31,74 @@ METRICS: dict[str, tuple[str, str]] = {
     "miss_mass": ("histogram", "Share of the native top-k softmax mass outside the resident set, per request, "
                                "per cycle"),
 }
+# Live state for an operator spotting a leak (`serving_gauges`): at idle live_requests is 0, free_reserve_blocks equals
+# reserve_blocks and host_mirror_bytes_in_use is 0. Published with `stats()` when a request joins or leaves and at
+# idle, and on their own after every decode forward.
+SERVING_METRICS: dict[str, tuple[str, str]] = {
+    "live_requests": ("gauge", "Requests holding an engine row (admitted, not yet released)"),
+    "free_reserve_blocks": ("gauge", "Free recall blocks in the device reserve (equals reserve_blocks when idle)"),
+    "reserve_blocks": ("gauge", "Recall blocks in the device reserve, free or not"),
+    "host_mirror_bytes_in_use": ("gauge", "Host-mirror bytes held by live requests (0 when idle)"),
+}
+FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
+
+
+_FAILURE_COUNTER: Any = None
+
+
+def failure_counter(registry: Any = None) -> Any:
+    """flashmemory_request_failures_total{hook=...}, created once per process (None without prometheus_client)."""
+    global _FAILURE_COUNTER
+    if _FAILURE_COUNTER is None or registry is not None:
+        try:
+            from prometheus_client import REGISTRY, Counter
+        except ImportError:
+            return None
+        c = Counter(PREFIX + FAILURES[0], FAILURES[1], ["hook"], registry=registry if registry is not None else REGISTRY)
+        if registry is not None:
+            return c
+        _FAILURE_COUNTER = c
+    return _FAILURE_COUNTER
+
+
+def serving_gauges(adapter: Any) -> dict[str, float]:
+    """The `SERVING_METRICS` of a Path-P adapter (`engine_adapter.SGLangOffload`), read under the engine's lock:
+    rows of the adapter (rid -> engine row), the reserve's free recall blocks and the mirror's pages in use."""
+    eng = adapter.engine
+    with eng.lock:
+        mirror = eng.mirror
+        page_bytes = (mirror.kv.nbytes + mirror.index.nbytes) // max(mirror.n_pages, 1)
+        return {"live_requests": float(len(adapter.rows)), "free_reserve_blocks": float(len(eng.blocks)),
+                "reserve_blocks": float(eng.cfg.recall_blocks),
+                "host_mirror_bytes_in_use": float((mirror.n_pages - mirror.free_pages) * page_bytes)}
+
+
+def metrics_table() -> str:
+    """The README's metrics table (Markdown), generated from METRICS, SERVING_METRICS and FAILURES."""
+    rows = ["| Metric | Type | Meaning |", "|---|---|---|"]
+    for key, (kind, doc) in {**METRICS, **SERVING_METRICS, FAILURES[0]: ("counter", FAILURES[1])}.items():
+        name = PREFIX + key + ("_total" if kind == "counter" else "")
+        if key == FAILURES[0]:
+            name += "{hook}"
+        rows.append(f"| `{name}` | {kind} | {doc} |")
+    return "\n".join(rows)
 
 
 @dataclass
 class FlashMemoryMetrics:
     metrics: dict[str, Any]
     last: dict[str, float]
+    live_seen: float = -1.0      # live_requests at the last full publish
 
     @classmethod
     def create(cls, registry: Any = None) -> "FlashMemoryMetrics":
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
         reg = registry if registry is not None else REGISTRY
         m: dict[str, Any] = {}
-        for key, (kind, doc) in METRICS.items():
+        for key, (kind, doc) in {**METRICS, **SERVING_METRICS}.items():
             if kind == "counter":
                 m[key] = Counter(PREFIX + key, doc, registry=reg)
             elif kind == "histogram":
@@ -62,16 +114,27 @@ class FlashMemoryMetrics:
             metric = self.metrics.get(key)
             if metric is None:
                 continue
-            if METRICS[key][0] == "histogram":
+            kind = (METRICS.get(key) or SERVING_METRICS[key])[0]
+            if kind == "histogram":
                 total, recent = value
                 new = int(total) - int(self.last.get(key, 0))
                 for v in list(recent)[len(recent) - min(max(new, 0), len(recent)):]:
                     metric.observe(float(v))
                 self.last[key] = float(total)
-            elif METRICS[key][0] == "counter":
+            elif kind == "counter":
                 delta = float(value) - self.last.get(key, 0.0)
                 if delta > 0:
                     metric.inc(delta)
                 self.last[key] = float(value)
             else:
                 metric.set(float(value))
+
+    def refresh(self, adapter: Any, full: bool = False) -> None:
+        """Publish the serving gauges; with them every `stats()` key when `full` or when the number of live requests
+        changed since the last full publish (a request joined or left: the fractions changed too)."""
+        gauges = serving_gauges(adapter)
+        if full or gauges["live_requests"] != self.live_seen:
+            self.publish({**adapter.stats(), **gauges})
+            self.live_seen = gauges["live_requests"]
+        else:
+            self.publish(gauges)

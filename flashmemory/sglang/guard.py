@@ -1,0 +1,254 @@
+"""One guard around every FlashMemory hook: a failure costs one request, never the server.
+
+Every hook in `hooks.py` runs inside `GUARD.run` (the `guarded` decorator). An exception is classified:
+
+request-local (`request_local`): a `RequestFailure(rid, hook, reason)` (the test-only fault injector raises one;
+    so may any code that knows which request is bad, e.g. a non-finite retriever score for one row), anything
+    whose cause chain holds one (the Level-1 worker's error is re-raised on the decode thread with the worker's
+    exception as its cause), or an `OffloadCapacityError` while `before_forward` admits requests (the engine
+    checks capacity before it changes anything; the request is the first one of the batch, in batch order, that
+    the adapter has not admitted). The request is recorded as failed: one log line names it and the hook,
+    `flashmemory_request_failures_total{hook=...}` counts it, and before sglang processes the batch's result
+    (`before_process_batch_result`) its `to_finish` is set to FINISH_ABORT with a message naming the hook, status
+    500: sglang's own abort path finishes it, frees its KV and sends the client an HTTP error (a stream ends with
+    an abort finish reason). From then on every `before_forward` hands the runtime the batch without it (its rid
+    renamed and its length 0, so the adapter finishes its row, pages and regions and never admits it again).
+anything else: the engine's state is in doubt. One line `FlashMemory: <hook> failed (<error>); engine state in
+    doubt, stopping the server` is logged, the parent server process gets SIGQUIT (what sglang's scheduler sends
+    when it dies: the launcher stops every process) and the scheduler exits with SystemExit. No further token is
+    served by FlashMemory in this process (`run` refuses to run any hook once stopping).
+
+The forward in which a request fails stays correct for the others:
+- a failure raised before a hook's body ran (the injector checks at entry) leaves nothing half done, so the body
+  then runs for the whole batch: the faulted row is computed like any other and its token is discarded because
+  the request is aborted before its result is emitted;
+- `before_forward` is retried without the failed request: `begin_step` is idempotent for rows already synced (a
+  request admitted before the failure keeps its row, the rest are admitted on the retry), and the failed row gets
+  engine row -1 (no resident page: its attention reads nothing of the reserve, which only changes its own token);
+- `after_forward` (Level 1) is not retried: that step's Level-1 call is skipped, so the other rows keep the pages
+  they hold until their next cycle (at full budget nothing changes; at small budget a cycle comes one step late);
+- a request-local failure escaping the body of any other hook (the forward is half done) is treated as engine
+  state in doubt: nothing can show that the other rows' tensors are whole.
+Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager hooks can fail there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flashmemory.env import EnvError, fault_inject
+from flashmemory.offload.mirror import OffloadCapacityError
+
+logger = logging.getLogger(f"sglang.{__name__}")   # under "sglang": its log handler prints it
+FAILED_PREFIX = "\x00flashmemory-failed:"          # renamed rid of a failed request inside the runtime's view
+RETRY_HOOKS = frozenset({"before_forward"})        # hooks redone without the failed request after one
+SKIP_HOOKS = frozenset({"after_forward", "after_on_idle"})  # hooks skipped for this call after a request-local failure
+
+
+class RequestFailure(RuntimeError):
+    """Request `rid` cannot be served any further; `hook` is where that was found, `reason` why."""
+
+    def __init__(self, rid: str, hook: str, reason: str):
+        super().__init__(f"request {rid!r} failed in {hook}: {reason}")
+        self.rid, self.hook, self.reason = rid, hook, reason
+
+
+@dataclass
+class _Failed:
+    hook: str
+    reason: str
+    aborted: bool = False        # sglang's to_finish was set
+
+
+@dataclass
+class _BatchView:
+    """What `Runtime.before_forward` reads of a forward batch, failed requests removed: the rid renamed (never
+    matches a live request) and the length 0 (no c4 chunk: never admitted). Other attributes come from `batch`."""
+
+    batch: Any
+    rids: list[str]
+    seq_lens: Any
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.batch, name)
+
+
+def _stop_server(message: str) -> None:
+    """sglang's own stop when a scheduler dies: SIGQUIT to the parent (the launcher stops every process), then
+    leave the event loop with SystemExit (not an Exception: sglang's loop would log a traceback for those)."""
+    try:
+        import psutil
+        parent = psutil.Process().parent()
+        if parent is not None and parent.pid != 1:
+            parent.send_signal(signal.SIGQUIT)
+    except Exception as e:  # noqa: BLE001 - stopping anyway
+        logger.error("FlashMemory: could not signal the server process (%s)", e)
+    raise SystemExit(message)
+
+
+@dataclass
+class Guard:
+    """Process-wide guard state (one per scheduler process: `GUARD`)."""
+
+    failed: dict[str, _Failed] = field(default_factory=dict)   # rid -> failure, until sglang has dropped it
+    batch_rids: list[str] = field(default_factory=list)        # rids of the forward in progress
+    inject: tuple[str, re.Pattern] | None = None               # (hook, rid pattern) from FLASHMEMORY_FAULT_INJECT
+    stopping: bool = False
+    hook_names: tuple[str, ...] = ()                           # what FLASHMEMORY_FAULT_INJECT may name (hooks.py)
+    configured: bool = False                                   # `configure` ran (first guarded call)
+    stop: Callable[[str], None] = _stop_server
+    counter: Any = None                                        # flashmemory_request_failures_total{hook}
+    idle_published: bool = False
+
+    def configure(self, env: dict[str, str] | None = None) -> None:
+        """Read FLASHMEMORY_FAULT_INJECT (test only; an EnvError names the variable) and create the counter.
+        Runs at the first guarded hook call of the process (the plugin's registration stays as it is)."""
+        self.configured = True
+        spec = fault_inject(env, hooks=self.hook_names)
+        self.inject = (spec.hook, re.compile(spec.rid)) if spec is not None else None
+        if spec is not None:
+            logger.warning("FlashMemory: fault injector on (test only): %s fails requests matching %r",
+                           spec.hook, spec.rid)
+        if self.counter is None:
+            from flashmemory.sglang.prometheus import failure_counter
+            self.counter = failure_counter()
+
+    # --- running a hook ---------------------------------------------------------------------------
+    def run(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, rids: list[str] | None) -> Any:
+        """Call hook `fn` under the guard. rids: the request ids of the hook's batch when it knows them."""
+        if self.stopping:
+            raise SystemExit("FlashMemory: the server is stopping (engine state in doubt)")
+        if not self.configured:
+            try:
+                self.configure()
+            except EnvError as e:   # a bad FLASHMEMORY_FAULT_INJECT: one line naming it, and the server stops
+                self.stopping = True
+                logger.error("FlashMemory: %s", e)
+                self.stop(f"FlashMemory: {e}")
+                raise SystemExit(f"FlashMemory: {e}") from None
+        if rids is not None:
+            self.batch_rids = rids
+        entered = False
+        for _ in range(len(self.batch_rids) + 2):   # each retry fails one more request: bounded by the batch
+            try:
+                if not entered:
+                    entered = True
+                    self._maybe_inject(name, rids if rids is not None else self.batch_rids)
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - classified here, re-raised as a stop otherwise
+                before_body = isinstance(e, RequestFailure) and getattr(e, "injected", False)
+                bad = self.request_local(name, e)
+                if bad is None or not (before_body or name in RETRY_HOOKS or name in SKIP_HOOKS):
+                    self._stop(name, e)
+                for rid, reason in bad:
+                    self.fail(rid, name, reason)
+                if name in SKIP_HOOKS and not before_body:
+                    return None
+        self._stop(name, RuntimeError("request failures did not settle after a retry per request"))
+
+    def _maybe_inject(self, name: str, rids: list[str]) -> None:
+        if self.inject is None or self.inject[0] != name:
+            return
+        for rid in rids:
+            if rid not in self.failed and self.inject[1].search(str(rid)):
+                e = RequestFailure(rid, name, "fault injected by FLASHMEMORY_FAULT_INJECT")
+                e.injected = True
+                raise e
+
+    def request_local(self, name: str, e: BaseException) -> list[tuple[str, str]] | None:
+        """(request id, reason) of the failed requests when `e` belongs to them alone, else None (engine state in
+        doubt)."""
+        seen, cur = 0, e
+        while cur is not None and seen < 16:
+            if isinstance(cur, RequestFailure):
+                return [(cur.rid, cur.reason)]
+            cur, seen = cur.__cause__ or cur.__context__, seen + 1
+        if isinstance(e, OffloadCapacityError) and name == "before_forward":
+            from flashmemory.sglang.runtime import RUNTIME
+            admitted = getattr(RUNTIME.engine, "rows", {})
+            pending = [r for r in self.batch_rids if r not in admitted and r not in self.failed]
+            return [(pending[0], f"{type(e).__name__}: {e}")] if pending else None
+        return None
+
+    def fail(self, rid: str, hook: str, reason: str) -> None:
+        """Record request `rid` as failed (once): log, count, abort at the next result processing."""
+        if rid in self.failed:
+            return
+        self.failed[rid] = _Failed(hook, reason)
+        logger.error("FlashMemory: request %s failed in %s (%s); it is aborted, the server keeps serving",
+                     rid, hook, reason)
+        if self.counter is not None:
+            self.counter.labels(hook=hook).inc()
+
+    def _stop(self, name: str, e: BaseException) -> None:
+        self.stopping = True
+        msg = f"FlashMemory: {name} failed ({type(e).__name__}: {e}); engine state in doubt, stopping the server"
+        logger.error(msg)
+        self.stop(msg)
+        raise SystemExit(msg)   # a stand-in `stop` that returns still stops the hook
+
+    # --- what the runtime and the scheduler see ------------------------------------------------------
+    def without_failed(self, batch: Any) -> Any:
+        """`batch` as `Runtime.before_forward` should see it: failed requests renamed and of length 0 (their
+        engine rows are finished, never re-admitted). Also forgets failures sglang has already dropped."""
+        rids = [str(r) for r in (getattr(batch, "rids", None) or [])]
+        for rid in [r for r, f in self.failed.items() if f.aborted and r not in rids]:
+            del self.failed[rid]
+        drop = [i for i, r in enumerate(rids) if r in self.failed]
+        if not drop:
+            return batch
+        seq = batch.seq_lens.clone()
+        seq[drop] = 0
+        return _BatchView(batch, [FAILED_PREFIX + r if i in drop else r for i, r in enumerate(rids)], seq)
+
+    def abort_failed(self, reqs: list[Any]) -> int:
+        """Before sglang processes a batch's result: set FINISH_ABORT on each failed request of it (its client gets
+        an HTTP 500 naming the hook). Returns how many were aborted now."""
+        if not self.failed:
+            return 0
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        n = 0
+        for req in reqs:
+            f = self.failed.get(getattr(req, "rid", None))
+            if f is None or f.aborted or req.finished():
+                continue
+            req.to_finish = FINISH_ABORT(f"FlashMemory: request failed in hook {f.hook}: {f.reason}",
+                                         HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            f.aborted, n = True, n + 1
+        return n
+
+    def forget_all(self) -> None:
+        """Nothing runs any more (the server is idle): every recorded failure is settled."""
+        self.failed.clear()
+        self.batch_rids = []
+
+
+GUARD = Guard()
+
+
+def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None = None) -> Callable:
+    """Decorator: run the hook under `GUARD` as `name`; `rids(args, kwargs)` gives its batch's request ids."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            return GUARD.run(name, fn, args, kwargs, rids(args, kwargs) if rids is not None else None)
+        return hook
+    return wrap
+
+
+def batch_rids(pos: int, name: str = "forward_batch") -> Callable[[tuple, dict], list[str] | None]:
+    """`rids` for a hook whose forward batch is positional argument `pos` (or keyword `name`)."""
+
+    def get(args: tuple, kwargs: dict) -> list[str] | None:
+        fb = args[pos] if len(args) > pos else kwargs.get(name)
+        r = getattr(fb, "rids", None)
+        return [str(x) for x in r] if r is not None else None
+    return get
