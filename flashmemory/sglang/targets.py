@@ -80,6 +80,10 @@ SPECS: tuple[HookSpec, ...] = (
              ("self", "x", "q_lora", "c4_indexer", "forward_batch"), "around_forward_c4_indexer"),
     HookSpec("dump", f"{_SCHED}._add_request_to_queue", "before", ("self", "req"), "before_add_request"),
     HookSpec("dump", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle"),
+    # (6) The guard (`guard.py`): a request a hook failed finishes with an abort; idle releases rows, gauges say idle.
+    HookSpec("path_p", f"{_SCHED}.process_batch_result", "before", ("self", "batch", "result"),
+             "before_process_batch_result"),
+    HookSpec("path_p", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle"),
 )
 
 
