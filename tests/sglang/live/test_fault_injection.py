@@ -1,0 +1,85 @@
+"""A failure costs one request, never the server (issue 17 item 2), on one live CPU server with Path-P at a small
+budget and the test-only fault injector (FLASHMEMORY_FAULT_INJECT="hook=before_forward,rid=^faulty-").
+
+Three requests at once: two good ones in one batched /generate call, and a faulted one sent while they decode. The
+faulted one fails in its first forward (its prefill) and is aborted there: its client gets an HTTP 500 naming the
+hook, and it never joins the good ones' decode batches. Their greedy tokens equal a fault-free run of the same
+batched call (stock sglang on CPU is not batch-invariant, so both runs decode the same pair and nothing else).
+Then the next request is served, the failure is counted once on /metrics, and the gauges say idle."""
+
+import re
+import threading
+import time
+
+import pytest
+
+from tests.sglang.live.conftest import SMALL_BUDGET, make_server, prompt
+
+FAULT = {**SMALL_BUDGET, "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-"}
+GOOD = [(600, 21), (300, 22)]        # (prompt tokens, seed)
+STEPS = 24
+
+
+def _metric(text: str, name: str, labels: str = "") -> float | None:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _good(server, tag: str) -> list[list[int]]:
+    body = {"input_ids": [prompt(n, seed) for n, seed in GOOD], "rid": [f"{tag}-{i}" for i in range(len(GOOD))],
+            "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}}
+    return [r["output_ids"] for r in server.post("/generate", body, 1800)]
+
+
+@pytest.fixture(scope="module")
+def faulty(serving_model, live_logs):
+    srv = make_server(serving_model, live_logs, "fault_inject", env=FAULT)
+    try:
+        srv.wait_ready(600)
+        yield srv
+    finally:
+        srv.stop()
+    assert srv.leftovers() == []
+
+
+def test_a_faulted_request_fails_alone(faulty):
+    reference = _good(faulty, "ref")
+    got: dict[str, object] = {}
+
+    def run(name, fn):
+        try:
+            got[name] = fn()
+        except Exception as e:  # noqa: BLE001 - asserted below
+            got[name] = e
+
+    body = {"input_ids": prompt(200, 23), "rid": "faulty-1",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    good = threading.Thread(target=run, args=("good", lambda: _good(faulty, "good")))
+    bad = threading.Thread(target=run, args=("faulty", lambda: faulty.post("/generate", body, 600)))
+    good.start()
+    time.sleep(1.0)                   # the good pair is prefilling or decoding when the faulted one arrives
+    bad.start()
+    for t in (good, bad):
+        t.join(1800)
+    assert isinstance(got["faulty"], Exception), f"the faulted request was served: {got['faulty']}"
+    assert "HTTP 500" in str(got["faulty"]) and "before_forward" in str(got["faulty"]), got["faulty"]
+    assert got["good"] == reference, f"fault-free {reference}; beside the fault {got['good']}"
+    # the server keeps serving
+    assert len(faulty.generate(prompt(150, 24), 4)["output_ids"]) == 4
+    log = faulty.log.read_text(errors="replace")
+    assert "FlashMemory: request faulty-1 failed in before_forward" in log
+    assert "engine state in doubt" not in log
+    # the gauges say idle once nothing runs (the scheduler's idle hook publishes them)
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        text = faulty.get_text("/metrics")
+        if _metric(text, "flashmemory_live_requests") == 0:
+            break
+        time.sleep(1.0)
+    print("\n".join(ln for ln in text.splitlines() if ln.startswith("flashmemory_")))
+    assert _metric(text, "flashmemory_request_failures_total", '{hook="before_forward"}') == 1.0
+    assert _metric(text, "flashmemory_live_requests") == 0
+    total = _metric(text, "flashmemory_reserve_blocks")
+    assert total and _metric(text, "flashmemory_free_reserve_blocks") == total
+    assert _metric(text, "flashmemory_host_mirror_bytes_in_use") == 0
+    assert _metric(text, "flashmemory_reserve_used_fraction") == 0 and _metric(text, "flashmemory_resident_fraction") == 0
