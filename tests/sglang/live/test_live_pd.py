@@ -215,7 +215,8 @@ BAD_REQUESTS = {   # what a buggy or hostile client sends; each must be a 4xx, n
 def test_churn_with_dropped_streams_and_bad_requests(serve):
     """A concurrent burst through the router with the `openai` client (four chats of ~60 to ~1,000 tokens, two streams
     dropped after two chunks) and six malformed requests: every good one answered, every bad one a 4xx, and the
-    same greedy answer before and after; the servers still serve (issue 17, item 6)."""
+    same greedy answer before and after; the servers still serve, and D's gauges read idle afterwards: no live
+    request, every reserve block free, no host-mirror bytes in use (issue 17, items 3 and 6)."""
     openai = pytest.importorskip("openai")
     router = serve.ready["router"]
     client = openai.OpenAI(base_url=router + "/v1", api_key="none", timeout=900, max_retries=0)
@@ -265,6 +266,20 @@ def test_churn_with_dropped_streams_and_bad_requests(serve):
     assert all(results[f"stream{w}"] == 2 for w in (40, 120))
     assert chat(30) == before
     assert http_get(serve.ready["decode"] + "/health", timeout=30)[0] == 200
+    # Gauges tell the truth (issue 17 item 3): with nothing running D's /metrics reads idle, dropped streams included
+    # (the scheduler's idle hook releases the rows of requests that finished after the last decode forward).
+    deadline, gauges = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        gauges = parse_metrics(http_get(serve.ready["decode"] + "/metrics", timeout=30)[1].decode(errors="replace"))
+        if gauges.get("flashmemory_live_requests") == 0:
+            break
+        time.sleep(1.0)
+    print("\nD at idle: " + ", ".join(f"{k} {v:g}" for k, v in sorted(gauges.items()) if "{" not in k))
+    assert gauges.get("flashmemory_live_requests") == 0, gauges
+    assert gauges.get("flashmemory_reserve_blocks", 0) > 0, gauges
+    assert gauges.get("flashmemory_free_reserve_blocks") == gauges["flashmemory_reserve_blocks"], gauges
+    assert gauges.get("flashmemory_host_mirror_bytes_in_use") == 0, gauges
+    assert gauges.get("flashmemory_reserve_used_fraction") == 0 and gauges.get("flashmemory_resident_fraction") == 0
 
 
 def test_ctrl_c_stops_all_three(serve):
