@@ -15,6 +15,8 @@ BENCHES = {
     "monitor": ("flashmemory.bench.monitor_cost", "miss monitor (1 native layer per tau steps) vs the native indexer on 21 "
                                              "layers every step"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
+    "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of the "
+                                       "tau window at increasing concurrency (issue 22, WIP)"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
 }
 

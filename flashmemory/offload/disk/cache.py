@@ -63,11 +63,11 @@ class _Entry:
 class HostPageCache:
     """Pages of `store.page_bytes` bytes, keyed (rid, page); at most `capacity_bytes // page_bytes` unpinned.
 
-    Thread-safe. Write-behind runs in the thread that overflows the cache (under the cache lock, so writes and
+    Thread-safe. `readers` read-ahead threads (0 with worker=False: `prefetch` reads at once). Write-behind runs in the thread that overflows the cache (under the cache lock, so writes and
     frees of a page are ordered); disk reads run outside the lock, on the worker (read-ahead) or in `get`.
     """
 
-    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True):
+    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True, readers: int = 1):
         self.store = store
         self.page_bytes = store.page_bytes
         self.capacity_pages = capacity_bytes // self.page_bytes
@@ -84,10 +84,12 @@ class HostPageCache:
         self._failed: dict[Key, BaseException] = {}
         self._ahead: set[Key] = set()
         self._q: queue.Queue[Key | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        if worker:
-            self._thread = threading.Thread(target=self._work, name="fm-disk-readahead", daemon=True)
-            self._thread.start()
+        self._threads: list[threading.Thread] = []
+        if worker:  # `readers` threads share one queue (more reads in flight: a deeper device queue)
+            for i in range(max(1, readers)):
+                t = threading.Thread(target=self._work, name=f"fm-disk-readahead-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
     # -- admission and lookup ----------------------------------------------------------------------
     @property
@@ -161,7 +163,7 @@ class HostPageCache:
                     self._ahead.add(key)
                     self._q.put(key)
                     n += 1
-        if self._thread is None:  # no worker (tests, single-threaded tools): read ahead now
+        if not self._threads:  # no worker (tests, single-threaded tools): read ahead now
             self.drain()
         return n
 
@@ -203,11 +205,22 @@ class HostPageCache:
                 if ent.dirty:
                     self._write_behind(key, ent)
 
+    def drop_clean(self) -> int:
+        """Drop every clean, unpinned page from DRAM (they stay on disk): a cold cache. Returns how many went."""
+        with self._lock:
+            gone = [k for k, e in self._lru.items() if not e.dirty and not e.pinned]
+            for k in gone:
+                del self._lru[k]
+            self.counters.evictions += len(gone)
+            return len(gone)
+
     def close(self) -> None:
-        if self._thread is not None:
+        """Stop the read-ahead threads after the reads already queued (idempotent)."""
+        for _ in self._threads:
             self._q.put(None)
-            self._thread.join(timeout=30)
-            self._thread = None
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads = []
 
     # -- internals (caller holds self._lock unless stated) ----------------------------------------
     def _write_behind(self, key: Key, ent: _Entry) -> bool:

@@ -121,7 +121,7 @@ def test_read_ahead_hit_and_late(tier) -> None:
 def test_threads_share_the_cache(tmp_path) -> None:
     ops = FaultyFileOps(plan=FaultPlan(delay_s=0.0005))
     store = PageStore(str(tmp_path), 64 * 8192, PB, ops=ops)
-    cache = HostPageCache(store, 4 * PB)
+    cache = HostPageCache(store, 4 * PB, readers=3)
     errors: list[BaseException] = []
 
     def client(t: int) -> None:
