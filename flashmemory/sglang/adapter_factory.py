@@ -1,6 +1,6 @@
 """`build(pool, env)`: the Path-P adapter for a DSv4 pool, copy mode (`engine_adapter.SGLangOffload`) or shrink
-mode (`shrink.ShrunkOffload`). Kept apart from both classes so neither module imports the other's subclass or
-factory (the shrink module subclasses the copy adapter; this module imports both)."""
+mode (`shrink.ShrunkOffload`), both subclasses of `offload_adapter.OffloadAdapter`. Kept apart from the classes
+so no adapter module imports another's subclass or this factory (this module imports both)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.mirror import check_host_memory
 from flashmemory.sglang.engine_adapter import SGLangOffload
+from flashmemory.sglang.offload_adapter import OffloadAdapter
 from flashmemory.sglang import geometry
 from flashmemory.sglang.geometry import check_reserve_memory, pool_buffers, read_geometry, reserve_bytes
 from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
-          retriever: Any = None) -> SGLangOffload:
+          retriever: Any = None) -> OffloadAdapter:
     """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
     SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`).
 
@@ -43,7 +44,7 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
                       processes=max(1, tp // nodes))
     check_reserve_memory(reserve_bytes(env, geo, n_off), geometry.device_free_bytes(pool_buffers(pool)[0][0].device))
     if shrink:
-        eng: SGLangOffload = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
+        eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
     else:
         eng = SGLangOffload(pool, env, retriever)
     logger.info("FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "

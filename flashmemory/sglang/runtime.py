@@ -1,9 +1,9 @@
 """Process-wide FlashMemory state inside one sglang scheduler process, and the offload-core contract.
 
 The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`. The Path-P
-adapter (`engine_adapter.SGLangOffload`, or its shrink-mode subclass `shrink.ShrunkOffload`) puts the offload
-core behind sglang's pool; the base class carries every method the hooks call (no-ops where copy mode has
-nothing to do), so neither this module nor the hooks probe what the adapter can do. Static buffers live here
+adapter (`offload_adapter.OffloadAdapter`: copy mode `engine_adapter.SGLangOffload` or shrink mode
+`shrink.ShrunkOffload`) puts the offload core behind sglang's pool; the base class carries every method the
+hooks call (no-op defaults), so neither this module nor the hooks probe what the adapter can do. Static buffers live here
 so the decode CUDA graph can bake them in.
 """
 
@@ -21,7 +21,7 @@ from flashmemory.env import FlashMemoryEnv, stats_file
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 
 if TYPE_CHECKING:
-    from flashmemory.sglang.engine_adapter import SGLangOffload
+    from flashmemory.sglang.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def server_args() -> Any:
         return None
 
 
-def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> "SGLangOffload":
+def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> "OffloadAdapter":
     """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.adapter_factory.build`), with the
     retriever the plugin checked at registration."""
     from flashmemory.sglang import adapter_factory
@@ -94,7 +94,7 @@ class Runtime:
         self.env = FlashMemoryEnv()
         self.features: tuple[str, ...] = ()
         self.pool: Any = None
-        self.engine: SGLangOffload | None = None         # copy or shrink mode: one base, no capability probes
+        self.engine: OffloadAdapter | None = None         # copy or shrink mode: one base, no capability probes
         self.retriever: Any = None                        # JointRetriever checked at registration (Level 1 on)
         self.bufs: Level2Buffers | None = None
         self.dump = None

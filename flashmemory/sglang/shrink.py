@@ -1,6 +1,6 @@
 """Path-P on a PD decode server ("B mode"): the device c4 KV pool shrinks to the reserve.
 
-Copy mode (`engine_adapter.SGLangOffload`) leaves sglang's c4 pool complete and keeps the mirror and reserve as
+A subclass of `offload_adapter.OffloadAdapter`, as copy mode (`engine_adapter.SGLangOffload`) is. Copy mode leaves sglang's c4 pool complete and keeps the mirror and reserve as
 copies of it, so it saves no device memory. Here:
 
   mirror   addressed by pool page (mirror page == c4 pool page, pool loc == mirror chunk), so a PD transfer
@@ -32,7 +32,8 @@ from typing import Any, Sequence
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.engine_adapter import SGLangOffload
+from flashmemory.offload.sync import Admission, AppendRound
+from flashmemory.sglang.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(__name__)
 DEFAULT_EXTEND_TOKENS = 16384  # sglang's default max_prefill_tokens
@@ -81,8 +82,8 @@ def landing_chunks(server_args: Any) -> int:
     return -(-tokens // 4) + reqs
 
 
-class ShrunkOffload(SGLangOffload):
-    """`SGLangOffload` with a pool-addressed mirror and the device c4 KV pool replaced by the reserve."""
+class ShrunkOffload(OffloadAdapter):
+    """Shrink mode: a pool-addressed mirror and the device c4 KV pool replaced by the reserve."""
 
     mode = "shrink"
     extend_reads_reserve = True
@@ -102,10 +103,10 @@ class ShrunkOffload(SGLangOffload):
         self.device_bytes_saved = 0
         self._shrink()
 
-    def _landing_blocks(self) -> int:
+    def landing_blocks(self) -> int:
         return math.ceil(self.n_landing / self.geo.page_chunks)
 
-    def _target_buffers(self) -> list[torch.Tensor]:
+    def target_buffers(self) -> list[torch.Tensor]:
         return [self.ix_bufs[l][: self.geo.n_pages] for l in self.layout.target_layers]
 
     def _shrink(self) -> None:
@@ -197,31 +198,32 @@ class ShrunkOffload(SGLangOffload):
 
     # --- request lifecycle ---------------------------------------------------------------------------
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """As `SGLangOffload.begin_step`; the steps below differ: admission claims the request's own pool pages as
+        """As `OffloadAdapter.begin_step`; the steps below differ: admission claims the request's own pool pages as
         its mirror pages (PD, or an extend's landing, already put the bytes there), and new chunks get cells only
         (sglang's store kernel writes them, `settle` moves them to the mirror)."""
         self.begin_forward(True)
         return super().begin_step(rids, page_table, seq_lens)
 
-    def _settle(self) -> None:
-        self.settle()
-
-    def _admit(self, row: int, rid: str, pages: list[int], n: int) -> None:
+    def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
         hist = pages[:-(-n // self.geo.page_chunks)]
-        self.engine.admit(row, None, None, rid=rid, mpages=hist, n_chunks=n)
         if not self.index_shrink:   # else PD landed the Path-I index-K in the mirror too
+            # Before the core call: the admission's tail page and warm start copy these mirror pages to the
+            # reserve. The pages are this request's pool pages, so no live request's mirror bytes change.
             self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
+        return Admission(row, rid, n, mpages=tuple(hist), warm_pages=self.level1_cfg.max_resident_pages)
 
-    def _grow(self, row: int, rid: str, pages: list[int]) -> None:
-        own = self.engine.rows[row].mpages
+    def _added_pages(self, row: int, rid: str, pages: list[int], own: Sequence[int]) -> tuple[int, ...]:
+        own = list(own)
         if pages[:len(own)] != own:
             raise RuntimeError(f"FlashMemory shrink: request {rid}'s c4 pages changed under it "
                                f"({own[:4]}... -> {pages[:4]}...)")
-        if len(pages) > len(own):
-            self.engine.add_pages(row, pages[len(own):])
+        return tuple(pages[len(own):])
 
-    def _new_chunks(self, rows: list[int], locs: torch.Tensor) -> None:
-        self._pending.append((locs, self.engine.decode_append(rows, None, None)))
+    def _append_round(self, rows: list[int], locs: torch.Tensor) -> AppendRound:
+        return AppendRound(tuple(rows))   # cells only: sglang's store kernel writes the bytes
+
+    def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
+        self._pending.extend(zip(locs, cells))
 
     def settle(self) -> None:
         """Move the entries sglang stored in reserve cells during the last decode forward into the mirror."""
@@ -262,12 +264,6 @@ class ShrunkOffload(SGLangOffload):
             self.engine.mirror.index[i, pages] = self.ix_bufs[l][pages.to(self.ix_bufs[l].device)].cpu()
 
     # --- stores and reads ------------------------------------------------------------------------------
-    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
-        """Nothing to do: the store kernel already wrote this step's entries into their reserve cells."""
-
-    def on_c4_store(self, layer: int, locs: torch.Tensor) -> None:
-        """Nothing to do: stores go through `store_cells`; `settle` moves them to the mirror."""
-
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
         """Device buffer ptr (the reserve, now sglang's c4 KV and, with `index_shrink`, Path-I index-K buffers)
         -> (mirror ptr, mirror bytes, page bytes)."""
@@ -280,8 +276,3 @@ class ShrunkOffload(SGLangOffload):
 
     def host_ptrs(self) -> set[int]:
         return {v[0] for v in self.mirror_buf_infos().values()}
-
-    def stats(self) -> dict[str, float]:
-        out = super().stats()
-        out["device_bytes_saved"] = float(self.device_bytes_saved)
-        return out

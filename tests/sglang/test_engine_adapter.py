@@ -72,7 +72,7 @@ def test_geometry_errors_name_the_buffer():
 def test_prefill_decode_level1_level2(ckpt):
     pool = fake_pool()
     eng = build(pool, env(ckpt))
-    assert eng.geo.n_c4_layers == N_C4 and eng.geo.page_chunks == 64 and eng.l1.scorer.__class__.__name__ != "_AllPass"
+    assert eng.geo.n_c4_layers == N_C4 and eng.geo.page_chunks == 64 and eng.l1.scorer.__class__.__name__ != "AllPass"
     pages = [5, 2, 9, 7]                                 # pool pages of request "a", logical order
     r2t = torch.full((2, 4 * PAGE), -1, dtype=torch.int64)
     r2t[1] = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)])

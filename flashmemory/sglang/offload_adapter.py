@@ -1,0 +1,351 @@
+"""`OffloadAdapter`: the offload core (`OffloadEngine` + `Level1`) behind sglang's DSv4 c4 pool, mode-neutral.
+
+The base class carries the complete protocol the hooks (`hooks.py`) and the runtime (`runtime.py`) call, with
+no-op defaults where a mode has nothing to do, so no caller probes what an adapter can do. Its two modes
+subclass it: `engine_adapter.SGLangOffload` (copy mode: sglang's pool stays complete, mirror and reserve are
+copies) and `shrink.ShrunkOffload` (shrink mode: the device c4 pool becomes the reserve). `adapter_factory.build`
+picks one.
+
+Address spaces (one c4 layer; every c4 layer shares them):
+  pool loc   page * 64 + off in sglang's c4 pool (`pool.c4_kv_pool.kv_buffer[l]`: uint8 [n_pages, 37440];
+             index-K `pool.c4_indexer_kv_pool.index_k_with_scale_buffer[l]`: uint8 [n_pages, 8448]).
+  mirror chunk  the core's key (mirror page * 64 + off).
+  cell       reserve block * 64 + off: what attention reads through `reserve_kv(l)` instead of the pool.
+`loc2m` int64 [n_locs + 1] maps pool loc -> mirror chunk (the core's LUT sentinel where unknown; the last entry
+is a sentinel too), so `cells_of(locs) = lut.table[loc2m[locs]]`: two gathers, static tensors, graph safe.
+
+Once per decode forward `begin_step` describes the step's lifecycle (finished rows, admissions, added pages,
+append rounds) as one `offload.sync.BatchSync` and hands it to the core in one call (`OffloadEngine.sync_batch`).
+The adapter keeps its own view of each row (pool pages, mirror pages and history length as the core last
+reported them), so building that description reads nothing of the core.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from flashmemory.env import FlashMemoryEnv
+from flashmemory.offload import OffloadEngine
+from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
+from flashmemory.residency.level1 import Level1, retriever_scorer
+from flashmemory.residency.policy import ThresholdPagePolicy
+from flashmemory.sglang.core_config import core_config
+from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
+from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
+
+
+class AllPass:
+    """Level-1 scorer without a retriever: every chunk passes, so the policy keeps the newest KMAX pages."""
+
+    def __call__(self, row: int, n_hist: int, hidden: Any, position: torch.Tensor) -> torch.Tensor:
+        return torch.ones(n_hist)
+
+
+class OffloadAdapter:
+    """Every method the hooks and the runtime call. Subclasses supply the mode: `_admission`, `_append_round`,
+    `_appended`, and override the no-op defaults their mode needs."""
+
+    mode = "base"
+    device_bytes_saved = 0   # stock c4 KV bytes minus what the mode keeps on the device (default: nothing saved)
+    # An extend forward's c4 attention reads the reserve (shrink mode): the runtime counts such forwards.
+    extend_reads_reserve = False
+
+    def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
+        self.pool, self.env = pool, env
+        self.geo = geo = read_geometry(pool)
+        self.kv_bufs, self.ix_bufs = pool_buffers(pool)
+        bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
+        if bad:
+            raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
+                                    f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
+        self.device = torch.device(device) if device is not None else self.kv_bufs[0].device
+        # The env stops here: the core takes the typed configs made from it in one function.
+        self.core = core_config(env, geo, landing_blocks=self.landing_blocks())
+        self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
+        self.engine = OffloadEngine(self.layout, self.cfg, self.device, target_buffers=self.target_buffers())
+        scorer = retriever_scorer(retriever, self.engine, self.core.ensemble) if retriever is not None else AllPass()
+        self.indexers: dict[int, Any] = {}   # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
+        self.monitor = build_monitor(self.core.escalation, self.engine, lambda: self.indexers)
+        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(self.core.selection), self.level1_cfg,
+                         monitor=self.monitor)
+        self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
+        self.rows: dict[str, int] = {}             # rid -> engine row
+        self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
+        self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
+        self.hist: dict[int, int] = {}             # engine row -> history chunks, as the core last reported them
+        self._mapped: dict[int, list[int]] = {}    # engine row -> pool pages whose loc2m entries are written
+        self.step_rows = torch.full((0,), -1, dtype=torch.int64)
+
+    def landing_blocks(self) -> int:
+        """Reserve scratch blocks for extend stores (none unless the mode lands extends in the reserve)."""
+        return 0
+
+    def target_buffers(self) -> list[torch.Tensor] | None:
+        """Device storage for the engine's target index pool (None: the engine allocates its own)."""
+        return None
+
+    # --- reads (graph safe: static tensors, no host sync) ----------------------------------------------
+    @property
+    def lut(self) -> torch.Tensor:
+        """Int32 [n_locs + 1]: pool loc -> reserve cell, -1 = not resident (last entry -1)."""
+        return self.engine.lut.table[self.loc2m]
+
+    @property
+    def resident_mask(self) -> torch.Tensor:
+        """Bool [n_locs]: pool loc is resident (mask mode)."""
+        return self.engine.lut.table[self.loc2m[:-1]] >= 0
+
+    def cells_of(self, locs: torch.Tensor) -> torch.Tensor:
+        """Top-k pool locs [B, K] (-1 empty) -> reserve cells [B, K] int32, -1 where not resident. Graph safe."""
+        n = self.geo.n_locs
+        idx = torch.where((locs >= 0) & (locs < n), locs.long(), torch.full_like(locs, n, dtype=torch.long))
+        return self.engine.lut.table[self.loc2m[idx]].to(torch.int32)
+
+    def reserve_kv(self, layer: int) -> torch.Tensor:
+        """uint8 [n_blocks, kv_page_bytes]: the reserve of c4 layer `layer`, read by attention."""
+        return self.engine.reserve.kv[layer]
+
+    def reserve_index(self, layer: int) -> torch.Tensor | None:
+        """None: the indexer addresses index-K by pool page table, not by reserve block, so handing it the
+        Path-I reserve would score the wrong bytes; reads stay on sglang's pool buffer."""
+        return None
+
+    # --- the no-op defaults (each mode overrides what it does) ----------------------------------------
+    def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
+        """Before attention: this step's c4 entries at pool locs [T] into their reserve cells (default: nothing)."""
+
+    def on_c4_store(self, layer: int, locs: torch.Tensor) -> None:
+        """sglang stored c4 KV of `layer` at pool locs (HIP path; default: nothing)."""
+
+    def store_cells(self, out_loc: torch.Tensor) -> torch.Tensor:
+        """Where a store of pool locs out_loc [T] lands (default: the pool loc itself, as in stock sglang)."""
+        return out_loc
+
+    def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
+        """Device buffer ptr -> (mirror ptr, bytes, page bytes) for PD receive (default: none, PD lands in the
+        device pool as stock sglang does and `begin_step` reads each new request's history from it)."""
+        return {}
+
+    def host_ptrs(self) -> set[int]:
+        """Mirror pointers NIXL must register as host DRAM (default: none)."""
+        return set()
+
+    def index_in_reserve(self, layer: int | None) -> bool:
+        """c4 layer `layer`'s index-K lives in the Path-I reserve (default: never)."""
+        return False
+
+    def block_table(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pool pages [B, K] -> reserve blocks; only for layers with `index_in_reserve` (none by default)."""
+        raise RuntimeError(f"{self.mode} mode keeps no index-K in the reserve (index_in_reserve is False)")
+
+    def drop_sink(self, cells: torch.Tensor) -> torch.Tensor:
+        """Top-k picks [B, K] with the sink block's removed (default: no reserve-block picks, unchanged)."""
+        return cells
+
+    def begin_forward(self, is_decode: bool) -> None:
+        """Before any non-idle forward: where its c4 stores land (default: sglang's pool, nothing to do)."""
+
+    def end_extend(self) -> None:
+        """After an extend forward (default: its stores are in sglang's pool, read at admission)."""
+
+    def settle(self) -> None:
+        """After a decode forward: this step's new entries to the mirror (default: nothing)."""
+
+    # --- the mode's part of begin_step ---------------------------------------------------------------
+    def settle_before_step(self) -> None:
+        """First thing in `begin_step` (default: `settle`)."""
+        self.settle()
+
+    def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
+        raise NotImplementedError(f"{type(self).__name__} must describe its admissions")
+
+    def _added_pages(self, row: int, rid: str, pages: list[int], own: Sequence[int]) -> tuple[int, ...]:
+        """Mirror pages to claim for `row` this step, given its pool pages and its current mirror pages
+        (default: none, the core allocates mirror pages itself as the history grows)."""
+        return ()
+
+    def _append_round(self, rows: list[int], locs: torch.Tensor) -> AppendRound:
+        raise NotImplementedError(f"{type(self).__name__} must describe its appends")
+
+    def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
+        """After the sync: per append round, the pool locs [n] appended and the reserve cells [n] they got."""
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def _map_pages(self, row: int) -> None:
+        """loc2m entries for the logical pages of `row` that have a mirror page and are not mapped yet (one indexed
+        write; pages map once, so a step costs nothing for rows whose page list did not grow)."""
+        pools, mirrors = self.pages[row], self.mpages.get(row, ())
+        done = self._mapped.get(row, [])
+        n = min(len(pools), len(mirrors))
+        if pools[:len(done)] != done:   # the pool pages moved under the request: map everything again
+            self._unmap_pages(done)
+            done = []
+        if n > len(done):
+            pc = self.geo.page_chunks
+            off = torch.arange(pc)
+            src = (torch.tensor(pools[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
+            dst = (torch.tensor(mirrors[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
+            self.loc2m[src.to(self.device)] = dst.to(self.device)
+            done = pools[:n]
+        self._mapped[row] = list(done)
+
+    def _unmap_pages(self, pages: list[int]) -> None:
+        if pages:
+            pc = self.geo.page_chunks
+            idx = (torch.tensor(pages).unsqueeze(1) * pc + torch.arange(pc)).reshape(-1)
+            self.loc2m[idx.to(self.device)] = self.engine.lut.sentinel
+
+    def _unmap(self, row: int) -> None:
+        self.pages.pop(row, None)
+        self.mpages.pop(row, None)
+        self.hist.pop(row, None)
+        self._unmap_pages(self._mapped.pop(row, []))
+
+    def _free_row(self) -> int:
+        used = set(self.rows.values())
+        for r in range(self.cfg.max_rows):
+            if r not in used:
+                return r
+        raise RuntimeError(f"Path-P: more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests")
+
+    def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
+        current one. Returns engine rows [B] (-1: no c4 history yet). Vanished requests are finished, new ones
+        admitted (`_admission`, newest KMAX pages made resident by the core's warm start), and each row's history
+        is extended to the chunks this step closes (`_append_round`): all of it in one `sync_batch` call."""
+        self.settle_before_step()
+        before, after = c4_counts(seq_lens.cpu())
+        live = set(rids)
+        finished = []
+        for rid in [r for r in self.rows if r not in live]:
+            row = self.rows.pop(rid)
+            finished.append(row)
+            self._unmap(row)
+        pt = page_table.cpu().long()
+        pc, rows, syncs = self.geo.page_chunks, [], []
+        for b, rid in enumerate(rids):
+            pages = pt[b, :-(-int(after[b]) // pc)].tolist()
+            row, adm = self.rows.get(rid), None
+            if row is None and int(before[b]) >= 1:
+                row = self._free_row()
+                adm = self._admission(row, rid, pages, int(before[b]))
+                self.rows[rid], self.hist[row] = row, int(before[b])
+            if row is not None:
+                own = adm.mpages if adm is not None else self.mpages.get(row, ())
+                syncs.append(RowSync(row, adm, self._added_pages(row, rid, pages, own or ())))
+                self.pages[row] = pages
+            rows.append(-1 if row is None else row)
+        rounds, round_locs = [], []
+        for k in range(max([int(after[b]) - self.hist[r] for b, r in enumerate(rows) if r >= 0], default=0)):
+            lag = [(b, r, self.hist[r] + k) for b, r in enumerate(rows) if r >= 0 and self.hist[r] + k < int(after[b])]
+            locs = torch.tensor([int(pt[b, n // pc]) * pc + n % pc for b, _, n in lag], dtype=torch.int64)
+            rounds.append(self._append_round([r for _, r, _ in lag], locs))
+            round_locs.append(locs)
+        res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds)))
+        self.mpages.update(res.mpages)
+        self.hist.update(res.n_chunks)
+        for rs in syncs:
+            self._map_pages(rs.row)
+        self._appended(round_locs, res.cells)
+        self.step_rows = torch.tensor(rows, dtype=torch.int64)
+        return self.step_rows
+
+    # --- copies from sglang's pool (copy mode's stores; either mode's HIP index stores) -----------------
+    def _copy_from_pool(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> None:
+        """Pool locs [n] of `layers` -> mirror, and -> the reserve where resident (one gather per pool layer)."""
+        eng, pc = self.engine, self.geo.page_chunks
+        locs = locs.to(self.device).long()
+        m = self.loc2m[locs.clamp(0, self.geo.n_locs)]
+        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != eng.lut.sentinel)
+        if not bool(ok.any()):
+            return
+        locs, m = locs[ok], m[ok]
+        layers = list(layers)
+        every = layers == list(range(self.geo.n_c4_layers))
+        with eng.lock:
+            cells = eng.lut.table[m].long()
+            res = cells >= 0
+            if kv:  # one gather per pool layer (separate tensors), one scatter into the mirror and the reserve
+                rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, layers)          # [len(layers), n, 584]
+                mr, mo = (m // pc).cpu(), (m % pc).cpu()
+                hit = bool(res.any())
+                if hit:
+                    rc, rr, rrows = cells[res] // pc, cells[res] % pc, rows[:, res.cpu()].to(self.device)
+                for j, l in enumerate(layers if not every else [None]):
+                    sel = slice(None) if every else slice(j, j + 1)
+                    self.layout.kv.write_chunks(eng.mirror.kv if every else eng.mirror.kv[l:l + 1], mr, mo, rows[sel])
+                    if hit:
+                        self.layout.kv.write_chunks(eng.reserve.kv if every else eng.reserve.kv[l:l + 1], rc, rr, rrows[sel])
+            if index:
+                for l in layers:
+                    self._copy_index(l, locs, m, cells, res)
+
+    def _copy_index(self, l: int, locs: torch.Tensor, m: torch.Tensor, cells: torch.Tensor, res: torch.Tensor) -> None:
+        eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
+        rows = read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0]
+        if l in lay.target_layers:
+            buf = eng.target.pages[eng.target.layers.index(l)]
+            lay.index.write_chunks(buf, (m // pc).to(buf.device), (m % pc).to(buf.device), rows.to(buf.device))
+        elif l in lay.offload_index_layers:
+            i = lay.offload_index_layers.index(l)
+            lay.index.write_chunks(eng.mirror.index[i], (m // pc).cpu(), (m % pc).cpu(), rows)
+            if bool(res.any()):
+                lay.index.write_chunks(eng.reserve.index[i], cells[res] // pc, cells[res] % pc, rows[res.cpu()].to(self.device))
+
+    def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
+        """sglang stored index-K of `layer` at pool locs (HIP path): mirror / target pool / reserve."""
+        self._copy_from_pool(locs.reshape(-1), [layer], kv=False, index=True)
+
+    # --- Level 1 / Level 2 / stats -------------------------------------------------------------------
+    def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One decode step's Level-1 call (cadence and async are Level1's). snapshot: hidden_{layer} [B, hidden]
+        for the target layers (absent without a retriever), positions [B]. Returns {"pages": [B, res_cap]}.
+
+        The tensors may be views of the runtime's static side band: `Level1.on_step` copies the due rows
+        (index_select + clone) on the caller's stream, so the next forward may overwrite them. A snapshot
+        shorter than the batch (side band capacity) leaves the rows beyond it out of this step's cycle."""
+        rows = self.step_rows
+        n = rows.numel()
+        if "positions" in snapshot:
+            n = min(n, snapshot["positions"].shape[0])
+        if n and bool((rows[:n] >= 0).any()):
+            hidden: dict[Any, torch.Tensor] = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers
+                                               if f"hidden_{l}" in snapshot}
+            hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
+                           if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
+            positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
+            self.l1.on_step(rows[:n].tolist(), hidden, positions)
+        return {"pages": self.resident_pages(rows)}
+
+    def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
+        """Int64 [B, kmax + decode_pages] resident logical pages per row, ascending, -1 padded (-1 rows: all -1)."""
+        r = rows.to(self.device).long()
+        with self.engine.lock:
+            p = self.engine.res_pages[r.clamp_min(0)].long()
+        return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
+
+    def stats(self) -> dict[str, float]:
+        """The keys of `flashmemory.sglang.prometheus.METRICS`."""
+        eng = self.engine
+        snap = eng.metrics()["total"]
+        hist = sum(n for _, n in eng.snapshot_rows().values())
+        rb = eng.reserve.recall_blocks
+        return {"recall_bytes": float(snap["recall_bytes"]), "recall_pages": float(snap["recall_pages"]),
+                "warm_start_pages": float(snap["warm_start_pages"]),
+                "level1_cycles": float(snap["cycles"]),
+                "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
+                "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
+                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
+                "device_bytes_saved": float(self.device_bytes_saved), **self._monitor_stats(snap)}
+
+    def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
+        if self.monitor is None:
+            return {}
+        with self.engine.lock:
+            recent = list(self.engine.stats.miss_recent)
+        return monitor_stats(snap, recent)
+
+    def close(self) -> None:
+        self.l1.close()

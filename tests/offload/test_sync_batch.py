@@ -1,0 +1,96 @@
+"""`OffloadEngine.sync_batch` (one call per decode step) leaves the engine exactly as the separate calls did."""
+
+from __future__ import annotations
+
+import torch
+
+from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, check_invariants
+from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
+
+LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
+CFG = EngineConfig(max_rows=4, max_chunks=64, recall_blocks=10, decode_pages=2, max_resident_pages=4)
+
+
+def chunks(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randint(0, 256, (3, n, LAYOUT.kv.chunk_bytes), dtype=torch.uint8, generator=g)
+    ix = torch.randint(0, 256, (3, n, LAYOUT.index.chunk_bytes), dtype=torch.uint8, generator=g)
+    return kv, ix
+
+
+def state(eng: OffloadEngine) -> dict:
+    """Everything sync_batch may change, as plain values."""
+    return {"lut": eng.lut.table.clone(), "row_pages": eng.lut.row_pages.clone(), "res": eng.res_pages.clone(),
+            "blocks": eng.res_blocks.clone(), "mp": eng.res_mpages.clone(), "count": eng.res_count.clone(),
+            "reserve": eng.reserve.kv.clone(), "mirror": eng.mirror.kv.clone(), "owner": list(eng.owner),
+            "free": len(eng.blocks), "rows": [None if st is None else (st.gen, st.n_chunks, list(st.mpages),
+                                                                     dict(st.recall), list(st.ring))
+                                              for st in eng.rows],
+            "metrics": untimed(eng.metrics())}
+
+
+def untimed(m: dict) -> dict:
+    """Counters without the wall-clock latencies (they differ run to run)."""
+    t = {k: v for k, v in m["total"].items() if "latency" not in k}
+    t["last_cycle"] = {k: v for k, v in t["last_cycle"].items() if k != "latency_s"}
+    return {"total": t, "requests": {rid: {k: v for k, v in r.items() if "latency" not in k}
+                                     for rid, r in m["requests"].items()}}
+
+
+def prepare(eng: OffloadEngine) -> None:
+    """Rows 0 and 1 live (row 0 with 13 chunks and a recall), so the step below has something to finish."""
+    eng.admit(0, *chunks(13, 1), rid="a")
+    eng.admit(1, *chunks(9, 2), rid="b")
+    eng.recaller.warm_start(0, 3)
+
+
+def test_sync_batch_equals_the_separate_calls() -> None:
+    old, new = OffloadEngine(LAYOUT, CFG), OffloadEngine(LAYOUT, CFG)
+    prepare(old)
+    prepare(new)
+    kv2, ix2 = chunks(17, 3)
+    r1, r2 = chunks(2, 4), chunks(1, 5)
+    # The sequence begin_step used to make: finish, then per batch row admit + tail page + warm start, then one
+    # decode_append per round of lagging rows.
+    old.finish(0)
+    old.admit(0, kv2, ix2, rid="c")
+    old.open_tail_page(0)
+    old.recaller.warm_start(0, 4)
+    old.admit(2, *chunks(5, 6), rid="d")
+    old.open_tail_page(2)
+    old.recaller.warm_start(2, 4)
+    c_old = [old.decode_append([0, 1], *r1), old.decode_append([1], *r2)]
+    res = new.sync_batch(BatchSync(
+        finished=(0,),
+        rows=(RowSync(0, Admission(0, "c", 17, kv=kv2, index=ix2, warm_pages=4)), RowSync(1),
+              RowSync(2, Admission(2, "d", 5, *chunks(5, 6), warm_pages=4))),
+        appends=(AppendRound((0, 1), *r1), AppendRound((1,), *r2))))
+    a, b = state(old), state(new)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+    assert [c.tolist() for c in res.cells] == [c.tolist() for c in c_old]
+    assert res.n_chunks == {0: 18, 1: 11, 2: 5}
+    assert res.mpages == {r: tuple(new.rows[r].mpages) for r in (0, 1, 2)}
+    assert b["metrics"]["total"]["warm_start_pages"] > 0 and not check_invariants(new)
+
+
+def test_sync_batch_claims_added_pages_before_the_appends() -> None:
+    """Shrink-mode shape: pages owned by the caller, no bytes, cells only."""
+    eng = OffloadEngine(LAYOUT, CFG)
+    res = eng.sync_batch(BatchSync(rows=(RowSync(0, Admission(0, "x", 8, mpages=(5, 6))),)))
+    assert res.mpages == {0: (5, 6)} and res.n_chunks == {0: 8}
+    res = eng.sync_batch(BatchSync(rows=(RowSync(0, add_pages=(9,)),), appends=(AppendRound((0,)),)))
+    assert res.mpages == {0: (5, 6, 9)} and res.n_chunks == {0: 9}
+    assert int(res.cells[0][0]) >= 0 and int(eng.lut.table[9 * 4]) == int(res.cells[0][0])
+
+
+def test_snapshot_rows_is_gen_and_length_of_live_rows() -> None:
+    eng = OffloadEngine(LAYOUT, CFG)
+    g0 = eng.admit(0, *chunks(6, 1))
+    g3 = eng.admit(3, *chunks(2, 2))
+    assert eng.snapshot_rows() == {0: (g0, 6), 3: (g3, 2)}
+    eng.finish(0)
+    assert eng.snapshot_rows() == {3: (g3, 2)}
