@@ -333,7 +333,9 @@ class OffloadEngine:
                 self.add_pages(rs.row, rs.add_pages)
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
         with self.lock:
-            return SyncResult(cells, {rs.row: tuple(self._live(rs.row).mpages) for rs in sync.rows})
+            sts = {rs.row: self._live(rs.row) for rs in sync.rows}
+            return SyncResult(cells, {r: tuple(st.mpages) for r, st in sts.items()},
+                              {r: st.n_chunks for r, st in sts.items()})
 
     # ---- queries -----------------------------------------------------------------------------------
     def snapshot_rows(self) -> dict[int, tuple[int, int]]:

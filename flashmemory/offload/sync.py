@@ -60,7 +60,8 @@ class BatchSync:
 @dataclass(frozen=True)
 class SyncResult:
     """cells: per append round, int64 [len(rows)] reserve cells written; mpages: mirror pages (logical order)
-    of every row in `BatchSync.rows` after the sync."""
+    and n_chunks: history length of every row in `BatchSync.rows` after the sync."""
 
     cells: tuple[torch.Tensor, ...] = ()
     mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    n_chunks: dict[int, int] = field(default_factory=dict)
