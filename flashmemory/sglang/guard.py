@@ -119,8 +119,10 @@ class Guard:
             self.counter = failure_counter()
 
     # --- running a hook ---------------------------------------------------------------------------
-    def run(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, rids: list[str] | None) -> Any:
-        """Call hook `fn` under the guard. rids: the request ids of the hook's batch when it knows them."""
+    def run(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
+            rids_of: Callable[[tuple, dict], list[str] | None] | None = None) -> Any:
+        """Call hook `fn` under the guard. rids_of(args, kwargs): the request ids of the hook's batch, read only
+        where needed (the first hook of a forward, and the hook the injector names): per-layer hooks stay cheap."""
         if self.stopping:
             raise SystemExit("FlashMemory: the server is stopping (engine state in doubt)")
         if not self.configured:
@@ -131,8 +133,11 @@ class Guard:
                 logger.error("FlashMemory: %s", e)
                 self.stop(f"FlashMemory: {e}")
                 raise SystemExit(f"FlashMemory: {e}") from None
-        if rids is not None:
-            self.batch_rids = rids
+        rids = None
+        if rids_of is not None and (name in RETRY_HOOKS or (self.inject is not None and self.inject[0] == name)):
+            rids = rids_of(args, kwargs)
+            if rids is not None:
+                self.batch_rids = rids
         entered = False
         for _ in range(len(self.batch_rids) + 2):   # each retry fails one more request: bounded by the batch
             try:
@@ -196,6 +201,8 @@ class Guard:
     def without_failed(self, batch: Any) -> Any:
         """`batch` as `Runtime.before_forward` should see it: failed requests renamed and of length 0 (their
         engine rows are finished, never re-admitted). Also forgets failures sglang has already dropped."""
+        if not self.failed:
+            return batch
         rids = [str(r) for r in (getattr(batch, "rids", None) or [])]
         for rid in [r for r, f in self.failed.items() if f.aborted and r not in rids]:
             del self.failed[rid]
@@ -239,7 +246,7 @@ def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None = 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def hook(*args: Any, **kwargs: Any) -> Any:
-            return GUARD.run(name, fn, args, kwargs, rids(args, kwargs) if rids is not None else None)
+            return GUARD.run(name, fn, args, kwargs, rids)
         return hook
     return wrap
 

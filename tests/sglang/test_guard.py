@@ -153,7 +153,7 @@ def test_anything_else_stops_the_server_with_one_line(served, monkeypatch, caplo
     # a request-local error escaping the body of a per-layer hook is not request-local there: the forward is half done
     g = Guard(stop=s.stops.append, configured=True)
     with pytest.raises(SystemExit):
-        g.run("around_attention", lambda: (_ for _ in ()).throw(RequestFailure("a", "x", "y")), (), {}, ["a"])
+        g.run("around_attention", lambda: (_ for _ in ()).throw(RequestFailure("a", "x", "y")), (), {})
 
 
 def test_a_level1_failure_naming_its_request_skips_the_step(served, monkeypatch):
@@ -206,5 +206,5 @@ def test_fault_inject_variable_is_checked():
     g = Guard(stop=stops.append, hook_names=("before_forward",))
     g.configure = lambda env=None: Guard.configure(g, {"FLASHMEMORY_FAULT_INJECT": "hook=nope,rid=x"})
     with pytest.raises(SystemExit):
-        g.run("before_forward", lambda: None, (), {}, [])
+        g.run("before_forward", lambda: None, (), {})
     assert len(stops) == 1 and "FLASHMEMORY_FAULT_INJECT" in stops[0] and "unknown hook 'nope'" in stops[0]
