@@ -70,7 +70,7 @@ class OffloadEngine:
         self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
         self.inflight: set[int] = set()
         self.rows: list[RowState | None] = [None] * cfg.max_rows
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self.stats = OffloadMetrics()
         self._gen = 0
         cuda = self.device.type == "cuda"
@@ -84,10 +84,20 @@ class OffloadEngine:
         self.recaller = Recaller(layout=layout, max_resident_pages=cfg.max_resident_pages, rows=self.rows,
                                  owner=self.owner, inflight=self.inflight, blocks=self.blocks, lru=self.lru,
                                  lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
-                                 stats=self.stats, lock=self.lock, main_stream=self.main_stream,
+                                 stats=self.stats, lock=self._lock, main_stream=self.main_stream,
                                  side_stream=self.side_stream)
         self.staging = self.recaller.staging               # reusable recall staging (the recaller's)
         self.copy_lock = self.recaller.copy_lock
+
+    @property
+    def lock(self) -> Any:
+        """The lock guarding all host bookkeeping (an RLock), shared with the recaller."""
+        return self._lock
+
+    @lock.setter
+    def lock(self, lock: Any) -> None:
+        """Swap the lock (a bench wraps it to time holds); the recaller gets the same one."""
+        self._lock = self.recaller.lock = lock
 
     @property
     def copy_hook(self) -> Callable[[], None] | None:

@@ -94,3 +94,28 @@ def test_snapshot_rows_is_gen_and_length_of_live_rows() -> None:
     assert eng.snapshot_rows() == {0: (g0, 6), 3: (g3, 2)}
     eng.finish(0)
     assert eng.snapshot_rows() == {3: (g3, 2)}
+
+
+def test_a_swapped_engine_lock_reaches_the_recaller() -> None:
+    """`bench recall` wraps `engine.lock` to time holds: plan and publish must take the wrapped lock."""
+    import threading
+
+    from flashmemory.offload import RecallRequest, plan_recall, publish_recall
+
+    class Counting:
+        def __init__(self) -> None:
+            self.inner, self.n = threading.RLock(), 0
+
+        def __enter__(self):
+            self.n += 1
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    eng = OffloadEngine(LAYOUT, CFG)
+    gen = eng.admit(0, *chunks(13, 1))
+    eng.lock = lock = Counting()
+    assert eng.recaller.lock is lock
+    publish_recall(eng, plan_recall(eng, [RecallRequest(0, gen, (0, 1), (1.0, 1.0))]))
+    assert lock.n == 2
