@@ -19,6 +19,7 @@ from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules
                                    baseline_flops, estimate, fit_line, flashmemory_bytes, flashmemory_flops,
                                    hisparse_bytes, kv_budget_per_gpu, n_chunks, weight_bytes)
 from flashmemory.costmodel.peers import B200_PAIR, PublishedFigure, check_published, peer_table
+from flashmemory.bench.costmodel_disk import add_disk_args, disk_knobs, disk_report
 
 G, M = 1e9, 1e6
 DEFAULT_CTX = "262144:96,524288:192,1048576:384"
@@ -49,6 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-fraction", type=float, default=hw.host_fraction)
     p.add_argument("--overhead-ms", type=float, default=20.0,
                    help="fixed per-step cost added in the second throughput estimate (default 20)")
+    add_disk_args(p)
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON (atomic)")
     p.add_argument("--quick", action="store_true", help="accepted for `bench all`; the model is instant anyway")
 
@@ -300,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
                            step_overhead_ms=args.hisparse_step_ms)
         if args.overhead_ms < 0:
             raise ValueError("--overhead-ms must be >= 0")
+        dk = disk_knobs(args)
     except ValueError as e:
         print(f"costmodel: {e}")
         return 2
@@ -312,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
               "bytes": byte_report(cases, knobs_for, hs),
               "throughput": throughput_report(cases, knobs_for, hw, args.overhead_ms, hs),
               "peers": peer_report(hw, hs, knobs_for, args.overhead_ms),
-              "hisparse_check": published_report(hs, args.overhead_ms)}
+              "hisparse_check": published_report(hs, args.overhead_ms),
+              "disk": disk_report(hw, dk, hs, args.overhead_ms, args.turnover)}
     if args.json:
         _atomic_json(args.json, report)
         print(f"\nwrote {args.json}")
