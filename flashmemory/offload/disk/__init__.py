@@ -7,6 +7,9 @@ into the serving path (that follows the serving-path restructure); `flashmemory 
 Configuration: `flashmemory.env.DiskTierConfig` (SGLANG_PATHP_DISK_DIR, _DISK_GB, _HOST_CACHE_GB).
 """
 
+import logging
+
+from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk.cache import DiskTierCounters, HostPageCache
 from flashmemory.offload.disk.faults import FaultPlan, FaultyFileOps
 from flashmemory.offload.disk.fileops import ALIGN, FileOps, OsFileOps
@@ -18,7 +21,19 @@ __all__ = ["DiskTierCounters", "HostPageCache", "FaultPlan", "FaultyFileOps", "A
            "remove_stale_stores", "open_tier"]
 
 
-def open_tier(cfg: "DiskTierConfig", page_bytes: int, rank: int = 0) -> HostPageCache:  # noqa: F821
-    """The store + cache a rank gets from its `DiskTierConfig` (startup logs size and place)."""
+def open_tier(cfg: DiskTierConfig, page_bytes: int, rank: int = 0, readers: int = 4) -> HostPageCache:
+    """The store + cache a rank gets from its `DiskTierConfig`; logs the tier's size and where it lives.
+    Raises DiskTierError (one line naming the variable) when the directory or the sizes cannot work."""
+    if not cfg.enabled:
+        raise DiskTierError("disk tier: SGLANG_PATHP_DISK_DIR is not set")
     store = PageStore(cfg.dir, cfg.disk_bytes, page_bytes, rank=rank)
-    return HostPageCache(store, cfg.host_cache_bytes)
+    try:
+        cache = HostPageCache(store, cfg.host_cache_bytes, readers=readers)
+    except BaseException:
+        store.close()
+        raise
+    logging.getLogger("flashmemory.offload.disk").info(
+        "disk tier (rank %d): %d pages of %d B on disk at %s (%.1f GB, %s), host cache %d pages (%.1f GB)", rank,
+        store.n_slots, page_bytes, store.path, store.n_slots * store.slot_bytes / 1e9,
+        "O_DIRECT" if store.direct else "buffered", cache.capacity_pages, cache.capacity_pages * page_bytes / 1e9)
+    return cache

@@ -150,3 +150,25 @@ def test_threads_share_the_cache(tmp_path) -> None:
     cache.check()
     assert store.used_slots == 0 and cache.live_pages() == {}
     store.close()
+
+
+def test_open_tier_from_the_environment(tmp_path, caplog) -> None:
+    from flashmemory.env import DiskTierConfig, FlashMemoryEnv
+    from flashmemory.offload.disk import DiskTierError, open_tier
+
+    cfg = FlashMemoryEnv.from_environ({"SGLANG_PATHP_DISK_DIR": str(tmp_path), "SGLANG_PATHP_DISK_GB": "0.0001",
+                                       "SGLANG_PATHP_HOST_CACHE_GB": "0.00002"}).disk
+    with caplog.at_level("INFO", logger="flashmemory.offload.disk"):
+        cache = open_tier(cfg, PB, rank=3)
+    assert cache.capacity_pages == 4 and cache.store.n_slots == 100_000 // 8192
+    assert "fm-pagestore-r3-" in cache.store.path and "disk tier (rank 3): 12 pages" in caplog.text
+    cache.close()
+    cache.store.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(DiskTierError, match="SGLANG_PATHP_DISK_DIR=.*not an existing directory"):
+        open_tier(DiskTierConfig(dir=str(tmp_path / "gone")), PB)
+    with pytest.raises(DiskTierError, match="raise SGLANG_PATHP_HOST_CACHE_GB"):
+        open_tier(DiskTierConfig(dir=str(tmp_path), host_cache_gb=1e-9), PB)
+    assert list(tmp_path.iterdir()) == []          # the store of the failed start was removed
+    with pytest.raises(DiskTierError, match="SGLANG_PATHP_DISK_DIR is not set"):
+        open_tier(DiskTierConfig(), PB)
