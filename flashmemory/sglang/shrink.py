@@ -1,7 +1,8 @@
 """Path-P on a PD decode server ("B mode"): the device c4 KV pool shrinks to the reserve.
 
-A subclass of `offload_adapter.OffloadAdapter`, as copy mode (`engine_adapter.SGLangOffload`) is. Copy mode leaves sglang's c4 pool complete and keeps the mirror and reserve as
-copies of it, so it saves no device memory. Here:
+A subclass of `offload_adapter.OffloadAdapter`, as copy mode (`engine_adapter.SGLangOffload`) is. Copy mode
+leaves sglang's c4 pool complete and keeps the mirror and reserve as copies of it, so it saves no device memory.
+Here:
 
   mirror   addressed by pool page (mirror page == c4 pool page, pool loc == mirror chunk), so a PD transfer
            lands in it directly: `mirror_buf_infos` swaps each c4 KV buffer for its mirror in

@@ -25,7 +25,8 @@ def called_on_adapter() -> set[str]:
     names = set()
     for f in ("hooks.py", "runtime.py", "prometheus.py"):
         for node in ast.walk(ast.parse((PKG / f).read_text())):
-            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("engine", "RUNTIME.engine", "self.engine"):
+            on = isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("engine", "RUNTIME.engine", "self.engine")
+            if on:
                 names.add(node.attr)
     return names
 
@@ -91,7 +92,8 @@ def test_begin_step_crosses_into_the_core_once() -> None:
     r2t[0] = torch.arange(4 * PAGE) + 4 * PAGE
     for step, rids in enumerate((["a"], ["a"], [])):
         seq = torch.tensor([2 * PAGE + 3 + step])[: len(rids)]
-        table = c4_page_table(r2t, torch.tensor([0])[: len(rids)], seq, PAGE) if rids else torch.empty((0, 1), dtype=torch.int64)
+        table = (c4_page_table(r2t, torch.tensor([0])[: len(rids)], seq, PAGE) if rids
+                 else torch.empty((0, 1), dtype=torch.int64))
         calls.clear()
         eng.begin_step(rids, table, seq)
         assert calls and calls.count("sync_batch") == 1 and not [c for c in calls if c.startswith("direct")], calls

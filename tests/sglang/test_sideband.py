@@ -113,14 +113,27 @@ def _forbid(*_a, **_k):
     raise AssertionError("host sync / allocation inside the captured hook")
 
 
+def _fresh_guard(monkeypatch) -> list[str]:
+    """A fresh hook guard whose server stop is recorded, not sent (the real one SIGQUITs the parent process)."""
+    from flashmemory.sglang import guard as guard_mod
+    stops: list[str] = []
+    g = guard_mod.Guard(stop=stops.append, configured=True)
+    monkeypatch.setattr(guard_mod, "GUARD", g)
+    monkeypatch.setattr(hooks, "GUARD", g)
+    return stops
+
+
 def test_hook_under_capture_has_no_host_sync_or_allocation(live, monkeypatch):
     pool, eng, r2t, seen = live
     s = torch.tensor([2 * PAGE + 4])
     x = torch.randn(3, HIDDEN)
     fb, backend, idx = _forward(pool, ["a"], s, x, torch.tensor([9, 8, 7]))
     monkeypatch.setattr(hooks, "_capturing", lambda: True)
-    with pytest.raises(SidebandError):                        # no buffer yet: refuse to allocate under capture
-        hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)
+    stops = _fresh_guard(monkeypatch)
+    with pytest.raises(SystemExit, match="SidebandError"):   # no buffer yet: refuse to allocate under capture,
+        hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)   # and the guard stops
+    assert len(stops) == 1 and "SidebandError" in stops[0]
+    _fresh_guard(monkeypatch)
     monkeypatch.setattr(hooks, "_capturing", lambda: False)
     hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)   # eager warmup allocates
     sb = RUNTIME.sideband
