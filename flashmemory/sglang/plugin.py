@@ -1,10 +1,11 @@
 """Entry point `flashmemory.sglang.plugin:register` (group `sglang.srt.plugins`).
 
 sglang's `load_plugins()` calls `register()` in the launcher, in every scheduler process and in a few
-helpers. With every gate off nothing is registered and sglang runs as shipped. Otherwise the hooks of
-the active features are registered, applied at once, and each target is checked to be really patched:
-sglang only logs a hook that fails to apply, and `load_plugins` swallows exceptions, so a failure here
-raises `PluginStartupError`, a SystemExit, which does stop the process with the message.
+helpers. With every gate off nothing is registered and sglang runs as shipped. Otherwise the code patches of
+the active features (`patching.active_features`: the CPU layer's with SGLANG_FLASHMEMORY_CPU=1, then the hook
+features) go through the one apply-and-verify loop, `patching.apply`: sglang only logs a hook that fails to
+apply, and `load_plugins` swallows exceptions, so a failure here raises `PluginStartupError`, a SystemExit,
+which does stop the process with the message.
 """
 
 from __future__ import annotations
@@ -14,35 +15,16 @@ import sys
 from typing import TYPE_CHECKING
 
 from flashmemory.env import EnvError, FlashMemoryEnv
-from flashmemory.sglang.targets import HookSpec, TargetError, check_signature, features_for, resolve, specs_for, unwrap
+from flashmemory.sglang.patch_spec import CODE_KINDS, TargetError
+from flashmemory.sglang.patching import CPU_FEATURES, StartupError, apply, check_all, select
+from flashmemory.sglang.targets import features_for
 
 if TYPE_CHECKING:
     from flashmemory.retriever.model import JointRetriever
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
-_STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...]}
-
-
-class PluginStartupError(SystemExit):
-    """FlashMemory cannot start with the requested gates; the message says which and why."""
-
-    def __init__(self, msg: str):
-        super().__init__(f"FlashMemory startup error: {msg}")
-
-
-def verify_patched(specs: list[HookSpec], originals: dict[str, object]) -> list[str]:
-    """Targets whose current attribute is still the original (or does not wrap it): the hook did not apply."""
-    bad = []
-    for s in specs:
-        try:
-            _, _, now = resolve(s.target)
-        except TargetError as e:
-            bad.append(str(e))
-            continue
-        orig = originals[s.target]
-        if now is orig or unwrap(now) is not unwrap(orig):
-            bad.append(f"{s.target} is not patched (see the 'Failed to apply hooks' log line above)")
-    return bad
+_STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...], "cpu_targets": [...]}
+PluginStartupError = StartupError   # "FlashMemory startup error: ..." (a SystemExit)
 
 
 def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
@@ -59,7 +41,7 @@ def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
 
 
 def register() -> None:
-    """Idempotent: read the gates, register and apply the hooks of the active features, verify them."""
+    """Idempotent: read the gates, apply and verify the patches of the active features."""
     global _STATE
     if _STATE is not None:
         return
@@ -69,10 +51,8 @@ def register() -> None:
         raise PluginStartupError(str(e)) from None
     cpu_targets: list[str] = []
     if env.cpu:  # independent of the FlashMemory gates: CPU + all gates off = stock sglang on CPU
-        from flashmemory.sglang.cpu import pd as cpu_pd
-        from flashmemory.sglang.cpu.install import install
-        cpu_targets = install()
-        cpu_pd.install()   # PD on CPU: NIXL over host DRAM, and the `fake` backend's fixes
+        cpu_targets = apply(select(CPU_FEATURES, CODE_KINDS),
+                            context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it")
     features = features_for(env)
     retriever = None
     if not features:
@@ -86,30 +66,20 @@ def register() -> None:
             raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.adapter_factory ({e})") from None
         if env.retriever_ckpt:
             retriever = check_retriever(env)
-    specs = specs_for(features)
-    originals: dict[str, object] = {}
+    specs = select(features, CODE_KINDS)
+    context = f"; active features {list(features)} need it"
     try:
-        for s in specs:
-            check_signature(s)
-            originals.setdefault(s.target, resolve(s.target)[2])
+        check_all(specs)   # every target before the runtime is configured
     except TargetError as e:
-        raise PluginStartupError(f"{e}; active features {list(features)} need it") from None
+        raise PluginStartupError(f"{e}{context}") from None
 
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from flashmemory.sglang import hooks
     from flashmemory.sglang.runtime import RUNTIME
 
     RUNTIME.configure(env, features, retriever)
-    for s in specs:
-        HookRegistry.register(s.target, getattr(hooks, s.hook), HookType(s.hook_type))
-    HookRegistry.apply_hooks()
-    bad = verify_patched(specs, originals)
-    if bad:
-        raise PluginStartupError("hooks did not apply: " + "; ".join(bad))
-    _STATE = {"features": features, "targets": sorted({s.target for s in specs}), "cpu_targets": cpu_targets}
+    targets = apply(specs, context=context)
+    _STATE = {"features": features, "targets": targets, "cpu_targets": cpu_targets}
     logger.info("FlashMemory: active features: %s (%d hook targets)", ", ".join(env.active_features() or features),
-                len(_STATE["targets"]))
+                len(targets))
 
 
 def state() -> dict | None:

@@ -1,16 +1,16 @@
-"""Where FlashMemory hooks into sglang 0.5.23, and what each hook expects of its target.
+"""The hook table: where FlashMemory hooks into sglang 0.5.23 (one `Patch` per target and hook kind).
 
-A `HookSpec` names one target, the hook type, the leading parameter names the hook reads (by
-position and name; a rename upstream must fail loudly, not bind the wrong argument), and the feature
-that needs it. `resolve` and `check_signature` import sglang lazily so this table is cheap to import.
+Each row names its feature (`features_for` turns an env into the active ones), the target, the hook kind,
+the hook callable in `flashmemory.sglang.hooks`, the leading parameter names the hook reads (by position and
+name; a rename upstream must fail loudly, not bind the wrong argument), and the sglang file:line it covers.
+`flashmemory.sglang.patching` applies it with every other table; importing this module imports no sglang.
 """
 
 from __future__ import annotations
 
-import inspect
-import pkgutil
-from dataclasses import dataclass
 from typing import Any
+
+from flashmemory.sglang.patch_spec import Patch
 
 _IDX = "sglang.srt.layers.attention.dsv4.indexer"
 _POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
@@ -20,70 +20,90 @@ _ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 _COMP = "sglang.srt.layers.attention.dsv4.compressor_v2"
 _CFG = "sglang.srt.model_executor.pool_configurator"
-
-
-class TargetError(RuntimeError):
-    """A hook target is missing from the installed sglang or its signature changed."""
-
-
-@dataclass(frozen=True)
-class HookSpec:
-    feature: str                 # "level2", "mask", "path_p", "shrink", "credit_c4", "path_i", "cudagraph", "level1", "dump"
-    target: str                  # dotted path for HookRegistry
-    hook_type: str               # "before" | "after" | "around"
-    params: tuple[str, ...]      # leading parameters the hook relies on, in order
-    hook: str                    # attribute of flashmemory.sglang.hooks that implements it
-
+_H = "flashmemory.sglang.hooks"
+_P = "srt/mem_cache/deepseek_v4_memory_pool.py"
 
 TOPK = ("scores", "seq_lens", "page_tables", "out_page_indices", "page_size")
+C4_INDEXER = ("self", "x", "q_lora", "c4_indexer", "forward_batch")
+WHY_C4 = "srt/layers/attention/dsv4/indexer.py:774 C4 indexer forward: Level 2 (mask / score-resident), dump recorder"
+WHY_TOPK = "top-k over the C4 scores: mask mode restricts it to the resident pages"
 
-SPECS: tuple[HookSpec, ...] = (
+
+def _h(feature: str, target: str, kind: str, params: tuple[str, ...], hook: str, why: str) -> Patch:
+    return Patch(feature, target, kind, f"{_H}:{hook}", params, why)
+
+
+SPECS: tuple[Patch, ...] = (
     # (1) Level 2 in the C4 indexer (mask mode and score-resident mode), also the dump recorder.
-    HookSpec("level2", f"{_IDX}.C4IndexerBackendMixin.forward_c4_indexer", "around",
-             ("self", "x", "q_lora", "c4_indexer", "forward_batch"), "around_forward_c4_indexer"),
-    HookSpec("mask", f"{_IDX}.topk_transform_paged", "around", TOPK, "around_topk"),
-    HookSpec("mask", f"{_IDX}.topk_transform_paged_v2", "around", TOPK, "around_topk"),
-    HookSpec("mask", f"{_IDX}.topk_transform_pytorch_vectorized", "around", TOPK, "around_topk"),
+    _h("level2", f"{_IDX}.C4IndexerBackendMixin.forward_c4_indexer", "around", C4_INDEXER,
+       "around_forward_c4_indexer", WHY_C4),
+    _h("mask", f"{_IDX}.topk_transform_paged", "around", TOPK, "around_topk",
+       f"kernels/ops/attention/dsv4/topk.py:106 {WHY_TOPK}"),
+    _h("mask", f"{_IDX}.topk_transform_paged_v2", "around", TOPK, "around_topk",
+       f"kernels/ops/attention/dsv4/topk.py:209 {WHY_TOPK}"),
+    _h("mask", f"{_IDX}.topk_transform_pytorch_vectorized", "around", TOPK, "around_topk",
+       f"srt/layers/attention/dsv4/indexer.py:363 {WHY_TOPK} (the torch top-k)"),
     # (2) Path-P / Path-I in the DSv4 memory pool.
-    HookSpec("path_p", f"{_POOL}.__init__", "after",
-             ("self", "max_num_reqs", "swa_size", "c4_size", "c128_size"), "after_pool_init"),
-    HookSpec("path_p", f"{_POOL}.get_extra_key_buffer", "around", ("self", "layer_id"), "around_get_extra_key_buffer"),
+    _h("path_p", f"{_POOL}.__init__", "after", ("self", "max_num_reqs", "swa_size", "c4_size", "c128_size"),
+       "after_pool_init", f"{_P}:948 the pool is built: build the offload adapter beside it"),
+    _h("path_p", f"{_POOL}.get_extra_key_buffer", "around", ("self", "layer_id"), "around_get_extra_key_buffer",
+       f"{_P}:2034 c4 KV read: the device reserve inside attention, the full pool elsewhere"),
     # The reserve is read only inside attention: the core compressor also calls get_extra_key_buffer to store.
-    HookSpec("path_p", f"{_ATTN}.forward", "around", ("self", "q", "k", "v", "layer", "forward_batch"), "around_attention"),
-    HookSpec("path_p", f"{_POOL}.set_extra_key_buffer", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
-    HookSpec("path_p", f"{_POOL}.set_extra_key_buffer_fused", "after", ("self", "layer_id", "loc"), "after_set_extra_key"),
-    HookSpec("path_p", f"{_POOL}.get_contiguous_buf_infos", "around", ("self",), "around_contiguous_buf_infos"),
-    HookSpec("path_p", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k"),
-    HookSpec("path_p", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward"),
-    HookSpec("path_p", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward"),
-    HookSpec("path_i", f"{_POOL}.get_index_k_with_scale_buffer", "around", ("self", "layer_id"), "around_get_index_k"),
-    HookSpec("path_i", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k"),
+    _h("path_p", f"{_ATTN}.forward", "around", ("self", "q", "k", "v", "layer", "forward_batch"), "around_attention",
+       "srt/layers/attention/deepseek_v4_backend.py:4132 marks 'inside attention' for the c4 KV read"),
+    _h("path_p", f"{_POOL}.set_extra_key_buffer", "after", ("self", "layer_id", "loc"), "after_set_extra_key",
+       f"{_P}:2040 c4 KV written (HIP / trtllm / V4.1 store paths): mirror it to the host"),
+    _h("path_p", f"{_POOL}.set_extra_key_buffer_fused", "after", ("self", "layer_id", "loc"), "after_set_extra_key",
+       f"{_P}:2255 c4 KV written (fused): mirror the new rows to the host"),
+    _h("path_p", f"{_POOL}.get_contiguous_buf_infos", "around", ("self",), "around_contiguous_buf_infos",
+       f"{_P}:1334 PD transfer buffers: the host mirror stands in for the c4 pool"),
+    _h("path_p", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k",
+       f"{_P}:2275 index-K written: mirror it to the host"),
+    _h("path_p", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward",
+       "srt/model_executor/model_runner.py:1813 before a forward: settle the step, publish the resident pages"),
+    _h("path_p", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward",
+       "srt/model_executor/model_runner.py:1813 after a forward: end the step (Level-1 launch on decode)"),
+    _h("path_i", f"{_POOL}.get_index_k_with_scale_buffer", "around", ("self", "layer_id"), "around_get_index_k",
+       f"{_P}:2083 index-K read during decode: the Path-I reserve"),
+    _h("path_i", f"{_POOL}.set_index_k_fused", "after", ("self", "layer_id", "loc"), "after_set_index_k",
+       f"{_P}:2275 index-K written: mirror it to the host"),
     # Shrink mode (PD decode): no full-size device c4 KV pool, PD lands c4 KV in the host mirror (NIXL DRAM).
-    HookSpec("shrink", f"{_POOL}._init_compressed_pools", "around", ("self",), "around_init_compressed_pools"),
-    HookSpec("shrink", f"{_POOL}._make_kv_pool", "around", ("self",), "around_make_kv_pool"),
-    HookSpec("shrink", f"{_NIXL}.NixlKVManager.__init__", "before", ("self", "args", "disaggregation_mode"),
-             "before_nixl_manager_init"),
+    _h("shrink", f"{_POOL}._init_compressed_pools", "around", ("self",), "around_init_compressed_pools",
+       f"{_P}:1541 no full-size device c4 pool in shrink mode"),
+    _h("shrink", f"{_POOL}._make_kv_pool", "around", ("self",), "around_make_kv_pool",
+       f"{_P}:1652 the c4 pool is built at reserve size in shrink mode"),
+    _h("shrink", f"{_NIXL}.NixlKVManager.__init__", "before", ("self", "args", "disaggregation_mode"),
+       "before_nixl_manager_init", "srt/disaggregation/nixl/conn.py:524 PD decode into the host mirror: its c4 entries register as DRAM"),
     # forward_indexer_compressor is a class-level alias of forward_unified (compressor_v2.py:360), bound at class
     # creation: patching forward_unified would not reach the callers (indexer.py:552,592; deepseek_v4.py:2148).
-    HookSpec("shrink", f"{_COMP}.CompressorBackendMixin.forward_indexer_compressor", "around",
-             ("self", "x", "forward_batch", "layer_id", "compressor"), "around_compress"),
-    HookSpec("credit_c4", f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token", "around", ("self", "ratio"),
-             "around_c4_bytes_per_token"),
+    _h("shrink", f"{_COMP}.CompressorBackendMixin.forward_indexer_compressor", "around",
+       ("self", "x", "forward_batch", "layer_id", "compressor"), "around_compress",
+       "srt/layers/attention/dsv4/compressor_v2.py:155,360 a Path-I layer's indexer compressor stores at reserve cells"),
+    _h("credit_c4", f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token", "around", ("self", "ratio"),
+       "around_c4_bytes_per_token",
+       "srt/model_executor/pool_configurator.py:1390 the freed c4 bytes are credited to the token budget"),
     # (3) CUDA graph: static buffers before capture, capture-head hook to learn the bucket size.
-    HookSpec("cudagraph", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs"),
+    _h("cudagraph", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs",
+       "srt/model_executor/model_runner.py:1170 static buffers before CUDA-graph capture"),
     # (4) Level-1 side band: publish before a forward, launch after a decode forward.
-    HookSpec("level1", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs"),
-    HookSpec("level1", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward"),
-    HookSpec("level1", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward"),
+    _h("level1", f"{_MR}.init_cuda_graphs", "before", ("self",), "before_init_cuda_graphs",
+       "srt/model_executor/model_runner.py:1170 the side band's static buffers before capture"),
+    _h("level1", f"{_MR}.forward", "before", ("self", "forward_batch"), "before_forward",
+       "srt/model_executor/model_runner.py:1813 publish the Level-1 result before a forward"),
+    _h("level1", f"{_MR}.forward", "after", ("self", "forward_batch"), "after_forward",
+       "srt/model_executor/model_runner.py:1813 launch Level 1 after a decode forward"),
     # (5) Dump mode: per-request control from custom_params, flush when idle.
-    HookSpec("dump", f"{_IDX}.C4IndexerBackendMixin.forward_c4_indexer", "around",
-             ("self", "x", "q_lora", "c4_indexer", "forward_batch"), "around_forward_c4_indexer"),
-    HookSpec("dump", f"{_SCHED}._add_request_to_queue", "before", ("self", "req"), "before_add_request"),
-    HookSpec("dump", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle"),
+    _h("dump", f"{_IDX}.C4IndexerBackendMixin.forward_c4_indexer", "around", C4_INDEXER,
+       "around_forward_c4_indexer", WHY_C4),
+    _h("dump", f"{_SCHED}._add_request_to_queue", "before", ("self", "req"), "before_add_request",
+       "srt/managers/scheduler.py:3480 per-request dump control from custom_params"),
+    _h("dump", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle",
+       "srt/managers/scheduler.py:5240 flush the dump when idle"),
     # (6) The guard (`guard.py`): a request a hook failed finishes with an abort; idle releases rows, gauges say idle.
-    HookSpec("path_p", f"{_SCHED}.process_batch_result", "before", ("self", "batch", "result"),
-             "before_process_batch_result"),
-    HookSpec("path_p", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle"),
+    _h("path_p", f"{_SCHED}.process_batch_result", "before", ("self", "batch", "result"),
+       "before_process_batch_result", "srt/managers/scheduler.py:5074 requests a hook failed finish with FINISH_ABORT"),
+    _h("path_p", f"{_SCHED}.on_idle", "after", ("self",), "after_on_idle",
+       "srt/managers/scheduler.py:5241 idle: release finished requests' rows, publish the gauges"),
 )
 
 
@@ -109,51 +129,3 @@ def features_for(env: Any) -> tuple[str, ...]:
     if env.dump_mode:
         f.append("dump")
     return tuple(f)
-
-
-def specs_for(features: tuple[str, ...]) -> list[HookSpec]:
-    """Specs of the given features, one per (target, hook type) so a shared hook is registered once."""
-    seen: set[tuple[str, str]] = set()
-    out = []
-    for s in SPECS:
-        if s.feature in features and (s.target, s.hook_type) not in seen:
-            seen.add((s.target, s.hook_type))
-            out.append(s)
-    return out
-
-
-def resolve(target: str) -> tuple[Any, str, Any]:
-    """(owner object, attribute name, current attribute value, unwrapped from classmethod/staticmethod)."""
-    owner_path, attr = target.rsplit(".", 1)
-    try:
-        owner = pkgutil.resolve_name(owner_path)
-    except Exception as e:  # ImportError, AttributeError, or an import-time error inside sglang
-        raise TargetError(f"hook target {target}: cannot import {owner_path}: {type(e).__name__}: {e}") from None
-    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
-    if raw is None and not hasattr(owner, attr):
-        raise TargetError(f"hook target {target}: {owner_path} has no attribute {attr!r} (sglang changed?)")
-    value = getattr(owner, attr)
-    if isinstance(raw, (classmethod, staticmethod)):
-        value = raw.__func__
-    return owner, attr, value
-
-
-def unwrap(fn: Any) -> Any:
-    """Follow `__wrapped__` (HookRegistry and functools.wraps set it) to the original function."""
-    seen = 0
-    while hasattr(fn, "__wrapped__") and seen < 64:
-        fn, seen = fn.__wrapped__, seen + 1
-    return fn
-
-
-def check_signature(spec: HookSpec) -> None:
-    """Raise TargetError unless the target's leading parameters are exactly `spec.params`, in order."""
-    _, _, fn = resolve(spec.target)
-    try:
-        names = list(inspect.signature(unwrap(fn)).parameters)
-    except (TypeError, ValueError) as e:
-        raise TargetError(f"hook target {spec.target}: no inspectable signature ({e})") from None
-    want = list(spec.params)
-    if names[: len(want)] != want:
-        raise TargetError(f"hook target {spec.target}: expected leading parameters {want}, "
-                          f"found {names[: len(want) + 2]} (sglang signature drift)")

@@ -65,7 +65,7 @@ def logprob_rows(meta_info: dict, vocab: int) -> torch.Tensor:
 def fp8_kv_simulation(model: torch.nn.Module) -> Iterator[int]:
     """Quantize-dequantize every 512-wide KV entry (nope dims 0..447 only; the rope dims are stored as bf16)
     as sglang's 584-B store does, via forward hooks on the kv_norm modules. Yields the number of hooks."""
-    from flashmemory.sglang.cpu.stores import dequantize_kv_entries, quantize_kv_entries
+    from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries, quantize_kv_entries
 
     def hook(_mod, _inp, out):
         flat = out.reshape(-1, out.shape[-1]).float()

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = r"""
 import json, logging
 from flashmemory.sglang import targets
-from flashmemory.sglang.targets import SPECS, resolve
+from flashmemory.sglang.targets import SPECS
+from flashmemory.sglang.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 import os, sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
@@ -71,10 +72,12 @@ def test_bad_gate_value_stops_startup(monkeypatch):
 
 def test_register_is_idempotent_and_verifies(sg, monkeypatch):
     from flashmemory.sglang import plugin
-    from flashmemory.sglang.targets import SPECS, resolve
+    from flashmemory.sglang.patch_spec import resolve
+    from flashmemory.sglang.patching import verify
+    from flashmemory.sglang.targets import SPECS
     spec = SPECS[0]
     orig = {spec.target: resolve(spec.target)[2]}
-    bad = plugin.verify_patched([spec], orig)   # nothing applied in this process
+    bad = verify([spec], orig)   # nothing applied in this process
     assert bad and "is not patched" in bad[0]
     monkeypatch.setattr(plugin, "_STATE", {"features": (), "targets": []})
     plugin.register()  # already ran: no-op, nothing imported or registered
@@ -130,7 +133,8 @@ BADCKPT = r"""
 import json, os, sys
 import sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
-from flashmemory.sglang.targets import SPECS, resolve
+from flashmemory.sglang.targets import SPECS
+from flashmemory.sglang.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 for case in json.loads(os.environ["FM_CASES"]):
     os.environ.update(case["env"])

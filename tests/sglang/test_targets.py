@@ -1,7 +1,9 @@
 import pytest
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.targets import SPECS, HookSpec, TargetError, check_signature, features_for, specs_for
+from flashmemory.sglang.patch_spec import Patch, TargetError, check_signature
+from flashmemory.sglang.patching import select
+from flashmemory.sglang.targets import SPECS, features_for
 
 pytestmark = pytest.mark.sglang
 
@@ -12,11 +14,11 @@ def test_every_target_resolves_with_expected_signature(sg, spec):
 
 
 def test_drift_is_reported(sg):
-    bad = HookSpec("level2", SPECS[0].target, "around", ("self", "x", "renamed"), "around_forward_c4_indexer")
+    bad = Patch("level2", SPECS[0].target, "around", SPECS[0].impl, ("self", "x", "renamed"), "test")
     with pytest.raises(TargetError, match="signature drift"):
         check_signature(bad)
     with pytest.raises(TargetError, match="no attribute"):
-        check_signature(HookSpec("x", "sglang.srt.plugins.hook_registry.HookRegistry.nope", "after", (), "x"))
+        check_signature(Patch("x", "sglang.srt.plugins.hook_registry.HookRegistry.nope", "after", "m:x", (), "test"))
 
 
 def test_features():
@@ -27,8 +29,9 @@ def test_features():
     assert "credit_c4" in features_for(FlashMemoryEnv(decode_swap_p=True, pd_credit_c4=True))
     assert "credit_c4" not in features_for(FlashMemoryEnv(decode_swap_p=True, pd_c4_shrink=False, pd_credit_c4=True))
     assert "mask" not in features_for(FlashMemoryEnv(decode_swap_p=True, score_resident=True))
-    specs = specs_for(("level2", "dump"))
-    assert len({(s.target, s.hook_type) for s in specs}) == len(specs)  # shared indexer hook registered once
+    specs = select(("level2", "dump"))
+    assert len({(s.target, s.kind) for s in specs}) == len(specs)  # shared indexer hook registered once
+    assert [s.feature for s in specs] == ["level2", "dump", "dump"]
 
 
 def test_no_target_is_reached_only_through_an_alias():

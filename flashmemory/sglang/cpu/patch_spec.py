@@ -1,18 +1,14 @@
-"""`CpuPatch`: one sglang function the CPU layer replaces or wraps, and why (the sglang file:line it covers).
-
-The tables live in `patches_kernels` (CUDA-only kernels -> the pure-torch drop-ins of this package) and
-`patches_runtime` (CPU seams outside the kernels); `install` registers them through sglang's HookRegistry.
+"""Transitional: `CpuPatch(target, hook_type, impl, params, why)` builds the one spec type,
+`flashmemory.sglang.patch_spec.Patch`, with feature "cpu". New tables write `Patch(...)` directly; this
+factory stays only until the last table that still calls it is converted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from flashmemory.sglang.patch_spec import Patch
 
 
-@dataclass(frozen=True)
-class CpuPatch:
-    target: str                 # dotted path HookRegistry patches (function, method or staticmethod)
-    hook_type: str              # "replace" | "around" | "after"
-    impl: str                   # dotted path of our function ("module:attr" or "module.attr")
-    params: tuple[str, ...]     # leading parameter names the impl relies on (checked against the target)
-    why: str                    # sglang file:line the patch covers, and what it does instead
+def CpuPatch(target: str, hook_type: str, impl: str, params: tuple[str, ...], why: str,  # noqa: N802
+             feature: str = "cpu") -> Patch:
+    """A CPU-layer `Patch` (feature "cpu" unless given), from the old positional form."""
+    return Patch(feature, target, hook_type, impl, params, why)

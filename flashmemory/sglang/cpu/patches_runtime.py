@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from flashmemory.sglang.cpu.patch_spec import CpuPatch
+from flashmemory.sglang.patch_spec import Patch
 
 _BK = "sglang.srt.layers.attention.deepseek_v4_backend"
 _RT = "flashmemory.sglang.cpu.patches_runtime"
@@ -97,7 +97,7 @@ def sparse_decode_torch(*, q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: i
     """`flash_mla_with_kvcache` keyword call (block_table / cache_seqlens / tile_scheduler_metadata /
     is_fp8_kvcache are FlashMLA scheduling details) -> torch sparse decode: (out, lse). `sparse_decode_fwd`
     computes what sglang's `_sm120_sparse_decode_fwd` does (tested equal), dequantizing per page."""
-    from flashmemory.sglang.cpu.sparse_attention import sparse_decode_fwd
+    from flashmemory.sglang.cpu.ops.sparse_attention import sparse_decode_fwd
     return sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
                              extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
 
@@ -114,17 +114,17 @@ def move_to_device(self: Any, x: list[int]) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32, device=self.device)
 
 
-RUNTIME_PATCHES: tuple[CpuPatch, ...] = (
-    CpuPatch("sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
-             ("head_size", "rotary_dim", "max_position", "base"),
-             "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope"),
-    CpuPatch("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
-             f"{_RT}:configure_dsv4_fp8", ("self",),
-             "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool"),
-    CpuPatch(f"{_BK}._create_flashmla_metadata", "replace", f"{_RT}:no_flashmla_metadata", (),
-             "deepseek_v4_backend.py:210 FlashMLA tile-scheduler metadata (CUDA); the torch decode needs none"),
-    CpuPatch(f"{_BK}.DeepseekV4AttnBackend.__init__", "after", f"{_RT}:after_backend_init", ("self",),
-             "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path"),
-    CpuPatch(f"{_BK}.DeepseekV4AttnBackend._move_to_device", "replace", f"{_RT}:move_to_device", ("self", "x"),
-             "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver"),
+RUNTIME_PATCHES: tuple[Patch, ...] = (
+    Patch("cpu", "sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
+          ("head_size", "rotary_dim", "max_position", "base"),
+          "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope"),
+    Patch("cpu", "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
+          f"{_RT}:configure_dsv4_fp8", ("self",),
+          "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool"),
+    Patch("cpu", f"{_BK}._create_flashmla_metadata", "replace", f"{_RT}:no_flashmla_metadata", (),
+          "deepseek_v4_backend.py:210 FlashMLA tile-scheduler metadata (CUDA); the torch decode needs none"),
+    Patch("cpu", f"{_BK}.DeepseekV4AttnBackend.__init__", "after", f"{_RT}:after_backend_init", ("self",),
+          "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path"),
+    Patch("cpu", f"{_BK}.DeepseekV4AttnBackend._move_to_device", "replace", f"{_RT}:move_to_device", ("self", "x"),
+          "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver"),
 )

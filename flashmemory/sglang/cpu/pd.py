@@ -11,12 +11,12 @@ registration, descriptor list and transfer of the agent says DRAM. That is the o
 changes, and mixed VRAM/DRAM kinds (shrink mode's host-mirror entries, `hooks.before_nixl_manager_init`) become
 homogeneous DRAM, which they are.
 
-`patch_nixl_agent_class` wraps the agent class's `__init__` once per process (idempotent); `install` does it
-for the class sglang imports (`nixl._api.nixl_agent`) when SGLANG_FLASHMEMORY_CPU=1 and nixl is installed.
+`after_nixl_agent_init` runs after every `nixl._api.nixl_agent.__init__` (a row of `PD_PATCHES`, applied with every
+other patch when SGLANG_FLASHMEMORY_CPU=1; skipped when nixl is not installed).
 
 Without NIXL, sglang's `fake` backend (`TRANSFER_BACKEND=fake`) runs the PD stack with no transfer at all: D reads
 whatever its pools hold (zeros on CPU: torch allocates them zeroed), so its tokens are not P's. It needs three
-fixes, installed with the rest (`install`, CPU gate on):
+fixes, rows of `PD_PATCHES` too:
  1. `arg_groups/pd_disaggregation_hook.py:146` asserts a prefill server is not `fake`: `fake_prefill_step`
     wraps that resolution step (sglang's own seam, `register_resolution_hook`) and shows it `nixl` while it runs;
  2. `managers/disagg_service.py:42` builds `get_kv_class(FAKE, BOOTSTRAP_SERVER)`, which is None (fake has none):
@@ -28,15 +28,9 @@ fixes, installed with the rest (`install`, CPU gate on):
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
 from typing import Any, Callable
 
-from flashmemory.env import cpu_enabled
-
-logger = logging.getLogger(__name__)
-_PATCHED_MARK = "_flashmemory_cpu_dram"
+from flashmemory.sglang.patch_spec import Patch
 
 
 def alias_vram_to_dram(agent: Any) -> None:
@@ -51,32 +45,9 @@ def alias_vram_to_dram(agent: Any) -> None:
     mems["VRAM"] = mems["DRAM"]
 
 
-def patch_nixl_agent_class(cls: type) -> bool:
-    """Wrap `cls.__init__` so each new agent aliases VRAM to DRAM. Returns False if it was already wrapped."""
-    if getattr(cls.__init__, _PATCHED_MARK, False):
-        return False
-    orig = cls.__init__
-
-    @functools.wraps(orig)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        orig(self, *args, **kwargs)
-        alias_vram_to_dram(self)
-
-    setattr(__init__, _PATCHED_MARK, True)
-    cls.__init__ = __init__
-    return True
-
-
-def patch_nixl() -> str:
-    """Patch the NIXL agent sglang uses (`nixl._api.nixl_agent`): 'no nixl', 'patched' or 'already patched'."""
-    try:
-        api = importlib.import_module("nixl._api")
-    except ImportError:
-        return "no nixl"
-    done = patch_nixl_agent_class(api.nixl_agent)
-    if done:
-        logger.info("FlashMemory CPU: NIXL agents register and move KV as host DRAM (VRAM aliased to DRAM)")
-    return "patched" if done else "already patched"
+def after_nixl_agent_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook of `nixl_agent.__init__`: each new agent aliases VRAM to DRAM (see the module docstring)."""
+    alias_vram_to_dram(self)
 
 
 # --- the `fake` backend ---------------------------------------------------------------------------------------
@@ -117,41 +88,21 @@ def around_is_fake_transfer(original: Callable, req: Any) -> bool:
     return get_disagg().disaggregation_transfer_backend == _FAKE
 
 
-FAKE_HOOKS: tuple[tuple[str, Callable], ...] = (   # (target, AROUND hook)
-    ("sglang.srt.managers.disagg_service.get_kv_class", around_get_kv_class),
-    ("sglang.srt.disaggregation.utils._is_fake_transfer", around_is_fake_transfer),
-    ("sglang.srt.disaggregation.decode._is_fake_transfer", around_is_fake_transfer),
+_CONN = "sglang.srt.disaggregation"
+_PD = "flashmemory.sglang.cpu.pd"
+
+PD_PATCHES: tuple[Patch, ...] = (
+    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "after", f"{_PD}:after_nixl_agent_init", ("self", "agent_name"),
+          "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
+          "NIXL_ERR_BACKEND); every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)", optional=True),
+    Patch("cpu_pd", "sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation", "step",
+          f"{_PD}:fake_prefill_step", ("server_args",),
+          "arg_groups/pd_disaggregation_hook.py:146 asserts a prefill server is not `fake` (fix 1)"),
+    Patch("cpu_pd", "sglang.srt.managers.disagg_service.get_kv_class", "around", f"{_PD}:around_get_kv_class",
+          ("transfer_backend", "class_type"),
+          "managers/disagg_service.py:42 fake has no bootstrap server class -> CommonKVBootstrapServer (fix 2)"),
+    Patch("cpu_pd", f"{_CONN}.utils._is_fake_transfer", "around", f"{_PD}:around_is_fake_transfer", ("req",),
+          "disaggregation/utils.py:238 fake only for host 2.2.2.2 -> every request with the fake backend (fix 3)"),
+    Patch("cpu_pd", f"{_CONN}.decode._is_fake_transfer", "around", f"{_PD}:around_is_fake_transfer", ("req",),
+          "disaggregation/decode.py:62 its own binding of utils._is_fake_transfer (fix 3)"),
 )
-
-
-def register_fake_fixes() -> list[str]:
-    """Register and apply the three fake fixes; raises RuntimeError naming a target that did not get patched."""
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from flashmemory.sglang.targets import resolve, unwrap
-    register_resolution_hook("handle_pd_disaggregation")(fake_prefill_step)
-    originals = {t: resolve(t)[2] for t, _ in FAKE_HOOKS}
-    for target, hook in FAKE_HOOKS:
-        HookRegistry.register(target, hook, HookType.AROUND)
-    HookRegistry.apply_hooks()
-    now = {t: resolve(t)[2] for t, _ in FAKE_HOOKS}
-    bad = [t for t in now if now[t] is originals[t] or unwrap(now[t]) is not unwrap(originals[t])]
-    if bad:
-        raise RuntimeError(f"FlashMemory CPU: PD fake fixes did not apply to {bad} (see 'Failed to apply hooks')")
-    return ["handle_pd_disaggregation (resolution step)"] + [t for t, _ in FAKE_HOOKS]
-
-
-_INSTALLED: dict[str, Any] | None = None
-
-
-def install() -> dict[str, Any]:
-    """The PD part of the CPU layer (CPU gate on), once per process: NIXL as DRAM and the fake fixes.
-
-    Returns {'nixl': what `patch_nixl` did, 'fake': patched targets}; {'nixl': 'off', 'fake': []} with the gate off."""
-    global _INSTALLED
-    if not cpu_enabled():
-        return {"nixl": "off", "fake": []}
-    if _INSTALLED is None:
-        _INSTALLED = {"nixl": patch_nixl(), "fake": register_fake_fixes()}
-    return _INSTALLED

@@ -17,7 +17,6 @@ import sys
 import types
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
-STUBBED_PACKAGES = ("sgl_kernel", "flash_mla")
 
 
 class CpuKernelMissing(RuntimeError):
@@ -115,8 +114,9 @@ def _loads(name: str) -> bool:
         return False
 
 
-def install_stubs(packages: tuple[str, ...] = STUBBED_PACKAGES) -> list[str]:
-    """Stub each package that cannot load; returns the stubbed names. Idempotent."""
+def install_stubs(packages: tuple[str, ...]) -> list[str]:
+    """Stub each package that cannot load (the `import_stub` rows of `cpu/platform.py`); returns the stubbed
+    names. Idempotent."""
     if any(isinstance(f, StubFinder) for f in sys.meta_path):
         return [p for p in packages if getattr(sys.modules.get(p), "flashmemory_cpu_stub", False)]
     todo = {}

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import torch
 
-from flashmemory.sglang.cpu.compress_plan import plan_decode, plan_prefill, unpack_plan_c, unpack_plan_d
-from flashmemory.sglang.cpu.compressor import compress_forward
-from flashmemory.sglang.cpu.norm_rope import compress_norm_rope_store, cos_sin_table, norm_rope
-from flashmemory.sglang.cpu.stores import index_page_format, kv_page_format
+from flashmemory.sglang.cpu.ops.compress_plan import plan_decode, plan_prefill, unpack_plan_c, unpack_plan_d
+from flashmemory.sglang.cpu.ops.compressor import compress_forward
+from flashmemory.sglang.cpu.ops.norm_rope import compress_norm_rope_store, cos_sin_table, norm_rope
+from flashmemory.sglang.cpu.ops.stores import index_page_format, kv_page_format
 
 MAX_LEN = 512
 SWA_PAGE = 16

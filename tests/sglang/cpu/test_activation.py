@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.sglang.cpu.activation import silu_and_mul_clamp
+from flashmemory.sglang.cpu.ops.activation import silu_and_mul_clamp
 
 
 def test_silu_and_mul_clamp_matches_float64():

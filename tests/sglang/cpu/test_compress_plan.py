@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.sglang.cpu.compress_plan import (generate_decode, generate_prefill, plan_decode, plan_prefill,
-                                                  unpack_plan_c, unpack_plan_w)
+from flashmemory.sglang.cpu.ops.compress_plan import plan_decode, plan_prefill, unpack_plan_c, unpack_plan_w
+from flashmemory.sglang.cpu.patches_kernels import generate_decode, generate_prefill
 
 
 def _tables():

@@ -23,7 +23,7 @@ import torch
 from flashmemory.hf.models import config_dict, make_config
 from flashmemory.retriever.fp8 import dequantize_chunks
 from flashmemory.retriever.hadamard import hadamard_transform
-from flashmemory.sglang.cpu.stores import dequantize_kv_entries
+from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries
 from tests.sglang.cpu.compress_harness import CompressorSetup, run
 
 tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")

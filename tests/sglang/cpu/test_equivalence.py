@@ -113,7 +113,7 @@ def serving_geometry():
 
 
 def test_fp8_simulation_hooks_every_512_wide_kv_entry(serving_geometry):
-    from flashmemory.sglang.cpu.stores import dequantize_kv_entries, quantize_kv_entries
+    from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries, quantize_kv_entries
     model = serving_geometry
     names = [n for n, m in model.named_modules() if n.endswith("kv_norm")]
     wide = [n for n in names if dict(model.named_modules())[n].weight.shape[0] == 512]

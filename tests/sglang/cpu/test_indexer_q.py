@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashmemory.retriever.hadamard import hadamard_matrix
-from flashmemory.sglang.cpu.indexer_q import fused_q_indexer_rope_hadamard_quant
+from flashmemory.sglang.cpu.ops.indexer_q import fused_q_indexer_rope_hadamard_quant
 from tests.sglang.cpu.test_norm_rope import _freqs, _rope64
 
 

@@ -26,8 +26,8 @@ def test_gate_on_sets_switches_keeps_user_values(monkeypatch):
             monkeypatch.setenv(k, "")   # recorded first: delenv of an unset name is not undone, and activate()
             monkeypatch.delenv(k)       # would leak sglang's CPU switches into every later test of the session
     calls = []
-    monkeypatch.setattr("flashmemory.sglang.cpu.stubs.install_stubs", lambda: calls.append(1))
-    assert cpu_platform.activate() == cpu_platform.PLATFORM_CLASS and calls == [1]
+    monkeypatch.setattr("flashmemory.sglang.cpu.stubs.install_stubs", lambda packages: calls.append(packages))
+    assert cpu_platform.activate() == cpu_platform.PLATFORM_CLASS and calls == [("sgl_kernel", "flash_mla")]
     import os
     assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1" and os.environ["TRITON_INTERPRET"] == "0"
     monkeypatch.setenv("SGLANG_FLASHMEMORY_CPU", "maybe")
@@ -57,15 +57,11 @@ def test_stub_package_real_submodules_and_raising_kernels(tmp_path, monkeypatch)
             del sys.modules[m]
 
 
-@pytest.mark.sglang
-def test_every_patch_target_exists_with_its_signature():
-    pytest.importorskip("sglang")
-    from flashmemory.sglang.cpu.install import _check, _impl, all_patches
+def test_cpu_rows_never_share_a_target_with_the_hooks():
+    """FlashMemory's own hooks and the CPU patches never share a target (HookRegistry applies a target once)."""
+    from flashmemory.sglang.patch_spec import CODE_KINDS
+    from flashmemory.sglang.patching import CPU_FEATURES, select
     from flashmemory.sglang.targets import SPECS
-    patches = all_patches()
-    for p in patches:
-        _check(p)            # CpuLayerError on a missing target or signature drift
-        assert callable(_impl(p))
-    assert len({p.target for p in patches}) == len(patches)
-    # FlashMemory's own hooks and the CPU patches never share a target (HookRegistry applies a target once).
-    assert not {p.target for p in patches} & {s.target for s in SPECS}
+    cpu = select(CPU_FEATURES, CODE_KINDS)
+    assert len({p.target for p in cpu}) == len(cpu)
+    assert not {p.target for p in cpu} & {s.target for s in SPECS}

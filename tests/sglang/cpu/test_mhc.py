@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flashmemory.hf.models import config_dict, make_config
-from flashmemory.sglang.cpu.mhc import hc_split_sinkhorn, mhc_combine
+from flashmemory.sglang.cpu.ops.mhc import hc_split_sinkhorn, mhc_combine
 
 tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flashmemory.retriever.rope import RopeConfig, yarn_inv_freq
-from flashmemory.sglang.cpu.compress_plan import plan_decode
-from flashmemory.sglang.cpu.norm_rope import (compress_norm_rope_store, fused_k_norm_rope_flashmla,
+from flashmemory.sglang.cpu.ops.compress_plan import plan_decode
+from flashmemory.sglang.cpu.ops.norm_rope import (compress_norm_rope_store, fused_k_norm_rope_flashmla,
                                               fused_norm_rope_inplace, fused_q_norm_rope, fused_rope_inplace)
-from flashmemory.sglang.cpu.stores import dequantize_kv_entries, kv_page_format
+from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries, kv_page_format
 
 EPS = 1e-6
 

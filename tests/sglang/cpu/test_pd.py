@@ -16,10 +16,15 @@ os.environ.setdefault("UCX_MODULES", CPU_SWITCHES["UCX_MODULES"])
 
 
 def _agent_cls(patched: bool) -> type:
-    cls = type("Agent", (nixl_api.nixl_agent,), {})     # a subclass: the global class stays as shipped
-    if patched:
-        assert pd.patch_nixl_agent_class(cls) is True
-    return cls
+    """A subclass (the global class stays as shipped); patched: its __init__ runs the PD_PATCHES after-hook as
+    HookRegistry's AFTER wrapper does."""
+    if not patched:
+        return type("Agent", (nixl_api.nixl_agent,), {})
+
+    def __init__(self, *args, **kwargs):
+        result = nixl_api.nixl_agent.__init__(self, *args, **kwargs)
+        pd.after_nixl_agent_init(result, self, *args, **kwargs)
+    return type("Agent", (nixl_api.nixl_agent,), {"__init__": __init__})
 
 
 def _read(cls: type, src: torch.Tensor, dst: torch.Tensor, kind: str) -> str:
@@ -67,9 +72,9 @@ def test_alias_moves_the_bytes():
     assert torch.equal(src, dst)
 
 
-def test_patch_once():
-    cls = _agent_cls(True)
-    assert pd.patch_nixl_agent_class(cls) is False
+def test_the_nixl_row_is_optional_and_names_the_agent_init():
+    row = next(p for p in pd.PD_PATCHES if p.target.startswith("nixl."))
+    assert row.optional and row.kind == "after" and row.impl.endswith(":after_nixl_agent_init")
 
 
 def test_alias_refuses_an_unknown_agent_layout():
@@ -77,8 +82,3 @@ def test_alias_refuses_an_unknown_agent_layout():
         pass
     with pytest.raises(RuntimeError, match="nixl_mems"):
         pd.alias_vram_to_dram(NoTable())
-
-
-def test_install_is_off_without_the_gate(monkeypatch):
-    monkeypatch.delenv("SGLANG_FLASHMEMORY_CPU", raising=False)
-    assert pd.install() == {"nixl": "off", "fake": []}

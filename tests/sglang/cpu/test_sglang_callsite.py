@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashmemory.sglang.cpu import compressor, norm_rope
-from flashmemory.sglang.cpu.compress_plan import generate_decode, generate_prefill
+from flashmemory.sglang.cpu.ops import compressor, norm_rope
+from flashmemory.sglang.cpu.patches_kernels import generate_decode, generate_prefill
 from tests.sglang.cpu.compress_harness import POOL_PAGE, CompressorSetup, Harness, run
 from tests.sglang.cpu.test_norm_rope import _freqs
 

@@ -1,44 +1,42 @@
-"""Every drop-in takes the same parameters (names, kinds, defaults) as the sglang function it replaces."""
+"""Every patch target exists in the installed sglang with the parameters its row lists, and every drop-in
+(`replace` row) takes the same parameters (names, kinds, defaults) as the sglang function it replaces."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
 
-PAIRS = [
-    ("sglang.kernels.ops.attention.dsv4.compress:compress_forward", "compressor:compress_forward"),
-    ("sglang.kernels.ops.attention.dsv4.compress:compress_norm_rope_store", "norm_rope:compress_norm_rope_store"),
-    ("sglang.kernels.ops.attention.dsv4.compress:CompressorPrefillPlan.generate", "compress_plan:generate_prefill"),
-    ("sglang.kernels.ops.attention.dsv4.compress:CompressorDecodePlan.generate", "compress_plan:generate_decode"),
-    ("sglang.kernels.ops.attention.dsv4.norm_rope:fused_rope_inplace", "norm_rope:fused_rope_inplace"),
-    ("sglang.kernels.ops.attention.dsv4.norm_rope:fused_norm_rope_inplace", "norm_rope:fused_norm_rope_inplace"),
-    ("sglang.kernels.ops.attention.dsv4.norm_rope:fused_q_norm_rope", "norm_rope:fused_q_norm_rope"),
-    ("sglang.kernels.ops.attention.dsv4.norm_rope:fused_k_norm_rope_flashmla", "norm_rope:fused_k_norm_rope_flashmla"),
-    ("sglang.kernels.ops.attention.dsv4.norm_rope:fused_q_indexer_rope_hadamard_quant",
-     "indexer_q:fused_q_indexer_rope_hadamard_quant"),
-    ("sglang.kernels.ops.attention.dsv4.attn:fused_store_cache", "stores:fused_store_cache"),
-    ("sglang.kernels.ops.activation.silu_and_mul_clamp:silu_and_mul_clamp", "activation:silu_and_mul_clamp"),
-    ("sglang.kernels.ops.layernorm.mhc:hc_split_sinkhorn", "mhc:hc_split_sinkhorn"),
-    ("sglang.kernels.ops.layernorm.mhc:mhc_combine", "mhc:mhc_combine"),
-    ("sglang.kernels.ops.layernorm.mhc_head:fused_hc_head", "mhc:fused_hc_head"),
-]
+from flashmemory.sglang.patch_spec import CODE_KINDS, check_signature, target_present, unwrap
+from flashmemory.sglang.patching import all_patches, load_impl
 
-
-def _resolve(spec: str, package: str = ""):
-    mod, attr = spec.split(":")
-    obj = importlib.import_module(package + mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+pytestmark = pytest.mark.sglang
+ROWS = [p for p in all_patches() if p.kind in CODE_KINDS]
+HOOK_HEAD = {"around": ["original"], "after": ["result"], "before": []}
 
 
 def _shape(fn) -> list[tuple]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
-@pytest.mark.parametrize("theirs,ours", PAIRS, ids=[p[1] for p in PAIRS])
-def test_same_parameters(theirs, ours):
-    pytest.importorskip("sglang")
-    assert _shape(_resolve(ours, "flashmemory.sglang.cpu.")) == _shape(_resolve(theirs))
+@pytest.mark.parametrize("row", ROWS, ids=lambda p: f"{p.feature}:{p.kind}:{p.target.rsplit('.', 2)[-2:]}")
+def test_target_exists_with_its_signature(sg, row):
+    if not target_present(row):
+        pytest.skip(f"{row.target}: optional package not installed")
+    theirs = check_signature(row)       # TargetError on a missing target or drift of the leading parameters
+    ours = load_impl(row)
+    assert callable(ours)
+    if row.kind == "replace":
+        assert _shape(ours) == _shape(unwrap(theirs)), row.target
+    elif row.kind == "step":   # sglang's resolution-hook form: fn(server_args, previous)
+        assert list(inspect.signature(ours).parameters) == list(row.params) + ["previous"], row.target
+    else:
+        # a hook binds the target's arguments by position after its own head argument (`original` / `result`):
+        # its named positional parameters must be the target's, in order
+        head = HOOK_HEAD[row.kind]
+        params = [p for p in inspect.signature(ours).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in params]
+        assert names[:len(head)] == head, (row.target, names)
+        target_names = list(inspect.signature(unwrap(theirs)).parameters)
+        assert names[len(head):] == target_names[:len(names) - len(head)], (row.target, names, target_names)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flashmemory.sglang.cpu.sparse_attention import sparse_decode_fwd
-from flashmemory.sglang.cpu.stores import store_kv_entries
+from flashmemory.sglang.cpu.ops.sparse_attention import sparse_decode_fwd
+from flashmemory.sglang.cpu.ops.stores import store_kv_entries
 
 pytestmark = pytest.mark.sglang
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashmemory.retriever.fp8 import dequantize_chunks
-from flashmemory.sglang.cpu.stores import (dequantize_kv_entries, fused_store_cache, quantize_index_entries,
+from flashmemory.sglang.cpu.ops.stores import (dequantize_kv_entries, fused_store_cache, quantize_index_entries,
                                            quantize_kv_entries, store_index_entries, store_kv_entries)
 
 E4M3 = torch.float8_e4m3fn

@@ -1,7 +1,8 @@
 """The DSv4 compressor planner on CPU: sglang's plan tensors, byte for byte, without its JIT CUDA planner.
 
-Stands in for `CompressorPrefillPlan.generate` / `CompressorDecodePlan.generate`
-(`kernels/ops/attention/dsv4/compress.py`, planner `kernels/jit/csrc/deepseek_v4/c_plan.cuh`). The plans are
+The plan bytes of `CompressorPrefillPlan.generate` / `CompressorDecodePlan.generate`
+(`kernels/ops/attention/dsv4/compress.py`, planner `kernels/jit/csrc/deepseek_v4/c_plan.cuh`; the drop-ins that
+wrap them in sglang's NamedTuples are in `cpu/patches_kernels.py`: this module imports no sglang). The plans are
 uint8 tensors of packed little-endian structs (`include/sgl_kernel/deepseek_v4/compress_v2.cuh`):
 
 - CompressPlan, 16 B per compression event (a token that closes a window, `(pos + 1) % ratio == 0`):
@@ -23,7 +24,7 @@ the batch index (kernel 1 only rewrites rows that read the ring); the consumers 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -199,28 +200,3 @@ def unpack_plan_w(plan_w: torch.Tensor) -> PlanW:
 def unpack_plan_d(plan_d: torch.Tensor) -> PlanD:
     w = _words(plan_d, PLAN_D_BYTES, "plan_d")
     return PlanD(w[:, 0] & 0xFFFFFFFF, w[:, 1], w[:, 2], w[:, 3])
-
-
-def sglang_plan_types() -> tuple[Any, Any]:
-    """(CompressorDecodePlan, CompressorPrefillPlan) from sglang (imports it: several seconds)."""
-    from sglang.kernels.ops.attention.dsv4.compress import CompressorDecodePlan, CompressorPrefillPlan
-    return CompressorDecodePlan, CompressorPrefillPlan
-
-
-def generate_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
-                     swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
-                     use_req_ring: bool = False) -> Any:
-    """Drop-in for `CompressorPrefillPlan.generate` (same arguments): sglang's NamedTuple, pin_buffer None."""
-    plan_c, plan_w = plan_prefill(compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token,
-                                  full_to_state, swa_page_size, ring_size, num_q_tokens, use_cuda_graph, use_req_ring)
-    return sglang_plan_types()[1](compress_ratio, plan_c, plan_w, None)
-
-
-def generate_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                    full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
-                    use_req_ring: bool = False) -> Any:
-    """Drop-in for `CompressorDecodePlan.generate` (same arguments): sglang's NamedTuple."""
-    plan_d = plan_decode(compress_ratio, req_pool_indices, req_to_token, full_to_state, seq_lens,
-                         swa_page_size, ring_size, use_req_ring)
-    return sglang_plan_types()[0](compress_ratio, plan_d)

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from flashmemory.retriever.hadamard import hadamard_transform
-from flashmemory.sglang.cpu.compress_plan import unpack_plan_c, unpack_plan_d
-from flashmemory.sglang.cpu.stores import INDEX_HEAD_DIM, KV_DIM, store_index_entries, store_kv_entries
+from flashmemory.sglang.cpu.ops.compress_plan import unpack_plan_c, unpack_plan_d
+from flashmemory.sglang.cpu.ops.stores import INDEX_HEAD_DIM, KV_DIM, store_index_entries, store_kv_entries
 
 
 def cos_sin_table(freqs_cis: torch.Tensor) -> torch.Tensor:

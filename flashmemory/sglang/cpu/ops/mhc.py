@@ -5,7 +5,7 @@ Drop-ins for `kernels/ops/layernorm/mhc.py::hc_split_sinkhorn` (TileLang kernel 
 torch hc-pre path, taken with SGLANG_OPT_USE_TILELANG_MHC_PRE=0, SGLANG_OPT_FUSE_MHC_POST_PRE=0,
 SGLANG_OPT_DEEPGEMM_HC_PRENORM=0). The hc head needs nothing new: sglang's own `hc_head_torch`
 (`srt/models/deepseek_v4.py:664`) takes `fused_hc_head`'s arguments (x, hc_fn, hc_scale, hc_base,
-norm_eps=, hc_eps=) and is what the patch layer should route `mhc_head.fused_hc_head` to.
+norm_eps=, hc_eps=): `cpu/patches_kernels.py` routes `mhc_head.fused_hc_head` to it.
 """
 
 from __future__ import annotations
@@ -53,12 +53,3 @@ def mhc_combine(x_flat: torch.Tensor, pre: torch.Tensor, hc: int, out_dtype: tor
     for k in range(hc):
         acc += p[:, k:k + 1] * x[:, k]
     return acc.to(out_dtype)
-
-
-def fused_hc_head(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
-                  norm_eps: float, hc_eps: float) -> torch.Tensor:
-    """Drop-in for `kernels/ops/layernorm/mhc_head.py::fused_hc_head` (Triton): calls sglang's own torch version
-    `srt/models/deepseek_v4.py::hc_head_torch` (imported on first use). x [T, hc, H] -> y [T, H] in x's dtype."""
-    from sglang.srt.models.deepseek_v4 import hc_head_torch
-
-    return hc_head_torch(x, hc_fn, hc_scale, hc_base, norm_eps=norm_eps, hc_eps=hc_eps)

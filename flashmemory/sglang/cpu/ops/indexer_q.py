@@ -16,8 +16,8 @@ import torch
 
 from flashmemory.retriever.fp8 import FP8, FP8_MAX
 from flashmemory.retriever.hadamard import hadamard_transform
-from flashmemory.sglang.cpu.norm_rope import cos_sin_table, rope_interleaved
-from flashmemory.sglang.cpu.stores import SCALE_EPS
+from flashmemory.sglang.cpu.ops.norm_rope import cos_sin_table, rope_interleaved
+from flashmemory.sglang.cpu.ops.stores import SCALE_EPS
 
 INDEX_HEAD_DIM = 128
 ROPE_DIM = 64

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from flashmemory.sglang.cpu.compress_plan import unpack_plan_c, unpack_plan_d, unpack_plan_w
+from flashmemory.sglang.cpu.ops.compress_plan import unpack_plan_c, unpack_plan_d, unpack_plan_w
 
 _NEG = -torch.finfo(torch.float32).max  # the kernels' -FLT_MAX for the missing overlap slots
 

@@ -1,0 +1,192 @@
+"""The one apply-and-verify loop for every `Patch` (see `patch_spec`), and the registry of patch tables.
+
+`TABLES` lists every table module ("module:NAME", a tuple of `Patch`); `all_patches()` reads them in that order,
+`select(features, kinds)` picks the rows of the active features, `apply(patches)` applies them:
+
+1. check: every code target resolves and its leading parameters are as listed (`TargetError` otherwise);
+   every impl loads. An `optional` patch whose package is absent is skipped.
+2. apply, by kind: `env` rows through `flashmemory.env.set_defaults` (the user's value wins, and is logged);
+   `import_stub` rows through their stub installer; `step` rows through sglang's `register_resolution_hook`;
+   hook rows (`before/after/around/replace`) registered with sglang's `HookRegistry` and applied at once.
+3. verify: HookRegistry only logs a target that fails to apply (and sglang's `load_plugins` swallows
+   exceptions), so each hook target is re-read and must now wrap the original.
+
+Any failure is a `StartupError` (a SystemExit: "FlashMemory startup error: ..."), which does stop sglang.
+Each patch is applied once per process (both plugin entry points may run; the second call is a no-op).
+
+Wrapping point: every callable handed to sglang passes through `_wrap(spec, fn)`. It is the identity unless the
+module attribute `guard_hook` is set to a `(spec, fn) -> fn` function, e.g. a per-request failure guard; set it
+before the patches are applied (it is read at apply time, not per call).
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from typing import Any, Callable, Iterable
+
+from flashmemory.sglang.patch_spec import (CODE_KINDS, HOOK_KINDS, Patch, TargetError, check_signature, resolve,
+                                           target_present, unwrap)
+
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
+
+# Every table of patches, in apply order. A new table module adds its "module:NAME" here (and nothing else).
+TABLES: tuple[str, ...] = (
+    "flashmemory.sglang.cpu.platform:PLATFORM_PATCHES",      # env switches + import stubs (platform activation)
+    "flashmemory.sglang.cpu.patches_kernels:KERNEL_PATCHES",  # CUDA-only kernels -> pure-torch drop-ins
+    "flashmemory.sglang.cpu.patches_runtime:RUNTIME_PATCHES",  # CPU seams outside the kernels
+    "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
+    "flashmemory.sglang.cpu.pd:PD_PATCHES",                  # PD on CPU: NIXL over DRAM, the `fake` backend
+    "flashmemory.sglang.targets:SPECS",                      # FlashMemory's own hooks
+)
+CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
+PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels
+
+# (spec, fn) -> the callable sglang gets; None = identity. See the module docstring.
+guard_hook: Callable[[Patch, Callable], Callable] | None = None
+_APPLIED: dict[tuple[str, str, str], str] = {}   # (target, kind, impl) -> target, for patches applied here
+
+
+class StartupError(SystemExit):
+    """FlashMemory cannot start with the requested gates; the message says which patch and why."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"FlashMemory startup error: {msg}")
+
+
+def all_patches() -> tuple[Patch, ...]:
+    """Every row of every table in `TABLES` (imports the table modules; none of them imports sglang)."""
+    out: list[Patch] = []
+    for ref in TABLES:
+        out.extend(pkgutil.resolve_name(ref))
+    return tuple(out)
+
+
+def active_features(env: Any) -> tuple[str, ...]:
+    """Features a `FlashMemoryEnv` turns on: the CPU layer's (SGLANG_FLASHMEMORY_CPU) and the hook features."""
+    from flashmemory.sglang.targets import features_for
+    return (CPU_FEATURES if env.cpu else ()) + features_for(env)
+
+
+def select(features: Iterable[str], kinds: Iterable[str] | None = None,
+           patches: tuple[Patch, ...] | None = None) -> list[Patch]:
+    """Rows of the given features (and kinds), in table order, one per (target, kind, impl): a hook that two
+    features share is applied once."""
+    feats, kind_set = set(features), set(kinds) if kinds is not None else None
+    seen: set[tuple[str, str, str]] = set()
+    out = []
+    for p in all_patches() if patches is None else patches:
+        key = (p.target, p.kind, p.impl)
+        if p.feature in feats and (kind_set is None or p.kind in kind_set) and key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _wrap(spec: Patch, fn: Callable) -> Callable:
+    """The one point every callable handed to sglang passes through (`guard_hook`, identity when None)."""
+    return fn if guard_hook is None else guard_hook(spec, fn)
+
+
+def load_impl(spec: Patch) -> Any:
+    """Our callable for `spec` ("module:attr"); StartupError naming the patch when it cannot be loaded."""
+    try:
+        return pkgutil.resolve_name(spec.impl)
+    except Exception as e:
+        raise StartupError(f"{spec.target}: cannot load {spec.impl} ({type(e).__name__}: {e})") from None
+
+
+def check_all(patches: list[Patch]) -> dict[str, Any]:
+    """Check every code target (exists, leading parameters) and return {target: its current value}; the
+    `optional` ones whose package is absent are left out. Raises TargetError on the first bad target."""
+    originals: dict[str, Any] = {}
+    for p in patches:
+        if p.kind in CODE_KINDS and target_present(p):
+            value = check_signature(p)
+            originals.setdefault(p.target, value)
+    return originals
+
+
+def verify(patches: list[Patch], originals: dict[str, Any]) -> list[str]:
+    """Hook targets whose current attribute is still the original (or does not wrap it): not applied."""
+    bad = []
+    for p in patches:
+        if p.kind not in HOOK_KINDS or p.target not in originals:
+            continue
+        try:
+            _, _, now = resolve(p.target)
+        except TargetError as e:
+            bad.append(str(e))
+            continue
+        orig = originals[p.target]
+        if now is orig or unwrap(now) is not unwrap(orig):
+            bad.append(f"{p.target} is not patched (see the 'Failed to apply hooks' log line above)")
+    return bad
+
+
+def _apply_env(rows: list[Patch], environ: Any) -> None:
+    from flashmemory.env import set_defaults
+    differ = set_defaults({p.target: p.impl for p in rows}, environ)
+    if differ:
+        logger.warning("FlashMemory CPU: user-set switches kept: %s", differ)
+
+
+def _apply_stubs(rows: list[Patch]) -> None:
+    by_impl: dict[str, list[str]] = {}
+    for p in rows:
+        by_impl.setdefault(p.impl, []).append(p.target)
+    for impl, packages in by_impl.items():
+        load_impl(next(p for p in rows if p.impl == impl))(tuple(packages))
+
+
+def _apply_steps(rows: list[Patch]) -> None:
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    for p in rows:
+        try:
+            register_resolution_hook(p.target.rsplit(".", 1)[1])(_wrap(p, load_impl(p)))
+        except ValueError as e:   # not an overridable step in this sglang
+            raise StartupError(f"{p.target}: {e}") from None
+
+
+def _apply_hooks(rows: list[Patch], originals: dict[str, Any]) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    impls = [(p, _wrap(p, load_impl(p))) for p in rows]   # all load before any registers
+    for p, fn in impls:
+        HookRegistry.register(p.target, fn, HookType(p.kind))
+    HookRegistry.apply_hooks()
+    bad = verify(rows, originals)
+    if bad:
+        raise StartupError("patches did not apply: " + "; ".join(bad))
+
+
+def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> list[str]:
+    """Check, apply and verify `patches` (those not applied in this process yet); returns the sorted targets of
+    all `patches` that are in effect (optional ones whose package is absent are left out). `environ` is for
+    `env` rows (default the process environment); `context` is appended to a target error."""
+    todo = [p for p in patches if (p.target, p.kind, p.impl) not in _APPLIED and target_present(p)]
+    # env and import_stub rows are idempotent by themselves and re-run each time (a test may reset the env).
+    try:
+        originals = check_all(todo)
+    except TargetError as e:
+        raise StartupError(f"{e}{context}") from None
+    for p in todo:
+        if p.kind in CODE_KINDS or p.kind == "import_stub":
+            load_impl(p)
+    _apply_env([p for p in todo if p.kind == "env"], environ)
+    _apply_stubs([p for p in todo if p.kind == "import_stub"])
+    _apply_steps([p for p in todo if p.kind == "step"])
+    hooks = [p for p in todo if p.kind in HOOK_KINDS]
+    if hooks:
+        _apply_hooks(hooks, originals)
+    for p in todo:
+        if p.kind in CODE_KINDS:
+            _APPLIED[(p.target, p.kind, p.impl)] = p.target
+    if todo:
+        logger.info("FlashMemory: %d sglang patches applied (%s)", len(todo),
+                    ", ".join(sorted({p.feature for p in todo})))
+    return sorted({p.target for p in patches if target_present(p)})
+
+
+def applied() -> list[str]:
+    """Targets patched in this process so far (sorted)."""
+    return sorted(set(_APPLIED.values()))

@@ -1,0 +1,96 @@
+"""The one apply-and-verify loop (`flashmemory.sglang.patching`): selection, the wrapping point, optional rows,
+env rows, and a failure as one startup line. In-process tests use targets of a throwaway module, never sglang's."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from flashmemory.sglang import patching
+from flashmemory.sglang.patch_spec import KINDS, Patch
+
+MOD = "fm_patching_target"
+
+
+@pytest.fixture
+def target_module(monkeypatch):
+    """A module `fm_patching_target` with `f(x, y)` and our hook `around_f`, and a clean applied-set."""
+    mod = types.ModuleType(MOD)
+
+    def f(x: int, y: int) -> int:
+        return x + y
+
+    def around_f(original, x: int, y: int) -> int:
+        return 10 * original(x, y)
+
+    mod.f, mod.around_f = f, around_f
+    monkeypatch.setitem(sys.modules, MOD, mod)
+    monkeypatch.setattr(patching, "_APPLIED", {})
+    yield mod
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    HookRegistry._hooks.pop(f"{MOD}.f", None)
+    HookRegistry._patched.discard(f"{MOD}.f")
+
+
+def test_every_row_is_well_formed():
+    rows = patching.all_patches()
+    assert rows and all(isinstance(p, Patch) and p.kind in KINDS and p.why for p in rows)
+    import re
+    code = [p for p in rows if p.kind not in ("env", "import_stub")]
+    assert all(re.search(r"\.py:\d+", p.why) for p in code), [p.target for p in code if not re.search(r"\.py:\d+", p.why)]
+    with pytest.raises(ValueError, match="kind"):
+        Patch("x", "a.b", "monkey", "m:f", (), "why")
+    with pytest.raises(ValueError, match="why"):
+        Patch("x", "a.b", "around", "m:f", (), "")
+
+
+def test_select_dedups_a_shared_hook_and_filters_kinds():
+    shared = [p for p in patching.select(("path_p", "level1")) if p.target.endswith("ModelRunner.forward")]
+    assert sorted(p.kind for p in shared) == ["after", "before"]
+    assert {p.kind for p in patching.select(("cpu",), patching.PLATFORM_KINDS)} == {"env", "import_stub"}
+
+
+def test_apply_wraps_through_the_guard_point_and_verifies(sg, target_module, monkeypatch):
+    seen = []
+
+    def guard(spec, fn):
+        seen.append(spec.target)
+        return fn
+    monkeypatch.setattr(patching, "guard_hook", guard)
+    row = Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1")
+    assert patching.apply([row]) == [f"{MOD}.f"]
+    assert target_module.f(1, 2) == 30 and seen == [f"{MOD}.f"]
+    assert patching.apply([row]) == [f"{MOD}.f"] and seen == [f"{MOD}.f"]   # once per process
+
+
+def test_drift_and_a_missing_impl_are_one_startup_line(sg, target_module):
+    drift = Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "z"), "test.py:1")
+    with pytest.raises(patching.StartupError, match=r"^FlashMemory startup error: .*signature drift\); ctx$"):
+        patching.apply([drift], context="; ctx")
+    gone = Patch("t", f"{MOD}.f", "around", f"{MOD}:nope", ("x", "y"), "test.py:1")
+    with pytest.raises(patching.StartupError, match="cannot load fm_patching_target:nope"):
+        patching.apply([gone])
+    assert target_module.f(1, 2) == 3   # nothing applied
+
+
+def test_a_hook_that_does_not_apply_stops_startup(sg, target_module, monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    monkeypatch.setattr(HookRegistry, "apply_hooks", classmethod(lambda cls: None))   # it only logs failures
+    row = Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1")
+    with pytest.raises(patching.StartupError, match="did not apply: fm_patching_target.f is not patched"):
+        patching.apply([row])
+
+
+def test_optional_rows_of_absent_packages_are_skipped(target_module):
+    row = Patch("t", "fm_no_such_package.Agent.__init__", "after", f"{MOD}:around_f", ("self",), "x.py:1",
+                optional=True)
+    assert patching.apply([row]) == []
+
+
+def test_env_rows_keep_the_users_value():
+    env = {"B": "mine"}
+    rows = [Patch("cpu", "A", "env", "1", (), "a.py:1"), Patch("cpu", "B", "env", "0", (), "b.py:1")]
+    patching.apply(rows, environ=env)
+    assert env == {"A": "1", "B": "mine"}
