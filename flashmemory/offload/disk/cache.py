@@ -7,11 +7,12 @@
   `get(rid, page)` returns the page, waiting for a read in flight or reading it itself.
 - A page that fails verification raises `CorruptPageError(rid, page)` from `get` for that request only (until it
   is freed); other requests are unaffected.
-- ENOSPC / EIO at write-behind: the page stays in DRAM, pinned (the cache goes over its bound by the pinned
-  pages only) and counted; `retry_pinned()` (run at every `free_request`, when space comes back) writes them.
+- ENOSPC / EIO at write-behind: the page stays in DRAM, pinned (moved out of the LRU into `_pinned`: the cache
+  goes over its bound by the pinned pages only) and counted; `retry_pinned()` (run at every `free_request`, when
+  space comes back) writes them, oldest first, and drops them from DRAM once on disk.
 
-Invariants (checked by `check()`): every live page is in DRAM or in the store; unpinned pages in DRAM never
-exceed `capacity_pages`; a clean page in DRAM is also in the store; a pinned page is dirty.
+Invariants (checked by `check()`): every live page is in the LRU, pinned, or in the store; the LRU never holds more
+than `capacity_pages`; a clean page in the LRU is also in the store; a pinned page is dirty and not in the LRU.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ class DiskTierCounters:
 class _Entry:
     buf: bytearray
     dirty: bool
-    pinned: bool = False  # write-behind failed: kept in DRAM over the bound until a retry succeeds
 
 
 class HostPageCache:
-    """Pages of `store.page_bytes` bytes, keyed (rid, page); at most `capacity_bytes // page_bytes` unpinned.
+    """Pages of `store.page_bytes` bytes, keyed (rid, page); at most `capacity_bytes // page_bytes` in the LRU,
+    plus the pinned ones. Eviction is O(1) per page.
 
     Thread-safe. `readers` read-ahead threads (0 with worker=False: `prefetch` reads at once). Write-behind runs in the thread that overflows the cache (under the cache lock, so writes and
     frees of a page are ordered); disk reads run outside the lock, on the worker (read-ahead) or in `get`.
@@ -77,6 +78,7 @@ class HostPageCache:
         self.counters = DiskTierCounters()
         self._lock = threading.Lock()
         self._lru: OrderedDict[Key, _Entry] = OrderedDict()
+        self._pinned: dict[Key, _Entry] = {}  # dirty pages whose write-behind failed, oldest first
         self._live: dict[str, set[int]] = {}
         self._ver: dict[Key, int] = {}
         self._next_ver = 0
@@ -94,10 +96,10 @@ class HostPageCache:
     # -- admission and lookup ----------------------------------------------------------------------
     @property
     def pinned_pages(self) -> int:
-        return sum(1 for e in self._lru.values() if e.pinned)
+        return len(self._pinned)
 
     def resident(self, rid: str, page: int) -> bool:
-        return (rid, page) in self._lru
+        return (rid, page) in self._lru or (rid, page) in self._pinned
 
     def live_pages(self) -> dict[str, set[int]]:
         with self._lock:
@@ -113,6 +115,7 @@ class HostPageCache:
             self._next_ver += 1
             self._ver[key] = self._next_ver
             self._lru.pop(key, None)  # new bytes replace old ones (a pinned copy too: they are written behind)
+            self._pinned.pop(key, None)
             self._lru[key] = _Entry(buf, dirty=True)
             self._failed.pop(key, None)
             self._live.setdefault(rid, set()).add(page)
@@ -132,6 +135,8 @@ class HostPageCache:
                 ent = self._lru.get(key)
                 if ent is not None:
                     self._lru.move_to_end(key)
+                ent = ent or self._pinned.get(key)
+                if ent is not None:
                     self.counters.cache_hits += not counted
                     self._ahead.discard(key)
                     return memoryview(ent.buf).toreadonly()
@@ -159,7 +164,7 @@ class HostPageCache:
             live = self._live.get(rid, set())
             for p in pages:
                 key = (rid, p)
-                if p in live and key not in self._lru and key not in self._loading and key not in self._ahead:
+                if p in live and not self.resident(rid, p) and key not in self._loading and key not in self._ahead:
                     self._ahead.add(key)
                     self._q.put(key)
                     n += 1
@@ -185,6 +190,7 @@ class HostPageCache:
             for p in pages:
                 key = (rid, p)
                 self._lru.pop(key, None)
+                self._pinned.pop(key, None)
                 self._ver.pop(key, None)
                 self._failed.pop(key, None)
                 self._ahead.discard(key)
@@ -202,13 +208,13 @@ class HostPageCache:
         """Write every dirty page to the store now (errors pin, as at write-behind)."""
         with self._lock:
             for key, ent in list(self._lru.items()):
-                if ent.dirty:
-                    self._write_behind(key, ent)
+                if ent.dirty and not self._write_behind(key, ent):
+                    self._pinned[key] = self._lru.pop(key)
 
     def drop_clean(self) -> int:
         """Drop every clean, unpinned page from DRAM (they stay on disk): a cold cache. Returns how many went."""
         with self._lock:
-            gone = [k for k, e in self._lru.items() if not e.dirty and not e.pinned]
+            gone = [k for k, e in self._lru.items() if not e.dirty]
             for k in gone:
                 del self._lru[k]
             self.counters.evictions += len(gone)
@@ -227,40 +233,34 @@ class HostPageCache:
         try:
             self.store.write(key[0], key[1], ent.buf)
         except OSError as e:
-            if not ent.pinned:
+            if key not in self._pinned:
                 log.warning("disk tier: write-behind of page %d of %r failed (%s); kept in host memory",
                             key[1], key[0], e.strerror or e)
-            ent.pinned = True
             self.counters.write_errors += 1
             return False
-        ent.dirty = ent.pinned = False
+        ent.dirty = False
         self.counters.disk_bytes_written += self.page_bytes
         return True
 
     def _shrink(self) -> None:
-        over = len(self._lru) - self.pinned_pages - self.capacity_pages
-        for key in list(self._lru):
-            if over <= 0:
-                return
-            ent = self._lru[key]
-            if ent.pinned:
-                continue
+        while len(self._lru) > self.capacity_pages:
+            key, ent = self._lru.popitem(last=False)
             if ent.dirty and not self._write_behind(key, ent):
-                continue  # pinned now: it no longer counts against the bound
-            del self._lru[key]
-            self.counters.evictions += 1
-            over -= 1
+                self._pinned[key] = ent  # kept in DRAM, outside the bound, until a retry writes it
+            else:
+                self.counters.evictions += 1
 
     def _retry_pinned(self) -> None:
-        for key, ent in list(self._lru.items()):
-            if ent.pinned and not self._write_behind(key, ent):
+        for key, ent in list(self._pinned.items()):
+            if not self._write_behind(key, ent):
                 break  # the disk still refuses: keep the rest pinned, try at the next release
-        self._shrink()
+            del self._pinned[key]  # on disk now: leaves DRAM
+            self.counters.evictions += 1
 
     def _prefetch_one(self, key: Key) -> None:
         """Worker side of read-ahead (no lock held on entry)."""
         with self._lock:
-            if key not in self._ahead or key in self._lru or key in self._loading or key not in self._ver:
+            if key not in self._ahead or self.resident(*key) or key in self._loading or key not in self._ver:
                 return
             ver = self._ver[key]
             ev = self._loading[key] = threading.Event()
@@ -278,7 +278,7 @@ class HostPageCache:
             err = e
         with self._lock:
             try:
-                if self._ver.get(key) != ver or key in self._lru:
+                if self._ver.get(key) != ver or self.resident(*key):
                     return  # freed or rewritten while we read: the bytes we read are not the page any more
                 if err is not None:
                     self._failed[key] = err
@@ -309,12 +309,14 @@ class HostPageCache:
     def check(self) -> None:
         """Raise AssertionError naming the first broken invariant (see the module docstring)."""
         with self._lock:
-            pinned = self.pinned_pages
-            assert len(self._lru) - pinned <= self.capacity_pages, (len(self._lru), pinned, self.capacity_pages)
+            assert len(self._lru) <= self.capacity_pages, (len(self._lru), self.capacity_pages)
             for (rid, page), ent in self._lru.items():
                 assert page in self._live.get(rid, ()), f"dead page {page} of {rid!r} in DRAM"
-                assert not ent.pinned or ent.dirty, f"pinned page {page} of {rid!r} is clean"
                 assert ent.dirty or (rid, page) in self.store, f"clean page {page} of {rid!r} not on disk"
+                assert (rid, page) not in self._pinned, f"page {page} of {rid!r} both pinned and in the LRU"
+            for (rid, page), ent in self._pinned.items():
+                assert page in self._live.get(rid, ()), f"dead pinned page {page} of {rid!r}"
+                assert ent.dirty, f"pinned page {page} of {rid!r} is clean"
             for rid, pages in self._live.items():
                 for p in pages:
-                    assert (rid, p) in self._lru or (rid, p) in self.store, f"page {p} of {rid!r} lost"
+                    assert self.resident(rid, p) or (rid, p) in self.store, f"page {p} of {rid!r} lost"
