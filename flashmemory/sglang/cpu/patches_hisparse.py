@@ -1,0 +1,278 @@
+"""sglang 0.5.23's HiSparse (`--enable-hisparse`) on CPU: the CUDA-only pieces of its DeepSeek-V4 decode path,
+replaced by the torch ops of `ops/hisparse.py`, as a table of `Patch` rows (see docs/hisparse.md).
+
+Every hook is gated: it runs the torch version only when this process serves on CPU (the CPU layer's gate) with
+HiSparse on (`enable_hisparse` in the server args this process runs with); otherwise it calls sglang's own
+function unchanged. Paths are relative to the installed `sglang` package.
+
+The swap-in keeps counters sglang does not (`SWAPIN`): lookups, hits, misses and bytes copied host -> device,
+per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
+(`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from flashmemory.sglang.cpu.ops.hisparse import (ITEM_BYTES, SwapInCounts, copy_c4_tokens,
+                                                 load_cache_to_device_buffer_dsv4)
+from flashmemory.sglang.patch_spec import Patch
+
+logger = logging.getLogger(f"sglang.{__name__}")
+_HP = "flashmemory.sglang.cpu.patches_hisparse"
+_CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
+_HOST = "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool"
+LOG_EVERY = 256   # swap-in calls between two counter log lines
+
+
+def _server_args() -> Any:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return get_server_args()
+    except Exception:   # no server args published in this process (a unit test, a tool): stock behaviour
+        return None
+
+
+def serving_on_cpu() -> bool:
+    """True in a process that serves with --device cpu."""
+    return str(getattr(_server_args(), "device", "")) == "cpu"
+
+
+def hisparse_on_cpu() -> bool:
+    """True in a process that serves on CPU with --enable-hisparse (the gate of every HiSparse hook here)."""
+    return serving_on_cpu() and bool(getattr(_server_args(), "enable_hisparse", False))
+
+
+class SwapInCounter:
+    """Running totals of the torch swap-in (thread safe), mirrored to Prometheus counters when available."""
+
+    KEYS = ("calls", "lookups", "hits", "misses", "bytes_h2d")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys(self.KEYS, 0)
+        self.prom: dict[str, Any] | None = None
+
+    def add(self, c: SwapInCounts) -> dict[str, int]:
+        with self.lock:
+            step = {"calls": 1, "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "bytes_h2d": c.bytes_h2d}
+            for k, v in step.items():
+                self.totals[k] += v
+            snap = dict(self.totals)
+        self._export(step)
+        if snap["calls"] % LOG_EVERY == 1:
+            logger.info("FlashMemory HiSparse CPU swap-in: %s", " ".join(f"{k}={v}" for k, v in snap.items()))
+        return snap
+
+    def _export(self, step: dict[str, int]) -> None:
+        if self.prom is None:
+            self.prom = {}
+            try:
+                from prometheus_client import Counter
+                for k in self.KEYS:
+                    self.prom[k] = Counter(f"flashmemory_hisparse_swapin_{k}",
+                                           f"HiSparse CPU swap-in {k} (torch swap-in, per c4 layer call)")
+            except (ImportError, ValueError) as e:   # no prometheus_client, or registered twice in this process
+                logger.warning("FlashMemory HiSparse: swap-in counters not exported (%s)", e)
+        for k, m in self.prom.items():
+            if step[k]:
+                m.inc(step[k])
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.totals)
+
+
+SWAPIN = SwapInCounter()
+
+
+def swapin_counts() -> dict[str, int]:
+    """The process's swap-in totals: calls, lookups, hits, misses, bytes_h2d (misses x 584 B)."""
+    return SWAPIN.snapshot()
+
+
+# --- hooks ----------------------------------------------------------------------------------------------------
+
+def alloc_host(original: Callable, dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool,
+               allocator: Any, registration_granularity_bytes: int | None = None) -> torch.Tensor:
+    """`alloc_with_host_register` (pool_host/common.py:330) without `cudaHostRegister` (:147): a plain host
+    tensor from sglang's allocator, unpinned."""
+    if not hisparse_on_cpu():
+        return original(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes)
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """`host_memory_budget_bytes` (pool_host/base.py:84-108) keeps 10 GiB of free RAM back
+    (`HICACHE_HOST_MEMORY_RESERVE_BYTES`, :28) for a GPU host; on CPU the whole server lives in that RAM and the
+    HiSparse host pool of a small model is a few MB, so on a busy box the check went negative ("Requesting
+    0.00 GB but only have -6.33 GB free", memory_pool_host.py:290-296). With the gate on, the reserve is not
+    kept back (the pool must still fit in the free RAM)."""
+    budget = original(requested_bytes, auto_size=auto_size)
+    if not hisparse_on_cpu():
+        return budget
+    from sglang.srt.mem_cache.pool_host import base
+    if base._host_memory_budget.get() is not None:   # inside sglang's booking scope: its own snapshot
+        return budget
+    return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+
+def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor,
+                 host_cache_locs: torch.Tensor, device_buffer_locs: torch.Tensor, host_cache: torch.Tensor,
+                 device_buffer: torch.Tensor, top_k_device_locs: torch.Tensor, req_pool_indices: torch.Tensor,
+                 seq_lens: torch.Tensor, lru_slots: torch.Tensor, item_size_bytes: int, num_top_k: int,
+                 hot_buffer_size: int, page_size: int = 1, block_size: int = 256, num_real_reqs: Any = None,
+                 miss_src: Any = None, miss_dst: Any = None, miss_count: Any = None,
+                 skip_io: bool = False) -> None:
+    """`load_cache_to_device_buffer_dsv4_mla` (kernels/ops/kvcache/hisparse.py:522; JIT hisparse.cuh:355-722)
+    -> `ops.hisparse.load_cache_to_device_buffer_dsv4`, counted. Plan recording (`miss_*`, DSA shared-index
+    prefetch only) and `skip_io` (a debug switch) are not on the DSv4 path and are refused."""
+    if not hisparse_on_cpu():
+        return original(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
+                        device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
+                        num_top_k, hot_buffer_size, page_size, block_size, num_real_reqs, miss_src, miss_dst,
+                        miss_count, skip_io)
+    if miss_src is not None or skip_io or page_size != 1 or item_size_bytes != ITEM_BYTES:
+        raise NotImplementedError(f"HiSparse CPU swap-in: plan recording / skip_io / page_size {page_size} / item "
+                                  f"{item_size_bytes} B are not on the DSv4 path this was written for")
+    SWAPIN.add(load_cache_to_device_buffer_dsv4(
+        top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
+        top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs))
+
+
+def backup_tokens(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+    """`DeepSeekV4PagedHostPool.backup_tokens_from_device_all_layer` (memory_pool_host.py:501-515; JIT
+    `transfer_cache_dsv4_mla` on pointer tables, hisparse.cuh:227-286): token copy device -> host, every layer."""
+    if not hisparse_on_cpu() or self.layout != "layer_first":
+        return original(self, host_indices, device_indices)
+    if not self._has_transfer_indices(host_indices, device_indices):
+        return None
+    for dev, host in zip(self.device_buffers, self.kv_buffer):
+        copy_c4_tokens(dev, host, device_indices.reshape(-1), host_indices.reshape(-1))
+    return None
+
+
+def _page_rows(pool: Any, dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """Whole c4 page rows: dst[row] <- src[row] for the page-aligned token index lists (slot 0 of each page)."""
+    dst[pool._to_page_indices(dst_idx).to(torch.int64)] = src[pool._to_page_indices(src_idx).to(torch.int64)]
+
+
+def backup_all_layers(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
+                      device_indices: torch.Tensor, io_backend: str) -> None:
+    """`backup_from_device_all_layer` (memory_pool_host.py:517): its page path calls `transfer_kv_all_layer_mla`,
+    imported only on CUDA/HIP (:44-53, a NameError on CPU) -> page-row copies; the token path as above."""
+    if not hisparse_on_cpu() or self.layout != "layer_first":
+        return original(self, device_pool, host_indices, device_indices, io_backend)
+    if not self._has_transfer_indices(host_indices, device_indices):
+        return None
+    if host_indices.numel() % self.slot_page_size or device_indices.numel() % self.slot_page_size:
+        return self.backup_tokens_from_device_all_layer(host_indices, device_indices)
+    for dev, host in zip(self.device_buffers, self.kv_buffer):
+        _page_rows(self, host, dev, host_indices, device_indices)
+    return None
+
+
+def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
+               device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
+    """`load_to_device_per_layer` (memory_pool_host.py:609-660), the preload of a short request: its token path
+    calls JIT `transfer_cache_dsv4_mla` (:629), its page path `transfer_kv_per_layer_mla` (:640, CUDA/HIP only)
+    -> token copies / page-row copies host -> device for `layer_id`."""
+    if not hisparse_on_cpu() or self.layout != "layer_first":
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+    if not self._has_transfer_indices(host_indices, device_indices):
+        return None
+    host, dev = self.kv_buffer[layer_id], self.device_buffers[layer_id]
+    if host_indices.numel() % self.slot_page_size or device_indices.numel() % self.slot_page_size:
+        copy_c4_tokens(host, dev, host_indices.reshape(-1), device_indices.reshape(-1))
+    else:
+        _page_rows(self, dev, host, device_indices, host_indices)
+    return None
+
+
+def eager_backup(original: Callable, self: Any, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                 seq_lens_cpu: torch.Tensor, req_pool_indices_cpu: torch.Tensor) -> None:
+    """`HiSparseCoordinator._eager_backup_previous_token` (hisparse_coordinator.py:1168-1263) without the pinned
+    index tensor (:1204-1206, needs a CUDA driver) and the backup stream (:1236-1254): on CPU the copy runs
+    inline. Same rule: skip a request's first step after staging, else back up when (seq_len - 1) % ratio == 0
+    the previous compressed entry (position (seq_len - 1) // ratio - 1, slot min(position, hot)) to its host slot."""
+    if not hisparse_on_cpu():
+        return original(self, seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)
+    ratio, rows, host_locs = self.compress_ratio, [], []
+    for i in range(len(seq_lens_cpu)):
+        rid = int(req_pool_indices_cpu[i])
+        if self._skip_first_backup[rid]:
+            self._skip_first_backup[rid] = False
+            continue
+        if (int(seq_lens_cpu[i]) - 1) % ratio == 0:
+            rows.append(i)
+    if not rows:
+        return None
+    for i in rows:
+        rid, pos = int(req_pool_indices_cpu[i]), (int(seq_lens_cpu[i]) - 1) // ratio - 1
+        host_locs.append(self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, pos, 1))
+    idx = torch.tensor(rows, dtype=torch.int64, device=seq_lens.device)
+    pos = (seq_lens[idx] - 1) // ratio - 1
+    device_locs = self.req_to_device_buffer[req_pool_indices[idx], pos.clamp(max=self.device_buffer_size)]
+    self.wait_for_pending_backup()
+    if self.is_dsv4_hisparse:
+        self.mem_pool_host.backup_tokens_from_device_all_layer(torch.cat(host_locs), device_locs)
+    else:
+        self.mem_pool_host.backup_from_device_all_layer(self.mem_pool_device, torch.cat(host_locs), device_locs,
+                                                        io_backend="kernel")
+    return None
+
+
+def sender_host_indices_off(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """After `CommonKVSender.__init__`: on CPU a Mooncake sender (`supports_host_tensor_indices = True`,
+    mooncake/conn.py:3312) would make the prefill stage its page indices in pinned memory behind a
+    `torch.cuda.Event` (prefill.py:1746-1761, "Found no NVIDIA driver"); off, it takes the plain
+    `kv_to_page_indices` path (:1763). Not HiSparse-specific: any Mooncake prefill on CPU needs it."""
+    if serving_on_cpu():
+        self.supports_host_tensor_indices = False
+
+
+def destroy(original: Callable, self: Any) -> None:
+    """`HiSparseCoordinator.destroy` (hisparse_coordinator.py:811-819) calls `Stream.synchronize`, which
+    `torch.cpu.Stream` lacks; on CPU every copy ran inline, so only the host pool is released."""
+    if not hisparse_on_cpu():
+        return original(self)
+    self.mem_pool_host.destroy()
+    return None
+
+
+HISPARSE_PATCHES: tuple[Patch, ...] = (
+    Patch("cpu", "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register", "around", f"{_HP}:alloc_host",
+             ("dims", "dtype", "device", "pin_memory", "allocator"),
+             "pool_host/common.py:147,330,453 cudaHostRegister via torch.cuda.cudart() (memory_pool_host.py:306) "
+             "-> an unpinned host tensor"),
+    Patch("cpu", "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes", "around", f"{_HP}:host_budget",
+             ("requested_bytes",), "pool_host/base.py:28,104-108 a 10 GiB free-RAM reserve for GPU hosts "
+             "(memory_pool_host.py:290) -> no reserve on CPU"),
+    Patch("cpu", "sglang.kernels.ops.kvcache.hisparse.load_cache_to_device_buffer_dsv4_mla", "around",
+             f"{_HP}:swap_in_dsv4", ("top_k_tokens", "device_buffer_tokens", "host_cache_locs"),
+             "kernels/ops/kvcache/hisparse.py:522 JIT swap-in (hisparse.cuh:355-722; hisparse_coordinator.py:1509) "
+             "-> ops/hisparse.py load_cache_to_device_buffer_dsv4, counted"),
+    Patch("cpu", f"{_HOST}.backup_tokens_from_device_all_layer", "around", f"{_HP}:backup_tokens",
+             ("self", "host_indices", "device_indices"),
+             "memory_pool_host.py:510 JIT transfer_cache_dsv4_mla (hisparse.cuh:227-286) -> torch token copy"),
+    Patch("cpu", f"{_HOST}.backup_from_device_all_layer", "around", f"{_HP}:backup_all_layers",
+             ("self", "device_pool", "host_indices", "device_indices", "io_backend"),
+             "memory_pool_host.py:517,535 transfer_kv_all_layer_mla (CUDA/HIP import :44-53) -> page-row copies"),
+    Patch("cpu", f"{_HOST}.load_to_device_per_layer", "around", f"{_HP}:load_layer",
+             ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend"),
+             "memory_pool_host.py:629,640 transfer_cache_dsv4_mla / transfer_kv_per_layer_mla -> torch copies"),
+    Patch("cpu", f"{_CO}._eager_backup_previous_token", "around", f"{_HP}:eager_backup",
+             ("self", "seq_lens", "req_pool_indices", "seq_lens_cpu", "req_pool_indices_cpu"),
+             "hisparse_coordinator.py:1204-1206 pin_memory=True (no CUDA driver), :1236 backup stream -> inline"),
+    Patch("cpu_pd", "sglang.srt.disaggregation.common.conn.CommonKVSender.__init__", "after",
+             f"{_HP}:sender_host_indices_off", ("self",),
+             "disaggregation/prefill.py:1746-1761 pinned page indices + torch.cuda.Event for Mooncake senders "
+             "(mooncake/conn.py:3312) -> the host path :1763 (gate: --device cpu, HiSparse or not)"),
+    Patch("cpu", f"{_CO}.destroy", "around", f"{_HP}:destroy", ("self",),
+             "hisparse_coordinator.py:811-819 Stream.synchronize (absent on torch.cpu.Stream)"),
+)
