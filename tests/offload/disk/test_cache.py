@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import random
 import threading
+import time
 
 import pytest
 
@@ -109,7 +110,14 @@ def test_read_ahead_hit_and_late(tier) -> None:
     gate = threading.Event()
     ops.plan.read_gate = gate
     assert cache.prefetch("r", [0, 1]) == 2
-    threading.Timer(0.2, gate.set).start()       # the reads arrive after the get asked: late, still correct
+
+    def open_when_late() -> None:                # the reads arrive only after the get asked: late, still correct
+        end = time.monotonic() + 60               # a bound, so a get that never counts fails instead of hanging
+        while cache.counters.readahead_late < 1 and time.monotonic() < end:
+            time.sleep(0.005)
+        gate.set()
+
+    threading.Thread(target=open_when_late, daemon=True).start()
     assert bytes(cache.get("r", 0)) == page("r", 0)
     assert cache.counters.readahead_late == 1
     ops.plan.read_gate = None
