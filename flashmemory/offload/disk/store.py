@@ -153,14 +153,19 @@ class PageStore:
         if reason and direct:
             log.warning("disk tier: %s: %s", self.path, reason)
         self.fallback_reason = reason
-        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._buf = AlignedBuffers(self.slot_bytes)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "token": self.token,
-                "page_bytes": page_bytes, "slot_bytes": self.slot_bytes}
-        head = MARKER + json.dumps(info, sort_keys=True).encode() + b"\n"
-        block = AlignedBuffers(ALIGN).get()
-        block[:len(head)] = head
-        self.ops.pwrite(self.fd, block, 0)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._buf = AlignedBuffers(self.slot_bytes)
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "token": self.token,
+                    "page_bytes": page_bytes, "slot_bytes": self.slot_bytes}
+            head = MARKER + json.dumps(info, sort_keys=True).encode() + b"\n"
+            block = AlignedBuffers(ALIGN).get()
+            block[:len(head)] = head
+            self.ops.pwrite(self.fd, block, 0)
+        except BaseException:  # a store that could not start leaves no file behind
+            os.close(self.fd)
+            os.unlink(self.path)
+            raise
         self._tok = bytes.fromhex(self.token)
         self._lock = threading.Lock()
         self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out low slots first

@@ -183,3 +183,10 @@ def test_pack_unpack_mirror_page() -> None:
     assert disk_page_bytes(OffloadLayout()) == 21 * 37440 + 18 * 8448
     with pytest.raises(ValueError, match="disk page"):
         unpack_page(blob[:-1], m2, 0)
+
+
+def test_a_store_that_cannot_start_leaves_no_file(tmp_path) -> None:
+    ops = FaultyFileOps(plan=FaultPlan(full=True))   # the marker block itself cannot be written
+    with pytest.raises(OSError) as e:
+        PageStore(str(tmp_path), 4 * 8192, PB, ops=ops)
+    assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
