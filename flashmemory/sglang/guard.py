@@ -25,11 +25,16 @@ The forward in which a request fails stays correct for the others:
 - `before_forward` is retried without the failed request: `begin_step` is idempotent for rows already synced (a
   request admitted before the failure keeps its row, the rest are admitted on the retry), and the failed row gets
   engine row -1 (no resident page: its attention reads nothing of the reserve, which only changes its own token);
-- `after_forward` (Level 1) is not retried: that step's Level-1 call is skipped, so the other rows keep the pages
-  they hold until their next cycle (at full budget nothing changes; at small budget a cycle comes one step late);
+- `after_forward` (Level 1) is not retried: that step's Level-1 call is skipped (and a worker error means the
+  cycle it was running was discarded), so the other rows keep the pages they hold until their next cycle (at full
+  budget nothing changes; at a small budget their residency is updated a cycle later); the idle hook
+  (`after_on_idle`) likewise tries again at the next idle poll;
 - a request-local failure escaping the body of any other hook (the forward is half done) is treated as engine
   state in doubt: nothing can show that the other rows' tensors are whole.
 Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager hooks can fail there.
+Non-finite retriever scores: `watch_scores` wraps the adapter's Level-1 scorer so that a row whose scores are not
+all finite raises `RequestFailure` naming its request (the cycle's job is dropped, its error reaches `after_forward`
+as the cause of the worker's error). Other Level-1 or recall errors name no request and stop the server.
 """
 
 from __future__ import annotations
@@ -230,6 +235,26 @@ class Guard:
                                          HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
             f.aborted, n = True, n + 1
         return n
+
+    def watch_scores(self, adapter: Any) -> None:
+        """Wrap `adapter.l1.scorer` (row, n_hist, hidden, position) -> scores [n_hist]: non-finite scores for a row
+        raise `RequestFailure(rid, "level1", ...)` instead of steering its residency with NaN. Idempotent."""
+        import torch
+        l1 = getattr(adapter, "l1", None)
+        if l1 is None or getattr(l1.scorer, "flashmemory_guarded", False):
+            return
+        inner = l1.scorer
+
+        def scorer(row: int, n_hist: int, hidden: Any, position: Any) -> Any:
+            scores = inner(row, n_hist, hidden, position)
+            bad = ~torch.isfinite(scores)
+            if bool(bad.any()):
+                st = adapter.engine.rows[row] if 0 <= row < len(adapter.engine.rows) else None
+                raise RequestFailure(str(st.rid) if st is not None else f"row {row}", "level1",
+                                     f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks")
+            return scores
+        scorer.flashmemory_guarded = True
+        l1.scorer = scorer
 
     def forget_all(self) -> None:
         """Nothing runs any more (the server is idle): every recorded failure is settled."""

@@ -146,6 +146,8 @@ def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor
 
 def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     RUNTIME.attach_pool(self)
+    if RUNTIME.engine is not None:
+        GUARD.watch_scores(RUNTIME.engine)   # a non-finite retriever score fails its request, not the server
 
 
 def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,

@@ -174,6 +174,35 @@ def test_a_level1_failure_naming_its_request_skips_the_step(served, monkeypatch)
     assert set(s.adapter.rows) == {"a"}                      # released at the next step
 
 
+def test_a_non_finite_retriever_score_fails_its_request(served):
+    s = served
+    s.guard.configured = True
+    s.guard.watch_scores(s.adapter)
+    once = s.adapter.l1.scorer
+    s.guard.watch_scores(s.adapter)                          # idempotent: wrapped once
+    assert s.adapter.l1.scorer is once and once.flashmemory_guarded
+    bad_row = {}
+
+    def nan_for_bad(row, n_hist, hidden, position):
+        out = torch.ones(n_hist)
+        if row == bad_row.get("row"):
+            out[3] = float("nan")
+        return out
+    s.adapter.l1.scorer = nan_for_bad
+    s.adapter.l1.scorer.flashmemory_guarded = False
+    s.guard.watch_scores(s.adapter)
+    hooks.before_forward(s.mr, s.batch(["a", "bad-1"]))
+    bad_row["row"] = s.adapter.rows["bad-1"]
+    assert hooks.after_forward(None, s.mr, s.batch(["a", "bad-1"])) is None
+    assert set(s.guard.failed) == {"bad-1"} and s.stops == []
+    assert "non-finite retriever score for 1 of" in s.guard.failed["bad-1"].reason
+    assert s.guard.failed["bad-1"].hook == "after_forward"
+    hooks.before_forward(s.mr, s.batch(["a", "bad-1"], 1))   # its row is released at the next step
+    assert set(s.adapter.rows) == {"a"}
+    hooks.after_forward(None, s.mr, s.batch(["a", "bad-1"], 1))
+    assert set(s.guard.failed) == {"bad-1"} and s.stops == []   # "a" keeps its cycles
+
+
 def test_gauges_say_idle_once_nothing_runs(served):
     s = served
     s.guard.configured = True
