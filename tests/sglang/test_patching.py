@@ -94,3 +94,48 @@ def test_env_rows_keep_the_users_value():
     rows = [Patch("cpu", "A", "env", "1", (), "a.py:1"), Patch("cpu", "B", "env", "0", (), "b.py:1")]
     patching.apply(rows, environ=env)
     assert env == {"A": "1", "B": "mine"}
+
+
+def test_the_readme_table_is_the_generated_one():
+    """flashmemory/sglang/README.md holds exactly `flashmemory patches --markdown` (regenerate with
+    `flashmemory patches --write flashmemory/sglang/README.md`)."""
+    from pathlib import Path
+
+    from flashmemory.sglang import patches_cli
+    text = (Path(__file__).resolve().parents[2] / "flashmemory" / "sglang" / "README.md").read_text()
+    block = text[text.index(patches_cli.BEGIN):text.index(patches_cli.END) + len(patches_cli.END)]
+    assert block == patches_cli.as_markdown(patches_cli.rows())
+
+
+def test_patches_command(tmp_path, capsys, monkeypatch):
+    import json
+
+    from flashmemory.cli import main
+    assert main(["patches", "--features", "cpu_pd,path_i", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {r["feature"] for r in got} == {"cpu_pd", "path_i"} and all(r["why"] for r in got)
+    assert main(["patches", "--features", "nope"]) == 2
+    assert "--features: unknown feature(s) ['nope']" in capsys.readouterr().err
+    readme = tmp_path / "R.md"
+    readme.write_text("head\n<!-- BEGIN PATCH TABLE (flashmemory patches --markdown) -->\nold\n"
+                      "<!-- END PATCH TABLE -->\ntail\n")
+    assert main(["patches", "--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("head\n<!-- BEGIN") and text.endswith("-->\ntail\n") and "| shrink | around |" in text
+    (tmp_path / "no.md").write_text("no markers\n")
+    assert main(["patches", "--write", str(tmp_path / "no.md")]) == 2
+    assert "no patch table markers" in capsys.readouterr().err
+
+
+def test_check_names_the_first_drifted_target(sg, target_module, monkeypatch, capsys):
+    from flashmemory.cli import main
+    rows = (Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1"),
+            Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "renamed"), "test.py:2"),
+            Patch("t", f"{MOD}.gone", "around", f"{MOD}:around_f", ("x",), "test.py:3"))
+    monkeypatch.setattr(patching, "all_patches", lambda: rows)
+    assert main(["patches", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "fm_patching_target.f: expected leading parameters ['x', 'renamed']" in err and "gone" not in err
+    monkeypatch.setattr(patching, "all_patches", lambda: rows[:1])
+    assert main(["patches", "--check"]) == 0
+    assert "ok: 1 code targets" in capsys.readouterr().out
