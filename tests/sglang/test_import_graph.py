@@ -9,8 +9,8 @@ Floors, lowest first (a folder may import only folders on lower floors, and modu
     2  retriever, labels, tasks, costmodel
     3  hf, offload
     4  dump, residency
-    5  sglang (the serving plugin), train
-    6  eval, tiny
+    5  sglang (the serving plugin), train, tiny
+    6  eval
     7  serve (the local stack, the CPU test server, the serving-tiny retriever's trainer)
     8  demo
     9  bench
@@ -30,19 +30,25 @@ FLOORS: dict[str, int] = {
     "retriever": 2, "labels": 2, "tasks": 2, "costmodel": 2,
     "hf": 3, "offload": 3,
     "dump": 4, "residency": 4,
-    "sglang": 5, "train": 5,
-    "eval": 6, "tiny": 6,
+    "sglang": 5, "train": 5, "tiny": 5,
+    "eval": 6,
     "serve": 7,
     "demo": 8,
     "bench": 9,
     "cli": 10,
 }
-# Importers on floors up to this one are held to the floors; the dev tools above it (eval .. cli) are not yet:
-# eval/quality.py reads demo/ and serve/ (work in progress elsewhere). Raise it once they follow the floors.
-CHECKED_UP_TO = 5
+# Importers on floors up to this one are held to the floors: all of them. The exceptions are named modules whose
+# upward imports are listed exactly (a test fails when one is fixed, so the entry goes): the demo's quality run
+# (`flashmemory eval quality`) drives the demo pipeline and formats with the demo report, which sit above eval.
+CHECKED_UP_TO = 10
+KNOWN_UPWARD: dict[str, set[str]] = {
+    "flashmemory.eval.quality": {"flashmemory.demo.config", "flashmemory.demo.pipeline",
+                                 "flashmemory.serve.tiny_retriever"},
+    "flashmemory.eval.quality_report": {"flashmemory.demo.report"},
+}
 DEV_TOOLS = ("demo", "eval", "train", "tiny", "bench", "serve", "cli")
 # Attribute names with a leading underscore that belong to sglang (installed or read by us on its objects).
-SGLANG_PRIVATE = {"_translate_loc_to_hisparse_device"}
+SGLANG_PRIVATE = {"_translate_loc_to_hisparse_device", "_to_page_indices", "_host_memory_budget"}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -196,8 +202,34 @@ def test_no_import_circles() -> None:
 
 
 def test_imports_go_down_the_floors() -> None:
-    bad = floor_violations(import_graph(PKG), up_to=CHECKED_UP_TO)
-    assert not bad, "imports from a floor to one at or above it:\n" + "\n".join(bad)
+    graph = import_graph(PKG)
+    known = {f"{a} (floor {FLOORS[folder(a)]}) -> {b} (floor {FLOORS[folder(b)]})"
+             for a, bs in KNOWN_UPWARD.items() for b in bs}
+    found = set(floor_violations(graph, up_to=CHECKED_UP_TO))
+    assert not found - known, "imports from a floor to one at or above it:\n" + "\n".join(sorted(found - known))
+    assert not known - found, f"fixed, drop from KNOWN_UPWARD: {sorted(known - found)}"
+
+
+def sglang_imports(files: list[Path]) -> list[str]:
+    """Imports of sglang (module level or inside a function) in `files`, as `file:line: statement`."""
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_the_cpu_ops_import_no_sglang(tmp_path: Path) -> None:
+    """`flashmemory/sglang/cpu/ops/` is pure torch: no sglang import anywhere in it (the patch tables beside it
+    hold what needs sglang). The reader sees function-level imports too."""
+    files = sorted((PKG / "sglang" / "cpu" / "ops").rglob("*.py"))
+    assert files and not sglang_imports(files), sglang_imports(files)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nimport sglangx\ndef f():\n    from sglang.srt import x\n    import sglang\n")
+    assert sglang_imports([probe]) == ["probe.py:4: from sglang.srt import x", "probe.py:5: import sglang"]
 
 
 def test_the_plugin_imports_no_dev_tool() -> None:
