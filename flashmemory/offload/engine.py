@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -130,12 +130,6 @@ class OffloadEngine:
         pc = self.layout.page_chunks
         j = torch.arange(start, stop)
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
-
-    def rebuild_resident_tables(self, rows: Iterable[int]) -> None:
-        """Rewrite the compact resident tables of `rows` (`ResidentTables.rebuild`): res_pages/res_blocks/
-        res_mpages [max_rows, res_cap], res_count [max_rows]."""
-        with self.lock:
-            self.tables.rebuild(rows)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def admit(self, row: int, kv: torch.Tensor | None, index: torch.Tensor | None, rid: Hashable | None = None,
