@@ -3,11 +3,9 @@
 Every hook in `hooks.py` runs inside `GUARD.run` (the `guarded` decorator). An exception is classified:
 
 request-local (`request_local`): a `RequestFailure(rid, hook, reason)` (the test-only fault injector raises one;
-    so may any code that knows which request is bad, e.g. a non-finite retriever score for one row), anything
-    whose cause chain holds one (the Level-1 worker's error is re-raised on the decode thread with the worker's
-    exception as its cause), or an `OffloadCapacityError` while `before_forward` admits requests (the engine
-    checks capacity before it changes anything; the request is the first one of the batch, in batch order, that
-    the adapter has not admitted). The request is recorded as failed: one log line names it and the hook,
+    so does the Level-1 scorer wrapper for a row with non-finite scores), or anything whose cause chain holds one
+    (the Level-1 worker's error is re-raised on the decode thread with the worker's exception as its cause). The
+    request is recorded as failed: one log line names it and the hook,
     `flashmemory_request_failures_total{hook=...}` counts it, and before sglang processes the batch's result
     (`before_process_batch_result`) its `to_finish` is set to FINISH_ABORT with a message naming the hook, status
     500: sglang's own abort path finishes it, frees its KV and sends the client an HTTP error (a stream ends with
@@ -22,15 +20,16 @@ The forward in which a request fails stays correct for the others:
 - a failure raised before a hook's body ran (the injector checks at entry) leaves nothing half done, so the body
   then runs for the whole batch: the faulted row is computed like any other and its token is discarded because
   the request is aborted before its result is emitted;
-- `before_forward` is retried without the failed request: `begin_step` is idempotent for rows already synced (a
-  request admitted before the failure keeps its row, the rest are admitted on the retry), and the failed row gets
-  engine row -1 (no resident page: its attention reads nothing of the reserve, which only changes its own token);
+- every `before_forward` hands the runtime the batch without the failed requests, so the failed row gets engine
+  row -1 (no resident page: its attention reads nothing of the reserve, which only changes its own token);
 - `after_forward` (Level 1) is not retried: that step's Level-1 call is skipped (and a worker error means the
   cycle it was running was discarded), so the other rows keep the pages they hold until their next cycle (at full
   budget nothing changes; at a small budget their residency is updated a cycle later); the idle hook
   (`after_on_idle`) likewise tries again at the next idle poll;
 - a request-local failure escaping the body of any other hook (the forward is half done) is treated as engine
-  state in doubt: nothing can show that the other rows' tensors are whole.
+  state in doubt: nothing can show that the other rows' tensors are whole. That includes `before_forward`'s
+  `begin_step`: the adapter registers every new request's row before the core admits them in one `sync_batch`, so
+  a capacity error there (`OffloadCapacityError`: host mirror full) leaves rows registered but not admitted.
 Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager hooks can fail there.
 Non-finite retriever scores: `watch_scores` wraps the adapter's Level-1 scorer so that a row whose scores are not
 all finite raises `RequestFailure` naming its request (the cycle's job is dropped, its error reaches `after_forward`
@@ -47,11 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flashmemory.env import EnvError, fault_inject
-from flashmemory.offload.mirror import OffloadCapacityError
 
 logger = logging.getLogger(f"sglang.{__name__}")   # under "sglang": its log handler prints it
 FAILED_PREFIX = "\x00flashmemory-failed:"          # renamed rid of a failed request inside the runtime's view
-RETRY_HOOKS = frozenset({"before_forward"})        # hooks redone without the failed request after one
+FIRST_HOOK = "before_forward"                      # the first hook of every forward: it reads the batch's rids
 SKIP_HOOKS = frozenset({"after_forward", "after_on_idle"})  # hooks skipped for this call after a request-local failure
 
 
@@ -139,7 +137,7 @@ class Guard:
                 self.stop(f"FlashMemory: {e}")
                 raise SystemExit(f"FlashMemory: {e}") from None
         rids = None
-        if rids_of is not None and (name in RETRY_HOOKS or (self.inject is not None and self.inject[0] == name)):
+        if rids_of is not None and (name == FIRST_HOOK or (self.inject is not None and self.inject[0] == name)):
             rids = rids_of(args, kwargs)
             if rids is not None:
                 self.batch_rids = rids
@@ -153,7 +151,7 @@ class Guard:
             except Exception as e:  # noqa: BLE001 - classified here, re-raised as a stop otherwise
                 before_body = isinstance(e, RequestFailure) and getattr(e, "injected", False)
                 bad = self.request_local(name, e)
-                if bad is None or not (before_body or name in RETRY_HOOKS or name in SKIP_HOOKS):
+                if bad is None or not (before_body or name in SKIP_HOOKS):
                     self._stop(name, e)
                 for rid, reason in bad:
                     self.fail(rid, name, reason)
@@ -178,11 +176,6 @@ class Guard:
             if isinstance(cur, RequestFailure):
                 return [(cur.rid, cur.reason)]
             cur, seen = cur.__cause__ or cur.__context__, seen + 1
-        if isinstance(e, OffloadCapacityError) and name == "before_forward":
-            from flashmemory.sglang.runtime import RUNTIME
-            admitted = getattr(RUNTIME.engine, "rows", {})
-            pending = [r for r in self.batch_rids if r not in admitted and r not in self.failed]
-            return [(pending[0], f"{type(e).__name__}: {e}")] if pending else None
         return None
 
     def fail(self, rid: str, hook: str, reason: str) -> None:

@@ -124,19 +124,22 @@ def test_an_injected_fault_fails_that_request_alone(served):
     assert torch.equal(RUNTIME.bufs.sel_pages[0], pages_a)
 
 
-def test_a_full_mirror_at_admission_fails_that_request(served, monkeypatch):
+def test_a_full_mirror_at_admission_stops_the_server(served, monkeypatch):
+    """The adapter registers new rows before the core admits them in one sync_batch: a capacity error there leaves
+    rows registered but not admitted, so it is not request-local (one line, the server stops)."""
     s = served
     s.guard.configured = True
-    admit = s.adapter._admit
+    admission = s.adapter._admission
 
     def full(row, rid, pages, n):
         if rid == "bad-1":
             raise OffloadCapacityError("host mirror: need 2 pages, 0 of 24 free")
-        admit(row, rid, pages, n)
-    monkeypatch.setattr(s.adapter, "_admit", full)
-    _step(s, ["a", "bad-1"])
-    assert set(s.guard.failed) == {"bad-1"} and set(s.adapter.rows) == {"a"} and s.stops == []
-    assert "host mirror" in s.guard.failed["bad-1"].reason
+        return admission(row, rid, pages, n)
+    monkeypatch.setattr(s.adapter, "_admission", full)
+    with pytest.raises(SystemExit):
+        hooks.before_forward(s.mr, s.batch(["a", "bad-1"]))
+    assert s.guard.failed == {} and len(s.stops) == 1
+    assert "before_forward failed (OffloadCapacityError: host mirror" in s.stops[0] and "state in doubt" in s.stops[0]
 
 
 def test_anything_else_stops_the_server_with_one_line(served, monkeypatch, caplog):
