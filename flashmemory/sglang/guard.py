@@ -83,10 +83,13 @@ class _BatchView:
 
 def _stop_server(message: str) -> None:
     """sglang's own stop when a scheduler dies: SIGQUIT to the parent (the launcher stops every process), then
-    leave the event loop with SystemExit (not an Exception: sglang's loop would log a traceback for those)."""
+    leave the event loop with SystemExit (not an Exception: sglang's loop would log a traceback for those). Only
+    inside an sglang server (its server args are set): elsewhere (tests, tools) the parent is a shell or a test
+    runner, and the SystemExit alone stops the caller."""
+    from flashmemory.sglang.runtime import server_args
     try:
         import psutil
-        parent = psutil.Process().parent()
+        parent = psutil.Process().parent() if server_args() is not None else None
         if parent is not None and parent.pid != 1:
             parent.send_signal(signal.SIGQUIT)
     except Exception as e:  # noqa: BLE001 - stopping anyway

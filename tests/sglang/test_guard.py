@@ -240,3 +240,18 @@ def test_fault_inject_variable_is_checked():
     with pytest.raises(SystemExit):
         g.run("before_forward", lambda: None, (), {})
     assert len(stops) == 1 and "FLASHMEMORY_FAULT_INJECT" in stops[0] and "unknown hook 'nope'" in stops[0]
+
+
+def test_the_default_stop_signals_no_parent_outside_a_server(monkeypatch):
+    """Outside an sglang server (no server args: tests, tools) the stop is the SystemExit alone: the parent is a shell
+    or a test runner, and SIGQUIT would take it down."""
+    psutil = pytest.importorskip("psutil")
+    sent: list[int] = []
+    monkeypatch.setattr(psutil.Process, "send_signal", lambda self, sig: sent.append(sig))
+    with pytest.raises(SystemExit, match="state in doubt"):
+        guard_mod._stop_server("FlashMemory: x failed (E); engine state in doubt, stopping the server")
+    assert sent == []
+    monkeypatch.setattr("flashmemory.sglang.runtime.server_args", lambda: object())   # inside a server
+    with pytest.raises(SystemExit):
+        guard_mod._stop_server("stop")
+    assert len(sent) == 1
