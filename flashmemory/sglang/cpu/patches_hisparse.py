@@ -121,6 +121,48 @@ def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool
     return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 
+# request slot -> (c4 entries that came with its prefill, data_ptrs of the c4 layers whose reserved slot is not
+# loaded yet); see `admit_direct`.
+_NEWEST_PENDING: dict[int, tuple[int, set[int]]] = {}
+
+
+def admit_direct(result: Any, self: Any, req: Any) -> None:
+    """After `admit_request_direct` (hisparse_coordinator.py:878-910): a long request that arrived over PD starts
+    with every LRU slot empty, but the swap-in resolves the newest entry (position L-1) to the reserved slot
+    without a copy (hisparse.cuh:480-499), and nothing loads that slot before the next c4 entry is written there
+    (map_last_loc_to_buffer, :1100). Its c4 bytes are in the host pool only. Recorded here, loaded by
+    `fill_newest` at each c4 layer's first swap-in of the request."""
+    if not hisparse_on_cpu() or not getattr(self, "is_dsv4_hisparse", False):
+        return
+    rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
+    if n0 > self.device_buffer_size:
+        _NEWEST_PENDING[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
+    else:
+        _NEWEST_PENDING.pop(rid, None)
+
+
+def fill_newest(host_cache: torch.Tensor, device_buffer: torch.Tensor, host_cache_locs: torch.Tensor,
+                device_buffer_locs: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                hot: int, real: int) -> int:
+    """Load the prefill's newest c4 entry into the reserved slot (see `admit_direct`) where still pending for
+    this layer; returns the number of tokens copied (584 B each)."""
+    key, copied = int(device_buffer.data_ptr()), 0
+    for b in range(real):
+        rid = int(req_pool_indices[b])
+        pending = _NEWEST_PENDING.get(rid)
+        if pending is None or key not in pending[1]:
+            continue
+        pending[1].discard(key)
+        if not pending[1]:
+            del _NEWEST_PENDING[rid]
+        last = int(seq_lens[b]) - 1
+        if last < pending[0]:   # else a decode step already wrote a newer entry into the reserved slot
+            copy_c4_tokens(host_cache, device_buffer, host_cache_locs[rid, last:last + 1],
+                           device_buffer_locs[rid, hot:hot + 1])
+            copied += 1
+    return copied
+
+
 def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor,
                  host_cache_locs: torch.Tensor, device_buffer_locs: torch.Tensor, host_cache: torch.Tensor,
                  device_buffer: torch.Tensor, top_k_device_locs: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -139,6 +181,9 @@ def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_t
     if miss_src is not None or skip_io or page_size != 1 or item_size_bytes != ITEM_BYTES:
         raise NotImplementedError(f"HiSparse CPU swap-in: plan recording / skip_io / page_size {page_size} / item "
                                   f"{item_size_bytes} B are not on the DSv4 path this was written for")
+    real = top_k_tokens.shape[0] if num_real_reqs is None else int(num_real_reqs)
+    fill_newest(host_cache, device_buffer, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
+                hot_buffer_size, real)
     SWAPIN.add(load_cache_to_device_buffer_dsv4(
         top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
         top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs))
@@ -273,6 +318,9 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
              f"{_HP}:sender_host_indices_off", ("self",),
              "disaggregation/prefill.py:1746-1761 pinned page indices + torch.cuda.Event for Mooncake senders "
              "(mooncake/conn.py:3312) -> the host path :1763 (gate: --device cpu, HiSparse or not)"),
+    Patch("cpu", f"{_CO}.admit_request_direct", "after", f"{_HP}:admit_direct", ("self", "req"),
+             "hisparse_coordinator.py:878-910 + hisparse.cuh:480-499: a PD-admitted long request's newest c4 "
+             "entry resolves to the reserved slot, which nothing loads -> load it from the host pool once"),
     Patch("cpu", f"{_CO}.destroy", "around", f"{_HP}:destroy", ("self",),
              "hisparse_coordinator.py:811-819 Stream.synchronize (absent on torch.cpu.Stream)"),
 )

@@ -189,3 +189,31 @@ def test_mooncake_sender_takes_the_host_index_path_on_cpu(monkeypatch):
     monkeypatch.setattr(hp, "serving_on_cpu", lambda: True)
     hp.sender_host_indices_off(None, sender)
     assert sender.supports_host_tensor_indices is False
+
+
+def test_prefill_newest_entry_is_loaded_into_the_reserved_slot_once(gate, monkeypatch):
+    """A long request admitted over PD (12 c4 entries > hot 4): its newest entry (position 11) resolves to the
+    reserved slot 4, which nothing else loads. Each layer's first swap-in loads it from host, once; a short
+    request (fast path, preloaded by sglang) records nothing."""
+    monkeypatch.setattr(hp, "_NEWEST_PENDING", {})
+    pool = _pool()
+    hot = 4
+    co = SimpleNamespace(is_dsv4_hisparse=True, device_buffer_size=hot, mem_pool_device=SimpleNamespace(
+        kv_buffer=pool.device_buffers), host_token_len=lambda n: n // 4)
+    hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
+    hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0, kv_allocated_len=16)))
+    assert set(hp._NEWEST_PENDING) == {1}
+    host_locs = torch.arange(100, 100 + 2 * 16, dtype=torch.int64).view(2, 16)
+    dev_locs = torch.arange(2 * (hot + 64), dtype=torch.int32).view(2, hot + 64)
+    args = (host_locs, dev_locs, torch.tensor([0, 1]), torch.tensor([4, 12]), hot, 2)
+    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 1
+    assert _token(pool.device_buffers[0], int(dev_locs[1, hot])) == _token(pool.kv_buffer[0], 127)
+    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 0      # once per layer
+    assert hp.fill_newest(pool.kv_buffer[1], pool.device_buffers[1], *args) == 1      # the other layer
+    assert hp._NEWEST_PENDING == {}
+    # a decode step already wrote a newer entry (position 12 >= the prefill's 12): the slot is left alone
+    hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
+    before = pool.device_buffers[0].clone()
+    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], host_locs, dev_locs, torch.tensor([1]),
+                          torch.tensor([13]), hot, 1) == 0
+    assert torch.equal(before, pool.device_buffers[0])
