@@ -2,7 +2,7 @@
 
 Written from the semantics of `kernels/jit/csrc/kvcacheio/hisparse.cuh` (`load_cache_to_device_buffer_kernel`
 :355-722, `transfer_cache_dsv4_mla` :227-286) and `kernels/jit/include/sgl_kernel/deepseek_v4/kvcacheio.cuh`
-(page layout :12-76); see docs/hisparse.md. Nothing here is wired into sglang yet.
+(page layout :12-76); see docs/hisparse.md. Wired into sglang by `../patches_hisparse.py`.
 
 c4 page row (device pool and host pool alike, uint8): 64 token values of 576 B, then 64 scales of 8 B, padded to
 a multiple of 576 B -> 37,440 B per page. Token `loc` lives in page loc // 64, slot loc % 64. One token is 584 B
