@@ -19,6 +19,7 @@ from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules
                                    baseline_flops, estimate, fit_line, flashmemory_bytes, flashmemory_flops,
                                    hisparse_bytes, kv_budget_per_gpu, n_chunks, weight_bytes)
 from flashmemory.costmodel.peers import B200_PAIR, PublishedFigure, check_published, peer_table
+from flashmemory.bench.table import print_table
 from flashmemory.bench.costmodel_disk import add_disk_args, disk_knobs, disk_report
 
 G, M = 1e9, 1e6
@@ -72,16 +73,6 @@ def _label(ctx: int) -> str:
     return f"{ctx // 1048576}M" if ctx % 1048576 == 0 else f"{ctx // 1024}K"
 
 
-def _table(title: str, head: list[str], rows: list[list[Any]]) -> None:
-    cells = [[str(c) for c in head]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    print(f"\n{title}")
-    for j, r in enumerate(cells):
-        print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        if j == 0:
-            print("  " + "  ".join("-" * w for w in widths))
-
-
 def _pct(x: float, ref: float) -> str:
     return f"{100 * (x / ref - 1):+.1f}%"
 
@@ -90,7 +81,7 @@ def flop_report(cases: list[tuple[int, int]], rules: CountRules = CountRules()) 
     s, r = FlashShape(), RetrieverShape()
     b0 = baseline_flops(cases[0][0], s, r, rules)
     const_rows = [[t.name, t.note, t.count, t.flops(rules) / G] for t in b0.terms if t.name != "indexer scoring"]
-    _table(f"Constant part per decode token ({rules.flops_per_mac} FLOP/MAC): ours {b0.constant / G:.2f} GFLOP vs "
+    print_table(f"Constant part per decode token ({rules.flops_per_mac} FLOP/MAC): ours {b0.constant / G:.2f} GFLOP vs "
            f"upstream {UPSTREAM_CONSTANT_GFLOP} ({_pct(b0.constant / G, UPSTREAM_CONSTANT_GFLOP)})",
            ["term", "shape", "x layers", "GFLOP"], const_rows)
     rows, out = [], []
@@ -104,7 +95,7 @@ def flop_report(cases: list[tuple[int, int]], rules: CountRules = CountRules()) 
                      f"{up[2] / up[1]:.2f}x" if up_ok else "-"])
         out.append({"ctx": ctx, "kmax": kmax, "chunks": n_chunks(ctx, s), "baseline": dataclasses.asdict(b),
                     "flashmemory": dataclasses.asdict(f), "upstream": up if up_ok else None})
-    _table("Per-decode-token GFLOP (indexer scoring = 21 c4 layers x chunks x (64x128 + 64) MACs x 2)",
+    print_table("Per-decode-token GFLOP (indexer scoring = 21 c4 layers x chunks x (64x128 + 64) MACs x 2)",
            ["ctx", "KMAX", "base score", "FM L2 score", "FM L1/tau", "baseline", "upstream", "FlashMemory",
             "upstream", "FM/base", "upstream"], rows)
     return {"constant_gflop": b0.constant / G, "cases": out}
@@ -133,7 +124,7 @@ def assumption_report(cases: list[tuple[int, int]]) -> dict[str, Any]:
         res[name] = devs
         rows.append([name, " ".join(f"{100 * d:+.1f}" for d in devs), f"{100 * worst:+.1f}%",
                      "yes" if abs(worst) <= 0.05 else "NO"])
-    _table("Which counting rule reproduces upstream (deviation %, base/FM per context)",
+    print_table("Which counting rule reproduces upstream (deviation %, base/FM per context)",
            ["rule", "deviations", "worst", "within 5%"], rows)
     xs = [n_chunks(c) * FlashShape().n_c4 for c, _ in known]
     icpt, slope = fit_line(xs, [UPSTREAM[c][1] * G for c, _ in known])
@@ -161,7 +152,7 @@ def byte_report(cases: list[tuple[int, int]], knobs_for: Any, hs: HiSparseKnobs)
                          rb.recall_cycle / M])
             out.append({"ctx": ctx, "kmax": kmax, **dataclasses.asdict(rb)})
         rows.append(["", "all-miss swap-in", "", "", "", all_miss_bytes(ctx) / M, ""])
-    _table("Bytes per request (device/host GB; HBM read and PCIe per decode step MB; recall per 64-step cycle MB)",
+    print_table("Bytes per request (device/host GB; HBM read and PCIe per decode step MB; recall per 64-step cycle MB)",
            ["ctx", "policy", "device GB", "host GB", "HBM rd/step MB", "PCIe/step MB", "per cycle MB"], rows)
     b = baseline_bytes(1048576)
     parts = ", ".join(f"{k} {v / G:.3f} GB" for k, v in b.device_parts.items())
@@ -200,7 +191,7 @@ def throughput_report(cases: list[tuple[int, int]], knobs_for: Any, hw: Hardware
                          f"{upv[0]} / {upv[1]}" if upv else "-", f"{1e3 * upv[0] / upv[1]:.1f}" if upv else "-"])
             out.append({"ctx": ctx, "kmax": kmax, "roofline": dataclasses.asdict(e),
                         "with_overhead": dataclasses.asdict(e0), "upstream_conc_tok_s": upv})
-    _table(f"Estimated ceiling and aggregate decode tok/s (roofline, and with +{overhead_ms:g} ms fixed per step)",
+    print_table(f"Estimated ceiling and aggregate decode tok/s (roofline, and with +{overhead_ms:g} ms fixed per step)",
            ["ctx", "policy", "conc (bound)", "vs base", "HBM/FLOP/PCIe ms", "tok/s roof", f"tok/s +{overhead_ms:g}ms",
             "vs base", "upstream conc/tok/s", "upstream ms/step"], rows)
     print("  Upstream's own step times (conc / tok/s) are 24-30 ms for both systems, 4-6x the roofline: the fixed\n"
@@ -224,7 +215,7 @@ def peer_report(hw: Hardware, hs: HiSparseKnobs, knobs_for: Any, overhead_ms: fl
         rows.append([_label(c.ctx), c.policy + (f" KMAX {c.kmax}" if c.policy == "flashmemory" else ""),
                      c.device_bytes / G, c4 / G, parts["index keys"] / G, f"{c.max_conc} ({c.bound})"]
                     + [f"{_tok(c.tok_s_roof[b])} / {_tok(c.tok_s[b])}" for b in sorted(c.tok_s)])
-    _table(f"PROJECTED stock vs HiSparse vs FlashMemory, {hw.n_gpus}xH20 (not measured): device GB per request, "
+    print_table(f"PROJECTED stock vs HiSparse vs FlashMemory, {hw.n_gpus}xH20 (not measured): device GB per request, "
            f"ceiling, tok/s roofline / +{overhead_ms:g} ms per step ('-': does not fit)",
            ["ctx", "arm", "device GB", "c4 GB", "index-K GB", "max conc"] + [f"{b} req tok/s" for b in sorted(
                cells[0].tok_s)], rows)
@@ -250,7 +241,7 @@ def published_report(hs: HiSparseKnobs, overhead_ms: float) -> dict[str, Any]:
              f"{r.speedup:.2f}x", f"{100 * r.off_generation:+.0f}%", f"{100 * r.off_decode:+.0f}%",
              r.implied_stock_conc, f"{r.implied_budget_gb:.1f}", f"{r.implied_weights_gb:.0f}"]
             for name, r in res.items()]
-    _table(f"CHECK vs HiSparse's published figure: DeepSeek-V4-Flash, 2xB200, {fig.prompt // 1024}K in / "
+    print_table(f"CHECK vs HiSparse's published figure: DeepSeek-V4-Flash, 2xB200, {fig.prompt // 1024}K in / "
            f"{fig.output // 1024}K out, {fig.concurrency} concurrent: {fig.stock_tok_s:.0f} -> "
            f"{fig.hisparse_tok_s:.0f} tok/s ({fig.generation_speedup}x generation, {fig.decode_speedup}x decode-only)",
            ["model", "admitted stock/HiSp", "stock tok/s", "HiSp tok/s", "HiSp/stock", "off (2.1x)", "off (2.9x)",

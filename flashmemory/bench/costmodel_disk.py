@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from flashmemory.bench.table import print_table
 from flashmemory.costmodel import HiSparseKnobs, PolicyKnobs, baseline_flops, hisparse_bytes, throughput_at
 from flashmemory.costmodel.disk import DiskKnobs, disk_point, max_conc_within
 from flashmemory.costmodel.peers import kmax_for
@@ -44,7 +45,6 @@ def _fmt(v: float | None) -> str:
 
 
 def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: float, turnover: float) -> dict[str, Any]:
-    from flashmemory.bench.costmodel import _table  # the shared table printer
 
     kmax = kmax_for(CTX)
     over = dataclasses.replace(hw, overhead_ms=overhead_ms)
@@ -71,7 +71,7 @@ def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: flo
         best_roof = max_conc_within(CTX, kmax, hw, k, GOAL_LOSS, pk)
         out[name] = {"points": pts, "max_conc_within_10pct": best, "max_conc_within_10pct_roofline": best_roof,
                      "knobs": dataclasses.asdict(k), "turnover": pk.turnover}
-    _table(f"DISK TIER ESTIMATE (not measured): 1M context, KMAX {kmax}, Path-I, {hw.n_gpus}xH20, +{overhead_ms:g} ms "
+    print_table(f"DISK TIER ESTIMATE (not measured): 1M context, KMAX {kmax}, Path-I, {hw.n_gpus}xH20, +{overhead_ms:g} ms "
            f"per step; {dk.drives} NVMe x {dk.read_gbps:g} GB/s read / {dk.write_gbps:g} write x {dk.efficiency:g}, "
            f"{dk.drive_tb:g} TB each; host cache = {hw.host_ram_gb:g} GB x {hw.host_fraction:g}; "
            f"{dk.output_tokens} output tokens per request",
