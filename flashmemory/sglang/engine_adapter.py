@@ -61,6 +61,9 @@ class SGLangOffload(OffloadAdapter):
         self._unsettled = []
         self._copy_from_pool(locs, range(self.geo.n_c4_layers), kv=True, index=True)
 
+    def _mirror_pages_needed(self, n_chunks: int) -> int:
+        return self.layout.pages_for(n_chunks)
+
     def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
         """The first n chunks of the request, read from sglang's pool, into mirror pages of the core's own."""
         locs = page_locs(pages, 0, n, self.geo.page_chunks)

@@ -26,10 +26,13 @@ The forward in which a request fails stays correct for the others:
   cycle it was running was discarded), so the other rows keep the pages they hold until their next cycle (at full
   budget nothing changes; at a small budget their residency is updated a cycle later); the idle hook
   (`after_on_idle`) likewise tries again at the next idle poll;
+- requests the adapter cannot admit (no free engine row, host mirror full) are found before `before_forward`'s
+  body runs (`precheck` -> `OffloadAdapter.admission_refusals`) and failed there like an injected fault: the body
+  never sees them;
 - a request-local failure escaping the body of any other hook (the forward is half done) is treated as engine
-  state in doubt: nothing can show that the other rows' tensors are whole. That includes `before_forward`'s
-  `begin_step`: the adapter registers every new request's row before the core admits them in one `sync_batch`, so
-  a capacity error there (`OffloadCapacityError`: host mirror full) leaves rows registered but not admitted.
+  state in doubt: nothing can show that the other rows' tensors are whole. That includes a capacity error inside
+  `begin_step` that the precheck did not foresee (a growing history crossing into a page the mirror lacks): the
+  adapter registers rows before the core admits them in one `sync_batch`.
 Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager hooks can fail there.
 Non-finite retriever scores: `watch_scores` wraps the adapter's Level-1 scorer so that a row whose scores are not
 all finite raises `RequestFailure` naming its request (the cycle's job is dropped, its error reaches `after_forward`
@@ -110,6 +113,9 @@ class Guard:
     stop: Callable[[str], None] = _stop_server
     counter: Any = None                                        # flashmemory_request_failures_total{hook}
     idle_published: bool = False
+    # (args, kwargs) of the first hook -> [(rid, reason)]: requests to fail before the body runs (the adapter's
+    # admission check: no free row, host mirror full), so nothing of them is half done when the body starts.
+    precheck: Callable[[tuple, dict], list[tuple[str, str]]] | None = None
 
     def configure(self, env: dict[str, str] | None = None) -> None:
         """Read FLASHMEMORY_FAULT_INJECT (test only; an EnvError names the variable) and create the counter.
@@ -150,6 +156,9 @@ class Guard:
                 if not entered:
                     entered = True
                     self._maybe_inject(name, rids if rids is not None else self.batch_rids)
+                    if name == FIRST_HOOK and self.precheck is not None:
+                        for rid, reason in self.precheck(args, kwargs):
+                            self.fail(rid, name, reason)
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - classified here, re-raised as a stop otherwise
                 before_body = isinstance(e, RequestFailure) and getattr(e, "injected", False)

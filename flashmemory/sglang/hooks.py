@@ -386,5 +386,18 @@ _GUARDED: dict[str, Any] = {
 }
 HOOK_NAMES = tuple(_GUARDED)
 GUARD.hook_names = HOOK_NAMES
+
+
+def _admission_precheck(args: tuple, kwargs: dict) -> list[tuple[str, str]]:
+    """Run by the guard before `before_forward`'s body: (rid, reason) of new requests the adapter cannot admit
+    (no free row, host mirror full). They fail alone; the body then sees the batch without them."""
+    runner = args[0] if args else None
+    fb = args[1] if len(args) > 1 else kwargs.get("forward_batch")
+    if fb is None or getattr(runner, "is_draft_worker", False):
+        return []
+    return RUNTIME.admission_refusals(GUARD.without_failed(fb))
+
+
+GUARD.precheck = _admission_precheck
 for _name, _rids in _GUARDED.items():
     globals()[_name] = guarded(_name, _rids)(globals()[_name])

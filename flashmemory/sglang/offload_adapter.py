@@ -210,6 +210,35 @@ class OffloadAdapter:
                 return r
         raise RuntimeError(f"Path-P: more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests")
 
+    def _mirror_pages_needed(self, n_chunks: int) -> int:
+        """Host-mirror pages the core allocates to admit a history of n_chunks (default: none, the pages are the
+        request's own pool pages)."""
+        return 0
+
+    def admission_refusals(self, rids: Sequence[str], seq_lens: torch.Tensor) -> list[tuple[str, str]]:
+        """(rid, reason) for each request this step would admit but cannot (no free engine row, or the host mirror
+        cannot hold its history), decided before anything changes, so the guard fails those requests alone and
+        `begin_step` never sees them. seq_lens: [B] tokens with the current one, as `begin_step` gets them. Rows
+        and mirror pages of requests leaving this step count as free (they are finished first); requests are
+        taken in batch order."""
+        before, _ = c4_counts(seq_lens.cpu())
+        live = set(rids)
+        leaving = [row for rid, row in self.rows.items() if rid not in live]
+        free_rows = self.cfg.max_rows - (len(self.rows) - len(leaving))
+        free_pages = self.engine.mirror.free_pages + sum(len(self.mpages.get(r, ())) for r in leaving)
+        out = []
+        for rid, n in zip(rids, before.tolist()):
+            if rid in self.rows or n < 1:
+                continue
+            need = self._mirror_pages_needed(n)
+            if free_rows < 1:
+                out.append((rid, f"more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests"))
+            elif need > free_pages:
+                out.append((rid, f"host mirror full: its {n} c4 chunks need {need} pages, {free_pages} free"))
+            else:
+                free_rows, free_pages = free_rows - 1, free_pages - need
+        return out
+
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
         current one. Returns engine rows [B] (-1: no c4 history yet). Vanished requests are finished, new ones

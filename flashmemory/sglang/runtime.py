@@ -267,6 +267,14 @@ class Runtime:
             self.bufs.back_pages[: len(rids), :k] = pages[:, :k].to(self.bufs.back_pages.device)
             self.bufs.publish()
 
+    def admission_refusals(self, forward_batch: Any) -> list[tuple[str, str]]:
+        """(rid, reason) of the decode batch's new requests the adapter cannot admit (see
+        `OffloadAdapter.admission_refusals`); [] without an adapter or outside decode."""
+        if self.engine is None or not forward_batch.forward_mode.is_decode():
+            return []
+        rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
+        return self.engine.admission_refusals(rids, forward_batch.seq_lens[: len(rids)]) if rids else []
+
     def after_decode_forward(self, forward_batch: Any) -> None:
         """Hand the step to Level 1 (its own cadence, worker thread and generation checks), export stats.
 

@@ -60,6 +60,7 @@ def served(monkeypatch):
     stops: list[str] = []
     g.stop = stops.append
     g.hook_names = hooks.HOOK_NAMES
+    g.precheck = hooks._admission_precheck
     g.counter = failure_counter(registry=reg)
     monkeypatch.setattr(guard_mod, "GUARD", g)
     monkeypatch.setattr(hooks, "GUARD", g)
@@ -124,9 +125,39 @@ def test_an_injected_fault_fails_that_request_alone(served):
     assert torch.equal(RUNTIME.bufs.sel_pages[0], pages_a)
 
 
-def test_a_full_mirror_at_admission_stops_the_server(served, monkeypatch):
-    """The adapter registers new rows before the core admits them in one sync_batch: a capacity error there leaves
-    rows registered but not admitted, so it is not request-local (one line, the server stops)."""
+def test_a_full_mirror_at_admission_fails_that_request_alone(served):
+    """The guard's precheck asks the adapter before `before_forward`'s body runs: a new request whose history the
+    host mirror cannot hold fails alone (HTTP 500 naming the hook and the reason), the other keeps decoding, and
+    once pages are free again a new request is admitted."""
+    s = served
+    s.guard.configured = True
+    _step(s, ["a"])
+    mirror = s.adapter.engine.mirror
+    held = mirror.alloc(mirror.free_pages - 1)          # one page left; "bad-1" needs two
+    _step(s, ["a", "bad-1"], step=1)
+    assert s.stops == [] and set(s.guard.failed) == {"bad-1"} and set(s.adapter.rows) == {"a"}
+    assert "host mirror full" in s.guard.failed["bad-1"].reason
+    assert _value(s.reg, "flashmemory_request_failures_total", hook="before_forward") == 1.0
+    reqs = [_Req("a"), _Req("bad-1")]
+    hooks.before_process_batch_result(types.SimpleNamespace(), types.SimpleNamespace(reqs=reqs), None)
+    assert reqs[0].to_finish is None and "host mirror full" in reqs[1].to_finish.to_json()["message"]
+    _step(s, ["a"], step=2)
+    mirror.free(held)
+    saved = dict(PAGES)
+    PAGES.clear()
+    PAGES.update({"a": saved["a"], "b-2": saved["bad-1"]})   # a new request in the same pool slot
+    try:
+        _step(s, ["a", "b-2"], step=3)
+    finally:
+        PAGES.clear()
+        PAGES.update(saved)
+    assert set(s.adapter.rows) == {"a", "b-2"} and s.stops == []
+
+
+def test_an_unforeseen_capacity_error_inside_begin_step_stops_the_server(served, monkeypatch):
+    """A capacity error inside `begin_step` that the precheck did not foresee leaves rows registered but not
+    admitted (the adapter registers them before the core admits them in one sync_batch), so it is not
+    request-local (one line, the server stops)."""
     s = served
     s.guard.configured = True
     admission = s.adapter._admission
