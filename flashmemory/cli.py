@@ -18,6 +18,7 @@ COMMANDS = [
     "flashmemory.dump.cli",        # dump (golden-label training data)
     "flashmemory.train.cli",       # train (joint retriever on golden-label dumps)
     "flashmemory.eval.cli",        # eval (policies vs baselines on a dump)
+    "flashmemory.demo.quality_cli",  # eval quality (the demo's pipeline over many held-out documents): after eval
     "flashmemory.train.verify",    # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
     "flashmemory.tasks.cli",       # tasks generate|score|list

@@ -157,5 +157,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decode_args(p)
     add_residency_args(p)
     p.set_defaults(func=run, eval_parser=p)
-    from flashmemory.eval.quality_cli import register_quality
-    register_quality(p)   # `flashmemory eval quality`
+    # `flashmemory eval quality` drives the demo pipeline (a floor above eval): flashmemory.demo.quality_cli adds it.

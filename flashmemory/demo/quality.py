@@ -191,7 +191,7 @@ def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -
     from flashmemory.eval.decode import full_run
     from flashmemory.eval.harness import HarnessConfig, evaluate_doc
     from flashmemory.eval.methods import METHODS
-    from flashmemory.eval.quality_report import aggregate, write_results
+    from flashmemory.demo.quality_report import aggregate, write_results
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.suite import generate
     from flashmemory.tasks.tokenizer import load_tokenizer

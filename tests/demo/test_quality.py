@@ -10,9 +10,9 @@ import pytest
 
 from flashmemory.cli import main
 from flashmemory.errors import UserError
-from flashmemory.eval.quality import (FORMAT, QualityConfig, doc_plan, fingerprint, load_done, run_pending,
+from flashmemory.demo.quality import (FORMAT, QualityConfig, doc_plan, fingerprint, load_done, run_pending,
                                       run_quality, write_doc)
-from flashmemory.eval.quality_report import aggregate, report_markdown
+from flashmemory.demo.quality_report import aggregate, report_markdown
 from flashmemory.outdir import DirLock, DirLockedError
 
 TASKS = ("niah_single", "niah_multikey", "mqar")

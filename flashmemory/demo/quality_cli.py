@@ -1,4 +1,4 @@
-"""`flashmemory eval quality`: argument parsing for the resumable quality run (`flashmemory.eval.quality`)."""
+"""`flashmemory eval quality`: argument parsing for the resumable quality run (`flashmemory.demo.quality`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def config_from_args(a: argparse.Namespace):
     """QualityConfig from the parsed flags (UserError naming a bad flag)."""
     from flashmemory.errors import UserError
     from flashmemory.eval.budgets import parse_budgets
-    from flashmemory.eval.quality import QualityConfig
+    from flashmemory.demo.quality import QualityConfig
     budgets = parse_budgets(a.budgets)
     if not budgets:
         raise UserError(f"--budgets {a.budgets!r}: give at least one fraction in (0, 1]")
@@ -24,13 +24,19 @@ def config_from_args(a: argparse.Namespace):
 
 def run(a: argparse.Namespace) -> int:
     from flashmemory.errors import UserError, fail
-    from flashmemory.eval.quality import run_quality
+    from flashmemory.demo.quality import run_quality
     try:
         qc = config_from_args(a)
         run_quality(qc, progress=not a.no_progress, report_only=a.report_only)
     except (UserError, ValueError) as e:
         return fail("eval quality", e)
     return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `quality` as a subcommand of `flashmemory eval` (registered before this, by `flashmemory.eval.cli`).
+    It lives here, not in eval/, because it runs the demo's pipeline and report, which sit above eval."""
+    register_quality(subparsers.choices["eval"])
 
 
 def register_quality(eval_parser: argparse.ArgumentParser) -> None:
