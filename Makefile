@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 demo: $(STAMP)
 	$(BIN)/flashmemory demo --serve

@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 
@@ -35,24 +34,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-LIVE_DIR = Path(__file__).parent / "sglang" / "live"
-# The live files that use the folder's four-server `live_servers` fixture: one group, so those servers start once.
-LIVE_SHARED = {"test_full_budget_equals_stock.py", "test_small_budget.py", "test_stock_vs_gates_off.py",
-               "test_live_pd.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`; the marks do nothing without xdist).
-    A worker takes a whole group: the live files sharing `live_servers` are one group (their servers start once),
-    the other live files (each starting its own servers) a second, and every other test module its own, so
-    module-scoped fixtures are built once. Two workers on two cores: one can run live servers while the other runs
-    the rest."""
-    for item in items:
-        path = Path(str(item.fspath))
-        if LIVE_DIR in path.parents:
-            group = "live-shared" if path.name in LIVE_SHARED else "live-own"
-        else:
-            group = str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
