@@ -169,6 +169,7 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
         before, after = (int(x) for x in c4_counts(s))
         n_pages = -(-after // 64)
         table = table_full[:, :n_pages]
+        assert eng.admission_refusals(["a"], s) == []      # the guard's admission check passes in shrink mode
         rows = eng.begin_step(["a"], table, s)
         out_loc = torch.tensor([pages[before // 64] * 64 + before % 64 if after > before else 0])
         for l in range(2):                                 # compressor_v2: kv_cache[translate(out_loc)] = entry
