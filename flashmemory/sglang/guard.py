@@ -46,9 +46,12 @@ import logging
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flashmemory.env import EnvError, fault_inject
+
+if TYPE_CHECKING:   # type only: the guard is imported before any adapter exists
+    from flashmemory.sglang.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(f"sglang.{__name__}")   # under "sglang": its log handler prints it
 FAILED_PREFIX = "\x00flashmemory-failed:"          # renamed rid of a failed request inside the runtime's view
@@ -241,25 +244,10 @@ class Guard:
             f.aborted, n = True, n + 1
         return n
 
-    def watch_scores(self, adapter: Any) -> None:
-        """Wrap `adapter.l1.scorer` (row, n_hist, hidden, position) -> scores [n_hist]: non-finite scores for a row
-        raise `RequestFailure(rid, "level1", ...)` instead of steering its residency with NaN. Idempotent."""
-        import torch
-        l1 = getattr(adapter, "l1", None)
-        if l1 is None or getattr(l1.scorer, "flashmemory_guarded", False):
-            return
-        inner = l1.scorer
-
-        def scorer(row: int, n_hist: int, hidden: Any, position: Any) -> Any:
-            scores = inner(row, n_hist, hidden, position)
-            bad = ~torch.isfinite(scores)
-            if bool(bad.any()):
-                st = adapter.engine.rows[row] if 0 <= row < len(adapter.engine.rows) else None
-                raise RequestFailure(str(st.rid) if st is not None else f"row {row}", "level1",
-                                     f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks")
-            return scores
-        scorer.flashmemory_guarded = True
-        l1.scorer = scorer
+    def watch_scores(self, adapter: OffloadAdapter) -> None:
+        """Non-finite Level-1 scores for a row raise `RequestFailure(rid, "level1", ...)` instead of steering its
+        residency with NaN (through `OffloadAdapter.check_level1_scores`). Idempotent."""
+        adapter.check_level1_scores(_refuse_non_finite)
 
     def forget_all(self) -> None:
         """Nothing runs any more (the server is idle): every recorded failure is settled."""
@@ -268,6 +256,14 @@ class Guard:
 
 
 GUARD = Guard()
+
+
+def _refuse_non_finite(rid: str, scores: Any) -> None:
+    """Level-1 scores [n_hist] of request `rid`: any non-finite value fails that request."""
+    import torch
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        raise RequestFailure(rid, "level1", f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks")
 
 
 def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None = None) -> Callable:

@@ -22,7 +22,7 @@ reported them), so building that description reads nothing of the core.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -375,6 +375,20 @@ class OffloadAdapter:
         with self.engine.lock:
             recent = list(self.engine.stats.miss_recent)
         return monitor_stats(snap, recent)
+
+    def check_level1_scores(self, check: Callable[[str, torch.Tensor], None]) -> None:
+        """Run `check(rid, scores)` on every Level-1 score vector (float [n_hist]) before the page policy sees it;
+        `check` raises to refuse them (the guard fails that request). Applied once: a second call is a no-op."""
+        inner = self.l1.scorer
+        if getattr(inner, "flashmemory_checked", False):
+            return
+
+        def scorer(row: int, n_hist: int, hidden: Any, position: Any) -> torch.Tensor:
+            scores = inner(row, n_hist, hidden, position)
+            check(next((rid for rid, r in self.rows.items() if r == row), f"row {row}"), scores)
+            return scores
+        scorer.flashmemory_checked = True
+        self.l1.scorer = scorer
 
     def close(self) -> None:
         self.l1.close()

@@ -214,7 +214,7 @@ def test_a_non_finite_retriever_score_fails_its_request(served):
     s.guard.watch_scores(s.adapter)
     once = s.adapter.l1.scorer
     s.guard.watch_scores(s.adapter)                          # idempotent: wrapped once
-    assert s.adapter.l1.scorer is once and once.flashmemory_guarded
+    assert s.adapter.l1.scorer is once and once.flashmemory_checked
     bad_row = {}
 
     def nan_for_bad(row, n_hist, hidden, position):
@@ -223,7 +223,7 @@ def test_a_non_finite_retriever_score_fails_its_request(served):
             out[3] = float("nan")
         return out
     s.adapter.l1.scorer = nan_for_bad
-    s.adapter.l1.scorer.flashmemory_guarded = False
+    s.adapter.l1.scorer.flashmemory_checked = False
     s.guard.watch_scores(s.adapter)
     hooks.before_forward(s.mr, s.batch(["a", "bad-1"]))
     bad_row["row"] = s.adapter.rows["bad-1"]
