@@ -18,6 +18,8 @@ BENCHES = {
     "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of the "
                                        "tau window at increasing concurrency (issue 22, WIP)"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
+    "peers": ("flashmemory.bench.peers", "live sglang on CPU: stock, HiSparse, FlashMemory and FlashMemory+monitor on "
+                                         "the same requests, counted costs per decode token side by side"),
 }
 
 

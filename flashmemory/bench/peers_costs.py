@@ -1,0 +1,193 @@
+"""Pure parts of `flashmemory bench peers`: counted costs per decode token from D's /metrics, device-resident bytes
+per request, the steady-window check, token equality against stock, argument parsing and the side-by-side table.
+
+Everything here is arithmetic on numbers the bench read from the servers (or from the served model's config);
+nothing starts a process. Entry sizes are DeepSeek-V4's: a c4 KV entry is 584 B (448 fp8 nope + 64 bf16 rope + 8 B
+of scales, the HiSparse host pool's per-entry unit) and an index-K entry is index_head_dim fp8 bytes + a 4-B scale.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+ARMS = ("stock", "hisparse", "flashmemory", "fm_monitor")
+ARM_NAMES = {"stock": "stock", "hisparse": "HiSparse", "flashmemory": "FlashMemory",
+             "fm_monitor": "FlashMemory+monitor"}
+KV_ENTRY_BYTES = 584
+PAGE_ENTRIES = 64            # FlashMemory's page: 64 c4 entries
+HS = "flashmemory_hisparse_swapin_"
+FM = "flashmemory_"
+
+
+class PeersArgError(ValueError):
+    """A bad command-line value; the message is one line naming the flag."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the counted costs need from the served model: c4 layers, native top-k, bytes per entry."""
+
+    n_c4: int
+    index_topk: int
+    index_entry_bytes: int
+    kv_entry_bytes: int = KV_ENTRY_BYTES
+    c4_ratio: int = 4
+
+
+def shape_from_config(cfg: Mapping[str, Any]) -> Shape:
+    """Shape of a DeepSeek-V4 HF config dict (compress_ratios: 4 marks a c4 layer)."""
+    try:
+        ratios = list(cfg["compress_ratios"])
+        return Shape(n_c4=sum(1 for r in ratios if int(r) == 4), index_topk=int(cfg["index_topk"]),
+                     index_entry_bytes=int(cfg["index_head_dim"]) + 4)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PeersArgError(f"model config.json: missing or bad field {e}") from None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The arms' settings: FlashMemory's page budget and Level-1 interval and retriever layers, HiSparse's buffer."""
+
+    kmax: int
+    interval: int
+    retriever_layers: int
+    hot_buffer: int
+
+
+def parse_contexts(text: str) -> list[int]:
+    """'2048,4096' -> [2048, 4096]: positive, increasing, no repeats; PeersArgError (one line) otherwise."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PeersArgError(f"--contexts {text!r}: expected comma-separated integers, e.g. 2048,4096") from None
+    if not out or any(c < 64 for c in out) or out != sorted(set(out)):
+        raise PeersArgError(f"--contexts {text!r}: expected increasing prompt lengths of at least 64 tokens")
+    return out
+
+
+def check_args(requests: int, repeats: int, kmax: int, steady_tokens: int) -> None:
+    """Raise PeersArgError naming the first bad flag."""
+    for flag, v, lo in (("--requests", requests, 1), ("--repeats", repeats, 1), ("--kmax", kmax, 1),
+                        ("--steady-tokens", steady_tokens, 2)):
+        if v < lo:
+            raise PeersArgError(f"{flag} {v}: must be at least {lo}")
+
+
+def check_hot_buffer(hot_buffer: int, topk: int) -> None:
+    """HiSparse's buffer must hold the native top-k (sglang refuses less); PeersArgError naming the flag."""
+    if hot_buffer < topk:
+        raise PeersArgError(f"--hisparse-buffer {hot_buffer}: must be at least the model's index_topk ({topk}); "
+                            "sglang refuses a smaller buffer")
+
+
+def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Counter deltas over a round (names ending in _total); a counter absent before counts from 0."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if k.endswith("_total")}
+
+
+def entries(ctx: int, shape: Shape) -> int:
+    """c4 entries of a `ctx`-token history (one per c4_ratio tokens)."""
+    return ctx // shape.c4_ratio
+
+
+def device_bytes(arm: str, ctx: int, shape: Shape, knobs: Knobs, budget_pages: float | None = None
+                 ) -> dict[str, float]:
+    """Device-resident bytes per request of the c4 attention state, split c4 KV / index-K / reserve-or-hot-buffer
+    (config arithmetic; every other region is the same in all arms). Index-K stays on the device at full length in
+    every arm (HiSparse keeps the indexer pool on the device; Path-I is off here). FlashMemory's c4 KV lives in its
+    reserve (shrink mode): budget pages x 64 entries per c4 layer, capped by the history; `budget_pages` is the
+    measured mean budget (the monitor widens it), KMAX otherwise. HiSparse: device_buffer_size + 64 slots per
+    c4 layer, allocated whole at admission however short the history."""
+    n = entries(ctx, shape)
+    idx = float(shape.n_c4 * n * shape.index_entry_bytes)
+    if arm == "stock":
+        return {"c4_kv": float(shape.n_c4 * n * shape.kv_entry_bytes), "index_k": idx, "reserve": 0.0}
+    if arm == "hisparse":
+        return {"c4_kv": 0.0, "index_k": idx,
+                "reserve": float(shape.n_c4 * (knobs.hot_buffer + 64) * shape.kv_entry_bytes)}
+    if arm in ("flashmemory", "fm_monitor"):
+        pages = knobs.kmax if budget_pages is None or not math.isfinite(budget_pages) else budget_pages
+        return {"c4_kv": 0.0, "index_k": idx,
+                "reserve": float(shape.n_c4 * min(n, pages * PAGE_ENTRIES) * shape.kv_entry_bytes)}
+    raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
+
+
+def per_token_costs(arm: str, d: Mapping[str, float], tokens: int, ctx: int, shape: Shape, knobs: Knobs,
+                    resident_fraction: float | None = None) -> dict[str, float]:
+    """Counted costs per decode token of one arm over one round.
+
+    d: counter deltas of D's /metrics over the round (`delta`); tokens: decode tokens D produced in it (> 0);
+    ctx: prompt length (the history; the few decoded tokens are ignored). Returns h2d_bytes (host -> device),
+    transfer_ops (swap-in calls for HiSparse: one per c4 layer per step; recalled pages for FlashMemory),
+    moved_entries (c4 entries carried host -> device), scored_entries (c4 entries the indexers scored, all c4 layers:
+    the native indexer's history for stock/HiSparse; FlashMemory's resident set at every c4 layer plus Level 1's
+    retriever over the history at its layers per cycle, plus the monitor's one native layer per monitored cycle)."""
+    if tokens <= 0:
+        raise ValueError(f"tokens={tokens}: a round with no decode tokens has no per-token cost")
+    n = entries(ctx, shape)
+    full = float(shape.n_c4 * n)
+    if arm == "stock":
+        return {"h2d_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0, "scored_entries": full}
+    if arm == "hisparse":
+        return {"h2d_bytes": d.get(HS + "bytes_h2d_total", 0.0) / tokens,
+                "transfer_ops": d.get(HS + "calls_total", 0.0) / tokens,
+                "moved_entries": d.get(HS + "misses_total", 0.0) / tokens, "scored_entries": full}
+    if arm in ("flashmemory", "fm_monitor"):
+        frac = resident_fraction if resident_fraction is not None and math.isfinite(resident_fraction) else None
+        resident = n * frac if frac is not None else min(n, knobs.kmax * PAGE_ENTRIES)
+        level1 = d.get(FM + "level1_cycles_total", 0.0) * knobs.retriever_layers * n / tokens
+        monitor = d.get(FM + "monitor_cycles_total", 0.0) * n / tokens
+        pages = d.get(FM + "recall_pages_total", 0.0)
+        return {"h2d_bytes": d.get(FM + "recall_bytes_total", 0.0) / tokens, "transfer_ops": pages / tokens,
+                "moved_entries": pages * PAGE_ENTRIES * shape.n_c4 / tokens,
+                "scored_entries": shape.n_c4 * resident + level1 + monitor}
+    raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
+
+
+def steady_failures(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per (round, context, arm) whose steady window (all requests decoding) did not open: its
+    steady_window_s is 0 or its steady_tok_s is not a positive number. [] when every window opened."""
+    bad = []
+    for r in rounds:
+        s, w = r.get("steady_tok_s", float("nan")), r.get("steady_window_s", 0.0)
+        if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0 and w > 0):
+            bad.append(f"round {r.get('round')}, context {r.get('ctx')}, arm {r.get('arm')}: the window with all "
+                       f"requests decoding did not open (window {w:.2f} s)")
+    return bad
+
+
+def tokens_equal(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(equal, compared) token positions of each request's output against the reference's, over the common
+    prefix length (streams stop at different lengths)."""
+    eq = cmp = 0
+    for a, b in zip(ref, got):
+        m = min(len(a), len(b))
+        cmp += m
+        eq += sum(1 for i in range(m) if a[i] == b[i])
+    return eq, cmp
+
+
+_DECODE_LINE = re.compile(r"Decode batch[^\n]*?#running-req: (\d+)[^\n]*?gen throughput \(token/s\): ([0-9.]+)")
+
+
+def decode_step_ms(log_text: str, running: int) -> list[float]:
+    """sglang's own per-step decode time from D's log: each 'Decode batch' line with `running` requests running
+    reports gen throughput over the last log interval; a step takes running / throughput seconds."""
+    out = []
+    for m in _DECODE_LINE.finditer(log_text):
+        r, tput = int(m.group(1)), float(m.group(2))
+        if r == running and tput > 0:
+            out.append(1e3 * r / tput)
+    return out
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """median, min, max of the finite values (NaN when there are none), and how many there were."""
+    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
