@@ -64,6 +64,7 @@ class RecallPlan:
     t0: float = 0.0
     nbytes: int = 0
     staging: list[torch.Tensor] = field(default_factory=list)
+    error: BaseException | None = None   # a request's failure found by the copy, raised by `recall` after publish
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -122,6 +123,8 @@ class Recaller:
         self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
         self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
         self.copy_hook: Callable[[], None] | None = None   # called between the KV and index copies (tests)
+        # Copies plans itself when set (the disk tier: sealed pages come from its host cache / disk, not the mirror).
+        self.source: PageSource | None = None
 
     def _evict(self, blk: int, touched: set[int], cleared: list[int]) -> None:
         """Drop a published page from its request; its mirror page goes to `cleared` for one batched clear."""
@@ -218,6 +221,14 @@ class Recaller:
         reads mixed bytes; publish then sees the changed generation and discards them."""
         if not plan.entries:
             return
+        if self.source is not None:
+            self.source.copy_plan(plan)
+        else:
+            self._copy_from_mirror(plan)
+        plan.nbytes = len(plan.entries) * (self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
+                                           + self.reserve.index.shape[0] * self.reserve.index.shape[2])
+
+    def _copy_from_mirror(self, plan: RecallPlan) -> None:
         src = torch.tensor([e[3] for e in plan.entries], dtype=torch.int64)
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
@@ -233,8 +244,6 @@ class Recaller:
                 _keep(self.staging, "index", stage)
             if side is not None:
                 side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
-        plan.nbytes = len(plan.entries) * (self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
-                                           + self.reserve.index.shape[0] * self.reserve.index.shape[2])
 
     def publish(self, plan: RecallPlan, also_count: str | None = None) -> int:
         """Write the lookup table for the copied pages (under the lock); returns the pages published. also_count:
@@ -297,7 +306,10 @@ class Recaller:
         except BaseException:
             self.cancel(plan)  # blocks back to the free list, nothing published
             raise
-        return self.publish(plan, also_count=also_count)
+        done = self.publish(plan, also_count=also_count)
+        if plan.error is not None:   # the other requests' pages are published; this one's failure goes up now
+            raise plan.error
+        return done
 
     def warm_start(self, row: int, kmax: int) -> int:
         """Recall a newly admitted row's newest kmax history pages synchronously, before its first decode step
@@ -319,7 +331,17 @@ class Recaller:
         req = RecallRequest(row=row, gen=gen, pages=older, priority=tuple(float(p) for p in older))
         plan = self.plan([req], count_cycle=False)
         self.copy(plan)
-        return self.publish(plan, also_count="warm_start_pages")
+        done = self.publish(plan, also_count="warm_start_pages")
+        if plan.error is not None:
+            raise plan.error
+        return done
+
+
+class PageSource(Protocol):
+    """Copies a plan's pages into the reserve in place of the mirror gather (`Recaller.source`). It may drop
+    entries (cancelled, blocks freed) and set `plan.error` for their request; the rest must be copied."""
+
+    def copy_plan(self, plan: RecallPlan) -> None: ...
 
 
 class HasRecaller(Protocol):

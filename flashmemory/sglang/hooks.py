@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from flashmemory.sglang.guard import GUARD, batch_rids, guarded
+from flashmemory.sglang.guard import GUARD, RequestFailure, batch_rids, guarded
 from flashmemory.sglang.resident_topk import apply_resident_mask, resident_view
 from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
 
@@ -148,6 +148,7 @@ def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     RUNTIME.attach_pool(self)
     if RUNTIME.engine is not None:
         GUARD.watch_scores(RUNTIME.engine)   # a non-finite retriever score fails its request, not the server
+        RUNTIME.engine.make_failure = RequestFailure   # so does a disk-tier page failing verification in a recall
 
 
 def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,

@@ -27,11 +27,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload import OffloadEngine
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
 from flashmemory.residency.level1 import Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.sglang.core_config import core_config
+from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
 
@@ -64,7 +64,12 @@ class OffloadAdapter:
         # The env stops here: the core takes the typed configs made from it in one function.
         self.core = core_config(env, geo, landing_blocks=self.landing_blocks())
         self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
-        self.engine = OffloadEngine(self.layout, self.cfg, self.device, target_buffers=self.target_buffers())
+        # The disk tier (SGLANG_PATHP_DISK_DIR) under the host mirror, else the plain engine (`build_engine`).
+        self.engine = build_engine(self.layout, self.cfg, self.device, env.disk, self.target_buffers(), dist_rank())
+        self.tier = engine_tier(self.engine)
+        # How a request-local core error (a disk page failing verification) is raised: the guard's RequestFailure,
+        # set by the hooks (this module cannot import the guard); None: it propagates as it is.
+        self.make_failure: Callable[[str, str, str], BaseException] | None = None
         scorer = retriever_scorer(retriever, self.engine, self.core.ensemble) if retriever is not None else AllPass()
         self.indexers: dict[int, Any] = {}   # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
         self.monitor = build_monitor(self.core.escalation, self.engine, lambda: self.indexers)
@@ -345,7 +350,13 @@ class OffloadAdapter:
             hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
                            if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
             positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
-            self.l1.on_step(rows[:n].tolist(), hidden, positions)
+            try:
+                self.l1.on_step(rows[:n].tolist(), hidden, positions)
+            except Exception as e:
+                bad = corrupt_page_in(e)
+                if bad is None or self.make_failure is None:
+                    raise
+                raise self.make_failure(bad.rid, "level1", str(bad)) from e   # the guard fails that request alone
         return {"pages": self.resident_pages(rows)}
 
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
@@ -367,7 +378,8 @@ class OffloadAdapter:
                 "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
                 "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
                 "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
-                "device_bytes_saved": float(self.device_bytes_saved), **self._monitor_stats(snap)}
+                "device_bytes_saved": float(self.device_bytes_saved), **self._monitor_stats(snap),
+                **(self.tier.tier_stats() if self.tier is not None else {})}
 
     def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
         if self.monitor is None:
@@ -392,3 +404,5 @@ class OffloadAdapter:
 
     def close(self) -> None:
         self.l1.close()
+        if self.tier is not None:
+            self.tier.close()

@@ -1,0 +1,231 @@
+"""The disk tier wired under the host mirror (issue 22): `TieredEngine` = `OffloadEngine` + a `HostPageCache`.
+
+What changes against the plain engine (which `build_engine` returns whenever the tier is off, so the gates-off
+path is the unchanged engine):
+
+seal     At the start of every `sync_batch` (after the mode has settled the last step's entries into the mirror),
+         each live request's complete pages (every logical page before the one holding its newest chunk) that
+         are not sealed yet are packed (`disk.format.pack_page`: all c4 KV layers + Path-I index-K) and put into
+         the host page cache as dirty pages; when the cache overflows, its least recently used pages are
+         written behind to the page store (a disk full / EIO write keeps the page in DRAM, counted). A sealed
+         page never changes again (decode only writes the newest page), so the tier's copy stays exact.
+         A request is sealed from its second step on: its admission step (tail page, warm start) reads the mirror.
+recall   The recaller's copy of a plan comes here (`copy_plan`): sealed pages are read through the cache (read-
+         ahead of the whole plan first, on the cache's reader threads, so later pages arrive while earlier ones
+         are copied; a miss reads from disk and verifies the checksum), unsealed pages from the mirror; then one
+         indexed copy per layer group into the reserve, as the mirror path does. A page that fails verification
+         (or cannot be read) drops every entry of its request from the plan (blocks freed, nothing of it
+         published) and sets `plan.error` to a `CorruptPageError` naming the request and page: the recaller
+         publishes the others, then raises it (the sglang adapter turns it into that request's failure).
+finish   The request's cache pages and disk slots are freed (space returns), then pinned pages are retried.
+
+Not done here: the mirror tensor keeps its full size (a page's DRAM copy is not released once sealed), so this
+proves the tier's data path and counts its traffic, but does not yet lower host DRAM use; that needs the mirror
+to become a landing window with page indirection (PD lands in it by pool page id).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from flashmemory.env import DiskTierConfig
+from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_bytes, open_tier, pack_page
+from flashmemory.offload.engine import EngineConfig, OffloadEngine
+from flashmemory.offload.layout import OffloadLayout
+from flashmemory.offload.recall import RecallPlan, gather_copy
+from flashmemory.offload.sync import BatchSync, SyncResult
+
+# stat key of `TieredEngine.tier_stats` -> what it counts (the sglang layer's /metrics reuses these keys)
+TIER_STATS = ("disk_bytes_read", "disk_bytes_written", "disk_cache_hits", "disk_cache_misses", "disk_cache_hit_rate",
+              "disk_recalls_waited", "disk_readahead_late", "disk_write_errors", "disk_pages_in_dram_pinned",
+              "disk_corrupt_pages")
+
+
+class TieredEngine(OffloadEngine):
+    """An `OffloadEngine` whose sealed mirror pages are also held by `tier` (see the module doc).
+
+    tier: a `HostPageCache` whose page_bytes is `disk_page_bytes(layout)`; the engine owns it from here on
+    (`close` stops its readers and removes its store file). Keys are (str(rid), logical page).
+    """
+
+    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, tier: HostPageCache, device: torch.device | str = "cpu",
+                 target_buffers: list[torch.Tensor] | None = None):
+        if tier.page_bytes != disk_page_bytes(layout):
+            raise ValueError(f"TieredEngine: the tier's pages hold {tier.page_bytes} B, a mirror page "
+                             f"{disk_page_bytes(layout)} B")
+        super().__init__(layout, cfg, device, target_buffers)
+        self.tier = tier
+        self.sealed: dict[int, tuple[int, int]] = {}   # row -> (gen, logical pages [0, n) put into the tier)
+        self.recalls_waited = 0                         # recall copies that waited for at least one disk read
+        self.recaller.source = self
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def seal(self, skip: frozenset[int] | set[int] = frozenset()) -> int:
+        """Put every live row's complete, not yet sealed pages into the tier (rows in `skip` left alone).
+        Returns the pages sealed now. Runs under the engine lock (write-behind, if the cache overflows, too)."""
+        pc, n = self.layout.page_chunks, 0
+        with self.lock:
+            for row, st in enumerate(self.rows):
+                if st is None or row in skip:
+                    continue
+                gen, done = self.sealed.get(row, (st.gen, 0))
+                done = done if gen == st.gen else 0
+                upto = (st.n_chunks - 1) // pc      # pages before the newest chunk's page are complete
+                rid = str(st.rid)
+                for p in range(done, upto):
+                    self.tier.put(rid, p, pack_page(self.mirror, st.mpages[p]))
+                    n += 1
+                self.sealed[row] = (st.gen, max(done, upto))
+        return n
+
+    def sync_batch(self, sync: BatchSync) -> SyncResult:
+        """Seal (rows not finishing in this step), then the plain engine's step."""
+        self.seal(skip=set(sync.finished))
+        return super().sync_batch(sync)
+
+    def finish(self, row: int) -> None:
+        """The plain finish, then the request's pages leave the host cache and the disk (space returns)."""
+        with self.lock:
+            rid = str(self._live(row).rid)
+            super().finish(row)
+            self.sealed.pop(row, None)
+        self.tier.free_request(rid)
+
+    def close(self) -> None:
+        """Stop the read-ahead threads and remove this run's store file (idempotent)."""
+        self.tier.close()
+        self.tier.store.close()
+
+    # ---- recall copy (`Recaller.source`) -----------------------------------------------------------------
+    def _tier_keys(self, plan: RecallPlan) -> list[str | None]:
+        """Per plan entry: the rid whose tier holds that page (sealed), or None (read it from the mirror)."""
+        out: list[str | None] = []
+        with self.lock:
+            for row, gen, page, _mp, _blk in plan.entries:
+                st, sg = self.rows[row], self.sealed.get(row)
+                sealed = st is not None and st.gen == gen and sg is not None and sg[0] == gen and page < sg[1]
+                out.append(str(st.rid) if sealed else None)
+        return out
+
+    def copy_plan(self, plan: RecallPlan) -> None:
+        """Copy the plan's pages into the reserve, sealed ones through the tier (see the module doc). Runs
+        without the engine lock (the planned blocks are in flight: no one else reads or writes them)."""
+        rec, lay = self.recaller, self.layout
+        keys = self._tier_keys(plan)
+        wanted: dict[str, list[int]] = {}
+        for (_r, _g, page, _m, _b), rid in zip(plan.entries, keys):
+            if rid is not None:
+                wanted.setdefault(rid, []).append(page)
+        for rid, pages in wanted.items():   # read-ahead: the readers fetch while earlier pages are copied
+            self.tier.prefetch(rid, pages)
+        k, n_ix = len(plan.entries), self.mirror.index.shape[0]
+        kv = torch.empty((lay.n_layers, k, lay.kv_page_bytes), dtype=torch.uint8)
+        ix = torch.empty((n_ix, k, lay.index_page_bytes), dtype=torch.uint8)
+        nkv = lay.n_layers * lay.kv_page_bytes
+        bad: dict[int, BaseException] = {}          # row -> its first read failure
+        waited = False
+        for j, ((row, _g, page, mp, _b), rid) in enumerate(zip(plan.entries, keys)):
+            if row in bad:
+                continue
+            data = None
+            if rid is not None:
+                waited |= not self.tier.resident(rid, page)
+                try:
+                    data = self.tier.get(rid, page)
+                except KeyError:
+                    data = None   # freed meanwhile (finished): publish discards this entry; copy the mirror's bytes
+                except CorruptPageError as e:
+                    bad[row] = e
+                    continue
+                except Exception as e:  # noqa: BLE001 - an unreadable page fails its request, like a corrupt one
+                    err = CorruptPageError(rid, page, f"read failed: {type(e).__name__}: {e}")
+                    err.__cause__ = e
+                    bad[row] = err
+                    continue
+            if data is None:
+                kv[:, j] = self.mirror.kv[:, mp]
+                if n_ix:
+                    ix[:, j] = self.mirror.index[:, mp]
+            else:
+                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)   # a copy: the view is read-only
+                kv[:, j] = flat[:nkv].view(lay.n_layers, lay.kv_page_bytes)
+                if n_ix:
+                    ix[:, j] = flat[nkv:].view(n_ix, lay.index_page_bytes)
+        self.recalls_waited += waited
+        if bad:
+            keep = [j for j, e in enumerate(plan.entries) if e[0] not in bad]
+            rec.cancel(RecallPlan(entries=[e for e in plan.entries if e[0] in bad]))
+            plan.entries[:] = [plan.entries[j] for j in keep]
+            kv, ix = kv[:, keep], ix[:, keep]
+            plan.error = next(iter(bad.values()))
+        self._to_reserve(plan, kv, ix)
+
+    def _to_reserve(self, plan: RecallPlan, kv: torch.Tensor, ix: torch.Tensor) -> None:
+        """reserve[:, block_j] = staged page j, for kv [L, K, W] and Path-I ix [Li, K, Wi] (the mirror path's copy
+        discipline: the side stream waits for the main one, the worker waits for the side one)."""
+        if not plan.entries:
+            return
+        rec = self.recaller
+        dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
+        side = rec.side_stream
+        if side is not None:
+            side.wait_stream(rec.main_stream)
+        with rec.copy_lock, (torch.cuda.stream(side) if side is not None else nullcontext()):
+            src = torch.arange(len(plan.entries))
+            gather_copy(kv, self.reserve.kv, src, dst)
+            if rec.copy_hook is not None:
+                rec.copy_hook()
+            if self.reserve.index.shape[0]:
+                gather_copy(ix, self.reserve.index, src, dst)
+            if side is not None:
+                side.synchronize()
+
+    # ---- counters ------------------------------------------------------------------------------------
+    def tier_stats(self) -> dict[str, float]:
+        """The `TIER_STATS` (running totals, plus the hit-rate and pinned-page gauges)."""
+        c = self.tier.counters
+        return {"disk_bytes_read": float(c.disk_bytes_read), "disk_bytes_written": float(c.disk_bytes_written),
+                "disk_cache_hits": float(c.cache_hits), "disk_cache_misses": float(c.cache_misses),
+                "disk_cache_hit_rate": c.hit_rate, "disk_recalls_waited": float(self.recalls_waited),
+                "disk_readahead_late": float(c.readahead_late), "disk_write_errors": float(c.write_errors),
+                "disk_pages_in_dram_pinned": float(self.tier.pinned_pages),
+                "disk_corrupt_pages": float(c.corrupt_pages)}
+
+
+def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str, disk: DiskTierConfig,
+                 target_buffers: list[torch.Tensor] | None = None, rank: int = 0) -> OffloadEngine:
+    """The plain `OffloadEngine` when the disk tier is off; else a `TieredEngine` over `open_tier(disk, ...)`
+    (which logs the tier's size and place). Raises DiskTierError (one line) when the tier cannot start."""
+    if not disk.enabled:
+        return OffloadEngine(layout, cfg, device, target_buffers)
+    tier = open_tier(disk, disk_page_bytes(layout), rank)
+    try:
+        return TieredEngine(layout, cfg, tier, device, target_buffers)
+    except BaseException:
+        tier.close()
+        tier.store.close()
+        raise
+
+
+def engine_tier(engine: Any) -> TieredEngine | None:
+    """The engine if it carries a disk tier, else None."""
+    return engine if isinstance(engine, TieredEngine) else None
+
+
+def dist_rank() -> int:
+    """This process's rank (each rank opens its own page store file); 0 outside torch.distributed."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def corrupt_page_in(e: BaseException) -> CorruptPageError | None:
+    """The `CorruptPageError` in `e`'s cause chain (a recall read a page that failed verification), or None."""
+    cur: BaseException | None = e
+    for _ in range(16):
+        if cur is None or isinstance(cur, CorruptPageError):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
