@@ -30,6 +30,19 @@ METRICS: dict[str, tuple[str, str]] = {
     "requests_in_fallback": ("gauge", "Live requests in the exact-recall fallback"),
     "miss_mass": ("histogram", "Share of the native top-k softmax mass outside the resident set, per request, "
                                "per cycle"),
+    # Disk tier (SGLANG_PATHP_DISK_DIR); absent from stats() while it is off.
+    "disk_bytes_read": ("counter", "Disk tier: page bytes read from the page store (verified)"),
+    "disk_bytes_written": ("counter", "Disk tier: page bytes written behind to the page store"),
+    "disk_cache_hits": ("counter", "Disk tier: recall page reads served from the host page cache"),
+    "disk_cache_misses": ("counter", "Disk tier: recall page reads that were not in the host page cache"),
+    "disk_cache_hit_rate": ("gauge", "Disk tier: host page cache hits / (hits + misses) so far"),
+    "disk_recalls_waited": ("counter", "Disk tier: recalls whose copy waited for at least one disk read (missed "
+                                       "the host cache)"),
+    "disk_readahead_late": ("counter", "Disk tier: page reads whose read-ahead had not arrived when the recall "
+                                       "needed it (missed its window; the recall waited)"),
+    "disk_write_errors": ("counter", "Disk tier: write-behind failures (disk full, EIO); the page stayed in DRAM"),
+    "disk_pages_in_dram_pinned": ("gauge", "Disk tier: pages kept in host DRAM after a failed write-behind"),
+    "disk_corrupt_pages": ("counter", "Disk tier: pages that failed verification on read (their request failed)"),
 }
 # Live state for an operator spotting a leak (`serving_gauges`): at idle live_requests is 0, free_reserve_blocks equals
 # reserve_blocks and host_mirror_bytes_in_use is 0. Published with `stats()` when a request joins or leaves and at
