@@ -403,8 +403,9 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_FLASHMEMORY_DUMP": ("0", "Dump mode for data generation (per request, via custom_params)"),
     "SGLANG_FLASHMEMORY_DUMP_ROOT": ("", "Dump mode: absolute directory; a request's output_dir must lie inside it "
                                      "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
-    "SGLANG_PATHP_DISK_DIR": ("", "Disk tier (work in progress, not wired into serving yet): absolute directory for each "
-                              "rank's c4 KV page store file; empty = no disk tier"),
+    "SGLANG_PATHP_DISK_DIR": ("", "Disk tier under the host mirror (with SGLANG_DECODE_SWAP_P=1): absolute directory for "
+                              "each rank's c4 KV page store file; recalls read complete pages through a host page "
+                              "cache in front of it (the mirror keeps its full size for now); empty = no disk tier"),
     "SGLANG_PATHP_DISK_GB": ("64", "Disk tier: page store size per rank, in GB (1e9 B)"),
     "SGLANG_PATHP_HOST_CACHE_GB": ("8", "Disk tier: host-DRAM page cache in front of the store, per rank, in GB (1e9 B)"),
     "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "

@@ -2,8 +2,9 @@
 disk, below a bounded host-DRAM page cache, recalled ahead of need within Level 1's tau window.
 
 Three tiers: device reserve <- host page cache (`HostPageCache`, LRU, write-behind, read-ahead on a worker)
-<- page store (`PageStore`, one checksummed, page-aligned file per rank, O_DIRECT where allowed). Not yet wired
-into the serving path (that follows the serving-path restructure); `flashmemory bench tier` measures it.
+<- page store (`PageStore`, one checksummed, page-aligned file per rank, O_DIRECT where allowed). Wired under the
+engine by `flashmemory.offload.tiered_mirror` (`TieredEngine`, built by `build_engine` when the tier is on);
+`flashmemory bench tier` measures it.
 Configuration: `flashmemory.env.DiskTierConfig` (SGLANG_PATHP_DISK_DIR, _DISK_GB, _HOST_CACHE_GB).
 """
 
