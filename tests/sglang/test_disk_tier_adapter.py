@@ -1,0 +1,66 @@
+"""The disk tier behind the sglang adapter (issue 22), on a fake c4 pool, no server: the adapter builds a
+`TieredEngine` when SGLANG_PATHP_DISK_DIR is set (the plain engine otherwise), its stats carry the disk counters
+/metrics exports, and a page that fails verification in a Level-1 recall becomes the guard's `RequestFailure`
+naming that request and page (the guard then fails that request alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmemory.env import DiskTierConfig
+from flashmemory.offload import OffloadEngine, RecallRequest
+from flashmemory.offload.disk import CorruptPageError, FaultyFileOps
+from flashmemory.offload.tiered_mirror import TIER_STATS, TieredEngine
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.guard import RequestFailure
+from flashmemory.sglang.prometheus import METRICS
+from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+
+pytestmark = pytest.mark.sglang
+TABLE = torch.tensor([[3, 4, 8, 1], [5, 6, 7, 0]])   # two requests of 4 pool pages each
+
+
+def tiered_adapter(tmp_path):
+    # One disk page here: 3 c4 layers x 37,440 B + 2 Path-I layers x 8,448 B = 129,216 B; the cache holds one.
+    disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=0.00013)
+    return build(fake_pool(1), env("", disk=disk))
+
+
+def test_the_adapter_builds_the_tier_only_when_asked(tmp_path):
+    plain = build(fake_pool(1), env(""))
+    assert type(plain.engine) is OffloadEngine and plain.tier is None
+    assert not any(k.startswith("disk_") for k in plain.stats())
+    plain.close()
+    ad = tiered_adapter(tmp_path)
+    try:
+        assert isinstance(ad.engine, TieredEngine) and ad.tier is ad.engine
+        stats = ad.stats()
+        assert set(TIER_STATS) <= set(stats) and set(TIER_STATS) <= set(METRICS)
+    finally:
+        ad.close()
+
+
+def test_a_corrupt_disk_page_fails_its_request_in_level1(tmp_path):
+    ad = tiered_adapter(tmp_path)
+    try:
+        s = torch.tensor([4 * PAGE - 3] * 2)
+        ad.begin_step(["a", "b"], TABLE, s)           # admitted: nothing sealed yet; warm start: pages 2-3 resident
+        row = ad.rows["a"]   # hold page 0 instead of page 2 (read from the mirror: not sealed yet)
+        ad.engine.recaller.recall([RecallRequest(row, ad.engine.gen(row), (0,), (1.0,), budget=1)])
+        assert ad.resident_pages(torch.tensor([row]))[0].tolist()[:2] == [0, 3]
+        ops = FaultyFileOps()
+        ad.tier.tier.store.ops = ops
+        ops.plan.corrupt = 1000                       # every page written behind from here on is damaged
+        ad.begin_step(["a", "b"], TABLE, s + 1)       # seals pages 0-2 of each; all but the last go to disk
+        assert ad.stats()["disk_bytes_written"] > 0
+        ad.make_failure = RequestFailure              # what hooks.after_pool_init hands the adapter
+        with pytest.raises(RequestFailure) as err:    # Level 1 keeps the newest 2 pages: page 2 comes from disk
+            ad.level1({"positions": s})
+        assert err.value.rid == "a" and "page 2" in err.value.reason and "corrupt" in err.value.reason
+        assert isinstance(err.value.__cause__, CorruptPageError)
+        assert ad.stats()["disk_corrupt_pages"] >= 1
+        ad.begin_step([], TABLE[:0], s[:0])           # both leave: their slots return
+        assert ad.tier.tier.store.used_slots == 0
+    finally:
+        ad.close()
