@@ -34,7 +34,7 @@ def open_tier(cfg: DiskTierConfig, page_bytes: int, rank: int = 0, readers: int 
         store.close()
         raise
     logging.getLogger("flashmemory.offload.disk").info(
-        "disk tier (rank %d): %d pages of %d B on disk at %s (%.1f GB, %s), host cache %d pages (%.1f GB)", rank,
+        "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages (%.3g GB)", rank,
         store.n_slots, page_bytes, store.path, store.n_slots * store.slot_bytes / 1e9,
         "O_DIRECT" if store.direct else "buffered", cache.capacity_pages, cache.capacity_pages * page_bytes / 1e9)
     return cache
