@@ -56,6 +56,7 @@ SERVING_METRICS: dict[str, tuple[str, str]] = {
 FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")
+DISK_KEYS = tuple(k for k in METRICS if k.startswith("disk_"))   # in stats() only with the disk tier on
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
 
 

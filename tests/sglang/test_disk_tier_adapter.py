@@ -14,7 +14,7 @@ from flashmemory.offload.disk import CorruptPageError, FaultyFileOps
 from flashmemory.offload.tiered_mirror import TIER_STATS, TieredEngine
 from flashmemory.sglang.adapter_factory import build
 from flashmemory.sglang.guard import RequestFailure
-from flashmemory.sglang.prometheus import METRICS
+from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
@@ -36,7 +36,7 @@ def test_the_adapter_builds_the_tier_only_when_asked(tmp_path):
     try:
         assert isinstance(ad.engine, TieredEngine) and ad.tier is ad.engine
         stats = ad.stats()
-        assert set(TIER_STATS) <= set(stats) and set(TIER_STATS) <= set(METRICS)
+        assert set(TIER_STATS) == set(DISK_KEYS) and set(stats) == set(METRICS) - set(MONITOR_KEYS)
     finally:
         ad.close()
 
