@@ -48,6 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="rounds per context and arm (default 2)")
     p.add_argument("--steady-tokens", type=int, default=None,
                    help="tokens each request decodes once all are decoding (default 48)")
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="most decode tokens per request (default 2048; streams stop earlier, see --steady-tokens)")
     p.add_argument("--kmax", type=int, default=2, help="FlashMemory's resident pages of 64 c4 entries (default 2)")
     p.add_argument("--hisparse-buffer", type=int, default=512,
                    help="HiSparse hot-buffer slots per c4 layer per request (default 512, below the histories)")
@@ -68,14 +70,14 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], int, int, int]:
     return ctxs, requests, repeats, steady
 
 
-def _round(arm: str, stack, prompts: list[list[int]], ctx: int, steady: int, shape, knobs: Knobs,
-           d_log) -> tuple[dict, list[list[int]]]:
+def _round(arm: str, stack, prompts: list[list[int]], ctx: int, steady: int, max_new: int, shape,
+           knobs: Knobs, d_log) -> tuple[dict, list[list[int]]]:
     """One arm, one context: stream the prompts, read D's counters before and after; the round's record."""
     from flashmemory.bench.peers_live import GaugeSampler, concurrent_round
     before = flashmemory_metrics(stack.decode_url)
     log_at = len(d_log.log_text())
     with GaugeSampler(stack.decode_url, len(prompts)) as g:
-        got = concurrent_round(stack.router_url, prompts, steady * 4 + 64, steady)
+        got = concurrent_round(stack, prompts, max_new, steady)
     d = delta(before, flashmemory_metrics(stack.decode_url))
     tokens = sum(s.result.n_tokens - 1 for s in got)      # D's tokens: the first one comes from P
     rec = dict(timing([s.result for s in got]), arm=arm, ctx=ctx, tokens=tokens, counters=d)
@@ -88,11 +90,19 @@ def _round(arm: str, stack, prompts: list[list[int]], ctx: int, steady: int, sha
     return rec, [s.ids for s in got]
 
 
+def _write(path: str, settings: dict, rounds: list[dict], complete: bool) -> None:
+    """The run's JSON (atomically): settings, the per (context, arm) summary and every round's record."""
+    atomic_write_text(path, json.dumps({"complete": complete, "settings": settings, "summary": summarize(rounds),
+                                        "rounds": rounds}, indent=1, default=float))
+
+
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model, ensure_retriever
     try:
         ctxs, requests, repeats, steady = _settings(args)
         check_args(requests, repeats, args.kmax, steady)
+        if args.tokens < steady + 1:
+            raise PeersArgError(f"--tokens {args.tokens}: must exceed --steady-tokens ({steady})")
         model = ensure_model(Path(args.model) if args.model else DEFAULT_CPU_MODEL)
         cfg = json.loads((model / "config.json").read_text())
         shape = shape_from_config(cfg)
@@ -105,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ckpt = str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt
     knobs = Knobs(kmax=args.kmax, interval=INTERVAL, retriever_layers=2, hot_buffer=args.hisparse_buffer)
-    max_new = steady * 4 + 64
+    # an upper bound only: each stream stops `steady` tokens after all requests decode. It must outlast the
+    # other requests' prefills (minutes each on a loaded box), or the first request ends before the last starts
+    max_new = args.tokens
     ctx_len = ctxs[-1] + max_new + 256
     max_total = requests * ctx_len + 1024
     rng = random.Random(0)
@@ -118,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench peers: arms {', '.join(ARM_NAMES[a] for a in ARMS)}; contexts {ctxs}, {requests} requests, "
           f"{repeats} repeat(s), {steady} steady tokens; KMAX {args.kmax}, HiSparse buffer {args.hisparse_buffer}; "
           f"pool {max_total} tokens; logs {logs}", flush=True)
-    print("starting the four PD stacks at once (several minutes on 2 cores) ...", flush=True)
+    print("starting 2 P servers (NIXL; Mooncake for HiSparse) and 4 D servers at once (several minutes on 2 "
+          "cores) ...", flush=True)
     t_start = time.monotonic()
     try:
         servers, stacks = start_all(setups, logs)
@@ -126,10 +139,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {str(e).splitlines()[0]} (logs {logs})", file=sys.stderr)
         return 1
     rounds, outs = [], {}
+    settings = {"contexts": ctxs, "requests": requests, "repeats": repeats, "steady_tokens": steady,
+                "kmax": args.kmax, "hisparse_buffer": args.hisparse_buffer, "interval": INTERVAL,
+                "pool_tokens": max_total, "ckpt": ckpt, "model": str(model), "shape": vars(shape)}
     try:
+        from flashmemory.bench.peers_live import stream_ids
         for arm in ARMS:    # warm each path once (not counted)
-            from flashmemory.serve.client import generate
-            generate(stacks[arm].router_url, prompts[ctxs[0]][0][:16], 2)
+            stream_ids(stacks[arm], prompts[ctxs[0]][0][:16], 2, lambda t: False)
         total, k = repeats * len(ctxs) * len(ARMS), 0
         for rep in range(repeats):
             for ctx in ctxs:
@@ -137,13 +153,15 @@ def run(args: argparse.Namespace) -> int:
                     k += 1
                     print(f"[{k}/{total}] round {rep + 1}, context {ctx}, {ARM_NAMES[arm]} ... "
                           f"({time.monotonic() - t_start:.0f} s)", flush=True)
-                    d_log = next(p for p in servers[arm].procs if p.name == "decode")
-                    rec, ids = _round(arm, stacks[arm], prompts[ctx], ctx, steady, shape, knobs, d_log)
+                    d_log = next(p for p in servers.procs if p.name == f"decode_{arm}")
+                    rec, ids = _round(arm, stacks[arm], prompts[ctx], ctx, steady, max_new, shape, knobs, d_log)
                     rec["round"] = rep
                     outs[(rep, ctx, arm)] = ids
                     eq, cmp = tokens_equal(outs[(rep, ctx, "stock")], ids)
                     rec.update(eq=eq, cmp=cmp)
                     rounds.append(rec)
+                    if args.out:        # after every round: a run stopped early still leaves what it measured
+                        _write(args.out, settings, rounds, complete=False)
                     print(f"    steady {rec['steady_tok_s']:.2f} tok/s over {rec['steady_window_s']:.1f} s, "
                           f"{rec['tokens']} decode tokens, tokens = stock {eq}/{cmp}", flush=True)
     except (RuntimeError, OSError) as e:
@@ -157,11 +175,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + plain(rows))
     print("\nCounted costs are per decode token (hardware-independent); timing is a sign only (2 shared cores).")
     if args.out:
-        atomic_write_text(args.out, json.dumps({
-            "settings": {"contexts": ctxs, "requests": requests, "repeats": repeats, "steady_tokens": steady,
-                         "kmax": args.kmax, "hisparse_buffer": args.hisparse_buffer, "interval": INTERVAL,
-                         "pool_tokens": max_total, "ckpt": ckpt, "model": str(model), "shape": vars(shape)},
-            "summary": rows, "rounds": rounds}, indent=1, default=float))
+        _write(args.out, settings, rounds, complete=True)
         print(f"wrote {args.out}")
     bad = steady_failures(rounds)
     for line in bad:

@@ -1,7 +1,9 @@
 """Live parts of `flashmemory bench peers`: start the four PD stacks, stream one round of requests with their
 token ids, and sample D's gauges while it runs.
 
-Stacks (each its own P, D and router, all through the project's launch scripts, DEVICE=cpu):
+Stacks: one P per transfer backend, shared by the arms on it, and one D per arm (no router: `stream_ids` pairs
+P and D itself); all through the project's launch scripts, DEVICE=cpu (four full stacks at once, 8 sglang
+servers and 4 routers, did not fit the box's memory):
 - stock: FLASHMEMORY=0, NIXL;
 - hisparse: D = launch_decode.sh's command (FLASHMEMORY=0, its DRY_RUN output) plus --enable-hisparse, KV moved by
   Mooncake over TCP (sglang's HiSparse PD path refuses every other backend, decode.py:1809);
@@ -12,6 +14,7 @@ Stacks (each its own P, D and router, all through the project's launch scripts, 
 from __future__ import annotations
 
 import json
+import random
 import shlex
 import subprocess
 import threading
@@ -22,8 +25,24 @@ from pathlib import Path
 from typing import Callable
 
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, greedy_params
-from flashmemory.serve.procs import ServerStartError, Servers, free_ports
-from flashmemory.serve.stack import PDConfig, PDStack, _env, router_ready, start_pd
+from flashmemory.serve.procs import ServerStartError, Servers, free_ports, http_post_json
+from flashmemory.serve.stack import PDConfig, _env
+
+
+@dataclass(frozen=True)
+class PDPair:
+    """An arm's P and D: a request goes to both with the same bootstrap fields (what sglang's router adds: P's
+    host and bootstrap port, a random room) and D streams the tokens."""
+
+    prefill_url: str
+    decode_url: str
+    bootstrap_host: str
+    bootstrap_port: int
+    startup_s: dict[str, float]
+
+    def bootstrap(self) -> dict[str, object]:
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": random.getrandbits(63)}
 
 
 @dataclass(frozen=True)
@@ -43,7 +62,8 @@ def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: in
     fm_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL=str(interval), CKPT=ckpt)
     hs_args = ("--enable-hisparse", "--disable-radix-cache", "--hisparse-config",
                json.dumps({"top_k": topk, "device_buffer_size": hot_buffer}))
-    base = PDConfig(model=model, decode_env=knobs, prefill_env=knobs)
+    # startup: 6 servers at once on a shared 2-core box took over 7 minutes
+    base = PDConfig(model=model, decode_env=knobs, prefill_env=knobs, startup_timeout=1800.0)
     return [ArmSetup("stock", replace(base, flashmemory=False)),
             ArmSetup("hisparse", replace(base, flashmemory=False, transfer_backend="mooncake",
                                          decode_env=dict(knobs, MOONCAKE_PROTOCOL="tcp"),
@@ -71,61 +91,60 @@ def _dry_run_decode(cfg: PDConfig, port: int, boot: int) -> tuple[dict[str, str]
     return {**env, **names}, cmd
 
 
-def start_with_decode_args(servers: Servers, cfg: PDConfig, decode_args: tuple[str, ...]) -> PDStack:
-    """Like `start_pd`, with `decode_args` appended to D's command (launch_decode.sh has no pass-through)."""
-    if not decode_args:
-        return start_pd(servers, cfg)
-    p_port, d_port, boot = free_ports(3, cfg.host)
-    d_env, d_cmd = _dry_run_decode(cfg, d_port, boot)
-    d = servers.start("decode", [*d_cmd, *decode_args], d_env)
-    p = servers.start("prefill", ["bash", str(cfg.launch_dir / "launch_prefill.sh")],
-                      _env(cfg, PORT=str(p_port), TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot),
-                           **dict(cfg.prefill_env)))
-    d_url, p_url = f"http://{cfg.host}:{d_port}", f"http://{cfg.host}:{p_port}"
-    times = {"decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
-             "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout)}
-    t0 = time.monotonic()
-    r_port, prom = free_ports(2, cfg.host)
-    r = servers.start("router", ["bash", str(cfg.launch_dir / "launch_router.sh")],
-                      _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
-                           DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot), PROMETHEUS_PORT=str(prom)))
-    r_url = f"http://{cfg.host}:{r_port}"
-    servers.wait_http(r, r_url + "/readiness", cfg.startup_timeout, ok=router_ready)
-    times["router"] = time.monotonic() - t0
-    return PDStack(r_url, p_url, d_url, times)
+def _decode_cmd(cfg: PDConfig, port: int, boot: int, decode_args: tuple[str, ...]) -> tuple[dict[str, str],
+                                                                                         list[str]]:
+    """D's environment and argv: launch_decode.sh itself, or (with `decode_args`, which the script cannot pass
+    through) its DRY_RUN command with them appended."""
+    if decode_args:
+        env, cmd = _dry_run_decode(cfg, port, boot)
+        return env, [*cmd, *decode_args]
+    return (_env(cfg, PORT=str(port), FLASHMEMORY="1" if cfg.flashmemory else "0",
+                 TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot), **dict(cfg.decode_env)),
+            ["bash", str(cfg.launch_dir / "launch_decode.sh")])
 
 
-def start_all(setups: list[ArmSetup], logs: Path) -> tuple[dict[str, Servers], dict[str, PDStack]]:
-    """Start every arm's stack at once (one thread each). On any failure every started process is stopped and
-    the first error is raised."""
-    servers = {s.arm: Servers(logs / s.arm) for s in setups}
-    stacks: dict[str, PDStack] = {}
-    errors: list[BaseException] = []
+def start_all(setups: list[ArmSetup], logs: Path) -> tuple[Servers, dict[str, "PDPair"]]:
+    """One P per transfer backend (the arms on the same backend share it: memory, and their prompts are
+    prefilled once) and one D per arm, all started at once. No router: a router per arm took about a minute each
+    to start and 0.7 GB each, which the box did not have; `stream_ids` pairs P and D itself, as the router does.
+    On any failure every started process is stopped and the error raised."""
+    servers = Servers(logs)
+    try:
+        host = setups[0].cfg.host
+        prefills: dict[str, tuple[str, int, object]] = {}
+        for s in setups:
+            b = s.cfg.transfer_backend
+            if b not in prefills:
+                p_port, boot = free_ports(2, host)
+                proc = servers.start(f"prefill_{b}", ["bash", str(s.cfg.launch_dir / "launch_prefill.sh")],
+                                     _env(s.cfg, PORT=str(p_port), TRANSFER_BACKEND=b, BOOTSTRAP_PORT=str(boot),
+                                          **dict(s.cfg.prefill_env)))
+                prefills[b] = (f"http://{host}:{p_port}", boot, proc)
+        decodes = {}
+        for s in setups:
+            (d_port,) = free_ports(1, host)
+            env, argv = _decode_cmd(s.cfg, d_port, prefills[s.cfg.transfer_backend][1], s.decode_args)
+            decodes[s.arm] = (f"http://{host}:{d_port}", servers.start(f"decode_{s.arm}", argv, env))
+        times = {}
+        for b, (url, _, proc) in prefills.items():
+            times[f"prefill_{b}"] = servers.wait_http(proc, url + "/health", setups[0].cfg.startup_timeout)
+        for arm, (url, proc) in decodes.items():
+            times[arm] = servers.wait_http(proc, url + "/health", setups[0].cfg.startup_timeout)
+            print(f"  D of arm {arm}: ready after {times[arm]:.0f} s", flush=True)
+        stacks = {}
+        for s in setups:
+            p_url, boot, _ = prefills[s.cfg.transfer_backend]
+            stacks[s.arm] = PDPair(p_url, decodes[s.arm][0], host, boot, dict(times))
+        return servers, stacks
+    except BaseException:
+        servers.stop()
+        raise
 
-    def one(s: ArmSetup) -> None:
-        try:
-            stacks[s.arm] = start_with_decode_args(servers[s.arm], s.cfg, s.decode_args)
-            print(f"  arm {s.arm}: ready ({', '.join(f'{k} {v:.0f} s' for k, v in stacks[s.arm].startup_s.items())})",
-                  flush=True)
-        except BaseException as e:   # re-raised below, in the caller's thread
-            errors.append(e)
 
-    threads = [threading.Thread(target=one, args=(s,)) for s in setups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        stop_all(servers)
-        raise errors[0]
-    return servers, stacks
-
-
-def stop_all(servers: dict[str, Servers]) -> list[int]:
-    """Stop every arm's processes; the pids left alive (none after a clean stop)."""
-    for s in servers.values():
-        s.stop()
-    return [p for s in servers.values() for p in s.leftovers()]
+def stop_all(servers: Servers) -> list[int]:
+    """Stop every process of the run; the pids left alive (none after a clean stop)."""
+    servers.stop()
+    return servers.leftovers()
 
 
 @dataclass
@@ -136,21 +155,33 @@ class Streamed:
     ids: list[int] = field(default_factory=list)
 
 
-def stream_ids(url: str, input_ids: list[int], max_new: int, stop: Callable[[list[float]], bool],
+def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[list[float]], bool],
                timeout: float = 3600.0) -> Streamed:
-    """A streamed greedy /generate that keeps the output ids (cumulative or incremental chunks) and the arrival
-    time of every new token; stop(token_times) True closes the stream (the server aborts the request)."""
-    body = json.dumps({"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new),
-                       "stream": True}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    """A streamed greedy PD request (P prefills, D decodes and streams) that keeps the output ids (cumulative or
+    incremental chunks) and the arrival time of every new token; stop(token_times) True closes D's stream (D
+    aborts the request)."""
+    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new),
+               **pd.bootstrap()}
+    p_err: list[BaseException] = []
+
+    def prefill() -> None:
+        try:
+            http_post_json(pd.prefill_url + "/generate", payload, timeout=timeout)
+        except BaseException as e:   # reported below if D streamed nothing
+            p_err.append(e)
+
+    pt = threading.Thread(target=prefill, daemon=True)
+    pt.start()
+    body = json.dumps({**payload, "stream": True}).encode()
+    req = urllib.request.Request(pd.decode_url + "/generate", data=body, headers={"Content-Type": "application/json"})
     sent, times, ids, n = time.monotonic(), [], [], 0
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                if line[5:].strip() == "[DONE]":
-                    break
+            if not line.startswith("data:"):
                 continue
+            if line[5:].strip() == "[DONE]":
+                break
             msg = json.loads(line[5:].strip())
             done = int((msg.get("meta_info") or {}).get("completion_tokens", n))
             got = [int(t) for t in msg.get("output_ids") or []]
@@ -160,12 +191,14 @@ def stream_ids(url: str, input_ids: list[int], max_new: int, stop: Callable[[lis
                 n = done
                 if stop(times):
                     break
+    pt.join(timeout=60)
     if n == 0:
-        raise RuntimeError(f"{url}/generate streamed no tokens")
+        raise RuntimeError(f"{pd.decode_url}/generate streamed no tokens"
+                           + (f" (prefill: {p_err[0]})" if p_err else ""))
     return Streamed(StreamResult(sent, times, n), ids[:n])
 
 
-def concurrent_round(url: str, prompts: list[list[int]], max_new: int, steady_tokens: int) -> list[Streamed]:
+def concurrent_round(pd: PDPair, prompts: list[list[int]], max_new: int, steady_tokens: int) -> list[Streamed]:
     """Stream every prompt at once; once all are decoding each stream stops `steady_tokens` tokens later (on 2
     cores the prefills run one after another: without the stop the first requests finish before the last
     starts)."""
@@ -186,7 +219,7 @@ def concurrent_round(url: str, prompts: list[list[int]], max_new: int, steady_to
 
     def one(i: int) -> None:
         try:
-            out[i] = stream_ids(url, prompts[i], max_new, stopper(i))
+            out[i] = stream_ids(pd, prompts[i], max_new, stopper(i))
         except BaseException as e:   # re-raised below, in the caller's thread
             out[i] = e
 

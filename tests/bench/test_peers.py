@@ -146,3 +146,11 @@ def test_run_bad_args_one_line_exit_2(argv, flag, capsys):
     assert peers.run(p.parse_args(argv)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {flag}")
+
+
+def test_run_tokens_below_steady_one_line_exit_2(capsys):
+    p = argparse.ArgumentParser()
+    peers.add_args(p)
+    assert peers.run(p.parse_args(["--tokens", "8", "--steady-tokens", "8"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --tokens 8")
