@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashmemory.bench.peers_costs import ARM_NAMES, ARMS, spread
+from flashmemory.bench.peers_costs import ARM_NAMES, ARMS, Knobs, Shape, device_bytes, entries, spread
 
 COST_KEYS = ("h2d_bytes", "transfer_ops", "moved_entries", "scored_entries")
 
@@ -92,6 +92,26 @@ def plain(rows: Sequence[Mapping[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(HEAD))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def curve_markdown(shape: Shape, knobs: Knobs, contexts: Sequence[int]) -> str:
+    """How the config-determined costs diverge with history length (arithmetic, nothing measured): per arm and
+    context, device KB per request of the c4 state and the c4 entries the indexers score per token. FlashMemory's
+    Level 1 is counted as its retriever layers over the history once per `knobs.interval` steps; its resident set
+    as KMAX pages (no escalation)."""
+    lines = ["| context | arm | device KB/request (c4 KV + index-K + reserve) | entries scored/token |",
+             "|---|---|---|---|"]
+    for ctx in contexts:
+        n = entries(ctx, shape)
+        for arm in ("stock", "hisparse", "flashmemory"):
+            d = device_bytes(arm, ctx, shape, knobs)
+            if arm == "flashmemory":
+                scored = shape.n_c4 * min(n, knobs.kmax * 64) + knobs.retriever_layers * n / knobs.interval
+            else:
+                scored = float(shape.n_c4 * n)
+            lines.append(f"| {ctx:,} | {ARM_NAMES[arm]} | {sum(d.values()) / 1e3:.0f} ({d['c4_kv'] / 1e3:.0f} + "
+                         f"{d['index_k'] / 1e3:.0f} + {d['reserve'] / 1e3:.0f}) | {scored:.0f} |")
     return "\n".join(lines)
 
 

@@ -154,3 +154,13 @@ def test_run_tokens_below_steady_one_line_exit_2(capsys):
     assert peers.run(p.parse_args(["--tokens", "8", "--steady-tokens", "8"])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --tokens 8")
+
+
+def test_curve_diverges_with_history():
+    md = peers_report.curve_markdown(SHAPE, KNOBS, [4096, 16384]).splitlines()
+    assert len(md) == 2 + 2 * 3
+    # stock and HiSparse score the whole history (2 x 1024, then 2 x 4096); FlashMemory 2 x 128 + Level 1 (2 x n / 16)
+    assert md[2].endswith("| 2048 |") and md[3].endswith("| 2048 |") and md[4].endswith("| 384 |")
+    assert md[5].endswith("| 8192 |") and md[7].endswith("| 768 |")
+    # HiSparse's hot buffer stays 2 x 576 x 584 B whatever the history; stock's c4 KV grows with it
+    assert "+ 673) |" in md[3] and "+ 673) |" in md[6] and "| 4,096 | stock | 1466 (1196 + 270 + 0) |" in md[2]
