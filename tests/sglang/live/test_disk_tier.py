@@ -26,11 +26,7 @@ def _metric(text: str, name: str) -> float:
 def disk_server(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory):
     disk = tmp_path_factory.mktemp("disk_tier")
     env = {**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt, "SGLANG_PATHP_DISK_DIR": str(disk),
-           "SGLANG_PATHP_DISK_GB": "0.1", "SGLANG_PATHP_HOST_CACHE_GB": CACHE_GB,
-           # Level 1 in the decode thread: a recall waiting on a disk read then still publishes before the next
-           # forward. With the async worker (the default) it published later: the first run here gave request 2
-           # different tokens from its 7th on, right after its two recalls that waited on disk.
-           "SGLANG_PATHP_ASYNC_RECALL": "0"}
+           "SGLANG_PATHP_DISK_GB": "0.1", "SGLANG_PATHP_HOST_CACHE_GB": CACHE_GB}
     srv = make_server(serving_model, live_logs, "disk_tier", env=env, extra_args=SMALL_ARGS)
     try:
         srv.wait_ready(600)
