@@ -34,3 +34,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+LIVE = "tests/sglang/live/"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The live folder first (stable order otherwise): under `-n 2` the first work unit is the live folder, so
+    one worker starts its servers at once while the other runs the rest of the suite beside it."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LIVE))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (`make test` runs `-n 2`): the whole live folder is one work unit, so one worker starts the
+    shared servers once (two workers would each start their own: four servers each), and every other test file is
+    its own unit. xdist's group marks (`--dist loadgroup`) were ignored under pytest 9.2, hence a scheduler."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LiveFolderFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return LIVE if nodeid.startswith(LIVE) else nodeid.split("::", 1)[0]
+
+    return LiveFolderFirst(config, log)

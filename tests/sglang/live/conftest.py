@@ -75,8 +75,26 @@ LEVEL1_FULL = {**FULL_BUDGET, "SGLANG_RETRIEVER_LAST_KEEP": "16", "SGLANG_RETRIE
                "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.0001"}
 # (c) the same features at a small budget: two resident pages (of 64 chunks) per request, one of them the page
 # the 16-chunk recency tail is on, the other the retriever's pick: 13-25% of the (c) requests' 8-15 pages.
-SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_RETRIEVER_LAST_KEEP": "16"}
+# Level 1 runs synchronously here (the cycle's recall is published before the next step): at a small budget the
+# tokens depend on the step a recall lands at, so only a synchronous cycle lets the disk-tier server below decode
+# the same tokens. The asynchronous cycle (the default) runs live in test_live_pd and test_full_budget_equals_stock.
+SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_RETRIEVER_LAST_KEEP": "16",
+                "SGLANG_PATHP_ASYNC_RECALL": "0"}
 SMALL_ARGS = ("--max-total-tokens", "16384")   # the three (c) requests hold 8.4K tokens at once
+# The miss monitor runs on the full-budget server (test_monitor_live: every reading there must be 0, and the
+# monitor must not change tokens: test_full_budget_equals_stock). The test-only fault injector runs on the small
+# one and faults only requests named faulty-* (test_fault_injection). Sharing servers keeps the suite in budget.
+MONITOR = {"SGLANG_RETRIEVER_MISS_MONITOR": "1"}
+FAULT = {"FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-"}
+# (c) + the disk tier (test_disk_tier): an 80 KB host page cache (1 of the tiny model's 74,880-B pages), far
+# smaller than the requests' sealed pages, so pages are written behind to the store and recalls read them back
+# (with 4 pages and synchronous Level 1 every recalled page was still in the cache: nothing was read from disk).
+DISK_CACHE_GB = "0.00008"
+
+
+def disk_tier_env(disk_dir: Path) -> dict:
+    return {**SMALL_BUDGET, "SGLANG_PATHP_DISK_DIR": str(disk_dir), "SGLANG_PATHP_DISK_GB": "0.1",
+            "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB}
 
 
 @pytest.fixture(scope="session")
@@ -95,17 +113,23 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="package")
-def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
+def live_servers(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory):
     """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
-    gates off (plugin loaded, nothing on), full (b) and small (c) budgets with a retriever trained here.
+    gates off (plugin loaded, nothing on), full (b, with the miss monitor) and small (c, with the fault injector)
+    budgets with a retriever trained here, and (c) over the disk tier.
     Package scope: they stop after this folder's last test, not at the end of the whole session."""
     stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
     off = make_server(serving_model, live_logs, "gates_off")
     ckpt = tiny_retriever_ckpt
-    full = make_server(serving_model, live_logs, "full_budget", env={**LEVEL1_FULL, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
+    full = make_server(serving_model, live_logs, "full_budget",
+                       env={**LEVEL1_FULL, **MONITOR, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
-                        env={**SMALL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
-    servers = {"stock": stock, "off": off, "full": full, "small": small}
+                        env={**SMALL_BUDGET, **FAULT, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
+    disk_dir = tmp_path_factory.mktemp("disk_tier")
+    disk = make_server(serving_model, live_logs, "disk_tier", env={**disk_tier_env(disk_dir),
+                       "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
+    disk.disk_dir = disk_dir
+    servers = {"stock": stock, "off": off, "full": full, "small": small, "disk": disk}
     try:
         for s in servers.values():
             s.wait_ready(STARTUP_S)

@@ -1,5 +1,6 @@
-"""A failure costs one request, never the server (issue 17 item 2), on one live CPU server with Path-P at a small
-budget and the test-only fault injector (FLASHMEMORY_FAULT_INJECT="hook=before_forward,rid=^faulty-").
+"""A failure costs one request, never the server (issue 17 item 2), on the folder's small-budget server
+(`live_servers["small"]`: Path-P at a small budget), which runs with the test-only fault injector
+(FLASHMEMORY_FAULT_INJECT="hook=before_forward,rid=^faulty-": only requests named faulty-* are faulted).
 
 Three requests at once: two good ones in one batched /generate call, and a faulted one sent while they decode. The
 faulted one fails in its first forward (its prefill) and is aborted there: its client gets an HTTP 500 naming the
@@ -13,9 +14,8 @@ import time
 
 import pytest
 
-from tests.sglang.live.conftest import SMALL_BUDGET, make_server, prompt
+from tests.sglang.live.conftest import prompt
 
-FAULT = {**SMALL_BUDGET, "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-"}
 GOOD = [(600, 21), (300, 22)]        # (prompt tokens, seed)
 STEPS = 24
 
@@ -32,14 +32,8 @@ def _good(server, tag: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def faulty(serving_model, live_logs):
-    srv = make_server(serving_model, live_logs, "fault_inject", env=FAULT)
-    try:
-        srv.wait_ready(600)
-        yield srv
-    finally:
-        srv.stop()
-    assert srv.leftovers() == []
+def faulty(live_servers):
+    return live_servers["small"]
 
 
 def test_a_faulted_request_fails_alone(faulty):
@@ -77,7 +71,7 @@ def test_a_faulted_request_fails_alone(faulty):
             break
         time.sleep(1.0)
     print("\n".join(ln for ln in text.splitlines() if ln.startswith("flashmemory_")))
-    assert _metric(text, "flashmemory_request_failures_total", '{hook="before_forward"}') == 1.0
+    assert _metric(text, "flashmemory_request_failures_total", '{hook="before_forward"}') == 1.0   # only faulty-1
     assert _metric(text, "flashmemory_live_requests") == 0
     total = _metric(text, "flashmemory_reserve_blocks")
     assert total and _metric(text, "flashmemory_free_reserve_blocks") == total

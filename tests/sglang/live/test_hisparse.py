@@ -3,9 +3,9 @@ the history, behind P and the router, KV moved by Mooncake's non-CUDA TCP build 
 written for Mooncake: decode.py:1809 refuses every other backend).
 
 One stack: D = the project's `launch_decode.sh` command (DRY_RUN prints it) plus the HiSparse flags, P and the
-router from their launch scripts. The reference is a plain stock server (no PD, no FlashMemory, the same seed-0
-weights) started beside the stack, so this file does not pull in the folder's four-server `live_servers`
-fixture and its retriever training. HiSparse is exact by design, so:
+router from their launch scripts. The reference is the folder's plain stock server (`live_servers["stock"]`: no
+PD, no FlashMemory, the same seed-0 weights); one server fewer to start keeps the suite in its time budget.
+HiSparse is exact by design, so:
 - D's greedy tokens equal stock's for a prompt whose c4 history (PROMPT_LEN / 4 entries) exceeds the hot buffer;
 - the torch swap-in really swapped: D's /metrics counts misses > 0 and bytes = misses x 584.
 """
@@ -59,18 +59,7 @@ def _dry_run(script: str, env: dict[str, str]) -> tuple[dict[str, str], list[str
 
 
 @pytest.fixture(scope="module")
-def stock_server(serving_model, live_logs):
-    """Stock sglang on CPU (CPU layer only), launched at once: it starts while the stack does."""
-    from tests.sglang.live.conftest import make_server
-    srv = make_server(serving_model, live_logs, "hisparse_stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def hisparse_stack(serving_model, live_logs, stock_server):
+def hisparse_stack(serving_model, live_logs):
     """P + HiSparse D + router on 127.0.0.1, Mooncake over TCP; every process stopped at teardown."""
     d_port, p_port, boot, r_port, prom = free_ports(5)
     base = {**os.environ, "DEVICE": "cpu", "MODEL": str(serving_model), "TRANSFER_BACKEND": "mooncake",
@@ -105,10 +94,9 @@ def _swapin(decode_url: str) -> dict[str, float]:
             if k.endswith("_total")}
 
 
-def test_hisparse_decodes_stock_tokens_with_counted_swapins(hisparse_stack, stock_server):
+def test_hisparse_decodes_stock_tokens_with_counted_swapins(hisparse_stack, live_servers):
     ids = _prompt()
-    stock_server.wait_ready(STARTUP_S)
-    stock = generate(stock_server.url, ids, NEW_TOKENS)
+    stock = generate(live_servers["stock"].url, ids, NEW_TOKENS)
     got = generate(hisparse_stack["router"], ids, NEW_TOKENS)
     counts = _swapin(hisparse_stack["decode"])
     assert got == stock, f"HiSparse D {got} != stock {stock} (counters {counts})"
