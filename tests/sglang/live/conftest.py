@@ -113,10 +113,11 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="package")
-def live_servers(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory):
+def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
     """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
     gates off (plugin loaded, nothing on), full (b, with the miss monitor) and small (c, with the fault injector)
-    budgets with a retriever trained here, and (c) over the disk tier.
+    budgets with a retriever trained here. (The disk-tier server is test_disk_tier's own: a fifth server kept up
+    through test_live_pd's two stacks ran this 23-GB box out of memory.)
     Package scope: they stop after this folder's last test, not at the end of the whole session."""
     stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
     off = make_server(serving_model, live_logs, "gates_off")
@@ -125,11 +126,7 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory
                        env={**LEVEL1_FULL, **MONITOR, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
                         env={**SMALL_BUDGET, **FAULT, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
-    disk_dir = tmp_path_factory.mktemp("disk_tier")
-    disk = make_server(serving_model, live_logs, "disk_tier", env={**disk_tier_env(disk_dir),
-                       "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
-    disk.disk_dir = disk_dir
-    servers = {"stock": stock, "off": off, "full": full, "small": small, "disk": disk}
+    servers = {"stock": stock, "off": off, "full": full, "small": small}
     try:
         for s in servers.values():
             s.wait_ready(STARTUP_S)

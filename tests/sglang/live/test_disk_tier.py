@@ -1,4 +1,4 @@
-"""The disk tier live (issue 22): the small-budget server (c) plus SGLANG_PATHP_DISK_DIR (`live_servers["disk"]`),
+"""The disk tier live (issue 22): the small-budget server (c) plus SGLANG_PATHP_DISK_DIR (its own server),
 with a host page cache of 1 page, far smaller than the requests' sealed pages, so pages are written behind to the
 page store and Level 1's recalls read them back from disk (verified). Its greedy tokens equal the host-only
 small-budget server's (`live_servers["small"]`) on the same requests, /metrics counts disk bytes both ways, the
@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.sglang.live.conftest import prompt
+from tests.sglang.live.conftest import SMALL_ARGS, STARTUP_S, disk_tier_env, make_server, prompt
 
 REQS = [(2400, 21, 20), (3000, 22, 20)]   # (prompt tokens, seed, new tokens): 9-12 pages of 64 c4 chunks each
 
@@ -27,9 +27,22 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(live_servers):
-    srv = live_servers["disk"]
-    disk = srv.disk_dir
+def disk_server(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory):
+    """(c) + the disk tier, for this module only (stopped before test_live_pd's stacks start)."""
+    disk = tmp_path_factory.mktemp("disk_tier")
+    srv = make_server(serving_model, live_logs, "disk_tier", extra_args=SMALL_ARGS,
+                      env={**disk_tier_env(disk), "SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt})
+    try:
+        srv.wait_ready(STARTUP_S)
+        yield srv, disk
+    finally:
+        srv.stop()
+    assert srv.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def runs(disk_server, live_servers):
+    srv, disk = disk_server
     outs = {name: [s.generate(prompt(n, seed), steps)["output_ids"] for n, seed, steps in REQS]
             for name, s in (("disk", srv), ("host", live_servers["small"]))}
     return outs, srv.get_text("/metrics"), srv, disk
