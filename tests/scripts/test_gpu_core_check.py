@@ -199,6 +199,8 @@ STABLE_TORCH_CORE = STABLE_TORCH | {
     "torch.full_like", "torch.iinfo", "torch.int16", "torch.int32", "torch.is_tensor", "torch.load",
     "torch.nn.functional.pad", "torch.relu", "torch.rsqrt", "torch.sigmoid", "torch.softmax", "torch.sort",
     "torch.unique", "torch.zeros_like",
+    # the disk tier (issue 22): both exist unchanged since torch 1.10 / 1.0
+    "torch.distributed", "torch.frombuffer",
 }
 CORE = ("flashmemory/offload", "flashmemory/residency", "flashmemory/retriever")
 
