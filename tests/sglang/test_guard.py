@@ -278,7 +278,14 @@ def test_the_default_stop_signals_no_parent_outside_a_server(monkeypatch):
     or a test runner, and SIGQUIT would take it down."""
     psutil = pytest.importorskip("psutil")
     sent: list[int] = []
-    monkeypatch.setattr(psutil.Process, "send_signal", lambda self, sig: sent.append(sig))
+
+    class Launcher:   # the server's parent; a stand-in, since this runner's own parent may be init (pid 1)
+        pid = 4242
+
+        def send_signal(self, sig):
+            sent.append(sig)
+
+    monkeypatch.setattr(psutil.Process, "parent", lambda self: Launcher())
     with pytest.raises(SystemExit, match="state in doubt"):
         guard_mod._stop_server("FlashMemory: x failed (E); engine state in doubt, stopping the server")
     assert sent == []
