@@ -87,6 +87,9 @@ KERNEL_PATCHES: tuple[Patch, ...] = (
        "mhc_head.py:90 Triton hc head -> sglang's own hc_head_torch (deepseek_v4.py:3935)"),
     _k("sglang.kernels.ops.attention.dsv4.attn.fused_store_cache", f"{_OPS}.stores:fused_store_cache",
        ("input", "cache", "indices"), "attn.py:75 JIT store.cuh fp8 paged store (deepseek_v4_memory_pool.py:357,703,2185)"),
+    _k("sglang.kernels.ops.attention.dsv4.metadata_kernel.init_compression_metadata",
+       f"{_OPS}.metadata:init_compression_metadata", ("seq_lens", "positions", "raw_out_loc", "page_table"),
+       "metadata_kernel.py:270 Triton per-token metadata, interpreted on CPU (deepseek_v4_backend.py:772)"),
     _k("sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp", f"{_OPS}.activation:silu_and_mul_clamp",
        ("input", "output"), "silu_and_mul_clamp.py:57 JIT clamped SwiGLU (deepseek_v2.py:490)"),
 )

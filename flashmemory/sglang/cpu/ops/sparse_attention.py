@@ -44,10 +44,11 @@ def dequantize_pages(k_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor
     return out
 
 
-def gather_entries(k_cache: torch.Tensor, indices: torch.Tensor,
-                   lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [B, S, K] token-level pool locs (-1 = none), lengths [B] or None ->
-    (entries bf16 [B, S, K, 512] with invalid rows zero, invalid bool [B, S, K])."""
+def _picked_rows(k_cache: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """indices [B, S, K] token-level pool locs (-1 = none), lengths [B] or None -> (rows fp32 [U * P, 512]: the
+    dequantized pages the valid picks touch, local int64 [B, S, K]: each pick's row in `rows`, invalid bool
+    [B, S, K]). An invalid pick's local is -1 (the caller points it at a zero row)."""
     p = k_cache.shape[1]
     b, s, k = indices.shape
     invalid = indices < 0
@@ -56,12 +57,29 @@ def gather_entries(k_cache: torch.Tensor, indices: torch.Tensor,
     idx = indices.long().clamp_min(0)
     page = idx // p
     used = torch.unique(page[~invalid]) if bool((~invalid).any()) else page.new_zeros(1)
-    rows = dequantize_pages(k_cache, used)
+    rows = dequantize_pages(k_cache, used).float()     # bf16 -> fp32 is exact: the same numbers as before
     local = torch.searchsorted(used, page.clamp(max=int(used.max()))) * p + idx % p
-    local = torch.where(invalid, torch.zeros_like(local), local.clamp(max=rows.shape[0] - 1))
-    out = rows[local.reshape(-1)].reshape(b, s, k, DIM)
-    out[invalid] = 0
-    return out, invalid
+    local = torch.where(invalid, torch.full_like(local, -1), local.clamp(max=rows.shape[0] - 1))
+    return rows, local, invalid
+
+
+def _gather_both(k_cache: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor],
+                 extra_k_cache: Optional[torch.Tensor], extra_indices: Optional[torch.Tensor],
+                 extra_lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SWA picks then the compressed picks of each token, as one [B, S, K + K2, 512] fp32 gather from one
+    table (both pools' touched rows and a zero row for invalid picks): no concatenation or masking pass over the
+    gathered tensor, which dominated a CPU prefill forward."""
+    rows, local, invalid = _picked_rows(k_cache, indices, lengths)
+    parts, locals_, invalids = [rows], [local], [invalid]
+    if extra_k_cache is not None and extra_indices is not None:
+        erows, elocal, einv = _picked_rows(extra_k_cache, extra_indices, extra_lengths)
+        parts.append(erows)
+        locals_.append(torch.where(einv, elocal, elocal + rows.shape[0]))
+        invalids.append(einv)
+    table = torch.cat(parts + [rows.new_zeros(1, DIM)])
+    local, invalid = torch.cat(locals_, dim=2), torch.cat(invalids, dim=2)
+    local = torch.where(invalid, torch.full_like(local, table.shape[0] - 1), local)
+    return table.index_select(0, local.reshape(-1)).reshape(*local.shape, DIM), invalid
 
 
 def sparse_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
@@ -75,12 +93,10 @@ def sparse_decode_fwd(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Ten
     outs, lses = [], []
     for lo in range(0, q.shape[0], TOKEN_BLOCK):
         hi = min(lo + TOKEN_BLOCK, q.shape[0])
-        kv, invalid = gather_entries(k_cache, indices[lo:hi], None if topk_length is None else topk_length[lo:hi])
-        if extra_k_cache is not None and extra_indices is not None:
-            ekv, einv = gather_entries(extra_k_cache, extra_indices[lo:hi],
-                                       None if extra_topk_length is None else extra_topk_length[lo:hi])
-            kv, invalid = torch.cat([kv, ekv], dim=2), torch.cat([invalid, einv], dim=2)
-        o, lse = _attend(q[lo:hi], kv.float(), invalid, attn_sink, head_dim_v, softmax_scale)
+        kv, invalid = _gather_both(k_cache, indices[lo:hi], None if topk_length is None else topk_length[lo:hi],
+                                   extra_k_cache, None if extra_indices is None else extra_indices[lo:hi],
+                                   None if extra_topk_length is None else extra_topk_length[lo:hi])
+        o, lse = _attend(q[lo:hi], kv, invalid, attn_sink, head_dim_v, softmax_scale)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
