@@ -41,8 +41,13 @@ LIVE = "tests/sglang/live/"
 
 def pytest_collection_modifyitems(config, items):
     """The live folder first (stable order otherwise): under `-n 2` the first work unit is the live folder, so
-    one worker starts its servers at once while the other runs the rest of the suite beside it."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LIVE))
+    one worker starts its servers at once while the other runs the rest of the suite beside it. Inside it, the
+    modules with servers of their own (PD stacks among them) come before those on the folder's shared servers
+    (`live_servers`, started at first use and kept to the folder's end): both sets up at once ran this 23-GB
+    box out of memory. Whole modules move, so no module fixture starts twice."""
+    shared = {item.nodeid.split("::", 1)[0] for item in items
+              if item.nodeid.startswith(LIVE) and "live_servers" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: (not item.nodeid.startswith(LIVE), item.nodeid.split("::", 1)[0] in shared))
 
 
 @pytest.hookimpl(optionalhook=True)
