@@ -6,6 +6,7 @@
 #   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes)
 #   FLASHMEMORY (1; 0: stock sglang decode, every FlashMemory gate off, for A/B runs)
 #   DEVICE (cuda; cpu: sglang on CPU with the tiny model, tp 1, 4K context, 4 requests, no CUDA graph) PYTHON
+# Arguments after the script's name go to sglang unchanged, after its own (e.g. HiSparse's --enable-hisparse ...).
 # DRY_RUN=1 prints the environment and the command instead of running them.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -70,4 +71,4 @@ fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT S
   --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
   --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" --num-reserved-decode-tokens 1024 --decode-log-interval 40 \
   --max-running-requests "$MAX_RUN" --context-length "$CTX_LEN" --skip-server-warmup --enable-metrics "${CG[@]}" \
-  --host "$HOST" --port "$PORT"
+  --host "$HOST" --port "$PORT" "$@"

@@ -41,7 +41,7 @@ def _raise_stop(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, start_pd
+    from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, hisparse_config, start_pd
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
@@ -49,17 +49,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --ckpt {args.ckpt}: no such file (or 'auto', 'none')", file=sys.stderr)
         return 2
     model = ensure_model(Path(args.model))
-    ckpt = "" if args.stock or args.ckpt == "none" else \
+    stock = args.stock or args.hisparse
+    ckpt = "" if stock or args.ckpt == "none" else \
         str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt
     decode_env = {"CKPT": ckpt} if ckpt else {}
-    cfg = PDConfig(model=model, flashmemory=not args.stock, decode_env=decode_env,
-                   startup_timeout=args.startup_timeout)
+    cfg = PDConfig(model=model, flashmemory=not stock, decode_env=decode_env, startup_timeout=args.startup_timeout)
+    if args.hisparse:
+        cfg = hisparse_config(cfg)
     servers = Servers(Path(args.logs))
     try:
         print("starting decode + prefill, then the router (about 1-3 minutes on 2 cores) ...", flush=True)
         stack = start_pd(servers, cfg, router_port=args.port or None)
         print(EXAMPLE.format(router=stack.router_url, prefill=stack.prefill_url, decode=stack.decode_url,
-                             fm="off (stock)" if args.stock else "on", logs=args.logs,
+                             fm="off (sglang's HiSparse)" if args.hisparse else "off (stock)" if stock else "on",
+                             logs=args.logs,
                              ckpt=ckpt or "off (no retriever)"), flush=True)
         print("READY " + json.dumps({"router": stack.router_url, "prefill": stack.prefill_url,
                                      "decode": stack.decode_url, "pgids": sorted(servers.pgids()),
@@ -95,7 +98,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "built once beside it (about a minute) like the model; 'none': no Level 1, the recency "
                         "tail alone decides what is resident")
     p.add_argument("--port", type=int, default=31503, help="router port (0: any free port; default 31503)")
-    p.add_argument("--stock", action="store_true", help="D without FlashMemory (stock sglang decode)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--stock", action="store_true", help="D without FlashMemory (stock sglang decode)")
+    kind.add_argument("--hisparse", action="store_true",
+                      help="D as sglang's own HiSparse (--enable-hisparse, a 512-slot hot buffer per c4 layer and "
+                           "request, KV over Mooncake TCP) instead of FlashMemory: the peer to compare with")
     p.add_argument("--logs", default="serve_logs", help="server logs directory (default serve_logs/)")
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds each server may take to start")
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -87,6 +87,22 @@ class PDConfig:
     base_env: Mapping[str, str] | None = None   # the environment the scripts inherit (default: os.environ)
     startup_timeout: float = 420.0
     launch_dir: Path = REPO                  # where launch_{decode,prefill,router}.sh are (tests use stand-ins)
+    decode_args: tuple[str, ...] = ()        # extra sglang flags for D (after launch_decode.sh's own)
+
+
+HISPARSE_HOT = 512   # hot-buffer slots per c4 layer per request: the model's index_topk, HiSparse's least
+
+
+def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT) -> PDConfig:
+    """`cfg` with D as sglang's own HiSparse (stock decode, `--enable-hisparse`, a hot buffer of `hot` c4 slots
+    per layer and request) and KV moved by Mooncake over TCP: HiSparse's DSv4 PD path accepts only Mooncake
+    (sglang decode.py:1809). D loads only the CPU layer plugin (its torch swap-in), nothing of FlashMemory."""
+    mooncake = {"MOONCAKE_PROTOCOL": "tcp"}
+    return replace(cfg, flashmemory=False, transfer_backend="mooncake",
+                   decode_env={**cfg.decode_env, **mooncake, "CKPT": "", "SGLANG_PLUGINS": "flashmemory_cpu"},
+                   prefill_env={**cfg.prefill_env, **mooncake},
+                   decode_args=(*cfg.decode_args, "--enable-hisparse", "--disable-radix-cache", "--hisparse-config",
+                                json.dumps({"top_k": 512, "device_buffer_size": hot})))
 
 
 @dataclass
@@ -147,7 +163,7 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
 def _start_pd_once(servers: Servers, cfg: PDConfig, router_port: int | None) -> PDStack:
     p_port, d_port, boot_port = free_ports(3, cfg.host)
     common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
-    d = servers.start("decode", ["bash", str(cfg.launch_dir / "launch_decode.sh")],
+    d = servers.start("decode", ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args],
                       _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
                            **dict(cfg.decode_env)))
     p = servers.start("prefill", ["bash", str(cfg.launch_dir / "launch_prefill.sh")],

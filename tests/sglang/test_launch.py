@@ -206,3 +206,26 @@ def test_dump_server_writes_only_under_its_root_and_listens_locally():
                       ("/data/../etc", "must not contain '..'")]:
         p = dry("data_generation/start_dump_server.sh", DUMP_ROOT=root)
         assert p.returncode != 0 and msg in p.stderr and "CMD" not in p.stdout
+
+
+def test_hisparse_decode_through_the_launch_script(sg, tmp_path):
+    """`flashmemory serve --hisparse`: the project's D command, stock (FLASHMEMORY=0), Mooncake, and HiSparse's
+    flags passed through launch_decode.sh's extra arguments; sglang's own parser reads them."""
+    import json as _json
+
+    pytest.importorskip("mooncake.engine", reason="HiSparse's PD path moves KV with Mooncake")
+    from flashmemory.serve.stack import PDConfig, _env, hisparse_config
+    cfg = hisparse_config(PDConfig(model=tmp_path))
+    assert not cfg.flashmemory and cfg.transfer_backend == "mooncake"
+    assert cfg.decode_env["SGLANG_PLUGINS"] == "flashmemory_cpu" and cfg.prefill_env["MOONCAKE_PROTOCOL"] == "tcp"
+    env = {**_env(cfg, PORT="1", FLASHMEMORY="0", TRANSFER_BACKEND="mooncake", BOOTSTRAP_PORT="2",
+                  **dict(cfg.decode_env)), "DRY_RUN": "1"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch_decode.sh"), *cfg.decode_args], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    argv = shlex.split([ln for ln in out.splitlines() if ln.startswith("CMD ")][0][4:])
+    p = argparse.ArgumentParser()
+    sg["server_args"].ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv[3:])
+    assert ns.enable_hisparse and ns.disable_radix_cache and ns.disaggregation_transfer_backend == "mooncake"
+    assert _json.loads(ns.hisparse_config) == {"top_k": 512, "device_buffer_size": 512}
+    assert "ENV SGLANG_DECODE_SWAP_P=0" in out and "ENV SGLANG_RETRIEVER_INLINE_CKPT=''" in out

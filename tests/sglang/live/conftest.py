@@ -112,29 +112,41 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
         os.chdir(cwd)
 
 
+@pytest.fixture(scope="session")
+def stock_server(serving_model, live_logs):
+    """The folder's plain stock server (the CPU layer only, no FlashMemory, no PD): every live test's reference.
+    Launched without waiting, so a caller can start its own servers beside it; `wait_ready` before use."""
+    srv = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert not srv.leftovers()
+
+
 @pytest.fixture(scope="package")
-def live_servers(serving_model, live_logs, tiny_retriever_ckpt):
-    """Every live configuration, started in parallel (startup is mostly imports): stock (CPU layer only),
-    gates off (plugin loaded, nothing on), full (b, with the miss monitor) and small (c, with the fault injector)
-    budgets with a retriever trained here. (The disk-tier server is test_disk_tier's own: a fifth server kept up
-    through test_live_pd's two stacks ran this 23-GB box out of memory.)
-    Package scope: they stop after this folder's last test, not at the end of the whole session."""
-    stock = make_server(serving_model, live_logs, "stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"})
+def live_servers(serving_model, live_logs, tiny_retriever_ckpt, stock_server):
+    """Every live configuration, started in parallel (startup is mostly imports): stock (`stock_server`, the CPU
+    layer only), gates off (plugin loaded, nothing on), full (b, with the miss monitor) and small (c, with the
+    fault injector) budgets with a retriever trained here. (The disk-tier server is test_disk_tier's own.)
+    Package scope: they stop after this folder's last test, not at the end of the whole session; the modules
+    that start servers of their own (test_live_pd's two PD stacks) run before these start (tests/conftest.py)."""
     off = make_server(serving_model, live_logs, "gates_off")
     ckpt = tiny_retriever_ckpt
     full = make_server(serving_model, live_logs, "full_budget",
                        env={**LEVEL1_FULL, **MONITOR, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
     small = make_server(serving_model, live_logs, "small_budget",
                         env={**SMALL_BUDGET, **FAULT, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
-    servers = {"stock": stock, "off": off, "full": full, "small": small}
+    servers = {"stock": stock_server, "off": off, "full": full, "small": small}
+    mine = (off, full, small)
     try:
         for s in servers.values():
             s.wait_ready(STARTUP_S)
         yield servers
     finally:
-        for s in servers.values():
+        for s in mine:
             s.stop()
-    assert not any(s.leftovers() for s in servers.values())
+    assert not any(s.leftovers() for s in mine)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -1,13 +1,18 @@
-"""Live PD on CPU (issue 11, 5d and 6): launch_prefill.sh + launch_decode.sh (shrink mode) + launch_router.sh under
-DEVICE=cpu, real sglang processes on 127.0.0.1, KV moved by NIXL over host DRAM.
+"""Live PD on CPU (issue 11, 5d and 6; issue 19, item 2): `flashmemory serve` (what `make serve` runs: the
+launch scripts under DEVICE=cpu, real sglang processes on 127.0.0.1) started twice side by side, once with
+FlashMemory (D in shrink mode, KV moved by NIXL over host DRAM) and once with sglang's own HiSparse
+(`--hisparse`: stock D with `--enable-hisparse` and a hot buffer smaller than the history, KV moved by
+Mooncake's non-CUDA TCP build, the only backend HiSparse's DSv4 PD path accepts: decode.py:1809).
 
-The stack is started by `flashmemory serve` (what `make serve` runs), which the last test stops with SIGINT as
-Ctrl-C would. The reference tokens come from the stock stack started beside it (`flashmemory serve --stock`: D
-is stock sglang decode, the same seed-0 serving-tiny weights), so this module needs none of the folder's shared
-servers and runs before they start (their four servers and these two stacks at once ran the box out of memory).
+The reference tokens come from the folder's plain stock server (`stock_server`: no PD, no FlashMemory, the same
+seed-0 weights), started beside the stacks; the folder's other shared servers start only after this module
+(these two stacks beside them ran the box out of memory). The last test stops the FlashMemory stack with SIGINT
+as Ctrl-C would.
 - P really sent bytes (its `sglang:kv_transfer_total_mb` histogram) and D's greedy tokens equal stock sglang's
   (shrink mode lands P's c4 KV in the host mirror: wrong or missing bytes change them);
-- a chat completion through the router with the `openai` client returns content;
+- HiSparse is exact by design: its D's tokens equal stock's for a prompt whose c4 history (2,200 / 4 entries)
+  exceeds the hot buffer, and its torch swap-in really swapped (misses > 0, bytes = misses x 584);
+- a chat completion through the router with the `openai` client returns content; churn and bad requests;
 - Ctrl-C stops P, D and the router, and no process of their groups is left.
 Every server is in its own process group; each fixture kills its groups on success and on failure.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -29,10 +35,13 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 pytest.importorskip("sglang")
 pytest.importorskip("nixl._api", reason="PD on CPU moves KV with NIXL: pip install -e '.[serve-nixl]'")
+pytest.importorskip("mooncake.engine", reason="HiSparse PD on CPU moves KV with Mooncake (TCP): "
+                                              "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1")
 
 from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
 from flashmemory.serve.procs import _pgid_members, http_get  # noqa: E402
-from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, ensure_model  # noqa: E402
+from flashmemory.serve.stack import HISPARSE_HOT, REPO  # noqa: E402
+from tests.sglang.live.conftest import STARTUP_S  # noqa: E402
 
 # 200 tokens: past a c128 block (c4 and c128 entries both cross PD) and inside one c4 page (64 chunks). A request
 # enters D with only its newest page resident; the rest comes with its first Level-1 cycle, which runs after the
@@ -40,11 +49,6 @@ from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO, ensure_model  # noq
 PROMPT = [40 + (7 * i) % 900 for i in range(200)]
 NEW_TOKENS = 8
 READY_TIMEOUT = 900.0
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return ensure_model(DEFAULT_CPU_MODEL)
 
 
 def _transferred_mb(prefill_url: str) -> float:
@@ -125,22 +129,24 @@ class ServeCli:
 
 
 @pytest.fixture(scope="module")
-def stacks(model, tmp_path_factory):
-    """A FlashMemory stack and a stock one (`--stock`), started at the same moment as a user comparing them
-    would: every port of both is picked while the other's servers are starting and binding theirs (the second
-    stack's router once died with "Address already in use")."""
-    fm = ServeCli(tmp_path_factory.mktemp("serve_logs"))
-    stock = ServeCli(tmp_path_factory.mktemp("stock_serve_logs"), "--stock")
+def stacks(serving_model, tiny_retriever_ckpt, tmp_path_factory, request):
+    """A FlashMemory stack and a HiSparse one (`--hisparse`), started at the same moment as a user comparing them
+    would: every port of both is picked while the other's servers are starting and binding theirs (a second
+    stack's router once died with "Address already in use"). The folder's stock server starts beside them."""
+    model = str(serving_model)   # the stock server's weights; Level 1 with the folder's retriever (no training here)
+    fm = ServeCli(tmp_path_factory.mktemp("serve_logs"), "--model", model, "--ckpt", tiny_retriever_ckpt)
+    hisparse = ServeCli(tmp_path_factory.mktemp("hisparse_serve_logs"), "--model", model, "--hisparse")
     try:
-        for name, cli in (("flashmemory", fm), ("stock", stock)):
+        request.getfixturevalue("stock_server")     # launched now, beside the stacks; waited for at first use
+        for name, cli in (("flashmemory", fm), ("hisparse", hisparse)):
             cli.wait_ready()
             assert cli.ready is not None, f"{name} serve never printed READY:\n" + "\n".join(cli.lines[-60:])
             print(f"\n{name} serve: ready after {cli.ready_s:.0f} s, servers {cli.ready['startup_s']}")
-        yield {"flashmemory": fm, "stock": stock}
+        yield {"flashmemory": fm, "hisparse": hisparse}
     finally:
-        for cli in (fm, stock):
+        for cli in (fm, hisparse):
             cli.kill_all()         # after the Ctrl-C test this finds nothing; on failure it cleans up
-        groups, deadline = fm.pgids() | stock.pgids(), time.monotonic() + 60
+        groups, deadline = fm.pgids() | hisparse.pgids(), time.monotonic() + 60
         while _pgid_members(groups) and time.monotonic() < deadline:
             time.sleep(0.5)        # SIGKILLed members of a loaded box's groups take a moment to go
         assert _pgid_members(groups) == []
@@ -152,17 +158,49 @@ def serve(stacks):
 
 
 @pytest.fixture(scope="module")
-def stock_tokens(stacks) -> list[int]:
-    """Stock sglang's greedy tokens for PROMPT, through the stock stack's router (stock P and D, no FlashMemory)."""
-    return generate(stacks["stock"].ready["router"], PROMPT, NEW_TOKENS)
+def stock(stacks, stock_server):
+    return stock_server.wait_ready(STARTUP_S)
 
 
-def test_two_stacks_side_by_side_both_serve(stacks, stock_tokens):
-    """Stock and FlashMemory stacks on one host, started together, each answer through their own router."""
+@pytest.fixture(scope="module")
+def stock_tokens(stock) -> list[int]:
+    """Stock sglang's greedy tokens for PROMPT: one plain server, no PD, no FlashMemory."""
+    return generate(stock.url, PROMPT, NEW_TOKENS)
+
+
+def test_two_stacks_side_by_side_both_serve(stacks):
+    """FlashMemory and HiSparse stacks on one host, started together, each answer through their own router."""
     urls = [c.ready["router"] for c in stacks.values()]
     assert len(set(urls)) == 2
-    assert len(stock_tokens) == NEW_TOKENS
-    assert len(generate(stacks["flashmemory"].ready["router"], PROMPT, NEW_TOKENS)) == NEW_TOKENS
+    for cli in stacks.values():
+        assert len(generate(cli.ready["router"], PROMPT, NEW_TOKENS)) == NEW_TOKENS
+
+
+HISPARSE_PROMPT_LEN = 2200      # 550 c4 entries > HISPARSE_HOT: every decode step runs the swap-in, not the fast path
+
+
+def _swapin(decode_url: str) -> dict[str, float]:
+    status, body = http_get(decode_url + "/metrics", timeout=10)
+    assert status == 200, f"{decode_url}/metrics answered {status}"
+    m = parse_metrics(body.decode(errors="replace"), prefix="flashmemory_hisparse_swapin_")
+    return {k.removeprefix("flashmemory_hisparse_swapin_").removesuffix("_total"): v for k, v in m.items()
+            if k.endswith("_total")}
+
+
+def test_hisparse_decodes_stock_tokens_with_counted_swapins(stacks, stock):
+    assert HISPARSE_PROMPT_LEN // 4 > HISPARSE_HOT
+    rng = random.Random(19)
+    ids = [rng.randrange(26, 1024) for _ in range(HISPARSE_PROMPT_LEN)]
+    want = generate(stock.url, ids, NEW_TOKENS)
+    r = stacks["hisparse"].ready
+    got = generate(r["router"], ids, NEW_TOKENS)
+    counts = _swapin(r["decode"])
+    assert got == want, f"HiSparse D {got} != stock {want} (counters {counts})"
+    assert counts.get("misses", 0) > 0 and counts.get("calls", 0) > 0, counts
+    assert counts["bytes_h2d"] == counts["misses"] * 584, counts
+    assert counts["hits"] > 0, counts     # later steps find most of the picks in the hot buffer
+    d_log = (stacks["hisparse"].log_dir / "decode.log").read_text(errors="replace")
+    assert "'enable_hisparse': True" in d_log and "FlashMemory Path-P" not in d_log
 
 
 def test_flashmemory_pd_moves_bytes_and_equals_stock(serve, stock_tokens):
