@@ -12,6 +12,9 @@ waited on disk). Cycles are counted per request, so the two servers' other reque
 from __future__ import annotations
 
 import re
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +71,53 @@ def test_disk_tier_counters_and_startup_line(runs):
         "the startup log does not state the tier's size and place"
     stores = list(disk.glob("fm-pagestore-r0-*.fmps"))
     assert len(stores) == 1, stores
+
+
+def _rot(store: Path, block: int = 4096) -> int:
+    """Bit rot on the page store: one byte flipped in every 4 KB block past the marker block, so every slot written
+    so far fails verification (a slot's first block is all header and payload). Returns the blocks flipped."""
+    n = 0
+    with open(store, "r+b") as f:
+        size = f.seek(0, 2)
+        for off in range(block + block // 2, size, block):
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def test_a_corrupt_disk_page_fails_its_request_and_the_server_serves_on(runs):
+    """Faults (issue 22): the store file rots under a decoding request whose pages went to disk. The request's next
+    recall of a rotten page fails verification: that request alone fails (HTTP 500, its page named in the log,
+    counted), and the server serves the next request."""
+    _, _, srv, disk = runs
+    store = next(disk.glob("fm-pagestore-r0-*.fmps"))
+    written0 = _metric(srv.get_text("/metrics"), "flashmemory_disk_bytes_written_total")
+    got: dict[str, object] = {}
+
+    def run():
+        body = {"input_ids": prompt(2000, 31), "rid": "corrupt-1",
+                "sampling_params": {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}}
+        try:
+            got["r"] = srv.post("/generate", body, 1800)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            got["r"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 900           # its pages are written behind from its second decode step on
+    while t.is_alive() and time.monotonic() < deadline:
+        if _metric(srv.get_text("/metrics"), "flashmemory_disk_bytes_written_total") > written0:
+            break
+        time.sleep(0.5)
+    assert t.is_alive(), f"the request ended before any of its pages went to disk: {got}"
+    assert _rot(store) > 0
+    t.join(1800)
+    assert isinstance(got["r"], Exception) and "HTTP 500" in str(got["r"]), f"the rotten request was served: {got}"
+    assert len(srv.generate(prompt(150, 24), 4)["output_ids"]) == 4      # the server keeps serving
+    log = srv.log.read_text(errors="replace")
+    assert re.search(r"FlashMemory: request corrupt-1 failed in level1.*page \d+", log), log[-3000:]
+    assert "engine state in doubt" not in log
+    assert _metric(srv.get_text("/metrics"), "flashmemory_disk_corrupt_pages_total") >= 1
