@@ -43,7 +43,9 @@ def _raise_stop(signum, frame):
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, hisparse_config, start_pd
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: a process started in the background of a script (or by a test runner's worker) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C / kill -INT would do nothing
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
     if args.ckpt not in ("auto", "none") and not Path(args.ckpt).is_file():
         print(f"error: --ckpt {args.ckpt}: no such file (or 'auto', 'none')", file=sys.stderr)
