@@ -5,8 +5,8 @@ Stacks: one P per transfer backend, shared by the arms on it, and one D per arm 
 P and D itself); all through the project's launch scripts, DEVICE=cpu (four full stacks at once, 8 sglang
 servers and 4 routers, did not fit the box's memory):
 - stock: FLASHMEMORY=0, NIXL;
-- hisparse: D = launch_decode.sh's command (FLASHMEMORY=0, its DRY_RUN output) plus --enable-hisparse, KV moved by
-  Mooncake over TCP (sglang's HiSparse PD path refuses every other backend, decode.py:1809);
+- hisparse: `stack.hisparse_config`, as `flashmemory serve --hisparse`: stock D plus --enable-hisparse (passed
+  through launch_decode.sh), KV moved by Mooncake over TCP (HiSparse's PD path refuses other backends, decode.py:1809);
 - flashmemory: Path-P in shrink mode over NIXL, as `bench serve` runs it;
 - fm_monitor: the same plus SGLANG_RETRIEVER_MISS_MONITOR=1.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import shlex
-import subprocess
 import threading
 import time
 import urllib.request
@@ -25,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, greedy_params
-from flashmemory.serve.procs import ServerStartError, Servers, free_ports, http_post_json
-from flashmemory.serve.stack import PDConfig, _env
+from flashmemory.serve.procs import Servers, free_ports, http_post_json
+from flashmemory.serve.stack import PDConfig, _env, hisparse_config
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,10 @@ class PDPair:
 
 @dataclass(frozen=True)
 class ArmSetup:
-    """One arm's stack: the PD config and, for HiSparse, the extra arguments appended to D's command."""
+    """One arm's stack: its name and PD config (HiSparse's flags ride in `cfg.decode_args`)."""
 
     arm: str
     cfg: PDConfig
-    decode_args: tuple[str, ...] = ()
 
 
 def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: int, ckpt: str,
@@ -60,47 +57,19 @@ def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: in
     max-running-requests, so only the decode-side mechanism differs."""
     knobs = {"CTX_LEN": str(ctx_len), "MAX_RUN": str(max_run), "MAX_TOTAL_TOKENS": str(max_total)}
     fm_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL=str(interval), CKPT=ckpt)
-    hs_args = ("--enable-hisparse", "--disable-radix-cache", "--hisparse-config",
-               json.dumps({"top_k": topk, "device_buffer_size": hot_buffer}))
     # startup: 6 servers at once on a shared 2-core box took over 7 minutes
     base = PDConfig(model=model, decode_env=knobs, prefill_env=knobs, startup_timeout=1800.0)
     return [ArmSetup("stock", replace(base, flashmemory=False)),
-            ArmSetup("hisparse", replace(base, flashmemory=False, transfer_backend="mooncake",
-                                         decode_env=dict(knobs, MOONCAKE_PROTOCOL="tcp"),
-                                         prefill_env=dict(knobs, MOONCAKE_PROTOCOL="tcp")), hs_args),
+            ArmSetup("hisparse", hisparse_config(base, hot_buffer, topk)),   # what `flashmemory serve --hisparse` runs
             ArmSetup("flashmemory", replace(base, decode_env=fm_env)),
             ArmSetup("fm_monitor", replace(base, decode_env=dict(fm_env, SGLANG_RETRIEVER_MISS_MONITOR="1")))]
 
 
-def _dry_run_decode(cfg: PDConfig, port: int, boot: int) -> tuple[dict[str, str], list[str]]:
-    """launch_decode.sh's environment and command (DRY_RUN=1) for a stock D on `port`."""
-    env = _env(cfg, PORT=str(port), FLASHMEMORY="0", TRANSFER_BACKEND=cfg.transfer_backend,
-               BOOTSTRAP_PORT=str(boot), DRY_RUN="1", **dict(cfg.decode_env))
-    out = subprocess.run(["bash", str(cfg.launch_dir / "launch_decode.sh")], env=env, capture_output=True,
-                         text=True)
-    names, cmd = {}, []
-    for line in out.stdout.splitlines():
-        if line.startswith("ENV "):
-            k, _, v = line[4:].partition("=")
-            names[k] = shlex.split(v)[0] if v else ""
-        elif line.startswith("CMD "):
-            cmd = shlex.split(line[4:])
-    if not cmd:
-        raise ServerStartError(f"launch_decode.sh DRY_RUN printed no command: {out.stderr.strip()[-300:]}")
-    env.pop("DRY_RUN")
-    return {**env, **names}, cmd
-
-
-def _decode_cmd(cfg: PDConfig, port: int, boot: int, decode_args: tuple[str, ...]) -> tuple[dict[str, str],
-                                                                                         list[str]]:
-    """D's environment and argv: launch_decode.sh itself, or (with `decode_args`, which the script cannot pass
-    through) its DRY_RUN command with them appended."""
-    if decode_args:
-        env, cmd = _dry_run_decode(cfg, port, boot)
-        return env, [*cmd, *decode_args]
+def _decode_cmd(cfg: PDConfig, port: int, boot: int) -> tuple[dict[str, str], list[str]]:
+    """D's environment and argv: launch_decode.sh with the config's extra sglang flags."""
     return (_env(cfg, PORT=str(port), FLASHMEMORY="1" if cfg.flashmemory else "0",
                  TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot), **dict(cfg.decode_env)),
-            ["bash", str(cfg.launch_dir / "launch_decode.sh")])
+            ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args])
 
 
 def start_all(setups: list[ArmSetup], logs: Path) -> tuple[Servers, dict[str, "PDPair"]]:
@@ -123,7 +92,7 @@ def start_all(setups: list[ArmSetup], logs: Path) -> tuple[Servers, dict[str, "P
         decodes = {}
         for s in setups:
             (d_port,) = free_ports(1, host)
-            env, argv = _decode_cmd(s.cfg, d_port, prefills[s.cfg.transfer_backend][1], s.decode_args)
+            env, argv = _decode_cmd(s.cfg, d_port, prefills[s.cfg.transfer_backend][1])
             decodes[s.arm] = (f"http://{host}:{d_port}", servers.start(f"decode_{s.arm}", argv, env))
         times = {}
         for b, (url, _, proc) in prefills.items():

@@ -93,7 +93,7 @@ class PDConfig:
 HISPARSE_HOT = 512   # hot-buffer slots per c4 layer per request: the model's index_topk, HiSparse's least
 
 
-def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT) -> PDConfig:
+def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT, top_k: int = 512) -> PDConfig:
     """`cfg` with D as sglang's own HiSparse (stock decode, `--enable-hisparse`, a hot buffer of `hot` c4 slots
     per layer and request) and KV moved by Mooncake over TCP: HiSparse's DSv4 PD path accepts only Mooncake
     (sglang decode.py:1809). D loads only the CPU layer plugin (its torch swap-in), nothing of FlashMemory."""
@@ -102,7 +102,7 @@ def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT) -> PDConfig:
                    decode_env={**cfg.decode_env, **mooncake, "CKPT": "", "SGLANG_PLUGINS": "flashmemory_cpu"},
                    prefill_env={**cfg.prefill_env, **mooncake},
                    decode_args=(*cfg.decode_args, "--enable-hisparse", "--disable-radix-cache", "--hisparse-config",
-                                json.dumps({"top_k": 512, "device_buffer_size": hot})))
+                                json.dumps({"top_k": top_k, "device_buffer_size": hot})))
 
 
 @dataclass
