@@ -37,28 +37,49 @@ def one_torch_thread():
 
 
 LIVE = "tests/sglang/live/"
+# Live modules that start only servers of their own (no `stock_server`, no `live_servers`): their own xdist work
+# unit, so under `-n 2` they run on the other worker, beside the unit tests, instead of after the PD stacks and the
+# shared servers on the live worker (that worker was the suite's critical path: 29 of its 29.5 minutes).
+LIVE_OWN = tuple(LIVE + m for m in ("test_equivalence.py", "test_live_dump.py", "test_bad_checkpoint_startup.py"))
+SHARED_FIXTURES = ("stock_server", "live_servers", "stock")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """The live folder first (stable order otherwise): under `-n 2` the first work unit is the live folder, so
-    one worker starts its servers at once while the other runs the rest of the suite beside it. Inside it, the
-    modules with servers of their own (PD stacks among them) come before those on the folder's shared servers
-    (`live_servers`, started at first use and kept to the folder's end): both sets up at once ran this 23-GB
-    box out of memory. Whole modules move, so no module fixture starts twice."""
-    shared = {item.nodeid.split("::", 1)[0] for item in items
+    """The live folder first (stable order otherwise): under `-n 2` the first work unit is the live folder's shared
+    part and the second its own-server modules (LIVE_OWN), so one worker starts the PD stacks at once while the other
+    runs the own-server modules and then the rest of the suite. Inside the shared part, the modules with servers of
+    their own (PD stacks among them) come before those on the folder's shared servers (`live_servers`, started at
+    first use and kept to the folder's end): both sets up at once ran this 23-GB box out of memory. Whole modules
+    move, so no module fixture starts twice. A LIVE_OWN module that uses a shared server is a usage error: its
+    worker would start a second copy of that server."""
+    shared = {_module(item.nodeid) for item in items
               if item.nodeid.startswith(LIVE) and "live_servers" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: (not item.nodeid.startswith(LIVE), item.nodeid.split("::", 1)[0] in shared))
+    wrong = sorted({_module(item.nodeid) for item in items if _module(item.nodeid) in LIVE_OWN
+                    and set(SHARED_FIXTURES) & set(getattr(item, "fixturenames", ()))})
+    if wrong:
+        raise pytest.UsageError(f"tests/conftest.py LIVE_OWN: {wrong} use a shared live server; move them out of "
+                                "LIVE_OWN (they would start a second copy of it on the other worker)")
+    items.sort(key=lambda item: (not item.nodeid.startswith(LIVE), _module(item.nodeid) in LIVE_OWN,
+                                 _module(item.nodeid) in shared))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist (`make test` runs `-n 2`): the whole live folder is one work unit, so one worker starts the
-    shared servers once (two workers would each start their own: four servers each), and every other test file is
-    its own unit. xdist's group marks (`--dist loadgroup`) were ignored under pytest 9.2, hence a scheduler."""
+    """pytest-xdist (`make test` runs `-n 2`): the live folder's shared part is one work unit, so one worker starts
+    the shared servers once (two workers would each start their own: four servers each), its own-server modules
+    (LIVE_OWN) a second unit, and every other test file is its own unit. xdist's group marks (`--dist loadgroup`)
+    were ignored under pytest 9.2, hence a scheduler."""
     from xdist.scheduler import LoadScopeScheduling
 
     class LiveFolderFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return LIVE if nodeid.startswith(LIVE) else nodeid.split("::", 1)[0]
+            module = _module(nodeid)
+            if module in LIVE_OWN:
+                return LIVE + "#own-servers"
+            return LIVE if nodeid.startswith(LIVE) else module
 
     return LiveFolderFirst(config, log)

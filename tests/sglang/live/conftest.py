@@ -149,6 +149,16 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt, stock_server):
     assert not any(s.leftovers() for s in mine)
 
 
+def side_by_side(*calls):
+    """Run the zero-argument `calls` at once, one thread each (each on its own server, so both cores work);
+    their results in order. The first exception is raised after all have ended. Only for calls whose tokens do not
+    depend on timing: one request or one batched call per server, or Level 1 synchronous."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(calls)) as ex:
+        futures = [ex.submit(c) for c in calls]
+    return [f.result() for f in futures]
+
+
 def prompt(n: int, seed: int) -> list[int]:
     """n token ids drawn from the ordinary (non-special) vocabulary of the serving-tiny tokenizer."""
     rng = random.Random(seed)

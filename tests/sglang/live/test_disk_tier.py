@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.live.conftest import SMALL_ARGS, STARTUP_S, disk_tier_env, make_server, prompt
+from tests.sglang.live.conftest import SMALL_ARGS, STARTUP_S, disk_tier_env, make_server, prompt, side_by_side
 
 REQS = [(2400, 21, 20), (3000, 22, 20)]   # (prompt tokens, seed, new tokens): 9-12 pages of 64 c4 chunks each
 
@@ -31,12 +31,12 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def disk_server(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory):
-    """(c) + the disk tier, for this module only (stopped before test_live_pd's stacks start)."""
+    """(c) + the disk tier, for this module only. Launched without waiting: `runs` asks for the folder's shared
+    servers after it, so all of them start at once (startup is mostly imports), and waits for it there."""
     disk = tmp_path_factory.mktemp("disk_tier")
     srv = make_server(serving_model, live_logs, "disk_tier", extra_args=SMALL_ARGS,
                       env={**disk_tier_env(disk), "SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt})
     try:
-        srv.wait_ready(STARTUP_S)
         yield srv, disk
     finally:
         srv.stop()
@@ -45,10 +45,16 @@ def disk_server(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory)
 
 @pytest.fixture(scope="module")
 def runs(disk_server, live_servers):
+    """The same requests, one after another, on the disk-tier server and on the host-only small-budget server;
+    the two servers run side by side (Level 1 is synchronous on both, so timing does not change their tokens)."""
     srv, disk = disk_server
-    outs = {name: [s.generate(prompt(n, seed), steps)["output_ids"] for n, seed, steps in REQS]
-            for name, s in (("disk", srv), ("host", live_servers["small"]))}
-    return outs, srv.get_text("/metrics"), srv, disk
+    srv.wait_ready(STARTUP_S)
+
+    def requests(s) -> list[list[int]]:
+        return [s.generate(prompt(n, seed), steps)["output_ids"] for n, seed, steps in REQS]
+
+    on_disk, on_host = side_by_side(lambda: requests(srv), lambda: requests(live_servers["small"]))
+    return {"disk": on_disk, "host": on_host}, srv.get_text("/metrics"), srv, disk
 
 
 def test_disk_tier_tokens_equal_the_host_only_server(runs):

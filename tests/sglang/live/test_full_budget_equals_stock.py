@@ -10,7 +10,7 @@ Why one request past 512 chunks (2,700 tokens = 675 chunks): beyond the indexer'
 scores depend on the width of the logits sglang hands to top-k; the score-resident view now has the full table's
 width, so it picks exactly what stock picks (a narrower view flipped a token at step 20 of such a request)."""
 
-from tests.sglang.live.conftest import prompt
+from tests.sglang.live.conftest import prompt, side_by_side
 
 REQS = [(300, 3), (700, 4), (1900, 6), (2700, 7)]   # (prompt tokens, seed): 75 to 675 chunks, 2 to 11 pages
 STEPS = 16                                          # > 2 x SGLANG_RETRIEVER_INTERVAL (4): Level-1 cycles decide
@@ -30,8 +30,7 @@ def _counter(server, name: str) -> float:
 def test_full_budget_tokens_equal_stock_under_level1_cycles(live_servers):
     stock, full = live_servers["stock"], live_servers["full"]
     cycles0 = _counter(full, "flashmemory_level1_cycles_total")
-    a = _batched(stock)
-    b = _batched(full)
+    a, b = side_by_side(lambda: _batched(stock), lambda: _batched(full))
     assert [len(x) for x in b] == [STEPS] * len(REQS)
     diff = [(i, next(k for k in range(STEPS) if x[k] != y[k])) for i, (x, y) in enumerate(zip(a, b)) if x != y]
     assert not diff, f"(request, first differing step): {diff}; stock {a}; full {b}"

@@ -41,7 +41,7 @@ pytest.importorskip("mooncake.engine", reason="HiSparse PD on CPU moves KV with 
 from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
 from flashmemory.serve.procs import _pgid_members, http_get  # noqa: E402
 from flashmemory.serve.stack import HISPARSE_HOT, REPO  # noqa: E402
-from tests.sglang.live.conftest import STARTUP_S  # noqa: E402
+from tests.sglang.live.conftest import STARTUP_S, side_by_side  # noqa: E402
 
 # 200 tokens: past a c128 block (c4 and c128 entries both cross PD) and inside one c4 page (64 chunks). A request
 # enters D with only its newest page resident; the rest comes with its first Level-1 cycle, which runs after the
@@ -191,9 +191,9 @@ def test_hisparse_decodes_stock_tokens_with_counted_swapins(stacks, stock):
     assert HISPARSE_PROMPT_LEN // 4 > HISPARSE_HOT
     rng = random.Random(19)
     ids = [rng.randrange(26, 1024) for _ in range(HISPARSE_PROMPT_LEN)]
-    want = generate(stock.url, ids, NEW_TOKENS)
     r = stacks["hisparse"].ready
-    got = generate(r["router"], ids, NEW_TOKENS)
+    want, got = side_by_side(lambda: generate(stock.url, ids, NEW_TOKENS),
+                             lambda: generate(r["router"], ids, NEW_TOKENS))
     counts = _swapin(r["decode"])
     assert got == want, f"HiSparse D {got} != stock {want} (counters {counts})"
     assert counts.get("misses", 0) > 0 and counts.get("calls", 0) > 0, counts

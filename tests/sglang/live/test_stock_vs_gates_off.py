@@ -3,7 +3,7 @@
 "Stock" loads only the CPU layer (SGLANG_PLUGINS=flashmemory_cpu): the FlashMemory plugin is not imported.
 """
 
-from tests.sglang.live.conftest import prompt
+from tests.sglang.live.conftest import prompt, side_by_side
 
 STEPS = 6
 
@@ -11,8 +11,7 @@ STEPS = 6
 def test_gates_off_tokens_equal_stock(live_servers):
     stock, off = live_servers["stock"], live_servers["off"]
     ids = prompt(700, 1)
-    a = stock.generate(ids, STEPS)["output_ids"]
-    b = off.generate(ids, STEPS)["output_ids"]
+    a, b = side_by_side(lambda: stock.generate(ids, STEPS)["output_ids"], lambda: off.generate(ids, STEPS)["output_ids"])
     assert len(a) == STEPS and a == b, (a, b)
     # Both ran on the CPU layer's torch sparse decode, and neither attached the FlashMemory engine.
     for srv in (stock, off):
