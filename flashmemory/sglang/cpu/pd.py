@@ -14,6 +14,13 @@ homogeneous DRAM, which they are.
 `after_nixl_agent_init` runs after every `nixl._api.nixl_agent.__init__` (a row of `PD_PATCHES`, applied with every
 other patch when SGLANG_FLASHMEMORY_CPU=1; skipped when nixl is not installed).
 
+UCX's progress thread spins. nixl's Python API builds every agent with `pthrDelay = 0` (nixl_cu13/_api.py:226),
+so each agent's progress thread polls without pause: a whole core per NIXL process on an idle box (two agents idle
+for 4 s here: 0.51 CPU-s with delay 0 under load, 0.16 with 1,000 us). On 2 cores a PD stack's P and D spent the
+CPU their forwards needed on that spin. `before_nixl_agent_init` hands `__init__` bindings whose agent config
+never takes a progress delay below PROGRESS_DELAY_US: the thread then waits up to 1 ms between polls when idle,
+and transfers still complete at once (the same script: 1-12 ms per 112-KB transfer, every byte equal).
+
 Without NIXL, sglang's `fake` backend (`TRANSFER_BACKEND=fake`) runs the PD stack with no transfer at all: D reads
 whatever its pools hold (zeros on CPU: torch allocates them zeroed), so its tokens are not P's. It needs three
 fixes, rows of `PD_PATCHES` too:
@@ -43,6 +50,38 @@ def alias_vram_to_dram(agent: Any) -> None:
         raise RuntimeError("nixl_agent has no nixl_mems['DRAM'] table: this nixl release is not supported on CPU "
                            "(tested: nixl 1.5.1)")
     mems["VRAM"] = mems["DRAM"]
+
+
+PROGRESS_DELAY_US = 1000   # the least UCX progress-thread delay on CPU (nixl's default, 0, is a busy loop)
+
+
+class _DelayedBindings:
+    """nixl's bindings module as `nixl_agent.__init__` sees it, except `nixlAgentConfig`: a subclass whose
+    `pthrDelay` (microseconds) never goes below `delay_us`. Everything else is the shipped module's."""
+
+    def __init__(self, bindings: Any, delay_us: int):
+        prop = getattr(bindings.nixlAgentConfig, "__dict__", {}).get("pthrDelay")
+        if not isinstance(prop, property) or prop.fset is None:
+            raise RuntimeError("nixl's nixlAgentConfig has no settable pthrDelay: this nixl release is not supported "
+                               "on CPU (tested: nixl 1.5.1)")
+        self._bindings, self.delay_us = bindings, delay_us
+        self.nixlAgentConfig = type("nixlAgentConfig", (bindings.nixlAgentConfig,), {
+            "pthrDelay": property(prop.fget, lambda cfg, us: prop.fset(cfg, max(int(us), delay_us)))})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+
+def slow_progress_thread(api: Any, delay_us: int = PROGRESS_DELAY_US) -> None:
+    """Point `api.nixlBind` (the bindings `nixl_agent.__init__` reads) at `_DelayedBindings`; idempotent."""
+    if not isinstance(api.nixlBind, _DelayedBindings):
+        api.nixlBind = _DelayedBindings(api.nixlBind, delay_us)
+
+
+def before_nixl_agent_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of `nixl_agent.__init__`: the agent's UCX progress thread gets a delay (module docstring)."""
+    import nixl._api as api   # the module whose globals `__init__` reads (nixl re-exports nixl_cu13._api)
+    slow_progress_thread(api)
 
 
 def after_nixl_agent_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -92,6 +131,9 @@ _CONN = "sglang.srt.disaggregation"
 _PD = "flashmemory.sglang.cpu.pd"
 
 PD_PATCHES: tuple[Patch, ...] = (
+    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "before", f"{_PD}:before_nixl_agent_init", ("self", "agent_name"),
+          "nixl_cu13/_api.py:226 builds every agent with pthrDelay = 0: UCX's progress thread spins a core per "
+          "NIXL process; on CPU it waits up to PROGRESS_DELAY_US between idle polls", optional=True),
     Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "after", f"{_PD}:after_nixl_agent_init", ("self", "agent_name"),
           "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
           "NIXL_ERR_BACKEND); every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)", optional=True),

@@ -15,6 +15,12 @@ from flashmemory.sglang.cpu.platform import CPU_SWITCHES  # noqa: E402
 os.environ.setdefault("UCX_MODULES", CPU_SWITCHES["UCX_MODULES"])
 
 
+@pytest.fixture(autouse=True)
+def shipped_bindings(monkeypatch):
+    """Every test starts from nixl's shipped bindings (the before-hook swaps the module's `nixlBind`)."""
+    monkeypatch.setattr(nixl_api, "nixlBind", getattr(nixl_api.nixlBind, "_bindings", nixl_api.nixlBind))
+
+
 def _agent_cls(patched: bool) -> type:
     """A subclass (the global class stays as shipped); patched: its __init__ runs the PD_PATCHES after-hook as
     HookRegistry's AFTER wrapper does."""
@@ -22,6 +28,7 @@ def _agent_cls(patched: bool) -> type:
         return type("Agent", (nixl_api.nixl_agent,), {})
 
     def __init__(self, *args, **kwargs):
+        pd.before_nixl_agent_init(self, *args, **kwargs)
         result = nixl_api.nixl_agent.__init__(self, *args, **kwargs)
         pd.after_nixl_agent_init(result, self, *args, **kwargs)
     return type("Agent", (nixl_api.nixl_agent,), {"__init__": __init__})
@@ -72,9 +79,46 @@ def test_alias_moves_the_bytes():
     assert torch.equal(src, dst)
 
 
-def test_the_nixl_row_is_optional_and_names_the_agent_init():
-    row = next(p for p in pd.PD_PATCHES if p.target.startswith("nixl."))
-    assert row.optional and row.kind == "after" and row.impl.endswith(":after_nixl_agent_init")
+def test_the_nixl_rows_are_optional_and_name_the_agent_init():
+    rows = {p.kind: p for p in pd.PD_PATCHES if p.target.startswith("nixl.")}
+    assert set(rows) == {"before", "after"} and all(p.optional for p in rows.values())
+    assert rows["after"].impl.endswith(":after_nixl_agent_init")
+    assert rows["before"].impl.endswith(":before_nixl_agent_init")
+
+
+def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
+    """nixl's __init__ sets pthrDelay = 0 (a spinning UCX progress thread); through the hook's bindings the config
+    it builds keeps PROGRESS_DELAY_US, and a larger delay passes through."""
+    shipped = nixl_api.nixlBind.nixlAgentConfig()
+    shipped.pthrDelay = 0
+    assert shipped.pthrDelay == 0
+    pd.before_nixl_agent_init(object())
+    pd.before_nixl_agent_init(object())                                 # idempotent: wraps once
+    assert isinstance(nixl_api.nixlBind, pd._DelayedBindings) and not isinstance(nixl_api.nixlBind._bindings,
+                                                                                  pd._DelayedBindings)
+    cfg = nixl_api.nixlBind.nixlAgentConfig()
+    cfg.pthrDelay = 0
+    assert cfg.pthrDelay == pd.PROGRESS_DELAY_US
+    cfg.pthrDelay = 5 * pd.PROGRESS_DELAY_US
+    assert cfg.pthrDelay == 5 * pd.PROGRESS_DELAY_US
+    assert nixl_api.nixlBind.nixlAgent is nixl_api.nixlBind._bindings.nixlAgent
+
+
+def test_a_delayed_agent_still_moves_the_bytes():
+    pd.slow_progress_thread(nixl_api)
+    g = torch.Generator().manual_seed(8)
+    src = torch.randint(0, 256, (2, 584 * 64), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    assert _read(_agent_cls(True), src, dst, "VRAM") == "DONE"
+    assert torch.equal(src, dst)
+
+
+def test_bindings_without_a_settable_delay_are_refused():
+    class Bindings:
+        class nixlAgentConfig:
+            pass
+    with pytest.raises(RuntimeError, match="pthrDelay"):
+        pd.slow_progress_thread(type("Api", (), {"nixlBind": Bindings})())
 
 
 def test_alias_refuses_an_unknown_agent_layout():
