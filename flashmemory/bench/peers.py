@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from flashmemory.atomic import atomic_write_text
 from flashmemory.bench.peers_costs import (ARM_NAMES, ARMS, Knobs, PeersArgError, check_args,
-                                           check_hot_buffer, decode_step_ms, delta,
+                                           check_hot_buffer, decode_step_ms, delta, pool_tokens,
                                            device_bytes, parse_contexts, per_token_costs, shape_from_config, spread,
                                            steady_failures, tokens_equal)
 from flashmemory.bench.peers_report import plain, summarize
@@ -48,8 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="rounds per context and arm (default 2)")
     p.add_argument("--steady-tokens", type=int, default=None,
                    help="tokens each request decodes once all are decoding (default 48)")
-    p.add_argument("--tokens", type=int, default=2048,
-                   help="most decode tokens per request (default 2048; streams stop earlier, see --steady-tokens)")
+    p.add_argument("--tokens", type=int, default=512,
+                   help="most decode tokens per request (default 512; streams stop earlier, see --steady-tokens; "
+                        "it must outlast the other requests' prefills, and D's pool grows with it)")
     p.add_argument("--kmax", type=int, default=2, help="FlashMemory's resident pages of 64 c4 entries (default 2)")
     p.add_argument("--hisparse-buffer", type=int, default=512,
                    help="HiSparse hot-buffer slots per c4 layer per request (default 512, below the histories)")
@@ -90,6 +92,11 @@ def _round(arm: str, stack, prompts: list[list[int]], ctx: int, steady: int, max
     return rec, [s.ids for s in got]
 
 
+def _terminate(signum: int, frame) -> None:
+    """SIGTERM: leave through the `finally` blocks that stop every server (the default handler left 6 behind)."""
+    raise SystemExit(128 + signum)
+
+
 def _write(path: str, settings: dict, rounds: list[dict], complete: bool) -> None:
     """The run's JSON (atomically): settings, the per (context, arm) summary and every round's record."""
     atomic_write_text(path, json.dumps({"complete": complete, "settings": settings, "summary": summarize(rounds),
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     # other requests' prefills (minutes each on a loaded box), or the first request ends before the last starts
     max_new = args.tokens
     ctx_len = ctxs[-1] + max_new + 256
-    max_total = requests * ctx_len + 1024
+    max_total = pool_tokens(ctxs[-1], max_new, requests)
     rng = random.Random(0)
     vocab = int(cfg["vocab_size"])
     prompts = {c: [[rng.randrange(32, vocab) for _ in range(c)] for _ in range(requests)] for c in ctxs}
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     print("starting 2 P servers (NIXL; Mooncake for HiSparse) and 4 D servers at once (several minutes on 2 "
           "cores) ...", flush=True)
     t_start = time.monotonic()
+    signal.signal(signal.SIGTERM, _terminate)   # `kill` stops the servers too (the finally blocks below)
     try:
         servers, stacks = start_all(setups, logs)
     except (ServerStartError, RuntimeError, OSError) as e:

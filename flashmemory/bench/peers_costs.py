@@ -77,6 +77,22 @@ def check_args(requests: int, repeats: int, kmax: int, steady_tokens: int) -> No
             raise PeersArgError(f"{flag} {v}: must be at least {lo}")
 
 
+SWA_RATIO = 0.1   # sglang sets --swa-full-tokens-ratio 0.1 for DeepseekV4ForCausalLM (D's log: "Setting ...")
+SWA_SLACK = 512   # tokens per request beyond max_new for D's SWA admission (the window tail, page rounding)
+
+
+def pool_tokens(longest_ctx: int, max_new: int, requests: int, swa_ratio: float = SWA_RATIO) -> int:
+    """The pool (--max-total-tokens) each server gets so that every round's requests are admitted at once.
+
+    Two bounds: the full pool holds every request's prompt + max_new (+256); and D's SWA pool, swa_ratio of the
+    full one, must hold each request's max_new + SWA_SLACK, because D's prealloc admits a PD request only when
+    its SWA tail plus max_new fits (disaggregation/decode.py:1560-1567). With --tokens 2048 and a 10,240-token pool
+    the SWA pool was 1,024 tokens: D never admitted the requests and P's bootstrap timed out after 300 s."""
+    full = requests * (longest_ctx + max_new + 256) + 1024
+    swa = int(-(-requests * (max_new + SWA_SLACK) // swa_ratio)) + 1024
+    return max(full, swa)
+
+
 def check_hot_buffer(hot_buffer: int, topk: int) -> None:
     """HiSparse's buffer must hold the native top-k (sglang refuses less); PeersArgError naming the flag."""
     if hot_buffer < topk:

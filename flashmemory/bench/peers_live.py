@@ -129,7 +129,8 @@ def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[l
     """A streamed greedy PD request (P prefills, D decodes and streams) that keeps the output ids (cumulative or
     incremental chunks) and the arrival time of every new token; stop(token_times) True closes D's stream (D
     aborts the request)."""
-    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new),
+    rid = f"peers-{random.getrandbits(48):012x}"
+    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new), "rid": rid,
                **pd.bootstrap()}
     p_err: list[BaseException] = []
 
@@ -138,6 +139,10 @@ def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[l
             http_post_json(pd.prefill_url + "/generate", payload, timeout=timeout)
         except BaseException as e:   # reported below if D streamed nothing
             p_err.append(e)
+            try:   # D would wait for this request's KV until `timeout`: end its stream now
+                http_post_json(pd.decode_url + "/abort_request", {"rid": rid}, timeout=30)
+            except (OSError, ValueError):
+                pass
 
     pt = threading.Thread(target=prefill, daemon=True)
     pt.start()

@@ -164,3 +164,14 @@ def test_curve_diverges_with_history():
     assert md[5].endswith("| 8192 |") and md[7].endswith("| 768 |")
     # HiSparse's hot buffer stays 2 x 576 x 584 B whatever the history; stock's c4 KV grows with it
     assert "+ 673) |" in md[3] and "+ 673) |" in md[6] and "| 4,096 | stock | 1466 (1196 + 270 + 0) |" in md[2]
+
+
+def test_the_pool_admits_every_request_into_ds_swa_pool():
+    """D admits a PD request only when max_new + its SWA tail fits the SWA pool (swa ratio 0.1 of the pool for
+    DSv4); the first live run with --tokens 2048 got a 10,240-token pool, a 1,024-token SWA pool, and hung."""
+    from flashmemory.bench.peers_costs import SWA_RATIO, SWA_SLACK, pool_tokens
+    for ctx, max_new, n in [(2304, 2048, 2), (2304, 512, 2), (9216, 160, 2), (4608, 512, 4)]:
+        pool = pool_tokens(ctx, max_new, n)
+        assert pool >= n * (ctx + max_new)                             # the full pool holds every request
+        assert int(pool * SWA_RATIO) >= n * (max_new + SWA_SLACK)      # and D's SWA pool admits them all
+    assert pool_tokens(2304, 2048, 2) > 10240
