@@ -11,13 +11,13 @@ registration, descriptor list and transfer of the agent says DRAM. That is the o
 changes, and mixed VRAM/DRAM kinds (shrink mode's host-mirror entries, `hooks.before_nixl_manager_init`) become
 homogeneous DRAM, which they are.
 
-`after_nixl_agent_init` runs after every `nixl._api.nixl_agent.__init__` (a row of `PD_PATCHES`, applied with every
+`around_nixl_agent_init` wraps every `nixl._api.nixl_agent.__init__` (a row of `PD_PATCHES`, applied with every
 other patch when SGLANG_FLASHMEMORY_CPU=1; skipped when nixl is not installed).
 
 UCX's progress thread spins. nixl's Python API builds every agent with `pthrDelay = 0` (nixl_cu13/_api.py:226),
 so each agent's progress thread polls without pause: a whole core per NIXL process on an idle box (two agents idle
 for 4 s here: 0.51 CPU-s with delay 0 under load, 0.16 with 1,000 us). On 2 cores a PD stack's P and D spent the
-CPU their forwards needed on that spin. `before_nixl_agent_init` hands `__init__` bindings whose agent config
+CPU their forwards needed on that spin. The same hook hands `__init__` bindings whose agent config
 never takes a progress delay below PROGRESS_DELAY_US: the thread then waits up to 1 ms between polls when idle,
 and transfers still complete at once (the same script: 1-12 ms per 112-KB transfer, every byte equal).
 
@@ -78,14 +78,12 @@ def slow_progress_thread(api: Any, delay_us: int = PROGRESS_DELAY_US) -> None:
         api.nixlBind = _DelayedBindings(api.nixlBind, delay_us)
 
 
-def before_nixl_agent_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE hook of `nixl_agent.__init__`: the agent's UCX progress thread gets a delay (module docstring)."""
+def around_nixl_agent_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND hook of `nixl_agent.__init__` (one hook per target: HookRegistry applies a target once): the agent's
+    UCX progress thread gets a delay, then the new agent aliases VRAM to DRAM (see the module docstring)."""
     import nixl._api as api   # the module whose globals `__init__` reads (nixl re-exports nixl_cu13._api)
     slow_progress_thread(api)
-
-
-def after_nixl_agent_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook of `nixl_agent.__init__`: each new agent aliases VRAM to DRAM (see the module docstring)."""
+    original(self, *args, **kwargs)
     alias_vram_to_dram(self)
 
 
@@ -131,12 +129,11 @@ _CONN = "sglang.srt.disaggregation"
 _PD = "flashmemory.sglang.cpu.pd"
 
 PD_PATCHES: tuple[Patch, ...] = (
-    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "before", f"{_PD}:before_nixl_agent_init", ("self", "agent_name"),
-          "nixl_cu13/_api.py:226 builds every agent with pthrDelay = 0: UCX's progress thread spins a core per "
-          "NIXL process; on CPU it waits up to PROGRESS_DELAY_US between idle polls", optional=True),
-    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "after", f"{_PD}:after_nixl_agent_init", ("self", "agent_name"),
+    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "around", f"{_PD}:around_nixl_agent_init", ("self", "agent_name"),
           "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
-          "NIXL_ERR_BACKEND); every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)", optional=True),
+          "NIXL_ERR_BACKEND): every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200); _api.py:226 builds every "
+          "agent with pthrDelay = 0 (UCX's progress thread spins a core): on CPU at least PROGRESS_DELAY_US",
+          optional=True),
     Patch("cpu_pd", "sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation", "step",
           f"{_PD}:fake_prefill_step", ("server_args",),
           "arg_groups/pd_disaggregation_hook.py:146 asserts a prefill server is not `fake` (fix 1)"),

@@ -22,15 +22,13 @@ def shipped_bindings(monkeypatch):
 
 
 def _agent_cls(patched: bool) -> type:
-    """A subclass (the global class stays as shipped); patched: its __init__ runs the PD_PATCHES after-hook as
-    HookRegistry's AFTER wrapper does."""
+    """A subclass (the global class stays as shipped); patched: its __init__ runs the PD_PATCHES around-hook as
+    HookRegistry's AROUND wrapper does."""
     if not patched:
         return type("Agent", (nixl_api.nixl_agent,), {})
 
     def __init__(self, *args, **kwargs):
-        pd.before_nixl_agent_init(self, *args, **kwargs)
-        result = nixl_api.nixl_agent.__init__(self, *args, **kwargs)
-        pd.after_nixl_agent_init(result, self, *args, **kwargs)
+        pd.around_nixl_agent_init(lambda *a, **k: nixl_api.nixl_agent.__init__(*a, **k), self, *args, **kwargs)
     return type("Agent", (nixl_api.nixl_agent,), {"__init__": __init__})
 
 
@@ -79,11 +77,9 @@ def test_alias_moves_the_bytes():
     assert torch.equal(src, dst)
 
 
-def test_the_nixl_rows_are_optional_and_name_the_agent_init():
-    rows = {p.kind: p for p in pd.PD_PATCHES if p.target.startswith("nixl.")}
-    assert set(rows) == {"before", "after"} and all(p.optional for p in rows.values())
-    assert rows["after"].impl.endswith(":after_nixl_agent_init")
-    assert rows["before"].impl.endswith(":before_nixl_agent_init")
+def test_the_nixl_row_is_optional_and_names_the_agent_init():
+    (row,) = [p for p in pd.PD_PATCHES if p.target.startswith("nixl.")]
+    assert row.optional and row.kind == "around" and row.impl.endswith(":around_nixl_agent_init")
 
 
 def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
@@ -92,8 +88,8 @@ def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
     shipped = nixl_api.nixlBind.nixlAgentConfig()
     shipped.pthrDelay = 0
     assert shipped.pthrDelay == 0
-    pd.before_nixl_agent_init(object())
-    pd.before_nixl_agent_init(object())                                 # idempotent: wraps once
+    pd.slow_progress_thread(nixl_api)
+    pd.slow_progress_thread(nixl_api)                                  # idempotent: wraps once
     assert isinstance(nixl_api.nixlBind, pd._DelayedBindings) and not isinstance(nixl_api.nixlBind._bindings,
                                                                                   pd._DelayedBindings)
     cfg = nixl_api.nixlBind.nixlAgentConfig()
