@@ -106,12 +106,18 @@ class TieredEngine(OffloadEngine):
         if index is None and self.layout.offload_index_layers:
             raise ValueError("TieredEngine: an admission into the landing window needs its Path-I index-K rows")
         t, rid = head * pc, str(st.rid)
-        super()._land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
-        for p0 in range(0, head, LAND_BATCH):
-            c0, c1 = p0 * pc, min(head, p0 + LAND_BATCH) * pc
-            for i, data in enumerate(pages_from_chunks(self.layout, kv[:, c0:c1],
-                                                       None if index is None else index[:, c0:c1])):
-                self.tier.put(rid, p0 + i, data)
+        try:
+            super()._land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
+            for p0 in range(0, head, LAND_BATCH):
+                c0, c1 = p0 * pc, min(head, p0 + LAND_BATCH) * pc
+                for i, data in enumerate(pages_from_chunks(self.layout, kv[:, c0:c1],
+                                                           None if index is None else index[:, c0:c1])):
+                    self.tier.put(rid, p0 + i, data)
+            self.mirror.release(st.mpages[:head])   # never had a slot: marked as the tier's (reading them raises)
+        except BaseException:   # the admission fails whole: its pages, slots and tier pages go back
+            self.mirror.free(st.mpages)
+            self.tier.free_request(rid)
+            raise
         self.sealed[row] = (st.gen, head)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
