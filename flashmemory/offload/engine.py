@@ -84,7 +84,7 @@ class OffloadEngine:
                                  lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
                                  stats=self.stats, lock=self._lock, main_stream=self.main_stream,
                                  side_stream=self.side_stream)
-        self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock  # the recaller's (reusable staging)
+        self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock   # the recaller's
 
     @property
     def lock(self) -> Any:
@@ -161,7 +161,7 @@ class OffloadEngine:
                       n_chunks=n, ring=[-1] * self.cfg.decode_pages)
             m = self._mchunks(st, 0, n)
             if kv is not None:
-                self._land(row, st, m, kv, index)
+                self.land(row, st, m, kv, index)
             elif index is not None:
                 self.mirror.write_index(m, index)
             if index is not None:
@@ -234,7 +234,7 @@ class OffloadEngine:
                 self.stats.add(st.rid, "decode_chunks")
             return cells
 
-    def _land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
         """An admission's chunk rows at mirror chunks m [n] go to the mirror (the disk tier's window overrides it)."""
         self.mirror.write(m, kv, index)
 

@@ -9,7 +9,8 @@ seal     At the start of every `sync_batch` (after the mode has settled the last
          the host page cache as dirty pages; when the cache overflows, its least recently used pages are
          written behind to the page store (a disk full / EIO write keeps the page in DRAM, counted). A sealed
          page never changes again (decode only writes the newest page), so the tier's copy stays exact.
-         A request is sealed from its second step on: its admission step (tail page, warm start) reads the mirror.
+         A request is sealed from its second step on: its admission step (tail page, warm start) reads the mirror
+         (with a landing window its complete pages go to the tier at admission instead; see below).
 recall   The recaller's copy of a plan comes here (`copy_plan`): sealed pages are read through the cache (read-
          ahead of the whole plan first, on the cache's reader threads, so later pages arrive while earlier ones
          are copied; a miss reads from disk and verifies the checksum), unsealed pages from the mirror; then one
@@ -22,7 +23,7 @@ finish   The request's cache pages and disk slots are freed (space returns), the
 Landing window (SGLANG_PATHP_HOST_MIRROR_GB, `EngineConfig.mirror_slots`): the mirror's tensors hold far fewer
 DRAM page slots than it has page ids (`HostMirror` translates ids to slots). `seal` releases a page's slot right
 after `tier.put` (the cache holds the bytes, pinned there if the disk refuses them); an admission lands only its
-tail page in the mirror: its complete pages are packed straight from the chunk rows into the tier (`_land`) and
+tail page in the mirror: its complete pages are packed straight from the chunk rows into the tier (`land`) and
 count as sealed from the start. So host DRAM = slots x page bytes + the bounded page cache. The window holds at
 least max_rows x (LANDED_PAGES + 2) slots (`window_slots`). Shrink mode keeps a full-size mirror (PD lands P's
 KV in it by pool page id through NIXL registration), so `build_engine(full_mirror=True)` ignores the knob.
@@ -95,19 +96,19 @@ class TieredEngine(OffloadEngine):
                 self.sealed[row] = (st.gen, max(done, upto))
         return n
 
-    def _land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
         """Admission with a window: the tail page's chunks go to the mirror, the complete pages before it straight
         into the tier (packed from the chunk rows, LAND_BATCH pages at a time), sealed from the start. Without a
         window, the plain engine's write. Runs under the engine lock (inside `admit`)."""
         pc = self.layout.page_chunks
         head = (st.n_chunks - 1) // pc if self.mirror.slot_of is not None else 0
         if head == 0:
-            return super()._land(row, st, m, kv, index)
+            return super().land(row, st, m, kv, index)
         if index is None and self.layout.offload_index_layers:
             raise ValueError("TieredEngine: an admission into the landing window needs its Path-I index-K rows")
         t, rid = head * pc, str(st.rid)
         try:
-            super()._land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
+            super().land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
             for p0 in range(0, head, LAND_BATCH):
                 c0, c1 = p0 * pc, min(head, p0 + LAND_BATCH) * pc
                 for i, data in enumerate(pages_from_chunks(self.layout, kv[:, c0:c1],
