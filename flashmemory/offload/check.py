@@ -17,13 +17,15 @@ from flashmemory.offload.engine import OffloadEngine
 from flashmemory.offload.mirror import RELEASED
 
 
-def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host copies of pages keys [(row, logical page, mirror page)] as kv uint8 [L, k, W] and Path-I index
-    [Li, k, Wi]: from the mirror's rows, or the disk tier's bytes for a page released from the window."""
-    m = eng.mirror
+def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]], m_chunks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host copy of the pages holding mirror chunks m_chunks [n]: (kv uint8 [L, P, W], Path-I index
+    [Li, P, Wi], page rows int64 [n] into them). A full-size mirror is its own copy; with a window, pages
+    keys [(row, logical page, mirror page)] are gathered from their slots, or from the disk tier's bytes for a
+    page released from the window."""
+    m, pc = eng.mirror, eng.layout.page_chunks
     if m.slot_of is None:
-        rows = torch.tensor([mp for _, _, mp in keys], dtype=torch.int64)
-        return m.kv[:, rows], m.index[:, rows]
+        return m.kv, m.index, m_chunks // pc
     from flashmemory.offload.disk.format import unpack_rows
     kv = torch.empty((m.kv.shape[0], len(keys), m.kv.shape[2]), dtype=torch.uint8)
     ix = torch.empty((m.index.shape[0], len(keys), m.index.shape[2]), dtype=torch.uint8)
@@ -33,7 +35,8 @@ def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]]) -> tuple[t
         else:
             s = m.row(mp)
             kv[:, i], ix[:, i] = m.kv[:, s], m.index[:, s]
-    return kv, ix
+    local = {mp: i for i, (_, _, mp) in enumerate(keys)}
+    return kv, ix, torch.tensor([local[int(p)] for p in (m_chunks // pc).tolist()], dtype=torch.int64)
 
 
 def check_invariants(eng: OffloadEngine) -> list[str]:
@@ -73,7 +76,8 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
             live = c >= 0
             ms.append(m[live])
             cells.append(c[live])
-            keys += [(r, p, st.mpages[p]) for p in sorted(set((j[live] // pc).tolist()))]
+            if eng.mirror.slot_of is not None:
+                keys += [(r, p, st.mpages[p]) for p in sorted(set((j[live] // pc).tolist()))]
             blk = c[live] // pc
             lo, hi = res.decode_block(r, 0), res.decode_block(r, res.decode_pages - 1)
             o = own[blk.clamp(max=res.recall_blocks)]
@@ -89,9 +93,7 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
         if c.numel() and (c.max() >= res.sink_cell or c.min() < 0):
             bad.append(f"a cell lies outside [0, sink_cell={res.sink_cell})")
         if c.numel():
-            kv_h, ix_h = _host_pages(eng, keys)   # the resident pages' host bytes, in `keys` order
-            local = {mp: i for i, (_, _, mp) in enumerate(keys)}
-            hp = torch.tensor([local[int(p)] for p in (m // pc).tolist()], dtype=torch.int64)
+            kv_h, ix_h, hp = _host_pages(eng, keys, m)   # the resident chunks' host pages
             kv_r = lay.kv.read_chunks(res.kv.cpu(), c // pc, c % pc)
             kv_m = lay.kv.read_chunks(kv_h.contiguous(), hp, m % pc)
             if not torch.equal(kv_r, kv_m):

@@ -188,3 +188,28 @@ def test_build_engine_sizes_and_logs_the_window(tmp_path, caplog):
     finally:
         eng.close()
     assert type(build_engine(LAYOUT, CFG, "cpu", DiskTierConfig(host_mirror_gb=1.0))) is OffloadEngine
+
+
+def test_serving_gauges_report_the_window(tmp_path):
+    """/metrics: the mirror's physical bytes are slots x page bytes, and the slots in use return to 0 at finish."""
+    from types import SimpleNamespace
+
+    from flashmemory.sglang.prometheus import SERVING_METRICS, serving_gauges
+    assert {"host_mirror_bytes", "host_mirror_slots_in_use"} <= set(SERVING_METRICS)
+    win = windowed(tmp_path, 12)
+    g = torch.Generator().manual_seed(9)
+    try:
+        admit_step((win,), [(0, "u", 17), (1, "v", 3)], g)
+        gauges = serving_gauges(SimpleNamespace(engine=win, rows={"u": 0, "v": 1}))
+        pb = disk_page_bytes(LAYOUT)
+        assert gauges["host_mirror_bytes"] == 12 * pb < 128 * pb
+        assert gauges["host_mirror_slots_in_use"] == 2 and gauges["host_mirror_bytes_in_use"] == 2 * pb
+        win.sync_batch(BatchSync(finished=(0, 1)))
+        gauges = serving_gauges(SimpleNamespace(engine=win, rows={}))
+        assert gauges["host_mirror_slots_in_use"] == 0 == gauges["host_mirror_bytes_in_use"]
+    finally:
+        win.close()
+    plain = OffloadEngine(LAYOUT, CFG)
+    plain.admit(0, *chunks(9, g))
+    gauges = serving_gauges(SimpleNamespace(engine=plain, rows={"a": 0}))   # full size: slots = pages in use
+    assert gauges["host_mirror_slots_in_use"] == 3 and gauges["host_mirror_bytes"] == 128 * disk_page_bytes(LAYOUT)
