@@ -165,12 +165,14 @@ class DiskTierConfig:
 
     dir: SGLANG_PATHP_DISK_DIR, an absolute directory ("" = no disk tier); each rank creates its own uniquely named
     store file there. disk_gb: SGLANG_PATHP_DISK_GB, the store's size bound per rank (GB = 1e9 B). host_cache_gb:
-    SGLANG_PATHP_HOST_CACHE_GB, the host page cache per rank (GB = 1e9 B).
+    SGLANG_PATHP_HOST_CACHE_GB, the host page cache per rank (GB = 1e9 B). host_mirror_gb:
+    SGLANG_PATHP_HOST_MIRROR_GB, the host mirror's landing window per rank (GB = 1e9 B; 0 = unset: full size).
     """
 
     dir: str = ""
     disk_gb: float = 64.0
     host_cache_gb: float = 8.0
+    host_mirror_gb: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -184,6 +186,11 @@ class DiskTierConfig:
     def host_cache_bytes(self) -> int:
         return int(self.host_cache_gb * 1e9)
 
+    @property
+    def host_mirror_bytes(self) -> int | None:
+        """The landing window's DRAM in bytes, or None (unset: the mirror keeps one slot per page)."""
+        return int(self.host_mirror_gb * 1e9) if self.host_mirror_gb > 0 else None
+
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "DiskTierConfig":
         e = os.environ if env is None else env
@@ -192,10 +199,13 @@ class DiskTierConfig:
             dir=(e.get("SGLANG_PATHP_DISK_DIR") or "").strip(),
             disk_gb=_float(e, "SGLANG_PATHP_DISK_GB", d.disk_gb, 0.0, MAX_DISK_GB),
             host_cache_gb=_float(e, "SGLANG_PATHP_HOST_CACHE_GB", d.host_cache_gb, 0.0, MAX_HOST_CACHE_GB),
+            host_mirror_gb=_float(e, "SGLANG_PATHP_HOST_MIRROR_GB", d.host_mirror_gb, 0.0, MAX_HOST_CACHE_GB),
         )
         if out.dir and not os.path.isabs(out.dir):
             raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.dir!r}: must be an absolute directory")
-        for name, v in (("SGLANG_PATHP_DISK_GB", out.disk_gb), ("SGLANG_PATHP_HOST_CACHE_GB", out.host_cache_gb)):
+        mirror_set = bool((e.get("SGLANG_PATHP_HOST_MIRROR_GB") or "").strip())
+        for name, v in (("SGLANG_PATHP_DISK_GB", out.disk_gb), ("SGLANG_PATHP_HOST_CACHE_GB", out.host_cache_gb),
+                        ("SGLANG_PATHP_HOST_MIRROR_GB", out.host_mirror_gb if mirror_set else 1.0)):
             if v <= 0:
                 raise EnvError(f"{name}={v}: must be > 0")
             if not out.dir and (e.get(name) or "").strip():
@@ -405,9 +415,14 @@ ENV_DOC: dict[str, tuple[str, str]] = {
                                      "(required with SGLANG_FLASHMEMORY_DUMP=1)"),
     "SGLANG_PATHP_DISK_DIR": ("", "Disk tier under the host mirror (with SGLANG_DECODE_SWAP_P=1): absolute directory for "
                               "each rank's c4 KV page store file; recalls read complete pages through a host page "
-                              "cache in front of it (the mirror keeps its full size for now); empty = no disk tier"),
+                              "cache in front of it (the mirror shrinks only with SGLANG_PATHP_HOST_MIRROR_GB); "
+                              "empty = no disk tier"),
     "SGLANG_PATHP_DISK_GB": ("64", "Disk tier: page store size per rank, in GB (1e9 B)"),
     "SGLANG_PATHP_HOST_CACHE_GB": ("8", "Disk tier: host-DRAM page cache in front of the store, per rank, in GB (1e9 B)"),
+    "SGLANG_PATHP_HOST_MIRROR_GB": ("", "Disk tier: the host mirror becomes a landing window of this many GB (1e9 B) "
+                                    "per rank (at least DECODE_MAX_CONC x 3 pages): a sealed page leaves it once the "
+                                    "tier holds it, so host DRAM = window + host cache; empty = full-size mirror. "
+                                    "Ignored in shrink mode (PD lands KV in the mirror by pool page)"),
     "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
                                "(with --device cpu; independent of the FlashMemory gates)"),
 }

@@ -4,6 +4,9 @@ Cheap enough to run after every step at test sizes; at serving sizes it reads th
 only in debug runs. Returns a list of violations (empty = consistent). Call it while no recall is being
 copied, or hold `engine.lock` (in-flight blocks are excluded from byte checks by construction: they are
 never in the lookup table).
+
+With a landing window (`HostMirror.slot_of`), a page whose slot was released is compared against the bytes the
+disk tier holds (`engine.held_page(row, page)`); the mirror's own pages are read through `HostMirror.rows`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,29 @@ from __future__ import annotations
 import torch
 
 from flashmemory.offload.engine import OffloadEngine
+from flashmemory.offload.mirror import RELEASED
+
+
+def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]], m_chunks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host copy of the pages holding mirror chunks m_chunks [n]: (kv uint8 [L, P, W], Path-I index
+    [Li, P, Wi], page rows int64 [n] into them). A full-size mirror is its own copy; with a window, pages
+    keys [(row, logical page, mirror page)] are gathered from their slots, or from the disk tier's bytes for a
+    page released from the window."""
+    m, pc = eng.mirror, eng.layout.page_chunks
+    if m.slot_of is None:
+        return m.kv, m.index, m_chunks // pc
+    from flashmemory.offload.disk.format import unpack_rows
+    kv = torch.empty((m.kv.shape[0], len(keys), m.kv.shape[2]), dtype=torch.uint8)
+    ix = torch.empty((m.index.shape[0], len(keys), m.index.shape[2]), dtype=torch.uint8)
+    for i, (row, page, mp) in enumerate(keys):
+        if int(m.slot_of[mp]) == RELEASED:
+            kv[:, i], ix[:, i] = unpack_rows(eng.held_page(row, page), eng.layout)
+        else:
+            s = m.row(mp)
+            kv[:, i], ix[:, i] = m.kv[:, s], m.index[:, s]
+    local = {mp: i for i, (_, _, mp) in enumerate(keys)}
+    return kv, ix, torch.tensor([local[int(p)] for p in (m_chunks // pc).tolist()], dtype=torch.int64)
 
 
 def check_invariants(eng: OffloadEngine) -> list[str]:
@@ -20,7 +46,7 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
         table = eng.lut.table.cpu()
         if int(table[-1]) != -1:
             bad.append("sentinel entry is not -1")
-        ms, cells = [], []
+        ms, cells, keys = [], [], []
         own = torch.tensor([o if o is not None else (-1, -1, -1) for o in eng.owner] + [(-1, -1, -1)],
                            dtype=torch.int64)
         row_pages, res_count = eng.lut.row_pages.cpu(), eng.res_count.cpu()
@@ -50,6 +76,8 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
             live = c >= 0
             ms.append(m[live])
             cells.append(c[live])
+            if eng.mirror.slot_of is not None:
+                keys += [(r, p, st.mpages[p]) for p in sorted(set((j[live] // pc).tolist()))]
             blk = c[live] // pc
             lo, hi = res.decode_block(r, 0), res.decode_block(r, res.decode_pages - 1)
             o = own[blk.clamp(max=res.recall_blocks)]
@@ -65,14 +93,15 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
         if c.numel() and (c.max() >= res.sink_cell or c.min() < 0):
             bad.append(f"a cell lies outside [0, sink_cell={res.sink_cell})")
         if c.numel():
+            kv_h, ix_h, hp = _host_pages(eng, keys, m)   # the resident chunks' host pages
             kv_r = lay.kv.read_chunks(res.kv.cpu(), c // pc, c % pc)
-            kv_m = lay.kv.read_chunks(eng.mirror.kv, m // pc, m % pc)
+            kv_m = lay.kv.read_chunks(kv_h.contiguous(), hp, m % pc)
             if not torch.equal(kv_r, kv_m):
                 n_bad = int((kv_r != kv_m).any(-1).any(0).sum())
                 bad.append(f"{n_bad} resident chunks: c4 KV bytes in the reserve differ from the mirror")
             if res.index.shape[0]:
                 ix_r = lay.index.read_chunks(res.index.cpu(), c // pc, c % pc)
-                ix_m = lay.index.read_chunks(eng.mirror.index, m // pc, m % pc)
+                ix_m = lay.index.read_chunks(ix_h.contiguous(), hp, m % pc)
                 if not torch.equal(ix_r, ix_m):
                     bad.append("resident chunks: Path-I index bytes in the reserve differ from the mirror")
         owned = [b for b, o in enumerate(eng.owner) if o is not None]

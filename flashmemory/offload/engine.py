@@ -36,14 +36,15 @@ class EngineConfig:
     decode_pages: int = 8            # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96     # per-request cap on recalled pages (KMAX)
     landing_blocks: int = 0          # reserve scratch blocks for prefill stores (sglang shrink mode)
+    mirror_slots: int = 0            # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
     pin_memory: bool | None = None   # None = pin when CUDA is present
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.mirror_pages < 0 or self.landing_blocks < 0:
-            raise ValueError("EngineConfig.mirror_pages and landing_blocks must be >= 0")
+        if min(self.mirror_pages, self.landing_blocks, self.mirror_slots) < 0:
+            raise ValueError("EngineConfig.mirror_pages, landing_blocks and mirror_slots must be >= 0")
 
 
 class OffloadEngine:
@@ -57,22 +58,19 @@ class OffloadEngine:
         target index pool (the caller keeps it current; see `TargetIndexPool`)."""
         self.layout, self.cfg = layout, cfg
         self.device = torch.device(device)
-        pc = layout.page_chunks
         self.max_pages = layout.pages_for(cfg.max_chunks)
         n_mirror = cfg.mirror_pages or cfg.max_rows * self.max_pages
-        self.mirror = HostMirror(layout, n_mirror, cfg.pin_memory)
+        self.mirror = HostMirror(layout, n_mirror, cfg.pin_memory, cfg.mirror_slots or None)
         self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device,
                                      cfg.landing_blocks)
         self.target = TargetIndexPool(layout, n_mirror, self.device, target_buffers)
-        self.lut = ChunkLUT(n_mirror, pc, cfg.max_rows, self.max_pages, self.device)
-        self.blocks = BlockAllocator(cfg.recall_blocks)
-        self.lru = PageLRU()
+        self.lut = ChunkLUT(n_mirror, layout.page_chunks, cfg.max_rows, self.max_pages, self.device)
+        self.blocks, self.lru = BlockAllocator(cfg.recall_blocks), PageLRU()
         self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
         self.inflight: set[int] = set()
         self.rows: list[RowState | None] = [None] * cfg.max_rows
         self._lock = threading.RLock()
-        self.stats = OffloadMetrics()
-        self._gen = 0
+        self.stats, self._gen = OffloadMetrics(), 0
         cuda = self.device.type == "cuda"
         self.main_stream = torch.cuda.current_stream(self.device) if cuda else None
         self.side_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -86,8 +84,7 @@ class OffloadEngine:
                                  lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
                                  stats=self.stats, lock=self._lock, main_stream=self.main_stream,
                                  side_stream=self.side_stream)
-        self.staging = self.recaller.staging               # reusable recall staging (the recaller's)
-        self.copy_lock = self.recaller.copy_lock
+        self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock   # the recaller's
 
     @property
     def lock(self) -> Any:
@@ -127,8 +124,7 @@ class OffloadEngine:
             raise ValueError(f"{what}: expected uint8 {want} chunk rows, got {t.dtype} {tuple(t.shape)}")
 
     def _mchunks(self, st: RowState, start: int, stop: int) -> torch.Tensor:
-        pc = self.layout.page_chunks
-        j = torch.arange(start, stop)
+        pc, j = self.layout.page_chunks, torch.arange(start, stop)
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -165,7 +161,7 @@ class OffloadEngine:
                       n_chunks=n, ring=[-1] * self.cfg.decode_pages)
             m = self._mchunks(st, 0, n)
             if kv is not None:
-                self.mirror.write(m, kv, index)
+                self.land(row, st, m, kv, index)
             elif index is not None:
                 self.mirror.write_index(m, index)
             if index is not None:
@@ -238,6 +234,10 @@ class OffloadEngine:
                 self.stats.add(st.rid, "decode_chunks")
             return cells
 
+    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+        """An admission's chunk rows at mirror chunks m [n] go to the mirror (the disk tier's window overrides it)."""
+        self.mirror.write(m, kv, index)
+
     def add_pages(self, row: int, mpages: Sequence[int]) -> None:
         """Claim mirror pages and append them to the row's logical pages (for callers that own the page ids:
         the next `decode_append` crossing a page boundary uses them instead of allocating)."""
@@ -271,7 +271,7 @@ class OffloadEngine:
             self._retire(row, st, slot)
         blk = self.reserve.decode_block(row, slot)
         mp = st.mpages[page]
-        src = torch.tensor([mp])
+        src = self.mirror.rows(torch.tensor([mp]))   # the page's DRAM row (its id without a window)
         self.reserve.kv[:, blk] = self.mirror.kv[:, src].to(self.device)[:, 0]
         if self.reserve.index.shape[0]:
             self.reserve.index[:, blk] = self.mirror.index[:, src].to(self.device)[:, 0]

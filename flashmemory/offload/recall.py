@@ -229,7 +229,7 @@ class Recaller:
                                            + self.reserve.index.shape[0] * self.reserve.index.shape[2])
 
     def _copy_from_mirror(self, plan: RecallPlan) -> None:
-        src = torch.tensor([e[3] for e in plan.entries], dtype=torch.int64)
+        src = self.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))   # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
         if side is not None:

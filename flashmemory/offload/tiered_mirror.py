@@ -9,7 +9,8 @@ seal     At the start of every `sync_batch` (after the mode has settled the last
          the host page cache as dirty pages; when the cache overflows, its least recently used pages are
          written behind to the page store (a disk full / EIO write keeps the page in DRAM, counted). A sealed
          page never changes again (decode only writes the newest page), so the tier's copy stays exact.
-         A request is sealed from its second step on: its admission step (tail page, warm start) reads the mirror.
+         A request is sealed from its second step on: its admission step (tail page, warm start) reads the mirror
+         (with a landing window its complete pages go to the tier at admission instead; see below).
 recall   The recaller's copy of a plan comes here (`copy_plan`): sealed pages are read through the cache (read-
          ahead of the whole plan first, on the cache's reader threads, so later pages arrive while earlier ones
          are copied; a miss reads from disk and verifies the checksum), unsealed pages from the mirror; then one
@@ -19,24 +20,37 @@ recall   The recaller's copy of a plan comes here (`copy_plan`): sealed pages ar
          publishes the others, then raises it (the sglang adapter turns it into that request's failure).
 finish   The request's cache pages and disk slots are freed (space returns), then pinned pages are retried.
 
-Not done here: the mirror tensor keeps its full size (a page's DRAM copy is not released once sealed), so this
-proves the tier's data path and counts its traffic, but does not yet lower host DRAM use; that needs the mirror
-to become a landing window with page indirection (PD lands in it by pool page id).
+Landing window (SGLANG_PATHP_HOST_MIRROR_GB, `EngineConfig.mirror_slots`): the mirror's tensors hold far fewer
+DRAM page slots than it has page ids (`HostMirror` translates ids to slots). `seal` releases a page's slot right
+after `tier.put` (the cache holds the bytes, pinned there if the disk refuses them); an admission lands only its
+tail page in the mirror: its complete pages are packed straight from the chunk rows into the tier (`land`) and
+count as sealed from the start. So host DRAM = slots x page bytes + the bounded page cache. The window holds at
+least max_rows x (LANDED_PAGES + 2) slots (`window_slots`). Shrink mode keeps a full-size mirror (PD lands P's
+KV in it by pool page id through NIXL registration), so `build_engine(full_mirror=True)` ignores the knob.
+Without the window a sealed page's DRAM copy stays in the mirror (the tier then lowers no host DRAM).
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_bytes, open_tier, pack_page
+from flashmemory.offload.disk.format import pages_from_chunks
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.recall import RecallPlan, gather_copy
+from flashmemory.offload.rows import RowState
 from flashmemory.offload.sync import BatchSync, SyncResult
+
+log = logging.getLogger("flashmemory.offload.disk")
+LANDED_PAGES = 1   # pages an admission lands in the window (its tail; complete pages go straight to the tier)
+LAND_BATCH = 16    # complete pages packed per batch at admission (bounds the staging memory)
 
 # stat key of `TieredEngine.tier_stats` -> what it counts (the sglang layer's /metrics reuses these keys)
 TIER_STATS = ("disk_bytes_read", "disk_bytes_written", "disk_cache_hits", "disk_cache_misses", "disk_cache_hit_rate",
@@ -77,9 +91,35 @@ class TieredEngine(OffloadEngine):
                 rid = str(st.rid)
                 for p in range(done, upto):
                     self.tier.put(rid, p, pack_page(self.mirror, st.mpages[p]))
+                    self.mirror.release([st.mpages[p]])   # the cache holds the bytes now (no-op at full size)
                     n += 1
                 self.sealed[row] = (st.gen, max(done, upto))
         return n
+
+    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Admission with a window: the tail page's chunks go to the mirror, the complete pages before it straight
+        into the tier (packed from the chunk rows, LAND_BATCH pages at a time), sealed from the start. Without a
+        window, the plain engine's write. Runs under the engine lock (inside `admit`)."""
+        pc = self.layout.page_chunks
+        head = (st.n_chunks - 1) // pc if self.mirror.slot_of is not None else 0
+        if head == 0:
+            return super().land(row, st, m, kv, index)
+        if index is None and self.layout.offload_index_layers:
+            raise ValueError("TieredEngine: an admission into the landing window needs its Path-I index-K rows")
+        t, rid = head * pc, str(st.rid)
+        try:
+            super().land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
+            for p0 in range(0, head, LAND_BATCH):
+                c0, c1 = p0 * pc, min(head, p0 + LAND_BATCH) * pc
+                for i, data in enumerate(pages_from_chunks(self.layout, kv[:, c0:c1],
+                                                           None if index is None else index[:, c0:c1])):
+                    self.tier.put(rid, p0 + i, data)
+            self.mirror.release(st.mpages[:head])   # never had a slot: marked as the tier's (reading them raises)
+        except BaseException:   # the admission fails whole: its pages, slots and tier pages go back
+            self.mirror.free(st.mpages)
+            self.tier.free_request(rid)
+            raise
+        self.sealed[row] = (st.gen, head)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
         """Seal (rows not finishing in this step), then the plain engine's step."""
@@ -100,60 +140,64 @@ class TieredEngine(OffloadEngine):
         self.tier.store.close()
 
     # ---- recall copy (`Recaller.source`) -----------------------------------------------------------------
-    def _tier_keys(self, plan: RecallPlan) -> list[str | None]:
-        """Per plan entry: the rid whose tier holds that page (sealed), or None (read it from the mirror)."""
+    def _tier_keys(self, plan: RecallPlan) -> tuple[list[str | None], list[bool]]:
+        """Per plan entry: the rid whose tier holds that page (sealed) or None (read it from the mirror), and whether
+        its request is still the one planned (a stale entry's bytes are discarded at publish). Caller holds the lock."""
         out: list[str | None] = []
-        with self.lock:
-            for row, gen, page, _mp, _blk in plan.entries:
-                st, sg = self.rows[row], self.sealed.get(row)
-                sealed = st is not None and st.gen == gen and sg is not None and sg[0] == gen and page < sg[1]
-                out.append(str(st.rid) if sealed else None)
-        return out
+        live: list[bool] = []
+        for row, gen, page, _mp, _blk in plan.entries:
+            st, sg = self.rows[row], self.sealed.get(row)
+            live.append(st is not None and st.gen == gen)
+            sealed = live[-1] and sg is not None and sg[0] == gen and page < sg[1]
+            out.append(str(st.rid) if sealed else None)
+        return out, live
 
     def copy_plan(self, plan: RecallPlan) -> None:
-        """Copy the plan's pages into the reserve, sealed ones through the tier (see the module doc). Runs
-        without the engine lock (the planned blocks are in flight: no one else reads or writes them)."""
+        """Copy the plan's pages into the reserve, sealed ones through the tier (see the module doc). The unsealed
+        pages' mirror bytes are staged in the same lock hold that decides which pages are sealed (a seal releases
+        a page's window slot); the tier reads run without the engine lock (the planned blocks are in flight: no
+        one else reads or writes them)."""
         rec, lay = self.recaller, self.layout
-        keys = self._tier_keys(plan)
+        k, n_ix = len(plan.entries), self.mirror.index.shape[0]
+        kv = torch.zeros((lay.n_layers, k, lay.kv_page_bytes), dtype=torch.uint8)
+        ix = torch.zeros((n_ix, k, lay.index_page_bytes), dtype=torch.uint8)
+        with self.lock:
+            keys, live = self._tier_keys(plan)
+            js = [j for j, (rid, ok) in enumerate(zip(keys, live)) if rid is None and ok]
+            if js:
+                rows = self.mirror.rows(torch.tensor([plan.entries[j][3] for j in js], dtype=torch.int64))
+                kv[:, js] = self.mirror.kv[:, rows]
+                if n_ix:
+                    ix[:, js] = self.mirror.index[:, rows]
         wanted: dict[str, list[int]] = {}
         for (_r, _g, page, _m, _b), rid in zip(plan.entries, keys):
             if rid is not None:
                 wanted.setdefault(rid, []).append(page)
         for rid, pages in wanted.items():   # read-ahead: the readers fetch while earlier pages are copied
             self.tier.prefetch(rid, pages)
-        k, n_ix = len(plan.entries), self.mirror.index.shape[0]
-        kv = torch.empty((lay.n_layers, k, lay.kv_page_bytes), dtype=torch.uint8)
-        ix = torch.empty((n_ix, k, lay.index_page_bytes), dtype=torch.uint8)
         nkv = lay.n_layers * lay.kv_page_bytes
         bad: dict[int, BaseException] = {}          # row -> its first read failure
         waited = False
-        for j, ((row, _g, page, mp, _b), rid) in enumerate(zip(plan.entries, keys)):
-            if row in bad:
+        for j, ((row, _g, page, _mp, _b), rid) in enumerate(zip(plan.entries, keys)):
+            if row in bad or rid is None:
                 continue
-            data = None
-            if rid is not None:
-                waited |= not self.tier.resident(rid, page)
-                try:
-                    data = self.tier.get(rid, page)
-                except KeyError:
-                    data = None   # freed meanwhile (finished): publish discards this entry; copy the mirror's bytes
-                except CorruptPageError as e:
-                    bad[row] = e
-                    continue
-                except Exception as e:  # noqa: BLE001 - an unreadable page fails its request, like a corrupt one
-                    err = CorruptPageError(rid, page, f"read failed: {type(e).__name__}: {e}")
-                    err.__cause__ = e
-                    bad[row] = err
-                    continue
-            if data is None:
-                kv[:, j] = self.mirror.kv[:, mp]
-                if n_ix:
-                    ix[:, j] = self.mirror.index[:, mp]
-            else:
-                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)   # a copy: the view is read-only
-                kv[:, j] = flat[:nkv].view(lay.n_layers, lay.kv_page_bytes)
-                if n_ix:
-                    ix[:, j] = flat[nkv:].view(n_ix, lay.index_page_bytes)
+            waited |= not self.tier.resident(rid, page)
+            try:
+                data = self.tier.get(rid, page)
+            except KeyError:
+                continue  # freed meanwhile (finished): publish discards this entry
+            except CorruptPageError as e:
+                bad[row] = e
+                continue
+            except Exception as e:  # noqa: BLE001 - an unreadable page fails its request, like a corrupt one
+                err = CorruptPageError(rid, page, f"read failed: {type(e).__name__}: {e}")
+                err.__cause__ = e
+                bad[row] = err
+                continue
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)   # a copy: the view is read-only
+            kv[:, j] = flat[:nkv].view(lay.n_layers, lay.kv_page_bytes)
+            if n_ix:
+                ix[:, j] = flat[nkv:].view(n_ix, lay.index_page_bytes)
         self.recalls_waited += waited
         if bad:
             keep = [j for j, e in enumerate(plan.entries) if e[0] not in bad]
@@ -162,6 +206,13 @@ class TieredEngine(OffloadEngine):
             kv, ix = kv[:, keep], ix[:, keep]
             plan.error = next(iter(bad.values()))
         self._to_reserve(plan, kv, ix)
+
+    def held_page(self, row: int, page: int) -> bytes:
+        """The tier's bytes of logical page `page` of the request in `row` (`offload.check` reads released pages
+        here): no counter, no LRU order changes. KeyError when the tier does not hold it."""
+        with self.lock:
+            rid = str(self._live(row).rid)
+        return self.tier.peek(rid, page)
 
     def _to_reserve(self, plan: RecallPlan, kv: torch.Tensor, ix: torch.Tensor) -> None:
         """reserve[:, block_j] = staged page j, for kv [L, K, W] and Path-I ix [Li, K, Wi] (the mirror path's copy
@@ -195,15 +246,35 @@ class TieredEngine(OffloadEngine):
                 "disk_corrupt_pages": float(c.corrupt_pages)}
 
 
+def window_slots(disk: DiskTierConfig, layout: OffloadLayout, cfg: EngineConfig) -> int | None:
+    """DRAM page slots of the host mirror's landing window: SGLANG_PATHP_HOST_MIRROR_GB // page bytes, at least
+    max_rows x (LANDED_PAGES + 2) (a row holds its tail page plus the pages one step's appends open). None: no
+    window (the knob is unset, or the window would hold every page anyway)."""
+    want = disk.host_mirror_bytes
+    if not disk.enabled or want is None:
+        return None
+    n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
+    slots = max(want // disk_page_bytes(layout), cfg.max_rows * (LANDED_PAGES + 2))
+    return slots if slots < n_pages else None
+
+
 def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str, disk: DiskTierConfig,
-                 target_buffers: list[torch.Tensor] | None = None, rank: int = 0) -> OffloadEngine:
+                 target_buffers: list[torch.Tensor] | None = None, rank: int = 0,
+                 full_mirror: bool = False) -> OffloadEngine:
     """The plain `OffloadEngine` when the disk tier is off; else a `TieredEngine` over `open_tier(disk, ...)`
-    (which logs the tier's size and place). Raises DiskTierError (one line) when the tier cannot start."""
+    (which logs the tier's size and place, and the mirror's window). full_mirror: the caller addresses the
+    mirror by page id from outside (shrink mode: PD lands there), so it keeps one slot per page whatever
+    SGLANG_PATHP_HOST_MIRROR_GB says. Raises DiskTierError (one line) when the tier cannot start."""
     if not disk.enabled:
         return OffloadEngine(layout, cfg, device, target_buffers)
-    tier = open_tier(disk, disk_page_bytes(layout), rank)
+    if full_mirror and disk.host_mirror_bytes is not None:
+        log.warning("disk tier: SGLANG_PATHP_HOST_MIRROR_GB is ignored in shrink mode: PD lands P's KV in the host "
+                    "mirror by pool page id (NIXL registration), so the mirror keeps one DRAM slot per page")
+    slots = cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg))
+    n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
+    tier = open_tier(disk, disk_page_bytes(layout), rank, window=(slots or n_pages, n_pages))
     try:
-        return TieredEngine(layout, cfg, tier, device, target_buffers)
+        return TieredEngine(layout, replace(cfg, mirror_slots=slots or 0), tier, device, target_buffers)
     except BaseException:
         tier.close()
         tier.store.close()

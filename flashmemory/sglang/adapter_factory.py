@@ -40,8 +40,10 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
     geo = read_geometry(pool)
     n_off = geo.n_c4_layers - len(env.retriever_layers) if env.index_k_offload else 0
     tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
-    check_host_memory(geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes),
-                      processes=max(1, tp // nodes))
+    mirror_bytes = geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes)
+    if not shrink and env.disk.enabled and env.disk.host_mirror_bytes is not None:   # the disk tier's landing window
+        mirror_bytes = min(mirror_bytes, env.disk.host_mirror_bytes)
+    check_host_memory(mirror_bytes, processes=max(1, tp // nodes))
     check_reserve_memory(reserve_bytes(env, geo, n_off), geometry.device_free_bytes(pool_buffers(pool)[0][0].device))
     if shrink:
         eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))

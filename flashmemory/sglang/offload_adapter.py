@@ -64,8 +64,9 @@ class OffloadAdapter:
         # The env stops here: the core takes the typed configs made from it in one function.
         self.core = core_config(env, geo, landing_blocks=self.landing_blocks())
         self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
-        # The disk tier (SGLANG_PATHP_DISK_DIR) under the host mirror, else the plain engine (`build_engine`).
-        self.engine = build_engine(self.layout, self.cfg, self.device, env.disk, self.target_buffers(), dist_rank())
+        # The disk tier (SGLANG_PATHP_DISK_DIR), else the plain engine; shrink keeps a full mirror (PD lands by page).
+        self.engine = build_engine(self.layout, self.cfg, self.device, env.disk, self.target_buffers(), dist_rank(),
+                                   full_mirror=self.mode == "shrink")
         self.tier = engine_tier(self.engine)
         # How a request-local core error (a disk page failing verification) is raised: the guard's RequestFailure,
         # set by the hooks (this module cannot import the guard); None: it propagates as it is.
@@ -303,7 +304,7 @@ class OffloadAdapter:
             res = cells >= 0
             if kv:  # one gather per pool layer (separate tensors), one scatter into the mirror and the reserve
                 rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, layers)          # [len(layers), n, 584]
-                mr, mo = (m // pc).cpu(), (m % pc).cpu()
+                mr, mo = eng.mirror.rows((m // pc).cpu(), write=True), (m % pc).cpu()   # pages -> DRAM rows
                 hit = bool(res.any())
                 if hit:
                     rc, rr, rrows = cells[res] // pc, cells[res] % pc, rows[:, res.cpu()].to(self.device)
@@ -323,8 +324,8 @@ class OffloadAdapter:
             buf = eng.target.pages[eng.target.layers.index(l)]
             lay.index.write_chunks(buf, (m // pc).to(buf.device), (m % pc).to(buf.device), rows.to(buf.device))
         elif l in lay.offload_index_layers:
-            i = lay.offload_index_layers.index(l)
-            lay.index.write_chunks(eng.mirror.index[i], (m // pc).cpu(), (m % pc).cpu(), rows)
+            i, mr = lay.offload_index_layers.index(l), eng.mirror.rows((m // pc).cpu(), True)   # -> DRAM rows
+            lay.index.write_chunks(eng.mirror.index[i], mr, (m % pc).cpu(), rows)
             if bool(res.any()):
                 lay.index.write_chunks(eng.reserve.index[i], cells[res] // pc, cells[res] % pc, rows[res.cpu()].to(self.device))
 

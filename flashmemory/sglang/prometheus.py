@@ -52,6 +52,9 @@ SERVING_METRICS: dict[str, tuple[str, str]] = {
     "free_reserve_blocks": ("gauge", "Free recall blocks in the device reserve (equals reserve_blocks when idle)"),
     "reserve_blocks": ("gauge", "Recall blocks in the device reserve, free or not"),
     "host_mirror_bytes_in_use": ("gauge", "Host-mirror bytes held by live requests (0 when idle)"),
+    "host_mirror_bytes": ("gauge", "Host-mirror DRAM: its page slots x page bytes (smaller than the pages' bytes "
+                                   "with the disk tier's landing window, SGLANG_PATHP_HOST_MIRROR_GB)"),
+    "host_mirror_slots_in_use": ("gauge", "Host-mirror page slots holding a live page (0 when idle)"),
 }
 FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
@@ -84,10 +87,11 @@ def serving_gauges(adapter: Any) -> dict[str, float]:
     eng = adapter.engine
     with eng.lock:
         mirror = eng.mirror
-        page_bytes = (mirror.kv.nbytes + mirror.index.nbytes) // max(mirror.n_pages, 1)
         return {"live_requests": float(len(adapter.rows)), "free_reserve_blocks": float(len(eng.blocks)),
                 "reserve_blocks": float(eng.cfg.recall_blocks),
-                "host_mirror_bytes_in_use": float((mirror.n_pages - mirror.free_pages) * page_bytes)}
+                "host_mirror_bytes_in_use": float(mirror.slots_in_use * mirror.page_bytes),
+                "host_mirror_bytes": float(mirror.physical_bytes),
+                "host_mirror_slots_in_use": float(mirror.slots_in_use)}
 
 
 def metrics_table() -> str:

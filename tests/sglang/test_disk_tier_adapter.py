@@ -64,3 +64,55 @@ def test_a_corrupt_disk_page_fails_its_request_in_level1(tmp_path):
         assert ad.tier.tier.store.used_slots == 0
     finally:
         ad.close()
+
+
+def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
+    """SGLANG_PATHP_HOST_MIRROR_GB in copy mode: the mirror holds DECODE_MAX_CONC x 3 = 6 slots for 12 pool pages;
+    admission, per-layer stores, next-step settles, seals and Level-1 recalls (from the tier) keep every mapped
+    reserve chunk equal to the pool's bytes, the same table as the host-only adapter, and return every slot."""
+    from flashmemory.offload import check_invariants
+    from flashmemory.sglang.geometry import c4_counts, read_chunk_rows
+    from flashmemory.sglang.resident_topk import pool_locs
+    from flashmemory.sglang.runtime import c4_page_table
+    from tests.sglang.test_engine_adapter import write_chunk
+
+    pools = (fake_pool(1), fake_pool(1))
+    disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=0.00013, host_mirror_gb=1e-6)
+    ads = (build(pools[0], env("")), build(pools[1], env("", disk=disk)))
+    win = ads[1].engine
+    assert isinstance(win, TieredEngine) and win.mirror.n_slots == 6 < win.mirror.n_pages == 12
+    pages = [5, 2, 9, 7, 3]
+    r2t = torch.full((2, 5 * PAGE), -1, dtype=torch.int64)
+    r2t[1] = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)])
+    seq = 4 * PAGE - 12                                  # 253 chunks: 3 complete pages land in the tier
+    lay = ads[0].layout
+    try:
+        for step in range(28):                           # 7 chunks more: page 3 fills and is sealed, page 4 opens
+            s = torch.tensor([seq + 1 + step])
+            table = c4_page_table(r2t, torch.tensor([1]), s, PAGE)
+            before, after = c4_counts(s)
+            loc = pages[int(before) // 64] * 64 + int(before) % 64
+            for pool, ad in zip(pools, ads):
+                if after > before:
+                    write_chunk(pool, loc, seed=step)
+                ad.begin_step(["a"], table, s)
+                if after > before:
+                    for l in range(lay.n_layers):
+                        ad.on_c4_store(l, torch.tensor([loc]))
+                ad.level1({"positions": s - 1})
+            assert torch.equal(ads[0].engine.lut.table, win.lut.table)
+            n = win.n_chunks(0)
+            locs = pool_locs(table, n)[0]
+            cells = ads[1].cells_of(locs.view(1, -1))[0].long()
+            ok = cells >= 0
+            assert torch.equal(lay.kv.read_chunks(win.reserve.kv, cells[ok] // 64, cells[ok] % 64),
+                               read_chunk_rows(lay.kv, pools[1].c4_kv_pool.kv_buffer, locs[ok]))
+            assert check_invariants(win) == [] and win.mirror.slots_in_use <= 2
+        assert win.n_chunks(0) == 260 and win.sealed[0][1] == 4 and win.tier_stats()["disk_bytes_written"] > 0
+        assert win.mirror.peak_slots <= 2 < len(win.rows[0].mpages)
+        for ad in ads:
+            ad.begin_step([], table[:0], s[:0])
+        assert win.mirror.slots_in_use == 0 and win.tier.store.used_slots == 0
+    finally:
+        for ad in ads:
+            ad.close()

@@ -157,6 +157,17 @@ class HostPageCache:
             else:
                 ev.wait()
 
+    def peek(self, rid: str, page: int) -> bytes:
+        """The page's bytes for checks (`offload.check`): from DRAM, else read from the store, touching no counter
+        and no LRU order. KeyError: not a live page; CorruptPageError as `get`."""
+        with self._lock:
+            if page not in self._live.get(rid, ()):
+                raise KeyError(f"disk tier: page {page} of request {rid!r} is not held")
+            ent = self._lru.get((rid, page)) or self._pinned.get((rid, page))
+            if ent is not None:
+                return bytes(ent.buf)
+            return bytes(self.store.read(rid, page))
+
     def prefetch(self, rid: str, pages: list[int]) -> int:
         """Queue read-ahead of these pages into the cache; returns how many were queued (not already in DRAM)."""
         n = 0
