@@ -90,11 +90,14 @@ FAULT = {"FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-"}
 # smaller than the requests' sealed pages, so pages are written behind to the store and recalls read them back
 # (with 4 pages and synchronous Level 1 every recalled page was still in the cache: nothing was read from disk).
 DISK_CACHE_GB = "0.00008"
+# The host mirror as a landing window: 1 MB, so the floor of max_rows x 3 = 12 page slots (of 74,880 B) holds it,
+# against the mirror's one slot per page id without the window. Sealed pages live in the tier only.
+MIRROR_WINDOW_GB = "0.001"
 
 
 def disk_tier_env(disk_dir: Path) -> dict:
     return {**SMALL_BUDGET, "SGLANG_PATHP_DISK_DIR": str(disk_dir), "SGLANG_PATHP_DISK_GB": "0.1",
-            "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB}
+            "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB, "SGLANG_PATHP_HOST_MIRROR_GB": MIRROR_WINDOW_GB}
 
 
 @pytest.fixture(scope="session")

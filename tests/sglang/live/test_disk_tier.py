@@ -2,7 +2,8 @@
 with a host page cache of 1 page, far smaller than the requests' sealed pages, so pages are written behind to the
 page store and Level 1's recalls read them back from disk (verified). Its greedy tokens equal the host-only
 small-budget server's (`live_servers["small"]`) on the same requests, /metrics counts disk bytes both ways, the
-startup log states the tier's size and place, and the store file is there while the server runs.
+startup log states the tier's size and place, and the store file is there while the server runs. The host mirror
+runs as a landing window (SGLANG_PATHP_HOST_MIRROR_GB): a few DRAM page slots instead of one per page id.
 
 Both servers run Level 1 synchronously (conftest.SMALL_BUDGET): at a small budget the tokens depend on the step a
 recall is published at, and an asynchronous recall that waits on disk lands later than one served from DRAM
@@ -77,6 +78,13 @@ def test_disk_tier_counters_and_startup_line(runs):
         "the startup log does not state the tier's size and place"
     stores = list(disk.glob("fm-pagestore-r0-*.fmps"))
     assert len(stores) == 1, stores
+    # The host mirror is a landing window: far fewer DRAM page slots than page ids, so host DRAM is lower
+    window = re.search(r"host mirror landing window (\d+) of (\d+) page slots", log)
+    assert window, "the startup log does not state the host mirror's landing window"
+    slots, pages = int(window.group(1)), int(window.group(2))
+    assert slots < pages // 4, (slots, pages)
+    page_bytes = int(re.search(r"\d+ pages of (\d+) B on disk", log).group(1))
+    assert 0 < _metric(text, "flashmemory_host_mirror_bytes") <= slots * page_bytes   # a disk page holds a mirror page
 
 
 def _rot(store: Path, block: int = 4096) -> int:
