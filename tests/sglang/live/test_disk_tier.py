@@ -55,7 +55,12 @@ def runs(disk_server, live_servers):
         return [s.generate(prompt(n, seed), steps)["output_ids"] for n, seed, steps in REQS]
 
     on_disk, on_host = side_by_side(lambda: requests(srv), lambda: requests(live_servers["small"]))
-    return {"disk": on_disk, "host": on_host}, srv.get_text("/metrics"), srv, disk
+    # /metrics is published at the scheduler's next step or idle poll: read it once the last request's row is gone
+    deadline, text = time.monotonic() + 120, srv.get_text("/metrics")
+    while _metric(text, "flashmemory_live_requests") != 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        text = srv.get_text("/metrics")
+    return {"disk": on_disk, "host": on_host}, text, srv, disk
 
 
 def test_disk_tier_tokens_equal_the_host_only_server(runs):
