@@ -20,48 +20,20 @@ import pytest
 import torch
 
 from flashmemory.env import DiskTierConfig
-from flashmemory.offload import (Admission, AppendRound, BatchSync, EngineConfig, OffloadCapacityError, OffloadEngine,
-                                 OffloadLayout, RecallRequest, RowSync, check_invariants)
+from flashmemory.offload import BatchSync, OffloadCapacityError, OffloadEngine, check_invariants
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.tiered_mirror import TieredEngine, build_engine, window_slots
 
-LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
-CFG = EngineConfig(max_rows=4, max_chunks=128, recall_blocks=12, decode_pages=2, max_resident_pages=4)
+# The tier-on vs tier-off test's engine shape and steps: the window runs the same admissions, appends and recalls.
+from tests.offload.test_tiered_mirror import CFG, LAYOUT, admit_step, chunks, decode_step, recall  # noqa: E402
+
 PC = LAYOUT.page_chunks
-torch.set_num_threads(1)
-
-
-def chunks(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = torch.randint(0, 256, (LAYOUT.n_layers, n, LAYOUT.kv.chunk_bytes), dtype=torch.uint8, generator=g)
-    ix = torch.randint(0, 256, (LAYOUT.n_layers, n, LAYOUT.index.chunk_bytes), dtype=torch.uint8, generator=g)
-    return kv, ix
 
 
 def windowed(tmp_path, slots: int, cache_pages: int = 3) -> TieredEngine:
     pb = disk_page_bytes(LAYOUT)
     store = PageStore(str(tmp_path), 256 * (pb + 8192), pb)
     return TieredEngine(LAYOUT, replace(CFG, mirror_slots=slots), HostPageCache(store, cache_pages * pb, readers=2))
-
-
-def admit_step(engines, specs, g) -> None:
-    syncs = []
-    for row, rid, n in specs:
-        kv, ix = chunks(n, g)
-        syncs.append(RowSync(row, Admission(row, rid, n, kv, ix, warm_pages=2)))
-    for e in engines:
-        e.sync_batch(BatchSync(rows=tuple(syncs)))
-
-
-def decode_step(engines, rows, g) -> None:
-    kv, ix = chunks(len(rows), g)
-    for e in engines:
-        e.sync_batch(BatchSync(appends=(AppendRound(tuple(rows), kv, ix),)))
-
-
-def recall(engines, picks: dict[int, list[int]]) -> None:
-    for e in engines:
-        snap = e.snapshot_rows()
-        e.recaller.recall([RecallRequest(r, snap[r][0], tuple(p), tuple(float(x) for x in p)) for r, p in picks.items()])
 
 
 def same_readable_state(a: OffloadEngine, b: OffloadEngine) -> None:

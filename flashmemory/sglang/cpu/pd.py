@@ -16,7 +16,8 @@ other patch when SGLANG_FLASHMEMORY_CPU=1; skipped when nixl is not installed).
 
 UCX's progress thread spins. nixl's Python API builds every agent with `pthrDelay = 0` (nixl_cu13/_api.py:226),
 so each agent's progress thread polls without pause: a whole core per NIXL process on an idle box (two agents idle
-for 4 s here: 0.51 CPU-s with delay 0 under load, 0.16 with 1,000 us). On 2 cores a PD stack's P and D spent the
+for 4 s here: 0.51 CPU-s with delay 0, 0.16 with 1,000 us: two separate runs on a loaded box, a sign).
+On 2 cores a PD stack's P and D spent the
 CPU their forwards needed on that spin. The same hook hands `__init__` bindings whose agent config
 never takes a progress delay below PROGRESS_DELAY_US: the thread then waits up to 1 ms between polls when idle,
 and transfers still complete at once (the same script: 1-12 ms per 112-KB transfer, every byte equal).
