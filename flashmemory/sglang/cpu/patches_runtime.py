@@ -15,10 +15,19 @@
   _sm120_sparse_decode_fwd`, tested equal to it, with per-page dequantization), and
   `_create_flashmla_metadata` (:210, the FlashMLA tile scheduler) returns None, which that path never reads.
 - `DeepseekV4AttnBackend._move_to_device` (:1381): pins host memory, impossible without a CUDA driver.
+- `_set_envs_and_config` (entrypoints/engine.py:1995) sets multiprocessing's start method to "spawn" (CUDA
+  cannot be forked), so the scheduler and the detokenizer each import sglang again: about 25 CPU-s per process
+  on this 2-core box, 89 CPU-s for a server start against 38 CPU-s when both are forked (one stock server each
+  way, `ps` TIME of its three processes). On CPU there is no CUDA context to fork, so after that function the
+  start method is "fork" when the launcher has one OS thread (measured: it has, at that point); with more,
+  spawn stays (a fork copies no other thread, and a lock another thread holds would stay held in the child).
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -27,6 +36,7 @@ import torch
 
 from flashmemory.sglang.patch_spec import Patch
 
+logger = logging.getLogger(__name__)
 _BK = "sglang.srt.layers.attention.deepseek_v4_backend"
 _RT = "flashmemory.sglang.cpu.patches_runtime"
 
@@ -114,6 +124,26 @@ def move_to_device(self: Any, x: list[int]) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32, device=self.device)
 
 
+def os_threads() -> int:
+    """OS threads of this process (Python's `threading` does not see threads that C libraries start)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def fork_children(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook of `_set_envs_and_config`: sglang's subprocesses start by fork on CPU (module docstring)."""
+    threads = os_threads()
+    if threads == 1:
+        multiprocessing.set_start_method("fork", force=True)
+        logger.info("FlashMemory CPU layer: sglang's scheduler and detokenizer start by fork (they share the "
+                    "launcher's imports)")
+    else:
+        logger.warning("FlashMemory CPU layer: the launcher runs %d threads, so sglang's subprocesses start by "
+                       "spawn (each imports sglang again)", threads)
+
+
 RUNTIME_PATCHES: tuple[Patch, ...] = (
     Patch("cpu", "sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
           ("head_size", "rotary_dim", "max_position", "base"),
@@ -127,4 +157,7 @@ RUNTIME_PATCHES: tuple[Patch, ...] = (
           "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path"),
     Patch("cpu", f"{_BK}.DeepseekV4AttnBackend._move_to_device", "replace", f"{_RT}:move_to_device", ("self", "x"),
           "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver"),
+    Patch("cpu", "sglang.srt.entrypoints.engine._set_envs_and_config", "after", f"{_RT}:fork_children",
+          ("server_args",), "entrypoints/engine.py:1995 spawn (each child re-imports sglang) -> fork on CPU when the "
+          "launcher is single-threaded"),
 )

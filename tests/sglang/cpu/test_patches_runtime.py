@@ -57,3 +57,31 @@ def test_other_models_and_dtypes_keep_the_check(monkeypatch, arch, dtype) -> Non
     configure_dsv4_fp8(lambda self, **kw: seen.append(kcc.current_platform.is_cpu()), configurator(arch, dtype),
                        pre_model_load_memory=0)
     assert seen == [True]
+
+
+def test_os_threads_counts_a_started_thread() -> None:
+    from flashmemory.sglang.cpu.patches_runtime import os_threads
+    before, stop = os_threads(), threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert os_threads() == before + 1
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("threads,method", [(1, "fork"), (3, "spawn")])
+def test_children_fork_only_from_a_single_threaded_launcher(monkeypatch, caplog, threads, method) -> None:
+    import multiprocessing
+    import flashmemory.sglang.cpu.patches_runtime as rt
+    old = multiprocessing.get_start_method(allow_none=True)
+    monkeypatch.setattr(rt, "os_threads", lambda: threads)
+    try:
+        multiprocessing.set_start_method("spawn", force=True)     # what sglang's _set_envs_and_config just did
+        with caplog.at_level("INFO", logger=rt.__name__):
+            rt.fork_children(None, object())
+        assert multiprocessing.get_start_method() == method
+        assert ("start by fork" if method == "fork" else f"runs {threads} threads") in caplog.text
+    finally:
+        multiprocessing.set_start_method(old, force=True)

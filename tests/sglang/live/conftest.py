@@ -147,8 +147,7 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt, stock_server):
             s.wait_ready(STARTUP_S)
         yield servers
     finally:
-        for s in mine:
-            s.stop()
+        side_by_side(*(s.stop for s in mine))   # each stop waits for its group to exit: wait for all at once
     assert not any(s.leftovers() for s in mine)
 
 
