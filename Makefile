@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	$(BIN)/python -m pytest -q -rs -n 2 --durations=15 tests
 
 demo: $(STAMP)
 	$(BIN)/flashmemory demo --serve

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from flashmemory.env import ENV_DOC, EnvError, FlashMemoryEnv, parse_layers
+from flashmemory.env import EnvError, FlashMemoryEnv, parse_layers
+from flashmemory.env_doc import ENV_DOC
 
 
 def test_defaults_match_the_documented_ones() -> None:

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from flashmemory.env import ENV_DOC, DiskTierConfig, EnvError, FlashMemoryEnv
+from flashmemory.env import DiskTierConfig, EnvError, FlashMemoryEnv
+from flashmemory.env_doc import ENV_DOC
 
 
 def test_defaults_off_and_documented() -> None:

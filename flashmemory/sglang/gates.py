@@ -1,4 +1,4 @@
-"""The gate table of `flashmemory/sglang/README.md`, generated from `flashmemory.env.ENV_DOC`.
+"""The gate table of `flashmemory/sglang/README.md`, generated from `flashmemory.env_doc.ENV_DOC`.
 
 `python -m flashmemory.sglang.gates` prints it; `... gates --write FILE...` replaces the table inside each
 FILE in place; a test checks the README holds exactly this text.
@@ -6,7 +6,7 @@ FILE in place; a test checks the README holds exactly this text.
 
 from __future__ import annotations
 
-from flashmemory.env import ENV_DOC
+from flashmemory.env_doc import ENV_DOC
 
 BEGIN = "<!-- BEGIN GATE TABLE (python -m flashmemory.sglang.gates) -->"
 END = "<!-- END GATE TABLE -->"

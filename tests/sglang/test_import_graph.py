@@ -5,7 +5,7 @@ private attributes and reads the environment only through `flashmemory.env`.
 
 Floors, lowest first (a folder may import only folders on lower floors, and modules inside itself):
     0  errors
-    1  atomic, outdir, env, the package root
+    1  atomic, outdir, env, env_doc, the package root
     2  retriever, labels, tasks, costmodel
     3  hf, offload
     4  dump, residency
@@ -26,7 +26,7 @@ PKG = Path(__file__).resolve().parents[2] / "flashmemory"
 
 FLOORS: dict[str, int] = {
     "errors": 0,
-    "flashmemory": 1, "atomic": 1, "outdir": 1, "env": 1,
+    "flashmemory": 1, "atomic": 1, "outdir": 1, "env": 1, "env_doc": 1,
     "retriever": 2, "labels": 2, "tasks": 2, "costmodel": 2,
     "hf": 3, "offload": 3,
     "dump": 4, "residency": 4,

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from flashmemory.env import ENV_DOC
+from flashmemory.env_doc import ENV_DOC
 from flashmemory.sglang.gates import gate_table
 
 pytestmark = pytest.mark.sglang
