@@ -140,6 +140,8 @@ def _apply_stubs(rows: list[Patch]) -> None:
 
 
 def _apply_steps(rows: list[Patch]) -> None:
+    if not rows:   # importing sglang here, from the platform plugin's activate(), would run sglang's platform
+        return     # discovery again inside it (a first import of sglang does that)
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     for p in rows:
         try:
