@@ -20,7 +20,8 @@
   on this 2-core box, 89 CPU-s for a server start against 38 CPU-s when both are forked (one stock server each
   way, `ps` TIME of its three processes). On CPU there is no CUDA context to fork, so after that function the
   start method is "fork" when the launcher has one OS thread (measured: it has, at that point); with more,
-  spawn stays (a fork copies no other thread, and a lock another thread holds would stay held in the child).
+  spawn stays (a fork copies no other thread, and a lock another thread holds would stay held in the child; an
+  OpenMP pool that torch already started, which a forked child could not use, shows up as such threads too).
 """
 
 from __future__ import annotations
