@@ -7,6 +7,10 @@
    window (tau x `--step-ms`, a stated decode-step time, not measured here); then, from the bandwidth measured
    at the largest c, the concurrency at which one cycle's recalls stop fitting in the window.
 3. The store's write bandwidth (write-behind of the same pages).
+4. Host DRAM of the host mirror at `--context` tokens per request and each c: one slot per page (no disk tier)
+   against the landing window (SGLANG_PATHP_HOST_MIRROR_GB at its floor), as the engine sizes them
+   (`offload.tiered_mirror.window_slots`): computed from the geometry, not measured. The host page cache
+   (SGLANG_PATHP_HOST_CACHE_GB) comes on top of the window.
 
 A page is the real DeepSeek-V4-Flash disk page (all c4 layers' KV rows + Path-I index-K rows, 938,304 B) unless
 `--layers` says otherwise. The store lives in `--dir` (default: a temp dir, removed after); O_DIRECT is used where
@@ -28,8 +32,11 @@ import numpy as np
 import torch
 
 from flashmemory.errors import UserError
+from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
+from flashmemory.offload.engine import EngineConfig
 from flashmemory.offload.layout import OffloadLayout
+from flashmemory.offload.tiered_mirror import window_slots
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="stated decode-step time in ms, the window being tau x this (default 30: upstream's measured "
                         "steps are 24-30 ms)")
     p.add_argument("--layers", type=int, default=21, help="c4 layers in a page (Path-I index rows for all but 3)")
+    p.add_argument("--context", type=int, default=1048576,
+                   help="tokens per request for the host-mirror DRAM lines (default 1,048,576)")
     p.add_argument("--reps", type=int, default=0, help="repeats per timing, best kept (0 = 1 quick, else 3)")
     p.add_argument("--dir", default="", help="directory for the page store (default: a new temp dir, removed after)")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O even where O_DIRECT works")
@@ -80,8 +89,22 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("bench tier: --pages, --conc, --readers, --tau, --reps must be >= 1 and --layers >= 4")
     if not (args.step_ms > 0 and math.isfinite(args.step_ms)) or not 0 < args.turnover <= 1:
         raise UserError("bench tier: --step-ms must be a positive number and --turnover lie in (0, 1]")
+    if args.context < 4:
+        raise UserError("bench tier: --context must be >= 4 tokens (one c4 chunk)")
     if args.dir and not os.path.isdir(args.dir):
         raise UserError(f"bench tier: --dir {args.dir!r} is not an existing directory")
+
+
+def mirror_dram(layout: OffloadLayout, context: int, conc: int) -> dict[str, int]:
+    """Host mirror bytes for `conc` requests of `context` tokens: `full` (one DRAM slot per page, the mirror without
+    a disk tier) and `window` (the landing window at its floor, the smallest SGLANG_PATHP_HOST_MIRROR_GB takes), as
+    `window_slots` sizes them. A slot holds one disk page (`disk_page_bytes`)."""
+    pb = disk_page_bytes(layout)
+    cfg = EngineConfig(max_rows=conc, max_chunks=-(-context // 4))
+    pages = conc * layout.pages_for(cfg.max_chunks)
+    slots = window_slots(DiskTierConfig(dir="/", host_mirror_gb=1e-9), layout, cfg)
+    return {"conc": conc, "pages": pages, "full_bytes": pages * pb, "window_slots": slots or pages,
+            "window_bytes": (slots or pages) * pb}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +176,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         window = args.tau * args.step_ms / 1e3
         out["fit_conc_disk"] = math.floor(window * last["disk_gbps"] * 1e9 / per_req)
         out["fit_conc_host"] = math.floor(window * last["host_gbps"] * 1e9 / per_req)
+        out["context"] = args.context
+        out["mirror_dram"] = [mirror_dram(lay, args.context, c) for c in sorted(args.conc)]
     finally:
         cache.close()
         store.close()
@@ -180,6 +205,11 @@ def report(r: dict[str, Any]) -> None:
     print(f"stops fitting: at the bandwidth of the last row one window holds the recalls of {r['fit_conc_disk']} "
           f"requests from disk, {r['fit_conc_host']} from host DRAM (this machine; a per-node NVMe array: "
           "`flashmemory bench costmodel`, disk arm)")
+    print(f"host mirror DRAM at {r['context']:,} tokens per request (computed from the geometry, as the engine sizes "
+          "it; the host page cache comes on top of the window):")
+    for m in r["mirror_dram"]:
+        print(f"{m['conc']:>5} requests: one slot per page {m['full_bytes'] / 1e9:,.2f} GB ({m['pages']:,} pages); "
+              f"landing window {m['window_bytes'] / 1e6:,.1f} MB ({m['window_slots']:,} slots)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,12 @@ def test_bench_tier_tiny(tmp_path, capsys) -> None:
         assert x["bytes"] == x["conc"] * 3 * r["page_bytes"] and x["disk_s"] > 0 and x["host_s"] > 0
         assert x["ratio"] == x["disk_s"] / x["host_s"]
     assert r["counters"]["disk_bytes_read"] >= 9 * r["page_bytes"] and r["fit_conc_disk"] >= 0
+    # Host mirror DRAM at the default 1,048,576 tokens: 262,144 c4 chunks = 4,096 pages of 64 per request; the
+    # window's floor is 3 page slots per request (its tail page plus the two one step's appends may open).
+    assert r["context"] == 1048576 and "landing window" in text
+    for m in r["mirror_dram"]:
+        assert m["pages"] == m["conc"] * 4096 and m["full_bytes"] == m["pages"] * r["page_bytes"]
+        assert m["window_slots"] == 3 * m["conc"] and m["window_bytes"] == 3 * m["conc"] * r["page_bytes"]
     leftover = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("fm-bench-tier-")}
     assert not leftover
 
@@ -37,3 +43,5 @@ def test_bench_tier_bad_flags(tmp_path, capsys) -> None:
     assert "--dir" in capsys.readouterr().err
     assert main(["bench", "tier", "--step-ms", "nan"]) == 2
     assert "--step-ms" in capsys.readouterr().err
+    assert main(["bench", "tier", "--context", "2"]) == 2
+    assert "--context" in capsys.readouterr().err
