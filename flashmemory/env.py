@@ -360,6 +360,10 @@ class FlashMemoryEnv:
         if out.miss_low > out.miss_threshold:
             raise EnvError(f"SGLANG_RETRIEVER_MISS_LOW={out.miss_low} is above SGLANG_RETRIEVER_MISS_THRESHOLD="
                            f"{out.miss_threshold}: the shrink-back level must be at or below the escalation level")
+        if out.disk.enabled and not out.decode_swap_p:
+            raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.disk.dir!r} is set but SGLANG_DECODE_SWAP_P is not: the disk "
+                           "tier sits under Path-P's host mirror and would be ignored (set SGLANG_DECODE_SWAP_P=1 or "
+                           "unset SGLANG_PATHP_DISK_DIR)")
         if out.dump_mode and not out.dump_root:
             raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
                            "dump requests may write under (their output_dir must lie inside it)")

@@ -25,8 +25,8 @@ def test_defaults_off_and_documented() -> None:
 
 
 def test_parsing() -> None:
-    d = FlashMemoryEnv.from_environ({"SGLANG_PATHP_DISK_DIR": " /nvme/fm ", "SGLANG_PATHP_DISK_GB": "0.5",
-                                     "SGLANG_PATHP_HOST_CACHE_GB": "2", "SGLANG_PATHP_HOST_MIRROR_GB": "1.5"}).disk
+    d = FlashMemoryEnv.from_environ({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DISK_DIR": " /nvme/fm ",
+                                     "SGLANG_PATHP_DISK_GB": "0.5", "SGLANG_PATHP_HOST_CACHE_GB": "2", "SGLANG_PATHP_HOST_MIRROR_GB": "1.5"}).disk
     assert d.enabled and d.dir == "/nvme/fm" and d.disk_bytes == 500_000_000 and d.host_cache_bytes == 2 * 10**9
     assert d.host_mirror_bytes == 1_500_000_000
     with pytest.raises(Exception):

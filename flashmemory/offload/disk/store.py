@@ -9,9 +9,14 @@ verified against all of them, so a torn or corrupt write, a slot of another run 
 
 Writes go to a fresh slot and the page's map entry moves only once the write returned (copy on write): a failed
 rewrite leaves the previous copy readable. Freed slots return to a free list at once (the file is not shrunk).
-Stale stores of a dead run (our marker, this host, a pid that no longer runs, no one holding the lock) are
+Liveness is the lock alone, never the pid (pids are reused, e.g. in containers): a store whose file nobody holds
+the lock on belongs to a dead run. Stale stores (our name, our marker, this host, no one holding the lock) are
 removed when a store opens in the same directory; any other file there is never touched. `close()` removes the
-store's own file.
+store's own file; SIGTERM / SIGINT / exit remove it too (`owned`).
+
+Capacity is checked against the filesystem at start-up: a size above the filesystem's is refused, one above its
+free space is logged (the file grows as pages are written); running out of space while creating the file is a
+`DiskTierError` naming the path and the setting.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import socket
 import struct
 import threading
 
-from flashmemory.errors import UserError
+from flashmemory.errors import UserError, describe
+from flashmemory.offload.disk import owned
 from flashmemory.offload.disk.fileops import ALIGN, AlignedBuffers, FileOps, OsFileOps, open_direct, round_up
 
 log = logging.getLogger("flashmemory.offload.disk")
@@ -59,16 +65,6 @@ def rid_digest(rid: str) -> bytes:
     return hashlib.blake2b(rid.encode(), digest_size=16).digest()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_marker(path: str) -> dict | None:
     """The JSON of a store file's marker block, or None when the file does not start with our marker."""
     try:
@@ -88,8 +84,9 @@ def read_marker(path: str) -> dict | None:
 def remove_stale_stores(directory: str) -> list[str]:
     """Remove page stores of dead runs in `directory`; returns the removed paths.
 
-    Removed only when ALL hold: the name is ours (NAME_RE), the marker block is ours with a pid matching the
-    name, the host is this host, that pid no longer runs, and nobody holds the file's lock. Anything else stays.
+    Removed only when ALL hold: the name is ours (NAME_RE), the marker block is ours with the pid and token of
+    the name, the host is this host, and nobody holds the file's lock (a live store holds it for its whole life;
+    the OS drops it when its process dies, however it dies). Anything else stays.
     """
     removed = []
     host = socket.gethostname()
@@ -100,8 +97,6 @@ def remove_stale_stores(directory: str) -> list[str]:
         path = os.path.join(directory, name)
         info = read_marker(path)
         if not info or info.get("host") != host or info.get("pid") != int(m.group(2)) or info.get("token") != m.group(3):
-            continue
-        if _pid_alive(int(m.group(2))):
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -123,6 +118,31 @@ def remove_stale_stores(directory: str) -> list[str]:
     return removed
 
 
+def fs_space(directory: str) -> tuple[int, int]:
+    """(size, free) in bytes of the filesystem holding `directory` (free: what this user may still write)."""
+    st = os.statvfs(directory)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def check_capacity(directory: str, need: int, what: str, size_what: str) -> None:
+    """Refuse a store of `need` bytes larger than the filesystem holding `directory` (one line naming the path,
+    the setting and both sizes); log one line when it is larger than the space free now (the file grows as
+    pages are written, so a later write may find the disk full: those pages stay in host memory)."""
+    size, free = fs_space(directory)
+    if need > size:
+        raise DiskTierError(f"{what}={directory!r}: {size_what} asks for a {need / 1e9:.3g} GB page store, larger "
+                            f"than the filesystem there ({size / 1e9:.3g} GB); lower {size_what}")
+    if need > free:
+        log.warning("disk tier: %s=%r: %s asks for %.3g GB, only %.3g GB free there now; pages that find the disk "
+                    "full stay in host memory", what, directory, size_what, need / 1e9, free / 1e9)
+
+
+def _create_error(e: OSError, path: str, what: str, size_what: str) -> DiskTierError:
+    """The one line for an OS error while creating the store file (disk full, no inodes, permission, ...)."""
+    hint = f"; free space there or lower {size_what}" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return DiskTierError(f"{what}: cannot create the page store {path}: {describe(e).split(': ', 1)[-1]}{hint}")
+
+
 class PageStore:
     """Fixed-size page slots in one file. Keys are (rid, page); payloads are exactly `page_bytes` bytes.
 
@@ -132,7 +152,8 @@ class PageStore:
     """
 
     def __init__(self, directory: str, capacity_bytes: int, page_bytes: int, rank: int = 0,
-                 ops: FileOps | None = None, direct: bool = True, what: str = "SGLANG_PATHP_DISK_DIR"):
+                 ops: FileOps | None = None, direct: bool = True, what: str = "SGLANG_PATHP_DISK_DIR",
+                 size_what: str = "SGLANG_PATHP_DISK_GB"):
         if page_bytes < 1:
             raise ValueError(f"PageStore.page_bytes must be >= 1, got {page_bytes}")
         if not os.path.isdir(directory):
@@ -144,12 +165,17 @@ class PageStore:
         self.n_slots = capacity_bytes // self.slot_bytes
         if self.n_slots < 1:
             raise DiskTierError(f"disk tier: {capacity_bytes} B holds no {self.slot_bytes}-B page slot "
-                                "(raise SGLANG_PATHP_DISK_GB)")
+                                f"(raise {size_what})")
         self.ops: FileOps = ops or OsFileOps()
         self.stale_removed = remove_stale_stores(directory)
+        check_capacity(directory, ALIGN + self.n_slots * self.slot_bytes, what, size_what)
         self.token = secrets.token_hex(8)
         self.path = os.path.join(directory, f"fm-pagestore-r{rank}-{os.getpid()}-{self.token}.fmps")
-        self.fd, self.direct, reason = open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, direct)
+        try:
+            self.fd, self.direct, reason = open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, direct)
+        except OSError as e:
+            raise _create_error(e, self.path, what, size_what) from e
+        owned.own(self.path)
         if reason and direct:
             log.warning("disk tier: %s: %s", self.path, reason)
         self.fallback_reason = reason
@@ -162,9 +188,12 @@ class PageStore:
             block = AlignedBuffers(ALIGN).get()
             block[:len(head)] = head
             self.ops.pwrite(self.fd, block, 0)
-        except BaseException:  # a store that could not start leaves no file behind
+        except BaseException as e:  # a store that could not start leaves no file behind
             os.close(self.fd)
             os.unlink(self.path)
+            owned.disown(self.path)
+            if isinstance(e, OSError):
+                raise _create_error(e, self.path, what, size_what) from e
             raise
         self._tok = bytes.fromhex(self.token)
         self._lock = threading.Lock()
@@ -285,6 +314,7 @@ class PageStore:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        owned.disown(self.path)
         os.close(self.fd)
 
     def __enter__(self) -> "PageStore":

@@ -166,7 +166,8 @@ def test_open_tier_from_the_environment(tmp_path, caplog) -> None:
     from flashmemory.env import DiskTierConfig, FlashMemoryEnv
     from flashmemory.offload.disk import DiskTierError, open_tier
 
-    cfg = FlashMemoryEnv.from_environ({"SGLANG_PATHP_DISK_DIR": str(tmp_path), "SGLANG_PATHP_DISK_GB": "0.0001",
+    cfg = FlashMemoryEnv.from_environ({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DISK_DIR": str(tmp_path),
+                                       "SGLANG_PATHP_DISK_GB": "0.0001",
                                        "SGLANG_PATHP_HOST_CACHE_GB": "0.00002"}).disk
     with caplog.at_level("INFO", logger="flashmemory.offload.disk"):
         cache = open_tier(cfg, PB, rank=3)

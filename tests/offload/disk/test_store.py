@@ -149,8 +149,6 @@ def test_stale_store_of_a_dead_run_is_removed_foreign_files_never(tmp_path) -> N
     foreign = {
         "notes.txt": b"user data",
         "fm-pagestore-r0-1-0123456789abcdef.fmps": b"no marker here",                       # our name, not ours
-        "fm-pagestore-r0-1-aaaaaaaaaaaaaaaa.fmps": MARKER + json.dumps(                      # pid 1 is alive
-            {"pid": 1, "host": host, "token": "aaaaaaaaaaaaaaaa"}).encode() + b"\n",
         "fm-pagestore-r0-999999-bbbbbbbbbbbbbbbb.fmps": MARKER + json.dumps(                 # another host's
             {"pid": 999999, "host": host + "-other", "token": "bbbbbbbbbbbbbbbb"}).encode() + b"\n",
         "fm-pagestore-r0-999998-cccccccccccccccc.fmps.bak": b"x",                            # not our name
@@ -187,6 +185,7 @@ def test_pack_unpack_mirror_page() -> None:
 
 def test_a_store_that_cannot_start_leaves_no_file(tmp_path) -> None:
     ops = FaultyFileOps(plan=FaultPlan(full=True))   # the marker block itself cannot be written
-    with pytest.raises(OSError) as e:
+    with pytest.raises(DiskTierError, match=r"SGLANG_PATHP_DISK_DIR: cannot create the page store .*fmps.*disk full.*"
+                                            r"SGLANG_PATHP_DISK_GB"):
         PageStore(str(tmp_path), 4 * 8192, PB, ops=ops)
-    assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []
