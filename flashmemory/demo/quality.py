@@ -94,8 +94,23 @@ def fingerprint(cfg_dict: dict, qc: QualityConfig, methods: tuple[str, ...]) -> 
     """sha256 (16 hex) of everything a document's numbers depend on (not n_per_task, out_dir or the task filter)."""
     keep = {k: v for k, v in cfg_dict.items() if k not in ("out_dir", "plot", "n_test", "serve")}
     keep["model"] = Path(str(keep.get("model", ""))).name   # the shipped model's name, not this checkout's path
-    key = {"demo": keep, "budgets": list(qc.budgets), "methods": list(methods), "retriever": qc.retriever}
+    key = {"demo": keep, "budgets": list(qc.budgets), "methods": list(methods),
+           "retriever": file_digest(qc.retriever, "--retriever") if qc.retriever else ""}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str, what: str) -> str:
+    """sha256 (hex) of a file's bytes: a run keys on what the file holds, not on the name it is given by (the same
+    file under another path is the same run; another file at the same path is not). UserError naming `what` and
+    the path when it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot be read ({e.strerror or e})") from e
+    return h.hexdigest()
 
 
 def read_doc(path: Path, fp: str) -> dict | None:
@@ -148,13 +163,19 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
     """The run's retriever: --retriever, else the one this out dir trained before (RETRIEVER_DONE), else train the
     demo's (its 6 train / 2 val documents decoded and dumped under out/work, as in the demo's stages 3-4)."""
     from flashmemory.retriever.checkpoint import load_retriever
+    from flashmemory.retriever.checkpoint import check_fits
+
+    def fitted(path: str):
+        model = load_retriever(path)
+        check_fits(model, path, engine.hidden_size, engine.index_head_dim, targets)
+        return model.eval()
     if qc.retriever:
-        return load_retriever(qc.retriever).eval(), {"checkpoint": qc.retriever}
+        return fitted(qc.retriever), {"checkpoint": qc.retriever}
     done = out / RETRIEVER_DONE
     if done.is_file():
         info = json.loads(done.read_text())
         log(f"[quality] retriever: {info['checkpoint']} (trained by this run earlier)")
-        return load_retriever(info["checkpoint"]).eval(), info
+        return fitted(info["checkpoint"]), info
     from flashmemory.atomic import atomic_write_text
     from flashmemory.demo.pipeline import clean_work_dir, make_items, train_retriever
     from flashmemory.eval.decode import full_run

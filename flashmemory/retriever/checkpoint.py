@@ -167,7 +167,7 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
         for k, shp in shapes.items():
             got = tuple(sd[k].shape)
             if got != shp:
-                raise CheckpointError(f"retrievers.l{lid}.{k}: shape {got} does not match expected {shp}")
+                raise CheckpointError(f"{path}: retrievers.l{lid}.{k}: shape {got} does not match expected {shp}")
     check_finite(path, {lid: by_layer[lid] for lid in want})
     model = JointRetriever(want, dims, rope, logit_offset)
     with torch.no_grad():
@@ -176,6 +176,22 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
             for k in PARAMS:
                 layer.get_parameter(k).copy_(by_layer[lid][k].float())
     return model
+
+
+def check_fits(model: JointRetriever, path: str | os.PathLike, hidden: int, index_head_dim: int,
+               layers: tuple[int, ...] | list[int]) -> None:
+    """Refuse, naming the file, a retriever that cannot serve a model of this `hidden` size, indexer head dim and
+    these c4 `layers` (a retriever trained for another model), before any document is run with it."""
+    d = model.dims
+    if d.hidden != hidden:
+        raise CheckpointError(f"{path}: retriever for hidden size {d.hidden}, the model's is {hidden} (a retriever "
+                              "trained for another model)")
+    if d.head_dim != index_head_dim:
+        raise CheckpointError(f"{path}: retriever head dim {d.head_dim}, the model's indexer head dim is "
+                              f"{index_head_dim} (a retriever trained for another model)")
+    absent = sorted(set(layers) - set(model.layers))
+    if absent:
+        raise CheckpointError(f"{path}: no retriever for c4 layer(s) {absent} (it has {list(model.layers)})")
 
 
 def check_finite(path: str | os.PathLike, by_layer: dict[int, dict[str, torch.Tensor]]) -> None:
