@@ -13,13 +13,22 @@ With a `MissMonitor` (`flashmemory.residency.monitored`) each due request is fir
 resident set (one rotated native layer over the full history); the request's escalation state then sets the
 budget handed to the policy and adds the pages the monitor saw missing (and, in fallback, the latest native
 top-k pages) beside the policy's picks.
+
+Lockstep publishing (`publish_lag` > 0, what a tensor-parallel server needs): every rank runs its own Level 1 over
+replicated inputs (the same hidden states, index keys and batches), so the ranks' plans agree only if every
+change of the resident set happens at the same decode step on every rank. Then the worker computes only the
+recall requests (retriever and policy: the slow part, a pure function of the job's inputs); the plan, copy and
+publish of a cycle submitted at `on_step` call t run on the decode thread at the start of call t + publish_lag,
+waiting for the worker if it is late (counted as `cycles_late`). A failure found for a cycle (e.g. a request's
+non-finite scores) is raised at that same call. Nothing the worker's timing decides reaches the resident set.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -45,10 +54,25 @@ class Level1Config:
     max_resident_pages: int = 96    # per-request page budget handed to the policy
     last_keep: int = 2048           # recency tail in chunks: +inf priority, dropped last when degrading
     async_recall: bool = True       # run cycles on a worker thread
+    publish_lag: int = 0            # 0: publish when the worker is done; k > 0: exactly k on_step calls later
 
     def __post_init__(self) -> None:
-        if self.tau < 1 or self.max_resident_pages < 1 or self.last_keep < 0:
-            raise ValueError(f"Level1Config: tau and max_resident_pages must be >= 1, last_keep >= 0: {self}")
+        if self.tau < 1 or self.max_resident_pages < 1 or self.last_keep < 0 or self.publish_lag < 0:
+            raise ValueError(f"Level1Config: tau and max_resident_pages must be >= 1, last_keep and publish_lag "
+                             f">= 0: {self}")
+
+
+@dataclass
+class _LockstepJob:
+    """One cycle in lockstep mode: submitted at on_step call `due - publish_lag`, published at call `due`.
+    items: [(row, gen, n_hist, hidden {layer: [hidden]}, position [])]; the worker fills `reqs` or `error`."""
+
+    due: int
+    ready: object                                   # CUDA event the inputs are ready on, or None
+    items: list
+    done: threading.Event = field(default_factory=threading.Event)
+    reqs: list = field(default_factory=list)
+    error: BaseException | None = None
 
 
 def retriever_scorer(retriever, engine: OffloadEngine, ensemble: str = "or") -> Scorer:
@@ -92,6 +116,8 @@ class Level1:
         self._mu = threading.Lock()
         self._error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()
+        self._tick = 0                                   # on_step calls so far (the lockstep clock)
+        self._lockstep: deque[_LockstepJob] = deque()    # submitted, not yet published, in due order
         self._worker: threading.Thread | None = None
         if cfg.async_recall:
             self._worker = threading.Thread(target=self._loop, name="flashmemory-level1", daemon=True)
@@ -99,8 +125,21 @@ class Level1:
 
     def on_step(self, rows: Sequence[int], hidden: Mapping[int, torch.Tensor], positions: torch.Tensor) -> list[int]:
         """rows: [B] engine rows (-1 = padding); hidden: {target layer: [B, hidden]}; positions: [B].
-        Advances each row's step and submits the due ones. Returns the rows submitted this step."""
+        Advances each row's step and submits the due ones. Returns the rows submitted this step.
+        Lockstep: first publishes the cycles due at this call (raising their failure after submitting)."""
+        if self.cfg.publish_lag:
+            self._tick += 1
+            late = self._publish_due(self._tick)
+            try:
+                return self._submit(rows, hidden, positions)
+            finally:
+                if late is not None:
+                    raise RuntimeError("Level-1 cycle failed") from late
         self._raise()
+        return self._submit(rows, hidden, positions)
+
+    def _submit(self, rows: Sequence[int], hidden: Mapping[int, torch.Tensor], positions: torch.Tensor) -> list[int]:
+        """Advance each row's cadence and queue the due rows' cycle (see `on_step`)."""
         due: list[tuple[int, int, int, int]] = []  # (batch index, row, gen, n_hist)
         eng = self.engine
         live = eng.snapshot_rows()   # {row: (gen, n_chunks)}; decode (this thread) is what changes it
@@ -129,7 +168,18 @@ class Level1:
         idx = torch.tensor([d[0] for d in due])
         job = [(row, gen, n, {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
                 positions.reshape(-1)[idx[j]].clone()) for j, (_, row, gen, n) in enumerate(due)]
-        if self._worker is None:
+        if self.cfg.publish_lag:
+            ready = None
+            if self._worker is not None and any(h.is_cuda for h in hidden.values()):
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream())
+            lj = _LockstepJob(self._tick + self.cfg.publish_lag, ready, job)
+            self._lockstep.append(lj)
+            if self._worker is None:
+                self._score(lj)
+            else:
+                self._q.put(lj)
+        elif self._worker is None:
             self._run((None, job))
         else:
             # The clones above are queued on this thread's current CUDA stream; the worker's scorer runs on
@@ -145,36 +195,73 @@ class Level1:
             self._q.put(job)
         return [d[1] for d in due]
 
+    def _requests(self, job: list) -> list[RecallRequest]:
+        """job: [(row, gen, n_hist, hidden, position)] -> the cycle's recall requests (scorer, policy, monitor)."""
+        reqs = []
+        for row, gen, n, hid, pos in job:
+            try:
+                if self.engine.gen(row) != gen:
+                    continue
+                budget, extra, extra_prio = self.cfg.max_resident_pages, [], []
+                if self.monitor is not None:
+                    budget, extra, extra_prio = self.monitor.cycle(row, gen, n, hid, pos)
+                scores = self.scorer(row, n, hid, pos)
+            except KeyError:  # finished while queued
+                continue
+            pages = self.policy(scores, n, budget).reshape(-1).cpu()
+            pages = pages[pages >= 0]
+            prio = page_priority(scores, n, pages, self.engine.layout.page_chunks, self.cfg.last_keep)
+            if self.monitor is not None:
+                from flashmemory.residency.monitored import merge_selection
+                pages, prio = merge_selection(pages.tolist(), prio, extra, extra_prio, budget)
+            reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio),
+                                      budget=budget if self.monitor is not None else None))
+        return reqs
+
     def _run(self, item: tuple) -> None:
         """item: (CUDA event the inputs are ready on, or None; [(row, gen, n_hist, hidden, position)])."""
         ready, job = item
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-        reqs = []
         try:
-            for row, gen, n, hid, pos in job:
-                try:
-                    if self.engine.gen(row) != gen:
-                        continue
-                    budget, extra, extra_prio = self.cfg.max_resident_pages, [], []
-                    if self.monitor is not None:
-                        budget, extra, extra_prio = self.monitor.cycle(row, gen, n, hid, pos)
-                    scores = self.scorer(row, n, hid, pos)
-                except KeyError:  # finished while queued
-                    continue
-                pages = self.policy(scores, n, budget).reshape(-1).cpu()
-                pages = pages[pages >= 0]
-                prio = page_priority(scores, n, pages, self.engine.layout.page_chunks, self.cfg.last_keep)
-                if self.monitor is not None:
-                    from flashmemory.residency.monitored import merge_selection
-                    pages, prio = merge_selection(pages.tolist(), prio, extra, extra_prio, budget)
-                reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio),
-                                          budget=budget if self.monitor is not None else None))
-            self.engine.recaller.recall(reqs)   # a failed copy is cancelled: nothing published, blocks freed
+            self.engine.recaller.recall(self._requests(job))   # a failed copy is cancelled: nothing published
         finally:
             with self._mu:
                 for row, gen, *_ in job:
                     self._pending.discard((row, gen))
+
+    def _score(self, lj: _LockstepJob) -> None:
+        """Lockstep worker side: the job's recall requests, or its error; never touches the resident set."""
+        try:
+            if lj.ready is not None:
+                torch.cuda.current_stream().wait_event(lj.ready)
+            lj.reqs = self._requests(lj.items)
+        except BaseException as e:  # raised on the decode thread at the job's publish call
+            lj.error = e
+        finally:
+            lj.done.set()
+
+    def _publish_due(self, tick: int | None) -> BaseException | None:
+        """Decode thread, lockstep: plan, copy and publish every job due at `tick` (None: every job), in submit
+        order, waiting for the worker where it is late. Returns the first failure (the others' pages publish)."""
+        first: BaseException | None = None
+        while self._lockstep and (tick is None or self._lockstep[0].due <= tick):
+            lj = self._lockstep.popleft()
+            if not lj.done.is_set():
+                for row, *_ in lj.items:
+                    self.engine.note(row, "cycles_late")
+                lj.done.wait()
+            try:
+                if lj.error is not None:
+                    raise lj.error
+                self.engine.recaller.recall(lj.reqs)
+            except BaseException as e:  # noqa: BLE001 - raised by on_step / wait after the due jobs published
+                first = first or e
+            finally:
+                with self._mu:
+                    for row, gen, *_ in lj.items:
+                        self._pending.discard((row, gen))
+        return first
 
     def _loop(self) -> None:
         while True:
@@ -182,6 +269,9 @@ class Level1:
             try:
                 if job is None:
                     return
+                if isinstance(job, _LockstepJob):
+                    self._score(job)
+                    continue
                 self._run(job)
             except BaseException as e:  # surfaced on the decode thread at the next call
                 self._error = e
@@ -193,10 +283,17 @@ class Level1:
             e, self._error = self._error, None
             raise RuntimeError("Level-1 worker failed") from e
 
+    def queued(self) -> int:
+        """Cycles handed to the worker thread and not finished by it (0 without a worker)."""
+        return self._q.unfinished_tasks if self._worker is not None else 0
+
     def wait(self) -> None:
         """Block until every submitted cycle has published (or been discarded)."""
         if self._worker is not None:
             self._q.join()
+        late = self._publish_due(None)
+        if late is not None:
+            raise RuntimeError("Level-1 cycle failed") from late
         self._raise()
 
     def close(self) -> None:

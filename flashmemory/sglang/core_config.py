@@ -45,11 +45,27 @@ def escalation_config(env: FlashMemoryEnv, base: int, reserve_blocks: int, rows:
                             extra_pool=pool)
 
 
-def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0) -> CoreConfig:
+# Lockstep publish lag under tensor parallelism (Level1Config.publish_lag): a cycle submitted after decode step t
+# changes the resident set after step t + 2 on every rank (the worker's scoring overlaps two decode steps; a
+# later worker makes decode wait, it never makes one rank publish at another step than the others).
+TP_PUBLISH_LAG = 2
+
+
+def serving_tp_size() -> int:
+    """sglang's tensor-parallel world size in this process (1 outside a server or before its groups exist)."""
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_world_size
+        return int(get_tensor_model_parallel_world_size())
+    except (ImportError, AssertionError, AttributeError, RuntimeError, ValueError):
+        return 1
+
+
+def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0, tp_size: int = 1) -> CoreConfig:
     """All core configs for a pool of geometry `geo`. A row may grow as long as the pool lets it (max_chunks =
     the pool's c4 locs): sglang admits requests up to its --context-length, which SGLANG_DSV4_TARGET_CONTEXT
     (reserve sizing) does not bound; capping rows by it crashed the scheduler once a request outgrew it.
-    landing_blocks: reserve scratch for extend stores (shrink mode)."""
+    landing_blocks: reserve scratch for extend stores (shrink mode). tp_size > 1: every rank runs Level 1 on
+    replicated inputs, so cycles publish in lockstep (`TP_PUBLISH_LAG` decode steps after submission)."""
     pc = geo.page_chunks
     layout = OffloadLayout(n_layers=geo.n_c4_layers, page_chunks=pc, index_head_dim=geo.index_head_dim,
                            target_layers=tuple(env.retriever_layers), index_offload=env.index_k_offload)
@@ -62,7 +78,8 @@ def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0)
     selection = SelectionConfig(threshold=env.threshold, ensemble=env.ensemble_mode, last_keep=env.last_keep,
                                 first_keep=env.first_keep, max_resident=env.max_resident, kmax=cap)
     level1 = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=kmax,
-                          last_keep=env.last_keep, async_recall=env.async_recall)
+                          last_keep=env.last_keep, async_recall=env.async_recall,
+                          publish_lag=min(env.interval, TP_PUBLISH_LAG) if tp_size > 1 else 0)
     esc = escalation_config(env, kmax, engine.recall_blocks, engine.max_rows) if env.miss_monitor else None
     return CoreConfig(layout=layout, engine=engine, selection=selection, level1=level1, escalation=esc,
                       ensemble=env.ensemble_mode, kmax=kmax)

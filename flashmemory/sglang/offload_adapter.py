@@ -30,7 +30,7 @@ from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
 from flashmemory.residency.level1 import Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
-from flashmemory.sglang.core_config import core_config
+from flashmemory.sglang.core_config import core_config, serving_tp_size
 from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
@@ -62,7 +62,7 @@ class OffloadAdapter:
                                     f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
         self.device = torch.device(device) if device is not None else self.kv_bufs[0].device
         # The env stops here: the core takes the typed configs made from it in one function.
-        self.core = core_config(env, geo, landing_blocks=self.landing_blocks())
+        self.core = core_config(env, geo, landing_blocks=self.landing_blocks(), tp_size=serving_tp_size())
         self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
         # The disk tier (SGLANG_PATHP_DISK_DIR), else the plain engine; shrink keeps a full mirror (PD lands by page).
         self.engine = build_engine(self.layout, self.cfg, self.device, env.disk, self.target_buffers(), dist_rank(),
