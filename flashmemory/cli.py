@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"flashmemory {args.command}: interrupted", file=sys.stderr)
         return 130
     except (UserError, OSError) as e:
         if debug:

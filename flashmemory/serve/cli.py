@@ -32,8 +32,9 @@ print(c.chat.completions.create(model='default', messages=[{{'role': 'user', 'co
 Ctrl-C stops all three."""
 
 
-class _Stop(Exception):
-    pass
+class _Stop(KeyboardInterrupt):
+    """SIGINT / SIGTERM / SIGHUP: stop. A KeyboardInterrupt, so one that lands before the servers start (while the
+    model or the retriever is built) ends the command in one line with exit 130 (`flashmemory.cli.main`)."""
 
 
 def _raise_stop(signum, frame):
@@ -43,6 +44,9 @@ def _raise_stop(signum, frame):
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, hisparse_config, start_pd
 
+    from flashmemory.serve.validate import check_port, check_timeout
+    check_timeout(args.startup_timeout, "--startup-timeout")          # before the model or retriever is built
+    check_port(args.port, PDConfig.host, "--port")
     # SIGINT too: a process started in the background of a script (or by a test runner's worker) inherits SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C / kill -INT would do nothing
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.serve.procs import free_ports
+from flashmemory.serve.validate import check_concurrency, check_timeout, max_running_requests, plugin_row_limit
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
 # Flags that keep the tiny model's pools small and startup short on CPU (see the module README). sglang's own
@@ -44,6 +45,16 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+def _row_limit(env: dict[str, str]) -> int | None:
+    """FlashMemory's row limit in this environment, or None (Path-P off, or an environment the server itself will
+    refuse with its own one-line error)."""
+    from flashmemory.env import EnvError
+    try:
+        return plugin_row_limit(env)
+    except EnvError:
+        return None
+
+
 class CpuServer:
     """One sglang server on 127.0.0.1 with the CPU layer on; env adds/overrides variables for it."""
 
@@ -60,12 +71,16 @@ class CpuServer:
                     "--port", str(self.port), *CPU_SERVER_ARGS, *extra_args]
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        limit = _row_limit(self.env)
+        if limit is not None:   # a request over FlashMemory's row limit would get HTTP 500: refuse to start
+            check_concurrency(max_running_requests(self.cmd), limit, "SGLANG_PATHP_DECODE_MAX_CONC")
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 300) -> "CpuServer":
+        check_timeout(timeout_s, "start-up timeout_s")
         return self.launch().wait_ready(timeout_s)
 
     def launch(self) -> "CpuServer":

@@ -1,9 +1,12 @@
 """A PD stack on this machine through the project's own launch scripts: D, P and the router, DEVICE=cpu.
 
 `start_pd` runs `launch_decode.sh` and `launch_prefill.sh` at once (their startup is mostly imports; the two
-overlap), waits for both, then `launch_router.sh`, and returns the URLs and the measured startup seconds. Every
-port is picked free just before use, below the kernel's ephemeral range (see `procs.PORT_RANGE`), and a start
-that still hits "address already in use" (another stack started beside this one) is retried with fresh ports.
+overlap), waits for both, then `launch_router.sh`, and returns the URLs and the measured startup seconds. The
+ports of all five listeners (P, D, the KV bootstrap, the router and its Prometheus) are chosen together before
+anything starts (`validate.stack_ports`), below the kernel's ephemeral range (see `procs.PORT_RANGE`); a fixed
+router port that is taken is refused at once, naming it; a start that still hits "address already in use" on a
+picked port (another stack started beside this one) is retried with fresh ports. The start-up timeout and D's
+`--max-running-requests` against FlashMemory's row limit are checked first (`validate`).
 Every process is owned by the `Servers` object passed in, which stops them all as process groups.
 """
 
@@ -18,7 +21,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from flashmemory.serve.procs import ServerStartError, Servers, free_ports, port_clash
+from flashmemory.errors import UserError
+from flashmemory.serve.procs import ServerStartError, Servers, port_clash
+from flashmemory.serve.validate import (StackPorts, check_concurrency, check_port, check_timeout,
+                                        max_running_requests, stack_ports)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"   # FM_CPU_MODEL in scripts/launch_common.sh
@@ -143,15 +149,22 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
              attempts: int = PORT_ATTEMPTS) -> PDStack:
     """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
 
-    Ports: the router's is `router_port` if given, every other one is picked free. A start that fails because a
-    port was taken meanwhile is stopped and retried with fresh ports (up to `attempts` in all), with a message."""
+    Ports: the router's is `router_port` if given, every other one is picked free, all together. A start that
+    fails because a picked port was taken meanwhile is stopped and retried with fresh ports (up to `attempts` in
+    all), with a message; a fixed router port that is taken is a UserError naming it, never retried."""
+    check_stack(cfg, router_port)
     for attempt in range(1, attempts + 1):
         first = len(servers.procs)
+        ports = stack_ports(cfg.host, router_port)
         try:
-            return _start_pd_once(servers, cfg, router_port)
+            return _start_pd_once(servers, cfg, ports)
         except ServerStartError:
             mine = servers.procs[first:]
             clashed = [p.name for p in mine if port_clash(p.log_text())]
+            if router_port and "router" in clashed:
+                servers.stop(only=mine)
+                raise UserError(f"--port {router_port}: taken by another process while the stack started; choose "
+                                "another port, or 0 for any free one") from None
             if not clashed or attempt == attempts:
                 raise
             servers.stop(only=mine)
@@ -160,8 +173,24 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
     raise AssertionError("unreachable")
 
 
-def _start_pd_once(servers: Servers, cfg: PDConfig, router_port: int | None) -> PDStack:
-    p_port, d_port, boot_port = free_ports(3, cfg.host)
+def check_stack(cfg: PDConfig, router_port: int | None) -> None:
+    """Refuse, in one line naming the flag, what would make a start fail later: a start-up timeout that is not a
+    positive number, a fixed router port that is out of range or taken, and D's `--max-running-requests` above
+    FlashMemory's row limit (launch_decode.sh sets SGLANG_PATHP_DECODE_MAX_CONC from MAX_RUN, 4 on CPU)."""
+    check_timeout(cfg.startup_timeout, "--startup-timeout")
+    check_port(router_port or 0, cfg.host, "--port")
+    if cfg.flashmemory:
+        base = os.environ if cfg.base_env is None else cfg.base_env
+        raw = cfg.decode_env.get("MAX_RUN") or base.get("MAX_RUN") or "4"
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise UserError(f"MAX_RUN={raw!r}: expected a whole number") from None
+        check_concurrency(max_running_requests(cfg.decode_args), limit, "MAX_RUN (SGLANG_PATHP_DECODE_MAX_CONC)")
+
+
+def _start_pd_once(servers: Servers, cfg: PDConfig, ports: StackPorts) -> PDStack:
+    p_port, d_port, boot_port = ports.prefill, ports.decode, ports.bootstrap
     common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
     d = servers.start("decode", ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args],
                       _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
@@ -172,9 +201,7 @@ def _start_pd_once(servers: Servers, cfg: PDConfig, router_port: int | None) -> 
     times = {"decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
              "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout)}
     t0 = time.monotonic()
-    # picked now, not with the others: D and P took tens of seconds to start, and a port picked then could be gone
-    r_port, prom_port = free_ports(2, cfg.host)
-    r_port = router_port or r_port
+    r_port, prom_port = ports.router, ports.prometheus
     r = servers.start("router", ["bash", str(cfg.launch_dir / "launch_router.sh")],
                       _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
                            DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot_port), PROMETHEUS_PORT=str(prom_port)))

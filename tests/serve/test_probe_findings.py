@@ -1,0 +1,114 @@
+"""`flashmemory serve` misuse ends before any server starts, in one line naming the flag: a fixed port that is
+taken, a start-up timeout of zero, more running requests than FlashMemory's row limit; Ctrl-C while the retriever
+is built ends in one line with exit 130. The ports of a stack are chosen together."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flashmemory.errors import UserError
+from flashmemory.serve.procs import Servers
+from flashmemory.serve.stack import PDConfig, start_pd
+from flashmemory.serve.validate import max_running_requests, stack_ports
+
+
+def _scripts(d):
+    """launch_*.sh stand-ins that only record that they ran (nothing must run in these tests)."""
+    for name in ("decode", "prefill", "router"):
+        (d / f"launch_{name}.sh").write_text(f"echo {name} >> {d / 'started'}\nsleep 30\n")
+
+
+def _held_port() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_a_taken_fixed_port_is_named_before_anything_starts(tmp_path) -> None:
+    _scripts(tmp_path)
+    with _held_port() as held, Servers(tmp_path / "logs") as s:
+        port = held.getsockname()[1]
+        with pytest.raises(UserError, match=f"--port {port}: cannot bind 127.0.0.1:{port}"):
+            start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60), router_port=port)
+        assert s.procs == []
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_startup_timeout_that_is_not_positive_is_refused(tmp_path, t) -> None:
+    _scripts(tmp_path)
+    with Servers(tmp_path / "logs") as s, pytest.raises(UserError, match="--startup-timeout"):
+        start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=t))
+    assert not (tmp_path / "started").exists()
+
+
+def test_more_running_requests_than_flashmemorys_rows_is_refused(tmp_path) -> None:
+    _scripts(tmp_path)
+    cfg = PDConfig(launch_dir=tmp_path, startup_timeout=60, base_env={}, decode_args=("--max-running-requests", "8"))
+    with Servers(tmp_path / "logs") as s, pytest.raises(UserError, match=r"--max-running-requests 8 exceeds .*MAX_RUN"):
+        start_pd(s, cfg)
+    assert not (tmp_path / "started").exists()
+    assert max_running_requests(["--max-running-requests", "2", "--max-running-requests=6"]) == 6
+
+
+def test_a_cpu_server_over_the_row_limit_is_refused(tmp_path) -> None:
+    from flashmemory.serve.cpu_server import CpuServer
+    env = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DECODE_MAX_CONC": "2"}
+    with pytest.raises(UserError, match="--max-running-requests 4 exceeds .*SGLANG_PATHP_DECODE_MAX_CONC=2"):
+        CpuServer(tmp_path, tmp_path / "log", env=env)
+    CpuServer(tmp_path, tmp_path / "log", env={**env, "SGLANG_PATHP_DECODE_MAX_CONC": "4"})   # at the limit: fine
+    with pytest.raises(UserError, match="timeout"):
+        CpuServer(tmp_path, tmp_path / "log").start(timeout_s=0)
+
+
+def test_stack_ports_are_distinct_and_keep_a_free_fixed_port() -> None:
+    ports = stack_ports("127.0.0.1")
+    assert len(set(vars(ports).values())) == 5
+    with _held_port() as h:
+        free = h.getsockname()[1]
+    fixed = stack_ports("127.0.0.1", free)
+    assert fixed.router == free and len(set(vars(fixed).values())) == 5
+
+
+_SERVE = textwrap.dedent("""
+    import os, signal, sys, time
+    import flashmemory.serve.stack as st
+    from flashmemory.cli import main
+    st.ensure_model = lambda p: p
+    def building(model):                      # Ctrl-C while the retriever trains
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+    st.ensure_retriever = building
+    sys.exit(main(["serve", "--model", sys.argv[1], "--logs", sys.argv[2], "--port", "0"]))
+""")
+
+
+def test_ctrl_c_while_the_retriever_trains_is_one_line_and_130(tmp_path) -> None:
+    p = subprocess.run([sys.executable, "-c", _SERVE, str(tmp_path), str(tmp_path / "logs")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.strip() == "flashmemory serve: interrupted" and "Traceback" not in p.stderr
+
+
+def test_serve_refuses_a_zero_timeout_before_building_anything(tmp_path, capsys, monkeypatch) -> None:
+    import flashmemory.serve.stack as st
+    from flashmemory.cli import main
+
+    def no_build(_p):
+        raise AssertionError("the model was built before the flags were checked")
+    monkeypatch.setattr(st, "ensure_model", no_build)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rc = main(["serve", "--model", str(tmp_path), "--startup-timeout", "0", "--port", "0"])
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("flashmemory serve: error: --startup-timeout 0") and "\n" not in err
