@@ -15,14 +15,15 @@ source "$FM_REPO/scripts/launch_common.sh"
 DEVICE="${DEVICE:-cuda}"; fm_device_setup "$DEVICE"
 if [[ "$DEVICE" == cpu ]]; then   # the tiny model: 2 c4 layers, 4K context; no retriever unless CKPT is given
   MODEL="${MODEL:-$FM_CPU_MODEL}"; TP="${TP:-1}"; CTX_LEN="${CTX_LEN:-4096}"; TGT_CONC="${TGT_CONC:-4}"
-  TGT_CTX="${TGT_CTX:-4096}"; MAX_RUN="${MAX_RUN:-4}"; HOST="${HOST:-127.0.0.1}"; CKPT="${CKPT-}"; LAYERS="${LAYERS:-0,1}"
+  TGT_CTX="${TGT_CTX:-4096}"; MAX_RUN="${MAX_RUN:-4}"; CKPT="${CKPT-}"; LAYERS="${LAYERS:-0,1}"
   LAST_KEEP="${LAST_KEEP:-256}"; CUDA_GRAPH="${CUDA_GRAPH:-0}"; KMAX="${KMAX:-16}"   # 16 pages: a whole 4K history
 else
   MODEL="${MODEL:-/dockerdata/models/ds_fp8}"; TP="${TP:-8}"; CTX_LEN="${CTX_LEN:-1100000}"; TGT_CONC="${TGT_CONC:-60}"
-  TGT_CTX="${TGT_CTX:-524288}"; MAX_RUN="${MAX_RUN:-128}"; HOST="${HOST:-0.0.0.0}"
+  TGT_CTX="${TGT_CTX:-524288}"; MAX_RUN="${MAX_RUN:-128}"
   CKPT="${CKPT-$FM_REPO/checkpoints/top3_R930_joint.pt}"; LAYERS="${LAYERS:-10,12,20}"; LAST_KEEP="${LAST_KEEP:-2048}"
   CUDA_GRAPH="${CUDA_GRAPH:-1}"
 fi
+HOST="${HOST:-127.0.0.1}"   # this machine only; HOST=<this node's address> (or 0.0.0.0) opens it to the network
 KMAX="${KMAX:-96}"; PORT="${PORT:-31200}"; TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 THRESH="${THRESH:-0.5}"; INTERVAL="${INTERVAL:-64}"; SCORE_RESIDENT="${SCORE_RESIDENT:-1}"
 INDEX_K_OFFLOAD="${INDEX_K_OFFLOAD:-0}"; C4_SHRINK="${C4_SHRINK:-1}"; CREDIT_C4="${CREDIT_C4:-0}"

@@ -9,11 +9,11 @@ source "$FM_REPO/scripts/launch_common.sh"
 
 DEVICE="${DEVICE:-cuda}"; fm_device_setup "$DEVICE"
 if [[ "$DEVICE" == cpu ]]; then
-  MODEL="${MODEL:-$FM_CPU_MODEL}"; TP="${TP:-1}"; CTX_LEN="${CTX_LEN:-4096}"; MAX_RUN="${MAX_RUN:-4}"; HOST="${HOST:-127.0.0.1}"
+  MODEL="${MODEL:-$FM_CPU_MODEL}"; TP="${TP:-1}"; CTX_LEN="${CTX_LEN:-4096}"; MAX_RUN="${MAX_RUN:-4}"
 else
   MODEL="${MODEL:-/dockerdata/models/ds_fp8}"; TP="${TP:-8}"; CTX_LEN="${CTX_LEN:-1100000}"; MAX_RUN="${MAX_RUN:-48}"
-  HOST="${HOST:-0.0.0.0}"
 fi
+HOST="${HOST:-127.0.0.1}"   # this machine only; HOST=<this node's address> (or 0.0.0.0) opens it to the network
 SWA_RATIO="${SWA_RATIO:-0.1}"; MEM_FRAC="${MEM_FRAC:-0.75}"; PORT="${PORT:-31100}"
 TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 

@@ -64,7 +64,7 @@ fm_transfer() {  # fm_transfer PY BACKEND DEVICE: the PD transfer backend must r
 # DEVICE=cpu runs sglang's own server on CPU through FlashMemory's CPU execution layer (flashmemory.sglang.cpu):
 # a tiny model, for trying things out, development and CI. DEVICE=cuda (default) is the production path.
 FM_CPU_LAYER_VAR=SGLANG_FLASHMEMORY_CPU
-FM_CPU_MODEL="$FM_REPO/checkpoints/tiny-dsv4-sglang"   # MODEL's default with DEVICE=cpu (built by: make tiny-model)
+FM_CPU_MODEL="$FM_REPO/checkpoints/tiny-dsv4-sglang"   # MODEL's default with DEVICE=cpu (built on first use by `make serve`)
 fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export) and FM_DEV_ARGS (sglang flags)
   fm_choice DEVICE "$1" cuda cpu
   FM_DEV_VARS=(); FM_DEV_ARGS=()

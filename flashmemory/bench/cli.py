@@ -16,7 +16,7 @@ BENCHES = {
                                              "layers every step"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
     "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of the "
-                                       "tau window at increasing concurrency (issue 22, WIP)"),
+                                       "tau window at increasing concurrency"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
     "peers": ("flashmemory.bench.peers", "live sglang on CPU: stock, HiSparse, FlashMemory and FlashMemory+monitor on "
                                          "the same requests, counted costs per decode token side by side"),
@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Benchmarks. Every number is a ratio against a baseline measured in the same run.")
     bsub = p.add_subparsers(dest="bench", metavar="NAME")
     for name, (mod, help_) in available().items():
-        bp = bsub.add_parser(name, help=help_, description=help_)
+        # argparse %-formats help strings: a literal % must be doubled or the help prints the action's dict
+        bp = bsub.add_parser(name, help=help_.replace("%", "%%"), description=help_)
         m = importlib.import_module(mod)
         m.add_args(bp)
         bp.set_defaults(func=m.run)

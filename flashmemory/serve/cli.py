@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashmemory.errors import fail
 from flashmemory.serve.procs import ServerStartError, Servers
 
 EXAMPLE = """\
@@ -44,6 +45,8 @@ def _raise_stop(signum, frame):
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import PDConfig, ensure_model, ensure_retriever, hisparse_config, start_pd
 
+    if args.ckpt not in ("auto", "none") and not Path(args.ckpt).is_file():
+        return fail("serve", f"--ckpt {args.ckpt}: no such file (or 'auto', 'none')")
     from flashmemory.serve.validate import check_port, check_timeout
     check_timeout(args.startup_timeout, "--startup-timeout")          # before the model or retriever is built
     check_port(args.port, PDConfig.host, "--port")
@@ -51,9 +54,6 @@ def run(args: argparse.Namespace) -> int:
     # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C / kill -INT would do nothing
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
-    if args.ckpt not in ("auto", "none") and not Path(args.ckpt).is_file():
-        print(f"error: --ckpt {args.ckpt}: no such file (or 'auto', 'none')", file=sys.stderr)
-        return 2
     model = ensure_model(Path(args.model))
     stock = args.stock or args.hisparse
     ckpt = "" if stock or args.ckpt == "none" else \
@@ -77,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
         while True:
             for p in servers.procs:
                 if p.popen.poll() is not None:
-                    print(f"error: {p.name} exited with {p.popen.returncode}; log {p.log}:\n{p.log_tail()}",
-                          file=sys.stderr)
-                    return 1
+                    print(p.log_tail(), file=sys.stderr)
+                    return fail("serve", f"{p.name} exited with {p.popen.returncode}; log {p.log} (its tail above)", 1)
             time.sleep(1.0)
     except ServerStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        head, _, tail = str(e).partition("\n")
+        if tail:
+            print(tail, file=sys.stderr)   # the server's log tail, above the one error line
+        return fail("serve", head + (" (its tail above)" if tail else ""), 1)
     except (KeyboardInterrupt, _Stop):
         print("stopping ...", flush=True)
         return 0

@@ -56,6 +56,16 @@ SERVING_METRICS: dict[str, tuple[str, str]] = {
                                    "with the disk tier's landing window, SGLANG_PATHP_HOST_MIRROR_GB)"),
     "host_mirror_slots_in_use": ("gauge", "Host-mirror page slots holding a live page (0 when idle)"),
 }
+# sglang's own HiSparse on CPU (`flashmemory.sglang.cpu.patches_hisparse.SwapInCounter`, keys in this order): counters
+# of its torch swap-in, exported by a HiSparse decode server (--enable-hisparse) instead of the metrics above.
+HISPARSE_SWAPIN_PREFIX = "hisparse_swapin_"
+HISPARSE_SWAPIN: dict[str, str] = {
+    "calls": "HiSparse swap-in calls (one per c4 layer per decode step)",
+    "lookups": "HiSparse native top-k picks looked up in the device hot buffer",
+    "hits": "HiSparse picks found in the hot buffer",
+    "misses": "HiSparse picks copied host -> device into the hot buffer",
+    "bytes_h2d": "HiSparse bytes copied host -> device (misses x 584 B)",
+}
 FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")
@@ -95,9 +105,11 @@ def serving_gauges(adapter: Any) -> dict[str, float]:
 
 
 def metrics_table() -> str:
-    """The README's metrics table (Markdown), generated from METRICS, SERVING_METRICS and FAILURES."""
+    """The metrics table of docs/metrics.md (Markdown), generated from METRICS, SERVING_METRICS, FAILURES and
+    HISPARSE_SWAPIN."""
     rows = ["| Metric | Type | Meaning |", "|---|---|---|"]
-    for key, (kind, doc) in {**METRICS, **SERVING_METRICS, FAILURES[0]: ("counter", FAILURES[1])}.items():
+    swapin = {HISPARSE_SWAPIN_PREFIX + k: ("counter", doc) for k, doc in HISPARSE_SWAPIN.items()}
+    for key, (kind, doc) in {**METRICS, **SERVING_METRICS, FAILURES[0]: ("counter", FAILURES[1]), **swapin}.items():
         name = PREFIX + key + ("_total" if kind == "counter" else "")
         if key == FAILURES[0]:
             name += "{hook}"

@@ -9,13 +9,20 @@ pytestmark = pytest.mark.sglang
 README = os.path.join(os.path.dirname(__file__), "../../flashmemory/sglang/README.md")
 
 
-@pytest.mark.parametrize("readme", [README, os.path.join(os.path.dirname(__file__), "../../README.md")])
+ROOT = os.path.join(os.path.dirname(__file__), "../..")
+
+
+@pytest.mark.parametrize("readme", [README, os.path.join(ROOT, "docs/configuration.md")])
 def test_readme_gate_table_is_generated_and_complete(readme):
     text = open(readme).read()
-    assert gate_table() in text, "README gate table is stale: regenerate with python -m flashmemory.sglang.gates"
+    assert gate_table() in text, "gate table is stale: regenerate with python -m flashmemory.sglang.gates --write FILE"
     for name in ENV_DOC:
         assert f"`{name}`" in text
-    assert "31503/v1/chat/completions" in text
+
+
+def test_readme_names_the_router_endpoint():
+    for doc in ("README.md", "docs/serving.md"):
+        assert "31503/v1/chat/completions" in open(os.path.join(ROOT, doc)).read(), doc
 
 
 def test_metrics_export():
@@ -30,12 +37,15 @@ def test_metrics_export():
 
 
 def test_readme_metrics_table_is_generated_and_complete():
-    """The README's metrics table is `metrics_table()` (regenerate it when a metric is added) and names every metric,
-    the serving gauges an operator reads at idle and the guard's failure counter included."""
-    from flashmemory.sglang.prometheus import FAILURES, METRICS, PREFIX, SERVING_METRICS, metrics_table
-    text = open(os.path.join(os.path.dirname(__file__), "../../README.md")).read()
-    assert metrics_table() in text, "README metrics table is stale: paste flashmemory.sglang.prometheus.metrics_table()"
-    for key in (*METRICS, *SERVING_METRICS, FAILURES[0]):
+    """docs/metrics.md's metrics table is `metrics_table()` (regenerate it when a metric is added) and names every
+    metric, the serving gauges an operator reads at idle, the guard's failure counter and HiSparse's swap-in
+    counters included."""
+    from flashmemory.sglang.prometheus import (FAILURES, HISPARSE_SWAPIN, HISPARSE_SWAPIN_PREFIX, METRICS, PREFIX,
+                                               SERVING_METRICS, metrics_table)
+    text = open(os.path.join(ROOT, "docs/metrics.md")).read()
+    assert metrics_table() in text, "metrics table is stale: paste flashmemory.sglang.prometheus.metrics_table()"
+    swapin = [HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN]
+    for key in (*METRICS, *SERVING_METRICS, FAILURES[0], *swapin):
         assert f"`{PREFIX}{key}" in text, key
     for gauge in ("live_requests", "free_reserve_blocks", "reserve_blocks", "host_mirror_bytes_in_use"):
         assert gauge in SERVING_METRICS
@@ -51,3 +61,10 @@ def test_serving_gauges_and_failure_counter_export():
     out = prom.generate_latest(reg).decode()
     assert "flashmemory_free_reserve_blocks 96.0" in out and "flashmemory_live_requests 0.0" in out
     assert 'flashmemory_request_failures_total{hook="before_forward"} 1.0' in out
+
+
+def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
+    """The metrics table's HiSparse rows name exactly the counters `SwapInCounter` creates, in its order."""
+    from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
+    from flashmemory.sglang.prometheus import HISPARSE_SWAPIN
+    assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS

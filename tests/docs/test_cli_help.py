@@ -1,0 +1,68 @@
+"""Every `flashmemory ... --help` renders as text, and `flashmemory serve` fails in the `flashmemory <cmd>: error:`
+form the other commands use."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+import pytest
+
+from flashmemory.cli import build_parser, main
+
+
+def all_parsers(p: argparse.ArgumentParser, chain: str = "flashmemory"):
+    yield chain, p
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from all_parsers(sub, f"{chain} {name}")
+
+
+def test_every_help_renders_as_text() -> None:
+    seen = 0
+    for chain, p in all_parsers(build_parser()):
+        text = p.format_help()
+        assert "'option_strings'" not in text and "{'" not in text, f"`{chain} --help` prints a raw dict"
+        seen += 1
+    assert seen > 20
+
+
+def test_bench_help_lists_every_benchmark_readably(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "~10% residency" in out and "'prog'" not in out
+
+
+@pytest.fixture
+def keep_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_serve_bad_ckpt_is_one_prefixed_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_signals) -> None:
+    assert main(["serve", "--ckpt", str(tmp_path / "nope.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashmemory serve: error: --ckpt "), err
+
+
+def test_serve_start_failure_ends_in_a_prefixed_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch, keep_signals) -> None:
+    import flashmemory.serve.stack as stack
+    from flashmemory.serve.procs import ServerStartError
+
+    def refuse(servers, cfg, router_port=None):
+        raise ServerStartError(f"decode exited with 2 before http://127.0.0.1:1/health answered; log {tmp_path}/d.log:"
+                               "\nerror: MODEL=/x does not exist")
+
+    monkeypatch.setattr(stack, "ensure_model", lambda p: p)
+    monkeypatch.setattr(stack, "start_pd", refuse)
+    rc = main(["serve", "--ckpt", "none", "--model", str(tmp_path), "--logs", str(tmp_path / "logs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err[0] == "error: MODEL=/x does not exist"   # the server's log tail first
+    assert err[-1].startswith("flashmemory serve: error: decode exited with 2"), err
