@@ -35,6 +35,7 @@ TABLES: tuple[str, ...] = (
     "flashmemory.sglang.cpu.platform:PLATFORM_PATCHES",      # env switches + import stubs (platform activation)
     "flashmemory.sglang.cpu.patches_kernels:KERNEL_PATCHES",  # CUDA-only kernels -> pure-torch drop-ins
     "flashmemory.sglang.cpu.patches_runtime:RUNTIME_PATCHES",  # CPU seams outside the kernels
+    "flashmemory.sglang.cpu.patches_tp:TP_PATCHES",            # --tp N on CPU: thread groups, gloo, DSv4's KV head
     "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
     "flashmemory.sglang.cpu.pd:PD_PATCHES",                  # PD on CPU: NIXL over DRAM, the `fake` backend
     "flashmemory.sglang.targets:SPECS",                      # FlashMemory's own hooks
