@@ -103,11 +103,13 @@ FAULT_INJECT = "FLASHMEMORY_FAULT_INJECT"
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """FLASHMEMORY_FAULT_INJECT="hook=<hook name>,rid=<regex>": test only. The guarded FlashMemory hook `hook` raises
-    a `RequestFailure` for each request of its batch whose id matches `rid` (`re.search`), before its body runs."""
+    """FLASHMEMORY_FAULT_INJECT="hook=<hook name>,rid=<regex>[,rank=<n>]": test only. The guarded FlashMemory hook
+    `hook` raises a `RequestFailure` for each request of its batch whose id matches `rid` (`re.search`), before its
+    body runs; with `rank`, only on that tensor-parallel rank (a failure the other ranks must learn of)."""
 
     hook: str
     rid: str
+    rank: int | None = None
 
 
 def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = ()) -> FaultSpec | None:
@@ -121,8 +123,9 @@ def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = 
     for part in raw.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in ("hook", "rid") or key in fields:
-            raise EnvError(f"{FAULT_INJECT}={raw!r}: expected 'hook=<hook name>,rid=<regex>' (bad part {part!r})")
+        if not sep or key not in ("hook", "rid", "rank") or key in fields:
+            raise EnvError(f"{FAULT_INJECT}={raw!r}: expected 'hook=<hook name>,rid=<regex>[,rank=<n>]' "
+                           f"(bad part {part!r})")
         fields[key] = value.strip()
     if not fields.get("hook") or not fields.get("rid"):
         raise EnvError(f"{FAULT_INJECT}={raw!r}: needs both hook=<hook name> and rid=<regex>")
@@ -132,7 +135,10 @@ def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = 
         re.compile(fields["rid"])
     except re.error as e:
         raise EnvError(f"{FAULT_INJECT}={raw!r}: rid is not a regular expression ({e})") from None
-    return FaultSpec(fields["hook"], fields["rid"])
+    rank = fields.get("rank")
+    if rank is not None and not rank.isdigit():
+        raise EnvError(f"{FAULT_INJECT}={raw!r}: rank must be a non-negative integer, got {rank!r}")
+    return FaultSpec(fields["hook"], fields["rid"], int(rank) if rank is not None else None)
 
 
 def set_defaults(values: Mapping[str, str], env: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -152,6 +158,15 @@ def cpu_enabled(env: Mapping[str, str] | None = None) -> bool:
 
     Read on its own because sglang's platform discovery asks for it in every process, before anything else."""
     return _bool(os.environ if env is None else env, CPU_GATE, False)
+
+
+THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind_set(env: Mapping[str, str] | None = None) -> bool:
+    """sglang's own SGLANG_CPU_OMP_THREADS_BIND (per-rank CPU groups, '|'-separated) is set: the CPU layer then
+    leaves sglang's thread binding as it is."""
+    return ((os.environ if env is None else env).get(THREADS_BIND) or "all").strip() != "all"
 
 
 MAX_DISK_GB = float(1 << 20)  # 1 PB of page store per rank: a larger value is a typo
