@@ -1,10 +1,12 @@
-"""`flashmemory bench costmodel`: per-token FLOPs, per-request bytes and a throughput ESTIMATE for
-DeepSeek-V4-Flash decode, baseline vs FlashMemory vs sglang's own HiSparse, next to upstream's README tables; a
-stock / HiSparse / FlashMemory table for 8xH20 at 128K-1M x 1-64 requests, and the model checked against HiSparse's
-published 2xB200 figure.
+"""`flashmemory bench costmodel`: the calibrated cost model of DeepSeek-V4-Flash decode. First the fitted constants
+and every published anchor next to the model (`--anchors` stops there and after the 8xH20 projections), then the
+projections (stock, HiSparse, FlashMemory, disk tier: max concurrency and tok/s at 128K, 256K, 1M), per-token
+FLOPs and per-request bytes next to upstream's README tables, the side-by-side table at 1-64 requests and the disk
+tier.
 
-All numbers come from `flashmemory.costmodel` (analytic, nothing is timed); ratios are FlashMemory / baseline
-computed in the same run. `--quick` is accepted for `bench all` and changes nothing (the model is instant).
+All numbers come from `flashmemory.costmodel` (analytic, nothing is timed). Hardware flags replace the 8xH20
+preset's values in the projections only; the anchors always use the presets and the fit. `--quick` is accepted
+for `bench all` and changes nothing (the model is instant).
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import dataclasses
 import json
 from typing import Any
 
-from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, HiSparseKnobs,
+from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, HiSparseKnobs,
                                    PolicyKnobs, RetrieverShape, all_miss_bytes, attention_core_terms, baseline_bytes,
-                                   baseline_flops, estimate, fit_line, flashmemory_bytes, flashmemory_flops,
-                                   hisparse_bytes, kv_budget_per_gpu, n_chunks, weight_bytes)
-from flashmemory.costmodel.peers import B200_PAIR, PublishedFigure, check_published, peer_table
+                                   baseline_flops, fit_line, flashmemory_bytes, flashmemory_flops, hisparse_bytes,
+                                   n_chunks)
+from flashmemory.costmodel.anchors import (B200_PD, H20_NODE, RTX6000_NODE, TOLERANCE, Fitted, Preset, anchors,
+                                           calibrated, fit, projections)
+from flashmemory.costmodel.disk import disk_point
+from flashmemory.costmodel.peers import peer_table
+from flashmemory.errors import fail
 from flashmemory.bench.table import print_table
 from flashmemory.bench.costmodel_disk import add_disk_args, disk_knobs, disk_report
 
@@ -41,18 +47,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="HiSparse device_buffer_size in c4 slots per layer (default 4096, sglang's default)")
     p.add_argument("--hisparse-step-ms", type=float, default=0.0,
                    help="HiSparse fixed cost per decode step beyond its bytes (default 0)")
-    hw = Hardware()
-    p.add_argument("--hbm-gb", type=float, default=hw.hbm_gb, help="HBM per GPU (H20: 96)")
-    p.add_argument("--hbm-tbps", type=float, default=hw.hbm_tbps)
-    p.add_argument("--pcie-gbps", type=float, default=hw.pcie_gbps, help="effective H2D GB/s per GPU")
-    p.add_argument("--tflops", type=float, default=hw.tflops, help="dense BF16 TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=hw.mfu, help="fraction of peak FLOPs reached (1 = roofline)")
-    p.add_argument("--mem-fraction", type=float, default=hw.mem_fraction, help="static HBM fraction for weights+KV")
+    p.add_argument("--hisparse-ratio", type=int, default=HiSparseKnobs().host_to_device_ratio,
+                   help="HiSparse host_to_device_ratio: sglang prices the device c4 pool at 1/(4 x ratio) slot per "
+                        "token (default 2, sglang's default)")
+    h = H20_NODE.hw
+    p.add_argument("--hbm-gb", type=float, default=None, help=f"GPU memory, GB (preset: {h.hbm_gb:.1f} = 97,871 MiB)")
+    p.add_argument("--hbm-tbps", type=float, default=None, help=f"HBM TB/s (preset: {h.hbm_tbps:g})")
+    p.add_argument("--pcie-gbps", type=float, default=None, help=f"effective H2D GB/s per GPU (preset: {h.pcie_gbps:g})")
+    p.add_argument("--tflops", type=float, default=None, help=f"dense BF16 TFLOP/s per GPU (preset: {h.tflops:g})")
+    p.add_argument("--mfu", type=float, default=None, help="fraction of peak FLOPs reached (preset: 1 = roofline)")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="--mem-fraction-static of the decode servers (default: the fitted value)")
     p.add_argument("--weights-gb", type=float, default=None, help="total weight bytes (default: from the shapes)")
-    p.add_argument("--host-ram-gb", type=float, default=hw.host_ram_gb)
-    p.add_argument("--host-fraction", type=float, default=hw.host_fraction)
-    p.add_argument("--overhead-ms", type=float, default=20.0,
-                   help="fixed per-step cost added in the second throughput estimate (default 20)")
+    p.add_argument("--host-ram-gb", type=float, default=None, help=f"host DRAM per node, GB (preset: {h.host_ram_gb:g})")
+    p.add_argument("--host-fraction", type=float, default=None,
+                   help="share of host DRAM usable for mirrors (default: the fitted value)")
+    p.add_argument("--overhead-ms", type=float, default=None,
+                   help="fixed cost per decode step, ms (default: the fitted value)")
+    p.add_argument("--anchors", action="store_true",
+                   help="print only the fitted constants, the published anchors vs the model and the 8xH20 "
+                        "projections")
     add_disk_args(p)
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON (atomic)")
     p.add_argument("--quick", action="store_true", help="accepted for `bench all`; the model is instant anyway")
@@ -163,53 +177,52 @@ def byte_report(cases: list[tuple[int, int]], knobs_for: Any, hs: HiSparseKnobs)
     return {"requests": out}
 
 
-def throughput_report(cases: list[tuple[int, int]], knobs_for: Any, hw: Hardware, overhead_ms: float,
-                      hs: HiSparseKnobs) -> dict:
-    wb = weight_bytes()
-    print(f"\nTHROUGHPUT ESTIMATE (not measured). 8xH20 TP8: HBM {hw.hbm_gb:g} GB @ {hw.hbm_tbps:g} TB/s, PCIe "
-          f"{hw.pcie_gbps:g} GB/s, {hw.tflops:g} TFLOP/s x mfu {hw.mfu:g}; weights {wb.total / G:.0f} GB "
-          f"(routed FP4 {wb.routed / G:.0f} + rest {wb.other / G:.1f}), mem fraction {hw.mem_fraction:g} -> KV budget "
-          f"{kv_budget_per_gpu(hw) / G:.1f} GB/GPU; KV replicated per rank; host {hw.host_ram_gb:g} GB x "
-          f"{hw.host_fraction:g} for per-rank mirrors; max-running {hw.max_running}.")
-    hw_over = dataclasses.replace(hw, overhead_ms=overhead_ms)
-    rows, out = [], []
-    for ctx, kmax in cases:
-        kn = knobs_for(ctx)
-        bf, ff = baseline_flops(ctx).total, flashmemory_flops(ctx, kmax).total
-        up = UPSTREAM.get(ctx) if UPSTREAM.get(ctx, (None,))[0] == kmax else None
-        per = [(baseline_bytes(ctx), bf, False, up[3:5] if up else None),
-               (flashmemory_bytes(ctx, kmax, kn), ff, False, up[5:7] if up else None),
-               (hisparse_bytes(ctx, hs), bf, True, None)]
-        base_tok0 = base_conc = None
-        for rb, fl, sync, upv in per:
-            x = hs.step_overhead_ms if rb.policy == "hisparse" else 0.0
-            e = estimate(rb, fl, hw, sync_pcie=sync, extra_ms=x)
-            e0 = estimate(rb, fl, hw_over, sync_pcie=sync, extra_ms=x)
-            if rb.policy == "baseline":
-                base_tok0, base_conc = e0.tok_s, e.conc
-            rows.append([_label(ctx), rb.policy, f"{e.conc} ({e.bound})", f"{e.conc / base_conc:.1f}x",
-                         f"{e.hbm_ms:.1f}/{e.compute_ms:.1f}/{e.pcie_ms:.1f}", f"{e.tok_s:.0f}",
-                         f"{e0.tok_s:.0f}", f"{e0.tok_s / base_tok0:.1f}x",
-                         f"{upv[0]} / {upv[1]}" if upv else "-", f"{1e3 * upv[0] / upv[1]:.1f}" if upv else "-"])
-            out.append({"ctx": ctx, "kmax": kmax, "roofline": dataclasses.asdict(e),
-                        "with_overhead": dataclasses.asdict(e0), "upstream_conc_tok_s": upv})
-    print_table(f"Estimated ceiling and aggregate decode tok/s (roofline, and with +{overhead_ms:g} ms fixed per step)",
-           ["ctx", "policy", "conc (bound)", "vs base", "HBM/FLOP/PCIe ms", "tok/s roof", f"tok/s +{overhead_ms:g}ms",
-            "vs base", "upstream conc/tok/s", "upstream ms/step"], rows)
-    print("  Upstream's own step times (conc / tok/s) are 24-30 ms for both systems, 4-6x the roofline: the fixed\n"
-          "  cost (86 TP all-reduces per token, launches, scheduler, sparse-kernel efficiency) is not modelled, so\n"
-          "  the +overhead column is the better guide. Upstream's FlashMemory concurrency is held below the model's\n"
-          "  ceiling by its cuda-graph bug above batch ~80 and recall quality at 512K; its 1M KMAX=384 row runs 30.")
-    return {"hardware": dataclasses.asdict(hw), "overhead_ms": overhead_ms, "estimates": out}
-
-
 def _tok(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def peer_report(hw: Hardware, hs: HiSparseKnobs, knobs_for: Any, overhead_ms: float) -> dict[str, Any]:
-    """Stock / HiSparse / FlashMemory on `hw` at 128K, 256K, 1M x 1, 16, 64 requests (projection)."""
-    cells = peer_table(hw, hs, fm_knobs=knobs_for, overhead_ms=overhead_ms)
+def anchors_report(f: Fitted) -> dict[str, Any]:
+    """Fitted constants with their sources, then every published anchor next to the model (fit or held out)."""
+    print_table("FITTED CONSTANTS (each fitted on one published figure, never refitted)",
+                ["constant", "value", "fitted on"], [list(r) for r in f.rows()])
+    print("  Presets (decode side only): " + "; ".join(f"{p.name}: {p.source}" for p in (H20_NODE, B200_PD,
+                                                                                        RTX6000_NODE)))
+    rows, out = [], []
+    for a in anchors(f):
+        ok = a.use == "fit" or abs(a.ratio - 1) <= TOLERANCE
+        rows.append([a.name, a.setting, f"{a.published:g}", f"{a.model:.2f}", f"{a.ratio:.2f}", a.use,
+                     "yes" if ok else "NO (see below)"])
+        out.append({**dataclasses.asdict(a), "ratio": a.ratio, "within": ok})
+    print_table(f"ANCHORS: published figure vs the calibrated model (held out within +-{TOLERANCE:.0%}?)",
+                ["anchor", "setting", "published", "model", "model/pub", "use", "within"], rows)
+    for a in anchors(f):
+        if a.use != "fit" and abs(a.ratio - 1) > TOLERANCE:
+            print(f"  NO: {a.name} ({a.setting}): {a.lacks or 'no reason recorded'} [{a.source}]")
+    return {"fitted": dataclasses.asdict(f), "tolerance": TOLERANCE, "anchors": out}
+
+
+def projection_report(f: Fitted, p: Preset, hs: HiSparseKnobs, dk: Any) -> list[dict[str, Any]]:
+    """Max concurrency and tok/s there for stock, HiSparse, FlashMemory and the disk tier on `p` (8xH20)."""
+
+    def disk_tok_s(pr: Preset, ctx: int, kmax: int, n: int) -> float:
+        return disk_point(ctx, kmax, n, pr.hw, dk, PolicyKnobs(path_i=ctx >= 1048576)).tok_s
+
+    rows = projections(f, hs, p, disk_tok_s)
+    base = {r["ctx"]: r for r in rows if r["arm"] == "stock"}
+    print_table(f"PROJECTED (calibrated model, not measured): {p.name}, max concurrency and decode tok/s there",
+                ["ctx", "arm", "KMAX", "max conc", "bound", "tok/s", "vs stock"],
+                [[_label(r["ctx"]), r["arm"], r["kmax"] if r["arm"] in ("flashmemory", "disk") else "-", r["conc"],
+                  r["bound"], f"{r['tok_s']:.0f}", f"{r['tok_s'] / base[r['ctx']]['tok_s']:.2f}x"] for r in rows])
+    print(f"  HiSparse: host_to_device_ratio {hs.host_to_device_ratio}, device_buffer_size {hs.device_buffer_size}, "
+          f"hit rate {hs.hit_rate:g}, swap-in {hs.swap_layer_us:.0f} us per c4 layer per step. FlashMemory: KMAX "
+          f"scaled from 96 at 256K, Path-I at 1M, reserve rows from the token budget. Disk: FlashMemory with the "
+          f"history on {dk.drives} NVMe per node instead of host DRAM; tok/s includes waits for disk reads.")
+    return rows
+
+
+def peer_report(f: Fitted, hs: HiSparseKnobs) -> dict[str, Any]:
+    """Stock / HiSparse / FlashMemory on calibrated 8xH20 at 128K, 256K, 1M x 1, 16, 64 requests (projection)."""
+    cells = peer_table(f, hs)
     rows = []
     for c in cells:
         parts = c.device_parts
@@ -217,61 +230,14 @@ def peer_report(hw: Hardware, hs: HiSparseKnobs, knobs_for: Any, overhead_ms: fl
         rows.append([_label(c.ctx), c.policy + (f" KMAX {c.kmax}" if c.policy == "flashmemory" else ""),
                      c.device_bytes / G, c4 / G, parts["index keys"] / G, f"{c.max_conc} ({c.bound})"]
                     + [f"{_tok(c.tok_s_roof[b])} / {_tok(c.tok_s[b])}" for b in sorted(c.tok_s)])
-    print_table(f"PROJECTED stock vs HiSparse vs FlashMemory, {hw.n_gpus}xH20 (not measured): device GB per request, "
-           f"ceiling, tok/s roofline / +{overhead_ms:g} ms per step ('-': does not fit)",
-           ["ctx", "arm", "device GB", "c4 GB", "index-K GB", "max conc"] + [f"{b} req tok/s" for b in sorted(
-               cells[0].tok_s)], rows)
-    print(f"  HiSparse: device_buffer_size {hs.device_buffer_size} (+{hs.buffer_page}) c4 slots per layer, hit "
-          f"rate {hs.hit_rate:g} (a knob: nobody has measured it on V4; the tiny model's live miss rate after the "
-          f"cold first step was 0.07-0.32, README), index keys and c128 stay on the device, "
-          f"swap-in is synchronous.\n  FlashMemory: KMAX scaled from upstream's 96 at 256K, Path-I at 1M, "
-          f"worst-case turnover; recall overlapped. Quality differs: HiSparse is exact, FlashMemory is lossy.")
-    return {"hardware": dataclasses.asdict(hw), "hisparse": dataclasses.asdict(hs), "overhead_ms": overhead_ms,
-            "cells": [dataclasses.asdict(c) for c in cells]}
-
-
-def published_report(hs: HiSparseKnobs, overhead_ms: float) -> dict[str, Any]:
-    """The model on HiSparse's published DeepSeek-V4-Flash workload with B200 constants: how far off, and why."""
-    fig, hw = PublishedFigure(), B200_PAIR
-    over = dataclasses.replace(hw, overhead_ms=overhead_ms)
-    main = f"+{overhead_ms:g} ms/step"
-    variants = {"roofline": (hw, hs), main: (over, hs),
-                f"+{overhead_ms:g} ms, HiSparse +7.5 ms": (over, dataclasses.replace(hs, step_overhead_ms=7.5))}
-    res = {name: check_published(h, k, fig) for name, (h, k) in variants.items()}
-    w_gb = round(res[main].implied_weights_gb)
-    res[f"{main}, weights {w_gb} GB"] = check_published(dataclasses.replace(over, weights_gb=float(w_gb)), hs, fig)
-    rows = [[name, f"{r.stock_conc} / {r.hisparse_conc}", f"{r.stock_tok_s:.0f}", f"{r.hisparse_tok_s:.0f}",
-             f"{r.speedup:.2f}x", f"{100 * r.off_generation:+.0f}%", f"{100 * r.off_decode:+.0f}%",
-             r.implied_stock_conc, f"{r.implied_budget_gb:.1f}", f"{r.implied_weights_gb:.0f}"]
-            for name, r in res.items()]
-    print_table(f"CHECK vs HiSparse's published figure: DeepSeek-V4-Flash, 2xB200, {fig.prompt // 1024}K in / "
-           f"{fig.output // 1024}K out, {fig.concurrency} concurrent: {fig.stock_tok_s:.0f} -> "
-           f"{fig.hisparse_tok_s:.0f} tok/s ({fig.generation_speedup}x generation, {fig.decode_speedup}x decode-only)",
-           ["model", "admitted stock/HiSp", "stock tok/s", "HiSp tok/s", "HiSp/stock", "off (2.1x)", "off (2.9x)",
-            "implied stock batch", "its KV GB/GPU", "implied weights GB"], rows)
-    r = res[main]
-    lines = [
-        f"B200 constants: {hw.n_gpus} GPUs, {hw.hbm_gb:g} GB @ {hw.hbm_tbps:g} TB/s, {hw.tflops:g} TFLOP/s, PCIe "
-        f"{hw.pcie_gbps:g} GB/s; weights {weight_bytes().total / G:.0f} GB -> KV budget {r.kv_budget_gb:.1f} GB/GPU.",
-        f"How far off ({main}): the model gives HiSparse {r.speedup:.2f}x where the paper reports "
-        f"{fig.generation_speedup}x ({100 * r.off_generation:+.0f}%) and {fig.decode_speedup}x decode-only "
-        f"({100 * r.off_decode:+.0f}%).",
-        f"Why: in the model stock is not capacity-bound here ({fig.concurrency} requests x "
-        f"{r.stock_device_gb:.3f} GB = {fig.concurrency * r.stock_device_gb:.1f} of {r.kv_budget_gb:.0f} GB per GPU),",
-        "so HiSparse cannot win by admitting more; it scores the same full history and adds a synchronous swap-in.",
-        f"The paper's stock TTFT (829 s vs 171 s) suggests stock queued: its ratio implies stock decoded only "
-        f"~{r.implied_stock_conc} requests at once,",
-        f"~{r.implied_budget_gb:.1f} GB of KV per GPU, as if the weights took {r.implied_weights_gb:.0f} GB (about an "
-        f"FP8 copy of all ~284B parameters)",
-        "or sglang's pool split (fixed c4/c128/SWA/indexer/compress-state ratios, graph and activation reserves) left",
-        "stock that little (last row: with that budget both arms are capacity-bound and the ratio moves toward the",
-        "paper's). The model has no pool configurator, no prefill and no PD transfer; its absolute tok/s",
-        f"({r.stock_tok_s:.0f} stock) is {r.stock_tok_s / fig.stock_tok_s:.1f}x the paper's. The published figures "
-        f"are secondary summaries, unchecked.",
-    ]
-    print("\n".join("  " + s for s in lines))
-    return {"figure": dataclasses.asdict(fig), "hardware": dataclasses.asdict(hw),
-            "variants": {name: dataclasses.asdict(v) for name, v in res.items()}}
+    print_table(f"PROJECTED stock vs HiSparse vs FlashMemory, 8xH20 (not measured): device GB one request occupies, "
+                f"admitted ceiling, tok/s roofline / +{f.overhead_ms:.1f} ms per step ('-': not admitted)",
+                ["ctx", "arm", "device GB", "c4 GB", "index-K GB", "max conc"] + [f"{b} req tok/s" for b in sorted(
+                    cells[0].tok_s)], rows)
+    print("  The ceiling is sglang's token pool (a request reserves its whole context in logical tokens, priced by\n"
+          "  pools.bytes_per_full_token), not the bytes a request occupies. Quality differs: HiSparse is exact,\n"
+          "  FlashMemory is lossy.")
+    return {"cells": [dataclasses.asdict(c) for c in cells]}
 
 
 def _atomic_json(path: str, obj: Any) -> None:
@@ -279,12 +245,20 @@ def _atomic_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
+def _preset(args: argparse.Namespace, f: Fitted) -> Preset:
+    """The calibrated 8xH20 preset with any hardware flag given on the command line in place of its value."""
+    p = calibrated(H20_NODE, f, fitted_memory=True)
+    hw_kw = {k: getattr(args, k) for k in ("hbm_gb", "hbm_tbps", "pcie_gbps", "tflops", "mfu", "weights_gb",
+                                           "host_ram_gb", "host_fraction", "overhead_ms")
+             if getattr(args, k) is not None}
+    hw = dataclasses.replace(p.hw, **hw_kw)
+    sv = p.serving if args.mem_fraction is None else dataclasses.replace(p.serving, mem_fraction=args.mem_fraction)
+    return dataclasses.replace(p, hw=hw, serving=sv)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cases = _parse_contexts(args.contexts)
-        hw = Hardware(hbm_gb=args.hbm_gb, hbm_tbps=args.hbm_tbps, pcie_gbps=args.pcie_gbps, tflops=args.tflops,
-                      mfu=args.mfu, mem_fraction=args.mem_fraction, weights_gb=args.weights_gb,
-                      host_ram_gb=args.host_ram_gb, host_fraction=args.host_fraction)
         if not 0 <= args.turnover <= 1 or not 0 <= args.hisparse_miss <= 1:
             raise ValueError("--turnover and --hisparse-miss must lie in [0, 1]")
         if args.hisparse_buffer < FlashShape().index_topk:
@@ -292,25 +266,28 @@ def run(args: argparse.Namespace) -> int:
                              f"{FlashShape().index_topk} (sglang refuses a smaller hot buffer)")
         if not args.hisparse_step_ms >= 0:
             raise ValueError("--hisparse-step-ms must be >= 0")
-        hs = HiSparseKnobs(device_buffer_size=args.hisparse_buffer, hit_rate=1.0 - args.hisparse_miss,
-                           step_overhead_ms=args.hisparse_step_ms)
-        if args.overhead_ms < 0:
+        if args.hisparse_ratio < 1:
+            raise ValueError(f"--hisparse-ratio {args.hisparse_ratio}: must be >= 1 (sglang asserts it)")
+        if args.overhead_ms is not None and args.overhead_ms < 0:
             raise ValueError("--overhead-ms must be >= 0")
+        f = fit()
+        p = _preset(args, f)
+        hs = HiSparseKnobs(device_buffer_size=args.hisparse_buffer, hit_rate=1.0 - args.hisparse_miss,
+                           step_overhead_ms=args.hisparse_step_ms, host_to_device_ratio=args.hisparse_ratio,
+                           swap_layer_us=f.swap_layer_us)
         dk = disk_knobs(args)
     except ValueError as e:
-        print(f"costmodel: {e}")
-        return 2
+        return fail("bench", e)
 
     def knobs_for(ctx: int) -> PolicyKnobs:
         path_i = {"on": True, "off": False}.get(args.path_i, ctx >= 1048576)
         return PolicyKnobs(path_i=path_i, turnover=args.turnover)
 
-    report = {"flops": flop_report(cases), "assumptions": assumption_report(cases),
-              "bytes": byte_report(cases, knobs_for, hs),
-              "throughput": throughput_report(cases, knobs_for, hw, args.overhead_ms, hs),
-              "peers": peer_report(hw, hs, knobs_for, args.overhead_ms),
-              "hisparse_check": published_report(hs, args.overhead_ms),
-              "disk": disk_report(hw, dk, hs, args.overhead_ms, args.turnover)}
+    report: dict[str, Any] = {"anchors": anchors_report(f), "projections": projection_report(f, p, hs, dk)}
+    if not args.anchors:
+        report.update({"flops": flop_report(cases), "assumptions": assumption_report(cases),
+                       "bytes": byte_report(cases, knobs_for, hs), "peers": peer_report(f, hs),
+                       "disk": disk_report(p.hw, dk, hs, p.hw.overhead_ms, args.turnover)})
     if args.json:
         _atomic_json(args.json, report)
         print(f"\nwrote {args.json}")

@@ -1,5 +1,6 @@
 """Analytic cost model of DeepSeek-V4-Flash decode with and without FlashMemory (FLOPs, bytes, an estimate
-of throughput), with a disk-tier arm (`disk`). Pure functions; `flashmemory bench costmodel` prints it next to upstream's tables."""
+of throughput), with a disk-tier arm (`disk`), sglang's pool sizing (`pools`) and the calibration against the
+published figures (`anchors`). Pure functions; `flashmemory bench costmodel` prints it next to upstream's tables."""
 
 from flashmemory.costmodel.bytes import (EntryBytes, PolicyKnobs, RequestBytes, all_miss_bytes, baseline_bytes,
                                          flashmemory_bytes)
@@ -7,7 +8,7 @@ from flashmemory.costmodel.flops import (CountRules, FlashShape, FlopBreakdown, 
                                          attention_core_terms, baseline_flops, constant_terms, fit_line,
                                          flashmemory_flops, n_chunks, resident_chunks)
 from flashmemory.costmodel.disk import DiskKnobs, DiskPoint, disk_point, max_conc_within
-from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens
+from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens, swap_kernel_ms
 from flashmemory.costmodel.throughput import (Estimate, Hardware, estimate, kv_budget_per_gpu, throughput_at,
                                               weight_bytes)
 
@@ -26,5 +27,5 @@ __all__ = [
     "resident_chunks", "EntryBytes", "PolicyKnobs", "RequestBytes", "all_miss_bytes", "baseline_bytes",
     "flashmemory_bytes", "hisparse_bytes", "HiSparseKnobs", "hisparse_swap_tokens", "Estimate", "Hardware",
     "estimate", "kv_budget_per_gpu", "throughput_at", "weight_bytes", "DiskKnobs", "DiskPoint", "disk_point",
-    "max_conc_within",
+    "max_conc_within", "swap_kernel_ms",
 ]

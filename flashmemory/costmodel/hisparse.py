@@ -9,6 +9,10 @@ Per decode step: the native lightning indexer scores the whole history at all 21
 FLOPs and index-key reads); of the top-512 picks per layer a fraction `1 - hit_rate` misses the hot buffer and
 is copied host -> device synchronously, 584 B each, before attention (none while the history fits the buffer:
 the kernel's fast path); every 4th step the newest c4 entry of each layer is backed up device -> host.
+The swap-in is one kernel launch per c4 layer per step in which one thread block per request walks that request's
+hot-buffer slots (LRU); the step waits for it. `swap_kernel_ms` prices it: `swap_layer_us` per c4 layer per wave
+of as many requests as the GPU has SMs (a fitted constant, `flashmemory.costmodel.anchors`).
+sglang sizes HiSparse's device pools by `host_to_device_ratio` (`flashmemory.costmodel.pools`).
 
 `hit_rate` is not in any config and nobody has published it for V4; the default 0.95 is the >=95% overlap of
 adjacent steps' top-k reported for IndexCache (performance-anchors.md). It is a knob, not a measurement.
@@ -16,6 +20,7 @@ adjacent steps' top-k reported for IndexCache (performance-anchors.md). It is a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flashmemory.costmodel.bytes import EntryBytes, RequestBytes
@@ -33,6 +38,8 @@ class HiSparseKnobs:
     buffer_page: int = 64  # the extra c4 page of padded_buffer_size (slot device_buffer_size = newest entry)
     hit_rate: float = 0.95
     step_overhead_ms: float = 0.0  # per-step launch/sync cost of the swap-in kernels (not in the byte count)
+    host_to_device_ratio: int = 2  # --hisparse-config: the device c4 pool is full tokens / (4 x ratio) slots
+    swap_layer_us: float = 0.0  # swap-in kernel time per c4 layer per step, per wave of SM-count requests
 
     def __post_init__(self) -> None:
         if self.device_buffer_size < 1 or self.buffer_page < 0:
@@ -42,6 +49,10 @@ class HiSparseKnobs:
             raise ValueError(f"HiSparseKnobs.hit_rate must lie in [0, 1], got {self.hit_rate}")
         if not self.step_overhead_ms >= 0.0:
             raise ValueError(f"HiSparseKnobs.step_overhead_ms must be >= 0, got {self.step_overhead_ms}")
+        if self.host_to_device_ratio < 1:
+            raise ValueError(f"HiSparseKnobs.host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
+        if not self.swap_layer_us >= 0.0:
+            raise ValueError(f"HiSparseKnobs.swap_layer_us must be >= 0, got {self.swap_layer_us}")
 
     @property
     def padded_slots(self) -> int:
@@ -57,6 +68,16 @@ def hisparse_swap_tokens(ctx: int, knobs: HiSparseKnobs = HiSparseKnobs(), s: Fl
     if n <= knobs.device_buffer_size:
         return 0.0
     return (1.0 - knobs.hit_rate) * min(s.index_topk, n) * s.n_c4
+
+
+def swap_kernel_ms(batch: int, ctx: int, knobs: HiSparseKnobs, n_sm: int, s: FlashShape = FlashShape()) -> float:
+    """Synchronous swap-in kernel time per decode step (ms): n_c4 launches, each ceil(batch / n_sm) waves of one
+    block per request walking its slots; 0 on the fast path (history within the buffer) or for an empty batch."""
+    if n_sm < 1:
+        raise ValueError(f"n_sm must be >= 1, got {n_sm}")
+    if batch < 1 or n_chunks(ctx, s) <= knobs.device_buffer_size:
+        return 0.0
+    return s.n_c4 * knobs.swap_layer_us * math.ceil(batch / n_sm) / 1e3
 
 
 def hisparse_bytes(ctx: int, knobs: HiSparseKnobs = HiSparseKnobs(), s: FlashShape = FlashShape(),

@@ -19,22 +19,27 @@ PK = PolicyKnobs(path_i=True)
 
 
 def test_point_by_hand() -> None:
+    # concurrency 80 and the Level-1 interval 64 differ, so a formula that swapped them would not pass
+    conc, interval = 80, 64
     dk = DiskKnobs()
-    p = disk_point(CTX, KMAX, 64, HW, dk, PK)
+    p = disk_point(CTX, KMAX, conc, HW, dk, PK)
     req = flashmemory_bytes(CTX, KMAX, PK)
     copies = HW.n_gpus
     cache = HW.host_ram_gb * 1e9 * HW.host_fraction
-    hit = min(1.0, cache / (64 * req.host * copies))
-    reads = 64 * copies * req.recall_cycle * (1 - hit)
-    writes = 64 / dk.output_tokens * 64 * req.host * copies * (1 - hit)
+    hit = min(1.0, cache / (conc * req.host * copies))
+    reads = conc * copies * req.recall_cycle * (1 - hit)
+    writes = conc / dk.output_tokens * interval * req.host * copies * (1 - hit)
     disk_s = reads / (4 * 6.5e9 * 0.8) + writes / (4 * 3.5e9 * 0.8)
-    st = step_time(64, req, flashmemory_flops(CTX, KMAX).total, HW)[0]
+    st = step_time(conc, req, flashmemory_flops(CTX, KMAX).total, HW)[0]
     assert p.hit_rate == pytest.approx(hit) and p.read_gb_cycle == pytest.approx(reads / 1e9)
-    assert p.disk_ms_cycle == pytest.approx(disk_s * 1e3) and p.window_ms == pytest.approx(64 * st * 1e3)
-    assert p.step_ms == pytest.approx(max(st, disk_s / 64) * 1e3)
-    assert p.tok_s_dram == pytest.approx(64 / st) and p.loss == pytest.approx(1 - st / max(st, disk_s / 64))
-    assert p.dram_cap == capacity(req, HW)[1] and p.dram_fits == (64 <= p.dram_cap)
-    assert 0 < hit < 1 and p.fits
+    assert p.write_gb_cycle == pytest.approx(writes / 1e9)
+    assert p.disk_ms_cycle == pytest.approx(disk_s * 1e3) and p.window_ms == pytest.approx(interval * st * 1e3)
+    assert p.step_ms == pytest.approx(max(st, disk_s / interval) * 1e3)
+    assert p.tok_s_dram == pytest.approx(conc / st)
+    assert p.tok_s == pytest.approx(conc / max(st, disk_s / interval))
+    assert p.loss == pytest.approx(1 - st / max(st, disk_s / interval))
+    assert p.dram_cap == capacity(req, HW)[1] and p.dram_fits == (conc <= p.dram_cap)
+    assert 0 < hit < 1 and p.fits and p.loss > 0
 
 
 def test_all_in_cache_costs_nothing_and_more_bandwidth_never_hurts() -> None:
@@ -78,4 +83,4 @@ def test_bench_costmodel_prints_the_disk_table(tmp_path, capsys) -> None:
         verdict = "YES" if v["max_conc_within_10pct"] >= 64 else "NO"
         assert f"at <= 10% loss: {verdict} (up to {v['max_conc_within_10pct']};" in text
     assert main(["bench", "costmodel", "--disk-drives", "0"]) == 2
-    assert "DiskKnobs.drives" in capsys.readouterr().out
+    assert "flashmemory bench: error: DiskKnobs.drives" in capsys.readouterr().err
