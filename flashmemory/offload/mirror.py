@@ -58,6 +58,24 @@ def check_host_memory(n_bytes: int, processes: int = 1, meminfo: str = "/proc/me
             "tier, or add host memory")
 
 
+def pinned_alloc_bytes(n_bytes: int, pinned: bool) -> int:
+    """Host bytes one tensor of `n_bytes` takes. Pinned tensors come from torch's CUDA host allocator, which
+    rounds every request up to the next power of two (its free lists are indexed by those sizes), so a pinned
+    mirror tensor may take up to twice its size; pageable memory is taken as asked."""
+    if n_bytes <= 0:
+        return 0
+    return 1 << (n_bytes - 1).bit_length() if pinned else n_bytes
+
+
+def mirror_alloc_bytes(layout: OffloadLayout, n_slots: int, pinned: bool) -> int:
+    """Host bytes a `HostMirror` of `n_slots` page slots allocates: its kv tensor [n_layers, n_slots,
+    kv_page_bytes] and its Path-I index tensor [len(offload_index_layers), n_slots, index_page_bytes], each
+    rounded as the allocator rounds it (`pinned_alloc_bytes`). What the start-up memory check counts."""
+    kv = layout.n_layers * n_slots * layout.kv_page_bytes
+    index = len(layout.offload_index_layers) * n_slots * layout.index_page_bytes
+    return pinned_alloc_bytes(kv, pinned) + pinned_alloc_bytes(index, pinned)
+
+
 def _host_empty(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
     # Allocate pinned directly: pinning a pageable tensor afterwards would need twice the host RAM.
     return torch.zeros(shape, dtype=torch.uint8, pin_memory=pin)
@@ -114,6 +132,11 @@ class HostMirror:
     def physical_bytes(self) -> int:
         """Host bytes the mirror's tensors take (n_slots x page_bytes)."""
         return self.n_slots * self.page_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes the allocator reserved for the mirror's tensors (pinned: each rounded to a power of two)."""
+        return sum(pinned_alloc_bytes(t.numel() * t.element_size(), self.pinned) for t in (self.kv, self.index))
 
     def alloc(self, n: int) -> list[int]:
         """n free page ids (low ids first). Windowed: no slot yet, a page takes one at its first write."""

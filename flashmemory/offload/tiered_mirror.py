@@ -258,6 +258,15 @@ def window_slots(disk: DiskTierConfig, layout: OffloadLayout, cfg: EngineConfig)
     return slots if slots < n_pages else None
 
 
+def mirror_slot_count(layout: OffloadLayout, cfg: EngineConfig, disk: DiskTierConfig, full_mirror: bool = False) -> int:
+    """DRAM page slots the host mirror of `build_engine(layout, cfg, ..., disk, full_mirror=...)` allocates: the
+    landing window's slots under the disk tier, else one per mirror page."""
+    n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
+    if not disk.enabled:
+        return cfg.mirror_slots or n_pages
+    return cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg)) or n_pages
+
+
 def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str, disk: DiskTierConfig,
                  target_buffers: list[torch.Tensor] | None = None, rank: int = 0,
                  full_mirror: bool = False) -> OffloadEngine:

@@ -1,27 +1,81 @@
 """`build(pool, env)`: the Path-P adapter for a DSv4 pool, copy mode (`engine_adapter.SGLangOffload`) or shrink
 mode (`shrink.ShrunkOffload`), both subclasses of `offload_adapter.OffloadAdapter`. Kept apart from the classes
-so no adapter module imports another's subclass or this factory (this module imports both)."""
+so no adapter module imports another's subclass or this factory (this module imports both).
+
+Before anything is allocated, `build` checks the host and device memory the adapter will take, counted the way
+it is allocated (`memory_plan`): the host mirror with the pinned allocator's power-of-two rounding, and every
+device tensor of the core (reserve incl. landing blocks, target index pool, lookup tables, resident tables).
+The retriever follows the server's device: its parameters and buffers move to the pool's device here, so Level 1
+scores CUDA hidden states with CUDA weights.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload.mirror import check_host_memory
+from flashmemory.offload.mirror import check_host_memory, mirror_alloc_bytes
+from flashmemory.offload.tiered_mirror import mirror_slot_count
+from flashmemory.sglang.core_config import CoreConfig, core_config
 from flashmemory.sglang.engine_adapter import SGLangOffload
 from flashmemory.sglang.offload_adapter import OffloadAdapter
 from flashmemory.sglang import geometry
-from flashmemory.sglang.geometry import check_reserve_memory, pool_buffers, read_geometry, reserve_bytes
+from flashmemory.sglang.geometry import (PoolGeometry, PoolGeometryError, check_reserve_memory, pool_buffers,
+                                         read_geometry)
 from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
 
 logger = logging.getLogger(__name__)
+
+_I32, _I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes the adapter allocates for one pool. host: the mirror as the host allocator reserves it (pinned:
+    each tensor rounded up to a power of two); device: every device tensor the core and the adapter keep for
+    the server's lifetime (reserve, target index pool, lookup tables, resident tables, loc2m, byte map)."""
+
+    host: int
+    device: int
+    reserve: int   # the device reserve alone (part of `device`)
+
+
+def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pinned: bool) -> MemoryPlan:
+    """What `build` allocates for a pool of geometry `geo` with the core configs `core`, as a pure function of
+    the sizes (the shapes are those of `DeviceReserve`, `TargetIndexPool`, `ChunkLUT`, `ResidentTables` and the
+    adapter's own tables; a test builds the adapter on the `meta` device and compares). shrink: the target
+    index pool is a view of sglang's index-K pool and no byte map is kept."""
+    lay, cfg = core.layout, core.engine
+    n_mirror = cfg.mirror_pages or cfg.max_rows * lay.pages_for(cfg.max_chunks)
+    host = mirror_alloc_bytes(lay, mirror_slot_count(lay, cfg, disk, full_mirror=shrink), pinned)
+    blocks = cfg.recall_blocks + cfg.max_rows * cfg.decode_pages + 1 + cfg.landing_blocks
+    reserve = blocks * (lay.n_layers * lay.kv_page_bytes + len(lay.offload_index_layers) * lay.index_page_bytes)
+    target = 0 if shrink else len(lay.target_layers) * n_mirror * lay.index_page_bytes
+    lut = (n_mirror * lay.page_chunks + 1) * _I32 + cfg.max_rows * lay.pages_for(cfg.max_chunks) * _I32
+    res_cap = cfg.max_resident_pages + cfg.decode_pages
+    tables = 3 * cfg.max_rows * res_cap * _I32 + cfg.max_rows * _I32
+    loc2m = (geo.n_locs + 1) * _I64
+    byte_map = 0 if shrink else lay.kv.page_chunks * lay.kv.chunk_bytes * _I64
+    return MemoryPlan(host=host, device=reserve + target + lut + tables + loc2m + byte_map, reserve=reserve)
+
+
+def place_retriever(retriever: Any, device: torch.device) -> Any:
+    """The retriever with every parameter and buffer on `device` (in place: `nn.Module.to`), in eval mode."""
+    if retriever is None:
+        return None
+    return retriever.to(device).eval()
 
 
 def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
           retriever: Any = None) -> OffloadAdapter:
     """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
-    SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`).
+    SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`), moved to
+    the pool's device.
 
     shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
     on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
@@ -38,18 +92,26 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
         logger.warning("FlashMemory Path-P with a decode radix cache: requests sharing prefix pages each keep their "
                        "own mirror copy, and a page's residency follows the request that mapped it last")
     geo = read_geometry(pool)
-    n_off = geo.n_c4_layers - len(env.retriever_layers) if env.index_k_offload else 0
+    bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
+    if bad:
+        raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
+                                f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
+    device = pool_buffers(pool)[0][0].device
+    n_landing = landing_chunks(server_args)
+    core = core_config(env, geo, landing_blocks=math.ceil(n_landing / geo.page_chunks) if shrink else 0)
+    pinned = core.engine.pin_memory if core.engine.pin_memory is not None else torch.cuda.is_available()
+    plan = memory_plan(core, geo, bool(shrink), env.disk, pinned)
     tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
-    mirror_bytes = geo.n_pages * (geo.n_c4_layers * geo.kv_page_bytes + n_off * geo.index_page_bytes)
-    if not shrink and env.disk.enabled and env.disk.host_mirror_bytes is not None:   # the disk tier's landing window
-        mirror_bytes = min(mirror_bytes, env.disk.host_mirror_bytes)
-    check_host_memory(mirror_bytes, processes=max(1, tp // nodes))
-    check_reserve_memory(reserve_bytes(env, geo, n_off), geometry.device_free_bytes(pool_buffers(pool)[0][0].device))
+    check_host_memory(plan.host, processes=max(1, tp // nodes))
+    check_reserve_memory(plan.device, geometry.device_free_bytes(device))
+    retriever = place_retriever(retriever, device)
     if shrink:
-        eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=landing_chunks(server_args))
+        eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=n_landing)
     else:
         eng = SGLangOffload(pool, env, retriever)
     logger.info("FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
-                "retriever %s", eng.mode, eng.geo.n_c4_layers, eng.geo.n_pages, eng.cfg.recall_blocks,
-                eng.cfg.max_resident_pages, env.retriever_ckpt or "off (newest pages)")
+                "retriever %s on %s; host mirror %.2f GiB%s, device %.2f GiB", eng.mode, eng.geo.n_c4_layers,
+                eng.geo.n_pages, eng.cfg.recall_blocks, eng.cfg.max_resident_pages,
+                env.retriever_ckpt or "off (newest pages)", device, plan.host / 2**30, " pinned" if pinned else "",
+                plan.device / 2**30)
     return eng

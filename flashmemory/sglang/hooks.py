@@ -35,10 +35,7 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     bs = md.page_table.shape[0]
-    if RUNTIME.bufs is None or RUNTIME.bufs.sel_pages.shape[0] < bs:
-        # Normally allocated before capture (SGLANG_PATHP_CUDAGRAPH=1); size it for every row the engine has.
-        rows = max(bs, RUNTIME.env.decode_max_conc)
-        RUNTIME.bufs = Level2Buffers.allocate(rows, RUNTIME.level2_width(), md.page_table.device)
+    RUNTIME.level2_buffers(bs, md.page_table.device)   # allocated once, before capture; never reallocated
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
@@ -232,13 +229,14 @@ def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
     if getattr(self, "is_draft_worker", False):
         return
     sa = self.server_args
-    max_bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "max_running_requests", None) or 256
+    running = int(getattr(self, "max_running_requests", None) or getattr(sa, "max_running_requests", None) or 0)
+    RUNTIME.check_refusals(running)   # the model runner's resolved --max-running-requests against the core's rows
+    max_bs = max(int(getattr(sa, "cuda_graph_max_bs_decode", None) or 0), running) or 256
     if RUNTIME.on("level1"):
-        RUNTIME.sideband_rows_hint = max(int(max_bs), int(getattr(sa, "max_running_requests", None) or 0))
+        RUNTIME.sideband_rows_hint = max_bs
     if not RUNTIME.on("cudagraph"):
         return
-    RUNTIME.bufs = Level2Buffers.allocate(int(max_bs), RUNTIME.level2_width(), self.device)
-    logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated before CUDA graph capture", max_bs, RUNTIME.level2_width())
+    RUNTIME.level2_buffers(max_bs, self.device)   # the same buffers the pool attach sized, or sized here once
 
 
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:

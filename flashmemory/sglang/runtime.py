@@ -78,6 +78,10 @@ class Level2Buffers:
         z = torch.full((max_bs, kmax), -1, dtype=torch.int64, device=device)
         return cls(z, z.clone(), [None] * max_bs)
 
+    @property
+    def rows(self) -> int:
+        return int(self.sel_pages.shape[0])
+
     def reset_rows(self, rows: list[int]) -> None:
         if rows:
             self.sel_pages[rows] = -1
@@ -85,6 +89,10 @@ class Level2Buffers:
     def publish(self) -> None:
         """Copy the side band's back buffer to the front, on the caller's (main) stream, between forwards."""
         self.sel_pages.copy_(self.back_pages)
+
+
+class Level2CapacityError(RuntimeError):
+    """A decode batch has more rows than the Level-2 buffers sized before capture (they are never reallocated)."""
 
 
 class Runtime:
@@ -143,6 +151,39 @@ class Runtime:
     def on(self, feature: str) -> bool:
         return feature in self.features
 
+    def serving_rows(self, max_running_requests: int = 0, graph_max_bs: int = 0) -> int:
+        """Rows the Level-2 buffers need for this server: its largest decode batch (--max-running-requests, the
+        CUDA-graph batch sizes) and the core's request rows (SGLANG_PATHP_DECODE_MAX_CONC)."""
+        sa = server_args()
+        return max(self.env.decode_max_conc, int(max_running_requests or 0), int(graph_max_bs or 0),
+                   int(getattr(sa, "max_running_requests", None) or 0),
+                   int(getattr(sa, "cuda_graph_max_bs_decode", None) or 0))
+
+    def level2_buffers(self, rows: int, device: torch.device | str) -> Level2Buffers:
+        """The static Level-2 buffers: allocated by the first call, on `device`, for `serving_rows(rows)` rows;
+        never reallocated, since a CUDA graph that recorded them would keep reading the old storage. A batch
+        larger than they hold raises Level2CapacityError (the start-up refusals keep batches within them)."""
+        if self.bufs is None:
+            self.bufs = Level2Buffers.allocate(self.serving_rows(rows), self.level2_width(), device)
+            logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated on %s", self.bufs.rows, self.level2_width(),
+                        device)
+        elif rows > self.bufs.rows:
+            raise Level2CapacityError(f"FlashMemory: a decode batch of {rows} rows exceeds the Level-2 buffers' "
+                                      f"{self.bufs.rows} rows (sized from --max-running-requests and "
+                                      "SGLANG_PATHP_DECODE_MAX_CONC before capture)")
+        return self.bufs
+
+    def check_refusals(self, max_running_requests: int = 0) -> None:
+        """Stop start-up (StartupError, one line naming the flag) on a configuration the active features cannot
+        serve (`refusals.refusals`); max_running_requests: the model runner's resolved value, when known."""
+        from flashmemory.sglang.refusals import refusals, refuse, rows_refusal
+        lines = refusals(server_args(), self.env, self.features, self.shrink_planned())
+        if self.on("path_p") and max_running_requests:
+            line = rows_refusal(int(max_running_requests), self.env)
+            if line and line not in lines:
+                lines.append(line)
+        refuse(lines)
+
     def level2_width(self) -> int:
         """Pages per row in the Level-2 buffers: KMAX recalled pages (the escalation cap with the miss monitor) plus
         the decode region."""
@@ -169,8 +210,10 @@ class Runtime:
             return
         self.pool = pool
         if self.on("path_p"):
+            self.check_refusals()
             self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
             self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
+            self.level2_buffers(0, self.engine.device)   # once, sized for the server, before any capture
             try:
                 from flashmemory.sglang.prometheus import FlashMemoryMetrics
                 self.metrics = FlashMemoryMetrics.create()
@@ -254,12 +297,11 @@ class Runtime:
         seq = forward_batch.seq_lens[: len(rids)]
         table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
         rows = self.engine.begin_step(rids, table, seq)
-        if rids and (self.bufs is None or self.bufs.sel_pages.shape[0] < len(rids)):
-            # Here, before the publish below. Left to the indexer hook's lazy allocation (after the publish), the
-            # server's first decode step scored every row's newest page alone: live, a fresh server's first
-            # request decoded one token unlike stock's even with a budget that holds its whole history.
-            self.bufs = Level2Buffers.allocate(max(len(rids), self.env.decode_max_conc), self.level2_width(),
-                                               req_to_token.device)
+        if rids:
+            # Before the publish below (allocated at pool attach; never reallocated). Left to the indexer hook's
+            # lazy allocation (after the publish), the server's first decode step scored every row's newest page
+            # alone: live, a fresh server's first request decoded one token unlike stock's.
+            self.level2_buffers(len(rids), req_to_token.device)
         if self.bufs is not None and rids:
             pages = self.engine.resident_pages(rows)
             k = min(pages.shape[1], self.bufs.sel_pages.shape[1])
