@@ -3,6 +3,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from flashmemory.hf.capture import IndexerHooks, indexer_modules, not_resident
+from tests.pinned_topk import PinnedTopk
 
 
 def _n_hooks(model) -> int:
@@ -73,9 +74,11 @@ def test_index_keys_match_cached_compressor(micro, micro_ids):
     """Prefill keys equal what the stateful (cached) indexer compressor accumulates chunk by chunk."""
     model, config, engine = micro
     ids = micro_ids[:120]
-    cap = engine.forward(ids)
+    pin = PinnedTopk(model, rtol=1e-5, atol=1e-6)  # later c4 layers' keys: the chunks on the full forward's picks
+    with pin.record():
+        cap = engine.forward(ids)
     cache = DynamicCache(config=config)
-    with torch.no_grad():
+    with torch.no_grad(), pin.replay():
         model(input_ids=ids[None, :50], past_key_values=cache, use_cache=True)
         model(input_ids=ids[None, 50:], past_key_values=cache, use_cache=True)
     for cid, li in enumerate(engine.c4_layers):

@@ -4,6 +4,12 @@ import torch
 from flashmemory.hf import stored_index_keys, unstored_index_keys
 from flashmemory.retriever.fp8 import dequantize_chunks
 from flashmemory.retriever.hadamard import hadamard_transform
+from tests.pinned_topk import PinnedTopk
+from tests.topk_ties import greedy_agreement
+
+# Score tolerance of top-k checks between two code paths of the same model (full forward vs cached decode): they
+# differ by rounding only, about 1e-6 of the scores' scale.
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def _mask(n: int, frac: float, seed: int) -> torch.Tensor:
@@ -15,6 +21,8 @@ def test_all_resident_is_the_unmodified_model(micro, micro_ids):
     model, _, engine = micro
     with torch.no_grad():
         ref = model(input_ids=micro_ids[None]).logits[0]
+    # Same bits on all three: the same cacheless forward, the engine's hooks only mask nothing (masked_fill with an
+    # all-False mask), so every top-k sees identical scores and exact equality holds on any machine.
     plain = engine.forward(micro_ids)
     full = engine.forward(micro_ids, resident=torch.ones(micro_ids.shape[0] // 4, dtype=torch.bool))
     assert full.logits.shape == (micro_ids.shape[0], engine.vocab_size) and full.logits.dtype == torch.float32
@@ -88,9 +96,67 @@ def test_prefill_decode_parity(micro, micro_ids, masked):
     _, _, engine = micro
     ids = micro_ids[:150]
     res = _mask(150 // 4, 0.5, 2) if masked else None
-    full = engine.forward(ids, resident=res).logits
-    inc = engine.incremental_logits(ids, prefill_len=100, resident=res)
+    pin = PinnedTopk(engine.model, rtol=RTOL, atol=ATOL)  # decode's indexer and gate picks: the full forward's
+    with pin.record():
+        full = engine.forward(ids, resident=res).logits
+    with pin.replay():
+        inc = engine.incremental_logits(ids, prefill_len=100, resident=res)
     assert inc.shape == full.shape
+    torch.testing.assert_close(inc, full, rtol=0, atol=1e-4)
+
+
+def _tie_at(engine, pos: int, side: str):
+    """Hook on the first c4 indexer's scorer: at query position `pos`, put its 17th score one ulp below its 16th
+    (`side` "below": the 16th stays picked), one ulp above it ("above": the pick flips, a near-tie) or 1e-3 above
+    it ("far": the pick flips, a real difference). Works on full forwards and on cached decode steps."""
+    from tests.topk_ties import flip_boundary
+    indexer = engine.model.model.layers[engine.c4_layers[0]].self_attn.compressor.indexer
+    seen = {}
+
+    def pre(module, args, kwargs):
+        seen["start"] = int(kwargs.get("position_ids", args[2] if len(args) > 2 else None).reshape(-1)[0])
+
+    def hook(module, args, out):
+        row = pos - seen["start"]
+        if not 0 <= row < out.shape[1]:
+            return None
+        out = out.clone()
+        n = (pos + 1) // 4
+        flipped, up, down, _ = flip_boundary(out[0, row, :n], engine.index_topk)
+        if side == "below":
+            flipped[up] = torch.nextafter(flipped[down], torch.tensor(float("-inf")))
+        elif side == "far":
+            flipped[up] = flipped[down] + 1e-3
+        out[0, row, :n] = flipped
+        return out
+    return [indexer.register_forward_pre_hook(pre, with_kwargs=True), indexer.scorer.register_forward_hook(hook)]
+
+
+@pytest.mark.parametrize("side", ["above", "far"])
+def test_prefill_decode_parity_survives_a_near_tie_only(micro, micro_ids, side):
+    """Decode step 130: the full forward's 17th indexer score sits one ulp below its 16th; decode's sits one ulp
+    above (the pick flips: a near-tie, accepted and pinned, logits still equal) or 1e-3 above (fails)."""
+    _, _, engine = micro
+    ids = micro_ids[:150]
+    pin = PinnedTopk(engine.model, rtol=RTOL, atol=ATOL)
+    hooks = _tie_at(engine, 130, "below")
+    with pin.record():
+        full = engine.forward(ids).logits
+    for h in hooks:
+        h.remove()
+    hooks = _tie_at(engine, 130, side)
+    try:
+        if side == "far":
+            with pytest.raises(AssertionError, match="positions 130..130"):
+                with pin.replay():
+                    engine.incremental_logits(ids, prefill_len=100)
+            return
+        with pin.replay():
+            inc = engine.incremental_logits(ids, prefill_len=100)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert pin.near_ties == 1
     torch.testing.assert_close(inc, full, rtol=0, atol=1e-4)
 
 
@@ -100,11 +166,51 @@ def test_generate_matches_greedy_full_forwards(micro, micro_ids):
     n_new = 6
     res = _mask((90 + n_new) // 4, 0.5, 3)
     for r in (None, res):
-        ids = list(prompt)
-        for _ in range(n_new):
-            ids.append(int(engine.forward(ids, resident=r).logits[-1].argmax()))
-        assert engine.generate(prompt, n_new, resident=r) == ids[len(prompt):]
+        gen, agreed = _generate_vs_full_forwards(engine, prompt, n_new, r)
+        assert agreed == n_new  # every top-1 margin here is >= 2.4e-3, 300x the logits' tolerance: no near-tie
     assert engine.generate(prompt, 0) == []
+
+
+def _generate_vs_full_forwards(engine, prompt: list[int], n_new: int, resident, nudge=None) -> tuple[list[int], int]:
+    """`generate`'s tokens against the greedy loop of full forwards, robust to near-ties on either side.
+
+    generate (prefill + cached decode) records every indexer's and gate's top-k; the full forward over the prompt
+    and the generated tokens but the last (teacher-forced: by causality its row t is the last row of the loop's full
+    forward of that prefix, up to rounding) replays them,
+    checked to be the same picks up to near-ties; then each generated token must be that forward's argmax, up to
+    a step where it is within the logits' tolerance of it (a near-tie, after which the two greedy continuations
+    are different prompts). `nudge(logits)` may edit the full forward's logits. Returns (tokens, agreed steps)."""
+    pin = PinnedTopk(engine.model, rtol=RTOL, atol=ATOL)
+    with pin.record():
+        gen = engine.generate(prompt, n_new, resident=resident)
+    with pin.replay():
+        logits = engine.forward(prompt + gen[:-1], resident=resident).logits[len(prompt) - 1:]  # [n_new, V]
+    if nudge is not None:
+        logits = nudge(logits)
+    n, why = greedy_agreement(logits, gen, rtol=RTOL, atol=ATOL)
+    assert why in ("", "near-tie"), why
+    return gen, n
+
+
+def test_generate_comparison_stops_at_a_near_tie_and_fails_beyond_it(micro, micro_ids):
+    """A one-ulp flip of step 3's top two logits on the full-forward side is a near-tie (comparison stops there);
+    moving the runner-up 1.0 above the top is a real difference and fails."""
+    from tests.topk_ties import flip_boundary
+    _, _, engine = micro
+    prompt = micro_ids[:90].tolist()
+
+    def flip(delta: float):
+        def nudge(logits):
+            logits = logits.clone()
+            logits[3], up, _, _ = flip_boundary(logits[3], 1)
+            logits[3, up] += delta
+            return logits
+        return nudge
+
+    _, agreed = _generate_vs_full_forwards(engine, prompt, 6, None, nudge=flip(0.0))
+    assert agreed == 3
+    with pytest.raises(AssertionError, match="step 3: token"):
+        _generate_vs_full_forwards(engine, prompt, 6, None, nudge=flip(1.0))
 
 
 def test_generate_stops_at_eos(micro, micro_ids):

@@ -108,9 +108,13 @@ def test_band_attention_falls_back_with_a_cache():
     use_band_attention(model)
     eng = HFEngine(model, config)
     ids = torch.randint(0, 900, (90,), generator=torch.Generator().manual_seed(2))
-    full = eng.forward(ids).logits
-    inc = eng.incremental_logits(ids, prefill_len=70)
+    pin = PinnedTopk(model, rtol=RTOL, atol=ATOL)  # the MoE gates' picks: incremental on the full forward's
+    with pin.record():
+        full = eng.forward(ids).logits
+    with pin.replay():
+        inc = eng.incremental_logits(ids, prefill_len=70)
     assert torch.allclose(full, inc, atol=1e-4, rtol=1e-4)
+    assert len(pin.diffs) == 8 * 21  # 3 indexers and 5 gates, in the prefill and each of the 20 decode steps
 
 
 def test_band_attention_drop_only_in_training():
