@@ -21,7 +21,7 @@ from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules
                                    baseline_flops, fit_line, flashmemory_bytes, flashmemory_flops, hisparse_bytes,
                                    n_chunks)
 from flashmemory.costmodel.anchors import (B200_PD, H20_NODE, RTX6000_NODE, TOLERANCE, Fitted, Preset, anchors,
-                                           calibrated, fit, projections)
+                                           calibrated, capacity, fit, kmax_for, projections)
 from flashmemory.costmodel.disk import disk_point
 from flashmemory.costmodel.peers import peer_table
 from flashmemory.errors import fail
@@ -211,12 +211,14 @@ def projection_report(f: Fitted, p: Preset, hs: HiSparseKnobs, dk: Any) -> list[
     base = {r["ctx"]: r for r in rows if r["arm"] == "stock"}
     print_table(f"PROJECTED (calibrated model, not measured): {p.name}, max concurrency and decode tok/s there",
                 ["ctx", "arm", "KMAX", "max conc", "bound", "tok/s", "vs stock"],
-                [[_label(r["ctx"]), r["arm"], r["kmax"] if r["arm"] in ("flashmemory", "disk") else "-", r["conc"],
+                [[_label(r["ctx"]), r["arm"], r["kmax"] if r["arm"] not in ("stock", "hisparse") else "-", r["conc"],
                   r["bound"], f"{r['tok_s']:.0f}", f"{r['tok_s'] / base[r['ctx']]['tok_s']:.2f}x"] for r in rows])
     print(f"  HiSparse: host_to_device_ratio {hs.host_to_device_ratio}, device_buffer_size {hs.device_buffer_size}, "
           f"hit rate {hs.hit_rate:g}, swap-in {hs.swap_layer_us:.0f} us per c4 layer per step. FlashMemory: KMAX "
-          f"scaled from 96 at 256K, Path-I at 1M, reserve rows from the token budget. Disk: FlashMemory with the "
-          f"history on {dk.drives} NVMe per node instead of host DRAM; tok/s includes waits for disk reads.")
+          f"scaled from 96 at 256K, Path-I at 1M, launched with CREDIT_C4=1 (token pool without c4 KV, reserve rows "
+          f"from the same budget); flashmemory-nocredit: the launch default CREDIT_C4=0, whose token pool admits "
+          f"what stock's does. Disk: FlashMemory with the history on {dk.drives} NVMe per node instead of host DRAM; "
+          f"tok/s includes waits for disk reads.")
     return rows
 
 
@@ -287,7 +289,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.anchors:
         report.update({"flops": flop_report(cases), "assumptions": assumption_report(cases),
                        "bytes": byte_report(cases, knobs_for, hs), "peers": peer_report(f, hs),
-                       "disk": disk_report(p.hw, dk, hs, p.hw.overhead_ms, args.turnover)})
+                       "disk": disk_report(p.hw, dk, hs, p.hw.overhead_ms, args.turnover,
+                                           capacity(p, "disk", 1048576, kmax_for(1048576), hs, dk)[0],
+                                           capacity(p, "hisparse", 1048576, hs=hs)[0])})
     if args.json:
         _atomic_json(args.json, report)
         print(f"\nwrote {args.json}")

@@ -44,8 +44,10 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: float, turnover: float) -> dict[str, Any]:
-
+def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: float, turnover: float,
+                pool_cap: int | None = None, hisparse_cap: int | None = None) -> dict[str, Any]:
+    """`pool_cap` / `hisparse_cap`: the requests sglang's token pool admits at 1M for FlashMemory / HiSparse
+    (None: the HBM bound of the bytes one request occupies)."""
     kmax = kmax_for(CTX)
     over = dataclasses.replace(hw, overhead_ms=overhead_ms)
     scenarios = {
@@ -59,16 +61,17 @@ def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: flo
     for name, (k, pk) in scenarios.items():
         pts = []
         for c in CONCS:
-            p = disk_point(CTX, kmax, c, over, k, pk)
-            h = throughput_at(hb, hf, over, c, sync_pcie=True, extra_ms=hs.step_overhead_ms)
+            p = disk_point(CTX, kmax, c, over, k, pk, pool_cap=pool_cap)
+            h = (throughput_at(hb, hf, over, c, sync_pcie=True, extra_ms=hs.step_overhead_ms)
+                 if hisparse_cap is None or c <= hisparse_cap else None)
             pts.append({**dataclasses.asdict(p), "hisparse_tok_s": h[0] if h else None})
             rows.append([name, c, "yes" if p.fits else f"no ({p.bound})", f"{p.hit_rate:.2f}",
                          f"{p.read_gb_cycle:.1f} / {p.write_gb_cycle:.1f}", f"{p.disk_ms_cycle:.0f}",
                          f"{p.window_ms:.0f}", f"{p.window_share:.0%}", f"{p.tok_s:.0f}",
                          f"{p.tok_s_dram:.0f}" + ("" if p.dram_fits else "*"), f"{100 * p.loss:.1f}%",
                          _fmt(h[0] if h else None)])
-        best = max_conc_within(CTX, kmax, over, k, GOAL_LOSS, pk)
-        best_roof = max_conc_within(CTX, kmax, hw, k, GOAL_LOSS, pk)
+        best = max_conc_within(CTX, kmax, over, k, GOAL_LOSS, pk, pool_cap)
+        best_roof = max_conc_within(CTX, kmax, hw, k, GOAL_LOSS, pk, pool_cap)
         out[name] = {"points": pts, "max_conc_within_10pct": best, "max_conc_within_10pct_roofline": best_roof,
                      "knobs": dataclasses.asdict(k), "turnover": pk.turnover}
     print_table(f"DISK TIER ESTIMATE (not measured): 1M context, KMAX {kmax}, Path-I, {hw.n_gpus}xH20, +{overhead_ms:g} ms "
@@ -79,8 +82,8 @@ def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: flo
             "tok/s disk", "tok/s DRAM-only", "loss", "HiSparse tok/s"], rows)
     lines = ["  *: DRAM-only does not fit: per-rank host mirrors hold "
              f"{next(iter(out.values()))['points'][0]['dram_cap']} at most; its "
-             "tok/s is what it would reach with enough DRAM (the reference for the loss). HiSparse '-': host DRAM",
-             "  (its whole c4 KV per rank) or HBM does not hold it. HiSparse + disk is not modelled: its swap-in is",
+             "tok/s is what it would reach with enough DRAM (the reference for the loss). HiSparse '-': its token",
+             "  pool (or host DRAM, HBM) does not admit it. HiSparse + disk is not modelled: its swap-in is",
              "  per step, synchronous, in 584-B entries (7x read amplification at 4-KiB blocks, latency-bound)."]
     for name, v in out.items():
         ok = v["max_conc_within_10pct"] >= GOAL_CONC

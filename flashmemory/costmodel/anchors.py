@@ -95,7 +95,7 @@ def _arm(policy: str, ctx: int, kmax: int, hs: HiSparseKnobs) -> tuple[RequestBy
         return baseline_bytes(ctx), baseline_flops(ctx).total, False
     if policy == "hisparse":
         return hisparse_bytes(ctx, hs), baseline_flops(ctx).total, True
-    if policy in ("flashmemory", "disk"):
+    if policy in ("flashmemory", "flashmemory-nocredit", "disk"):
         return (flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=ctx >= 1048576)),
                 flashmemory_flops(ctx, kmax).total, False)
     raise ValueError(f"unknown policy {policy!r}")
@@ -117,13 +117,19 @@ def fm_reserve_bytes(ctx: int, kmax: int, s: FlashShape = FlashShape(), r: Retri
 def capacity(p: Preset, policy: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs(),
              dk: DiskKnobs = DiskKnobs()) -> tuple[int, str]:
     """(requests admitted at once, what binds) for one arm, from sglang's sizing plus host DRAM (per-rank copies);
-    the disk arm is FlashMemory with the history on `dk`'s drives instead of host DRAM (one copy per rank)."""
+    the disk arm is FlashMemory with the history on `dk`'s drives instead of host DRAM (one copy per rank).
+    'flashmemory' is launched with CREDIT_C4=1 (the token pool priced without c4 KV, the reserve taken from the same
+    budget); 'flashmemory-nocredit' is the launch default CREDIT_C4=0: the c4 pool becomes the reserve, and the
+    token pool, so the admission, stays stock's."""
     if policy == "stock":
         return admitted(sized(p), ctx, p.serving)
     if policy == "hisparse":
         sv = dataclasses.replace(p.serving, hisparse_ratio=hs.host_to_device_ratio)
         n, bound = admitted(sized(p, sv), ctx, sv, hisparse_slots=hs.padded_slots)
         host = hisparse_bytes(ctx, hs).host
+    elif policy == "flashmemory-nocredit":
+        n, bound = admitted(sized(p), ctx, p.serving)
+        host = _arm(policy, ctx, kmax, hs)[0].host
     elif policy in ("flashmemory", "disk"):
         sv = dataclasses.replace(p.serving, credit_c4=True)
         n, bound = admitted(sized(p, sv), ctx, sv, extra_per_request=fm_reserve_bytes(ctx, kmax))
@@ -247,7 +253,7 @@ def _pr33075(f: Fitted) -> list[Anchor]:
 
 
 CONTEXTS = (131072, 262144, 1048576)
-ARMS = ("stock", "hisparse", "flashmemory", "disk")
+ARMS = ("stock", "hisparse", "flashmemory-nocredit", "flashmemory", "disk")
 
 
 def kmax_for(ctx: int) -> int:
@@ -273,6 +279,6 @@ def projections(f: Fitted | None = None, hs: HiSparseKnobs | None = None, preset
             elif arm == "disk" and disk_tok_s is not None:
                 t = disk_tok_s(p, ctx, kmax, n)
             else:
-                t = tok_s(p, "flashmemory" if arm == "disk" else arm, ctx, n, kmax, hs)
+                t = tok_s(p, "flashmemory" if arm.startswith(("disk", "flashmemory")) else arm, ctx, n, kmax, hs)
             rows.append({"ctx": ctx, "arm": arm, "kmax": kmax, "conc": n, "bound": bound, "tok_s": t})
     return rows

@@ -100,8 +100,10 @@ class DiskPoint:
 
 def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = DiskKnobs(),
                knobs: PolicyKnobs = PolicyKnobs(path_i=True), s: FlashShape = FlashShape(),
-               r: RetrieverShape = RetrieverShape()) -> DiskPoint:
-    """The disk arm at `conc` requests of `ctx` tokens (KMAX pages resident each); see the module docstring."""
+               r: RetrieverShape = RetrieverShape(), pool_cap: int | None = None) -> DiskPoint:
+    """The disk arm at `conc` requests of `ctx` tokens (KMAX pages resident each); see the module docstring.
+    `pool_cap`: the requests sglang's token pool admits (`anchors.capacity`), in place of the HBM bound computed
+    from the bytes one request occupies."""
     if conc < 1:
         raise ValueError(f"conc must be >= 1, got {conc}")
     req = flashmemory_bytes(ctx, kmax, knobs, s, r)
@@ -111,6 +113,9 @@ def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = Dis
     history = req.host * copies  # bytes on disk per request, all copies
     disk_cap = math.floor(dk.disk_bytes / history)
     bounds = {"HBM": dev, "disk": disk_cap, "max-running": hw.max_running}
+    if pool_cap is not None:
+        del bounds["HBM"]
+        bounds["token pool"] = pool_cap
     bound = min(bounds, key=bounds.get)
     cache = hw.host_ram_gb * 1e9 * hw.host_fraction
     hit = dk.hit_rate if dk.hit_rate is not None else min(1.0, cache / (conc * history))
@@ -126,13 +131,13 @@ def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = Dis
 
 
 def max_conc_within(ctx: int, kmax: int, hw: Hardware, dk: DiskKnobs = DiskKnobs(), loss: float = 0.10,
-                    knobs: PolicyKnobs = PolicyKnobs(path_i=True)) -> int:
+                    knobs: PolicyKnobs = PolicyKnobs(path_i=True), pool_cap: int | None = None) -> int:
     """Largest admitted concurrency whose throughput loss against DRAM-only stays <= `loss` (0 if none).
 
     The loss grows with conc (more reads per cycle and a colder cache), so the scan stops at the first miss."""
     best = 0
     for c in range(1, hw.max_running + 1):
-        p = disk_point(ctx, kmax, c, hw, dk, knobs)
+        p = disk_point(ctx, kmax, c, hw, dk, knobs, pool_cap=pool_cap)
         if not p.fits or p.loss > loss:
             break
         best = c

@@ -63,6 +63,15 @@ def test_verdict_agrees_with_the_points() -> None:
         assert nxt.loss > 0.10 or not nxt.fits
 
 
+def test_token_pool_cap_replaces_the_hbm_bound() -> None:
+    free = disk_point(CTX, KMAX, 42, HW, DiskKnobs(), PK)
+    capped = disk_point(CTX, KMAX, 42, HW, DiskKnobs(), PK, pool_cap=41)
+    assert free.fits and not capped.fits and capped.bound == "token pool"
+    assert capped.tok_s == free.tok_s  # the cap decides admission only, not the step
+    assert disk_point(CTX, KMAX, 41, HW, DiskKnobs(), PK, pool_cap=41).fits
+    assert max_conc_within(CTX, KMAX, HW, DiskKnobs(), 0.10, PK, pool_cap=41) <= 41
+
+
 @pytest.mark.parametrize("kw,field", [({"drives": 0}, "drives"), ({"read_gbps": float("nan")}, "read_gbps"),
                                       ({"efficiency": 1.5}, "efficiency"), ({"copies": 0}, "copies"),
                                       ({"hit_rate": -0.1}, "hit_rate"), ({"output_tokens": 0}, "output_tokens")])

@@ -94,6 +94,9 @@ def test_projection_rows_by_hand() -> None:
     assert rows[M1, "stock"]["conc"] == 11 and rows[M1, "hisparse"]["conc"] == 19
     assert rows[M1, "flashmemory"]["bound"] == "host DRAM" and rows[M1, "flashmemory"]["conc"] == 40
     assert rows[M1, "disk"]["conc"] >= rows[M1, "flashmemory"]["conc"]
+    # launched without CREDIT_C4, FlashMemory's token pool is stock's: it admits what stock admits
+    for ctx in (131072, 262144, M1):
+        assert rows[ctx, "flashmemory-nocredit"]["conc"] == rows[ctx, "stock"]["conc"]
     assert rows[131072, "flashmemory"] == {"ctx": 131072, "arm": "flashmemory", "kmax": 48, "conc": 128,
                                            "bound": "max-running",
                                            "tok_s": pytest.approx(tok_s(p, "flashmemory", 131072, 128, 48))}
@@ -106,7 +109,7 @@ def test_bench_anchors_prints_and_writes(tmp_path, capsys) -> None:
     assert "FITTED CONSTANTS" in text and "ANCHORS: published figure vs the calibrated model" in text
     assert "PROJECTED (calibrated model, not measured)" in text and "Per-decode-token GFLOP" not in text
     d = json.loads(out.read_text())
-    assert set(d) == {"anchors", "projections"} and len(d["projections"]) == 12
+    assert set(d) == {"anchors", "projections"} and len(d["projections"]) == 15
     assert {a["name"] for a in d["anchors"]["anchors"] if not a["within"]} == OUTSIDE
     assert main(["bench", "costmodel", "--anchors", "--hisparse-ratio", "0"]) == 2
     err = capsys.readouterr().err
