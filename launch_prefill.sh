@@ -2,7 +2,7 @@
 # P server of the PD pair (stock sglang: FlashMemory gates off). Start it after D, before the router.
 # Knobs (env): MODEL TP CTX_LEN SWA_RATIO (0.1; use 0.4 for 900K-1M prompts) MEM_FRAC MAX_RUN HOST PORT
 #   TRANSFER_BACKEND(nixl|mooncake|mooncake_tcp) BOOTSTRAP_PORT DEVICE(cuda|cpu) PYTHON.  DRY_RUN=1 prints instead.
-# DEVICE=cpu: sglang on CPU with the tiny model (tp 1, 4K context, 4 requests); see the README's CPU serving.
+# DEVICE=cpu: sglang on CPU with the tiny model (tp 1, 4K context, 4 requests); see docs/serving.md, CPU serving.
 set -euo pipefail
 FM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$FM_REPO/scripts/launch_common.sh"

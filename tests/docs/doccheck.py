@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import re
 import shlex
@@ -32,6 +33,7 @@ TRACKED_TOP = ("docs", "scripts", "flashmemory", "tests", "training", "data_gene
 GENERATED = ("docs/gpu/results.",)   # written by the GPU check the pages name, not in the tree before it runs
 ENV_RE = re.compile(r"\b((?:SGLANG|FLASHMEMORY)_[A-Z0-9_]*[A-Z0-9])\b")
 SEPARATORS = {"&&", "||", ";", "|"}
+PROCESS_ENV = {"CUDA_VISIBLE_DEVICES"}   # read by CUDA in every process the scripts start, not by the scripts
 
 
 @dataclass
@@ -132,7 +134,7 @@ def check_command(toks: list[str], project: Project) -> list[str]:
             return [f"script {script} does not exist"]
         text = (project.root / script).read_text() + (project.root / "scripts" / "launch_common.sh").read_text()
         return [f"{script} does not read {k}" for k in knobs
-                if not re.search(r"\$\{?" + k + r"\b", text) and not ENV_RE.fullmatch(k)]
+                if not re.search(r"\$\{?" + k + r"\b", text) and not ENV_RE.fullmatch(k) and k not in PROCESS_ENV]
     if base.startswith("python"):
         if args[:1] == ["-c"]:
             return []
@@ -184,7 +186,7 @@ def check(text: str, project: Project, doc_dir: str = "", strict_env: bool = Tru
         if not path.startswith(GENERATED):
             problems += _path_problem(path, project, "path")
     for link in links(text):
-        target = str(Path(doc_dir, link.split("#", 1)[0])) if link.split("#", 1)[0] else ""
+        target = os.path.normpath(os.path.join(doc_dir, link.split("#", 1)[0])) if link.split("#", 1)[0] else ""
         if target and not target.startswith(GENERATED):
             problems += _path_problem(target, project, "link target")
     return problems

@@ -45,3 +45,17 @@ def test_flashmemory_serve_binds_localhost() -> None:
     cfg = PDConfig(base_env={"HOST": "0.0.0.0", "PATH": os.environ.get("PATH", "")})
     assert cfg.host == "127.0.0.1"
     assert _env(cfg)["HOST"] == "127.0.0.1"
+
+
+def test_listening_reads_the_bound_address_of_each_port() -> None:
+    """The /proc reader the live stack check uses tells a loopback bind from an every-interface one."""
+    from tests.docs.listening import bound_socket, is_loopback, listening
+    local, every = bound_socket("127.0.0.1"), bound_socket("0.0.0.0")
+    try:
+        ports = listening({os.getpid()})
+        assert ports[local.getsockname()[1]] == {"127.0.0.1"}
+        assert ports[every.getsockname()[1]] == {"0.0.0.0"}
+        assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+    finally:
+        local.close()
+        every.close()
