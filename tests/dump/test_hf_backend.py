@@ -81,6 +81,7 @@ def test_micro_dump_stores_native_topk(dumped):
     eng = HFEngine(*load_model("micro", seed=0))
     doc = load_doc(list_docs(dumped)[0])
     P, T = int(doc.positions[1][0]), doc.n_tokens
+    # Same bits as the dump's own forward (same process, model, ids, thread count), so its picks compare exactly.
     cap = eng.forward(doc.input_ids)
     assert doc.native_topk_steps.tolist() == [0] and sorted(doc.native_topk) == list(range(eng.n_c4_layers))
     for C in range(eng.n_c4_layers):

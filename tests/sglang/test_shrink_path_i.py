@@ -136,7 +136,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
                 cells = meta.core_metadata.c4_sparse_page_indices[0].long()
                 assert (cells[: min(32, n)] >= 0).all() and (cells[min(32, n):] == -1).all(), (step, l)
                 cells = cells[: min(32, n)]
-                if l == 0:
+                if l == 0:  # same bits as `got` (same scorer, ix[0], the same block metadata): picks compare exactly
                     assert torch.equal(cells.sort().values, torch.sort(blocks.page_table[0, col // 64].long() * 64
                                                                        + col % 64).values)
                 kv_got = lay.kv.read_chunks(pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells // 64, cells % 64)
