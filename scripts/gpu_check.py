@@ -4,6 +4,8 @@ Cases run as separate processes (the gates are read once per process by the plug
   stock      no FlashMemory entry point loaded (SGLANG_PLUGINS=none)      greedy tokens = reference
   full       gates on, KMAX covers the whole context (100% residency)      tokens == stock, hooks in the CUDA graph
   r10        gates on, KMAX = 10% of the context pages, 500 decode steps at batch 1, 8, 64
+  ret10      r10 with a retriever (random weights, loaded on the CPU at registration as the server does):
+             Level 1 scores on the GPU; speed vs stock, tokens reported (10% budget: not expected equal)
   off        plugin loaded, every gate off                                 tokens == stock
 Optional (GPU_CHECK_CASES=dstock,dshrink, ~4 min more): a lone PD decode server with sglang's `fake` transfer
 backend (nothing is transferred; both cases decode from the same zeroed KV), which puts Path-P in shrink mode:
@@ -26,11 +28,12 @@ import sys
 import tempfile
 import time
 
-CASES = ("stock", "full", "r10", "off")   # "off" last: least informative if time runs out
+CASES = ("stock", "full", "r10", "ret10", "off")   # "off" last: least informative if time runs out
 PD_CASES = ("dstock", "dshrink")           # optional: GPU_CHECK_CASES=dstock,dshrink
 PROMPT_LEN, DECODE_STEPS, BATCHES, TOKEN_CHECK = 4096, 500, (1, 8, 64), 32
 BUDGET_S, FIRST_CASE_S = 455, 200        # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RET_LAYERS = (1,)                          # the retriever's c4 layer (SGLANG_RETRIEVER_INLINE_LAYERS)
 
 
 def tiny_config() -> dict:
@@ -57,17 +60,31 @@ def tiny_config() -> dict:
     }
 
 
-def case_env(case: str, stats_file: str = "") -> dict[str, str]:
+def case_env(case: str, stats_file: str = "", retriever: str = "") -> dict[str, str]:
+    """The case's environment; retriever: the checkpoint `ret10` serves (`write_retriever`)."""
     pages = -(-PROMPT_LEN // 4 // 64) + DECODE_STEPS // 256 + 2
     env = {"SGLANG_PLUGINS": "flashmemory", "FLASHMEMORY_STATS_FILE": stats_file}
     if case in ("stock", "dstock"):
         env["SGLANG_PLUGINS"] = "none"
-    if case in ("full", "r10", "dshrink"):
+    if case in ("full", "r10", "ret10", "dshrink"):
         env.update({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1",
-                    "SGLANG_RETRIEVER_INLINE_LAYERS": "1", "SGLANG_RETRIEVER_LAST_KEEP": "64",
-                    "SGLANG_PATHP_PAGE_KMAX": str(pages if case != "r10" else max(1, pages // 10)),
+                    "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)), "SGLANG_RETRIEVER_LAST_KEEP": "64",
+                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10") else pages),
                     "SGLANG_DSV4_TARGET_CONCURRENCY": "64"})
+    if case == "ret10":
+        env["SGLANG_RETRIEVER_INLINE_CKPT"] = retriever or "<written by the run>"
     return env
+
+
+def write_retriever(path: str, cfg: dict) -> str:
+    """A random-weight retriever checkpoint for the tiny model (its hidden size and index head dim, c4 layer
+    `RET_LAYERS`), which the plugin loads and checks at registration like a trained one."""
+    import torch
+    from flashmemory.retriever import save_retriever
+    from flashmemory.retriever.model import JointRetriever, RetrieverDims
+    torch.manual_seed(0)
+    dims = RetrieverDims(hidden=cfg["hidden_size"], rank=256, n_heads=16, head_dim=cfg["index_head_dim"], rope_dim=64)
+    return str(save_retriever(JointRetriever(RET_LAYERS, dims), path))
 
 
 def engine_kwargs(model_dir: str, port: int, pd: bool = False) -> dict:
@@ -160,7 +177,13 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
         if d.get("mode") != "shrink" or d.get("device_bytes_saved", 0) <= 0:
             bad.append(f"dshrink: Path-P did not run in shrink mode or saved no device memory ({d.get('mode')}, "
                        f"{d.get('device_bytes_saved')} B); see the 'copy mode' warning in its log")
-    if c in ("full", "r10", "dshrink"):
+    if c == "ret10":
+        d = r.get("diag") or {}
+        if not str(d.get("retriever_device", "")).startswith("cuda"):
+            bad.append(f"ret10: the retriever served from {d.get('retriever_device')!r}, not the GPU")
+        if not d.get("level1_cycles"):
+            bad.append("ret10: no Level-1 cycle completed (the retriever never scored)")
+    if c in ("full", "r10", "ret10", "dshrink"):
         d = r.get("diag")
         if not d:
             bad.append(f"{c}: no diagnostics from the scheduler: FlashMemory did not run there")
@@ -237,7 +260,8 @@ def main() -> int:
             continue
         out, stats = os.path.join(work, f"{c}.json"), os.path.join(work, f"{c}.diag.json")
         pp = os.pathsep.join(x for x in (ep_dir, ROOT, os.environ.get("PYTHONPATH", "")) if x)
-        env = {**os.environ, **case_env(c, stats), "PYTHONPATH": pp}
+        ckpt = write_retriever(os.path.join(work, "retriever.safetensors"), tiny_config()) if c == "ret10" else ""
+        env = {**os.environ, **case_env(c, stats, ckpt), "PYTHONPATH": pp}
         log = os.path.join(out_dir, f"case_{c}.log")
         t = time.monotonic()
         rc = run_group([sys.executable, os.path.abspath(__file__), "--case", c, "--model-dir", model_dir, "--out", out,

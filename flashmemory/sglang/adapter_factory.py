@@ -23,6 +23,7 @@ from flashmemory.offload.mirror import check_host_memory, mirror_alloc_bytes
 from flashmemory.offload.tiered_mirror import mirror_slot_count
 from flashmemory.sglang.core_config import CoreConfig, core_config
 from flashmemory.sglang.engine_adapter import SGLangOffload
+from flashmemory.sglang.retriever_load import place_retriever
 from flashmemory.sglang.offload_adapter import OffloadAdapter
 from flashmemory.sglang import geometry
 from flashmemory.sglang.geometry import (PoolGeometry, PoolGeometryError, check_reserve_memory, pool_buffers,
@@ -62,13 +63,6 @@ def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pi
     loc2m = (geo.n_locs + 1) * _I64
     byte_map = 0 if shrink else lay.kv.page_chunks * lay.kv.chunk_bytes * _I64
     return MemoryPlan(host=host, device=reserve + target + lut + tables + loc2m + byte_map, reserve=reserve)
-
-
-def place_retriever(retriever: Any, device: torch.device) -> Any:
-    """The retriever with every parameter and buffer on `device` (in place: `nn.Module.to`), in eval mode."""
-    if retriever is None:
-        return None
-    return retriever.to(device).eval()
 
 
 def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,

@@ -4,7 +4,8 @@ One function loads it for both the check and the engine (`adapter_factory.build`
 what serves: the layers of SGLANG_RETRIEVER_INLINE_LAYERS, every weight's shape and finiteness, the
 hidden size against the served model's config.json when the model path is a local directory, and the
 RoPE clamp of SGLANG_RETRIEVER_MAX_POSITION (a checkpoint's stored table length is ignored: training
-used to store 131072, which served every position past it as 131071).
+used to store 131072, which served every position past it as 131071). It loads on the CPU; `place_retriever`
+moves it to the server's device when the pool exists.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
@@ -62,6 +65,16 @@ def load_serving_retriever(env: FlashMemoryEnv, model_path: str | os.PathLike | 
         logger.info("FlashMemory: retriever hidden size %d not checked against the model (%s)", model.dims.hidden,
                     source)
     return model.eval()
+
+
+def place_retriever(retriever: JointRetriever | None, device: torch.device | str) -> JointRetriever | None:
+    """The serving retriever with every parameter and buffer on the server's `device` (the device of sglang's
+    pool tensors), in eval mode. `load_serving_retriever` returns it on the CPU (registration runs before the
+    model and its device exist); Level 1 feeds it hidden states and index keys on the server's device, so it
+    must follow them. In place (`nn.Module.to`): the object the plugin checked is the one that serves."""
+    if retriever is None:
+        return None
+    return retriever.to(torch.device(device)).eval()
 
 
 def served_model_path(server_args: Any, argv: list[str]) -> str | None:

@@ -137,6 +137,8 @@ class Runtime:
         if self.engine is not None:
             d.update(self.engine.stats())
             d["mode"] = self.engine.mode
+        weights = next(iter(self.retriever.parameters()), None) if self.retriever is not None else None
+        d["retriever_device"] = str(weights.device) if weights is not None else None
         tmp = f"{self.diag_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(d, f)

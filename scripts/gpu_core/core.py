@@ -1,7 +1,8 @@
 """Shared pieces of `scripts/gpu_core_check.py`: the ONLY place the check imports the package from, the sizes,
 the result record, timing and random fp8 data.
 
-Imports are the package core's public entry points (offload, residency, retriever, atomic) and nothing else:
+Imports are the package core's public entry points (offload, residency, retriever, atomic) and the serving
+retriever's loader and placement (`flashmemory.sglang.retriever_load`, which imports no sglang), nothing else:
 no sglang, no transformers, no tqdm. Only long-stable torch APIs are used (torch >= 2.1: float8_e4m3fn,
 torch.cuda.graph / CUDAGraph, streams and events, set_sync_debug_mode, pinned memory), because the lent H200
 image has torch 2.11 while the project pins 2.14.1.
@@ -9,7 +10,9 @@ image has torch 2.11 while the project pins 2.14.1.
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -17,11 +20,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flashmemory.atomic import atomic_write_text  # noqa: F401  (re-exported for the entry script)
+from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import (EngineConfig, OffloadEngine, OffloadLayout, RecallPlan, RecallRequest,  # noqa: F401
                                  check_invariants, execute_recall, plan_recall, publish_recall)
 from flashmemory.residency import Level2, miss_mass, miss_report  # noqa: F401
 from flashmemory.retriever import (JointRetriever, RetrieverDims, chunks_to_pages, dequantize_chunks,  # noqa: F401
-                                   quantize_chunks, relu_head_scores)
+                                   quantize_chunks, relu_head_scores, save_retriever)
+from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever   # imports no sglang
 
 N_C4_LAYERS = 21        # DeepSeek-V4-Flash c4 (CSA) layers: the native indexer runs on each, every step
 TARGET_LAYERS = (10, 12, 20)
@@ -169,3 +174,25 @@ def recall_sync(eng: OffloadEngine, reqs: Sequence[RecallRequest]) -> RecallPlan
 
 def fmt_s(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def serving_retriever(res: CheckResult, dims: RetrieverDims, device: torch.device, seed: int) -> JointRetriever:
+    """The retriever as the server gets it: random weights saved as a checkpoint, loaded on the CPU by the plugin's
+    loader (`load_serving_retriever`), then moved by the serving placement (`place_retriever`). `res` fails when a
+    parameter or buffer is not on `device` afterwards, or a weight changed on the way."""
+    torch.manual_seed(seed)
+    src = JointRetriever(TARGET_LAYERS, dims).eval()
+    with tempfile.TemporaryDirectory() as d:
+        path = save_retriever(src, os.path.join(d, "retriever.safetensors"))
+        model = load_serving_retriever(FlashMemoryEnv(retriever_ckpt=str(path), retriever_layers=TARGET_LAYERS))
+    res.expect(all(t.device.type == "cpu" for t in model.state_dict().values()),
+               "the serving loader did not return the retriever on the CPU (registration precedes the device)")
+    model = place_retriever(model, device)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    off = [f"{n} on {t.device}" for n, t in tensors if t.device.type != device.type]
+    res.expect(not off, f"serving placement left retriever tensors off {device.type}: {off[:4]}")
+    want = src.state_dict()
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v.cpu(), want[k])]
+    res.expect(not changed, f"retriever weights changed between checkpoint and device: {changed[:4]}")
+    res.figures["retriever_placed_on"] = str(tensors[0][1].device) if tensors else "none"
+    return model

@@ -23,7 +23,7 @@ import torch
 from gpu_core.core import (N_C4_LAYERS, TARGET_LAYERS, TOPK, CheckResult, EngineConfig, JointRetriever, Level2,
                            OffloadEngine, OffloadLayout, RecallRequest, Sizes, chunks_to_pages, dequantize_chunks,
                            gen, miss_mass, miss_report, random_fp8_keys, random_index_chunks, recall_sync, score_fp8,
-                           time_fn)
+                           serving_retriever, time_fn)
 
 
 def level1_flops(sz: Sizes, batch: int, n: int) -> float:
@@ -110,9 +110,7 @@ def _scorer_case(res: CheckResult, sz: Sizes, model: JointRetriever, b: int, n: 
 
 def run_scorer(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
     res = CheckResult("c", "Level-1 scorer vs GEMM ceiling; native indexer x21 vs Level 1/tau + Level 2 x21")
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = JointRetriever(TARGET_LAYERS, sz.dims).eval()
+    model = serving_retriever(res, sz.dims, device, seed)   # loaded on the CPU and placed as the server does
     rows, first = [], True
     for b in sz.batches:
         l2, l2_rows, layer = _level2_engine(sz, b, device)
