@@ -34,6 +34,12 @@ The forward in which a request fails stays correct for the others:
   `begin_step` that the precheck did not foresee (a growing history crossing into a page the mirror lacks): the
   adapter registers rows before the core admits them in one `sync_batch`.
 Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager hooks can fail there.
+Tensor parallelism: every rank runs its own guard over the same batches. A request that failed on one rank only
+(a fault injected on that rank, a rank-local error) must fail on all of them, or their schedulers would run
+different batches and the next collective would hang. So before each batch's result is processed every rank
+shares the failures it recorded since the last batch (`exchange`: one all-reduce of a count over sglang's TP cpu
+group, then an all-gather of the (rid, hook, reason) rows only when some rank has any), and every rank aborts the
+union in that same call.
 Non-finite retriever scores: `watch_scores` wraps the adapter's Level-1 scorer so that a row whose scores are not
 all finite raises `RequestFailure` naming its request (the cycle's job is dropped, its error reaches `after_forward`
 as the cause of the worker's error). Other Level-1 or recall errors name no request and stop the server.
@@ -119,13 +125,20 @@ class Guard:
     # (args, kwargs) of the first hook -> [(rid, reason)]: requests to fail before the body runs (the adapter's
     # admission check: no free row, host mirror full), so nothing of them is half done when the body starts.
     precheck: Callable[[tuple, dict], list[tuple[str, str]]] | None = None
+    # [(rid, hook, reason)] recorded here -> [(rank, rid, hook, reason)] of every TP rank; None on one rank.
+    exchange: Callable[[list[tuple[str, str, str]]], list[tuple[int, str, str, str]]] | None = None
+    rank: int = 0                                              # this process's TP rank (the injector's rank=)
+    unshared: list[tuple[str, str, str]] = field(default_factory=list)   # local failures not exchanged yet
 
     def configure(self, env: dict[str, str] | None = None) -> None:
         """Read FLASHMEMORY_FAULT_INJECT (test only; an EnvError names the variable) and create the counter.
         Runs at the first guarded hook call of the process (the plugin's registration stays as it is)."""
         self.configured = True
+        if self.exchange is None:
+            self.exchange, self.rank = tp_exchange()
         spec = fault_inject(env, hooks=self.hook_names)
-        self.inject = (spec.hook, re.compile(spec.rid)) if spec is not None else None
+        on_rank = spec is not None and (spec.rank is None or spec.rank == self.rank)
+        self.inject = (spec.hook, re.compile(spec.rid)) if on_rank else None
         if spec is not None:
             logger.warning("FlashMemory: fault injector on (test only): %s fails requests matching %r",
                            spec.hook, spec.rid)
@@ -198,6 +211,7 @@ class Guard:
         if rid in self.failed:
             return
         self.failed[rid] = _Failed(hook, reason)
+        self.unshared.append((rid, hook, reason))
         logger.error("FlashMemory: request %s failed in %s (%s); it is aborted, the server keeps serving",
                      rid, hook, reason)
         if self.counter is not None:
@@ -228,7 +242,9 @@ class Guard:
 
     def abort_failed(self, reqs: list[Any]) -> int:
         """Before sglang processes a batch's result: set FINISH_ABORT on each failed request of it (its client gets
-        an HTTP 500 naming the hook). Returns how many were aborted now."""
+        an HTTP 500 naming the hook). Returns how many were aborted now. Under tensor parallelism every rank calls
+        this for every batch: the failures of all ranks are shared first (a collective), so all abort the same."""
+        self.share()
         if not self.failed:
             return 0
         from http import HTTPStatus
@@ -244,6 +260,16 @@ class Guard:
             f.aborted, n = True, n + 1
         return n
 
+    def share(self) -> None:
+        """Exchange this rank's new failures with the other TP ranks and record theirs (no-op on one rank)."""
+        mine, self.unshared = self.unshared, []
+        if self.exchange is None:
+            return
+        for rank, rid, hook, reason in self.exchange(mine):
+            if rank != self.rank and rid not in self.failed:
+                self.fail(rid, hook, f"{reason} (on TP rank {rank})")
+        self.unshared = []   # what `fail` just recorded came from the others: nothing left to send
+
     def watch_scores(self, adapter: OffloadAdapter) -> None:
         """Non-finite Level-1 scores for a row raise `RequestFailure(rid, "level1", ...)` instead of steering its
         residency with NaN (through `OffloadAdapter.check_level1_scores`). Idempotent."""
@@ -253,9 +279,39 @@ class Guard:
         """Nothing runs any more (the server is idle): every recorded failure is settled."""
         self.failed.clear()
         self.batch_rids = []
+        self.unshared = []
 
 
 GUARD = Guard()
+
+
+def gloo_exchange(group: Any, world: int) -> Callable[[list[tuple[str, str, str]]], list[tuple[int, str, str, str]]]:
+    """The failure exchange over a torch.distributed (gloo) group of `world` ranks: every rank must call it for the
+    same batch. One int64 all-reduce of the number of new failures; an all-gather of the rows only if it is > 0."""
+    import torch
+    import torch.distributed as dist
+
+    def exchange(mine: list[tuple[str, str, str]]) -> list[tuple[int, str, str, str]]:
+        n = torch.tensor([len(mine)], dtype=torch.int64)
+        dist.all_reduce(n, group=group)
+        if int(n.item()) == 0:
+            return []
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, list(mine), group=group)
+        return [(r, *f) for r, fs in enumerate(rows) for f in fs]
+    return exchange
+
+
+def tp_exchange() -> tuple[Any, int]:
+    """(exchange over sglang's TP cpu group, this TP rank), or (None, 0) with one rank or outside a server."""
+    try:
+        from sglang.srt.distributed import get_tp_group
+        tp = get_tp_group()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return None, 0
+    if tp.world_size <= 1:
+        return None, 0
+    return gloo_exchange(tp.cpu_group, tp.world_size), int(tp.rank_in_group)
 
 
 def _refuse_non_finite(rid: str, scores: Any) -> None:
