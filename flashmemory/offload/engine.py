@@ -21,7 +21,8 @@ from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
 from flashmemory.offload.recall import Recaller
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
-from flashmemory.offload.rows import ResidentTables, RowState, main_stream_context
+from flashmemory.offload.rows import ResidentTables, RowState
+from flashmemory.offload.streams import ForwardOrder
 from flashmemory.offload.sync import BatchSync, SyncResult
 
 
@@ -71,19 +72,17 @@ class OffloadEngine:
         self.rows: list[RowState | None] = [None] * cfg.max_rows
         self._lock = threading.RLock()
         self.stats, self._gen = OffloadMetrics(), 0
-        cuda = self.device.type == "cuda"
-        self.main_stream = torch.cuda.current_stream(self.device) if cuda else None
-        self.side_stream = torch.cuda.Stream(self.device) if cuda else None
+        # The forward stream and the forward gate: handed in at every step (`order.begin_forward`), never taken here.
+        self.order = ForwardOrder(self.device)
         # Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
         self.res_cap = cfg.max_resident_pages + cfg.decode_pages
-        self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.main_stream)
+        self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.order)
         self.res_pages, self.res_blocks = self.tables.pages, self.tables.blocks
         self.res_mpages, self.res_count = self.tables.mpages, self.tables.count
         self.recaller = Recaller(layout=layout, max_resident_pages=cfg.max_resident_pages, rows=self.rows,
                                  owner=self.owner, inflight=self.inflight, blocks=self.blocks, lru=self.lru,
                                  lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
-                                 stats=self.stats, lock=self._lock, main_stream=self.main_stream,
-                                 side_stream=self.side_stream)
+                                 stats=self.stats, lock=self._lock, order=self.order)
         self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock   # the recaller's
 
     @property
@@ -107,8 +106,8 @@ class OffloadEngine:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def on_main_stream(self):
-        """Context: work issued inside runs on the stream decode reads the tables from (no-op without CUDA)."""
-        return main_stream_context(self.main_stream)
+        """Context: work issued inside runs on the forward stream, the one decode reads the tables from."""
+        return self.order.on_stream()
 
     def _live(self, row: int) -> RowState:
         if not 0 <= row < self.cfg.max_rows:

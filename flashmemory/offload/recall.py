@@ -12,16 +12,18 @@ plan     For each request's selection: pages already resident are touched in the
          lowest-scoring pages are the ones dropped, and each drop is counted. Victims leave the lookup table
          here, before their bytes are overwritten. Planned blocks are "in flight": owned, not free, not mapped.
 copy     One gather per layer group (c4 KV, Path-I index-K) from the mirror into a staging tensor, then one
-         indexed copy into the reserve (a side CUDA stream when there is one; the worker waits for it).
+         indexed copy into the reserve (a side CUDA stream when there is one, after the forward stream: every
+         forward that may read a victim's old bytes; the worker waits for the copy).
 publish  Lookup-table entries are written only now. A page whose request finished, whose row was reused
          (generation changed), or which decode mapped in the meantime is discarded and its block freed.
+Plan and publish write the tables between two forwards, on the forward stream handed in for the current step
+(`flashmemory.offload.streams.ForwardOrder.between_forwards`), taking the forward gate before the engine lock.
 """
 
 from __future__ import annotations
 
 import time
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
@@ -33,7 +35,8 @@ from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
 from flashmemory.offload.mirror import HostMirror
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve
-from flashmemory.offload.rows import ResidentTables, RowState, main_stream_context
+from flashmemory.offload.rows import ResidentTables, RowState
+from flashmemory.offload.streams import ForwardOrder
 
 
 @dataclass(frozen=True)
@@ -115,16 +118,25 @@ class Recaller:
     def __init__(self, *, layout: OffloadLayout, max_resident_pages: int, rows: list[RowState | None],
                  owner: list[tuple[int, int, int] | None], inflight: set[int], blocks: BlockAllocator, lru: PageLRU,
                  lut: ChunkLUT, mirror: HostMirror, reserve: DeviceReserve, tables: ResidentTables,
-                 stats: OffloadMetrics, lock: threading.RLock, main_stream: Any = None, side_stream: Any = None):
+                 stats: OffloadMetrics, lock: threading.RLock, order: ForwardOrder):
         self.layout, self.max_resident_pages = layout, max_resident_pages
         self.rows, self.owner, self.inflight, self.blocks, self.lru = rows, owner, inflight, blocks, lru
         self.lut, self.mirror, self.reserve, self.tables, self.stats = lut, mirror, reserve, tables, stats
-        self.lock, self.main_stream, self.side_stream = lock, main_stream, side_stream
+        self.lock, self.order = lock, order
         self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
         self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
         self.copy_hook: Callable[[], None] | None = None   # called between the KV and index copies (tests)
         # Copies plans itself when set (the disk tier: sealed pages come from its host cache / disk, not the mirror).
         self.source: PageSource | None = None
+
+    @property
+    def main_stream(self) -> Any:
+        """The forward stream as last handed in (None without streams)."""
+        return self.order.stream
+
+    @property
+    def side_stream(self) -> Any:
+        return self.order.side
 
     def _evict(self, blk: int, touched: set[int], cleared: list[int]) -> None:
         """Drop a published page from its request; its mirror page goes to `cleared` for one batched clear."""
@@ -151,7 +163,7 @@ class Recaller:
         # Order: (priority desc, page desc), duplicates merged; pages past the history are dropped under the lock.
         ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
                  for rq in requests]
-        with self.lock, main_stream_context(self.main_stream):
+        with self.order.between_forwards(), self.lock:
             try:
                 for rq, ranked in zip(requests, ranks):
                     st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
@@ -232,9 +244,7 @@ class Recaller:
         src = self.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))   # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
-        if side is not None:
-            side.wait_stream(self.main_stream)  # forwards that read the victims' old entries finish first
-        with self.copy_lock, (torch.cuda.stream(side) if side is not None else nullcontext()):
+        with self.copy_lock, self.order.copy_context():   # forwards that read the victims' old bytes finish first
             stage = gather_copy(self.mirror.kv, self.reserve.kv, src, dst, self.staging.get("kv"))
             _keep(self.staging, "kv", stage)
             if self.copy_hook is not None:
@@ -254,7 +264,7 @@ class Recaller:
         counts: list[int] = []
         cells: list[int] = []
         done = 0
-        with self.lock, main_stream_context(self.main_stream):
+        with self.order.between_forwards(), self.lock:
             for row, gen, page, mp, blk in plan.entries:
                 self.inflight.discard(blk)
                 st = self.rows[row]

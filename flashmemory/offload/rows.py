@@ -6,13 +6,13 @@ Both `OffloadEngine` and `flashmemory.offload.recall.Recaller` are handed the sa
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable
+from typing import Hashable, Iterable
 
 import torch
 
 from flashmemory.offload.reserve import DeviceReserve
+from flashmemory.offload.streams import ForwardOrder
 
 
 @dataclass
@@ -31,21 +31,17 @@ class RowState:
     selection: frozenset[int] = frozenset()                # latest Level-1 selection: protected from eviction
 
 
-def main_stream_context(stream: Any):
-    """Context: work issued inside runs on `stream` (the stream decode reads the tables from); no-op for None."""
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
 class ResidentTables:
     """Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
 
     pages / blocks / mpages: int32 [max_rows, res_cap] (-1 padded); count: int32 [max_rows]. res_cap =
     max_resident_pages + decode_pages. Allocated once on the reserve's device; rewritten in place (index_copy_),
-    so tensors handed out earlier (and a CUDA graph that recorded them) stay valid.
+    so tensors handed out earlier (and a CUDA graph that recorded them) stay valid. Written on the forward stream
+    `order.stream` (the stream decode reads them from, handed in per step).
     """
 
-    def __init__(self, rows: list[RowState | None], reserve: DeviceReserve, res_cap: int, main_stream: Any = None):
-        self.rows, self.reserve, self.res_cap, self.main_stream = rows, reserve, res_cap, main_stream
+    def __init__(self, rows: list[RowState | None], reserve: DeviceReserve, res_cap: int, order: ForwardOrder):
+        self.rows, self.reserve, self.res_cap, self.order = rows, reserve, res_cap, order
         n, dev = len(rows), reserve.device
         mk = lambda: torch.full((n, res_cap), -1, dtype=torch.int32, device=dev)  # noqa: E731
         self.pages, self.blocks, self.mpages = mk(), mk(), mk()
@@ -70,7 +66,7 @@ class ResidentTables:
                           [st.mpages[p] for p, _ in items] + pad])
             counts.append(len(items))
         dev = self.reserve.device
-        with main_stream_context(self.main_stream):  # the uploads too: on the stream decode reads the tables from
+        with self.order.on_stream():  # the uploads too: on the stream decode reads the tables from
             buf = torch.tensor(table, dtype=torch.int32).to(dev)  # [n, 3, res_cap]
             idx = torch.tensor(rows, dtype=torch.int64).to(dev)
             self.pages.index_copy_(0, idx, buf[:, 0])

@@ -264,6 +264,7 @@ class Level1:
         return first
 
     def _loop(self) -> None:
+        self.engine.order.set_device()   # before any CUDA call: a new thread's current device is GPU 0 on every rank
         while True:
             job = self._q.get()
             try:

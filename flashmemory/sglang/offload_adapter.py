@@ -204,9 +204,8 @@ class OffloadAdapter:
             self.loc2m[idx.to(self.device)] = self.engine.lut.sentinel
 
     def _unmap(self, row: int) -> None:
-        self.pages.pop(row, None)
-        self.mpages.pop(row, None)
-        self.hist.pop(row, None)
+        for per_row in (self.pages, self.mpages, self.hist):
+            per_row.pop(row, None)
         self._unmap_pages(self._mapped.pop(row, []))
 
     def _free_row(self) -> int:
@@ -404,6 +403,7 @@ class OffloadAdapter:
         self.l1.scorer = scorer
 
     def close(self) -> None:
+        self.engine.order.end_forward()   # the worker may wait for the forward gate this thread holds
         self.l1.close()
         if self.tier is not None:
             self.tier.close()

@@ -283,6 +283,9 @@ class Runtime:
         if self.sideband is not None and decode:
             self.sideband.begin_forward()
         if self.engine is not None and not forward_batch.forward_mode.is_idle():
+            # The stream this forward is enqueued on (sglang's current one here: forward_stream under overlap,
+            # schedule_stream without) goes to the core, whose gate holds Level-1 table writes until after it.
+            self.engine.engine.order.begin_forward()
             self.engine.begin_forward(decode)   # shrink mode: where this forward's c4 stores land
             if not decode and self.engine.extend_reads_reserve and getattr(forward_batch, "rids", None):
                 # Its stores are kept (landing -> mirror), but its c4 attention reads the reserve by pool loc.
@@ -327,6 +330,7 @@ class Runtime:
         self.steps += 1
         if self.engine is None:
             return
+        self.engine.engine.order.end_forward()   # the forward is enqueued: Level-1 table writes may land now
         # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
         # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
         self.engine.settle()
@@ -344,6 +348,7 @@ class Runtime:
     def after_extend_forward(self) -> None:
         """Shrink mode: the extend's landing cells -> the mirror."""
         if self.engine is not None:
+            self.engine.engine.order.end_forward()
             self.engine.end_extend()
 
 
