@@ -1,4 +1,4 @@
-"""The disk-tier table of `flashmemory bench costmodel` (issue 22): FlashMemory + NVMe at 1M context on 8xH20
+"""The disk-tier table of `flashmemory bench costmodel`: FlashMemory + NVMe at 1M context on 8xH20
 against host-DRAM-only FlashMemory and HiSparse at the same concurrency, and whether >= 64 concurrent 1M-token
 requests per node fit at <= 10% throughput loss. Model: `flashmemory.costmodel.disk` (an estimate)."""
 

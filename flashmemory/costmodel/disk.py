@@ -1,4 +1,4 @@
-"""The disk arm of the cost model (issue 22): FlashMemory with c4 KV (+ Path-I index-K) pages on local NVMe below
+"""The disk arm of the cost model: FlashMemory with c4 KV (+ Path-I index-K) pages on local NVMe below
 a host-DRAM page cache, against host-DRAM-only FlashMemory and HiSparse. An ESTIMATE; nothing here is measured.
 
 What the model assumes (all in `DiskKnobs` / `PolicyKnobs` / `Hardware`, all overridable):

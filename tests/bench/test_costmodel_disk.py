@@ -1,4 +1,4 @@
-"""The disk arm of the cost model (issue 22): its arithmetic by hand, the direction it moves with bandwidth,
+"""The disk arm of the cost model: its arithmetic by hand, the direction it moves with bandwidth,
 concurrency and turnover, the >= 64 x 1M verdict agreeing with the points, and its table in `bench costmodel`."""
 
 from __future__ import annotations
