@@ -70,7 +70,8 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
     RUNTIME.count("indexer_calls_captured" if capturing else "indexer_calls_eager")
     if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
         # In-place copy into the static side band: recorded into the graph, so it replays every step.
-        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing, q_lora, c4_indexer)
+        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing, q_lora, c4_indexer,
+                                       kwargs.get("q_lora_ready", args[2] if len(args) > 2 else None))
     engine = RUNTIME.engine
     picks_are_cells = engine is not None and engine.index_in_reserve(layer)
     if picks_are_cells:  # Path-I in the reserve (implies score-resident): the table holds reserve blocks

@@ -230,14 +230,16 @@ class Runtime:
 
     # --- side band (Level 1) -----------------------------------------------------------------------
     def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, capturing: bool,
-                               q_lora: torch.Tensor | None = None, indexer: Any = None) -> None:
+                               q_lora: torch.Tensor | None = None, indexer: Any = None,
+                               q_lora_ready: Any = None) -> None:
         """Target c4 layer `layer`'s indexer hook: copy x [B, hidden] and positions [B] into the static side band.
 
         The buffers are allocated on the first (eager) call, which precedes capture (sglang warms every bucket up
         eagerly, largest first), sized max(B, SGLANG_PATHP_DECODE_MAX_CONC, server max batch). Under capture, or
         once a graph has recorded them, a misfit raises instead of reallocating (the graph would keep writing the
         old buffers). The copy itself is graph safe (`SidebandBuffers.write`). With the miss monitor the indexer's
-        q_lora rides along, and the indexer module is remembered (the monitor recomputes its native query)."""
+        q_lora rides along (its copy waits on sglang's `q_lora_ready` event where one is recorded: multi-stream
+        decode), and the indexer module is remembered (the monitor recomputes its native query)."""
         monitor = self.env.miss_monitor and q_lora is not None
         if monitor and indexer is not None:
             self.indexers[layer] = indexer
@@ -255,7 +257,7 @@ class Runtime:
                         len(sb.layers))
         if capturing:
             self._sideband_frozen = True
-        sb.write(layer, x.detach(), positions, q_lora.detach() if monitor else None)
+        sb.write(layer, x.detach(), positions, q_lora.detach() if monitor else None, q_lora_ready if monitor else None)
 
     def sideband_snapshot(self, n_rows: int) -> dict[str, torch.Tensor] | None:
         """Views of the side band's first n_rows (the real requests) after a decode forward; {} without a side

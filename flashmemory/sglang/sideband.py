@@ -19,6 +19,7 @@ Buffers (max_bs = `capacity`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,17 +65,23 @@ class SidebandBuffers:
             return buf is None
         return q_lora.dim() == 2 and q_lora.shape[1] == buf.shape[1] and q_lora.dtype == buf.dtype
 
-    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, q_lora: torch.Tensor | None = None) -> None:
+    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, q_lora: torch.Tensor | None = None,
+              q_lora_ready: Any = None) -> None:
         """Record this layer's inputs: x [B, hidden], positions [>= B] (any int dtype). CUDA-graph safe.
 
         Only static-shape in-place device ops (`copy_`, `fill_` with a Python int taken from shapes): no host
         sync, no allocation, no branch on tensor values. Rows [B:] (graph padding beyond capacity, or rows of an
-        earlier, larger batch) are left untouched; readers take only the real rows."""
+        earlier, larger batch) are left untouched; readers take only the real rows.
+        q_lora_ready: the event DeepSeek-V4 records on the forward stream once q_lora is computed (its indexer,
+        and this hook, run on `stream_indexer`, forked before q_lora exists); the copy waits on it (a stream wait,
+        legal under capture, as sglang's own indexer does), after x and positions are taken."""
         n = min(x.shape[0], self.capacity, positions.reshape(-1).shape[0])
         self.hidden[layer][:n].copy_(x[:n])
-        if q_lora is not None and layer in self.q_lora:
-            self.q_lora[layer][:n].copy_(q_lora[:n])
         self.positions[:n].copy_(positions.reshape(-1)[:n])
+        if q_lora is not None and layer in self.q_lora:
+            if q_lora_ready is not None:
+                torch.cuda.current_stream().wait_event(q_lora_ready)
+            self.q_lora[layer][:n].copy_(q_lora[:n])
         self.written[self.layers.index(layer)].fill_(n)
 
     def begin_forward(self) -> None:
