@@ -18,8 +18,8 @@ from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, baseline_byte
 from flashmemory.costmodel.disk import DiskKnobs
 from flashmemory.costmodel.flops import FlashShape, RetrieverShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, swap_kernel_ms
-from flashmemory.costmodel.pools import (PoolSizes, Serving, admitted, bytes_per_full_token, padded_bytes_per_token,
-                                         pool_sizes)
+from flashmemory.costmodel.pools import (PoolSizes, Serving, admitted, bytes_per_full_token, fixed_bytes,
+                                         padded_bytes_per_token, pool_sizes)
 from flashmemory.costmodel.throughput import Hardware, step_time, weight_bytes
 
 MIB = 2**20
@@ -88,6 +88,7 @@ UP_CTX = {"256K": 262144, "512K": 524288, "1M": 1048576}
 UP_STOCK = {"256K": (47, 1584.0), "512K": (25, 1028.0), "1M": (11, 455.0)}
 UP_FM = {"256K": (96, 76, 2759.0), "512K": (192, 60, 2008.0), "1M": (384, 30, 1266.0)}
 UP_FM_1M_K96 = (96, 40, 1537.0)
+HISPARSE_LOW_CONC_MS = 7.5  # HiSparse paper: 7-8 ms added per token at low concurrency
 
 
 def _arm(policy: str, ctx: int, kmax: int, hs: HiSparseKnobs) -> tuple[RequestBytes, float, bool]:
@@ -144,16 +145,18 @@ def capacity(p: Preset, policy: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs 
 
 
 def fit(h20: Preset = H20_NODE) -> Fitted:
-    """Fit the four constants, each on its one anchor (see `Fitted.rows`)."""
+    """Fit the four constants, each on its one anchor (see `Fitted.rows`). A published concurrency n is read as
+    a pool of n + 0.5 requests (the middle of the range that admits exactly n)."""
     ctx = UP_CTX["256K"]
-    pool_bytes = 47.5 * ctx * bytes_per_full_token(h20.serving)
-    from flashmemory.costmodel.pools import fixed_bytes
+    conc, tps = UP_STOCK["256K"]
+    pool_bytes = (conc + 0.5) * ctx * bytes_per_full_token(h20.serving)
     frac = (pool_bytes + fixed_bytes(h20.serving) + _weights_per_gpu(h20.hw)) / (h20.hw.hbm_gb * 1e9)
     fm_host = _arm("flashmemory", UP_CTX["1M"], UP_FM_1M_K96[0], HiSparseKnobs())[0].host
-    host_frac = 40.5 * fm_host * h20.hw.n_gpus / (h20.hw.host_ram_gb * 1e9)
-    roof = step_time(47, baseline_bytes(ctx), baseline_flops(ctx).total, dataclasses.replace(h20.hw, overhead_ms=0))[0]
-    overhead = 1e3 * (47 / UP_STOCK["256K"][1] - roof)
-    return Fitted(round(frac, 4), round(host_frac, 4), overhead, 7.5e3 / FlashShape().n_c4)
+    host_frac = (UP_FM_1M_K96[1] + 0.5) * fm_host * h20.hw.n_gpus / (h20.hw.host_ram_gb * 1e9)
+    roof = step_time(conc, baseline_bytes(ctx), baseline_flops(ctx).total,
+                     dataclasses.replace(h20.hw, overhead_ms=0))[0]
+    overhead = 1e3 * (conc / tps - roof)
+    return Fitted(round(frac, 4), round(host_frac, 4), overhead, HISPARSE_LOW_CONC_MS * 1e3 / FlashShape().n_c4)
 
 
 def calibrated(p: Preset, f: Fitted, fitted_memory: bool = False) -> Preset:
