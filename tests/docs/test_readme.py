@@ -4,6 +4,7 @@ that exist (`tests.docs.doccheck`), and the checker fails when one of them goes 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,24 @@ def test_a_knob_the_script_does_not_read_is_caught(readme: str, project: Project
     bad = readme.replace("HOST=0.0.0.0 bash launch_router.sh", "HOSTNAME=0.0.0.0 bash launch_router.sh")
     assert bad != readme
     assert any("does not read HOSTNAME" in p for p in _problems(bad, project))
+
+
+# (page, the startup-log line as the page quotes it, the format string the code logs it with, the file)
+LOG_LINES = [
+    ("docs/serving.md", "`FlashMemory Path-P (shrink mode): <n> c4 layers, <n> pool pages, reserve <n> blocks/layer, "
+     "KMAX <n>, retriever <path>`", "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d "
+     "blocks/layer, KMAX %d, ", "flashmemory/sglang/adapter_factory.py"),
+    ("docs/serving.md", "`FlashMemory Path-P shrink: device c4 KV <x> GiB -> reserve <y> GiB",
+     "FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. ",
+     "flashmemory/sglang/shrink.py"),
+    ("docs/disk-tier.md", "`disk tier (rank r): N pages of B B on disk at PATH (.. GB, O_DIRECT|buffered), host cache "
+     "M pages (.. GB)", "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages "
+     "(%.3g GB)%s", "flashmemory/offload/disk/__init__.py"),
+]
+
+
+@pytest.mark.parametrize("page,quoted,fmt,source", LOG_LINES)
+def test_quoted_startup_lines_are_the_ones_logged(page: str, quoted: str, fmt: str, source: str) -> None:
+    assert " ".join(quoted.split()) in " ".join((ROOT / page).read_text().split()), (page, quoted)
+    joined = re.sub(r'"\s*\n\s*"', "", (ROOT / source).read_text())   # adjacent string literals, as Python joins them
+    assert fmt in joined, (source, fmt)
