@@ -187,6 +187,20 @@ def _swapin(decode_url: str) -> dict[str, float]:
             if k.endswith("_total")}
 
 
+def test_stack_servers_listen_on_loopback_by_default(stacks):
+    """Every port `flashmemory serve` binds through the launch scripts' HOST (P, D and router HTTP, P's bootstrap
+    server) listens on 127.0.0.1 only, read from the running processes' sockets (/proc). sglang's internal
+    listeners (torch.distributed's store, PD transfer engines) are not chosen by HOST: docs/serving.md."""
+    from urllib.parse import urlparse
+
+    from tests.docs.listening import is_loopback, listening
+    for name, cli in stacks.items():
+        ports = listening(set(_pgid_members(cli.pgids())))
+        for url in (cli.ready["router"], cli.ready["prefill"], cli.ready["decode"]):
+            port = urlparse(url).port
+            assert ports.get(port) and all(is_loopback(a) for a in ports[port]), (name, url, ports.get(port))
+
+
 def test_hisparse_decodes_stock_tokens_with_counted_swapins(stacks, stock):
     assert HISPARSE_PROMPT_LEN // 4 > HISPARSE_HOT
     rng = random.Random(19)
