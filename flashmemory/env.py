@@ -141,6 +141,30 @@ def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = 
     return FaultSpec(fields["hook"], fields["rid"], int(rank) if rank is not None else None)
 
 
+LEVEL1_DELAY = "FLASHMEMORY_LEVEL1_DELAY"
+
+
+@dataclass(frozen=True)
+class DelaySpec:
+    """FLASHMEMORY_LEVEL1_DELAY="ms=<milliseconds>[,rank=<n>]": test only. The Level-1 worker sleeps that long after
+    scoring each request (on rank `n` only, when given): a worker late by a chosen amount on one rank."""
+
+    seconds: float
+    rank: int | None = None
+
+
+def level1_delay(env: Mapping[str, str] | None = None) -> DelaySpec | None:
+    """Parse FLASHMEMORY_LEVEL1_DELAY (None when unset or empty); a malformed value is an EnvError naming it."""
+    raw = ((os.environ if env is None else env).get(LEVEL1_DELAY) or "").strip()
+    if not raw:
+        return None
+    fields = dict(part.strip().partition("=")[::2] for part in raw.split(","))
+    if set(fields) - {"ms", "rank"} or not fields.get("ms", "").isdigit() \
+            or not fields.get("rank", "0").isdigit() or int(fields["ms"]) > 60_000:
+        raise EnvError(f"{LEVEL1_DELAY}={raw!r}: expected 'ms=<0..60000>[,rank=<n>]'")
+    return DelaySpec(int(fields["ms"]) / 1000, int(fields["rank"]) if "rank" in fields else None)
+
+
 def set_defaults(values: Mapping[str, str], env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set each variable of `values` that is not set yet (in `env`, default the process environment, which sglang
     reads); returns {name: value} for those already set to something else (the user's choice wins)."""

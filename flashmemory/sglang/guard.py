@@ -51,6 +51,7 @@ import functools
 import logging
 import re
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -272,8 +273,11 @@ class Guard:
 
     def watch_scores(self, adapter: OffloadAdapter) -> None:
         """Non-finite Level-1 scores for a row raise `RequestFailure(rid, "level1", ...)` instead of steering its
-        residency with NaN (through `OffloadAdapter.check_level1_scores`). Idempotent."""
-        adapter.check_level1_scores(_refuse_non_finite)
+        residency with NaN (through `OffloadAdapter.check_level1_scores`). Idempotent. With the test-only
+        FLASHMEMORY_LEVEL1_DELAY the check first sleeps on the rank it names (a late Level-1 worker)."""
+        from flashmemory.env import level1_delay
+        delay = level1_delay()
+        adapter.check_level1_scores(_refuse_non_finite if delay is None else functools.partial(_late, delay))
 
     def forget_all(self) -> None:
         """Nothing runs any more (the server is idle): every recorded failure is settled."""
@@ -320,6 +324,14 @@ def _refuse_non_finite(rid: str, scores: Any) -> None:
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
         raise RequestFailure(rid, "level1", f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks")
+
+
+def _late(delay: Any, rid: str, scores: Any) -> None:
+    """`_refuse_non_finite` after `delay.seconds` of sleep on rank `delay.rank` (every rank when None)."""
+    from flashmemory.offload.tiered_mirror import dist_rank
+    if delay.rank is None or delay.rank == dist_rank():
+        time.sleep(delay.seconds)
+    _refuse_non_finite(rid, scores)
 
 
 def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None = None) -> Callable:

@@ -87,3 +87,22 @@ def test_one_rank_shares_nothing() -> None:
     g.fail("x", "before_forward", "r")
     g.share()
     assert g.unshared == [] and list(g.failed) == ["x"]
+
+
+def test_test_only_knobs_name_a_rank() -> None:
+    from flashmemory.env import EnvError, fault_inject, level1_delay
+    assert fault_inject({"FLASHMEMORY_FAULT_INJECT": INJECT}).rank == 1
+    assert fault_inject({"FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=x"}).rank is None
+    with pytest.raises(EnvError, match="FLASHMEMORY_FAULT_INJECT.*rank must be"):
+        fault_inject({"FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=x,rank=one"})
+    d = level1_delay({"FLASHMEMORY_LEVEL1_DELAY": "ms=250,rank=1"})
+    assert (d.seconds, d.rank) == (0.25, 1) and level1_delay({}) is None
+    with pytest.raises(EnvError, match="FLASHMEMORY_LEVEL1_DELAY"):
+        level1_delay({"FLASHMEMORY_LEVEL1_DELAY": "seconds=1"})
+
+
+def test_the_injector_fires_on_its_rank_only() -> None:
+    for rank, fires in ((0, False), (1, True)):
+        g = Guard(stop=lambda m: None, hook_names=("before_forward",), exchange=lambda mine: [], rank=rank)
+        g.configure({"FLASHMEMORY_FAULT_INJECT": INJECT})
+        assert (g.inject is not None) == fires
