@@ -99,3 +99,49 @@ def test_quoted_startup_lines_are_the_ones_logged(page: str, quoted: str, fmt: s
     assert " ".join(quoted.split()) in " ".join((ROOT / page).read_text().split()), (page, quoted)
     joined = re.sub(r'"\s*\n\s*"', "", (ROOT / source).read_text())   # adjacent string literals, as Python joins them
     assert fmt in joined, (source, fmt)
+
+
+def _decode_env(device: str) -> dict[str, str]:
+    """The variables `launch_decode.sh` exports (its DRY_RUN ENV lines) for DEVICE=device."""
+    import os
+    import shlex
+    import subprocess
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY")) and k not in
+            ("KMAX", "CKPT", "INTERVAL", "SCORE_RESIDENT", "INDEX_K_OFFLOAD", "CUDA_GRAPH", "DEVICE", "MODEL")}
+    p = subprocess.run(["bash", str(ROOT / "launch_decode.sh")], env={**base, "DRY_RUN": "1", "DEVICE": device},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return {k: (shlex.split(v) or [""])[0] for k, v in
+            (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))}
+
+
+def knob_mismatches(readme: str, envs: dict[str, dict[str, str]]) -> list[tuple[str, str, str, str]]:
+    """(variable, device, value launch_decode.sh sets, value the README states) for each row of the README's knob
+    table that disagrees; a variable the script does not set keeps flashmemory/env_doc.py's default."""
+    from flashmemory.env_doc import ENV_DOC
+    section = readme.split("## Knobs", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Z0-9_]+)`[^|]*\| ([^|]+) \|", section, flags=re.M)
+    assert len(rows) >= 8, rows
+    bad = []
+    for var, cell in rows:
+        stated = ["" if part.strip() == "empty" else part.strip().strip("`") for part in cell.split(" / ")]
+        for device, want in (("cuda", stated[0]), ("cpu", stated[-1])):
+            got = envs[device].get(var, ENV_DOC[var][0])
+            if not (got == want or (want and got.endswith("/" + want))):
+                bad.append((var, device, got, want))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def decode_envs() -> dict[str, dict[str, str]]:
+    return {d: _decode_env(d) for d in ("cuda", "cpu")}
+
+
+def test_readme_knob_defaults_are_what_launch_decode_sets(readme: str, decode_envs) -> None:
+    assert knob_mismatches(readme, decode_envs) == []
+
+
+def test_a_stale_knob_default_is_caught(readme: str, decode_envs) -> None:
+    bad = readme.replace("| `96` / `16` |", "| `96` / `8` |")
+    assert bad != readme
+    assert knob_mismatches(bad, decode_envs) == [("SGLANG_PATHP_PAGE_KMAX", "cpu", "16", "8")]
