@@ -35,6 +35,8 @@ def test_single_needle_at_1024_tokens_and_masking_its_chunks(engine):
         assert len(d.ids) >= 1000
         logits = engine.forward(d.ids).logits
         pred = logits[d.n_prompt - 1:len(d.ids) - 1].argmax(-1).tolist()
+        # Tokens against the document, not two computations: every target beats its runner-up by >= 3.9 logits
+        # here, far beyond what rounding or a flipped near-tied indexer pick moves, so this holds on any machine.
         assert pred == d.ids[d.n_prompt:], "Full attention reproduces the needle's number"
         mask = torch.ones(len(d.ids) // 4, dtype=torch.bool)
         mask[evidence_entries(d.spans[0])] = False
