@@ -4,6 +4,7 @@ form the other commands use."""
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_every_help_renders_as_text() -> None:
     for chain, p in all_parsers(build_parser()):
         text = p.format_help()
         assert "'option_strings'" not in text and "{'" not in text, f"`{chain} --help` prints a raw dict"
+        assert not re.search(r"\b[Ii]ssues? \d+", text), f"`{chain} --help` names a project issue"
         seen += 1
     assert seen > 20
 

@@ -33,6 +33,12 @@ def test_page_names_only_what_exists(page: str, project: Project) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_page_describes_the_project_not_its_history(page: str) -> None:
+    """No project issue numbers: a page says what the project is and does, not how it got there."""
+    assert not re.findall(r"\b[Ii]ssues? \d+", (ROOT / page).read_text())
+
+
 def test_readme_is_a_short_guide(readme: str) -> None:
     lines = readme.splitlines()
     assert len(lines) <= 250, len(lines)
