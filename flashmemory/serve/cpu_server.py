@@ -141,10 +141,12 @@ class CpuServer:
         return self.post("/generate", body, timeout_s)
 
     def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM the whole process group, SIGKILL whatever is left after timeout_s."""
+        """SIGTERM the whole process group, SIGKILL whatever is left after timeout_s; then remove the shared-memory
+        message queues (`/dev/shm/sgl_shm_mq_<pid>_*`, sglang's TP broadcast queue) that its processes left."""
         if self.proc is None:
             return
         pgid = self.proc.pid
+        pids = {pgid, *self.leftovers()}
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
@@ -164,6 +166,7 @@ class CpuServer:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        remove_shm_queues(pids)
 
     def leftovers(self) -> list[int]:
         """Pids of live processes started by this server (found by the marker in their environment)."""
@@ -174,6 +177,23 @@ class CpuServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_shm_queues(pids: set[int], shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove `sgl_shm_mq_<pid>_*` segments of the given (stopped) processes: sglang unlinks its TP message queue
+    only on a clean exit. Returns the names removed; segments of other processes are never touched."""
+    gone = []
+    for pid in sorted(pids):
+        for seg in shm_dir.glob(f"sgl_shm_mq_{int(pid)}_*"):
+            try:
+                seg.unlink()
+                gone.append(seg.name)
+            except OSError:
+                continue
+    return gone
 
 
 def marked_processes(server_id: str) -> list[int]:
