@@ -129,9 +129,13 @@ class Runtime:
         self.counters[name] = self.counters.get(name, 0) + 1
 
     def write_diagnostics(self) -> None:
-        """Write counters, buffer shapes and engine stats as JSON to $FLASHMEMORY_STATS_FILE (atomic), if set."""
+        """Write counters, buffer shapes and engine stats as JSON to $FLASHMEMORY_STATS_FILE (atomic), if set; rank
+        r > 0 of a distributed server writes `<file>.rank<r>` (each rank's engine is its own)."""
         if not self.diag_path:
             return
+        from flashmemory.offload.tiered_mirror import dist_rank
+        rank = dist_rank()
+        path = self.diag_path + (f".rank{rank}" if rank else "")
         d: dict[str, Any] = {"features": list(self.features), "decode_forwards": self.steps, **self.counters,
                              "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None}
         if self.engine is not None:
@@ -139,10 +143,10 @@ class Runtime:
             d["mode"] = self.engine.mode
         weights = next(iter(self.retriever.parameters()), None) if self.retriever is not None else None
         d["retriever_device"] = str(weights.device) if weights is not None else None
-        tmp = f"{self.diag_path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(d, f)
-        os.replace(tmp, self.diag_path)
+        os.replace(tmp, path)
 
     def configure(self, env: FlashMemoryEnv, features: tuple[str, ...], retriever: Any = None) -> None:
         self.env, self.features, self.retriever = env, features, retriever
