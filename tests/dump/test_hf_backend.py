@@ -7,7 +7,7 @@ import torch
 
 from flashmemory.dump import list_docs, load_doc, read_metadata
 from flashmemory.dump.cli import main
-from tests.labels.brute import brute_golden
+from tests.labels.brute import assert_rows_agree, brute_golden, brute_margins
 
 EX = "data_generation/example_data/tiny_chat.jsonl"
 
@@ -35,8 +35,10 @@ def test_micro_dump_matches_brute_force(dumped):
         assert doc.positions[2].tolist() == list(range(P, P + T))
         assert torch.equal(doc.input_ids[:P], torch.tensor(eng_prompt(eng, m, P)))
         cap = eng.forward(doc.input_ids)
-        want = brute_golden([cap.index_logits[c][P:P + T] for c in range(eng.n_c4_layers)], eng.index_topk, 0.6, 2)
-        assert doc.labels.to_rows() == want
+        layers = [cap.index_logits[c][P:P + T] for c in range(eng.n_c4_layers)]
+        want = brute_golden(layers, eng.index_topk, 0.6, 2)
+        # The dump's label code and the brute force: two softmax / cumsum implementations, rows differ only at a near-tie.
+        assert_rows_agree(doc.labels.to_rows(), want, brute_margins(layers, eng.index_topk, 0.6))
         assert m["n_total_labels"] == sum(len(r) for r in want) > 0
         for L in doc.target_layers:
             torch.testing.assert_close(doc.hidden[L], cap.hidden[L][P:P + T].bfloat16().float())
