@@ -37,7 +37,7 @@ def test_micro_dump_matches_brute_force(dumped):
         cap = eng.forward(doc.input_ids)
         layers = [cap.index_logits[c][P:P + T] for c in range(eng.n_c4_layers)]
         want = brute_golden(layers, eng.index_topk, 0.6, 2)
-        # The dump's label code and the brute force: two softmax / cumsum implementations, rows differ only at a near-tie.
+        # The dump's label code vs the brute force: two softmax / cumsum implementations; rows differ only at near-ties.
         assert_rows_agree(doc.labels.to_rows(), want, brute_margins(layers, eng.index_topk, 0.6))
         assert m["n_total_labels"] == sum(len(r) for r in want) > 0
         for L in doc.target_layers:
