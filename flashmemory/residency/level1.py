@@ -91,6 +91,13 @@ def retriever_scorer(retriever, engine: OffloadEngine, ensemble: str = "or") -> 
     return score
 
 
+class AllPass:
+    """Level-1 scorer without a retriever: every chunk passes, so the policy keeps the newest KMAX pages."""
+
+    def __call__(self, row: int, n_hist: int, hidden: object, position: torch.Tensor) -> torch.Tensor:
+        return torch.ones(n_hist)
+
+
 def page_priority(scores: torch.Tensor, n_hist: int, pages: torch.Tensor, page_chunks: int, last_keep: int) -> list[float]:
     """Priority of each page: +inf inside the recency tail, else the page's best chunk score."""
     n_pages = -(-n_hist // page_chunks)
@@ -137,6 +144,15 @@ class Level1:
                     raise RuntimeError("Level-1 cycle failed") from late
         self._raise()
         return self._submit(rows, hidden, positions)
+
+    def tick(self) -> None:
+        """A decode step with no row for Level 1: in lockstep the clock still advances (every rank counts every
+        decode step alike, whatever its rows) and the cycles due now publish; otherwise nothing happens."""
+        if self.cfg.publish_lag:
+            self._tick += 1
+            late = self._publish_due(self._tick)
+            if late is not None:
+                raise RuntimeError("Level-1 cycle failed") from late
 
     def _submit(self, rows: Sequence[int], hidden: Mapping[int, torch.Tensor], positions: torch.Tensor) -> list[int]:
         """Advance each row's cadence and queue the due rows' cycle (see `on_step`)."""

@@ -344,19 +344,21 @@ class OffloadAdapter:
         n = rows.numel()
         if "positions" in snapshot:
             n = min(n, snapshot["positions"].shape[0])
-        if n and bool((rows[:n] >= 0).any()):
-            hidden: dict[Any, torch.Tensor] = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers
-                                               if f"hidden_{l}" in snapshot}
-            hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
-                           if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
-            positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
-            try:
+        try:
+            if n and bool((rows[:n] >= 0).any()):
+                hidden: dict[Any, torch.Tensor] = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers
+                                                   if f"hidden_{l}" in snapshot}
+                hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
+                               if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
+                positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
                 self.l1.on_step(rows[:n].tolist(), hidden, positions)
-            except Exception as e:
-                bad = corrupt_page_in(e)
-                if bad is None or self.make_failure is None:
-                    raise
-                raise self.make_failure(bad.rid, "level1", str(bad)) from e   # the guard fails that request alone
+            else:
+                self.l1.tick()   # lockstep (TP): this step counts on every rank, rows or not
+        except Exception as e:
+            bad = corrupt_page_in(e)
+            if bad is None or self.make_failure is None:
+                raise
+            raise self.make_failure(bad.rid, "level1", str(bad)) from e   # the guard fails that request alone
         return {"pages": self.resident_pages(rows)}
 
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:

@@ -138,3 +138,18 @@ def test_serving_config_publishes_in_lockstep_under_tensor_parallelism():
     assert core_config(env, geo, tp_size=2).level1.publish_lag == TP_PUBLISH_LAG == 2
     one = FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_INTERVAL": "1", "SGLANG_RETRIEVER_INLINE_LAYERS": "1"})
     assert core_config(one, geo, tp_size=8).level1.publish_lag == 1   # never beyond tau: no cycle is skipped
+
+
+def test_a_step_without_rows_still_counts():
+    """A rank whose batch has no Level-1 row at some step (its request failed there first) keeps the same clock."""
+    (e0, l0, _), (e1, l1, _) = (rank(Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2,
+                                                  async_recall=False), gated=False) for _ in range(2))
+    hid, pos = {1: torch.full((2, 8), 3.0)}, torch.tensor([30, 30])
+    seen = []
+    for step in range(4):
+        l0.on_step(list(ROWS), hid, pos) if step == 0 else l0.on_step([-1, -1], hid, pos)
+        l1.on_step(list(ROWS), hid, pos) if step == 0 else l1.tick()
+        seen.append((resident(e0), resident(e1)))
+    assert all(a == b for a, b in seen) and seen[1] != seen[2]   # published at the third call on both
+    l0.close()
+    l1.close()
