@@ -6,6 +6,8 @@ import argparse
 import importlib
 import importlib.util
 
+from flashmemory.bench.guard import guard_numbers
+
 BENCHES = {
     "scorer": ("flashmemory.bench.scorer", "Level-1 scoring throughput vs the matmul ceiling and the native indexer"),
     "labels": ("flashmemory.bench.labels", "golden-label construction vs a per-layer, per-token Python loop"),
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         bp = bsub.add_parser(name, help=help_.replace("%", "%%"), description=help_)
         m = importlib.import_module(mod)
         m.add_args(bp)
+        guard_numbers(bp)   # every int / float flag: a whole / finite number in range, or argparse's one line
         bp.set_defaults(func=m.run)
     ap = bsub.add_parser("all", help="run every benchmark in turn")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -49,5 +52,6 @@ def _run_all(args: argparse.Namespace) -> int:
         m = importlib.import_module(mod)
         p = argparse.ArgumentParser()
         m.add_args(p)
+        guard_numbers(p)
         rc |= int(m.run(p.parse_args(["--quick"] if args.quick else [])) or 0)
     return rc

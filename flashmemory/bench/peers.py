@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 
 from flashmemory.atomic import atomic_write_text
-from flashmemory.bench.peers_costs import (ARM_NAMES, ARMS, Knobs, PeersArgError, check_args,
+from flashmemory.bench.guard import require_memory
+from flashmemory.bench.peers_costs import (ARM_NAMES, ARMS, MAX_CONTEXT, Knobs, PeersArgError, check_args,
                                            check_hot_buffer, decode_step_ms, delta, pool_tokens,
                                            device_bytes, parse_contexts, per_token_costs, shape_from_config, spread,
                                            steady_failures, tokens_equal)
 from flashmemory.bench.peers_report import plain, summarize
 from flashmemory.bench.serve import summarize as timing
+from flashmemory.errors import UserError, fail
 from flashmemory.serve.client import flashmemory_metrics
 from flashmemory.serve.procs import ServerStartError
 
@@ -108,8 +110,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         ctxs, requests, repeats, steady = _settings(args)
         check_args(requests, repeats, args.kmax, steady)
-        if args.tokens < steady + 1:
-            raise PeersArgError(f"--tokens {args.tokens}: must exceed --steady-tokens ({steady})")
+        if not steady + 1 <= args.tokens <= MAX_CONTEXT:
+            raise PeersArgError(f"--tokens {args.tokens}: must exceed --steady-tokens ({steady}) and be at most "
+                                f"{MAX_CONTEXT:,}")
+        # the prompts are built as Python lists before any server starts: about 36 B per token id
+        require_memory(36 * requests * sum(ctxs), "bench peers: --contexts x --requests")
         model = ensure_model(Path(args.model) if args.model else DEFAULT_CPU_MODEL)
         cfg = json.loads((model / "config.json").read_text())
         shape = shape_from_config(cfg)
@@ -117,9 +122,8 @@ def run(args: argparse.Namespace) -> int:
         if ctxs[0] // shape.c4_ratio <= args.hisparse_buffer:
             print(f"note: context {ctxs[0]} has {ctxs[0] // shape.c4_ratio} c4 entries, not more than the "
                   f"{args.hisparse_buffer}-slot hot buffer: HiSparse swaps in only its first step there", flush=True)
-    except PeersArgError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return fail("bench peers", e)
     ckpt = str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt
     knobs = Knobs(kmax=args.kmax, interval=INTERVAL, retriever_layers=2, hot_buffer=args.hisparse_buffer)
     # an upper bound only: each stream stops `steady` tokens after all requests decode. It must outlast the
@@ -144,8 +148,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         servers, stacks = start_all(setups, logs)
     except (ServerStartError, RuntimeError, OSError) as e:
-        print(f"error: {str(e).splitlines()[0]} (logs {logs})", file=sys.stderr)
-        return 1
+        return fail("bench peers", f"{str(e).splitlines()[0]} (logs {logs})", 1)
     rounds, outs = [], {}
     settings = {"contexts": ctxs, "requests": requests, "repeats": repeats, "steady_tokens": steady,
                 "kmax": args.kmax, "hisparse_buffer": args.hisparse_buffer, "interval": INTERVAL,
@@ -173,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"    steady {rec['steady_tok_s']:.2f} tok/s over {rec['steady_window_s']:.1f} s, "
                           f"{rec['tokens']} decode tokens, tokens = stock {eq}/{cmp}", flush=True)
     except (RuntimeError, OSError) as e:
-        print(f"error: {e} (logs {logs})", file=sys.stderr)
-        return 1
+        return fail("bench peers", f"{' '.join(str(e).splitlines())} (logs {logs})", 1)
     finally:
         left = stop_all(servers)
         if left:
@@ -187,5 +189,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     bad = steady_failures(rounds)
     for line in bad:
-        print(f"error: {line}", file=sys.stderr)
+        fail("bench peers", line, 1)
     return 1 if bad else 0

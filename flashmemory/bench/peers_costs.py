@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from flashmemory.errors import UserError
+
 ARMS = ("stock", "hisparse", "flashmemory", "fm_monitor")
 ARM_NAMES = {"stock": "stock", "hisparse": "HiSparse", "flashmemory": "FlashMemory",
              "fm_monitor": "FlashMemory+monitor"}
@@ -23,8 +25,12 @@ HS = "flashmemory_hisparse_swapin_"
 FM = "flashmemory_"
 
 
-class PeersArgError(ValueError):
+class PeersArgError(UserError):
     """A bad command-line value; the message is one line naming the flag."""
+
+
+MAX_CONTEXT = 1 << 20   # prompt tokens: the longest context the served model's RoPE table is built for
+MAX_REQUESTS = 256      # concurrent requests per round (a CPU stack holds a handful)
 
 
 @dataclass(frozen=True)
@@ -61,20 +67,22 @@ class Knobs:
 def parse_contexts(text: str) -> list[int]:
     """'2048,4096' -> [2048, 4096]: positive, increasing, no repeats; PeersArgError (one line) otherwise."""
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",")]   # an empty entry ('2048,,4096') is an error too
     except ValueError:
         raise PeersArgError(f"--contexts {text!r}: expected comma-separated integers, e.g. 2048,4096") from None
     if not out or any(c < 64 for c in out) or out != sorted(set(out)):
         raise PeersArgError(f"--contexts {text!r}: expected increasing prompt lengths of at least 64 tokens")
+    if out[-1] > MAX_CONTEXT:
+        raise PeersArgError(f"--contexts {text!r}: {out[-1]:,} tokens is more than {MAX_CONTEXT:,}")
     return out
 
 
 def check_args(requests: int, repeats: int, kmax: int, steady_tokens: int) -> None:
     """Raise PeersArgError naming the first bad flag."""
-    for flag, v, lo in (("--requests", requests, 1), ("--repeats", repeats, 1), ("--kmax", kmax, 1),
-                        ("--steady-tokens", steady_tokens, 2)):
-        if v < lo:
-            raise PeersArgError(f"{flag} {v}: must be at least {lo}")
+    for flag, v, lo, hi in (("--requests", requests, 1, MAX_REQUESTS), ("--repeats", repeats, 1, 1000),
+                            ("--kmax", kmax, 1, MAX_CONTEXT // 256), ("--steady-tokens", steady_tokens, 2, MAX_CONTEXT)):
+        if not lo <= v <= hi:
+            raise PeersArgError(f"{flag} {v}: must lie in [{lo}, {hi:,}]")
 
 
 SWA_RATIO = 0.1   # sglang sets --swa-full-tokens-ratio 0.1 for DeepseekV4ForCausalLM (D's log: "Setting ...")

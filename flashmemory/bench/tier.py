@@ -15,6 +15,10 @@
 A page is the real DeepSeek-V4-Flash disk page (all c4 layers' KV rows + Path-I index-K rows, 938,304 B) unless
 `--layers` says otherwise. The store lives in `--dir` (default: a temp dir, removed after); O_DIRECT is used where
 the filesystem allows, otherwise the OS page cache is dropped (fsync + POSIX_FADV_DONTNEED) before each read.
+
+Before any allocation the host memory (`planned_bytes`) and the disk space the run needs are checked against what
+is available; a page the store could not take (a full disk) stops the run with one line naming --dir instead of
+timing host memory as if it were the disk.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from flashmemory.bench.guard import require_disk, require_memory
 from flashmemory.errors import UserError
 from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
@@ -93,6 +98,23 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("bench tier: --context must be >= 4 tokens (one c4 chunk)")
     if args.dir and not os.path.isdir(args.dir):
         raise UserError(f"bench tier: --dir {args.dir!r} is not an existing directory")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        raise UserError(f"bench tier: --device {args.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"bench tier: --device {args.device}: no CUDA device here (use --device cpu)")
+
+
+def planned_bytes(args: argparse.Namespace) -> dict[str, int]:
+    """What `measure` will allocate: `host` bytes of host memory (the source pages, the staging copy, the host page
+    cache and, on CPU, the reserve) and `disk` bytes of page store, from --pages x max(--conc) pages of
+    --layers' page size."""
+    lay = OffloadLayout(n_layers=args.layers, target_layers=(args.layers - 3, args.layers - 2, args.layers - 1))
+    pb = disk_page_bytes(lay)
+    n = args.pages * max(args.conc)
+    copies = 3 + (torch.device(args.device).type == "cpu")
+    return {"host": copies * n * pb, "disk": (n + 8) * (pb + 8192)}
 
 
 def mirror_dram(layout: OffloadLayout, context: int, conc: int) -> dict[str, int]:
@@ -121,7 +143,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     staging = torch.empty((n, pb), dtype=torch.uint8, pin_memory=pin)
     reserve = torch.empty((n, pb), dtype=torch.uint8, device=dev)
     hnp, snp = host.numpy(), staging.numpy()
-    store = PageStore(d, (n + 8) * (pb + 8192), pb, direct=not args.no_direct, what="--dir")
+    store = PageStore(d, (n + 8) * (pb + 8192), pb, direct=not args.no_direct, what="--dir",
+                      size_what="--pages x --conc")
     cache = HostPageCache(store, (n + 1) * pb, readers=args.readers)
     out: dict[str, Any] = {"page_bytes": pb, "pages_per_request": k, "readers": args.readers, "dir": d,
                            "filesystem": _fs_type(d), "o_direct": store.direct, "fallback": store.fallback_reason,
@@ -131,6 +154,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(n):
             cache.put(f"req{i // k}", i % k, memoryview(hnp[i]))
         cache.flush()
+        if cache.pinned_pages or cache.counters.write_errors:
+            raise UserError(f"bench tier: --dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
+                            f"page store ({cache.counters.write_errors} write errors: disk full or failing); the "
+                            "timings would measure host memory, not the disk")
         if not store.direct:
             os.fsync(store.fd)
         out["write_gbps"] = n * pb / (time.perf_counter() - t) / 1e9
@@ -217,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
     args.conc = args.conc or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
     args.reps = args.reps or (1 if args.quick else 3)
     _check(args)
+    need = planned_bytes(args)
+    require_memory(need["host"], "bench tier: --pages x --conc x the page size of --layers")
+    require_disk(args.dir or tempfile.gettempdir(), need["disk"], "bench tier: --dir")
     r = measure(args)
     report(r)
     if args.json:

@@ -145,7 +145,7 @@ def test_run_bad_args_one_line_exit_2(argv, flag, capsys):
     peers.add_args(p)
     assert peers.run(p.parse_args(argv)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: {flag}")
+    assert err.count("\n") == 1 and err.startswith(f"flashmemory bench peers: error: {flag}")
 
 
 def test_run_tokens_below_steady_one_line_exit_2(capsys):
@@ -153,7 +153,7 @@ def test_run_tokens_below_steady_one_line_exit_2(capsys):
     peers.add_args(p)
     assert peers.run(p.parse_args(["--tokens", "8", "--steady-tokens", "8"])) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: --tokens 8")
+    assert err.count("\n") == 1 and err.startswith("flashmemory bench peers: error: --tokens 8")
 
 
 def test_curve_diverges_with_history():
