@@ -90,6 +90,18 @@ class _BatchView:
     rids: list[str]
     seq_lens: Any
 
+    @property
+    def seq_lens_cpu(self) -> Any:
+        """sglang's host copy of the lengths with the failed rows at 0 as well (None where the batch has none)."""
+        cpu = getattr(self.batch, "seq_lens_cpu", None)
+        if cpu is None:
+            return None
+        cpu = cpu.clone()
+        for i, r in enumerate(self.rids[: cpu.shape[0]]):
+            if r.startswith(FAILED_PREFIX):
+                cpu[i] = 0
+        return cpu
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.batch, name)
 

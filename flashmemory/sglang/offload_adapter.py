@@ -28,19 +28,12 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
-from flashmemory.residency.level1 import Level1, retriever_scorer
+from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.sglang.core_config import core_config, serving_tp_size
 from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
-
-
-class AllPass:
-    """Level-1 scorer without a retriever: every chunk passes, so the policy keeps the newest KMAX pages."""
-
-    def __call__(self, row: int, n_hist: int, hidden: Any, position: torch.Tensor) -> torch.Tensor:
-        return torch.ones(n_hist)
 
 
 class OffloadAdapter:
@@ -257,10 +250,13 @@ class OffloadAdapter:
             row = self.rows.pop(rid)
             finished.append(row)
             self._unmap(row)
-        pt = page_table.cpu().long()
         pc, rows, syncs = self.geo.page_chunks, [], []
+        # D2H only when a row is new or opens a page: else its known pages (sglang never moves a running request's)
+        known = [self.pages.get(self.rows[r], []) if r in self.rows else None for r in rids]
+        pt = page_table.cpu().long().tolist() if any(
+            k is None or -(-int(a) // pc) > len(k) for k, a in zip(known, after.tolist())) else None
         for b, rid in enumerate(rids):
-            pages = pt[b, :-(-int(after[b]) // pc)].tolist()
+            pages = (pt[b] if pt is not None else known[b])[:-(-int(after[b]) // pc)]
             row, adm = self.rows.get(rid), None
             if row is None and int(before[b]) >= 1:
                 row = self._free_row()
@@ -274,7 +270,7 @@ class OffloadAdapter:
         rounds, round_locs = [], []
         for k in range(max([int(after[b]) - self.hist[r] for b, r in enumerate(rows) if r >= 0], default=0)):
             lag = [(b, r, self.hist[r] + k) for b, r in enumerate(rows) if r >= 0 and self.hist[r] + k < int(after[b])]
-            locs = torch.tensor([int(pt[b, n // pc]) * pc + n % pc for b, _, n in lag], dtype=torch.int64)
+            locs = torch.tensor([self.pages[r][n // pc] * pc + n % pc for _, r, n in lag], dtype=torch.int64)
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
         res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds)))

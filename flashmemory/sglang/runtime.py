@@ -42,6 +42,22 @@ def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever
     return adapter_factory.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
 
 
+def host_seq_lens(forward_batch: Any, rids: list[str]) -> torch.Tensor:
+    """Int64 [len(rids)] token lengths of the batch's rows on the host: sglang's own host copy `seq_lens_cpu`
+    (kept by `prepare_for_decode`, no device sync; the guard's view zeroes its failed rows there too); one D2H
+    copy only where the batch has no host copy.
+
+    Host syncs left on the decode thread per step, each needed because the host mirror or the core's host
+    bookkeeping must hold device values: the pool page table (`OffloadAdapter.begin_step`, only on steps where a
+    row is admitted or opens a page); in copy mode, the pool bytes of the chunks a step closes (`_append_round`)
+    and their re-read after the forward (`settle_before_step`); in shrink mode the reserve -> mirror settle;
+    the side band's freshness check (first forward of each batch size). Counted in tests/sglang/test_host_syncs.py."""
+    cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    if cpu is None or cpu.shape[0] < len(rids):
+        return forward_batch.seq_lens[: len(rids)].cpu()
+    return cpu[: len(rids)].long()
+
+
 def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                   page_size: int) -> torch.Tensor:
     """Int64 [B, P] c4 pool pages of each row: c4 page k holds the c4 entries of full-KV page k (slot = loc // 4,
@@ -305,7 +321,7 @@ class Runtime:
         if self.engine is None or not decode or req_to_token is None:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])
-        seq = forward_batch.seq_lens[: len(rids)]
+        seq = host_seq_lens(forward_batch, rids)
         table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
         rows = self.engine.begin_step(rids, table, seq)
         if rids:
@@ -326,7 +342,7 @@ class Runtime:
         if self.engine is None or not forward_batch.forward_mode.is_decode():
             return []
         rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
-        return self.engine.admission_refusals(rids, forward_batch.seq_lens[: len(rids)]) if rids else []
+        return self.engine.admission_refusals(rids, host_seq_lens(forward_batch, rids)) if rids else []
 
     def after_decode_forward(self, forward_batch: Any) -> None:
         """Hand the step to Level 1 (its own cadence, worker thread and generation checks), export stats.

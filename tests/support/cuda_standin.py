@@ -234,3 +234,50 @@ def install(monkeypatch: Any) -> StandIn:
         monkeypatch.setattr(torch.cuda, name, recorded(name))
     monkeypatch.setattr(streams, "streams_on", lambda device: True)
     return si
+
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor standing for one on the accelerator: results of ops on it stay `DeviceTensor`s, and every read
+    of its values by the host (`SYNC_METHODS`) is counted in `DeviceTensor.syncs` as a host sync and returns a
+    plain tensor / Python value. `.to(device)` is not counted: on CPU the stand-in device and the host are one
+    (`.to("cpu")` as a host read would slip through; the serving path spells host reads `.cpu()`). Made by
+    `on_device` (below)."""
+
+    syncs: list[tuple[str, str, str]] = []   # (thread name, flashmemory function, "file:line code") per host read
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS:
+            import traceback
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/flashmemory/" in f.filename), None)
+            where = f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {name}: {frame.line}" if frame else name
+            cls.syncs.append((threading.current_thread().name, frame.name if frame else "?", where))
+            with torch._C.DisableTorchFunctionSubclass():
+                plain = [a.as_subclass(torch.Tensor) if isinstance(a, torch.Tensor) else a for a in args]
+                return func(*plain, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a `DeviceTensor` (same storage)."""
+    return t.as_subclass(DeviceTensor)
+
+
+FACTORIES = ("full", "zeros", "empty", "ones", "arange", "tensor")
+
+
+def device_factories(monkeypatch: Any) -> None:
+    """For the rest of the test, tensors made with an explicit non-None `device=` (the engine's, the adapter's and
+    the runtime's device tensors) are `DeviceTensor`s; host tensors stay plain."""
+    for name in FACTORIES:
+        orig = getattr(torch, name)
+
+        def make(*a: Any, _o: Any = orig, **k: Any) -> Any:
+            out = _o(*a, **k)
+            return on_device(out) if k.get("device") is not None else out
+        monkeypatch.setattr(torch, name, make)

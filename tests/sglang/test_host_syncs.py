@@ -1,0 +1,82 @@
+"""Host syncs per decode step on the serving path, counted with device-standing tensors (tests/support).
+
+sglang's inputs (seq_lens, req_pool_indices, req_to_token, the pool buffers) and every tensor the adapter, the core
+and the runtime allocate with `device=` are `DeviceTensor`s; each read of their values by the host is a sync a GPU
+would wait for. One steady decode step (no admission, no page boundary, no Level-1 cycle due) is counted on the
+decode thread, through the runtime's hooks as sglang calls them (the guard's admission check, before_forward, the
+forward's per-layer reads, after_decode_forward)."""
+import threading
+import types
+
+import pytest
+import torch
+
+from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.runtime import Runtime
+from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool
+from tests.support.cuda_standin import DeviceTensor, device_factories, on_device
+
+pytestmark = pytest.mark.sglang
+REQS = {"a": [5, 2, 9, 7], "b": [0, 1, 3, 4]}
+SEQ0 = 3 * PAGE + 100                      # 868 tokens, 217 c4 chunks: 4 pages
+
+
+def _batch(seqs):
+    mode = types.SimpleNamespace(is_decode=lambda: True, is_idle=lambda: False)
+    s = torch.tensor(seqs)
+    return types.SimpleNamespace(forward_mode=mode, rids=list(REQS), seq_lens=on_device(s), seq_lens_cpu=s,
+                                 req_pool_indices=on_device(torch.tensor([1, 2])))
+
+
+# Copy mode's pool -> host-mirror copies of the c4 chunks a step closes (read at the step that closes them and
+# again after that forward): bytes the host mirror must hold, so they are read by the host.
+MIRROR_COPIES = {"read_chunk_rows", "_copy_from_pool"}
+
+
+def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
+    device_factories(monkeypatch)
+    pool = fake_pool(7)
+    pool.c4_kv_pool.kv_buffer = [on_device(t) for t in pool.c4_kv_pool.kv_buffer]
+    pool.c4_indexer_kv_pool.index_k_with_scale_buffer = [on_device(t) for t in
+                                                         pool.c4_indexer_kv_pool.index_k_with_scale_buffer]
+    adapter = build(pool, env("", async_recall=True, interval=64), shrink=False)
+    rt = Runtime()
+    rt.engine, rt.pool, rt.env, rt.diag_path = adapter, pool, adapter.env, ""
+    r2t = torch.full((3, 4 * PAGE), -1, dtype=torch.int64)
+    for i, pages in enumerate(REQS.values()):
+        r2t[1 + i] = torch.tensor([p * PAGE + j for p in pages for j in range(PAGE)])
+    r2t = on_device(r2t)
+    locs = on_device(torch.tensor([[5 * 64 + 3, -1]]))
+    me = threading.current_thread().name
+    per_step = []
+    try:
+        for step in range(5):          # tokens 869..873: chunk 217 closes at 872 (step 3), settled at step 4
+            fb = _batch([SEQ0 + 1 + step] * 2)
+            DeviceTensor.syncs = []
+            rt.admission_refusals(fb)
+            rt.before_forward(fb, r2t)
+            for layer in range(N_C4):                         # what the hooks run per c4 layer inside the forward
+                adapter.cells_of(locs)
+                adapter.refresh_from_pool(layer, locs[0])
+            rt.after_decode_forward(fb)
+            adapter.l1.wait()
+            per_step.append([s for s in DeviceTensor.syncs if s[0] == me])
+    finally:
+        adapter.close()
+    show = lambda syncs: "\n".join(s[2] for s in syncs)   # noqa: E731
+    assert per_step[0], "the admissions read the histories from the pool: the counter sees nothing?"
+    assert per_step[1] == [] and per_step[2] == [], show(per_step[1] + per_step[2])     # quiet steps: none
+    for syncs in per_step[3:]:                                  # a chunk closes / is settled: mirror copies only
+        assert syncs and {s[1] for s in syncs} <= MIRROR_COPIES, show(syncs)
+
+
+def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
+    from flashmemory.sglang.guard import FAILED_PREFIX, _BatchView
+    from flashmemory.sglang.runtime import host_seq_lens
+    fb = _batch([900, 1000])
+    DeviceTensor.syncs = []
+    assert host_seq_lens(fb, list(REQS)).tolist() == [900, 1000] and DeviceTensor.syncs == []
+    view = _BatchView(fb, [FAILED_PREFIX + "a", "b"], on_device(torch.tensor([0, 1000])))
+    assert host_seq_lens(view, view.rids).tolist() == [0, 1000] and DeviceTensor.syncs == []
+    del fb.seq_lens_cpu                                       # a batch without a host copy: one counted read
+    assert host_seq_lens(fb, list(REQS)).tolist() == [900, 1000] and len(DeviceTensor.syncs) == 1
