@@ -54,8 +54,8 @@ TP_PUBLISH_LAG = 2
 def serving_tp_size() -> int:
     """sglang's tensor-parallel world size in this process (1 outside a server or before its groups exist)."""
     try:
-        from sglang.srt.distributed import get_tensor_model_parallel_world_size
-        return int(get_tensor_model_parallel_world_size())
+        from sglang.srt.distributed.parallel_state import get_tp_group   # the package does not re-export it
+        return int(get_tp_group().world_size)
     except (ImportError, AssertionError, AttributeError, RuntimeError, ValueError):
         return 1
 

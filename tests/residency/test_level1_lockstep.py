@@ -153,3 +153,17 @@ def test_a_step_without_rows_still_counts():
     assert all(a == b for a, b in seen) and seen[1] != seen[2]   # published at the third call on both
     l0.close()
     l1.close()
+
+
+def test_the_serving_edge_reads_sglangs_tp_size(monkeypatch):
+    """`serving_tp_size` asks sglang's TP group (1 outside a server), the size the adapter hands `core_config`."""
+    import types
+    ps = pytest.importorskip("sglang.srt.distributed.parallel_state")
+    from flashmemory.sglang.core_config import serving_tp_size
+    monkeypatch.setattr(ps, "get_tp_group", lambda: types.SimpleNamespace(world_size=2))
+    assert serving_tp_size() == 2
+
+    def no_group():
+        raise AssertionError("tensor model parallel group is not initialized")
+    monkeypatch.setattr(ps, "get_tp_group", no_group)
+    assert serving_tp_size() == 1
