@@ -43,6 +43,40 @@ class ConfineError(OSError):
         return self.strerror or super().__str__()
 
 
+def unusable(path: str | os.PathLike, below: str | os.PathLike) -> str | None:
+    """Why a document cannot be written at `path` (one line naming the component), or None when nothing is wrong
+    that can be seen from outside: a symlink at or below `below` (the server never follows one there), a file
+    where a folder should be, a name too long for its filesystem, or the document's own name taken by a folder.
+    The dump client asks this while it waits for the server's file, so such a directory fails the item at once,
+    in one line, instead of after a timeout."""
+    p = os.path.abspath(os.fspath(path))
+    top = os.path.abspath(os.fspath(below)).rstrip("/") + "/"
+    parts = p.strip("/").split("/")
+    cur = "/"
+    for i, name in enumerate(parts):
+        nxt = os.path.join(cur, name)
+        try:
+            limit = os.pathconf(cur, "PC_NAME_MAX")
+        except OSError:
+            limit = 255
+        if len(os.fsencode(name)) > limit:
+            return f"{nxt}: name too long for the filesystem ({len(os.fsencode(name))} bytes, at most {limit})"
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return None              # not there yet: the server creates it
+        except OSError as e:
+            return f"{nxt}: {e.strerror or e}"
+        if stat.S_ISLNK(st.st_mode) and (nxt + "/").startswith(top):
+            return f"{nxt}: is a symlink (dump writes never follow symlinks below the dump root)"
+        if i == len(parts) - 1:
+            return f"{nxt}: is a folder where the document file should be" if stat.S_ISDIR(st.st_mode) else None
+        if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            return f"{nxt}: is a file where a folder should be"
+        cur = nxt
+    return None
+
+
 def relative_parts(target: str, root: str) -> list[str]:
     """The components of absolute `target` below `root` (lexically: the root as given or its real path).
     ConfineError when `target` is not below the root. No '.', '..' or empty component is returned."""

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from flashmemory.dump.backend import DumpBackendError, DumpConfig, DumpItemError
+from flashmemory.dump.confine import unusable
 from flashmemory.dump.format import FORMAT, DumpDoc, DumpFormatError, load_doc, topk_store_steps
 from flashmemory.dump.inputs import InputItem
 from flashmemory.dump.metadata import DOC_RE
@@ -149,8 +150,13 @@ class SGLangBackend:
             raise DumpItemError(f"unexpected completion response: {str(out)[:300]}") from None
 
     def _wait(self, path: Path) -> None:
+        """Until the server's file is at `path`; DumpItemError at once (one line naming the component) when the
+        directory cannot take it (`confine.unusable`), else after flush_timeout."""
         deadline = time.monotonic() + self.flush_timeout
         while not path.is_file():
+            why = unusable(path, self.staging)
+            if why:
+                raise DumpItemError(f"the server cannot write {path.name}: {why}")
             if time.monotonic() > deadline:
                 raise DumpItemError(f"the server did not write {path} within {self.flush_timeout:.0f} s (is it "
                                     "running in dump mode, SGLANG_FLASHMEMORY_DUMP=1, with this --output-dir under "

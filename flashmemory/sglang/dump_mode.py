@@ -23,15 +23,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashmemory.dump.confine import DocTargets
-from flashmemory.dump.format import DumpDoc, native_topk_rows
+from flashmemory.dump.confine import ConfineError, DocTargets
+from flashmemory.dump.format import DumpDoc, DumpFormatError, native_topk_rows
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest, under_root
 from flashmemory.dump.writer import save_doc_file
 from flashmemory.labels.csr import LabelsCSR
+from flashmemory.errors import describe
 from flashmemory.labels.golden import layer_nucleus
 
 logger = logging.getLogger(__name__)
 DumpRequestError = DumpProtocolError  # one parser, one error type: flashmemory.dump.protocol
+
+
+def write_failure(e: BaseException) -> str:
+    """One line for a document that could not be written: the path and the OS's reason for a file-system error
+    (a name too long, a file where a folder should be, a folder replaced or not empty), the message of a refused
+    directory or an invalid document, the type as well only for anything else (a bug)."""
+    if isinstance(e, ConfineError):
+        return " ".join(str(e).split())
+    if isinstance(e, OSError):
+        return describe(e)
+    if isinstance(e, (DumpFormatError, DumpProtocolError)):
+        return " ".join(str(e).split())
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def parse_request(custom_params: object, rid: str = "?", n_c4_layers: int = 21,
@@ -188,7 +202,8 @@ class DumpRecorder:
             return self._write(st)
         except Exception as e:  # noqa: BLE001  (the serving process must outlive one bad document)
             self.failed.append(rid)
-            logger.error("FlashMemory dump: request %s: document not written (%s: %s)", rid, type(e).__name__, e)
+            logger.error("FlashMemory dump: request %s: document not written to %s: %s", rid, st.req.doc_path(),
+                         write_failure(e))
             return None
 
     def _write(self, st: _DocState) -> str:

@@ -261,3 +261,65 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
                                                r"file the dump server wrote \(never deleted\)"):
         clear_staging(out / ".staging")
     assert (p1 / "doc_00005.safetensors").read_bytes() == b"not the server's"
+
+
+# -- dump mode: an output directory unusable only at finalize is one line (server log and client), never a raw
+#    exception or a timeout ----------------------------------------------------------------------------------
+
+def _recorder_with_open_doc(tmp_path):
+    from .test_server_confinement import _feed, _req
+    from flashmemory.sglang.dump_mode import DumpRecorder
+    root = tmp_path / "root"
+    root.mkdir()
+    rec = DumpRecorder(index_topk=8, root=root)
+    req = _req(root / "run")
+    assert rec.admit("r1", req.to_custom_params())
+    _feed(rec, "r1", finish=False)
+    return rec, req
+
+
+def test_finalize_into_a_folder_at_the_documents_name_is_one_log_line(tmp_path, caplog):
+    import logging
+    rec, req = _recorder_with_open_doc(tmp_path)
+    doc = req.doc_path()
+    doc.mkdir(parents=True)
+    (doc / "keep.txt").write_text("user data")       # the document's name, taken by a non-empty folder
+    with caplog.at_level(logging.ERROR):
+        rec.begin_step([])
+    lines = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert str(doc) in lines[0] and "OSError" not in lines[0] and "[Errno" not in lines[0]
+    assert (doc / "keep.txt").read_text() == "user data" and rec.failed == ["r1"]
+
+
+@pytest.mark.parametrize("damage,why", [
+    ("file", "is a file where a folder should be"),
+    ("symlink", "is a symlink"),
+    ("folder", "is a folder where the document file should be"),
+])
+def test_the_client_names_an_unusable_directory_at_once(tmp_path, damage, why):
+    import time
+    from flashmemory.dump.backend import DumpItemError
+    from flashmemory.dump.sglang_backend import SGLangBackend
+    be = object.__new__(SGLangBackend)              # no server: only the wait for its file is under test
+    be.staging, be.flush_timeout = (tmp_path / "out" / "staging").resolve(), 5.0
+    doc = be.staging / "pass1" / "doc_00000.safetensors"
+    be.staging.mkdir(parents=True)
+    if damage == "file":
+        (be.staging / "pass1").write_text("x")
+    elif damage == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        (be.staging / "pass1").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    else:
+        doc.mkdir(parents=True)
+    t = time.monotonic()
+    with pytest.raises(DumpItemError, match=why) as e:
+        be._wait(doc)
+    assert time.monotonic() - t < 4 and "\n" not in str(e.value) and "pass1" in str(e.value)
+
+
+def test_a_name_too_long_for_the_filesystem_is_named(tmp_path):
+    from flashmemory.dump.confine import unusable
+    long = tmp_path / ("x" * 300) / "pass1" / "doc_00000.safetensors"
+    assert "name too long for the filesystem" in unusable(long, tmp_path)
+    assert unusable(tmp_path / "fine" / "pass1" / "doc_00000.safetensors", tmp_path) is None
