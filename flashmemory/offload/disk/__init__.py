@@ -1,4 +1,4 @@
-"""The disk tier (issue 22, work in progress): c4 KV pages (+ Path-I index-K pages) of the host mirror on local
+"""The disk tier: c4 KV pages (+ Path-I index-K pages) of the host mirror on local
 disk, below a bounded host-DRAM page cache, recalled ahead of need within Level 1's tau window.
 
 Three tiers: device reserve <- host page cache (`HostPageCache`, LRU, write-behind, read-ahead on a worker)
@@ -6,6 +6,8 @@ Three tiers: device reserve <- host page cache (`HostPageCache`, LRU, write-behi
 engine by `flashmemory.offload.tiered_mirror` (`TieredEngine`, built by `build_engine` when the tier is on);
 `flashmemory bench tier` measures it.
 Configuration: `flashmemory.env.DiskTierConfig` (SGLANG_PATHP_DISK_DIR, _DISK_GB, _HOST_CACHE_GB).
+A store is alive while its file lock is held (`store`); this process's stores are removed at SIGTERM, SIGINT and
+exit (`owned`), a killed one's by the next store that opens in the same directory.
 """
 
 import logging

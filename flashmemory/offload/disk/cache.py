@@ -1,4 +1,4 @@
-"""`HostPageCache`: a bounded LRU of page buffers in host DRAM in front of a `PageStore` (issue 22).
+"""`HostPageCache`: a bounded LRU of page buffers in host DRAM in front of a `PageStore`.
 
 - `put(rid, page, data)` admits a page (landed by PD or written by decode) as dirty; when the cache is over its
   bound, the least recently used unpinned pages leave it: clean ones are dropped (the store holds them), dirty

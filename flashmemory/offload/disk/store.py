@@ -1,4 +1,4 @@
-"""`PageStore`: one rank's page-aligned file of fixed-size page slots on local disk (the disk tier, issue 22).
+"""`PageStore`: one rank's page-aligned file of fixed-size page slots on local disk (the disk tier).
 
 File: `<dir>/fm-pagestore-r<rank>-<pid>-<token>.fmps`, created O_EXCL and held under an exclusive `flock` for the
 store's life. Block 0 is a marker (`MARKER` + one JSON line: pid, host, rank, token); slot s starts at
