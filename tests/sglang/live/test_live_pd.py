@@ -270,6 +270,28 @@ BAD_REQUESTS = {   # what a buggy or hostile client sends; each must be a 4xx, n
 }
 
 
+def test_grafana_dashboard_charts_what_the_decode_servers_export(stacks):
+    """Every flashmemory_* series docs/grafana/flashmemory.json charts is on a live decode server's /metrics: the
+    FlashMemory D's, or the HiSparse D's for its swap-in counters (the HiSparse test above decoded there). Not
+    on these servers, by design: the guard's labelled failure counter (no series until a request fails), and the
+    miss monitor's and disk tier's gauges (a multiprocess gauge has no series until set, and both features are off
+    here); their names are checked against the exporter in tests/docs/test_grafana.py."""
+    import json
+
+    from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS, PREFIX
+    from tests.docs.test_grafana import DASHBOARD, charted
+    feature_gauges = {PREFIX + k for k in (*MONITOR_KEYS, *DISK_KEYS) if METRICS[k][0] == "gauge"}
+    exported: set[str] = set()
+    for cli in stacks.values():
+        status, body = http_get(cli.ready["decode"] + "/metrics", timeout=60)
+        assert status == 200, cli.ready["decode"]
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith("flashmemory_"):
+                exported.add(line.split("{")[0].split(" ")[0])
+    missing = charted(json.loads(DASHBOARD.read_text())) - exported - {PREFIX + "request_failures_total"} - feature_gauges
+    assert not missing, sorted(missing)
+
+
 def test_churn_with_dropped_streams_and_bad_requests(serve):
     """A concurrent burst through the router with the `openai` client (four chats of ~60 to ~1,000 tokens, two streams
     dropped after two chunks) and six malformed requests: every good one answered, every bad one a 4xx, and the
