@@ -241,11 +241,13 @@ class ShrunkOffload(OffloadAdapter):
         locs, cells = locs.long(), cells.long().to(self.device)
         with eng.lock:
             rows = lay.kv.read_chunks(eng.reserve.kv, cells // pc, cells % pc)     # [L, n, 584] on the device
-            lay.kv.write_chunks(eng.mirror.kv, locs // pc, locs % pc, rows.cpu())
+            lay.kv.write_chunks(eng.mirror.kv, locs // pc, locs % pc, rows.cpu())    # the mirror's bytes: a D2H read
             now = eng.lut.table[self.loc2m[locs.to(self.device)]].long()
-            moved = (now >= 0) & (now != cells)
-            if bool(moved.any()):
-                lay.kv.write_chunks(eng.reserve.kv, now[moved] // pc, now[moved] % pc, rows[:, moved])
+            # Where a recall published the loc into another cell meanwhile, the bytes go there too; every other
+            # loc writes the sink cell (scratch), so no mask is read by the host.
+            sink = torch.full_like(now, eng.reserve.sink_cell)
+            dst = torch.where((now >= 0) & (now != cells), now, sink)
+            lay.kv.write_chunks(eng.reserve.kv, dst // pc, dst % pc, rows)
             if lay.offload_index_layers:
                 if self.index_shrink:   # the indexer store wrote the same cells of the Path-I reserve
                     ix = lay.index.read_chunks(eng.reserve.index, cells // pc, cells % pc).cpu()
@@ -254,10 +256,8 @@ class ShrunkOffload(OffloadAdapter):
                                                             (locs % pc).to(self.ix_bufs[l].device)).cpu()
                                       for l in lay.offload_index_layers])
                 lay.index.write_chunks(eng.mirror.index, locs // pc, locs % pc, ix)
-                res = now >= 0
-                if bool(res.any()):
-                    lay.index.write_chunks(eng.reserve.index, now[res] // pc, now[res] % pc,
-                                           ix[:, res.cpu()].to(self.device))
+                dst = torch.where(now >= 0, now, sink)
+                lay.index.write_chunks(eng.reserve.index, dst // pc, dst % pc, ix.to(self.device))
 
     def _index_to_mirror(self, pages: torch.Tensor) -> None:
         """Path-I: whole index-K pages of the non-target layers, sglang's device pool -> the mirror."""

@@ -14,6 +14,7 @@ import torch
 from flashmemory.sglang.adapter_factory import build
 from flashmemory.sglang.runtime import Runtime
 from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool
+from tests.sglang.test_shrink import sa  # noqa: F401 (the fixture)
 from tests.support.cuda_standin import DeviceTensor, device_factories, on_device
 
 pytestmark = pytest.mark.sglang
@@ -80,3 +81,27 @@ def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
     assert host_seq_lens(view, view.rids).tolist() == [0, 1000] and DeviceTensor.syncs == []
     del fb.seq_lens_cpu                                       # a batch without a host copy: one counted read
     assert host_seq_lens(fb, list(REQS)).tolist() == [900, 1000] and len(DeviceTensor.syncs) == 1
+
+
+def test_shrink_settle_reads_only_the_bytes_the_mirror_keeps(sa, monkeypatch):
+    """Shrink mode: after a forward that closed a chunk, `settle` reads that chunk's bytes (KV from the reserve,
+    Path-I index-K) into the host mirror and nothing else: no host read of a mask or of a count."""
+    from tests.sglang.test_shrink import env as shrink_env, make_pool
+    device_factories(monkeypatch)
+    pool = make_pool(sa, monkeypatch, shrink=True)
+    eng = build(pool, shrink_env(), sa.args, shrink=True)
+    pages = torch.tensor([[9, 3, 40, 17]])
+    seq0 = 3 * PAGE + 44                                   # token 3*PAGE+43 closes chunk 202 at step 0
+    syncs = []
+    try:
+        for step in range(2):
+            s = torch.tensor([seq0 + step])
+            eng.begin_step(["a"], pages, s)
+            DeviceTensor.syncs = []
+            eng.settle()
+            syncs.append([x[2] for x in DeviceTensor.syncs])
+    finally:
+        eng.close()
+    kv_and_index = 1 + (1 if eng.index_shrink else len(eng.layout.offload_index_layers))
+    assert len(syncs[0]) == kv_and_index and all(" cpu: " in x for x in syncs[0]), "\n".join(syncs[0])
+    assert syncs[1] == [], "\n".join(syncs[1])               # nothing closed: nothing read

@@ -241,8 +241,8 @@ SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__floa
 
 class DeviceTensor(torch.Tensor):
     """A CPU tensor standing for one on the accelerator: results of ops on it stay `DeviceTensor`s, and every read
-    of its values by the host (`SYNC_METHODS`) is counted in `DeviceTensor.syncs` as a host sync and returns a
-    plain tensor / Python value. `.to(device)` is not counted: on CPU the stand-in device and the host are one
+    of its values by the host (`SYNC_METHODS`, and indexing with a boolean mask, whose output size the host
+    reads) is counted in `DeviceTensor.syncs` as a host sync; `SYNC_METHODS` return a plain tensor / value. `.to(device)` is not counted: on CPU the stand-in device and the host are one
     (`.to("cpu")` as a host read would slip through; the serving path spells host reads `.cpu()`). Made by
     `on_device` (below)."""
 
@@ -252,11 +252,16 @@ class DeviceTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in SYNC_METHODS:
+        idx = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
+        masked = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                     for i in (idx if isinstance(idx, tuple) else (idx,)))
+        if masked or name in SYNC_METHODS:   # a boolean-mask index: the host reads its output size (CUDA syncs)
             import traceback
             frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/flashmemory/" in f.filename), None)
-            where = f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {name}: {frame.line}" if frame else name
+            what = f"{name} (boolean mask)" if masked else name
+            where = f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}" if frame else what
             cls.syncs.append((threading.current_thread().name, frame.name if frame else "?", where))
+        if name in SYNC_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
                 plain = [a.as_subclass(torch.Tensor) if isinstance(a, torch.Tensor) else a for a in args]
                 return func(*plain, **kwargs)
