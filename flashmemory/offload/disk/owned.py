@@ -5,7 +5,8 @@ store behind until the next store opens in the same directory (`remove_stale_sto
 this process created; the first call installs, in the main thread only, a handler for SIGTERM and SIGINT that
 unlinks every owned path and then hands the signal on to the handler that was there before (Python's default
 SIGINT handler raises KeyboardInterrupt; SIG_DFL is restored and the signal re-sent, so the process still dies of
-it; SIG_IGN stays ignored). An `atexit` hook does the same at a normal exit.
+it; a signal that was ignored stays ignored and removes nothing, as the process goes on). An `atexit` hook does
+the same at a normal exit.
 
 Only unlinking is done in the handler: descriptors stay open, so I/O in flight on other threads ends on the
 unlinked file instead of failing; the space returns when the process exits. Paths never recorded here (anything
@@ -70,8 +71,10 @@ def remove_owned() -> list[str]:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    remove_owned()
     prev = _previous.get(signum, signal.SIG_DFL)
+    if prev == signal.SIG_IGN:   # the process goes on running: its stores stay in use
+        return
+    remove_owned()
     if callable(prev):
         prev(signum, frame)
     elif prev == signal.SIG_DFL:

@@ -105,3 +105,23 @@ def test_a_disk_dir_without_path_p_is_refused(tmp_path) -> None:
     assert "SGLANG_PATHP_DISK_DIR" in str(e.value) and "SGLANG_DECODE_SWAP_P" in str(e.value)
     on = FlashMemoryEnv.from_environ({"SGLANG_PATHP_DISK_DIR": str(tmp_path), "SGLANG_DECODE_SWAP_P": "1"})
     assert on.disk.enabled
+
+
+def test_an_ignored_signal_removes_nothing(tmp_path) -> None:
+    """SIGINT ignored (a background job): the process goes on using its store, so the file stays; SIGTERM then
+    removes it."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        path = p.stdout.readline().strip()
+        p.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=2)
+        assert os.path.exists(path)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not os.path.exists(path)
