@@ -45,6 +45,18 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+def remove_server_stores(env: dict[str, str], pids: set[int]) -> list[str]:
+    """The disk-tier page stores the stopped server's processes (`pids`) left in its SGLANG_PATHP_DISK_DIR (a
+    process killed outright cannot remove its own; its lock is gone with it); nobody else's. Returns them."""
+    from flashmemory.env import DiskTierConfig, EnvError
+    from flashmemory.offload.disk.store import remove_stale_stores
+    try:
+        d = DiskTierConfig.from_environ(env).dir
+    except EnvError:
+        return []
+    return remove_stale_stores(d, pids) if d and os.path.isdir(d) else []
+
+
 def _row_limit(env: dict[str, str]) -> int | None:
     """FlashMemory's row limit in this environment, or None (Path-P off, or an environment the server itself will
     refuse with its own one-line error)."""
@@ -167,6 +179,7 @@ class CpuServer:
             except ProcessLookupError:
                 pass
         remove_shm_queues(pids)
+        remove_server_stores(self.env, pids | set(self.leftovers()))
 
     def leftovers(self) -> list[int]:
         """Pids of live processes started by this server (found by the marker in their environment)."""

@@ -112,3 +112,25 @@ def test_serve_refuses_a_zero_timeout_before_building_anything(tmp_path, capsys,
             signal.signal(s, h)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("flashmemory serve: error: --startup-timeout 0") and "\n" not in err
+
+
+
+def test_a_stopped_servers_stores_are_removed_and_only_those(tmp_path) -> None:
+    import json
+    import os
+
+    from flashmemory.offload.disk import PageStore
+    from flashmemory.offload.disk.store import MARKER
+    from flashmemory.serve.cpu_server import remove_server_stores
+
+    def fake(pid: int, token: str) -> str:      # a store its process could not remove (killed): no lock held
+        path = tmp_path / f"fm-pagestore-r0-{pid}-{token}.fmps"
+        path.write_bytes(MARKER + json.dumps({"pid": pid, "host": socket.gethostname(), "token": token}).encode()
+                         + b"\n")
+        return str(path)
+    with PageStore(str(tmp_path), 4 * 8192, 5000) as held:       # a live store of this process: locked
+        ours, theirs = fake(4242, "a1" * 8), fake(4343, "b2" * 8)
+        env = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DISK_DIR": str(tmp_path)}
+        assert remove_server_stores(env, {4242, os.getpid()}) == [ours]
+        assert os.path.exists(theirs) and os.path.exists(held.path)     # another run's; a live one
+    assert remove_server_stores({}, {4343}) == []                        # no disk tier: nothing to do

@@ -32,6 +32,7 @@ import secrets
 import socket
 import struct
 import threading
+from typing import Collection
 
 from flashmemory.errors import UserError, describe
 from flashmemory.offload.disk import owned
@@ -81,8 +82,9 @@ def read_marker(path: str) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def remove_stale_stores(directory: str) -> list[str]:
-    """Remove page stores of dead runs in `directory`; returns the removed paths.
+def remove_stale_stores(directory: str, pids: Collection[int] | None = None) -> list[str]:
+    """Remove page stores of dead runs in `directory` (only those created by `pids` when given: a server's
+    processes, swept once they are stopped); returns the removed paths.
 
     Removed only when ALL hold: the name is ours (NAME_RE), the marker block is ours with the pid and token of
     the name, the host is this host, and nobody holds the file's lock (a live store holds it for its whole life;
@@ -92,7 +94,7 @@ def remove_stale_stores(directory: str) -> list[str]:
     host = socket.gethostname()
     for name in sorted(os.listdir(directory)):
         m = NAME_RE.match(name)
-        if not m:
+        if not m or (pids is not None and int(m.group(2)) not in pids):
             continue
         path = os.path.join(directory, name)
         info = read_marker(path)
