@@ -195,6 +195,7 @@ STABLE_TORCH = {
 # ... and those the package core the script imports may name besides (also present since torch 2.1).
 STABLE_TORCH_CORE = STABLE_TORCH | {
     "nn.Linear", "nn.Module", "nn.ModuleDict", "nn.Parameter", "torch.as_tensor", "torch.bmm", "torch.cat",
+    "torch.cuda.set_device",
     "torch.div", "torch.dtype", "torch.einsum", "torch.empty_like", "torch.float64", "torch.float8_e4m3fn",
     "torch.full_like", "torch.iinfo", "torch.int16", "torch.int32", "torch.is_tensor", "torch.load",
     "torch.nn.functional.pad", "torch.relu", "torch.rsqrt", "torch.sigmoid", "torch.softmax", "torch.sort",
