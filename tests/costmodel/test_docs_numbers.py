@@ -43,3 +43,17 @@ def test_anchor_table_is_the_model() -> None:
         assert _num(row[3]) == pytest.approx(a.model, rel=0.006, abs=0.006), row[0]
         assert _num(row[4]) == pytest.approx(a.ratio, abs=0.006), row[0]
         assert row[5].startswith(a.use), row[0]
+
+
+def test_readme_projected_rows_are_the_model() -> None:
+    """The README's HiSparse table quotes the 1M row of the projection: concurrency and tok/s per arm."""
+    readme = (PAGE.parents[1] / "README.md").read_text()
+    model = {r["arm"]: r for r in projections(fit()) if r["ctx"] == CTX["1M"]}
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip().strip("|").split("|")[1:4]]
+            for ln in readme.splitlines() if ln.startswith("| ") and "8xH20" in ln}
+    conc = rows["max concurrent 1M-token requests, 8xH20"]
+    tok = rows["decode tok/s at that concurrency, 8xH20"]
+    for cell_c, cell_t, arm in zip(conc, tok, ("stock", "hisparse", "flashmemory")):
+        assert _num(cell_c) == model[arm]["conc"], arm
+        assert _num(cell_t) == round(model[arm]["tok_s"]), arm
+    assert f"({model['flashmemory-nocredit']['conc']} at `CREDIT_C4=0`)" in conc[2]
