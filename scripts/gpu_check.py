@@ -7,6 +7,11 @@ Cases run as separate processes (the gates are read once per process by the plug
   ret10      r10 with a retriever (random weights, loaded on the CPU at registration as the server does):
              Level 1 scores on the GPU; speed vs stock, tokens reported (10% budget: not expected equal)
   off        plugin loaded, every gate off                                 tokens == stock
+Optional with two or more GPUs (GPU_CHECK_CASES=tp2stock,tp2full,tp2ret10): the same at tensor parallelism 2:
+  tp2stock   stock at TP 2                                                 greedy tokens = the TP-2 reference
+  tp2full    full residency with a retriever cycling Level 1               tokens == tp2stock; both ranks agree
+  tp2ret10   ret10 at TP 2                                                 both ranks publish the same plans
+             (rank 1's diagnostics are <stats>.rank1: Level-1 cycles, recalled pages and bytes must be equal)
 Optional (GPU_CHECK_CASES=dstock,dshrink, ~4 min more): a lone PD decode server with sglang's `fake` transfer
 backend (nothing is transferred; both cases decode from the same zeroed KV), which puts Path-P in shrink mode:
   dstock     decode server, no FlashMemory                                 greedy tokens = reference
@@ -30,6 +35,8 @@ import time
 
 CASES = ("stock", "full", "r10", "ret10", "off")   # "off" last: least informative if time runs out
 PD_CASES = ("dstock", "dshrink")           # optional: GPU_CHECK_CASES=dstock,dshrink
+TP_CASES = ("tp2stock", "tp2full", "tp2ret10")  # optional, two GPUs: GPU_CHECK_CASES=tp2stock,tp2full,tp2ret10
+RANK_AGREE = ("level1_cycles", "recall_pages", "recall_bytes", "resident_fraction")  # equal on every TP rank
 PROMPT_LEN, DECODE_STEPS, BATCHES, TOKEN_CHECK = 4096, 500, (1, 8, 64), 32
 BUDGET_S, FIRST_CASE_S = 455, 200        # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,14 +71,14 @@ def case_env(case: str, stats_file: str = "", retriever: str = "") -> dict[str, 
     """The case's environment; retriever: the checkpoint `ret10` serves (`write_retriever`)."""
     pages = -(-PROMPT_LEN // 4 // 64) + DECODE_STEPS // 256 + 2
     env = {"SGLANG_PLUGINS": "flashmemory", "FLASHMEMORY_STATS_FILE": stats_file}
-    if case in ("stock", "dstock"):
+    if case in ("stock", "dstock", "tp2stock"):
         env["SGLANG_PLUGINS"] = "none"
-    if case in ("full", "r10", "ret10", "dshrink"):
+    if case in ("full", "r10", "ret10", "dshrink", "tp2full", "tp2ret10"):
         env.update({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1",
                     "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)), "SGLANG_RETRIEVER_LAST_KEEP": "64",
-                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10") else pages),
+                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10", "tp2ret10") else pages),
                     "SGLANG_DSV4_TARGET_CONCURRENCY": "64"})
-    if case == "ret10":
+    if case in ("ret10", "tp2full", "tp2ret10"):
         env["SGLANG_RETRIEVER_INLINE_CKPT"] = retriever or "<written by the run>"
     return env
 
@@ -87,11 +94,11 @@ def write_retriever(path: str, cfg: dict) -> str:
     return str(save_retriever(JointRetriever(RET_LAYERS, dims), path))
 
 
-def engine_kwargs(model_dir: str, port: int, pd: bool = False) -> dict:
+def engine_kwargs(model_dir: str, port: int, pd: bool = False, tp: int = 1) -> dict:
     """sgl.Engine / ServerArgs fields (names checked against sglang 0.5.23's ServerArgs.resolve_once on CPU);
-    pd: a decode server with the `fake` transfer backend (the PD cases)."""
+    pd: a decode server with the `fake` transfer backend (the PD cases); tp: tensor parallelism (the TP cases)."""
     extra = dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake") if pd else {}
-    return dict(**extra, model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=1, random_seed=0,
+    return dict(**extra, model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=tp, random_seed=0,
                 port=port, mem_fraction_static=0.5, context_length=PROMPT_LEN + DECODE_STEPS + 64,
                 max_total_tokens=max(BATCHES) * (PROMPT_LEN + DECODE_STEPS + 64) + 16384,
                 max_running_requests=max(BATCHES), cuda_graph_max_bs_decode=max(BATCHES),
@@ -103,7 +110,7 @@ def run_case(case: str, model_dir: str, out: str, port: int) -> None:
     import sglang as sgl
 
     t0 = time.perf_counter()
-    eng = sgl.Engine(**engine_kwargs(model_dir, port, pd=case in PD_CASES))
+    eng = sgl.Engine(**engine_kwargs(model_dir, port, pd=case in PD_CASES, tp=2 if case in TP_CASES else 1))
     from flashmemory.sglang import plugin
     res: dict = {"case": case, "startup_s": time.perf_counter() - t0, "plugin_state": plugin.state(),
                  "tokens": None, "tok_s": {}}
@@ -164,12 +171,16 @@ def ensure_entry_point(work: str) -> str:
     return os.path.dirname(d)
 
 
+REF_OF = {"dstock": "dstock", "dshrink": "dstock", "tp2stock": "tp2stock", "tp2full": "tp2stock",
+          "tp2ret10": "tp2stock"}   # the reference whose tokens each case is compared with; else stock
+
+
 def check_case(c: str, r: dict, ref: list | None) -> list[str]:
     """Failures of one finished case."""
     bad = []
-    if c in ("off", "full", "dshrink") and r["tokens"] != ref:
+    if c in ("off", "full", "dshrink", "tp2full") and r["tokens"] != ref:
         why = "" if r.get("deterministic") and ref is not None else " (this engine is not run-to-run deterministic)"
-        bad.append(f"{c}: greedy tokens differ from {'dstock' if c == 'dshrink' else 'stock'}{why}")
+        bad.append(f"{c}: greedy tokens differ from {REF_OF.get(c, 'stock')}{why}")
     if c == "off" and not r.get("plugin_state"):
         bad.append("off: the flashmemory plugin did not load (entry point missing?)")
     if c == "dshrink":
@@ -177,13 +188,20 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
         if d.get("mode") != "shrink" or d.get("device_bytes_saved", 0) <= 0:
             bad.append(f"dshrink: Path-P did not run in shrink mode or saved no device memory ({d.get('mode')}, "
                        f"{d.get('device_bytes_saved')} B); see the 'copy mode' warning in its log")
-    if c == "ret10":
+    if c in TP_CASES[1:]:
+        d, d1 = r.get("diag") or {}, r.get("diag_rank1") or {}
+        if not d1:
+            bad.append(f"{c}: no diagnostics from TP rank 1")
+        differ = {k: (d.get(k), d1.get(k)) for k in RANK_AGREE if d.get(k) != d1.get(k)}
+        if d1 and differ:
+            bad.append(f"{c}: TP ranks 0 and 1 disagree (rank 0, rank 1): {differ}")
+    if c in ("ret10", "tp2full", "tp2ret10"):
         d = r.get("diag") or {}
         if not str(d.get("retriever_device", "")).startswith("cuda"):
-            bad.append(f"ret10: the retriever served from {d.get('retriever_device')!r}, not the GPU")
+            bad.append(f"{c}: the retriever served from {d.get('retriever_device')!r}, not the GPU")
         if not d.get("level1_cycles"):
-            bad.append("ret10: no Level-1 cycle completed (the retriever never scored)")
-    if c in ("full", "r10", "ret10", "dshrink"):
+            bad.append(f"{c}: no Level-1 cycle completed (the retriever never scored)")
+    if c in ("full", "r10", "ret10", "dshrink", "tp2full", "tp2ret10"):
         d = r.get("diag")
         if not d:
             bad.append(f"{c}: no diagnostics from the scheduler: FlashMemory did not run there")
@@ -200,16 +218,16 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dry-run", action="store_true", help="print the plan, touch no GPU")
-    ap.add_argument("--case", choices=CASES + PD_CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=CASES + PD_CASES + TP_CASES, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=30000, help=argparse.SUPPRESS)
     ap.add_argument("--case-timeout", type=int, default=110, help="seconds per case after the first")
     a = ap.parse_args()
     cases = tuple(x for x in os.environ.get("GPU_CHECK_CASES", ",".join(CASES)).split(",") if x)
-    unknown = [x for x in cases if x not in CASES + PD_CASES]
+    unknown = [x for x in cases if x not in CASES + PD_CASES + TP_CASES]
     if unknown:
-        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; known: {', '.join(CASES + PD_CASES)}",
+        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; known: {', '.join(CASES + PD_CASES + TP_CASES)}",
               file=sys.stderr)
         return 2
     if a.case:
@@ -221,6 +239,8 @@ def main() -> int:
         print(f"engine: {engine_kwargs('<tmp>', 30000)}")
         if any(c in PD_CASES for c in cases):
             print(f"engine (PD cases): {engine_kwargs('<tmp>', 30000, pd=True)}")
+        if any(c in TP_CASES for c in cases):
+            print(f"engine (TP cases): {engine_kwargs('<tmp>', 30000, tp=2)}")
         print(f"config: {json.dumps(tiny_config())[:120]}...")
         return 0
     start = time.monotonic()
@@ -252,6 +272,9 @@ def main() -> int:
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(tiny_config(), f)
     results, failures = {}, []
+    if any(c in TP_CASES for c in cases) and torch.cuda.device_count() < 2:
+        failures.append(f"tp2 cases: skipped, {torch.cuda.device_count()} GPU(s) visible, 2 needed")
+        cases = tuple(c for c in cases if c not in TP_CASES)
     for i, c in enumerate(cases):
         left = BUDGET_S - (time.monotonic() - start)
         limit = int(min(left, FIRST_CASE_S if i == 0 else a.case_timeout))
@@ -260,7 +283,8 @@ def main() -> int:
             continue
         out, stats = os.path.join(work, f"{c}.json"), os.path.join(work, f"{c}.diag.json")
         pp = os.pathsep.join(x for x in (ep_dir, ROOT, os.environ.get("PYTHONPATH", "")) if x)
-        ckpt = write_retriever(os.path.join(work, "retriever.safetensors"), tiny_config()) if c == "ret10" else ""
+        with_ret = c in ("ret10", "tp2full", "tp2ret10")
+        ckpt = write_retriever(os.path.join(work, "retriever.safetensors"), tiny_config()) if with_ret else ""
         env = {**os.environ, **case_env(c, stats, ckpt), "PYTHONPATH": pp}
         log = os.path.join(out_dir, f"case_{c}.log")
         t = time.monotonic()
@@ -279,15 +303,16 @@ def main() -> int:
         r["wall_s"] = dt
         if os.path.exists(stats):
             r["diag"] = json.load(open(stats))
+        if os.path.exists(stats + ".rank1"):
+            r["diag_rank1"] = json.load(open(stats + ".rank1"))
         results[c] = r
         say(f"case {c}: ran in {dt:.0f}s (engine start {r['startup_s']:.0f}s)")
-    ref = results.get("stock", {}).get("tokens")
     for c, r in results.items():
-        failures += check_case(c, r, results.get("dstock", {}).get("tokens") if c == "dshrink" else ref)
+        failures += check_case(c, r, results.get(REF_OF.get(c, "stock"), {}).get("tokens"))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"results": results, "failures": failures}, f, indent=1, default=str)
     def base_of(c: str) -> dict:
-        names = ("dstock",) if c in PD_CASES else ("off", "stock")
+        names = ("dstock",) if c in PD_CASES else ("tp2stock",) if c in TP_CASES else ("off", "stock")
         return next((results[n]["tok_s"] for n in names if n in results), {})
     say(f"{'case':7} " + " ".join(f"{'bs' + str(b) + ' x base':>14}" for b in BATCHES)
         + "  tokens==ref  graph(capt/eager)  recall_bytes  resident  saved_GiB   (base: off/stock; dstock for dshrink)")
@@ -296,7 +321,7 @@ def main() -> int:
         rel = " ".join(f"{r['tok_s'].get(str(b), 0) / max(base.get(str(b), 1e-9), 1e-9):14.2f}" for b in BATCHES)
         d = r.get("diag", {})
         graph = f"{d.get('indexer_calls_captured', '-')}/{d.get('indexer_calls_eager', '-')}"
-        same = r["tokens"] == (results.get("dstock", {}).get("tokens") if c in PD_CASES else ref)
+        same = r["tokens"] == results.get(REF_OF.get(c, "stock"), {}).get("tokens")
         say(f"{c:7} {rel}  {str(same):>11}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
             f"{d.get('resident_fraction', float('nan')):8.3f}  {d.get('device_bytes_saved', 0) / 2**30:9.2f}")
     for msg in failures:

@@ -59,3 +59,25 @@ def test_diagnostics_name_the_retrievers_device(tmp_path, monkeypatch):
     rt.retriever = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1, device="meta")]))
     rt.write_diagnostics()
     assert json.loads((tmp_path / "diag.json").read_text())["retriever_device"] == "meta"
+
+
+def test_tp2_cases_check_tokens_and_rank_agreement():
+    """TP 2: tp2full must give tp2stock's tokens; tp2full and tp2ret10 must find rank 1's diagnostics and equal
+    Level-1 counters on both ranks; the cases run at tp_size 2 with the retriever and the 10% budget."""
+    gc = _gpu_check()
+    ref = [[1, 2], [3, 4]]
+    d0 = {"indexer_calls_captured": 8, "reserve_reads_captured": 8, "decode_forwards": 10, "level1_cycles": 3,
+          "retriever_device": "cuda:0", "recall_pages": 12, "recall_bytes": 4096, "resident_fraction": 0.1}
+    assert gc.check_case("tp2full", {"tokens": ref, "diag": d0, "diag_rank1": dict(d0)}, ref) == []
+    assert gc.check_case("tp2ret10", {"tokens": [[9]], "diag": d0, "diag_rank1": dict(d0)}, ref) == []
+    assert any("differ from tp2stock" in f
+               for f in gc.check_case("tp2full", {"tokens": [[9]], "diag": d0, "diag_rank1": dict(d0)}, ref))
+    late = gc.check_case("tp2ret10", {"tokens": ref, "diag": d0, "diag_rank1": {**d0, "level1_cycles": 2}}, ref)
+    assert any("disagree" in f and "level1_cycles" in f for f in late)
+    assert any("rank 1" in f for f in gc.check_case("tp2full", {"tokens": ref, "diag": d0}, ref))
+    assert gc.engine_kwargs("m", 1, tp=2)["tp_size"] == 2 and gc.engine_kwargs("m", 1)["tp_size"] == 1
+    env = gc.case_env("tp2ret10", "s", "ckpt.safetensors")
+    assert env["SGLANG_RETRIEVER_INLINE_CKPT"] == "ckpt.safetensors"
+    assert env["SGLANG_PATHP_PAGE_KMAX"] == gc.case_env("ret10", "s", "c")["SGLANG_PATHP_PAGE_KMAX"]
+    assert gc.case_env("tp2stock")["SGLANG_PLUGINS"] == "none"
+    assert gc.REF_OF["tp2full"] == "tp2stock" and gc.REF_OF["dshrink"] == "dstock"
