@@ -18,7 +18,7 @@ SWA_RATIO="${SWA_RATIO:-0.1}"; MEM_FRAC="${MEM_FRAC:-0.75}"; PORT="${PORT:-31100
 TRANSFER_BACKEND="${TRANSFER_BACKEND:-nixl}"; BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 
 fm_int TP "$TP" 1; fm_int CTX_LEN "$CTX_LEN" 1; fm_int MAX_RUN "$MAX_RUN" 1; fm_int PORT "$PORT" 1
-fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1; fm_float SWA_RATIO "$SWA_RATIO"; fm_float MEM_FRAC "$MEM_FRAC"
+fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1; fm_float SWA_RATIO "$SWA_RATIO"; fm_float MEM_FRAC "$MEM_FRAC"; fm_local_only "$HOST"
 fm_choice TRANSFER_BACKEND "$TRANSFER_BACKEND" nixl mooncake mooncake_tcp
 PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
@@ -32,7 +32,7 @@ CG=(--disable-overlap-schedule)   # DEVICE=cpu: P's overlap loop records a torch
 
 fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_FLASHMEMORY_DUMP \
   SGLANG_OPT_USE_ONLINE_COMPRESS SGLANG_DISAGGREGATION_WAITING_TIMEOUT SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN \
-  "${FM_DEV_VARS[@]}" -- \
+  "${FM_DEV_VARS[@]}" "${FM_BIND_VARS[@]}" -- \
   "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
   "${CG[@]}" --disaggregation-mode prefill \
   --disaggregation-transfer-backend "$TRANSFER_BACKEND" --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" \

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flashmemory.serve.procs import free_ports
+from flashmemory.serve.procs import free_ports, loopback_env, remove_rendezvous_store
 from flashmemory.serve.validate import check_concurrency, check_timeout, max_running_requests, plugin_row_limit
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
@@ -75,8 +75,8 @@ class CpuServer:
         self.model, self.log = str(model), Path(log)
         self.port = free_ports(1)[0]   # below the ephemeral range: nothing takes it before sglang binds it
         self.id = uuid.uuid4().hex
-        self.env = {**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1", MARKER: self.id,
-                    **(env or {})}
+        self.env = loopback_env({**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1",
+                                 MARKER: self.id, **(env or {})}, self.id)
         if pythonpath:
             self.env["PYTHONPATH"] = pythonpath + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
@@ -180,6 +180,7 @@ class CpuServer:
                 pass
         remove_shm_queues(pids)
         remove_server_stores(self.env, pids | set(self.leftovers()))
+        remove_rendezvous_store(self.env)
 
     def leftovers(self) -> list[int]:
         """Pids of live processes started by this server (found by the marker in their environment)."""

@@ -14,12 +14,53 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
+
+
+RENDEZVOUS_VAR = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+STORE_PREFIX = "flashmemory-dist-"
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, localhost or ::1: a server bound there is reachable from this machine only."""
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def rendezvous_store(tag: str) -> str:
+    """A torch.distributed file-store init method, fresh per server (`tag` unique): file://<tempdir>/..."""
+    return f"file://{Path(tempfile.gettempdir()) / (STORE_PREFIX + tag)}"
+
+
+def loopback_env(env: Mapping[str, str], tag: str) -> dict[str, str]:
+    """`env` plus the defaults that keep every listener of an sglang server bound on 127.0.0.1, not only its HTTP
+    port (the Python twin of `fm_local_only` in scripts/launch_common.sh): sglang's KV-transfer sockets
+    (SGLANG_HOST_IP), gloo's and NCCL's socket interface, Mooncake's TCP transport, and the torch.distributed
+    rendezvous, whose TCPStore listens on every interface whatever address it gets, so a file store (one node,
+    created by torch) replaces it. Values already in `env` win."""
+    defaults = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
+                "MC_TCP_BIND_ADDRESS": "127.0.0.1", RENDEZVOUS_VAR: rendezvous_store(tag)}
+    return {**defaults, **env}
+
+
+def remove_rendezvous_store(env: Mapping[str, str]) -> bool:
+    """Remove the file store of a stopped server when it is one `rendezvous_store` named (a killed server cannot
+    remove it); a store anywhere else is left alone. True when a file was removed."""
+    method = env.get(RENDEZVOUS_VAR, "")
+    path = Path(method.removeprefix("file://"))
+    if not method.startswith("file://") or path.parent != Path(tempfile.gettempdir()) or \
+            not path.name.startswith(STORE_PREFIX):
+        return False
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 class ServerStartError(RuntimeError):
@@ -115,6 +156,7 @@ class Proc:
     log: Path
     started: float
     log_offset: int = 0      # the log's size when this process started (logs are appended across restarts)
+    env: Mapping[str, str] = field(default_factory=dict)   # the environment it was started with
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -147,7 +189,7 @@ class Servers:
             offset = f.tell()
             p = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd, stdout=f,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        proc = Proc(name, p, log, time.monotonic(), offset)
+        proc = Proc(name, p, log, time.monotonic(), offset, dict(env or {}))
         self.procs.append(proc)
         return proc
 
@@ -198,6 +240,8 @@ class Servers:
         t_end = time.monotonic() + 10
         while _pgid_members(pgids) and time.monotonic() < t_end:
             time.sleep(0.2)
+        for p in procs:
+            remove_rendezvous_store(p.env)
 
     def leftovers(self) -> list[int]:
         """Pids still alive in the groups this object started ([] after a clean stop)."""

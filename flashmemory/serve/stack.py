@@ -17,12 +17,14 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
 from flashmemory.errors import UserError
-from flashmemory.serve.procs import ServerStartError, Servers, port_clash
+from flashmemory.serve.procs import (RENDEZVOUS_VAR, ServerStartError, Servers, is_loopback_host, port_clash,
+                                     rendezvous_store)
 from flashmemory.serve.validate import (StackPorts, check_concurrency, check_port, check_timeout,
                                         max_running_requests, stack_ports)
 
@@ -127,6 +129,8 @@ def _env(cfg: PDConfig, **knobs: str) -> dict[str, str]:
     # children must import this checkout's flashmemory (a worktree, or a clone without `pip install -e`)
     e["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
     e.update(knobs)
+    if is_loopback_host(cfg.host):   # a named rendezvous store per server, removed when Servers stops it
+        e.setdefault(RENDEZVOUS_VAR, rendezvous_store(uuid.uuid4().hex))
     return e
 
 
