@@ -100,16 +100,20 @@ fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export
 fm_local_only() {  # fm_local_only HOST [SGLANG_ARGS...]: sets FM_BIND_VARS (names to export)
   # With a loopback HOST (the default) every listener of the server stays on this machine, not only its HTTP port:
   # sglang's KV-transfer sockets (NIXL/Mooncake bootstrap, bound on SGLANG_HOST_IP), gloo and NCCL (their socket
-  # interface), Mooncake's TCP transport (MC_TCP_BIND_ADDRESS), and the torch.distributed rendezvous: torch's
-  # TCPStore listens on every interface whatever address it is given, so a file store replaces it (one node; a
-  # fresh path, created by torch). A value the user set wins; any other HOST (or --dist-init-addr) keeps stock.
+  # interface), Mooncake's TCP transport (MC_TCP_BIND_ADDRESS), NIXL's UCX network devices (UCX_NET_DEVICES: its
+  # TCP transport listens on each; lo leaves RDMA NICs out, not cuda_ipc/shm), and the torch.distributed
+  # rendezvous: torch's TCPStore listens on every interface whatever address it is given, so a file store replaces
+  # it (one node; a fresh path, created by torch). A value the user set wins; another HOST or --dist-init-addr
+  # keeps stock sglang's listeners.
   FM_BIND_VARS=()
   case "$1" in 127.*|localhost|::1) ;; *) return 0;; esac
   local a; for a in "${@:2}"; do [[ "$a" != --dist-init-addr* ]] || return 0; done
   SGLANG_HOST_IP="${SGLANG_HOST_IP:-127.0.0.1}"; GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"; MC_TCP_BIND_ADDRESS="${MC_TCP_BIND_ADDRESS:-127.0.0.1}"
+  UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
   SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE="${SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE:-file://${TMPDIR:-/tmp}/flashmemory-dist-$$-$RANDOM$RANDOM}"
-  FM_BIND_VARS=(SGLANG_HOST_IP GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME MC_TCP_BIND_ADDRESS SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE)
+  FM_BIND_VARS=(SGLANG_HOST_IP GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME MC_TCP_BIND_ADDRESS UCX_NET_DEVICES
+    SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE)
 }
 
 fm_run() {  # fm_run VAR... -- CMD...: export the named variables, then run (or print) the command

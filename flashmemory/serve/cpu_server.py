@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flashmemory.serve.procs import free_ports, loopback_env, remove_rendezvous_store
+from flashmemory.serve.procs import free_ports, loopback_env, remove_rendezvous_store, remove_stale_rendezvous_stores
 from flashmemory.serve.validate import check_concurrency, check_timeout, max_running_requests, plugin_row_limit
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
@@ -181,6 +181,7 @@ class CpuServer:
         remove_shm_queues(pids)
         remove_server_stores(self.env, pids | set(self.leftovers()))
         remove_rendezvous_store(self.env)
+        remove_stale_rendezvous_stores()
 
     def leftovers(self) -> list[int]:
         """Pids of live processes started by this server (found by the marker in their environment)."""

@@ -40,11 +40,11 @@ def rendezvous_store(tag: str) -> str:
 def loopback_env(env: Mapping[str, str], tag: str) -> dict[str, str]:
     """`env` plus the defaults that keep every listener of an sglang server bound on 127.0.0.1, not only its HTTP
     port (the Python twin of `fm_local_only` in scripts/launch_common.sh): sglang's KV-transfer sockets
-    (SGLANG_HOST_IP), gloo's and NCCL's socket interface, Mooncake's TCP transport, and the torch.distributed
-    rendezvous, whose TCPStore listens on every interface whatever address it gets, so a file store (one node,
-    created by torch) replaces it. Values already in `env` win."""
+    (SGLANG_HOST_IP), gloo's and NCCL's socket interface, Mooncake's TCP transport, NIXL's UCX network devices, and
+    the torch.distributed rendezvous, whose TCPStore listens on every interface whatever address it gets, so a file
+    store (one node, created by torch) replaces it. Values already in `env` win."""
     defaults = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-                "MC_TCP_BIND_ADDRESS": "127.0.0.1", RENDEZVOUS_VAR: rendezvous_store(tag)}
+                "MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo", RENDEZVOUS_VAR: rendezvous_store(tag)}
     return {**defaults, **env}
 
 
@@ -61,6 +61,33 @@ def remove_rendezvous_store(env: Mapping[str, str]) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def remove_stale_rendezvous_stores(tmp: Path | None = None) -> list[str]:
+    """Remove the `rendezvous_store` files in the temp dir that no live process names in its environment (their
+    server was killed with the process that would have removed them, e.g. a SIGKILLed `flashmemory serve`).
+    Returns the names removed; files of processes this user cannot read, or cannot remove, are left alone."""
+    tmp = Path(tempfile.gettempdir()) if tmp is None else tmp
+    stores = {p for p in tmp.glob(STORE_PREFIX + "*") if p.is_file()}
+    if not stores:
+        return []
+    named: set[bytes] = set()
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            named.update(v.split(b"=", 1)[1] for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                         if v.startswith(RENDEZVOUS_VAR.encode() + b"="))
+        except (OSError, IndexError):
+            if Path(f"/proc/{pid}").exists() and not os.access(f"/proc/{pid}/environ", os.R_OK):
+                return []   # a process whose environment cannot be read might use any store: keep them all
+    removed = []
+    for p in sorted(stores):
+        if f"file://{p}".encode() not in named:
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except OSError:
+                pass
+    return removed
 
 
 class ServerStartError(RuntimeError):
@@ -242,6 +269,7 @@ class Servers:
             time.sleep(0.2)
         for p in procs:
             remove_rendezvous_store(p.env)
+        remove_stale_rendezvous_stores()
 
     def leftovers(self) -> list[int]:
         """Pids still alive in the groups this object started ([] after a clean stop)."""

@@ -19,7 +19,8 @@ HOST_FLAGS = ("--host", "--prometheus-host")
 
 
 BIND_VARS = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-             "MC_TCP_BIND_ADDRESS": "127.0.0.1", "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "file://"}
+             "MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo",
+             "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "file://"}
 SGLANG_SCRIPTS = ["launch_prefill.sh", "launch_decode.sh"]
 
 
@@ -157,3 +158,20 @@ def test_serve_stack_names_a_store_per_server_and_removes_it(tmp_path) -> None:
     other = tmp_path / "flashmemory-dist-user"
     other.write_bytes(b"")
     assert not remove_rendezvous_store({RENDEZVOUS_VAR: f"file://{other}"}) and other.exists()
+
+
+def test_stale_stores_of_killed_servers_are_swept(tmp_path) -> None:
+    """A store named by a live process's environment stays; one whose server was killed (no process names it)
+    goes; a file without the project's prefix is never touched."""
+    from flashmemory.serve.procs import RENDEZVOUS_VAR, STORE_PREFIX, remove_stale_rendezvous_stores
+    live, dead, other = (tmp_path / n for n in (STORE_PREFIX + "live", STORE_PREFIX + "dead", "unrelated"))
+    for f in (live, dead, other):
+        f.write_bytes(b"")
+    p = subprocess.Popen(["sleep", "60"], env={**os.environ, RENDEZVOUS_VAR: f"file://{live}"})
+    try:
+        assert remove_stale_rendezvous_stores(tmp_path) == [dead.name]
+    finally:
+        p.kill()
+        p.wait()
+    assert live.exists() and not dead.exists() and other.exists()
+    assert remove_stale_rendezvous_stores(tmp_path) == [live.name]
