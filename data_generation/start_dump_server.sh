@@ -27,6 +27,7 @@ fm_int TP "$TP" 1; fm_int PORT "$PORT" 1; fm_int CTX_LEN "$CTX_LEN" 1
 fm_path "dump root (DUMP_ROOT)" "$DUMP_ROOT"
 [[ "$HOST" == 127.0.0.1 || "$HOST" == localhost || "$HOST" == ::1 ]] || \
   fm_warn "HOST=$HOST: the dump server accepts requests from the network (any client may write under $DUMP_ROOT)"
+fm_local_only "$HOST" "${EXTRA[@]}"
 PY="$(fm_python)"
 fm_path "model path (MODEL)" "$MODEL"
 fm_module "$PY" sglang; fm_module "$PY" flashmemory
@@ -36,6 +37,6 @@ SGLANG_PATHP_CUDAGRAPH=0; SGLANG_RETRIEVER_INLINE_CKPT=
 no_proxy="localhost,127.0.0.1,0.0.0.0${no_proxy:+,$no_proxy}"
 
 fm_run SGLANG_FLASHMEMORY_DUMP SGLANG_FLASHMEMORY_DUMP_ROOT SGLANG_DECODE_SWAP_P SGLANG_PATHP_SCORE_RESIDENT \
-  SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_PATHP_CUDAGRAPH SGLANG_RETRIEVER_INLINE_CKPT no_proxy "${FM_DEV_VARS[@]}" -- \
+  SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_PATHP_CUDAGRAPH SGLANG_RETRIEVER_INLINE_CKPT no_proxy "${FM_DEV_VARS[@]}" "${FM_BIND_VARS[@]}" -- \
   "$PY" -m sglang.launch_server --trust-remote-code --model-path "$MODEL" --tp-size "$TP" "${FM_DEV_ARGS[@]}" \
   "${EXTRA[@]}" --context-length "$CTX_LEN" --host "$HOST" --port "$PORT"

@@ -21,7 +21,7 @@ HOST_FLAGS = ("--host", "--prometheus-host")
 BIND_VARS = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
              "MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo",
              "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "file://"}
-SGLANG_SCRIPTS = ["launch_prefill.sh", "launch_decode.sh"]
+SGLANG_SCRIPTS = ["launch_prefill.sh", "launch_decode.sh", "data_generation/start_dump_server.sh"]
 
 
 def dry_run(script: str, device: str, *args: str, **env: str) -> tuple[list[str], dict[str, str]]:
