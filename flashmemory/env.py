@@ -199,7 +199,7 @@ MAX_HOST_CACHE_GB = float(1 << 14)  # 16 TB of host page cache per rank
 
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """The disk tier below the host mirror (issue 22): where each rank's page store lives and how big it and the
+    """The disk tier below the host mirror: where each rank's page store lives and how big it and the
     host-DRAM page cache in front of it may grow. `enabled` iff `dir` is set.
 
     dir: SGLANG_PATHP_DISK_DIR, an absolute directory ("" = no disk tier); each rank creates its own uniquely named
@@ -300,7 +300,7 @@ class FlashMemoryEnv:
     # PD decode ("B mode"): where the c4 KV lives.
     pd_c4_shrink: bool = True            # SGLANG_PD_B_C4_SHRINK: PD lands c4 KV in the mirror, device pool -> reserve
     pd_credit_c4: bool = False           # SGLANG_PD_CREDIT_OFFLOADED_C4: size the token pool without the c4 KV term
-    # Disk tier below the host mirror (issue 22): SGLANG_PATHP_DISK_DIR / _DISK_GB / _HOST_CACHE_GB.
+    # Disk tier below the host mirror: SGLANG_PATHP_DISK_DIR / _DISK_GB / _HOST_CACHE_GB.
     disk: DiskTierConfig = DiskTierConfig()
 
     @property

@@ -69,7 +69,7 @@ def test_kmax_ratio() -> None:
     ("SGLANG_RETRIEVER_INTERVAL", "-3", ">= 1"),
     ("SGLANG_DECODE_SWAP_P", "maybe", "0/1"),
     ("SGLANG_RETRIEVER_LOGIT_OFFSET", "inf", "must lie"),
-    # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation (issue 12).
+    # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation.
     ("SGLANG_PATHP_PAGE_KMAX", "1e20", "integer"),
     ("SGLANG_PATHP_PAGE_KMAX", str(10**20), "<= "),
     ("SGLANG_PATHP_PAGE_KMAX", "5000", "SGLANG_RETRIEVER_MAX_POSITION=1048576 tokens has \\(4096 pages"),
@@ -101,7 +101,7 @@ def test_from_environ_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dump_mode_needs_an_absolute_root() -> None:
-    """Issue 12 #8: the dump server writes only under a root its operator sets; without one it does not start."""
+    """The dump server writes only under a root its operator sets; without one it does not start."""
     with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT"):
         FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1"})
     with pytest.raises(EnvError, match="SGLANG_FLASHMEMORY_DUMP_ROOT='dumps': must be an absolute directory"):
@@ -112,7 +112,7 @@ def test_dump_mode_needs_an_absolute_root() -> None:
 
 
 def test_miss_low_above_miss_threshold_is_refused() -> None:
-    """Issue 17 #7, README "Errors and data safety": every numeric input is range-checked where it is read, the
+    """README "Errors and data safety": every numeric input is range-checked where it is read, the
     `SGLANG_*` variables included. A shrink-back level above the escalation level would make the monitor
     escalate and shrink on the same cycle; it was accepted without a word. The error names both variables."""
     with pytest.raises(EnvError, match="SGLANG_RETRIEVER_MISS_LOW=0.3 is above SGLANG_RETRIEVER_MISS_THRESHOLD=0.2"):

@@ -1,4 +1,4 @@
-"""DiskTierConfig (issue 22): the disk tier's three variables, parsed and validated with one-line errors."""
+"""DiskTierConfig: the disk tier's three variables, parsed and validated with one-line errors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`flashmemory bench peers`: stock, sglang's HiSparse, FlashMemory and FlashMemory+miss monitor on the same
-requests in one run, live on CPU (issue 19, item 4).
+requests in one run, live on CPU.
 
 Four PD stacks start at once (`peers_live`), then the arms are interleaved per round: for each repeat, for each
 context, the arms in turn (stock, HiSparse, FlashMemory, FlashMemory+monitor), so the shared box's load falls on all

@@ -6,7 +6,7 @@ owns the page numbering (sglang's c4 pool pages, so PD transfers can land in the
 request's logical page p lives at mirror page `mpages[p]`. Freed pages keep stale bytes, but the lookup table
 never points at them.
 
-Landing window (issue 22, `slots` < n_pages, only under the disk tier): page ids stay as they are (the lookup
+Landing window (`slots` < n_pages, only under the disk tier): page ids stay as they are (the lookup
 table, row page tables and recall plans key on them) but the tensors hold `slots` rows, and `slot_of[page]`
 says which row holds a page (`FRESH` = no bytes yet, `RELEASED` = the disk tier holds its bytes now). A page
 takes a slot when its first bytes are written (`rows(..., write=True)`; `claim` takes them at once, since the

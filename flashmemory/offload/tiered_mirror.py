@@ -1,4 +1,4 @@
-"""The disk tier wired under the host mirror (issue 22): `TieredEngine` = `OffloadEngine` + a `HostPageCache`.
+"""The disk tier wired under the host mirror: `TieredEngine` = `OffloadEngine` + a `HostPageCache`.
 
 What changes against the plain engine (which `build_engine` returns whenever the tier is off, so the gates-off
 path is the unchanged engine):

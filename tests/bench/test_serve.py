@@ -22,7 +22,7 @@ def test_summary_counts_tokens_after_the_first_over_the_shared_window():
 
 
 def test_concurrent_requests_report_progress_as_they_finish(monkeypatch, capsys):
-    """bench serve's arms run for minutes: each finished request prints a line (issue 17, item 8)."""
+    """bench serve's arms run for minutes: each finished request prints a line."""
     import flashmemory.bench.serve as bs
     monkeypatch.setattr(bs, "generate_stream", lambda url, ids, n, stop: StreamResult(
         sent=0.0, token_times=[1.0, 2.0], n_tokens=2))

@@ -1,5 +1,5 @@
 """`flashmemory demo`: a user's files in --out-dir are moved aside, never overwritten, and a --doc-len too short
-for a task is named before any work (issue 17 #7). Fast: the model is never built (a sentinel stops the run at
+for a task is named before any work. Fast: the model is never built (a sentinel stops the run at
 the first real work)."""
 
 from __future__ import annotations

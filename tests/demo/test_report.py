@@ -1,5 +1,5 @@
 """The demo report on a hand-made results dict: every printed rate carries n and a 95% interval, and every row
-whose equal-budget search did not match is marked with both mean page counts (issue 20 items 2 and 3)."""
+whose equal-budget search did not match is marked with both mean page counts."""
 
 import re
 

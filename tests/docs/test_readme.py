@@ -39,6 +39,15 @@ def test_page_describes_the_project_not_its_history(page: str) -> None:
     assert not re.findall(r"\b[Ii]ssues? \d+", (ROOT / page).read_text())
 
 
+def test_code_describes_itself_not_its_history() -> None:
+    """No project issue numbers in the package, the scripts or the tests: comments and docstrings say what the code
+    is and why (upstream and sglang references such as PR or issue links keep their own form: `#<n>`)."""
+    found = [f"{f.relative_to(ROOT)}:{i}" for d in ("flashmemory", "scripts", "tests", "training", "data_generation")
+             for f in sorted((ROOT / d).rglob("*.py")) if f != Path(__file__).resolve()
+             for i, ln in enumerate(f.read_text().splitlines(), 1) if re.search(r"\b[Ii]ssues? \d+", ln)]
+    assert not found, found
+
+
 def test_readme_is_a_short_guide(readme: str) -> None:
     lines = readme.splitlines()
     assert len(lines) <= 250, len(lines)

@@ -1,4 +1,4 @@
-"""Issue 12 #2, #3, #6, #10, #11 through `flashmemory dump` itself: one clear line and the right exit status."""
+"""`flashmemory dump` itself: one clear line and the right exit status."""
 
 import json
 import os

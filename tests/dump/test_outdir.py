@@ -1,4 +1,4 @@
-"""Issue 12 #2, #3, #10, #11: the output directory is checked, locked, and never loses a document."""
+"""The output directory is checked, locked, and never loses a document."""
 
 import errno
 import json

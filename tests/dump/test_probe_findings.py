@@ -1,4 +1,4 @@
-"""Issue 17 #7, the held-out probe's findings in the dump pipeline. Each test names the promise of the README's
+"""The held-out probe's findings in the dump pipeline. Each test names the promise of the README's
 "Errors and data safety" section (or data_generation/README.md "Robustness") that it protects, and fails on
 the code before its fix."""
 

@@ -1,4 +1,4 @@
-"""Property tests (issue 12): the dump-protocol parser, doc loading and the metadata reader on generated malformed
+"""Property tests: the dump-protocol parser, doc loading and the metadata reader on generated malformed
 input give their own clear error type or a correct result, never another exception."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 12 #4 (doc loading) and #9: what every dump reader (train, eval, verify) refuses, with the file and field."""
+"""What every dump reader (train, eval, verify) refuses, with the file and field."""
 
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""Issue 17 #7: the dump server (`flashmemory.sglang.dump_mode.DumpRecorder`) writes only inside its root, and
+"""The dump server (`flashmemory.sglang.dump_mode.DumpRecorder`) writes only inside its root, and
 refuses at admission, with the reason, a document it could not write. Each test names the promise it protects
 (data_generation/README.md: "The server only writes where its operator allows"; README "Errors and data
 safety": one clear line naming the file or field) and fails on the code before the fix."""

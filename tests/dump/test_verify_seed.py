@@ -1,4 +1,4 @@
-"""Issue 17 #7: `verify` with another seed than the dump's said only "FAIL: min r". A dump now records its
+"""`verify` with another seed than the dump's said only "FAIL: min r". A dump now records its
 model and seed (metadata lines; additive), and verify refuses a seed the dump was not made with, naming the
 flag and the dump's value; a FAIL on an older dump without them says what to check."""
 

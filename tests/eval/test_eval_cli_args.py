@@ -1,4 +1,4 @@
-"""`flashmemory eval`: numeric flags and checkpoint/dump sizes are checked before any scoring (issue 17 #7).
+"""`flashmemory eval`: numeric flags and checkpoint/dump sizes are checked before any scoring.
 
 Each case protects README "Errors and data safety": *every numeric input is range-checked where it is read*
 and *an expected failure prints one line naming the flag or file, with a non-zero exit* (no traceback, no

@@ -2,7 +2,7 @@
 recovered, and the budget matched on average.
 
 The replay admits a row with nothing resident and runs its step-0 cycle on the prompt's last position, before
-any decode step. A reading there compares the native top-k with an empty set: 1.0 by construction (issue 20).
+any decode step. A reading there compares the native top-k with an empty set: 1.0 by construction.
 `test_native_on_the_newest_chunks_reads_no_miss` and `test_every_reading_is_one_minus_the_attended_mass` catch
 that reading; the rest pin the monitor's effect once it reads what decode attended.
 """

@@ -1,4 +1,4 @@
-"""`HostMirror` with a landing window (issue 22): page ids keep their meaning, the tensors hold `slots` rows.
+"""`HostMirror` with a landing window: page ids keep their meaning, the tensors hold `slots` rows.
 
 - slot accounting: `alloc` hands out ids without slots, the first write gives a page a slot, `claim` takes them at
   once (all or none), `release` gives slots back (the tier holds the bytes), `free` gives back ids and slots;

@@ -1,4 +1,4 @@
-"""The disk tier wired under the engine (`TieredEngine`, issue 22), in-process on CPU.
+"""The disk tier wired under the engine (`TieredEngine`), in-process on CPU.
 
 - Same steps with the tier on (a host cache smaller than the working set, read-ahead threads running) and off:
   after every recall the device reserve, the lookup table and the resident tables are byte-identical, and the

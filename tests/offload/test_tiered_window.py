@@ -1,4 +1,4 @@
-"""The host mirror as a landing window under the disk tier (issue 22), in-process on CPU.
+"""The host mirror as a landing window under the disk tier, in-process on CPU.
 
 - The steps of the tier-on vs tier-off test (admissions, decode steps, Level-1 cycles, a finish and a reuse of
   its row) with a window of few slots: after every recall the lookup table and the resident tables are equal to

@@ -2,7 +2,7 @@
 
 Level 1 is driven as serving drives it: the row is admitted with its tail page open and warm-started, and every
 `on_step` follows a decode forward, so each reading is against a set decode attended (never the empty set a bare
-`admit` leaves, which would read 1.0 by construction: issue 20)."""
+`admit` leaves, which would read 1.0 by construction)."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ def test_save_never_writes_a_nan_checkpoint_nor_leaves_a_temp_file(tmp_path: Pat
 
 def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17 #7: a failed safetensors write was a `SafetensorError` traceback. README "Errors and data safety":
+    """A failed safetensors write was a `SafetensorError` traceback. README "Errors and data safety":
     one line naming the file and the cause (a full path included), non-zero exit; writes are atomic (the temp
     file is removed). The write really starts (bytes reach the temp file), then fails the way safetensors reports
     ENOSPC: "I/O error: No space left on device (os error 28)"."""
@@ -227,7 +227,7 @@ def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, c
 
 
 def test_inspect_and_convert_name_the_keys_they_ignore(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Issue 17 #7: `checkpoint inspect` skipped keys it does not know without a word. README "Errors and data
+    """`checkpoint inspect` skipped keys it does not know without a word. README "Errors and data
     safety" (nothing is silently dropped): inspect lists them, convert says they were not converted."""
     sd = write_joint(tmp_path / "j.pt", layers=(10,))
     sd["retrievers.l10.bias_extra"] = torch.zeros(3)

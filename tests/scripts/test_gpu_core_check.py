@@ -1,7 +1,7 @@
 """scripts/gpu_core_check.py: its CPU quick mode passes with nothing the H200 image lacks, and it fails loudly.
 
 The lent H200 has torch 2.11, numpy, safetensors, triton and transformers on Python 3.12, and no sglang or
-serving stack; the script must run there from the repo root with PYTHONPATH=. (issue 21). The subprocess test
+serving stack; the script must run there from the repo root with PYTHONPATH=. The subprocess test
 runs the quick mode behind an import hook that refuses the serving stack the image lacks (sglang, sglang_router,
 nixl, mooncake, fastapi, uvicorn, openai) and packages the core must not need even where an image has them
 (pytest, hypothesis, tqdm, yaml, transformers, ...), then checks that every module the run imported is the
@@ -200,7 +200,7 @@ STABLE_TORCH_CORE = STABLE_TORCH | {
     "torch.full_like", "torch.iinfo", "torch.int16", "torch.int32", "torch.is_tensor", "torch.load",
     "torch.nn.functional.pad", "torch.relu", "torch.rsqrt", "torch.sigmoid", "torch.softmax", "torch.sort",
     "torch.unique", "torch.zeros_like",
-    # the disk tier (issue 22): both exist unchanged since torch 1.10 / 1.0
+    # the disk tier: both exist unchanged since torch 1.10 / 1.0
     "torch.distributed", "torch.frombuffer",
 }
 CORE = ("flashmemory/offload", "flashmemory/residency", "flashmemory/retriever")
@@ -228,7 +228,7 @@ def test_script_names_only_long_stable_torch_apis():
 
 
 def test_core_the_script_imports_names_only_long_stable_torch_apis():
-    """The core must import and run on torch 2.11 too (issue 21): a torch API not in the list above fails here
+    """The core must import and run on torch 2.11 too: a torch API not in the list above fails here
     until someone checks it exists in 2.11 (or adds a fallback) and adds it."""
     files = [f for d in CORE for f in sorted((ROOT / d).glob("*.py"))] + [ROOT / "flashmemory" / "atomic.py"]
     used = set().union(*(_torch_names(f) for f in files))

@@ -1,4 +1,4 @@
-"""The disk tier behind the sglang adapter (issue 22), on a fake c4 pool, no server: the adapter builds a
+"""The disk tier behind the sglang adapter, on a fake c4 pool, no server: the adapter builds a
 `TieredEngine` when SGLANG_PATHP_DISK_DIR is set (the plain engine otherwise), its stats carry the disk counters
 /metrics exports, and a page that fails verification in a Level-1 recall becomes the guard's `RequestFailure`
 naming that request and page (the guard then fails that request alone)."""

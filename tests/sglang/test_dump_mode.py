@@ -39,7 +39,7 @@ def test_request_topk_fields_old_blocks_and_errors(tmp_path):
 
 
 def test_server_writes_only_under_its_root(tmp_path):
-    """Issue 12 #8: output_dir outside the operator's root, with '..', or with no root set is refused."""
+    """Output_dir outside the operator's root, with '..', or with no root set is refused."""
     root = tmp_path / "root"
     (root / "ok").mkdir(parents=True)
     (root / "link").symlink_to(tmp_path)                               # a symlink that leaves the root

@@ -1,4 +1,4 @@
-"""The FlashMemory guard (issue 17 items 2-3) on CPU with the real Path-P adapter on a fake DSv4 pool: a failure costs
+"""The FlashMemory guard on CPU with the real Path-P adapter on a fake DSv4 pool: a failure costs
 one request (the others' resident pages are those of a fault-free run), anything else stops the server with one
 line, and the gauges say idle once nothing runs."""
 import types

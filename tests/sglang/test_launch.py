@@ -77,7 +77,7 @@ def test_router_command_parses(mini):
     ("launch_decode.sh", {"DEVICE": "gpu"}, "DEVICE=gpu"),
     ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
     ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
-    # issue 17 #7: bash arithmetic wraps 2^64 + 1 to 1, so it passed the >= 1 check; now the string is checked first
+    # bash arithmetic wraps 2^64 + 1 to 1, so it passed the >= 1 check; now the string is checked first
     ("launch_decode.sh", {"KMAX": "18446744073709551617"}, "KMAX=18446744073709551617 is too large (at most 9 digits"),
     ("launch_prefill.sh", {"PORT": "99999999999999999999"}, "PORT=99999999999999999999 is too large"),
     ("launch_router.sh", {"PROMETHEUS_PORT": "1000000000"}, "PROMETHEUS_PORT=1000000000 is too large"),
@@ -91,7 +91,7 @@ def test_bad_knobs(script, env, msg):
 
 
 def test_a_leading_zero_is_decimal_not_a_bash_error():
-    """Issue 17 #7: KMAX=08 printed bash's "value too great for base" beside the project's own check (bash reads a
+    """KMAX=08 printed bash's "value too great for base" beside the project's own check (bash reads a
     leading 0 as octal). README "Errors and data safety": one line, never a shell error; 08 is read as 8."""
     p = dry("launch_decode.sh", KMAX="08")
     assert p.returncode == 0 and "base" not in p.stderr and "line" not in p.stderr, p.stderr

@@ -75,7 +75,7 @@ def test_resident_view_dedups_tail_and_handles_empty_rows():
 def test_full_selection_view_picks_exactly_what_stock_picks_past_512_chunks(sg):
     """Full budget = stock: with every page selected, sglang's own scorer + top-k over the view give the same
     pool locs in the same order as over the full table, also when the history is past index_topk (512) and
-    scores tie (chunks with equal keys). A view narrower than the table broke ties differently (issue 17)."""
+    scores tie (chunks with equal keys). A view narrower than the table broke ties differently."""
     ref_fn, topk = sg["indexer"].fp8_paged_mqa_logits_torch, sg["indexer"].topk_transform_pytorch_vectorized
     n_pages, width, n = 11, 16, 700                                     # 700 chunks > 512, table wider than the history
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""Training's output dir and failure modes (issue 12): reruns, the lock, divergence, resume past the end,
+"""Training's output dir and failure modes: reruns, the lock, divergence, resume past the end,
 file-system errors. Driven through `flashmemory.cli.main` where the exit code and the one line matter."""
 
 from __future__ import annotations

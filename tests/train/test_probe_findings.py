@@ -1,4 +1,4 @@
-"""Issue 17 #7, the held-out probe's training findings: each was a traceback or a silently wrong run.
+"""The held-out probe's training findings: each was a traceback or a silently wrong run.
 
 Every test names the README "Errors and data safety" promise it protects."""
 

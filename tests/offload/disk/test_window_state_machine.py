@@ -1,4 +1,4 @@
-"""A hypothesis state machine over the three tiers with the host mirror as a landing window (issue 22): a
+"""A hypothesis state machine over the three tiers with the host mirror as a landing window: a
 `TieredEngine` whose mirror holds max_rows x 3 page slots for 4 x 32 page ids, under admissions, decode steps,
 Level-1 recalls, finishes, cache pressure (a cold cache), disk full (write-behind fails, pages stay pinned in
 DRAM) and slow disk reads, with the read-ahead threads running.

@@ -104,7 +104,7 @@ def disk_tier_env(disk_dir: Path) -> dict:
 def tiny_retriever_ckpt(serving_model, tmp_path_factory):
     """A retriever trained here from a dump of the serving model (about half a minute), shared by the session.
     Trained into a *relative* output dir from another working directory, as `make demo` does: a data config
-    written with cwd-relative paths once broke the demo's serving stage on a clean clone (issue 17)."""
+    written with cwd-relative paths once broke the demo's serving stage on a clean clone."""
     from flashmemory.serve.tiny_retriever import train_tiny_retriever
     base = tmp_path_factory.mktemp("retriever")
     cwd = os.getcwd()

@@ -1,4 +1,4 @@
-"""Issue 12 #7 on the live CPU server: a bad retriever checkpoint stops sglang's startup with one clear line,
+"""On the live CPU server, a bad retriever checkpoint stops sglang's startup with one clear line,
 before the model loads (the plugin validates it at registration), and leaves no process behind."""
 
 import pytest

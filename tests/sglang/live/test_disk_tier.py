@@ -1,4 +1,4 @@
-"""The disk tier live (issue 22): the small-budget server (c) plus SGLANG_PATHP_DISK_DIR (its own server),
+"""The disk tier live: the small-budget server (c) plus SGLANG_PATHP_DISK_DIR (its own server),
 with a host page cache of 1 page, far smaller than the requests' sealed pages, so pages are written behind to the
 page store and Level 1's recalls read them back from disk (verified). Its greedy tokens equal the host-only
 small-budget server's (`live_servers["small"]`) on the same requests, /metrics counts disk bytes both ways, the
@@ -110,7 +110,7 @@ def _rot(store: Path, block: int = 4096) -> int:
 
 
 def test_a_corrupt_disk_page_fails_its_request_and_the_server_serves_on(runs):
-    """Faults (issue 22): the store file rots under a decoding request whose pages went to disk. The request's next
+    """Faults: the store file rots under a decoding request whose pages went to disk. The request's next
     recall of a rotten page fails verification: that request alone fails (HTTP 500, its page named in the log,
     counted), and the server serves the next request."""
     _, _, srv, disk = runs

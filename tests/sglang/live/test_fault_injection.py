@@ -1,4 +1,4 @@
-"""A failure costs one request, never the server (issue 17 item 2), on the folder's small-budget server
+"""A failure costs one request, never the server, on the folder's small-budget server
 (`live_servers["small"]`: Path-P at a small budget), which runs with the test-only fault injector
 (FLASHMEMORY_FAULT_INJECT="hook=before_forward,rid=^faulty-": only requests named faulty-* are faulted).
 

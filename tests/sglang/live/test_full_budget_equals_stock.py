@@ -1,6 +1,6 @@
 """(b) Path-P + Level 1 + score-resident Level 2 at a budget that holds the whole history: stock sglang's tokens,
 with Level 1 deciding what is resident (every chunk passes it; the recency tail is 16 chunks), more decode steps
-than 2 x tau (tau = 4), and four concurrent requests of different lengths (issue 17, item 5).
+than 2 x tau (tau = 4), and four concurrent requests of different lengths.
 
 Why one batched /generate call: stock sglang on CPU is not batch-invariant. The same request decoded alone and
 beside three others gave logprobs up to 0.65 apart and other greedy tokens after 4-22 steps (and two concurrent

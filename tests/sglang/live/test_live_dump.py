@@ -1,4 +1,4 @@
-"""Live dump on CPU (issue 11, 5e): data_generation/start_dump_server.sh with DEVICE=cpu (a real sglang server with
+"""Live dump on CPU: data_generation/start_dump_server.sh with DEVICE=cpu (a real sglang server with
 the plugin in dump mode), data_generation/run_dump_training_data.py against it, then `flashmemory verify` of the
 written documents against the transformers engine on the same weights, then training on them.
 
@@ -60,7 +60,7 @@ def dump_dir(tmp_path_factory):
                   "--max-tokens", str(MAX_TOKENS), "--concurrency", "2", "--no-progress"], timeout=900)
         print(f"\ndump server: startup {startup:.0f} s, dump of {len(PROMPTS)} prompts {time.monotonic() - t:.0f} s")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        # issue 12 #8 on the live server: a client naming an output dir outside the server's root is refused
+        # on the live server: a client naming an output dir outside the server's root is refused
         outside = tmp_path_factory.mktemp("outside_root") / "dump"
         refused = _run([sys.executable, "data_generation/run_dump_training_data.py", "--backend", "sglang",
                         "--url", f"http://127.0.0.1:{port}/v1", "--model", str(model), "--input", str(inp),

@@ -1,4 +1,4 @@
-"""Live PD on CPU (issue 11, 5d and 6; issue 19, item 2): `flashmemory serve` (what `make serve` runs: the
+"""Live PD on CPU: `flashmemory serve` (what `make serve` runs: the
 launch scripts under DEVICE=cpu, real sglang processes on 127.0.0.1) started twice side by side, once with
 FlashMemory (D in shrink mode, KV moved by NIXL over host DRAM) and once with sglang's own HiSparse
 (`--hisparse`: stock D with `--enable-hisparse` and a hot buffer smaller than the history, KV moved by
@@ -306,7 +306,7 @@ def test_churn_with_dropped_streams_and_bad_requests(serve):
     """A concurrent burst through the router with the `openai` client (four chats of ~60 to ~1,000 tokens, two streams
     dropped after two chunks) and six malformed requests: every good one answered, every bad one a 4xx, and the
     same greedy answer before and after; the servers still serve, and D's gauges read idle afterwards: no live
-    request, every reserve block free, no host-mirror bytes in use (issue 17, items 3 and 6)."""
+    request, every reserve block free, no host-mirror bytes in use."""
     openai = pytest.importorskip("openai")
     router = serve.ready["router"]
     client = openai.OpenAI(base_url=router + "/v1", api_key="none", timeout=900, max_retries=0)
@@ -356,7 +356,7 @@ def test_churn_with_dropped_streams_and_bad_requests(serve):
     assert all(results[f"stream{w}"] == 2 for w in (40, 120))
     assert chat(30) == before
     assert http_get(serve.ready["decode"] + "/health", timeout=30)[0] == 200
-    # Gauges tell the truth (issue 17 item 3): with nothing running D's /metrics reads idle, dropped streams included
+    # Gauges tell the truth: with nothing running D's /metrics reads idle, dropped streams included
     # (the scheduler's idle hook releases the rows of requests that finished after the last decode forward).
     deadline, gauges = time.monotonic() + 60, {}
     while time.monotonic() < deadline:

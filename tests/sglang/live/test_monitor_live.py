@@ -1,8 +1,8 @@
 """The miss monitor inside sglang, on the folder's full-budget server (`live_servers["full"]`, which runs with
 SGLANG_RETRIEVER_MISS_MONITOR=1): the native query is recomputed by sglang's own C4 indexer on the CPU layer.
 
-- Issue 14: its counters and histogram appear on /metrics, and Level 1 and the monitor both cycle.
-- Issue 20: every reading is 1 - the monitored layer's native top-k mass over the resident set the decode step
+- its counters and histogram appear on /metrics, and Level 1 and the monitor both cycle.
+- every reading is 1 - the monitored layer's native top-k mass over the resident set the decode step
   attended. At the full budget (KMAX 16 pages of 64 chunks, every chunk passing Level 1) the attended set is the
   whole history, so every reading must be 0: all of the miss-mass histogram in its first bucket (<= 0.01) and
   its sum 0. A reading taken against a set no step attended (the empty set the replay once measured at its first
