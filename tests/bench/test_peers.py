@@ -92,6 +92,11 @@ def test_steady_window_check_fails_when_a_window_does_not_open():
 
 def test_tokens_equal_common_prefix():
     assert tokens_equal([[1, 2, 3], [4, 5]], [[1, 2, 9, 7], [4]]) == (3, 4)
+    # Positions after a mismatch still count: equal tokens are counted position by position, not up to the first
+    # difference (one sampled token that differs must not write off the rest of the stream).
+    assert tokens_equal([[1, 2, 3, 4, 5]], [[1, 9, 3, 4, 5, 6]]) == (4, 5)
+    assert tokens_equal([[7, 8], [1, 2, 3]], [[0, 8], [1, 0, 3]]) == (3, 5)
+    assert tokens_equal([[1, 2]], [[]]) == (0, 0)
 
 
 def test_decode_step_ms_reads_only_full_batches():
