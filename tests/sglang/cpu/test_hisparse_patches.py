@@ -54,8 +54,25 @@ class Recorder:
         return "stock"
 
 
-def test_gate_is_off_outside_a_hisparse_cpu_server():
-    assert hp.hisparse_on_cpu() is False
+@pytest.mark.parametrize("args, on", [
+    (None, False),                                                        # no server args published (a tool)
+    (SimpleNamespace(device="cpu", enable_hisparse=True), True),          # the one case the gate is on
+    (SimpleNamespace(device="cuda", enable_hisparse=True), False),        # HiSparse on a GPU: sglang's own kernels
+    (SimpleNamespace(device="cpu", enable_hisparse=False), False),        # CPU server without HiSparse
+    (SimpleNamespace(device="cpu"), False),                               # args without the field
+    (SimpleNamespace(enable_hisparse=True), False),                       # args without a device
+])
+def test_gate_is_off_outside_a_hisparse_cpu_server(monkeypatch, args, on):
+    """The gate reads the server args sglang publishes in this process: on only with device cpu AND HiSparse."""
+    import sglang.srt.runtime_context as rc
+
+    def published():
+        if args is None:
+            raise AttributeError("no server args in this process")
+        return args
+    monkeypatch.setattr(rc, "get_server_args", published)
+    assert hp.hisparse_on_cpu() is on
+    assert hp.serving_on_cpu() is (args is not None and getattr(args, "device", None) == "cpu")
 
 
 def test_gate_off_calls_sglang_unchanged():
