@@ -39,11 +39,23 @@ def test_bad_numbers_are_one_line_before_any_work(synth, teacher, tmp_path, caps
 
 
 def test_zero_stride_means_tau_and_budgets_in_range_run(synth, teacher, tmp_path, capsys) -> None:
+    """--stride 0 scores exactly the cycles (and results) of --stride tau, and fewer cycles than a smaller stride."""
     ck = save_retriever(teacher, tmp_path / "t.safetensors")
-    out_json = tmp_path / "r.json"
-    assert main(["eval", "--checkpoint", str(ck), "--dump", str(synth / "train"), "--stride", "0", "--tau", "16",
-                 "--budgets", "1,0.5", "--json", str(out_json)]) == 0
-    assert set(json.loads(out_json.read_text())["results"]) == {"fm@thr", "1", "0.5"}
+
+    def run(stride: int) -> tuple[dict, str]:
+        out_json = tmp_path / f"r{stride}.json"
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(ck), "--dump", str(synth / "train"), "--stride", str(stride),
+                     "--tau", "16", "--budgets", "1,0.5", "--json", str(out_json)]) == 0
+        cycles_line = next(x for x in capsys.readouterr().out.splitlines() if " cycles, " in x)
+        return json.loads(out_json.read_text())["results"], cycles_line
+
+    zero, zero_line = run(0)
+    assert set(zero) == {"fm@thr", "1", "0.5"}
+    tau, tau_line = run(16)
+    assert zero == tau and zero_line == tau_line
+    finer, _ = run(8)
+    assert finer["1"]["flashmemory"]["cycles"] > zero["1"]["flashmemory"]["cycles"] > 0
 
 
 def test_a_checkpoint_of_another_hidden_size_is_named(synth, tmp_path, capsys) -> None:
