@@ -1,5 +1,6 @@
 """bench serve's arithmetic: prompt lengths and the decode-rate summary of concurrent streamed requests."""
 import math
+import threading
 
 from flashmemory.bench.serve import contexts, summarize
 from flashmemory.serve.client import StreamResult
@@ -21,12 +22,30 @@ def test_summary_counts_tokens_after_the_first_over_the_shared_window():
     assert math.isnan(summarize([a, late])["steady_tok_s"])
 
 
-def test_concurrent_requests_report_progress_as_they_finish(monkeypatch, capsys):
-    """bench serve's arms run for minutes: each finished request prints a line."""
+def test_concurrent_requests_report_progress_as_they_finish(monkeypatch):
+    """bench serve's arms run for minutes: each finished request prints its line when it finishes, while the others
+    still run. The last request here returns only once the other two lines are out, so lines printed after the
+    join of all requests leave it waiting (it gives up after 30 s and the test fails)."""
     import flashmemory.bench.serve as bs
-    monkeypatch.setattr(bs, "generate_stream", lambda url, ids, n, stop: StreamResult(
-        sent=0.0, token_times=[1.0, 2.0], n_tokens=2))
+    lines: list[str] = []
+    two_reported = threading.Event()
+
+    def record(*args, **kwargs) -> None:
+        lines.append(" ".join(map(str, args)))
+        if sum("finished" in ln for ln in lines) >= 2:
+            two_reported.set()
+
+    waited: list[bool] = []
+
+    def stream(url, ids, n, stop):
+        if ids[0] == 3:
+            waited.append(two_reported.wait(timeout=30))
+        return StreamResult(sent=0.0, token_times=[1.0, 2.0], n_tokens=2)
+
+    monkeypatch.setattr(bs, "print", record, raising=False)
+    monkeypatch.setattr(bs, "generate_stream", stream)
     out = bs._concurrent("http://x", [[1] * 5, [2] * 7, [3] * 9], 4, 2)
-    assert len(out) == 3
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "finished" in ln]
-    assert len(lines) == 3 and lines[-1].endswith("3/3") and any("(7 tokens)" in ln for ln in lines)
+    assert len(out) == 3 and waited == [True]
+    finished = [ln for ln in lines if "finished" in ln]
+    assert len(finished) == 3 and finished[-1] == "  request 2 (9 tokens) finished: 3/3"
+    assert any("(7 tokens)" in ln for ln in finished)
