@@ -27,6 +27,7 @@ evicted first (a wasted prefetch); still marked at the end of a replay: `prefetc
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Mapping, Sequence
@@ -221,3 +222,63 @@ def replay_hisparse(picks: Sequence[Sequence[torch.Tensor]], lengths: Sequence[i
                 buf.prefetch(h, int(length))
         total = total + buf.stats()
     return total
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """A live trace replayed: `replayed` (the replay's counts, at `slots`; its `calls` count (layer, request,
+    step) triples), `recorded` (the live op's own per-call counts summed: calls = one per layer per batch, lookups,
+    hits, misses), `mismatched_calls` (calls whose replayed hits or misses differ from the live op's; meaningful
+    when slots == recorded_hot), `layers` and `requests` (request slots) seen."""
+
+    replayed: ReplayStats
+    recorded: dict[str, int]
+    mismatched_calls: int
+    slots: int
+    recorded_hot: int
+    layers: int
+    requests: int
+
+
+def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
+    """Replay a FLASHMEMORY_HISPARSE_TRACE file (JSON lines written by the HiSparse CPU swap-in,
+    `flashmemory.sglang.cpu.patches_hisparse.trace_swapin`): one hot buffer per (c4 layer, request slot), started
+    over at each {"ev": "admit"} of its slot (empty or 0..H-1 as recorded; a slot never admitted starts at
+    0..H-1, sglang's `alloc_device_buffer`). slots: the buffer size to replay (default: the recorded one; another
+    size gives that buffer's cost on the same live picks)."""
+    bufs: dict[tuple[int, int], HotBufferReplay] = {}
+    empty: dict[int, bool] = {}
+    finished = ReplayStats()
+    recorded = dict.fromkeys(("calls", "lookups", "hits", "misses"), 0)
+    mismatched, hot_seen, layers, rids = 0, 0, set(), set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+                ev = rec["ev"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{n}: not a HiSparse trace line") from None
+            if ev == "admit":
+                rid = int(rec["rid"])
+                for key in [k for k in bufs if k[1] == rid]:
+                    finished = finished + bufs.pop(key).stats()
+                empty[rid] = bool(rec["empty"])
+                continue
+            hot_seen = int(rec["hot"])
+            size = slots or hot_seen
+            layer = int(rec["layer"])
+            layers.add(layer)
+            hits = misses = 0
+            for rid, length, picks in rec["rows"]:
+                rids.add(rid)
+                buf = bufs.get((layer, rid))
+                if buf is None:
+                    buf = bufs[(layer, rid)] = HotBufferReplay(size, empty.get(rid, False))
+                h, m = buf.step(picks, int(length))
+                hits, misses = hits + h, misses + m
+            recorded["calls"] += 1
+            for k in ("lookups", "hits", "misses"):
+                recorded[k] += int(rec[k])
+            mismatched += int((hits, misses) != (int(rec["hits"]), int(rec["misses"])))
+    total = sum((b.stats() for b in bufs.values()), finished)
+    return TraceReplay(total, recorded, mismatched, slots or hot_seen, hot_seen, len(layers), len(rids))

@@ -188,3 +188,70 @@ def test_replay_equals_the_cpu_swap_in_op(seed: int, hot: int, k: int, empty: bo
             assert _state(bufs[r]) == (s["tokens"][r, :hot].tolist(), s["lru"][r].tolist())
     total = sum((b.stats() for b in bufs), ReplayStats())
     assert total.misses > 0 and total.hits > 0 and total.fast_path_calls > 0
+
+
+# ---- a live trace (FLASHMEMORY_HISPARSE_TRACE) replayed --------------------------------------------------------
+
+def test_trace_of_the_patched_swap_in_replays_exactly(tmp_path, monkeypatch) -> None:
+    """The CPU server's swap-in hook (patches_hisparse.swap_in_dsv4, gate on) writes a trace of two c4 layers and
+    two requests, one admitted empty over PD and one at 0..H-1, a request slot reused after a new admission; the
+    replay of the trace gives the hook's own counts call by call, and the totals its counter kept."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from flashmemory.sglang.cpu import patches_hisparse as hp
+    trace = tmp_path / "trace.jsonl"
+    counter = hp.SwapInCounter()
+    counter.prom = {}
+    monkeypatch.setattr(hp, "hisparse_on_cpu", lambda: True)
+    monkeypatch.setattr(hp, "SWAPIN", counter)
+    monkeypatch.setattr(hp, "_TRACE", {"path": str(trace), "layers": {}})
+    monkeypatch.setattr(hp, "_NEWEST_PENDING", {})
+    hot, k, max_len, rnd = 8, 6, 40, random.Random(7)
+    layers = [_op_state(2, hot, max_len, empty=False) for _ in range(2)]
+    coord = SimpleNamespace(is_dsv4_hisparse=True, device_buffer_size=hot, host_token_len=lambda n: n // 4,
+                            mem_pool_device=SimpleNamespace(kv_buffer=[]))
+
+    def admit(rid: int, compressed: int) -> None:
+        hp.admit_direct(None, coord, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=rid,
+                                                                        kv_allocated_len=4 * compressed)))
+        for s in layers:   # what sglang does at admission: 0..H-1, or empty for a long PD request
+            s["tokens"][rid, :hot] = -1 if compressed > hot else torch.arange(hot, dtype=torch.int32)
+            s["lru"][rid] = torch.arange(hot, dtype=torch.int16)
+
+    admit(0, 20)
+    admit(1, 6)
+    lens, prev = [20, 6], [[], []]
+    for step in range(40):
+        if step == 20:
+            admit(0, 30)          # slot 0 finished and was given to a new long request
+            lens[0], prev[0] = 30, []
+        lens = [min(max_len, n + (rnd.random() < 0.5)) for n in lens]
+        rows = [_topk_walk(rnd, prev[r], lens[r], k, keep=0.7) for r in range(2)]
+        prev = rows
+        for s in layers:
+            out = torch.full((2, k), -1, dtype=torch.int32)
+            hp.swap_in_dsv4(None, torch.tensor(rows, dtype=torch.int32), s["tokens"], s["host_locs"], s["locs"],
+                            s["host"], s["device"], out, torch.arange(2), torch.tensor(lens), s["lru"], 584, k, hot)
+    from flashmemory.eval.hisparse_replay import replay_trace
+    got = replay_trace(str(trace))
+    live = counter.snapshot()
+    assert got.mismatched_calls == 0 and (got.layers, got.requests, got.recorded_hot) == (2, 2, hot)
+    assert got.recorded["calls"] == live["calls"] == 80
+    assert (got.replayed.lookups, got.replayed.hits, got.replayed.misses) == \
+        (live["lookups"], live["hits"], live["misses"]) and live["misses"] > 0
+    bigger = replay_trace(str(trace), slots=2 * hot)
+    assert bigger.slots == 2 * hot and bigger.replayed.misses < got.replayed.misses
+
+
+def test_trace_is_off_by_default_and_a_relative_path_is_refused(tmp_path) -> None:
+    from flashmemory.env import EnvError, hisparse_trace
+    assert hisparse_trace({}) == ""
+    assert hisparse_trace({"FLASHMEMORY_HISPARSE_TRACE": str(tmp_path / "t")}) == str(tmp_path / "t")
+    with pytest.raises(EnvError, match="FLASHMEMORY_HISPARSE_TRACE"):
+        hisparse_trace({"FLASHMEMORY_HISPARSE_TRACE": "t.jsonl"})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{}\n")
+    from flashmemory.eval.hisparse_replay import replay_trace
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        replay_trace(str(bad))

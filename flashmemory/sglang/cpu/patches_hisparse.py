@@ -7,11 +7,14 @@ function unchanged. Paths are relative to the installed `sglang` package.
 
 The swap-in keeps counters sglang does not (`SWAPIN`): lookups, hits, misses and bytes copied host -> device,
 per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
-(`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls.
+(`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls. With
+FLASHMEMORY_HISPARSE_TRACE set (a diagnostic, off by default) every swap-in call's picks and counts and every
+direct admission are appended to that file as JSON lines (`trace_swapin`), for `eval.hisparse_replay.replay_trace`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any, Callable
@@ -121,6 +124,35 @@ def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool
     return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 
+_TRACE: dict[str, Any] = {}   # "path": FLASHMEMORY_HISPARSE_TRACE ("" = off), "layers": {data_ptr: c4 layer index}
+_TRACE_LOCK = threading.Lock()
+
+
+def trace_path() -> str:
+    """FLASHMEMORY_HISPARSE_TRACE, read once per process ("" = no trace)."""
+    if "path" not in _TRACE:
+        from flashmemory.env import hisparse_trace
+        _TRACE.update(path=hisparse_trace(), layers={})
+    return _TRACE["path"]
+
+
+def _trace_write(rec: dict[str, Any]) -> None:
+    with _TRACE_LOCK, open(_TRACE["path"], "a") as f:
+        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def trace_swapin(layer_state: torch.Tensor, picks: torch.Tensor, req_pool_indices: torch.Tensor,
+                 seq_lens: torch.Tensor, hot: int, c: SwapInCounts) -> None:
+    """One JSON line per swap-in call: {"ev": "swapin", "layer": c4 layer index (by the layer's state tensor, in
+    order of first call), "hot", "k", "rows": [[request slot, compressed length, [picks]] per real row], and the
+    op's "lookups", "hits", "misses"}. picks: int [real rows, k], taken before the op ran."""
+    with _TRACE_LOCK:
+        layer = _TRACE["layers"].setdefault(int(layer_state.data_ptr()), len(_TRACE["layers"]))
+    rows = [[int(req_pool_indices[b]), int(seq_lens[b]), picks[b].tolist()] for b in range(picks.shape[0])]
+    _trace_write({"ev": "swapin", "layer": layer, "hot": hot, "k": int(picks.shape[1]), "rows": rows,
+                  "lookups": c.lookups, "hits": c.hits, "misses": c.misses})
+
+
 # request slot -> (c4 entries that came with its prefill, data_ptrs of the c4 layers whose reserved slot is not
 # loaded yet); see `admit_direct`.
 _NEWEST_PENDING: dict[int, tuple[int, set[int]]] = {}
@@ -135,6 +167,8 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
     if not hisparse_on_cpu() or not getattr(self, "is_dsv4_hisparse", False):
         return
     rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
+    if trace_path():   # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
+        _trace_write({"ev": "admit", "rid": rid, "empty": n0 > self.device_buffer_size})
     if n0 > self.device_buffer_size:
         _NEWEST_PENDING[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
     else:
@@ -184,9 +218,13 @@ def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_t
     real = top_k_tokens.shape[0] if num_real_reqs is None else int(num_real_reqs)
     fill_newest(host_cache, device_buffer, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
                 hot_buffer_size, real)
-    SWAPIN.add(load_cache_to_device_buffer_dsv4(
+    picks = top_k_tokens[:real, :num_top_k].clone() if trace_path() else None   # as the indexer handed them
+    counts = load_cache_to_device_buffer_dsv4(
         top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-        top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs))
+        top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs)
+    SWAPIN.add(counts)
+    if picks is not None:
+        trace_swapin(device_buffer_tokens, picks, req_pool_indices, seq_lens, hot_buffer_size, counts)
 
 
 def backup_tokens(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
