@@ -21,6 +21,7 @@ COMMANDS = [
     "flashmemory.demo.quality_cli",  # eval quality (the demo's pipeline over many held-out documents): after eval
     "flashmemory.train.verify",    # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",       # bench scorer|labels|recall|train|costmodel|all
+    "flashmemory.costmodel.plan_cli",  # plan (a projected node plan: requests per tier, disks, tok/s)
     "flashmemory.tasks.cli",       # tasks generate|score|list
     "flashmemory.tiny.cli",        # model train-tiny|probe (a tiny DeepSeek-V4 that retrieves)
     "flashmemory.serve.cli",       # serve (P, D and the router on CPU, until Ctrl-C)
