@@ -28,6 +28,7 @@ evicted first (a wasted prefetch); still marked at the end of a replay: `prefetc
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Mapping, Sequence
@@ -282,3 +283,26 @@ def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
             mismatched += int((hits, misses) != (int(rec["hits"]), int(rec["misses"])))
     total = sum((b.stats() for b in bufs.values()), finished)
     return TraceReplay(total, recorded, mismatched, slots or hot_seen, hot_seen, len(layers), len(rids))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m flashmemory.eval.hisparse_replay TRACE [SLOTS ...]`: one JSON line per buffer size (default the
+    recorded one): the live op's summed counts, the replay's, and the calls where they differ."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or not all(a.isdigit() and int(a) > 0 for a in args[1:]):
+        print("usage: python -m flashmemory.eval.hisparse_replay TRACE.jsonl [SLOTS ...]", file=sys.stderr)
+        return 2
+    try:
+        for size in [int(a) for a in args[1:]] or [None]:
+            r = replay_trace(args[0], size)
+            print(json.dumps({"slots": r.slots, "recorded_hot": r.recorded_hot, "layers": r.layers,
+                              "requests": r.requests, "recorded": r.recorded, "mismatched_calls": r.mismatched_calls,
+                              "replayed": r.replayed.as_dict()}))
+    except (OSError, ValueError) as e:
+        print(f"flashmemory eval.hisparse_replay: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

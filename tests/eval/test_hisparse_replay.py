@@ -255,3 +255,24 @@ def test_trace_is_off_by_default_and_a_relative_path_is_refused(tmp_path) -> Non
     from flashmemory.eval.hisparse_replay import replay_trace
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         replay_trace(str(bad))
+
+
+def test_main_prints_one_line_per_buffer_size(tmp_path, capsys) -> None:
+    import json
+
+    from flashmemory.eval.hisparse_replay import main
+    trace = tmp_path / "t.jsonl"
+    lines = [{"ev": "admit", "rid": 3, "empty": True},
+             {"ev": "swapin", "layer": 0, "hot": 4, "k": 3, "rows": [[3, 10, [9, 0, 1]]],
+              "lookups": 3, "hits": 1, "misses": 2},
+             {"ev": "swapin", "layer": 0, "hot": 4, "k": 3, "rows": [[3, 11, [10, 0, 2]]],
+              "lookups": 3, "hits": 2, "misses": 2}]        # the live op said 2 hits; the replay gives 2 (10, 0)
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main([str(trace), "4", "2"]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [o["slots"] for o in out] == [4, 2]
+    assert out[0]["recorded"] == {"calls": 2, "lookups": 6, "hits": 3, "misses": 4}
+    assert (out[0]["replayed"]["hits"], out[0]["replayed"]["misses"], out[0]["mismatched_calls"]) == (3, 3, 1)
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert main([str(trace), "zero"]) == 2
