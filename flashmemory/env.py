@@ -282,6 +282,9 @@ class FlashMemoryEnv:
     dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
     dump_root: str = ""                  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
     cpu: bool = False                    # SGLANG_FLASHMEMORY_CPU: run sglang's DeepSeek-V4 path on CPU (no GPU)
+    hisparse_prefetch: bool = False      # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH: hints prefetched into HiSparse's buffer
+    hisparse_prefetch_width: int = 64    # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH: positions per request per step
+    hisparse_prefetch_budget: int = 0    # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET: per request per cycle, 0 = H-K
     # Page budget.
     page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
     page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
@@ -373,6 +376,11 @@ class FlashMemoryEnv:
             dump_mode=_bool(e, "SGLANG_FLASHMEMORY_DUMP", d.dump_mode),
             dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
             cpu=cpu_enabled(e),
+            hisparse_prefetch=_bool(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH", d.hisparse_prefetch),
+            hisparse_prefetch_width=_int(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH", d.hisparse_prefetch_width,
+                                         lo=1, hi=MAX_POSITION // 4),
+            hisparse_prefetch_budget=_int(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET", d.hisparse_prefetch_budget,
+                                          hi=MAX_POSITION // 4),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1, hi=MAX_PAGES),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1, hi=MAX_POSITION),
@@ -416,6 +424,9 @@ class FlashMemoryEnv:
             raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.disk.dir!r} is set but SGLANG_DECODE_SWAP_P is not: the disk "
                            "tier sits under Path-P's host mirror and would be ignored (set SGLANG_DECODE_SWAP_P=1 or "
                            "unset SGLANG_PATHP_DISK_DIR)")
+        if out.hisparse_prefetch and out.decode_swap_p:
+            raise EnvError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with SGLANG_DECODE_SWAP_P=1: in the prefetch mode "
+                           "sglang's HiSparse owns the c4 pool and its host copy; unset one of them")
         if out.dump_mode and not out.dump_root:
             raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
                            "dump requests may write under (their output_dir must lie inside it)")

@@ -64,6 +64,13 @@ ENV_DOC: dict[str, tuple[str, str]] = {
                                     "per rank (at least DECODE_MAX_CONC x 3 pages): a sealed page leaves it once the "
                                     "tier holds it, so host DRAM = window + host cache; empty = full-size mirror. "
                                     "Ignored in shrink mode (PD lands KV in the mirror by pool page)"),
+    "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": ("0", "HiSparse prefetch mode (PD decode server with --enable-hisparse, "
+                                             "not with SGLANG_DECODE_SWAP_P): hinted c4 positions are copied into "
+                                             "HiSparse's hot buffer after each layer's own swap-in; outputs stay exact"),
+    "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH": ("64", "Prefetch mode: hinted positions per request per decode step "
+                                                   "(capped at hot buffer - top-k)"),
+    "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET": ("0", "Prefetch mode: hinted positions per request per cycle; "
+                                                    "0 = hot buffer - top-k (also the cap)"),
     "SGLANG_FLASHMEMORY_CPU": ("0", "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
                                "(with --device cpu; independent of the FlashMemory gates)"),
 }

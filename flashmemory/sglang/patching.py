@@ -39,6 +39,7 @@ TABLES: tuple[str, ...] = (
     "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
     "flashmemory.sglang.cpu.pd:PD_PATCHES",                  # PD on CPU: NIXL over DRAM, the `fake` backend
     "flashmemory.sglang.targets:SPECS",                      # FlashMemory's own hooks
+    "flashmemory.sglang.hisparse_prefetch:PREFETCH_PATCHES",  # prefetch into sglang's HiSparse hot buffer
 )
 CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels

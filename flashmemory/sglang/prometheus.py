@@ -66,6 +66,19 @@ HISPARSE_SWAPIN: dict[str, str] = {
     "misses": "HiSparse picks copied host -> device into the hot buffer",
     "bytes_h2d": "HiSparse bytes copied host -> device (misses x 584 B)",
 }
+# The HiSparse prefetch mode (`flashmemory.sglang.hisparse_prefetch.PrefetchCounter`, keys in this order); its
+# on-demand misses are the swap-in counters' `misses` (prefetch copies are not swap-ins there).
+HISPARSE_PREFETCH_PREFIX = "hisparse_prefetch_"
+HISPARSE_PREFETCH: dict[str, str] = {
+    "calls": "HiSparse prefetch calls (one per c4 layer per decode step with a hint)",
+    "positions": "Hinted c4 positions handed to the prefetch after sanitizing (real, non-fast-path rows)",
+    "resident": "Hinted positions already in the hot buffer (made most recent, nothing copied)",
+    "loaded": "Hinted positions copied host -> device into the hot buffer ahead of need",
+    "bytes_h2d": "HiSparse prefetch bytes copied host -> device (loaded x 584 B), off the step's critical path on a GPU",
+    "dropped": "Hinted positions removed by sanitizing (at or past L-1, or without a host copy)",
+    "used": "Prefetched entries a later top-k pick found in the hot buffer (prefetch hits; CPU attribution)",
+    "wasted": "Prefetched entries evicted, or left at the request's end, before any pick used them (CPU attribution)",
+}
 FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
 MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
                 "budget_pages_mean", "requests_in_fallback", "miss_mass")
@@ -105,10 +118,11 @@ def serving_gauges(adapter: Any) -> dict[str, float]:
 
 
 def metrics_table() -> str:
-    """The metrics table of docs/metrics.md (Markdown), generated from METRICS, SERVING_METRICS, FAILURES and
-    HISPARSE_SWAPIN."""
+    """The metrics table of docs/metrics.md (Markdown), generated from METRICS, SERVING_METRICS, FAILURES,
+    HISPARSE_SWAPIN and HISPARSE_PREFETCH."""
     rows = ["| Metric | Type | Meaning |", "|---|---|---|"]
     swapin = {HISPARSE_SWAPIN_PREFIX + k: ("counter", doc) for k, doc in HISPARSE_SWAPIN.items()}
+    swapin.update({HISPARSE_PREFETCH_PREFIX + k: ("counter", doc) for k, doc in HISPARSE_PREFETCH.items()})
     for key, (kind, doc) in {**METRICS, **SERVING_METRICS, FAILURES[0]: ("counter", FAILURES[1]), **swapin}.items():
         name = PREFIX + key + ("_total" if kind == "counter" else "")
         if key == FAILURES[0]:

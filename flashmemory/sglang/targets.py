@@ -128,4 +128,6 @@ def features_for(env: Any) -> tuple[str, ...]:
         f.append("level1")
     if env.dump_mode:
         f.append("dump")
+    if getattr(env, "hisparse_prefetch", False):   # rows in hisparse_prefetch.PREFETCH_PATCHES
+        f.append("hisparse_prefetch")
     return tuple(f)

@@ -68,3 +68,12 @@ def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
     from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
     from flashmemory.sglang.prometheus import HISPARSE_SWAPIN
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
+
+
+def test_hisparse_prefetch_table_rows_are_the_counters_the_mode_exports():
+    """The metrics table names every counter `PrefetchCounter` creates, in its order."""
+    from flashmemory.sglang.hisparse_prefetch import PrefetchCounter
+    from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX, metrics_table
+    assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
+    for k in HISPARSE_PREFETCH:
+        assert f"`{PREFIX}{HISPARSE_PREFETCH_PREFIX}{k}_total`" in metrics_table()

@@ -1,0 +1,304 @@
+"""HiSparse prefetch mode (SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1): hinted compressed positions are copied into
+sglang's DeepSeek-V4 HiSparse hot buffer after each c4 layer's own swap-in, so later steps' top-k find them there.
+
+sglang's HiSparse stays exact and in charge: the indexer still scores the whole history, its on-demand swap-in
+still loads every miss, and a prefetch is the same swap-in op called on a hint (see
+`cpu/ops/hisparse_prefetch.py` for the invariants that keep the current step's picks and the bytes intact).
+
+Flow (docs/hisparse.md, section 9):
+- A hint source calls `PREFETCH.set_hint(request id, positions)` once per cycle: positions in priority order;
+  they are deduplicated and capped at the cycle budget (<= H-K per request).
+- `before_forward` (decode, the forward's own stream): each row of the batch takes its next `W` pending positions
+  (each hinted position is published once) into the static `pf_pos[max_rows, W]`; `pf_active` = rows, or 0 when
+  no row has any (every prefetch call then returns at once).
+- `around_swap_in` (after `HiSparseCoordinator.swap_in_selected_pages` of a layer): on CPU, attribute the demand
+  swap-in's hits on prefetched slots, then prefetch the layer synchronously; on a GPU, fork a low-priority side
+  stream from the current one (the indexer's), sanitize into a static buffer and call sglang's kernel there
+  with a scratch output, so the copy overlaps the following layers.
+- `around_model_forward` joins the side stream into the forward's stream before the forward returns (inside a
+  CUDA-graph capture too), so nothing of a prefetch is in flight when a request slot or its locs are recycled;
+  `before_destroy` synchronizes it.
+Counters (`PrefetchCounter`) are exported as `flashmemory_hisparse_prefetch_*`; hit attribution is CPU only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from flashmemory.sglang.cpu.ops.hisparse_prefetch import (Provenance, dedup_positions, prefetch_layer_cpu,
+                                                          sanitize_hint)
+from flashmemory.sglang.patch_spec import Patch
+
+logger = logging.getLogger(f"sglang.{__name__}")
+_M = "flashmemory.sglang.hisparse_prefetch"
+_CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+
+
+def streams_on(device: torch.device) -> bool:
+    """Whether the prefetch runs on a side stream (CUDA); the test stand-in replaces this like `offload.streams`."""
+    from flashmemory.offload.streams import streams_on as on
+    return on(device)
+
+
+class PrefetchCounter:
+    """Running totals (thread safe), mirrored to Prometheus counters `flashmemory_hisparse_prefetch_<key>`."""
+
+    KEYS = ("calls", "positions", "resident", "loaded", "bytes_h2d", "dropped", "used", "wasted")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys(self.KEYS, 0)
+        self.prom: dict[str, Any] | None = None
+
+    def add(self, **step: int) -> None:
+        with self.lock:
+            for k, v in step.items():
+                self.totals[k] += int(v)
+        self._export(step)
+
+    def _export(self, step: dict[str, int]) -> None:
+        if self.prom is None:
+            self.prom = {}
+            try:
+                from prometheus_client import Counter
+
+                from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX
+                for k in self.KEYS:
+                    self.prom[k] = Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, HISPARSE_PREFETCH[k])
+            except (ImportError, ValueError) as e:   # no prometheus_client, or registered twice in this process
+                logger.warning("FlashMemory HiSparse prefetch: counters not exported (%s)", e)
+        for k, v in step.items():
+            if v and k in self.prom:
+                self.prom[k].inc(v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.totals)
+
+
+class PrefetchState:
+    """The mode's process state: hint queues, static buffers, the side stream and CPU attribution."""
+
+    def __init__(self) -> None:
+        self.width = 0              # W: positions per request per step (<= H - K)
+        self.budget = 0             # positions per request per cycle (<= H - K)
+        self.pending: dict[str, torch.Tensor] = {}   # request id -> int64 positions not yet published
+        self.pf_pos: torch.Tensor | None = None      # int32 [rows, W], -1 = none (static)
+        self.pf_clean: torch.Tensor | None = None    # int32 [rows, W] sanitized copy (static, side stream)
+        self.pf_active: torch.Tensor | None = None   # int32 [1]: rows to prefetch this forward, 0 = none
+        self.scratch: torch.Tensor | None = None     # int32 [rows, W] the prefetch's output (never the step's)
+        self.active = 0                              # host copy of pf_active
+        self.stream: Any = None
+        self.provenance: Provenance | None = None
+        self.counts = PrefetchCounter()
+        self.lock = threading.Lock()
+
+    def configure(self, hot: int, top_k: int, rows: int, n_layers: int, device: torch.device, width: int,
+                  budget: int) -> None:
+        """Allocate every buffer once (before any CUDA-graph capture). hot = H, top_k = K, rows = request slots
+        of the coordinator, n_layers = c4 layers; width / budget as set (0 budget = H - K), both capped at H-K."""
+        room = hot - top_k
+        if room < 1:
+            from flashmemory.sglang.patching import StartupError
+            raise StartupError(f"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the hot buffer ({hot} slots) leaves no room "
+                               f"beside the top-{top_k} picks; raise --hisparse-config device_buffer_size above {top_k}")
+        self.width = min(width, room)
+        self.budget = min(budget or room, room)
+        self.pf_pos = torch.full((rows, self.width), -1, dtype=torch.int32, device=device)
+        self.pf_clean = self.pf_pos.clone()
+        self.scratch = self.pf_pos.clone()
+        self.pf_active = torch.zeros(1, dtype=torch.int32, device=device)
+        self.pending.clear()
+        if streams_on(device):
+            self.stream = torch.cuda.Stream(device, priority=0)
+            self.provenance = None
+        else:
+            self.stream = None
+            self.provenance = Provenance(n_layers, rows, hot + 64)
+
+    def set_hint(self, rid: str, positions: torch.Tensor) -> int:
+        """Replace request `rid`'s pending hint with `positions` (int [N], priority order): deduplicated, capped at
+        the cycle budget. Returns how many are pending."""
+        p = dedup_positions(positions.detach().cpu(), self.budget)
+        with self.lock:
+            self.pending[rid] = p
+        return int(p.numel())
+
+    def drop(self, rid: str) -> None:
+        with self.lock:
+            self.pending.pop(rid, None)
+
+    def publish(self, rids: list[str]) -> int:
+        """Take each row's next W pending positions into `pf_pos` (rows in batch order) and set `pf_active`;
+        returns the rows published (0 = no hint this forward). Runs on the caller's (the forward's) stream."""
+        if self.pf_pos is None:
+            return 0
+        rows = min(len(rids), self.pf_pos.shape[0])
+        host = torch.full((rows, self.width), -1, dtype=torch.int32)
+        with self.lock:
+            for b, rid in enumerate(rids[:rows]):
+                q = self.pending.get(rid)
+                if q is None or q.numel() == 0:
+                    continue
+                take, rest = q[: self.width], q[self.width:]
+                host[b, : take.numel()] = take.to(torch.int32)
+                if rest.numel():
+                    self.pending[rid] = rest
+                else:
+                    del self.pending[rid]
+        self.active = rows if bool((host >= 0).any()) else 0
+        if self.active:
+            self.pf_pos[:rows].copy_(host.to(self.pf_pos.device), non_blocking=True)
+        self.pf_active.fill_(self.active)
+        return self.active
+
+
+PREFETCH = PrefetchState()
+
+
+def _env() -> Any:
+    from flashmemory.sglang.runtime import RUNTIME
+    return RUNTIME.env
+
+
+def enabled() -> bool:
+    return bool(getattr(_env(), "hisparse_prefetch", False))
+
+
+# --- hooks ----------------------------------------------------------------------------------------------------
+
+def after_init_hisparse(result: Any, self: Any) -> None:
+    """After `ModelRunner.maybe_init_hisparse_coordinator` (model_runner.py:1029): refuse without HiSparse on
+    DeepSeek-V4, else allocate the mode's buffers and side stream (before any CUDA-graph capture)."""
+    from flashmemory.sglang.patching import StartupError
+    co = getattr(self, "hisparse_coordinator", None)
+    if co is None or not getattr(co, "is_dsv4_hisparse", False):
+        raise StartupError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 needs sglang's HiSparse on DeepSeek-V4 "
+                           "(--enable-hisparse on the PD decode server); unset it or enable HiSparse")
+    if getattr(co, "enable_prefetch", False):
+        raise StartupError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with sglang's shared-index prefetch on: one writer "
+                           "per layer's hot buffer; set SGLANG_DISABLE_HISPARSE_PREFETCH=1 or unset the first")
+    env = _env()
+    PREFETCH.configure(int(co.device_buffer_size), int(co.top_k), int(co.req_device_buffer_tokens.shape[1]),
+                       int(co.req_device_buffer_tokens.shape[0]), co.req_device_buffer_tokens.device,
+                       env.hisparse_prefetch_width, env.hisparse_prefetch_budget)
+    logger.info("FlashMemory HiSparse prefetch: H=%d K=%d, %d positions per request per step, %d per cycle",
+                co.device_buffer_size, co.top_k, PREFETCH.width, PREFETCH.budget)
+
+
+def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `ModelRunner.forward`: publish the hints of a decode batch (rows in its order); other forwards
+    prefetch nothing."""
+    if getattr(self, "is_draft_worker", False):
+        return
+    if forward_batch.forward_mode.is_decode():
+        PREFETCH.publish([str(r) for r in (getattr(forward_batch, "rids", None) or [])])
+    elif PREFETCH.pf_active is not None:
+        PREFETCH.active = 0
+        PREFETCH.pf_active.fill_(0)
+
+
+def _gpu_swap_in(**kw: Any) -> None:
+    """sglang's swap-in kernel (kernels/ops/kvcache/hisparse.py:522), called directly."""
+    from sglang.kernels.ops.kvcache.hisparse import load_cache_to_device_buffer_dsv4_mla
+    load_cache_to_device_buffer_dsv4_mla(**kw)
+
+
+def _prefetch_gpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, layer_id: int, bs: int) -> None:
+    st = PREFETCH
+    st.stream.wait_stream(torch.cuda.current_stream())   # after this layer's own swap-in (I4)
+    with torch.cuda.stream(st.stream):
+        st.pf_clean[:bs].copy_(sanitize_hint(st.pf_pos[:bs], req_pool_indices, lens, co.req_to_host_pool))
+        _gpu_swap_in(top_k_tokens=st.pf_clean[:bs], device_buffer_tokens=co.req_device_buffer_tokens[layer_id],
+                     host_cache_locs=co.req_to_host_pool, device_buffer_locs=co.req_device_buffer_token_locs[layer_id],
+                     host_cache=co.mem_pool_host.kv_buffer[layer_id], device_buffer=co.mem_pool_device.kv_buffer[layer_id],
+                     top_k_device_locs=st.scratch[:bs], req_pool_indices=req_pool_indices, seq_lens=lens,
+                     lru_slots=co.lru_slots[layer_id], item_size_bytes=co.item_size_bytes, num_top_k=st.width,
+                     hot_buffer_size=co.device_buffer_size, page_size=1, block_size=co.swap_in_block_size,
+                     num_real_reqs=st.pf_active)
+
+
+def _prefetch_cpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor,
+                  layer_id: int, bs: int) -> None:
+    st = PREFETCH
+    real = min(bs, int(co.num_real_reqs.reshape(-1)[0]))
+    tokens = co.req_device_buffer_tokens[layer_id]
+    a = st.provenance.after_demand(layer_id, picks, req_pool_indices, tokens, real)
+    step = {"used": a.used, "wasted": a.wasted}
+    if st.active:
+        before = tokens[req_pool_indices[:real].long()].cpu().to(torch.int32)
+        c = prefetch_layer_cpu(st.pf_pos, tokens, co.req_to_host_pool, co.req_device_buffer_token_locs[layer_id],
+                               co.mem_pool_host.kv_buffer[layer_id], co.mem_pool_device.kv_buffer[layer_id],
+                               st.scratch, req_pool_indices, lens, co.lru_slots[layer_id], int(co.device_buffer_size),
+                               min(real, st.active))
+        step["wasted"] += st.provenance.after_prefetch(layer_id, before, req_pool_indices, tokens, real)
+        step.update(calls=1, positions=c.listed, resident=c.resident, loaded=c.loaded, bytes_h2d=c.bytes_h2d,
+                    dropped=c.dropped)
+    st.counts.add(**step)
+
+
+def around_swap_in(original: Callable, self: Any, req_pool_indices: torch.Tensor, compressed_seq_lens: torch.Tensor,
+                   top_k_result: torch.Tensor, layer_id: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`HiSparseCoordinator.swap_in_selected_pages` (hisparse_coordinator.py:1587), then this layer's prefetch
+    (decode, 2-D top-k, DSv4 HiSparse, sglang's shared-index prefetch off)."""
+    out = original(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, *args, **kwargs)
+    st = PREFETCH
+    if (st.pf_pos is None or top_k_result.ndim != 2 or not getattr(self, "is_dsv4_hisparse", False)
+            or getattr(self, "enable_prefetch", False)):
+        return out
+    bs = int(req_pool_indices.shape[0])
+    if st.stream is not None:
+        _prefetch_gpu(self, req_pool_indices, compressed_seq_lens, layer_id, bs)
+    else:
+        _prefetch_cpu(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, bs)
+    return out
+
+
+def around_model_forward(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """`DeepseekV4Model.forward` (deepseek_v4.py:4399), then the join: the forward's stream waits for every
+    prefetch it forked (I10; inside a capture, an unjoined fork would invalidate the graph)."""
+    out = original(self, *args, **kwargs)
+    if PREFETCH.stream is not None:
+        torch.cuda.current_stream().wait_stream(PREFETCH.stream)
+    return out
+
+
+def after_request_finished(result: Any, self: Any, req: Any) -> None:
+    """After `HiSparseCoordinator.request_finished` (:1402): forget the request's hint and its prefetched marks
+    (counted wasted when never used)."""
+    PREFETCH.drop(str(getattr(req, "rid", "")))
+    if PREFETCH.provenance is not None:
+        wasted = PREFETCH.provenance.release(int(req.kv.req_pool_idx))
+        if wasted:
+            PREFETCH.counts.add(wasted=wasted)
+
+
+def before_destroy(self: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `HiSparseCoordinator.destroy` (:811): no prefetch copy may still read the host pool."""
+    if PREFETCH.stream is not None:
+        PREFETCH.stream.synchronize()
+
+
+WHY = "hisparse_coordinator.py"
+PREFETCH_PATCHES: tuple[Patch, ...] = (
+    Patch("hisparse_prefetch", f"{_MR}.maybe_init_hisparse_coordinator", "after", f"{_M}:after_init_hisparse",
+          ("self",), "model_runner.py:1029 the coordinator exists: refuse without DSv4 HiSparse, allocate the "
+          "prefetch buffers and side stream before capture"),
+    Patch("hisparse_prefetch", f"{_MR}.forward", "before", f"{_M}:before_forward", ("self", "forward_batch"),
+          "model_runner.py:1813 publish this decode batch's hint rows into the static buffer"),
+    Patch("hisparse_prefetch", f"{_CO}.swap_in_selected_pages", "around", f"{_M}:around_swap_in",
+          ("self", "req_pool_indices", "compressed_seq_lens", "top_k_result", "layer_id"),
+          f"{WHY}:1587 after each c4 layer's own swap-in, the same op on the hint (side stream on a GPU)"),
+    Patch("hisparse_prefetch", "sglang.srt.models.deepseek_v4.DeepseekV4Model.forward", "around",
+          f"{_M}:around_model_forward", ("self", "input_ids", "positions", "forward_batch"),
+          "deepseek_v4.py:4399 join the prefetch stream before the forward returns"),
+    Patch("hisparse_prefetch", f"{_CO}.request_finished", "after", f"{_M}:after_request_finished", ("self", "req"),
+          f"{WHY}:1402 a finished request's hint and prefetch marks are dropped"),
+    Patch("hisparse_prefetch", f"{_CO}.destroy", "before", f"{_M}:before_destroy", ("self",),
+          f"{WHY}:811 the prefetch stream is drained before the host pool goes"),
+)
