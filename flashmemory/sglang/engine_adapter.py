@@ -1,4 +1,4 @@
-"""Copy mode: `SGLangOffload` (alias `CopyOffload`), the `OffloadAdapter` that leaves sglang's c4 pool complete.
+"""Copy mode: `SGLangOffload`, the `OffloadAdapter` that leaves sglang's c4 pool complete.
 
 The core allocates mirror pages of its own; a new request's history is copied from the pool at admission, each
 step's new chunks are appended with the pool's current bytes and re-read from the pool for every layer at the
@@ -23,7 +23,7 @@ from flashmemory.sglang.offload_adapter import AllPass, OffloadAdapter  # noqa: 
 
 
 class SGLangOffload(OffloadAdapter):
-    """Copy mode (the class keeps its historical name; `CopyOffload` is the same class)."""
+    """Copy mode: sglang's c4 pool stays complete; the mirror and reserve hold copies of its pages."""
 
     mode = "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink.ShrunkOffload)
 
@@ -81,5 +81,3 @@ class SGLangOffload(OffloadAdapter):
     def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
         self._unsettled.extend(locs)
 
-
-CopyOffload = SGLangOffload

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmemory.sglang.engine_adapter import CopyOffload, SGLangOffload
+from flashmemory.sglang.engine_adapter import SGLangOffload
 from flashmemory.sglang.offload_adapter import OffloadAdapter
 from flashmemory.sglang.runtime import c4_page_table
 from flashmemory.sglang.shrink import ShrunkOffload
@@ -43,7 +43,6 @@ def test_the_base_declares_everything_its_callers_use() -> None:
 
 
 def test_copy_and_shrink_are_siblings() -> None:
-    assert CopyOffload is SGLangOffload
     assert issubclass(SGLangOffload, OffloadAdapter) and issubclass(ShrunkOffload, OffloadAdapter)
     assert not issubclass(ShrunkOffload, SGLangOffload) and not issubclass(SGLangOffload, ShrunkOffload)
 
