@@ -244,8 +244,8 @@ class TraceReplay:
 def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
     """Replay a FLASHMEMORY_HISPARSE_TRACE file (JSON lines written by the HiSparse CPU swap-in,
     `flashmemory.sglang.cpu.patches_hisparse.trace_swapin`): one hot buffer per (c4 layer, request slot), started
-    over at each {"ev": "admit"} of its slot (empty or 0..H-1 as recorded; a slot never admitted starts at
-    0..H-1, sglang's `alloc_device_buffer`). slots: the buffer size to replay (default: the recorded one; another
+    over at each {"ev": "admit"} of its slot (empty when its prefill brought more c4 entries than the replayed
+    size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the buffer size to replay (default: the recorded one; another
     size gives that buffer's cost on the same live picks)."""
     bufs: dict[tuple[int, int], HotBufferReplay] = {}
     empty: dict[int, bool] = {}
@@ -263,7 +263,8 @@ def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
                 rid = int(rec["rid"])
                 for key in [k for k in bufs if k[1] == rid]:
                     finished = finished + bufs.pop(key).stats()
-                empty[rid] = bool(rec["empty"])
+                # the admission rule at the replayed size where the entry count is known, else as recorded
+                empty[rid] = int(rec["entries"]) > (slots or 0) if slots and "entries" in rec else bool(rec["empty"])
                 continue
             hot_seen = int(rec["hot"])
             size = slots or hot_seen

@@ -276,3 +276,18 @@ def test_main_prints_one_line_per_buffer_size(tmp_path, capsys) -> None:
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "error:" in capsys.readouterr().err
     assert main([str(trace), "zero"]) == 2
+
+
+def test_trace_admission_follows_the_replayed_size(tmp_path) -> None:
+    """A request whose prefill brought 10 c4 entries starts empty under a 4-slot buffer but preloaded (slot s =
+    position s) under a 12-slot one, as sglang's admission decides by the buffer size."""
+    import json
+
+    from flashmemory.eval.hisparse_replay import replay_trace
+    trace = tmp_path / "t.jsonl"
+    lines = [{"ev": "admit", "rid": 0, "entries": 10, "empty": True},
+             {"ev": "swapin", "layer": 0, "hot": 4, "k": 2, "rows": [[0, 13, [0, 1]]],
+              "lookups": 2, "hits": 0, "misses": 2}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert replay_trace(str(trace)).replayed.misses == 2
+    assert replay_trace(str(trace), slots=12).replayed.hits == 2

@@ -168,7 +168,7 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
         return
     rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
     if trace_path():   # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
-        _trace_write({"ev": "admit", "rid": rid, "empty": n0 > self.device_buffer_size})
+        _trace_write({"ev": "admit", "rid": rid, "entries": n0, "empty": n0 > self.device_buffer_size})
     if n0 > self.device_buffer_size:
         _NEWEST_PENDING[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
     else:
