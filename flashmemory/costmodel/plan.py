@@ -32,7 +32,7 @@ from flashmemory.costmodel.pools import bytes_per_full_token
 
 WINDOW_PAGES = 3  # landing-window floor per request per rank: SGLANG_PATHP_DECODE_MAX_CONC x 3 page slots
 UPSTREAM_SHARE = 96 / 1024  # upstream's KMAX 96 pages of a 256K request's 1,024 pages
-SCAN_LIMIT = 8192  # most requests the disk-bandwidth scan tries
+SCAN_LIMIT = 8192  # most requests the disk-bandwidth scan tries (a cap of SCAN_LIMIT means "at least")
 MODELS = ("dsv4-flash",)  # the geometries the cost model has (FlashShape); DSv4-Pro is not in it
 
 
@@ -198,9 +198,9 @@ def plan(node: Preset, disk: DiskKnobs | None, ctx: int, conc: int, fm: FmSettin
     if disk is not None:
         res.append(Resource("disk capacity (node)", int(disk.disk_bytes // history), conc * history,
                             disk.disk_bytes, "B"))
-        bw = 0
-        for c in range(1, max(conc, min(x.cap for x in res)) + 1):
-            if c > SCAN_LIMIT or at(c).window_share > 1.0:
+        bw = 0  # the disk time per cycle grows with the concurrency (more reads, a colder cache): stop at a miss
+        for c in range(1, SCAN_LIMIT + 1):
+            if at(c).window_share > 1.0:
                 break
             bw = c
         res.append(Resource("disk bandwidth (reads + writes within tau x step)", bw, pt.disk_ms_cycle,

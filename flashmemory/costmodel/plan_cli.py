@@ -11,8 +11,10 @@ import json
 import math
 from typing import Any
 
+from flashmemory.costmodel.anchors import sized
 from flashmemory.costmodel.disk import DiskKnobs
-from flashmemory.costmodel.plan import MODELS, UPSTREAM_SHARE, FmSettings, Plan, h20_node, pages_of, plan
+from flashmemory.costmodel.plan import (MODELS, SCAN_LIMIT, UPSTREAM_SHARE, FmSettings, Plan, h20_node, pages_of,
+                                        plan)
 from flashmemory.errors import UserError
 
 G = 1e9
@@ -230,8 +232,9 @@ def _per_token(v: float) -> str:
 def show(a: argparse.Namespace, pl: Plan, r: dict[str, Any]) -> None:
     """The report as text: inputs, tiers, resources, disk bandwidth, throughput, the answer."""
     hw, sv, fm, pt = pl.node.hw, pl.node.serving, pl.fm, pl.point
-    frac = f"{sv.mem_fraction:g}" if sv.mem_fraction is not None else "sglang's default"
-    share = f"budget share {fm.budget_share:.4g} of {pages_of(pl.ctx):,} pages" if fm.kmax is None else "set"
+    frac = (f"{sv.mem_fraction:g}" if sv.mem_fraction is not None
+            else f"{sized(pl.node).mem_fraction:g} (sglang's default)")
+    share = f"budget share {fm.budget_share:.4g} of {pages_of(pl.ctx):,} pages" if fm.kmax is None else "--kmax"
     hit = "given" if fm.hit_rate is not None else "the cache's share of the history"
     print(f"PROJECTED by the cost model (flashmemory/costmodel; nothing measured): {question(a, pl)}\n\nInputs")
     print(f"  node         {hw.n_gpus} GPUs x {hw.hbm_gb:.1f} GB, {hw.hbm_tbps:g} TB/s, {hw.tflops:g} TFLOP/s, H2D "
@@ -254,7 +257,8 @@ def show(a: argparse.Namespace, pl: Plan, r: dict[str, Any]) -> None:
     print(f"\nResources at {pl.conc} requests (requests each holds; need / have)")
     for x in pl.resources:
         mark = "SHORT" if x.cap < pl.conc else "ok"
-        print(f"  {mark:5} {x.name:50} {x.cap:>7,}   {_amount(x.need, x.unit)} / {_amount(x.have, x.unit)}")
+        cap = f"{x.cap:,}+" if x.unit == "ms per cycle" and x.cap == SCAN_LIMIT else f"{x.cap:,} "
+        print(f"  {mark:5} {x.name:50} {cap:>8}  {_amount(x.need, x.unit)} / {_amount(x.have, x.unit)}")
     if r["disk"]:
         d = r["disk"]
         print(f"\nDisk read-ahead: {pt.read_gb_cycle:,.1f} GB read and {pt.write_gb_cycle:,.1f} GB written per "
