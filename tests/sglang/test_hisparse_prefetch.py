@@ -191,3 +191,40 @@ def test_prefetch_patch_rows_match_the_installed_sglang():
     from flashmemory.sglang.patch_spec import check_signature
     for p in hp.PREFETCH_PATCHES:
         check_signature(p)
+
+
+def test_through_sglangs_own_swap_in_method(mode, monkeypatch):
+    """sglang's `swap_in_selected_pages` and `_run_swap_in_kernel` themselves (bound to the stand-in coordinator,
+    the kernel name pointed at the torch op): the step's picks read their host bytes while hints land and hit."""
+    pytest.importorskip("sglang")
+    from sglang.srt.managers import hisparse_coordinator as hc
+
+    misses = []
+
+    def kernel(*, page_size, block_size, skip_io=False, item_size_bytes, **kw):
+        assert page_size == 1 and not skip_io and item_size_bytes == hs.ITEM_BYTES
+        misses.append(hs.load_cache_to_device_buffer_dsv4(**kw).misses)
+    monkeypatch.setattr(hc, "load_cache_to_device_buffer_dsv4_mla", kernel)
+    co = _coordinator(seed=3)
+    co.skip_io = False
+    co._run_swap_in_kernel = types.MethodType(hc.HiSparseCoordinator._run_swap_in_kernel, co)
+    hp.after_init_hisparse(None, types.SimpleNamespace(hisparse_coordinator=co))
+    rows, lens = torch.tensor([1]), torch.tensor([390])
+    g = torch.Generator().manual_seed(7)
+    trace = [torch.randperm(389, generator=g)[:K].to(torch.int32) for _ in range(6)]
+    for t, picks in enumerate(trace):
+        if t + 1 < len(trace):
+            mode.set_hint("r", trace[t + 1])        # an oracle hint: the next step's picks
+        hp.before_forward(types.SimpleNamespace(), _batch(["r"]))
+        co.num_real_reqs.fill_(1)
+        for layer in range(LAYERS):
+            out = hp.around_swap_in(hc.HiSparseCoordinator.swap_in_selected_pages, co, rows, lens, picks[None], layer)
+            for loc, p in zip(out[0].tolist(), picks.tolist()):
+                d = hs.token_byte_offsets(torch.tensor([loc]))
+                h = hs.token_byte_offsets(co.req_to_host_pool[1, p:p + 1])
+                assert torch.equal(co.mem_pool_device.kv_buffer[layer].view(-1)[d],
+                                   co.mem_pool_host.kv_buffer[layer].view(-1)[h])
+    c = mode.counts.snapshot()
+    # after the cold first step no pick misses: each was prefetched (a hit on a prefetched slot) or still resident
+    assert misses[:LAYERS] == [K] * LAYERS and not any(misses[LAYERS:]), misses
+    assert c["used"] + c["resident"] == (len(trace) - 1) * K * LAYERS and c["used"] == c["loaded"] > 0
