@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -68,6 +69,9 @@ class RecallPlan:
     nbytes: int = 0
     staging: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None   # a request's failure found by the copy, raised by `recall` after publish
+
+
+SLICE_PAGES = 512   # default `Recaller.slice_pages`
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +132,8 @@ class Recaller:
         self.copy_hook: Callable[[], None] | None = None   # called between the KV and index copies (tests)
         # Copies plans itself when set (the disk tier: sealed pages come from its host cache / disk, not the mirror).
         self.source: PageSource | None = None
+        # Pages handled per engine-lock hold by plan and publish: bounds how long decode can wait for a cycle.
+        self.slice_pages = SLICE_PAGES
 
     @property
     def main_stream(self) -> Any:
@@ -152,80 +158,128 @@ class Recaller:
     def plan(self, requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
         """Choose a block for each missing page and evict what must go (see the module doc).
 
-        Ranking needs no engine state and runs before the lock. The rest holds the engine lock for the whole
-        pass: eviction decisions must be atomic with respect to decode (which maps pages and grows histories),
-        and victims must leave the lookup table before their blocks can be overwritten."""
+        Ranking needs no engine state and runs before the lock. The rest runs in two passes, each in slices of
+        about `slice_pages` units of work (a page handled, or a resident-table slot rebuilt: a touched row costs
+        the table's width), one engine-lock hold and one forward gap per slice, so decode never waits for a whole
+        cycle's bookkeeping: (1) per request, its selection is set, its own stale pages are evicted and its
+        missing pages listed (a request is never split: its eviction decisions are atomic with respect to
+        decode); (2) the missing pages take free blocks, else LRU victims. Every slice clears its victims from
+        the lookup table and rebuilds the touched resident tables before it releases the lock. Without
+        concurrent callers the result equals one pass under one hold; with them, a request finished or replaced
+        between the passes is skipped, and the victim scan keeps its LRU order from the start of pass 2 (a block
+        touched since is judged by its current state, only its age is the older one)."""
         plan = RecallPlan(t0=time.perf_counter())
-        pc = self.layout.page_chunks
-        touched: set[int] = set()
-        cleared: list[int] = []  # mirror pages of evicted pages, cleared from the table before the lock is released
         need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
         # Order: (priority desc, page desc), duplicates merged; pages past the history are dropped under the lock.
         ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
                  for rq in requests]
+        width = self.tables.res_cap
+        i = 0
+        while i < len(requests):
+            with self._slice() as (touched, cleared):
+                work = 0
+                while i < len(requests) and (work == 0 or work + len(ranks[i]) + width <= self.slice_pages):
+                    self._select(requests[i], ranks[i], count_cycle, need, touched, cleared)
+                    work += len(ranks[i]) + width
+                    i += 1
+        victims: Iterator[int] | None = None
+        k = 0
+        while k < len(need):
+            with self._slice() as (touched, cleared):
+                if victims is None:
+                    victims = self.lru.victims(self._evictable)
+                k = self._assign(need, k, victims, plan, touched, cleared)
+        return plan
+
+    def _budget_left(self, done: int, rows: int) -> bool:
+        """Whether a slice that handled `done` pages and may rebuild `rows` rows' tables takes one more page."""
+        return done == 0 or done + rows * self.tables.res_cap < self.slice_pages
+
+    @contextmanager
+    def _slice(self) -> Iterator[tuple[set[int], list[int]]]:
+        """One lock hold of a planning pass, between two forwards. Yields (rows touched, mirror pages of victims);
+        on exit the victims leave the lookup table (also when an error propagates) and the rows' tables rebuild."""
+        touched: set[int] = set()
+        cleared: list[int] = []
         with self.order.between_forwards(), self.lock:
             try:
-                for rq, ranked in zip(requests, ranks):
-                    st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
-                    if st is None or st.gen != rq.gen:
-                        continue  # finished or replaced before its cycle was planned
-                    if count_cycle:   # an admission warm start (`warm_start`) is not a cycle
-                        self.stats.add(st.rid, "cycles")
-                    cap = min(self.max_resident_pages, rq.budget or self.max_resident_pages)
-                    n_pages = len(st.mpages)
-                    ranked = [x for x in ranked if x[0] < n_pages]
-                    if len(ranked) > cap:
-                        self.stats.add(st.rid, "budget_hits", len(ranked) - cap)
-                        self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
-                        ranked = ranked[:cap]
-                    sel = {p for p, _ in ranked}
-                    st.selection = frozenset(sel)
-                    for p in sel & st.recall.keys():
-                        self.lru.touch(st.recall[p])
-                    missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
-                    # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
-                    # next chunk there during the very forward a recall copy into a reused block could overlap.
-                    tip = (st.n_chunks - 1) // pc
-                    stale = [p for p in st.recall if p not in sel and p != tip]
-                    while stale and len(st.recall) + len(missing) > cap:
-                        blk = st.recall[stale.pop(0)]
-                        self._evict(blk, touched, cleared)
-                        self.blocks.push(blk)
-                    over = len(st.recall) + len(missing) - cap
-                    if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
-                        self.stats.add(st.rid, "budget_hits", over)
-                        self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
-                        missing = missing[:-over]
-                    need += [(rq.row, rq.gen, p, q) for p, q in missing]
-
-                def evictable(blk: int) -> bool:
-                    row, gen, page = self.owner[blk]
-                    st = self.rows[row]
-                    return (st is not None and st.gen == gen and page not in st.selection
-                            and page != (st.n_chunks - 1) // pc)
-
-                # Within this pass evictability is fixed (selections are set above, nothing else runs under the
-                # lock) and the LRU only loses the victims taken, so one forward scan yields the same victims.
-                victims = self.lru.victims(evictable)
-                for row, gen, page, prio in need:
-                    st = self.rows[row]
-                    blk = self.blocks.pop()
-                    if blk is None:
-                        blk = next(victims, None)
-                        if blk is not None:
-                            self._evict(blk, touched, cleared)
-                    if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
-                        self.stats.add(st.rid, "budget_hits")
-                        if prio == float("inf"):
-                            self.stats.add(st.rid, "tail_drops")
-                        continue
-                    self.owner[blk] = (row, gen, page)
-                    self.inflight.add(blk)
-                    plan.entries.append((row, gen, page, st.mpages[page], blk))
+                yield touched, cleared
             finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
                 self.lut.clear_pages(cleared)
             self.tables.rebuild(touched)
-        return plan
+
+    def _select(self, rq: RecallRequest, ranked: list[tuple[int, float]], count_cycle: bool,
+                need: list[tuple[int, int, int, float]], touched: set[int], cleared: list[int]) -> None:
+        """Pass 1 for one request (under the lock): set its selection, evict its own stale pages down to its cap,
+        append its missing pages to `need` in priority order (dropping, and counting, those over the cap)."""
+        st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
+        if st is None or st.gen != rq.gen:
+            return  # finished or replaced before its cycle was planned
+        if count_cycle:   # an admission warm start (`warm_start`) is not a cycle
+            self.stats.add(st.rid, "cycles")
+        pc = self.layout.page_chunks
+        cap = min(self.max_resident_pages, rq.budget or self.max_resident_pages)
+        n_pages = len(st.mpages)
+        ranked = [x for x in ranked if x[0] < n_pages]
+        if len(ranked) > cap:
+            self.stats.add(st.rid, "budget_hits", len(ranked) - cap)
+            self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
+            ranked = ranked[:cap]
+        sel = {p for p, _ in ranked}
+        st.selection = frozenset(sel)
+        for p in sel & st.recall.keys():
+            self.lru.touch(st.recall[p])
+        missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
+        # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
+        # next chunk there during the very forward a recall copy into a reused block could overlap.
+        tip = (st.n_chunks - 1) // pc
+        stale = [p for p in st.recall if p not in sel and p != tip]
+        while stale and len(st.recall) + len(missing) > cap:
+            blk = st.recall[stale.pop(0)]
+            self._evict(blk, touched, cleared)
+            self.blocks.push(blk)
+        over = len(st.recall) + len(missing) - cap
+        if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
+            self.stats.add(st.rid, "budget_hits", over)
+            self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
+            missing = missing[:-over]
+        need += [(rq.row, rq.gen, p, q) for p, q in missing]
+
+    def _evictable(self, blk: int) -> bool:
+        """A published block whose page no live selection holds and which is not its request's newest page."""
+        row, gen, page = self.owner[blk]
+        st = self.rows[row]
+        return (st is not None and st.gen == gen and page not in st.selection
+                and page != (st.n_chunks - 1) // self.layout.page_chunks)
+
+    def _assign(self, need: list[tuple[int, int, int, float]], k: int, victims: Iterator[int], plan: RecallPlan,
+                touched: set[int], cleared: list[int]) -> int:
+        """Pass 2 from need[k] on, while this slice's budget lasts (under the lock): each page takes a free block,
+        else the next LRU victim, else it is dropped (counted). Returns the next index. `victims` is
+        `lru.victims(self._evictable)`, shared by the pass's slices: within one hold evictability is fixed
+        (nothing else runs under the lock) and the LRU only loses the victims taken, so one forward scan yields
+        the same victims as a fresh search per page."""
+        start = k
+        while k < len(need) and self._budget_left(k - start, len(touched) + 1):   # + a victim's row
+            row, gen, page, prio = need[k]
+            k += 1
+            st = self.rows[row]
+            if st is None or st.gen != gen or page in st.recall or page in st.ring:
+                continue  # finished, replaced or mapped by decode since pass 1
+            blk = self.blocks.pop()
+            if blk is None:
+                blk = next(victims, None)
+                if blk is not None:
+                    self._evict(blk, touched, cleared)
+            if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
+                self.stats.add(st.rid, "budget_hits")
+                if prio == float("inf"):
+                    self.stats.add(st.rid, "tail_drops")
+                continue
+            self.owner[blk] = (row, gen, page)
+            self.inflight.add(blk)
+            plan.entries.append((row, gen, page, st.mpages[page], blk))
+        return k
 
     def copy(self, plan: RecallPlan) -> None:
         """Copy the planned pages mirror -> reserve, without the engine lock: in-flight blocks are neither read
@@ -256,45 +310,59 @@ class Recaller:
                 side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
 
     def publish(self, plan: RecallPlan, also_count: str | None = None) -> int:
-        """Write the lookup table for the copied pages (under the lock); returns the pages published. also_count:
+        """Write the lookup table for the copied pages (under the lock, in slices of about `slice_pages` units of
+        work as `plan` counts them, one hold and one forward gap each); returns the pages published. also_count:
         a second counter the published pages are added to besides recall_pages (e.g. "warm_start_pages")."""
+        per_page = plan.nbytes // max(1, len(plan.entries))
+        done = k = 0
+        while True:
+            with self.order.between_forwards(), self.lock:
+                k, n = self._publish_slice(plan.entries, k, per_page, also_count)
+                done += n
+                if k >= len(plan.entries):
+                    self.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
+                    break
+        plan.staging.clear()
+        return done
+
+    def _publish_slice(self, entries: list[tuple[int, int, int, int, int]], k: int, per_page: int,
+                       also_count: str | None) -> tuple[int, int]:
+        """`publish` from entries[k] on while the slice's budget lasts (caller holds the gate and the lock);
+        returns (next index, pages published)."""
         pc = self.layout.page_chunks
         published: dict[int, int] = {}  # row -> pages published
         mps: list[int] = []
         counts: list[int] = []
         cells: list[int] = []
-        done = 0
-        with self.order.between_forwards(), self.lock:
-            for row, gen, page, mp, blk in plan.entries:
-                self.inflight.discard(blk)
-                st = self.rows[row]
-                if st is None or st.gen != gen or page in st.recall or page in st.ring:
-                    self.owner[blk] = None
-                    self.blocks.push(blk)
-                    if st is not None and st.gen == gen:
-                        self.stats.add(st.rid, "cancelled_pages")
-                    else:
-                        self.stats.finished["cancelled_pages"] += 1
-                    continue
-                st.recall[page] = blk
-                self.lru.touch(blk)
-                mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
-                counts.append(min(pc, st.n_chunks - page * pc))
-                cells.append(blk * pc)
-                published[row] = published.get(row, 0) + 1
-                done += 1
-            self.lut.set_pages(mps, counts, cells)
-            per_page = plan.nbytes // max(1, len(plan.entries))
-            for row, n in published.items():
-                rid: Hashable = self.rows[row].rid
-                self.stats.add(rid, "recall_pages", n)
-                self.stats.add(rid, "recall_bytes", n * per_page)
-                if also_count:
-                    self.stats.add(rid, also_count, n)
-            self.tables.rebuild(published)
-            self.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
-        plan.staging.clear()
-        return done
+        start = k
+        while k < len(entries) and self._budget_left(k - start, len(published) + (entries[k][0] not in published)):
+            row, gen, page, mp, blk = entries[k]
+            k += 1
+            self.inflight.discard(blk)
+            st = self.rows[row]
+            if st is None or st.gen != gen or page in st.recall or page in st.ring:
+                self.owner[blk] = None
+                self.blocks.push(blk)
+                if st is not None and st.gen == gen:
+                    self.stats.add(st.rid, "cancelled_pages")
+                else:
+                    self.stats.finished["cancelled_pages"] += 1
+                continue
+            st.recall[page] = blk
+            self.lru.touch(blk)
+            mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
+            counts.append(min(pc, st.n_chunks - page * pc))
+            cells.append(blk * pc)
+            published[row] = published.get(row, 0) + 1
+        self.lut.set_pages(mps, counts, cells)
+        for row, n in published.items():
+            rid: Hashable = self.rows[row].rid
+            self.stats.add(rid, "recall_pages", n)
+            self.stats.add(rid, "recall_bytes", n * per_page)
+            if also_count:
+                self.stats.add(rid, also_count, n)
+        self.tables.rebuild(published)
+        return k, len(mps)
 
     def cancel(self, plan: RecallPlan) -> None:
         """Give back a plan's in-flight blocks without publishing anything (the copy failed)."""

@@ -117,5 +117,7 @@ def test_a_swapped_engine_lock_reaches_the_recaller() -> None:
     gen = eng.admit(0, *chunks(13, 1))
     eng.lock = lock = Counting()
     assert eng.recaller.lock is lock
-    publish_recall(eng, plan_recall(eng, [RecallRequest(0, gen, (0, 1), (1.0, 1.0))]))
-    assert lock.n == 2
+    plan = plan_recall(eng, [RecallRequest(0, gen, (0, 1), (1.0, 1.0))])
+    planned = lock.n
+    publish_recall(eng, plan)
+    assert planned >= 1 and lock.n > planned
