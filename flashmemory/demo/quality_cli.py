@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def register_quality(eval_parser: argparse.ArgumentParser) -> None:
     """Add `quality` as a subcommand of `flashmemory eval`."""
-    sub = eval_parser.add_subparsers(dest="eval_command", metavar="{quality}")
+    sub = getattr(eval_parser, "fm_subcommands", None) or eval_parser.add_subparsers(dest="eval_command",
+                                                                                      metavar="{quality}")
     p = sub.add_parser(
         "quality", help="the demo's quality table over many held-out documents, resumable",
         description="The demo's pipeline (shipped trained model, the demo's retriever) over N held-out documents "

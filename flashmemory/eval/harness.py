@@ -77,7 +77,8 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
                 fm_pages = mean_resident_pages(replay(kmax).resident, hc.page_chunks)
             rep, extra = equal_budget_replay(
                 replay, fm_pages, kmax, cap, hc.page_chunks,
-                lambda base, c: monitor_factory(run.index_logits, targets, base, c, engine.index_topk, hc.monitor))
+                lambda base, c: monitor_factory(run.index_logits, targets, base, c, engine.index_topk, hc.monitor),
+                max_base=max(1, math.ceil(fm_pages - 1e-9)) if hc.monitor.search_from_target else None)
             miss = rep.metrics.get("miss_values", [])
             extra |= {"miss_mass_mean": sum(miss) / len(miss) if miss else float("nan"), "miss_values": miss,
                       **{k: float(rep.metrics.get(k, 0)) for k in ("escalations", "fallbacks", "fallback_cycles",

@@ -36,6 +36,9 @@ class MonitorEvalConfig:
     cap_factor: float = 2.0       # cap = ceil(cap_factor * KMAX) pages
     shrink_after: int = 1         # short replays have few cycles: react within one
     fallback_after: int = 2
+    # Start the equal-budget search at ceil(FlashMemory's mean pages) instead of KMAX: the same match without the
+    # descent through every base above it (at large budgets FlashMemory's threshold keeps far fewer than KMAX pages)
+    search_from_target: bool = False
 
 
 def captured_native_scorer(index_logits: Mapping[int, torch.Tensor], first_position: int = 0) -> NativeScorer:
@@ -87,13 +90,15 @@ def cap_pages(kmax: int, mc: MonitorEvalConfig) -> int:
 
 def equal_budget_replay(replay: Callable[[int, Callable | None, int], object], target_pages: float, kmax: int,
                         cap: int, page_chunks: int,
-                        make_monitor: Callable[[int, int], Callable]) -> tuple[object, dict]:
-    """Replay the monitored method at the largest base budget whose mean resident pages <= target_pages.
+                        make_monitor: Callable[[int, int], Callable],
+                        max_base: int | None = None) -> tuple[object, dict]:
+    """Replay the monitored method at the largest base budget (<= max_base, default kmax) whose mean resident pages
+    <= target_pages.
 
     replay(base, monitor_factory, cap) -> ReplayResult; make_monitor(base, cap) -> monitor factory.
     Returns (the chosen ReplayResult, {"base_pages", "cap_pages", "mean_pages", "target_pages", "budget_matched"})."""
     rep, pages, c = None, float("inf"), cap
-    for base in range(kmax, 0, -1):
+    for base in range(min(kmax, max_base or kmax), 0, -1):
         for c in sorted({cap, max(base, (cap + kmax) // 2), max(base, kmax + 1), max(base, kmax)}, reverse=True):
             rep = replay(base, make_monitor(base, c), c)
             pages = mean_resident_pages(rep.resident, page_chunks)
