@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench serve clean
+.PHONY: setup test test-fast lint demo bench serve clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,15 @@ $(STAMP): requirements.txt pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n 2 --durations=15 tests
+
+# The suite without real sglang servers (marker `live`: tests/sglang/live) and the `slow` end-to-end runs.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -n 2 -m "not live and not slow" --durations=10 tests
+
+# ruff with pyproject.toml's [tool.ruff]: lint, and the formatter's check (it changes no file).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 demo: $(STAMP)
 	$(BIN)/flashmemory demo --serve
