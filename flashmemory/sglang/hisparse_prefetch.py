@@ -7,7 +7,8 @@ still loads every miss, and a prefetch is the same swap-in op called on a hint (
 
 Flow (docs/hisparse.md, section 9):
 - A hint source calls `PREFETCH.set_hint(request id, positions)` once per cycle: positions in priority order;
-  they are deduplicated and capped at the cycle budget (<= H-K per request).
+  they are deduplicated and capped at the cycle budget (<= H-K per request). `resident_hint` turns a Level-1
+  resident set (pages) into such a list, without the recency tail.
 - `before_forward` (decode, the forward's own stream): each row of the batch takes its next `W` pending positions
   (each hinted position is published once) into the static `pf_pos[max_rows, W]`; `pf_active` = rows, or 0 when
   no row has any (every prefetch call then returns at once).
@@ -159,6 +160,16 @@ class PrefetchState:
 
 
 PREFETCH = PrefetchState()
+
+
+def resident_hint(pages: torch.Tensor, n_entries: int, tail: int, page_chunks: int = 64) -> torch.Tensor:
+    """Int64 positions for `set_hint` from a Level-1 resident set: `pages` (int [P] page ids in priority order,
+    -1 = none) expanded to their c4 positions, page by page, keeping only positions below n_entries - max(tail, 1)
+    (the recency tail is mostly resident already, and the newest entry lives in the reserved slot)."""
+    p = pages.reshape(-1).to(torch.int64)
+    p = p[p >= 0]
+    pos = (p[:, None] * page_chunks + torch.arange(page_chunks, dtype=torch.int64)).reshape(-1)
+    return pos[pos < n_entries - max(tail, 1)]
 
 
 def _env() -> Any:

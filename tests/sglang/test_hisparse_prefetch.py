@@ -81,6 +81,12 @@ def test_gate_env_refusal_features_and_rows():
                                                             for p in select(features_for(FlashMemoryEnv())))
 
 
+def test_resident_hint_expands_pages_and_leaves_the_tail(mode):
+    pos = hp.resident_hint(torch.tensor([3, -1, 0, 5]), n_entries=330, tail=40)
+    assert pos.tolist() == list(range(192, 256)) + list(range(0, 64))     # page 5 starts at 320 >= 330 - 40
+    assert hp.resident_hint(torch.tensor([0]), n_entries=10, tail=0).tolist() == list(range(9))   # never L-1
+
+
 def test_refused_without_dsv4_hisparse_with_sglang_prefetch_or_without_room(mode):
     for co, what in ((None, "needs sglang's HiSparse"), (types.SimpleNamespace(is_dsv4_hisparse=False), "needs"),
                      (types.SimpleNamespace(is_dsv4_hisparse=True, enable_prefetch=True), "shared-index")):
