@@ -40,6 +40,17 @@ def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
         raise PluginStartupError(str(e)) from None
 
 
+def announce(line: str) -> None:
+    """Log `line` at INFO, or print it to stderr (the server's log) when no handler would emit it: sglang's
+    launcher runs `load_plugins()` before it configures logging (the root logger is still at WARNING then), and
+    its forked children do not register again, so a plain INFO record of what `register()` did would reach no
+    one in a served process."""
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
 def register() -> None:
     """Idempotent: read the gates, apply and verify the patches of the active features."""
     global _STATE
@@ -57,7 +68,7 @@ def register() -> None:
     retriever = None
     if not features:
         _STATE = {"features": (), "targets": [], "cpu_targets": cpu_targets}
-        logger.info("FlashMemory: all gates off; no hooks registered (stock sglang)")
+        announce("FlashMemory: all gates off; no hooks registered (stock sglang)")
         return
     if "path_p" in features:
         try:
@@ -78,8 +89,8 @@ def register() -> None:
     RUNTIME.configure(env, features, retriever)
     targets = apply(specs, context=context)
     _STATE = {"features": features, "targets": targets, "cpu_targets": cpu_targets}
-    logger.info("FlashMemory: active features: %s (%d hook targets)", ", ".join(env.active_features() or features),
-                len(targets))
+    announce(f"FlashMemory: active features: {', '.join(env.active_features() or features)} "
+             f"({len(targets)} hook targets)")
 
 
 def state() -> dict | None:

@@ -183,3 +183,18 @@ def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
         assert r["err"] and r["err"].startswith("FlashMemory startup error: SGLANG_RETRIEVER_INLINE_CKPT="), r
         assert re.search(pat, r["err"]) and "\n" not in r["err"], r["err"]
         assert r["patched"] == []
+
+
+def test_announce_reaches_the_server_log_before_logging_is_configured(capsys, caplog, monkeypatch):
+    """sglang's launcher loads plugins while its root logger is at WARNING: `register`'s line goes to stderr."""
+    import logging
+
+    from flashmemory.sglang import plugin
+    monkeypatch.setattr(plugin.logger, "isEnabledFor", lambda level: level >= logging.WARNING)
+    plugin.announce("FlashMemory: all gates off")
+    assert capsys.readouterr().err == "FlashMemory: all gates off\n" and not caplog.records
+    monkeypatch.undo()
+    with caplog.at_level(logging.INFO, logger=plugin.logger.name):
+        plugin.announce("FlashMemory: active features: level2")
+    assert capsys.readouterr().err == "" and [r.getMessage() for r in caplog.records] == [
+        "FlashMemory: active features: level2"]

@@ -21,3 +21,8 @@ def test_gates_off_tokens_equal_stock(live_servers):
         log = srv.log.read_text()
         assert "offload engine attached" not in log
         assert "scheduler and detokenizer start by fork" in log
+    # The comparison means something only if the gates-off server did load the FlashMemory plugin (and found every
+    # gate off) while the stock one did not: `plugin.register` says which in the server's log.
+    assert "FlashMemory: all gates off; no hooks registered" in off.log.read_text()
+    assert "FlashMemory: all gates off" not in stock.log.read_text()
+    assert "FlashMemory: active features" not in off.log.read_text() + stock.log.read_text()
