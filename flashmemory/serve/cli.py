@@ -2,8 +2,9 @@
 
 It builds the tiny serving model if it is missing, starts the PD stack through the launch scripts (DEVICE=cpu),
 prints the router URL and an example request, and then waits. Ctrl-C (or SIGTERM / SIGHUP) stops all three
-servers as process groups; a server that dies stops the others and the command exits 1. One machine-readable
-line, `READY {json}`, says where everything is (the live tests read it).
+servers as process groups, then removes the disk-tier page stores (SGLANG_PATHP_DISK_DIR) that its killed
+schedulers could not remove themselves, only theirs; a server that dies stops the others and the command exits
+1. One machine-readable line, `READY {json}`, says where everything is (the live tests read it).
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the cleanup short
-        servers.stop()
+        swept = servers.stop()
         left = servers.leftovers()
         print("stopped: all servers gone" if not left else f"warning: still running: {left}", flush=True)
+        if swept:   # page stores of schedulers that had to be killed (they remove their own when they can)
+            print(f"removed {len(swept)} page store(s) its stopped servers left: {', '.join(swept)}", flush=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

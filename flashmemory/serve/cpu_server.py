@@ -20,7 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flashmemory.serve.procs import free_ports, loopback_env, remove_rendezvous_store, remove_stale_rendezvous_stores
+from flashmemory.serve.procs import (free_ports, loopback_env, remove_rendezvous_store, remove_server_stores,
+                                     remove_stale_rendezvous_stores)
 from flashmemory.serve.validate import check_concurrency, check_timeout, max_running_requests, plugin_row_limit
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
@@ -43,18 +44,6 @@ def _tail(path: Path, n: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
-
-
-def remove_server_stores(env: dict[str, str], pids: set[int]) -> list[str]:
-    """The disk-tier page stores the stopped server's processes (`pids`) left in its SGLANG_PATHP_DISK_DIR (a
-    process killed outright cannot remove its own; its lock is gone with it); nobody else's. Returns them."""
-    from flashmemory.env import DiskTierConfig, EnvError
-    from flashmemory.offload.disk.store import remove_stale_stores
-    try:
-        d = DiskTierConfig.from_environ(env).dir
-    except EnvError:
-        return []
-    return remove_stale_stores(d, pids) if d and os.path.isdir(d) else []
 
 
 def _row_limit(env: dict[str, str]) -> int | None:

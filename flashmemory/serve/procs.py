@@ -3,7 +3,9 @@
 sglang's launcher spawns a scheduler and a detokenizer (and the router a Rust server); they stay in the
 launcher's process group, so signalling the group reaches all of them. `Servers` is a context manager: on exit
 (success, failure or Ctrl-C) it sends SIGTERM to every group it started, waits, then SIGKILLs what is left, and
-`leftovers()` says whether any process of those groups still exists (it should not).
+`leftovers()` says whether any process of those groups still exists (it should not). Once they are gone, the
+disk-tier page stores their processes left (a process killed outright cannot remove its own) are removed: only
+stores named with the pid of a process of those groups, and only unlocked ones (`remove_server_stores`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 
 RENDEZVOUS_VAR = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
@@ -88,6 +90,19 @@ def remove_stale_rendezvous_stores(tmp: Path | None = None) -> list[str]:
             except OSError:
                 pass
     return removed
+
+
+def remove_server_stores(env: Mapping[str, str], pids: Collection[int]) -> list[str]:
+    """The disk-tier page stores that the stopped processes `pids` of one server left in its SGLANG_PATHP_DISK_DIR
+    (from `env`, the environment the server was started with); nobody else's, and none whose lock is still held
+    (a live store holds it for its whole life). Returns the removed paths."""
+    from flashmemory.env import DiskTierConfig, EnvError
+    from flashmemory.offload.disk.store import remove_stale_stores
+    try:
+        d = DiskTierConfig.from_environ(env).dir
+    except EnvError:
+        return []
+    return remove_stale_stores(d, pids) if d and os.path.isdir(d) else []
 
 
 class ServerStartError(RuntimeError):
@@ -159,8 +174,27 @@ def http_post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
         return json.loads(r.read())
 
 
+def _threads_running(pid: str) -> bool:
+    """Whether any thread of process `pid` has not exited yet. A killed process's main thread can be a zombie
+    while its other threads still exit: until the last one has, its descriptors (and their locks) stay open."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:][:1] not in ("Z", "X"):
+            return True
+    return False
+
+
 def _pgid_members(pgids: set[int]) -> list[int]:
-    """Pids of live processes whose process group is one of `pgids` (read from /proc; zombies excluded)."""
+    """Pids of live processes whose process group is one of `pgids` (read from /proc): zombies excluded once
+    every thread of theirs has exited (`_threads_running`)."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -171,7 +205,7 @@ def _pgid_members(pgids: set[int]) -> list[int]:
         except OSError:
             continue
         rest = stat[stat.rfind(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp ...
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) in pgids:
+        if len(rest) > 2 and int(rest[2]) in pgids and (rest[0] != "Z" or _threads_running(d)):
             out.append(int(d))
     return out
 
@@ -237,11 +271,13 @@ class Servers:
     def pgids(self) -> set[int]:
         return {p.popen.pid for p in self.procs}     # start_new_session: pgid == pid of the leader
 
-    def stop(self, grace: float = 20.0, only: Sequence[Proc] | None = None) -> None:
+    def stop(self, grace: float = 20.0, only: Sequence[Proc] | None = None) -> list[str]:
         """SIGTERM every group (or those of `only`), wait up to `grace` s for all members to go, then SIGKILL
-        the rest; reap leaders."""
+        the rest; reap leaders. Then remove what the stopped processes left: their rendezvous stores and the
+        page stores named with their pids (`remove_server_stores`). Returns the page stores removed."""
         procs = self.procs if only is None else list(only)
         pgids = {p.popen.pid for p in procs}
+        members = pgids | set(_pgid_members(pgids))   # the schedulers' pids name their page stores
         for g in pgids:
             try:
                 os.killpg(g, signal.SIGTERM)
@@ -251,8 +287,10 @@ class Servers:
         while time.monotonic() < deadline:
             for p in procs:
                 p.popen.poll()
-            if not _pgid_members(pgids):
+            alive = _pgid_members(pgids)
+            if not alive:
                 break
+            members.update(alive)
             time.sleep(0.2)
         for g in pgids:
             try:
@@ -270,6 +308,7 @@ class Servers:
         for p in procs:
             remove_rendezvous_store(p.env)
         remove_stale_rendezvous_stores()
+        return sorted({path for p in procs for path in remove_server_stores(p.env, members)})
 
     def leftovers(self) -> list[int]:
         """Pids still alive in the groups this object started ([] after a clean stop)."""

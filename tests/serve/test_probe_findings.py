@@ -134,3 +134,59 @@ def test_a_stopped_servers_stores_are_removed_and_only_those(tmp_path) -> None:
         assert remove_server_stores(env, {4242, os.getpid()}) == [ours]
         assert os.path.exists(theirs) and os.path.exists(held.path)     # another run's; a live one
     assert remove_server_stores({}, {4343}) == []                        # no disk tier: nothing to do
+
+
+# A "server" whose leader starts a scheduler-like child in its process group; the child opens a page store in
+# SGLANG_PATHP_DISK_DIR and ignores SIGTERM, so only SIGKILL stops it and it cannot remove its own store.
+_STUBBORN_SERVER = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.argv[1] == "leader":
+        subprocess.Popen([sys.executable, __file__, "scheduler"]).wait()
+    else:
+        from flashmemory.offload.disk import PageStore
+        store = PageStore(os.environ["SGLANG_PATHP_DISK_DIR"], 4 * 8192, 5000)
+        with open(os.environ["STORE_AT"] + ".tmp", "w") as f:
+            f.write(store.path)
+        os.replace(os.environ["STORE_AT"] + ".tmp", os.environ["STORE_AT"])
+        while True:   # a SIGTERM wakes pause() up: keep going, as a scheduler stuck in a forward would
+            signal.pause()
+""")
+
+
+def test_serve_stop_sweeps_the_stores_its_killed_schedulers_left_and_nothing_else(tmp_path) -> None:
+    """`Servers.stop` (what `flashmemory serve` runs on Ctrl-C) removes the page store of a scheduler (a child of
+    a server's leader, not the leader) that had to be SIGKILLed; another live store, a dead store of a process
+    that was never the stack's, and a file that is no store stay."""
+    import json
+    import os
+    import time
+
+    from flashmemory.offload.disk import PageStore
+    from flashmemory.offload.disk.store import MARKER
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "server.py"
+    script.write_text(_STUBBORN_SERVER)
+    (disk / "notes.txt").write_text("not a store")
+    env = {**os.environ, "SGLANG_PATHP_DISK_DIR": str(disk), "STORE_AT": str(tmp_path / "store_at"),
+           "PYTHONPATH": os.pathsep.join([str(__import__("flashmemory.serve.stack").serve.stack.REPO),
+                                          os.environ.get("PYTHONPATH", "")])}
+    with PageStore(str(disk), 4 * 8192, 5000) as live:
+        servers = Servers(tmp_path / "logs")
+        proc = servers.start("decode", [sys.executable, str(script), "leader"], env)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "store_at").exists() and time.monotonic() < deadline:
+            assert proc.popen.poll() is None, proc.log_tail()
+            time.sleep(0.1)
+        left = (tmp_path / "store_at").read_text()
+        # a dead run that is not this stack's (written after the scheduler's store opened: opening one sweeps these)
+        foreign = disk / f"fm-pagestore-r0-4343-{'b2' * 8}.fmps"
+        foreign.write_bytes(MARKER + json.dumps({"pid": 4343, "host": socket.gethostname(),
+                                                 "token": "b2" * 8}).encode() + b"\n")
+        assert os.path.exists(left) and os.path.dirname(left) == str(disk)
+        swept = servers.stop(grace=1.0)
+        assert servers.leftovers() == []
+        assert swept == [left] and not os.path.exists(left)
+        assert os.path.exists(live.path) and foreign.exists() and (disk / "notes.txt").exists()

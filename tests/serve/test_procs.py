@@ -119,3 +119,29 @@ def test_start_pd_gives_up_after_its_attempts_and_other_failures_are_not_retried
         with pytest.raises(ServerStartError, match="MODEL=/x"):
             start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60))
     assert count.read_text().count("x") == 2
+
+
+def test_a_process_whose_main_thread_exited_counts_until_its_last_thread_has(tmp_path):
+    """A killed scheduler's main thread can be a zombie while its other threads still run (and hold its files
+    and their locks open): it is still a member of its group until the last thread has exited."""
+    import time
+
+    from flashmemory.serve.procs import _pgid_members
+    code = ("import ctypes, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(300,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")     # the main thread exits; the sleeper goes on
+    s = Servers(tmp_path)
+    p = s.start("half", [sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{p.popen.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the main thread never exited")
+        assert _pgid_members({p.popen.pid}) == [p.popen.pid]
+    finally:
+        s.stop(grace=1.0)
+    assert s.leftovers() == []
