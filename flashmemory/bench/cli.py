@@ -1,12 +1,19 @@
-"""`flashmemory bench NAME`: each benchmark module exposes `add_args(parser)` and `run(args) -> int`."""
+"""`flashmemory bench NAME`: each benchmark module exposes `add_args(parser)` and `run(args) -> int`.
+
+Every benchmark fails in one form, naming itself: a bad flag is argparse's line from the benchmark's own parser
+(`flashmemory bench NAME: error: argument --flag: ...`), and a `UserError` or `OSError` its `run` raises is
+`flashmemory bench NAME: error: <message>` (exit 2; `--debug` shows the traceback), also under `bench all`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+from collections.abc import Callable
 
 from flashmemory.bench.guard import guard_numbers
+from flashmemory.errors import UserError, fail
 
 BENCHES = {
     "scorer": ("flashmemory.bench.scorer", "Level-1 scoring throughput vs the matmul ceiling and the native indexer"),
@@ -39,10 +46,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         m = importlib.import_module(mod)
         m.add_args(bp)
         guard_numbers(bp)   # every int / float flag: a whole / finite number in range, or argparse's one line
-        bp.set_defaults(func=m.run)
+        bp.set_defaults(func=named(name, m.run))
     ap = bsub.add_parser("all", help="run every benchmark in turn")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.set_defaults(func=_run_all)
+
+
+def named(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run`, with an expected failure (UserError, OSError) reported as `flashmemory bench NAME: error: ...`."""
+    def run_named(args: argparse.Namespace) -> int:
+        try:
+            return int(run(args) or 0)
+        except (UserError, OSError) as e:
+            return fail(f"bench {name}", e)   # re-raises under --debug
+    return run_named
 
 
 def _run_all(args: argparse.Namespace) -> int:
@@ -53,5 +70,5 @@ def _run_all(args: argparse.Namespace) -> int:
         p = argparse.ArgumentParser()
         m.add_args(p)
         guard_numbers(p)
-        rc |= int(m.run(p.parse_args(["--quick"] if args.quick else [])) or 0)
+        rc |= named(name, m.run)(p.parse_args(["--quick"] if args.quick else []))
     return rc

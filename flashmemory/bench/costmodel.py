@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
                            swap_layer_us=f.swap_layer_us)
         dk = disk_knobs(args)
     except ValueError as e:
-        return fail("bench", e)
+        return fail("bench costmodel", e)
 
     def knobs_for(ctx: int) -> PolicyKnobs:
         path_i = {"on": True, "off": False}.get(args.path_i, ctx >= 1048576)

@@ -1,8 +1,10 @@
 """Checks every benchmark runs before it does any work: numbers that parse, sizes that fit this machine.
 
 - `guard_numbers(parser)`: every `type=int` / `type=float` option of a bench parser is parsed by a checked type
-  instead: an int must be a whole number of at most `MAX_INT` in magnitude, a float finite. argparse then turns a
-  bad value into its own one line (`flashmemory bench NAME: error: argument --flag: ...`, exit 2), before `run`.
+  instead: an int must be a whole number of at most `MAX_INT` in magnitude, a float finite. Every int option of a
+  bench is a count or a size, so it must also be >= 1, or >= 0 when its default is 0 (0 then means "the
+  default for this run", e.g. `--reps 0`, or it is a seed). argparse then turns a bad value into its own one line
+  (`flashmemory bench NAME: error: argument --flag: ...`, exit 2), before `run`.
 - `int_list(text, flag, lo, hi)`: a comma-separated list of whole numbers in [lo, hi] (one line naming the flag).
 - `require_memory(need, what)`: host memory a bench is about to allocate, against what the OS says is available
   (MemAvailable); a UserError naming the flags that size it when it does not fit.
@@ -43,15 +45,25 @@ def checked_float(text: str) -> float:
     return v
 
 
-_CHECKED: dict[Callable, Callable] = {int: checked_int, float: checked_float}
+def count_at_least(lo: int) -> Callable[[str], int]:
+    """argparse type: `checked_int`, and >= `lo`."""
+    def count(text: str) -> int:
+        v = checked_int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text}: must be >= {lo}")
+        return v
+    count.__name__ = f"count_at_least_{lo}"   # argparse names the type in some messages
+    return count
 
 
 def guard_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Swap every plain int / float option type of `parser` for its checked twin (in place); returns parser."""
+    """Swap every plain int / float option type of `parser` for its checked twin (in place); returns parser.
+    An int option becomes a count: >= 0 when its default is 0, else >= 1 (`count_at_least`)."""
     for action in parser._actions:   # argparse offers no public walk over a parser's options
-        checked = _CHECKED.get(action.type)  # type: ignore[arg-type]
-        if checked is not None:
-            action.type = checked
+        if action.type is int:
+            action.type = count_at_least(0 if action.default == 0 else 1)
+        elif action.type is float:
+            action.type = checked_float
     return parser
 
 

@@ -18,6 +18,7 @@ import os
 import torch
 
 from flashmemory.bench.scorer import NATIVE_HEADS, N_C4_LAYERS, _keys, _timer
+from flashmemory.errors import UserError
 from flashmemory.residency.monitor import miss_mass, miss_report
 from flashmemory.retriever.model import relu_head_scores
 
@@ -66,11 +67,9 @@ def run(args: argparse.Namespace) -> int:
         sizes = (tuple(int(s) for s in args.sizes.split(",") if s.strip()) if args.sizes
                  else QUICK_SIZES if args.quick else FULL_SIZES)
     except ValueError:
-        print(f"bench monitor: --sizes {args.sizes!r}: expected comma-separated chunk counts")
-        return 2
-    if args.tau < 1 or any(s < 1 for s in sizes):
-        print("bench monitor: --tau and --sizes must be >= 1")
-        return 2
+        raise UserError(f"--sizes {args.sizes!r}: expected comma-separated chunk counts") from None
+    if not sizes or args.tau < 1 or any(s < 1 for s in sizes):
+        raise UserError(f"--tau {args.tau} / --sizes {args.sizes!r}: must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     else:

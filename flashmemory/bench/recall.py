@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from flashmemory.errors import UserError
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
 from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall, recall_now
 from flashmemory.retriever.fp8 import quantize_chunks
@@ -261,7 +262,20 @@ def _print_table(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]])
         print("  ".join(f"{x:<{n}}" for x, n in zip(r, w)).rstrip())
 
 
+def _check_plan(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a planning history too short for the exhausted cycle of `_plan_scenarios`."""
+    n_rows, kmax, n_blocks = args.plan_rows, args.plan_kmax, args.plan_blocks
+    n_chunks = args.plan_chunks or (16384 if args.quick else 65536)
+    usable = -(-n_chunks // 64) - 1            # 64-chunk pages; the last (partial) one is never selected
+    per_row = n_blocks // n_rows
+    keep_n = min(per_row // 2, kmax)
+    if usable < per_row + kmax - keep_n:
+        raise UserError(f"--plan-chunks {n_chunks}: too short for --plan-rows {n_rows}, --plan-blocks {n_blocks} and "
+                        f"--plan-kmax {kmax}: need > {64 * (per_row + kmax - keep_n + 1)} chunks")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_plan(args)
     dev = torch.device(args.device)
     reps = args.reps or (2 if args.quick else 5)
     with tqdm(total=len(args.kmax) + 6, desc="bench recall", leave=False) as bar:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from flashmemory.errors import UserError
 from flashmemory.retriever.fp8 import dequantize_chunks, quantize_chunks
 from flashmemory.retriever.model import JointRetriever, RetrieverDims, relu_head_scores
 
@@ -141,13 +142,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
         except ValueError:
-            print(f"bench scorer: --sizes {args.sizes!r}: expected comma-separated chunk counts")
-            return 2
+            raise UserError(f"--sizes {args.sizes!r}: expected comma-separated chunk counts") from None
     else:
         sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if not sizes or min(sizes) < 1 or args.tau < 1:
-        print("bench scorer: sizes and --tau must be >= 1")
-        return 2
+        raise UserError(f"--tau {args.tau} / --sizes {args.sizes!r}: must be >= 1")
     repeats = args.repeats or (3 if args.quick else 5)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())

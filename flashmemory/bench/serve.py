@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from flashmemory.atomic import atomic_write_text
+from flashmemory.bench.guard import int_list
+from flashmemory.errors import UserError, fail
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, generate, generate_stream
 from flashmemory.serve.procs import ServerStartError, Servers
 
@@ -136,16 +137,17 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
 
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
-    lo, hi = (512, 1024) if args.quick else tuple(int(x) for x in args.contexts.split(","))
+    bounds = [512, 1024] if args.quick else int_list(args.contexts, "--contexts", 1, 1 << 20)
+    if len(bounds) != 2 or bounds[0] > bounds[1]:
+        raise UserError(f"--contexts {args.contexts!r}: expected MIN,MAX prompt tokens with MIN <= MAX, e.g. 1024,4096")
+    lo, hi = bounds
     tokens = args.tokens
     if args.quick:
         args.steady_tokens = min(args.steady_tokens, 4)
     if args.steady_tokens < 1:
-        print("error: need --steady-tokens >= 1", file=sys.stderr)
-        return 2
-    if not 0 < lo <= hi or args.requests < 1 or tokens < 2:
-        print("error: need 0 < contexts min <= max, --requests >= 1, --tokens >= 2", file=sys.stderr)
-        return 2
+        raise UserError(f"--steady-tokens {args.steady_tokens}: must be >= 1")
+    if args.requests < 1 or tokens < 2:
+        raise UserError(f"--requests {args.requests} / --tokens {tokens}: need --requests >= 1, --tokens >= 2")
     model = ensure_model(Path(args.model) if args.model else DEFAULT_CPU_MODEL)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     rng = random.Random(0)
@@ -163,8 +165,7 @@ def run(args: argparse.Namespace) -> int:
         stock = run_arm(False, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
         fm = run_arm(True, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
     except (ServerStartError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail("bench serve", f"{str(e).splitlines()[0] if str(e) else type(e).__name__} (logs {logs})", 1)
     ratio = fm["decode_tok_s"] / stock["decode_tok_s"]
     steady = fm["steady_tok_s"] / stock["steady_tok_s"]
     m = fm["metrics"]

@@ -91,19 +91,19 @@ def _best(fn: Callable[[], None], reps: int) -> float:
 
 def _check(args: argparse.Namespace) -> None:
     if args.pages < 1 or min(args.conc) < 1 or args.readers < 1 or args.tau < 1 or args.reps < 1 or args.layers < 4:
-        raise UserError("bench tier: --pages, --conc, --readers, --tau, --reps must be >= 1 and --layers >= 4")
+        raise UserError("--pages, --conc, --readers, --tau, --reps must be >= 1 and --layers >= 4")
     if not (args.step_ms > 0 and math.isfinite(args.step_ms)) or not 0 < args.turnover <= 1:
-        raise UserError("bench tier: --step-ms must be a positive number and --turnover lie in (0, 1]")
+        raise UserError("--step-ms must be a positive number and --turnover lie in (0, 1]")
     if args.context < 4:
-        raise UserError("bench tier: --context must be >= 4 tokens (one c4 chunk)")
+        raise UserError("--context must be >= 4 tokens (one c4 chunk)")
     if args.dir and not os.path.isdir(args.dir):
-        raise UserError(f"bench tier: --dir {args.dir!r} is not an existing directory")
+        raise UserError(f"--dir {args.dir!r} is not an existing directory")
     try:
         dev = torch.device(args.device)
     except RuntimeError:
-        raise UserError(f"bench tier: --device {args.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+        raise UserError(f"--device {args.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"bench tier: --device {args.device}: no CUDA device here (use --device cpu)")
+        raise UserError(f"--device {args.device}: no CUDA device here (use --device cpu)")
 
 
 def planned_bytes(args: argparse.Namespace) -> dict[str, int]:
@@ -155,7 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             cache.put(f"req{i // k}", i % k, memoryview(hnp[i]))
         cache.flush()
         if cache.pinned_pages or cache.counters.write_errors:
-            raise UserError(f"bench tier: --dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
+            raise UserError(f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
                             f"page store ({cache.counters.write_errors} write errors: disk full or failing); the "
                             "timings would measure host memory, not the disk")
         if not store.direct:
@@ -245,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
     args.reps = args.reps or (1 if args.quick else 3)
     _check(args)
     need = planned_bytes(args)
-    require_memory(need["host"], "bench tier: --pages x --conc x the page size of --layers")
-    require_disk(args.dir or tempfile.gettempdir(), need["disk"], "bench tier: --dir")
+    require_memory(need["host"], "--pages x --conc x the page size of --layers")
+    require_disk(args.dir or tempfile.gettempdir(), need["disk"], "--dir")
     r = measure(args)
     report(r)
     if args.json:

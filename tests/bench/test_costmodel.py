@@ -125,8 +125,8 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert bench.run(p.parse_args(["--contexts", "1024"])) == 2
     assert bench.run(p.parse_args(["--hisparse-buffer", "100"])) == 2
     err = capsys.readouterr().err
-    assert "flashmemory bench: error: --contexts entry '1024'" in err
-    assert "flashmemory bench: error: --hisparse-buffer 100" in err
+    assert "flashmemory bench costmodel: error: --contexts entry '1024'" in err
+    assert "flashmemory bench costmodel: error: --hisparse-buffer 100" in err
 
 
 def test_hisparse_bytes_by_hand():

@@ -1,5 +1,6 @@
 """Bench arguments are checked before any work, in one line with a non-zero exit: malformed or huge numbers,
-memory and disk the run would need, and a disk that fills up mid-run (never a table of meaningless numbers)."""
+counts below one, memory and disk the run would need, and a disk that fills up mid-run (never a table of
+meaningless numbers). Every error line names the benchmark: `flashmemory bench NAME: error: ...`."""
 
 from __future__ import annotations
 
@@ -65,14 +66,14 @@ def test_tier_memory_is_checked_before_allocating(capsys, monkeypatch) -> None:
     allocated = []
     monkeypatch.setattr(tier, "measure", lambda args: allocated.append(args))
     assert main(["bench", "tier", "--pages", "4096", "--conc", "8", "--device", "cpu"]) == 2
-    err, _ = _one_error_line(capsys, "flashmemory bench: error: bench tier: --pages x --conc")
+    err, _ = _one_error_line(capsys, "flashmemory bench tier: error: --pages x --conc")
     assert "GB of host memory" in err and allocated == []
 
 
 def test_tier_disk_space_is_checked_before_writing(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(guard.os, "statvfs", lambda _p: argparse.Namespace(f_bavail=10, f_frsize=4096))
     assert main(["bench", "tier", *TINY, "--dir", str(tmp_path)]) == 2
-    _one_error_line(capsys, f"flashmemory bench: error: bench tier: --dir {tmp_path}: needs about")
+    _one_error_line(capsys, f"flashmemory bench tier: error: --dir {tmp_path}: needs about")
 
 
 def test_tier_on_a_disk_that_fills_exits_non_zero_naming_dir(tmp_path, capsys, monkeypatch) -> None:
@@ -83,6 +84,48 @@ def test_tier_on_a_disk_that_fills_exits_non_zero_naming_dir(tmp_path, capsys, m
         return store
     monkeypatch.setattr(tier, "PageStore", full_after_open)
     assert main(["bench", "tier", *TINY, "--dir", str(tmp_path)]) == 2
-    err, out = _one_error_line(capsys, f"flashmemory bench: error: bench tier: --dir {tmp_path}: 2 of 2 "
+    err, out = _one_error_line(capsys, f"flashmemory bench tier: error: --dir {tmp_path}: 2 of 2 "
                                        "pages")
     assert "disk full" in err and "GB/s" not in out
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["step", "--rows", "0"], "--rows"), (["recall", "--chunks", "0"], "--chunks"),
+    (["train", "--batch-size", "0"], "--batch-size"), (["labels", "--tokens", "0"], "--tokens"),
+    (["serve", "--requests", "-1"], "--requests"), (["tier", "--reps", "-1"], "--reps"),
+    (["costmodel", "--disk-drives", "0"], "--disk-drives"),
+])
+def test_counts_below_one_are_argparse_lines(argv, flag, capsys) -> None:
+    """Every int flag of a bench is a count: below 1 (below 0 where 0 is its default, "the run's default") it is
+    refused by argparse before the bench starts (these ran with nonsense, or ended in a traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"flashmemory bench {argv[0]}: error: argument {flag}: {argv[-1]}: must be >= "), err
+
+
+def test_zero_keeps_meaning_the_runs_default_where_it_is_the_default() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=0)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    guard.guard_numbers(p)
+    assert vars(p.parse_args(["--reps", "0", "--seed", "0"])) == {"reps": 0, "rows": 8, "seed": 0}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rows", "0"])
+
+
+@pytest.mark.parametrize("argv,prefix", [
+    (["monitor", "--sizes", "a,b"], "flashmemory bench monitor: error: --sizes 'a,b'"),
+    (["scorer", "--sizes", "x"], "flashmemory bench scorer: error: --sizes 'x'"),
+    (["serve", "--contexts", "a,b"], "flashmemory bench serve: error: --contexts 'a,b'"),
+    (["serve", "--contexts", "4096"], "flashmemory bench serve: error: --contexts '4096'"),
+    (["serve", "--contexts", "4096,1024"], "flashmemory bench serve: error: --contexts '4096,1024'"),
+    (["recall", "--plan-chunks", "1"], "flashmemory bench recall: error: --plan-chunks 1: too short"),
+])
+def test_bad_values_are_one_named_line_before_any_work(argv, prefix, capsys, no_servers) -> None:
+    """Malformed lists and impossible sizes: one line naming the bench and the flag (these printed an unprefixed
+    line to stdout, or ended in a traceback; recall's only after minutes of timing)."""
+    assert main(["bench", *argv]) == 2
+    _one_error_line(capsys, prefix)

@@ -68,3 +68,35 @@ def test_serve_start_failure_ends_in_a_prefixed_line(tmp_path: Path, capsys: pyt
     assert rc == 1
     assert err[0] == "error: MODEL=/x does not exist"   # the server's log tail first
     assert err[-1].startswith("flashmemory serve: error: decode exited with 2"), err
+
+
+def test_every_bench_fails_in_one_form_naming_itself(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`flashmemory bench NAME: error: ...` for an expected failure of any benchmark, also under `bench all`
+    (a UserError read `flashmemory bench: error: ...`, and `bench tier` then repeated its own name in it)."""
+    import importlib
+
+    from flashmemory.bench.cli import available
+    from flashmemory.errors import UserError
+
+    def refuse(args):
+        raise UserError("--flag 7: bad")
+    names = list(available())
+    for name, (mod, _) in available().items():
+        monkeypatch.setattr(importlib.import_module(mod), "run", refuse)
+    for name in names:
+        assert main(["bench", name]) == 2
+        assert capsys.readouterr().err == f"flashmemory bench {name}: error: --flag 7: bad\n"
+    assert main(["bench", "all", "--quick"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"flashmemory bench {name}: error: --flag 7: bad" for name in names]
+
+
+def test_bench_messages_do_not_name_the_bench_again() -> None:
+    """The bench's name comes from the one place that prints the line; a message that starts with it again
+    reads `flashmemory bench tier: error: bench tier: ...`."""
+    root = Path(__file__).resolve().parents[2] / "flashmemory" / "bench"
+    bad = [f"{p.name}:{i}" for p in sorted(root.glob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"""(UserError|require_memory|require_disk)\(f?["']bench """, line)
+           or re.search(r"""\bfail\(["']bench["']""", line)]
+    assert bad == []
