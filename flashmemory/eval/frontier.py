@@ -7,7 +7,8 @@ budget b (a share of the document's pages: KMAX = ceil(b x pages)) the harness (
 replays each method through the offload engine and Level 1 and decodes its Level-2 forward from the shared
 prefix. HiSparse keeps Full's outputs by construction; its cost at a hot buffer of H = KMAX x page_chunks slots
 comes from replaying sglang 0.5.23's LRU swap-in over the Full run's own top-k picks of every c4 layer
-(`eval.hisparse_replay`). Every method row gains its costs (`eval.frontier_cost.method_costs`).
+(`eval.hisparse_replay`); "HiSparse+prefetch" adds FlashMemory's resident set as a prefetch hint at each
+Level-1 cycle (at most H - k positions, so it never evicts a current pick). Every method row gains its costs (`eval.frontier_cost.method_costs`).
 
 Budgets are stated as a share of history and as resident chunks per top-k (KMAX x page_chunks / index_topk).
 
@@ -33,6 +34,7 @@ FORMAT = "flashmemory-frontier/1"
 DOCS_DIR = "docs"
 TRAINED_TASKS = ("niah_single", "niah_multikey", "mqar")
 SWEEP_METHODS = ("FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
+PREFETCH = "HiSparse+prefetch"   # HiSparse whose hot buffer is also loaded with FlashMemory's set each cycle
 QUALITY_KEYS = ("agreement", "mass", "golden_recall", "task_score", "resident_frac")
 
 
@@ -137,7 +139,7 @@ def load_done(out: Path, fp: str) -> dict[int, dict]:
     return done
 
 
-def hisparse_stats(run, slots: int) -> dict | None:
+def hisparse_stats(run, slots: int, hint: dict[int, torch.Tensor] | None = None) -> dict | None:
     """HiSparse's LRU swap-in replayed over the Full run's decode-row picks of every c4 layer with a hot buffer of
     `slots` entries: {"hits", "misses", "hit_rate", "fast_path_calls", "calls"} summed over layers and steps (sglang's
 PD admission: a request longer than the buffer starts it empty; hit rate 1 on the fast path, history <= slots); None while the replay module is
@@ -152,9 +154,19 @@ PD admission: a request longer than the buffer starts it empty; hit rate 1 on th
         rows = run.topk[c][P:P + T]
         picks.append([r[r >= 0].long() for r in rows])
     lengths = [min((P + t + 1) // 4, run.index_chunks.shape[1]) for t in range(T)]
-    st = replay_hisparse(picks, lengths, slots, None)
-    return {"hits": float(st.hits), "misses": float(st.misses), "hit_rate": float(st.hit_rate),
-            "fast_path_calls": float(st.fast_path_calls), "calls": float(st.calls)}
+    st = replay_hisparse(picks, lengths, slots, hint)
+    out = {"hits": float(st.hits), "misses": float(st.misses), "hit_rate": float(st.hit_rate),
+           "fast_path_calls": float(st.fast_path_calls), "calls": float(st.calls)}
+    if hint is not None:
+        out |= {"prefetched": float(st.prefetched), "prefetch_hits": float(st.prefetch_hits),
+                "prefetch_wasted": float(st.prefetch_wasted)}
+    return out
+
+
+def prefetch_hint(resident: torch.Tensor, tau: int) -> dict[int, torch.Tensor]:
+    """FlashMemory's resident set at each Level-1 cycle start (step t, t % tau == 0) as a HiSparse prefetch hint:
+    step -> its resident chunk positions, ascending (the replay keeps the first slots - k). resident: bool [T, N_c]."""
+    return {t: resident[t].nonzero().squeeze(1) for t in range(0, resident.shape[0], tau)}
 
 
 class Sweep:
@@ -205,13 +217,17 @@ class Sweep:
                      l1_flops=self._l1(P + T, *self.shapes))
         budgets = {}
         for b in fc.budgets:
-            rows = evaluate_doc(dec, run, self.retriever, self.hc, self.targets, b, self.text)
+            residents: dict = {}
+            rows = evaluate_doc(dec, run, self.retriever, self.hc, self.targets, b, self.text, residents=residents)
             kmax = int(rows["Full"]["kmax"])
             slots = max(kmax * fc.page_chunks, eng.index_topk)
-            hs = hisparse_stats(run, slots)
-            rows["HiSparse"] = {k: rows["Full"][k] for k in QUALITY_KEYS if k in rows["Full"]} | {
-                "kmax": kmax, "hot_slots": slots, **(hs or {"hit_rate": float("nan")}),
-                "cost_pending": hs is None}
+            arms = {"HiSparse": hisparse_stats(run, slots)}
+            if "FlashMemory" in residents:
+                arms[PREFETCH] = hisparse_stats(run, slots, prefetch_hint(residents["FlashMemory"], fc.tau))
+            for arm, hs in arms.items():
+                rows[arm] = {k: rows["Full"][k] for k in QUALITY_KEYS if k in rows["Full"]} | {
+                    "kmax": kmax, "hot_slots": slots, **(hs or {"hit_rate": float("nan")}),
+                    "cost_pending": hs is None}
             for name, m in rows.items():
                 m.pop("miss_values", None)
                 m |= method_costs(name, m, hot_slots=slots, swap_misses=(hs or {}).get("misses"), **shape)
@@ -242,8 +258,8 @@ def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, 
     todo = [(i, t) for i, t in plan if i not in done]
     if max_docs is not None:
         todo = todo[:max_docs]
-    log(f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(plan) - len(todo)} done or deferred, "
-        f"{len(todo)} to run; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}")
+    log(f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(done)} done earlier, "
+        f"{len(todo)} to run now; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}")
     if todo and not report_only:
         sw = Sweep(fc)
         for i, task in tqdm(todo, desc="frontier: documents", disable=not progress, unit="doc"):

@@ -9,7 +9,8 @@ decode steps, c4 entry 584 B as DeepSeek-V4 stores it, index key D + 4 B as the 
                    device for Full and HiSparse; for FlashMemory the retriever layers in full plus the resident
                    chunks of the others, the Path-I layout of the replay)
   h2d_per_token    host -> device bytes per decode step: FlashMemory's Level-1 recall bytes (engine metrics) / T;
-                   HiSparse's synchronous swap-in misses x 584 B / T (from the LRU replay); 0 for Full
+                   HiSparse's synchronous swap-in misses x 584 B / T (from the LRU replay; with the prefetch arm
+                   plus its prefetched entries, which move off the critical path); 0 for Full
   scored_per_token indexer entries scored per step: every visible chunk at every c4 layer (Full, HiSparse), or
                    the resident chunks at every c4 layer plus Level 1's full history at the retriever layers / tau
   l1_flops_per_token Level-1 FLOPs per step (`costmodel.flops.level1_terms` on the tiny shapes); 0 off FlashMemory
@@ -60,9 +61,10 @@ def method_costs(method: str, m: dict, *, n_c4: int, n_target: int, n_final: int
     n_final: chunks visible after the last step (N); n_vis_mean: mean visible chunks per step; index_bytes: one
     stored index key (D + 4); hot_slots / swap_misses: HiSparse's H and its replayed misses over all c4 layers."""
     idx_full = n_c4 * n_final * index_bytes
-    if method in ("Full", "HiSparse"):
+    if method in ("Full", "HiSparse", "HiSparse+prefetch"):
         kv = n_c4 * n_final * KV_BYTES if method == "Full" else n_c4 * (hot_slots + 1) * KV_BYTES
-        h2d = 0.0 if method == "Full" else (swap_misses or 0.0) * KV_BYTES / max(n_steps, 1)
+        moved = (swap_misses or 0.0) + float(m.get("prefetched", 0.0))   # on-demand misses + prefetched entries
+        h2d = 0.0 if method == "Full" else moved * KV_BYTES / max(n_steps, 1)
         return {"device_bytes": kv + idx_full, "device_parts": {"c4 kv": kv, "index keys": idx_full},
                 "h2d_per_token": h2d, "scored_per_token": n_c4 * n_vis_mean, "l1_flops_per_token": 0.0}
     pages = int(m.get("cap_pages") or m.get("kmax") or 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 RATIOS = (0.95, 0.99)
 COST_KEYS = ("device_bytes", "h2d_per_token", "scored_per_token", "l1_flops_per_token")
-PLOT_METHODS = ("Full", "HiSparse", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
+PLOT_METHODS = ("Full", "HiSparse", "HiSparse+prefetch", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
 
 
 def _flat(m: dict) -> dict:
@@ -72,6 +72,9 @@ def iso_quality(res: dict, groups: list[str], method: str = "FlashMemory") -> di
         out[g] = {}
         for r in RATIOS:
             pick: dict = {"budget": None, "full_acc": full, "ratio": r}
+            if _nan(full) or full <= 0:      # Full solves none of them: no fraction of it to reach
+                out[g][f"{r:g}"] = pick | {"note": "Full scores 0"}
+                continue
             for b in budgets:
                 acc, ci = _acc(res, b, g, method)
                 if not _nan(acc) and not _nan(full) and acc >= r * full - 1e-12:
@@ -79,7 +82,7 @@ def iso_quality(res: dict, groups: list[str], method: str = "FlashMemory") -> di
                     pick |= {"budget": b, "acc": acc, "acc_ci": ci,
                              "resident_per_topk": rows[method].get("resident_per_topk"),
                              "costs": {name: {k: rows[name].get(k) for k in COST_KEYS + ("hit_rate",)}
-                                       for name in (method, "HiSparse", "Full") if name in rows}}
+                                       for name in (method, "HiSparse", "HiSparse+prefetch", "Full") if name in rows}}
                     break
             out[g][f"{r:g}"] = pick
     return out
@@ -110,7 +113,8 @@ def markdown(res: dict, command: str) -> str:
     per_task = ", ".join(f"{t} {n}" for t, n in res["docs_per_task"].items())
     L = ["# Quality against cost: FlashMemory, HiSparse and Full attention (`flashmemory eval frontier`)", "",
          f"Command: `{command}`", "",
-         f"Trained tiny DeepSeek-V4 (top-k {k}), documents of {cfg['doc_len']} prompt tokens (mean "
+         f"Model {Path(cfg['model']).name if cfg['model'] else 'dsv4-retrieval (the shipped trained tiny DeepSeek-V4)'}"
+         f" (top-k {k}), retriever `{cfg['retriever']}`; documents of {cfg['doc_len']} prompt tokens (mean "
          f"{res['n_chunks_mean']:.0f} c4 chunks) + {cfg['gen_tokens']} decode steps; tau {cfg['tau']}, pages of "
          f"{cfg['page_chunks']} chunks, recency tail {cfg['tail_chunks']} chunks. Documents done: "
          f"{res['docs_done']} of {res['docs_planned']} planned ({per_task}); fingerprint `{res['fingerprint']}`. "
@@ -125,12 +129,13 @@ def markdown(res: dict, command: str) -> str:
                  f"{fm.get('resident_per_topk', math.nan) * k:.0f} | {fm.get('resident_per_topk', math.nan):.1f}x |")
     L += ["", "## Iso-quality: the smallest budget where FlashMemory reaches 0.95x / 0.99x of Full", "",
           "| group | Full acc | target | budget | resident / top-k | FlashMemory acc [95%] | device bytes/req "
-          "FM / HiSparse / Full | H2D bytes/token FM / HiSparse | entries scored/token FM / HiSparse-Full | "
+          "FM / HiSparse / Full | H2D bytes/token FM / HiSparse / HiSparse+prefetch | entries scored/token FM / HiSparse-Full | "
           "L1 FLOPs/token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g, picks in res["iso"].items():
         for r, p in picks.items():
             if p["budget"] is None:
-                L.append(f"| {g} | {p['full_acc']:.3f} | {r}x | not reached (<= {float(budgets[-1]):.0%}) "
+                why = p.get("note") or f"not reached (<= {float(budgets[-1]):.0%})"
+                L.append(f"| {g} | {p['full_acc']:.3f} | {r}x | {why} "
                          "| - | - | - | - | - | - |")
                 continue
             c = p["costs"]
@@ -139,11 +144,39 @@ def markdown(res: dict, command: str) -> str:
                      f"{p['resident_per_topk']:.1f}x | {_ci(p['acc'], p['acc_ci'])} | "
                      f"{_fmt_bytes(fm.get('device_bytes'))} / {_fmt_bytes(hs.get('device_bytes'))} / "
                      f"{_fmt_bytes(fu.get('device_bytes'))} | {_fmt_bytes(fm.get('h2d_per_token'))} / "
-                     f"{_fmt_bytes(hs.get('h2d_per_token') if hs.get('h2d_per_token') else math.nan)} | "
+                     f"{_fmt_bytes(hs.get('h2d_per_token', math.nan))} / "
+                     f"{_fmt_bytes(c.get('HiSparse+prefetch', {}).get('h2d_per_token', math.nan))} | "
                      f"{fm.get('scored_per_token', math.nan):.0f} / {fu.get('scored_per_token', math.nan):.0f} | "
                      f"{fm.get('l1_flops_per_token', math.nan):.3g} |")
-    L += _accuracy_tables(res, budgets) + _cost_table(res, budgets) + _projection_table(res, budgets)
+    L += _verdict(res, budgets) + _accuracy_tables(res, budgets) + _cost_table(res, budgets)
+    L += ["", "HiSparse's hit rate comes from `eval.hisparse_replay`, which reproduces the live "
+          "`flashmemory_hisparse_swapin_*` counters exactly on recorded picks (tolerance zero; "
+          "docs/hisparse-comparison.md, 'The hot buffer replayed on the live picks')."]
+    L += _projection_table(res, budgets)
     return "\n".join(L) + "\n"
+
+
+def _verdict(res: dict, budgets: list[str]) -> list[str]:
+    """Per budget, from the numbers above: FlashMemory's accuracy against Full's (HiSparse equals Full by
+    construction) and the two methods' device bytes and H2D bytes side by side."""
+    L = ["", "## FlashMemory or HiSparse, budget by budget", "",
+         "HiSparse's outputs are Full's at every buffer size; what it pays is device bytes (index keys of the whole "
+         "history plus its buffer), indexer work over the whole history, and synchronous host->device misses. "
+         "FlashMemory pays in accuracy where its resident set misses what Full attends.", "",
+         "| budget | FM acc / Full acc | FM device / HiSparse device | FM H2D / HiSparse H2D per token | "
+         "FM entries scored / HiSparse |", "|---:|---:|---:|---:|---:|"]
+    for b in budgets:
+        r = res["methods"][b]
+        fm, hs, fu = r.get("FlashMemory", {}), r.get("HiSparse", {}), r.get("Full", {})
+        ratio = fm.get("task_score", math.nan) / fu["task_score"] if fu.get("task_score") else math.nan
+
+        def rel(key: str) -> str:
+            a, c = fm.get(key, math.nan), hs.get(key, math.nan)
+            return "-" if _nan(a) or _nan(c) or not c else f"{a / c:.2f}x"
+        L.append(f"| {float(b):.0%} | {ratio:.2f} | {rel('device_bytes')} | "
+                 f"{_fmt_bytes(fm.get('h2d_per_token'))} / {_fmt_bytes(hs.get('h2d_per_token'))} | "
+                 f"{rel('scored_per_token')} |")
+    return L
 
 
 def _accuracy_tables(res: dict, budgets: list[str]) -> list[str]:
@@ -182,12 +215,13 @@ def _cost_table(res: dict, budgets: list[str]) -> list[str]:
          "| L1 FLOPs/token | HiSparse hit rate |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for b in budgets:
         for m, r in res["methods"][b].items():
-            pend = m == "HiSparse" and r.get("cost_pending", 0) > 0
+            hs = m.startswith("HiSparse")
+            pend = hs and r.get("cost_pending", 0) > 0
             L.append(f"| {float(b):.0%} | {m} | {_fmt_bytes(r.get('device_bytes'))} | "
                      f"{_fmt_bytes(r.get('device_c4_kv'))} | {_fmt_bytes(r.get('device_index_keys'))} | "
                      f"{'pending' if pend else _fmt_bytes(r.get('h2d_per_token'))} | "
                      f"{r.get('scored_per_token', math.nan):.0f} | {r.get('l1_flops_per_token', math.nan):.3g} | "
-                     f"{'pending' if pend or m != 'HiSparse' else format(r.get('hit_rate', math.nan), '.3f')} |")
+                     f"{'pending' if pend else format(r.get('hit_rate', math.nan), '.3f') if hs else '-'} |")
     return L
 
 

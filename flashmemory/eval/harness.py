@@ -45,9 +45,10 @@ def kmax_for(run: DocRun, budget: float, page_chunks: int) -> int:
 
 
 def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tuple[int, ...], budget: float,
-                 decode_text=None, quality: bool = True) -> dict[str, dict]:
+                 decode_text=None, quality: bool = True, residents: dict | None = None) -> dict[str, dict]:
     """{method: metrics} for Full and every method of `hc`. quality=False skips the Level-2 forwards
-    (coverage and residency only), for budget sweeps."""
+    (coverage and residency only), for budget sweeps. residents: if given, filled with each method's replayed
+    resident sets (bool [T, N_c])."""
     n_total = run.index_chunks.shape[1]
     kmax = kmax_for(run, budget, hc.page_chunks)
     sel = SelectionConfig(threshold=hc.threshold, last_keep=hc.tail_chunks, page_chunks=hc.page_chunks, kmax=kmax)
@@ -97,6 +98,8 @@ def evaluate_doc(engine, run: DocRun, retriever, hc: HarnessConfig, targets: tup
             m |= resident_stats(rep.resident, rep.n_visible, run.index_chunks.shape[0], run.index_chunks.shape[2],
                                 len(targets))
         out[name] = m
+        if residents is not None:
+            residents[name] = rep.resident
     return out
 
 

@@ -104,6 +104,8 @@ def test_iso_quality_picks_the_smallest_budget_reaching_each_ratio():
 def test_iso_quality_not_reached():
     iso = iso_quality(_res({"0.1": 0.1, "0.5": 0.3}), ["overall"])["overall"]
     assert iso["0.95"]["budget"] is None and iso["0.99"]["budget"] is None
+    iso = iso_quality(_res({"0.1": 0.0, "0.5": 0.0}, full=0.0), ["overall"])["overall"]
+    assert iso["0.95"]["budget"] is None and iso["0.95"]["note"] == "Full scores 0"
 
 
 def test_method_costs_hand_worked():
@@ -165,3 +167,31 @@ def test_equal_budget_search_can_start_at_the_target():
     tried.clear()
     _, info = equal_budget_replay(replay, 6.0, 40, 40, 4, lambda b, c: None, max_base=6)
     assert info["base_pages"] == 5 and tried == [6] * tried.count(6) + [5]
+
+
+def _picks_run():
+    """A Full run stand-in: 1 c4 layer, prompt 64 tokens (16 chunks), 8 decode steps; every step picks chunks
+    0..3 and then, from step 4 on, chunks 8..11 (a second needle)."""
+    from types import SimpleNamespace
+
+    import torch
+    P, T = 64, 8
+    topk = torch.full((P + T, 4), -1, dtype=torch.long)
+    for t in range(T):
+        topk[P + t] = torch.tensor([0, 1, 2, 3]) if t < 4 else torch.tensor([8, 9, 10, 11])
+    return SimpleNamespace(prompt_len=P, n_steps=T, topk={0: topk}, index_chunks=torch.zeros(1, (P + T) // 4, 5))
+
+
+def test_hisparse_arm_replays_the_runs_picks_and_the_prefetch_hint():
+    import torch
+    run = _picks_run()
+    big = fr.hisparse_stats(run, 64)                 # the whole history fits: sglang's fast path, nothing moves
+    assert big["misses"] == 0 and big["hit_rate"] == 1.0
+    small = fr.hisparse_stats(run, 8)                # PD admission: empty buffer, each needle missed once
+    assert small["misses"] == 8 and small["hits"] == 3 * 4 + 3 * 4
+    resident = torch.zeros(8, 18, dtype=torch.bool)
+    resident[:, 8:12] = True                         # FlashMemory already holds the second needle at step 0
+    hint = fr.prefetch_hint(resident, 4)
+    assert sorted(hint) == [0, 4] and hint[0].tolist() == [8, 9, 10, 11]
+    pre = fr.hisparse_stats(run, 8, hint)
+    assert pre["misses"] == 4 and pre["prefetched"] == 4 and pre["prefetch_hits"] == 4
