@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import sys
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import torch
 
@@ -245,8 +246,9 @@ def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
     """Replay a FLASHMEMORY_HISPARSE_TRACE file (JSON lines written by the HiSparse CPU swap-in,
     `flashmemory.sglang.cpu.patches_hisparse.trace_swapin`): one hot buffer per (c4 layer, request slot), started
     over at each {"ev": "admit"} of its slot (empty when its prefill brought more c4 entries than the replayed
-    size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the buffer size to replay (default: the recorded one; another
-    size gives that buffer's cost on the same live picks)."""
+    size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the
+    buffer size to replay (default: the recorded one; another size gives that buffer's cost on the same live
+    picks)."""
     bufs: dict[tuple[int, int], HotBufferReplay] = {}
     empty: dict[int, bool] = {}
     finished = ReplayStats()
