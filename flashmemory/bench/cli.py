@@ -26,6 +26,8 @@ BENCHES = {
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
     "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of the "
                                        "tau window at increasing concurrency"),
+    "tier-scale": ("flashmemory.bench.tier_scale", "disk tier with many requests whose pages exceed the host page "
+                                                   "cache: read-ahead hit rate, recalls and cycles that waited for disk"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
     "peers": ("flashmemory.bench.peers", "live sglang on CPU: stock, HiSparse, FlashMemory and FlashMemory+monitor on "
                                          "the same requests, counted costs per decode token side by side"),

@@ -99,3 +99,11 @@ def test_threaded_run_end_to_end(tmp_path, capsys) -> None:
 def test_bad_flags_name_the_flag(flags: list[str], msg: str) -> None:
     with pytest.raises(UserError, match=msg.replace("[", r"\[").replace("]", r"\]")):
         ts._check(_args(*flags))
+
+
+def test_registered_and_fails_in_one_line(capsys) -> None:
+    from flashmemory.cli import main
+    assert main(["bench", "tier-scale", "--kmax", "30", "--pages", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("flashmemory bench tier-scale: error: --kmax 30: must be <= --pages 4 (a request recalls pages "
+                   "it holds)")
