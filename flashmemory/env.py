@@ -103,7 +103,7 @@ HISPARSE_TRACE = "FLASHMEMORY_HISPARSE_TRACE"
 
 def hisparse_trace(env: Mapping[str, str] | None = None) -> str:
     """FLASHMEMORY_HISPARSE_TRACE: an absolute file the HiSparse CPU swap-in appends every call's top-k picks to,
-    as JSON lines ("" = off), to replay the live hot buffer (`flashmemory.eval.hisparse_replay.replay_trace`).
+    as JSON lines ("" = off), to replay the live hot buffer (`flashmemory.eval.hisparse_trace.replay_trace`).
     A diagnostic, not a gate; a relative path is an EnvError (the server's working directory is not the caller's)."""
     raw = ((os.environ if env is None else env).get(HISPARSE_TRACE) or "").strip()
     if raw and not os.path.isabs(raw):

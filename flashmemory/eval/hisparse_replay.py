@@ -27,8 +27,6 @@ evicted first (a wasted prefetch); still marked at the end of a replay: `prefetc
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -226,86 +224,8 @@ def replay_hisparse(picks: Sequence[Sequence[torch.Tensor]], lengths: Sequence[i
     return total
 
 
-@dataclass(frozen=True)
-class TraceReplay:
-    """A live trace replayed: `replayed` (the replay's counts, at `slots`; its `calls` count (layer, request,
-    step) triples), `recorded` (the live op's own per-call counts summed: calls = one per layer per batch, lookups,
-    hits, misses), `mismatched_calls` (calls whose replayed hits or misses differ from the live op's; meaningful
-    when slots == recorded_hot), `layers` and `requests` (request slots) seen."""
+if __name__ == "__main__":   # `python -m flashmemory.eval.hisparse_replay TRACE ...`: the trace replay's command
+    import sys
 
-    replayed: ReplayStats
-    recorded: dict[str, int]
-    mismatched_calls: int
-    slots: int
-    recorded_hot: int
-    layers: int
-    requests: int
-
-
-def replay_trace(path: str, slots: int | None = None) -> TraceReplay:
-    """Replay a FLASHMEMORY_HISPARSE_TRACE file (JSON lines written by the HiSparse CPU swap-in,
-    `flashmemory.sglang.cpu.patches_hisparse.trace_swapin`): one hot buffer per (c4 layer, request slot), started
-    over at each {"ev": "admit"} of its slot (empty when its prefill brought more c4 entries than the replayed
-    size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the
-    buffer size to replay (default: the recorded one; another size gives that buffer's cost on the same live
-    picks)."""
-    bufs: dict[tuple[int, int], HotBufferReplay] = {}
-    empty: dict[int, bool] = {}
-    finished = ReplayStats()
-    recorded = dict.fromkeys(("calls", "lookups", "hits", "misses"), 0)
-    mismatched, hot_seen, layers, rids = 0, 0, set(), set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-                ev = rec["ev"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: not a HiSparse trace line") from None
-            if ev == "admit":
-                rid = int(rec["rid"])
-                for key in [k for k in bufs if k[1] == rid]:
-                    finished = finished + bufs.pop(key).stats()
-                # the admission rule at the replayed size where the entry count is known, else as recorded
-                empty[rid] = int(rec["entries"]) > (slots or 0) if slots and "entries" in rec else bool(rec["empty"])
-                continue
-            hot_seen = int(rec["hot"])
-            size = slots or hot_seen
-            layer = int(rec["layer"])
-            layers.add(layer)
-            hits = misses = 0
-            for rid, length, picks in rec["rows"]:
-                rids.add(rid)
-                buf = bufs.get((layer, rid))
-                if buf is None:
-                    buf = bufs[(layer, rid)] = HotBufferReplay(size, empty.get(rid, False))
-                h, m = buf.step(picks, int(length))
-                hits, misses = hits + h, misses + m
-            recorded["calls"] += 1
-            for k in ("lookups", "hits", "misses"):
-                recorded[k] += int(rec[k])
-            mismatched += int((hits, misses) != (int(rec["hits"]), int(rec["misses"])))
-    total = sum((b.stats() for b in bufs.values()), finished)
-    return TraceReplay(total, recorded, mismatched, slots or hot_seen, hot_seen, len(layers), len(rids))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m flashmemory.eval.hisparse_replay TRACE [SLOTS ...]`: one JSON line per buffer size (default the
-    recorded one): the live op's summed counts, the replay's, and the calls where they differ."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or not all(a.isdigit() and int(a) > 0 for a in args[1:]):
-        print("usage: python -m flashmemory.eval.hisparse_replay TRACE.jsonl [SLOTS ...]", file=sys.stderr)
-        return 2
-    try:
-        for size in [int(a) for a in args[1:]] or [None]:
-            r = replay_trace(args[0], size)
-            print(json.dumps({"slots": r.slots, "recorded_hot": r.recorded_hot, "layers": r.layers,
-                              "requests": r.requests, "recorded": r.recorded, "mismatched_calls": r.mismatched_calls,
-                              "replayed": r.replayed.as_dict()}))
-    except (OSError, ValueError) as e:
-        print(f"flashmemory eval.hisparse_replay: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
+    from flashmemory.eval.hisparse_trace import main
     sys.exit(main())

@@ -233,7 +233,7 @@ def test_trace_of_the_patched_swap_in_replays_exactly(tmp_path, monkeypatch) -> 
             out = torch.full((2, k), -1, dtype=torch.int32)
             hp.swap_in_dsv4(None, torch.tensor(rows, dtype=torch.int32), s["tokens"], s["host_locs"], s["locs"],
                             s["host"], s["device"], out, torch.arange(2), torch.tensor(lens), s["lru"], 584, k, hot)
-    from flashmemory.eval.hisparse_replay import replay_trace
+    from flashmemory.eval.hisparse_trace import replay_trace
     got = replay_trace(str(trace))
     live = counter.snapshot()
     assert got.mismatched_calls == 0 and (got.layers, got.requests, got.recorded_hot) == (2, 2, hot)
@@ -252,7 +252,7 @@ def test_trace_is_off_by_default_and_a_relative_path_is_refused(tmp_path) -> Non
         hisparse_trace({"FLASHMEMORY_HISPARSE_TRACE": "t.jsonl"})
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{}\n")
-    from flashmemory.eval.hisparse_replay import replay_trace
+    from flashmemory.eval.hisparse_trace import replay_trace
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         replay_trace(str(bad))
 
@@ -260,7 +260,7 @@ def test_trace_is_off_by_default_and_a_relative_path_is_refused(tmp_path) -> Non
 def test_main_prints_one_line_per_buffer_size(tmp_path, capsys) -> None:
     import json
 
-    from flashmemory.eval.hisparse_replay import main
+    from flashmemory.eval.hisparse_trace import main
     trace = tmp_path / "t.jsonl"
     lines = [{"ev": "admit", "rid": 3, "empty": True},
              {"ev": "swapin", "layer": 0, "hot": 4, "k": 3, "rows": [[3, 10, [9, 0, 1]]],
@@ -283,7 +283,7 @@ def test_trace_admission_follows_the_replayed_size(tmp_path) -> None:
     position s) under a 12-slot one, as sglang's admission decides by the buffer size."""
     import json
 
-    from flashmemory.eval.hisparse_replay import replay_trace
+    from flashmemory.eval.hisparse_trace import replay_trace
     trace = tmp_path / "t.jsonl"
     lines = [{"ev": "admit", "rid": 0, "entries": 10, "empty": True},
              {"ev": "swapin", "layer": 0, "hot": 4, "k": 2, "rows": [[0, 13, [0, 1]]],
@@ -291,3 +291,28 @@ def test_trace_admission_follows_the_replayed_size(tmp_path) -> None:
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert replay_trace(str(trace)).replayed.misses == 2
     assert replay_trace(str(trace), slots=12).replayed.hits == 2
+
+
+def test_trace_oracle_prefetches_the_next_step_of_the_same_request(tmp_path) -> None:
+    """--oracle: after each step, the same layer's next picks of the same request (at most slots - k) are
+    prefetched; a new admission of the slot ends the request, so its picks are not hinted across it."""
+    import json
+    import subprocess
+    import sys
+
+    from flashmemory.eval.hisparse_trace import replay_trace
+    trace = tmp_path / "t.jsonl"
+
+    def call(picks: list[int]) -> dict:
+        return {"ev": "swapin", "layer": 0, "hot": 4, "k": 2, "rows": [[0, 20, picks]],
+                "lookups": 2, "hits": 0, "misses": 2}
+    lines = [{"ev": "admit", "rid": 0, "entries": 19, "empty": True}, call([0, 1]), call([2, 3]), call([4, 5]),
+             {"ev": "admit", "rid": 0, "entries": 19, "empty": True}, call([6, 7])]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plain = replay_trace(str(trace)).replayed
+    assert (plain.misses, plain.prefetched) == (8, 0)
+    hinted = replay_trace(str(trace), oracle=True).replayed
+    assert (hinted.misses, hinted.prefetched, hinted.prefetch_hits) == (4, 4, 4)   # [6, 7] not hinted: new request
+    done = subprocess.run([sys.executable, "-m", "flashmemory.eval.hisparse_replay", str(trace), "--oracle"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["replayed"]["prefetch_hits"] == 4

@@ -9,7 +9,7 @@ The swap-in keeps counters sglang does not (`SWAPIN`): lookups, hits, misses and
 per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
 (`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls. With
 FLASHMEMORY_HISPARSE_TRACE set (a diagnostic, off by default) every swap-in call's picks and counts and every
-direct admission are appended to that file as JSON lines (`trace_swapin`), for `eval.hisparse_replay.replay_trace`.
+direct admission are appended to that file as JSON lines (`trace_swapin`), for `eval.hisparse_trace.replay_trace`.
 """
 
 from __future__ import annotations
