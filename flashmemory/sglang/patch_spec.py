@@ -9,6 +9,9 @@ what it patches, how, with which of our callables, which leading parameters that
   rebinds every `from X import Y` copy. `target` is its dotted path, `impl` our callable ("module:attr").
 - `step`: a wrapper of one of sglang's server-argument resolution steps (`register_resolution_hook(name)`,
   sglang's own seam); `target` is the dotted path of the built-in step function.
+- `attr`: a module-level object of sglang (not a function) replaced, in that one module only, by the object our
+  builder makes from it: `impl(current) -> replacement`. `from X import Y` copies elsewhere keep the original,
+  so the change reaches exactly the code of that module. Applied once per process and verified like a hook.
 - `env`: one of sglang's environment switches, set before sglang reads it unless the user set it; `target` is
   the variable name, `impl` the value.
 - `import_stub`: a CUDA-only package that is replaced by a raising stand-in when it cannot import on this host
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HOOK_KINDS = ("before", "after", "around", "replace")   # applied through sglang's HookRegistry
-CODE_KINDS = HOOK_KINDS + ("step",)                      # the target is a function with a checkable signature
+# Applied when a plugin registers; the target must resolve (a function's leading parameters are checked too).
+CODE_KINDS = HOOK_KINDS + ("step", "attr")
 KINDS = CODE_KINDS + ("env", "import_stub")
 
 
@@ -38,7 +42,8 @@ class Patch:
     """One change to sglang.
 
     feature: the gate that turns it on ("level2", "path_p", ..., "cpu", "cpu_pd"; `patching.active_features`).
-    target:  dotted path of the function (code kinds), variable name (`env`) or package name (`import_stub`).
+    target:  dotted path of the function or object (code kinds), variable name (`env`) or package name
+             (`import_stub`).
     kind:    one of KINDS.
     impl:    "module:attr" of our callable (code kinds, `import_stub`) or the value to set (`env`).
     params:  leading parameter names of the target that `impl` relies on, in order (code kinds; checked

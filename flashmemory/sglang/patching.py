@@ -7,23 +7,24 @@
    every impl loads. An `optional` patch whose package is absent is skipped.
 2. apply, by kind: `env` rows through `flashmemory.env.set_defaults` (the user's value wins, and is logged);
    `import_stub` rows through their stub installer; `step` rows through sglang's `register_resolution_hook`;
-   hook rows (`before/after/around/replace`) registered with sglang's `HookRegistry` and applied at once.
+   hook rows (`before/after/around/replace`) registered with sglang's `HookRegistry` and applied at once;
+   `attr` rows set on their module to what their builder returns.
 3. verify: HookRegistry only logs a target that fails to apply (and sglang's `load_plugins` swallows
-   exceptions), so each hook target is re-read and must now wrap the original.
+   exceptions), so each hook target is re-read and must now wrap the original; an `attr` target must now be
+   the object its builder returned.
 
 Any failure is a `StartupError` (a SystemExit: "FlashMemory startup error: ..."), which does stop sglang.
 Each patch is applied once per process (both plugin entry points may run; the second call is a no-op).
 
-Wrapping point: every callable handed to sglang passes through `_wrap(spec, fn)`. It is the identity unless the
-module attribute `guard_hook` is set to a `(spec, fn) -> fn` function, e.g. a per-request failure guard; set it
-before the patches are applied (it is read at apply time, not per call).
+Our callables reach sglang as they are: the per-request failure guard wraps FlashMemory's hooks where they are
+defined (`hooks.py`), so the table's `impl` is exactly the callable sglang calls.
 """
 
 from __future__ import annotations
 
 import logging
 import pkgutil
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from flashmemory.sglang.patch_spec import (CODE_KINDS, HOOK_KINDS, Patch, TargetError, check_signature, resolve,
                                            target_present, unwrap)
@@ -44,8 +45,6 @@ TABLES: tuple[str, ...] = (
 CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels
 
-# (spec, fn) -> the callable sglang gets; None = identity. See the module docstring.
-guard_hook: Callable[[Patch, Callable], Callable] | None = None
 _APPLIED: dict[tuple[str, str, str], str] = {}   # (target, kind, impl) -> target, for patches applied here
 
 
@@ -83,11 +82,6 @@ def select(features: Iterable[str], kinds: Iterable[str] | None = None,
             seen.add(key)
             out.append(p)
     return out
-
-
-def _wrap(spec: Patch, fn: Callable) -> Callable:
-    """The one point every callable handed to sglang passes through (`guard_hook`, identity when None)."""
-    return fn if guard_hook is None else guard_hook(spec, fn)
 
 
 def load_impl(spec: Patch) -> Any:
@@ -147,20 +141,29 @@ def _apply_steps(rows: list[Patch]) -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     for p in rows:
         try:
-            register_resolution_hook(p.target.rsplit(".", 1)[1])(_wrap(p, load_impl(p)))
+            register_resolution_hook(p.target.rsplit(".", 1)[1])(load_impl(p))
         except ValueError as e:   # not an overridable step in this sglang
             raise StartupError(f"{p.target}: {e}") from None
 
 
 def _apply_hooks(rows: list[Patch], originals: dict[str, Any]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    impls = [(p, _wrap(p, load_impl(p))) for p in rows]   # all load before any registers
+    impls = [(p, load_impl(p)) for p in rows]   # all load before any registers
     for p, fn in impls:
         HookRegistry.register(p.target, fn, HookType(p.kind))
     HookRegistry.apply_hooks()
     bad = verify(rows, originals)
     if bad:
         raise StartupError("patches did not apply: " + "; ".join(bad))
+
+
+def _apply_attrs(rows: list[Patch], originals: dict[str, Any]) -> None:
+    for p in rows:
+        owner, attr, _ = resolve(p.target)
+        built = load_impl(p)(originals[p.target])
+        setattr(owner, attr, built)
+        if resolve(p.target)[2] is not built:
+            raise StartupError(f"{p.target} is not replaced (setting {attr!r} on {owner!r} did not hold)")
 
 
 def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> list[str]:
@@ -182,6 +185,7 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
     hooks = [p for p in todo if p.kind in HOOK_KINDS]
     if hooks:
         _apply_hooks(hooks, originals)
+    _apply_attrs([p for p in todo if p.kind == "attr"], originals)
     for p in todo:
         if p.kind in CODE_KINDS:
             _APPLIED[(p.target, p.kind, p.impl)] = p.target

@@ -5,8 +5,9 @@
   `get_rope` (its CPU-safe torch RoPE); scaled layers keep `get_rope_cpu`.
 - `KVCacheConfigurator.configure` (kv_cache_configurator.py:459-467): refuses an fp8 KV cache on CPU
   without Intel AMX. DSv4 stores its fp8 KV as raw bytes written by the torch stores, so for the DSv4 pool
-  the check is skipped: the module's `current_platform` is a delegating view (installed once, never put back)
-  whose `is_cpu()` is False only on the thread running a DSv4 fp8 `configure`, and true everywhere else, so
+  the check is skipped: the module's `current_platform` is a delegating view (an `attr` row, installed when the
+  CPU layer registers) whose `is_cpu()` is False only on the thread running a DSv4 fp8 `configure`, and true
+  everywhere else, so
   a configure on one thread changes nothing another thread sees (the only `is_cpu()` reads in that module
   are that check and the MHA fp8 quant method at :453).
 - `DeepseekV4AttnBackend` decode (deepseek_v4_backend.py:4384): calls `self._flash_mla_with_kvcache`, which
@@ -76,24 +77,22 @@ class Dsv4Fp8PlatformView:
         return getattr(self.platform, name)
 
 
-_VIEW_LOCK = threading.Lock()
-
-
-def platform_view(module: Any) -> Dsv4Fp8PlatformView:
-    """`module.current_platform` as a `Dsv4Fp8PlatformView`, installed on first use (once per process)."""
-    with _VIEW_LOCK:
-        view = module.current_platform
-        if not isinstance(view, Dsv4Fp8PlatformView):
-            view = module.current_platform = Dsv4Fp8PlatformView(view)
-        return view
+def dsv4_fp8_platform_view(platform: Any) -> Dsv4Fp8PlatformView:
+    """Builder of the `attr` row on kv_cache_configurator's `current_platform`: sglang's platform behind a
+    `Dsv4Fp8PlatformView` (an already wrapped one is kept, so a second registration does not stack views)."""
+    return platform if isinstance(platform, Dsv4Fp8PlatformView) else Dsv4Fp8PlatformView(platform)
 
 
 def configure_dsv4_fp8(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The DSv4 fp8 `configure` runs inside the module's platform view (its `attr` row), where `is_cpu()` is
+    False on this thread; any other model, dtype, or a process without the view runs sglang's check as shipped."""
     import sglang.srt.mem_cache.kv_cache_configurator as kcc
     from sglang.srt.configs.model_config import is_deepseek_v4
-    if not (is_deepseek_v4(self.model_config.hf_config) and self.kv_cache_dtype == torch.float8_e4m3fn):
+    view = kcc.current_platform
+    if not (isinstance(view, Dsv4Fp8PlatformView) and is_deepseek_v4(self.model_config.hf_config)
+            and self.kv_cache_dtype == torch.float8_e4m3fn):
         return original(self, *args, **kwargs)
-    with platform_view(kcc).inside():
+    with view.inside():
         return original(self, *args, **kwargs)
 
 
@@ -149,6 +148,9 @@ RUNTIME_PATCHES: tuple[Patch, ...] = (
     Patch("cpu", "sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
           ("head_size", "rotary_dim", "max_position", "base"),
           "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope"),
+    Patch("cpu", "sglang.srt.mem_cache.kv_cache_configurator.current_platform", "attr",
+          f"{_RT}:dsv4_fp8_platform_view", (), "kv_cache_configurator.py:100,453,459 this module's platform, as a "
+          "view whose is_cpu() is False only inside a DSv4 fp8 configure"),
     Patch("cpu", "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
           f"{_RT}:configure_dsv4_fp8", ("self",),
           "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool"),

@@ -28,6 +28,8 @@ def test_target_exists_with_its_signature(sg, row):
     assert callable(ours)
     if row.kind == "replace":
         assert _shape(ours) == _shape(unwrap(theirs)), row.target
+    elif row.kind == "attr":   # a builder: replacement = impl(current object)
+        assert len(inspect.signature(ours).parameters) == 1 and row.params == (), row.target
     elif row.kind == "step":   # sglang's resolution-hook form: fn(server_args, previous)
         assert list(inspect.signature(ours).parameters) == list(row.params) + ["previous"], row.target
     else:
