@@ -109,10 +109,12 @@ def table(rows: list[PrefetchStep], hit_rates: tuple[float, ...] = HIT_RATES,
           coverages: tuple[float, ...] = COVERAGES) -> str:
     """Markdown table of `projection()` rows (same order)."""
     lines = ["| context | HiSparse hit rate | coverage | batch | HiSparse step ms | + prefetch step ms | speed-up | "
-             "demand H2D KB/token | prefetch KB/token | PCIe binds |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "demand H2D KB/token | prefetch KB/token | PCIe binds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     keys = [(h, c) for _ in CONTEXTS for h in hit_rates for c in coverages]
     for r, (h, c) in zip(rows, keys):
-        lines.append(f"| {r.ctx // 1024}K | {h:.2f} | {c:.1f} | {r.batch} | {r.hisparse_ms:.1f} | {r.prefetch_ms:.1f} | "
+        lines.append(f"| {r.ctx // 1024}K | {h:.2f} | {c:.1f} | {r.batch} | {r.hisparse_ms:.1f} | "
+                     f"{r.prefetch_ms:.1f} | "
                      f"{r.speedup:.2f} | {r.demand_bytes / 1e3:.0f} | {r.prefetch_bytes / 1e3:.0f} | "
                      f"{'yes' if r.link_bound else 'no'} |")
     return "\n".join(lines)

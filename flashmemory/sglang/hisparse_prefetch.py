@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from flashmemory.sglang.cpu.ops.hisparse_prefetch import (Provenance, dedup_positions, prefetch_layer_cpu,
-                                                          sanitize_hint)
+from flashmemory.sglang.cpu.ops.hisparse_prefetch import Provenance, dedup_positions, prefetch_layer_cpu, sanitize_hint
 from flashmemory.sglang.patch_spec import Patch
 
 logger = logging.getLogger(f"sglang.{__name__}")
@@ -107,7 +107,8 @@ class PrefetchState:
         if room < 1:
             from flashmemory.sglang.patching import StartupError
             raise StartupError(f"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the hot buffer ({hot} slots) leaves no room "
-                               f"beside the top-{top_k} picks; raise --hisparse-config device_buffer_size above {top_k}")
+                               f"beside the top-{top_k} picks; raise --hisparse-config device_buffer_size above "
+                               f"{top_k}")
         self.width = min(width, room)
         self.budget = min(budget or room, room)
         self.pf_pos = torch.full((rows, self.width), -1, dtype=torch.int32, device=device)
@@ -227,7 +228,8 @@ def _prefetch_gpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, l
         st.pf_clean[:bs].copy_(sanitize_hint(st.pf_pos[:bs], req_pool_indices, lens, co.req_to_host_pool))
         _gpu_swap_in(top_k_tokens=st.pf_clean[:bs], device_buffer_tokens=co.req_device_buffer_tokens[layer_id],
                      host_cache_locs=co.req_to_host_pool, device_buffer_locs=co.req_device_buffer_token_locs[layer_id],
-                     host_cache=co.mem_pool_host.kv_buffer[layer_id], device_buffer=co.mem_pool_device.kv_buffer[layer_id],
+                     host_cache=co.mem_pool_host.kv_buffer[layer_id],
+                     device_buffer=co.mem_pool_device.kv_buffer[layer_id],
                      top_k_device_locs=st.scratch[:bs], req_pool_indices=req_pool_indices, seq_lens=lens,
                      lru_slots=co.lru_slots[layer_id], item_size_bytes=co.item_size_bytes, num_top_k=st.width,
                      hot_buffer_size=co.device_buffer_size, page_size=1, block_size=co.swap_in_block_size,

@@ -105,7 +105,7 @@ def test_hint_is_capped_deduplicated_published_once_and_lands(mode):
     rids, rows, lens = ["a", "b"], torch.tensor([0, 2]), torch.tensor([380, 200])
     picks = torch.stack([torch.arange(100, 100 + K), torch.arange(20, 20 + K)]).to(torch.int32)
     loaded = []
-    for step in range(4):
+    for _step in range(4):
         hp.before_forward(types.SimpleNamespace(), _batch(rids))
         co.num_real_reqs.fill_(2)
         for layer in range(LAYERS):
@@ -115,7 +115,8 @@ def test_hint_is_capped_deduplicated_published_once_and_lands(mode):
     # a: 48 positions in slices of 16 over 3 steps, at both layers; b: 2 positions once; then nothing is left
     assert loaded == [2 * (16 + 2), 2 * (32 + 2), 2 * (48 + 2), 2 * (48 + 2)]
     assert mode.active == 0 and not mode.pending
-    picks = torch.stack([torch.arange(300, 300 + K), torch.tensor([5, 6] + list(range(20, 20 + K - 2)))]).to(torch.int32)
+    later = torch.tensor([5, 6] + list(range(20, 20 + K - 2)))
+    picks = torch.stack([torch.arange(300, 300 + K), later]).to(torch.int32)
     hp.before_forward(types.SimpleNamespace(), _batch(rids))
     for layer in range(LAYERS):
         hp.around_swap_in(swap_in, co, rows, lens, picks, layer)

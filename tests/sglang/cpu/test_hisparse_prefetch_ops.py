@@ -9,8 +9,7 @@ import random
 import torch
 
 from flashmemory.sglang.cpu.ops import hisparse as hs
-from flashmemory.sglang.cpu.ops.hisparse_prefetch import (Provenance, dedup_positions, prefetch_layer_cpu,
-                                                          sanitize_hint)
+from flashmemory.sglang.cpu.ops.hisparse_prefetch import Provenance, dedup_positions, prefetch_layer_cpu, sanitize_hint
 from tests.sglang.cpu.test_hisparse_ops import _call, _state
 
 HOT, K, MAXLEN = 64, 16, 400

@@ -51,8 +51,9 @@ def sanitize_hint(hint: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: 
     lens = seq_lens.to(torch.int64).reshape(-1, 1)
     width = host_cache_locs.shape[1]
     inside = (h >= 0) & (h < lens - 1) & (h < width)
-    rows = host_cache_locs[req_pool_indices.to(torch.int64)]
-    host = torch.gather(rows, 1, torch.where(inside, h, torch.zeros_like(h)))
+    # [B, W] reads of the host-loc table only (never a copy of its [B, N] rows: N is the longest history)
+    rid = req_pool_indices.to(torch.int64).reshape(-1, 1)
+    host = host_cache_locs[rid, torch.where(inside, h, torch.zeros_like(h))]
     ok = inside & (host >= 0)
     return torch.where(ok, h, torch.full_like(h, -1)).to(torch.int32)
 
