@@ -160,7 +160,10 @@ def _apply_hooks(rows: list[Patch], originals: dict[str, Any]) -> None:
 def _apply_attrs(rows: list[Patch], originals: dict[str, Any]) -> None:
     for p in rows:
         owner, attr, _ = resolve(p.target)
-        built = load_impl(p)(originals[p.target])
+        try:
+            built = load_impl(p)(originals[p.target])
+        except Exception as e:   # a builder refuses what it found (e.g. a package release it does not support)
+            raise StartupError(f"{p.target}: {e}") from None
         setattr(owner, attr, built)
         if resolve(p.target)[2] is not built:
             raise StartupError(f"{p.target} is not replaced (setting {attr!r} on {owner!r} did not hold)")

@@ -135,3 +135,18 @@ def test_check_names_the_first_drifted_target(sg, target_module, monkeypatch, ca
     monkeypatch.setattr(patching, "all_patches", lambda: rows[:1])
     assert main(["patches", "--check"]) == 0
     assert "ok: 1 code targets" in capsys.readouterr().out
+
+
+def test_an_attr_row_replaces_its_object_once_and_a_refusal_is_one_line(target_module):
+    shipped = object()
+    target_module.platform = shipped
+    target_module.wrap = lambda current: ("view", current)
+    target_module.refuse = lambda current: (_ for _ in ()).throw(RuntimeError("this release is not supported"))
+    row = Patch("t", f"{MOD}.platform", "attr", f"{MOD}:wrap", (), "test.py:1")
+    assert patching.apply([row]) == [f"{MOD}.platform"]
+    assert target_module.platform == ("view", shipped)
+    assert patching.apply([row]) == [f"{MOD}.platform"] and target_module.platform == ("view", shipped)  # once
+    bad = Patch("t", f"{MOD}.platform", "attr", f"{MOD}:refuse", (), "test.py:2")
+    with pytest.raises(patching.StartupError,
+                       match=rf"^FlashMemory startup error: {MOD}.platform: this release is not supported$"):
+        patching.apply([bad])

@@ -18,8 +18,9 @@ UCX's progress thread spins. nixl's Python API builds every agent with `pthrDela
 so each agent's progress thread polls without pause: a whole core per NIXL process on an idle box (two agents idle
 for 4 s here: 0.51 CPU-s with delay 0, 0.16 with 1,000 us: two separate runs on a loaded box, a sign).
 On 2 cores a PD stack's P and D spent the
-CPU their forwards needed on that spin. The same hook hands `__init__` bindings whose agent config
-never takes a progress delay below PROGRESS_DELAY_US: the thread then waits up to 1 ms between polls when idle,
+CPU their forwards needed on that spin. An `attr` row of `PD_PATCHES` points `nixl._api.nixlBind` (the
+bindings `__init__` reads) at `_DelayedBindings`, whose agent config never takes a progress delay below
+PROGRESS_DELAY_US: the thread then waits up to 1 ms between polls when idle,
 and transfers still complete at once (the same script: 1-12 ms per 112-KB transfer, every byte equal).
 
 Without NIXL, sglang's `fake` backend (`TRANSFER_BACKEND=fake`) runs the PD stack with no transfer at all: D reads
@@ -73,17 +74,15 @@ class _DelayedBindings:
         return getattr(self._bindings, name)
 
 
-def slow_progress_thread(api: Any, delay_us: int = PROGRESS_DELAY_US) -> None:
-    """Point `api.nixlBind` (the bindings `nixl_agent.__init__` reads) at `_DelayedBindings`; idempotent."""
-    if not isinstance(api.nixlBind, _DelayedBindings):
-        api.nixlBind = _DelayedBindings(api.nixlBind, delay_us)
+def delayed_bindings(bindings: Any) -> _DelayedBindings:
+    """Builder of the `attr` row on `nixl._api.nixlBind` (the bindings `nixl_agent.__init__` reads; nixl
+    re-exports nixl_cu13._api): the shipped bindings behind `_DelayedBindings`, never wrapped twice."""
+    return bindings if isinstance(bindings, _DelayedBindings) else _DelayedBindings(bindings, PROGRESS_DELAY_US)
 
 
 def around_nixl_agent_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-    """AROUND hook of `nixl_agent.__init__` (one hook per target: HookRegistry applies a target once): the agent's
-    UCX progress thread gets a delay, then the new agent aliases VRAM to DRAM (see the module docstring)."""
-    import nixl._api as api   # the module whose globals `__init__` reads (nixl re-exports nixl_cu13._api)
-    slow_progress_thread(api)
+    """AROUND hook of `nixl_agent.__init__` (one hook per target: HookRegistry applies a target once): the new
+    agent aliases VRAM to DRAM (see the module docstring)."""
     original(self, *args, **kwargs)
     alias_vram_to_dram(self)
 
@@ -132,9 +131,10 @@ _PD = "flashmemory.sglang.cpu.pd"
 PD_PATCHES: tuple[Patch, ...] = (
     Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "around", f"{_PD}:around_nixl_agent_init", ("self", "agent_name"),
           "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
-          "NIXL_ERR_BACKEND): every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200); _api.py:226 builds every "
-          "agent with pthrDelay = 0 (UCX's progress thread spins a core): on CPU at least PROGRESS_DELAY_US",
-          optional=True),
+          "NIXL_ERR_BACKEND): every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)", optional=True),
+    Patch("cpu_pd", "nixl._api.nixlBind", "attr", f"{_PD}:delayed_bindings", (),
+          "nixl_cu13/_api.py:226 builds every agent with pthrDelay = 0 (UCX's progress thread spins a core): "
+          "on CPU at least PROGRESS_DELAY_US", optional=True),
     Patch("cpu_pd", "sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation", "step",
           f"{_PD}:fake_prefill_step", ("server_args",),
           "arg_groups/pd_disaggregation_hook.py:146 asserts a prefill server is not `fake` (fix 1)"),

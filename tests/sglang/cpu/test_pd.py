@@ -17,7 +17,7 @@ os.environ.setdefault("UCX_MODULES", CPU_SWITCHES["UCX_MODULES"])
 
 @pytest.fixture(autouse=True)
 def shipped_bindings(monkeypatch):
-    """Every test starts from nixl's shipped bindings (the before-hook swaps the module's `nixlBind`)."""
+    """Every test starts from nixl's shipped bindings (the `attr` row swaps the module's `nixlBind`)."""
     monkeypatch.setattr(nixl_api, "nixlBind", getattr(nixl_api.nixlBind, "_bindings", nixl_api.nixlBind))
 
 
@@ -77,9 +77,10 @@ def test_alias_moves_the_bytes():
     assert torch.equal(src, dst)
 
 
-def test_the_nixl_row_is_optional_and_names_the_agent_init():
-    (row,) = [p for p in pd.PD_PATCHES if p.target.startswith("nixl.")]
-    assert row.optional and row.kind == "around" and row.impl.endswith(":around_nixl_agent_init")
+def test_the_nixl_rows_are_optional_and_name_the_agent_init_and_its_bindings():
+    init, bind = [p for p in pd.PD_PATCHES if p.target.startswith("nixl.")]
+    assert init.optional and init.kind == "around" and init.impl.endswith(":around_nixl_agent_init")
+    assert bind.optional and bind.kind == "attr" and bind.target == "nixl._api.nixlBind"
 
 
 def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
@@ -88,10 +89,10 @@ def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
     shipped = nixl_api.nixlBind.nixlAgentConfig()
     shipped.pthrDelay = 0
     assert shipped.pthrDelay == 0
-    pd.slow_progress_thread(nixl_api)
-    pd.slow_progress_thread(nixl_api)                                  # idempotent: wraps once
-    assert isinstance(nixl_api.nixlBind, pd._DelayedBindings) and not isinstance(nixl_api.nixlBind._bindings,
-                                                                                  pd._DelayedBindings)
+    delayed = pd.delayed_bindings(nixl_api.nixlBind)
+    assert pd.delayed_bindings(delayed) is delayed                      # idempotent: wraps once
+    nixl_api.nixlBind = delayed                                         # what the row sets (put back by the fixture)
+    assert not isinstance(nixl_api.nixlBind._bindings, pd._DelayedBindings)
     cfg = nixl_api.nixlBind.nixlAgentConfig()
     cfg.pthrDelay = 0
     assert cfg.pthrDelay == pd.PROGRESS_DELAY_US
@@ -101,7 +102,7 @@ def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
 
 
 def test_a_delayed_agent_still_moves_the_bytes():
-    pd.slow_progress_thread(nixl_api)
+    nixl_api.nixlBind = pd.delayed_bindings(nixl_api.nixlBind)          # put back by the fixture
     g = torch.Generator().manual_seed(8)
     src = torch.randint(0, 256, (2, 584 * 64), dtype=torch.uint8, generator=g)
     dst = torch.zeros_like(src)
@@ -114,7 +115,7 @@ def test_bindings_without_a_settable_delay_are_refused():
         class nixlAgentConfig:
             pass
     with pytest.raises(RuntimeError, match="pthrDelay"):
-        pd.slow_progress_thread(type("Api", (), {"nixlBind": Bindings})())
+        pd.delayed_bindings(Bindings)
 
 
 def test_alias_refuses_an_unknown_agent_layout():
