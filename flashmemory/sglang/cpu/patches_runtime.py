@@ -117,7 +117,6 @@ def after_backend_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> Non
         self._flash_mla_with_kvcache = sparse_decode_torch
         self._swa_interleaved = self.token_to_kv_pool.get_swa_key_layout().is_interleaved
         self._flashmla_split_kv_min_topk = 1 << 30
-        self.flashmemory_cpu_decode = True
 
 
 def move_to_device(self: Any, x: list[int]) -> torch.Tensor:
