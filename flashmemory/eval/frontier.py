@@ -63,15 +63,16 @@ class FrontierConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from flashmemory.eval.methods import METHODS
+        from flashmemory.eval.methods import EXTRA_METHODS, METHODS
         from flashmemory.tasks.suite import TASKS
+        known = METHODS + EXTRA_METHODS
         if self.n_per_task < 1:
             raise UserError(f"--n-per-task {self.n_per_task}: must be >= 1")
         if len(self.budgets) < 1 or any(not 0.0 < b <= 1.0 for b in self.budgets):
             raise UserError(f"--budgets {','.join(map(str, self.budgets))}: give fractions in (0, 1]")
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
+        bad = [m for m in self.methods if m not in known]
+        if bad or not self.methods:
+            raise UserError(f"--methods: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}")
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise UserError(f"--tasks: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
@@ -239,16 +240,19 @@ class Sweep:
 
 
 def run_frontier(fc: FrontierConfig, log=print, progress: bool = True, report_only: bool = False,
-                 max_docs: int | None = None) -> dict:
+                 max_docs: int | None = None, compare: str | None = None) -> dict:
     """Run (or continue) the sweep in fc.out_dir and write frontier.json / .md / .png from the finished
-    documents; returns the aggregate. max_docs: stop after this many new documents (the rest stay pending)."""
+    documents; returns the aggregate. max_docs: stop after this many new documents (the rest stay pending);
+    compare: another frontier out dir whose extra methods frontier.md sets beside FlashMemory
+    (`eval.frontier_compare`)."""
     from flashmemory.outdir import DirLock, prepare_dir
     out = prepare_dir(fc.out_dir, "--out")
     with DirLock(out, "frontier output directory"):
-        return _run(fc, out, log, progress, report_only, max_docs)
+        return _run(fc, out, log, progress, report_only, max_docs, compare)
 
 
-def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, max_docs: int | None) -> dict:
+def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, max_docs: int | None,
+         compare: str | None = None) -> dict:
     from tqdm import tqdm
     from flashmemory.atomic import atomic_write_text
     from flashmemory.eval.frontier_report import write_outputs
@@ -273,4 +277,8 @@ def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, 
     recs = [done[i] for i, _ in plan if i in done]
     if not recs:
         raise UserError(f"--out {out}: no finished documents to report")
-    return write_outputs(recs, fc, fp, len(plan), out, log)
+    extra = None
+    if compare:
+        from flashmemory.eval.frontier_compare import compare_lines
+        extra = compare_lines(recs, compare, FORMAT)
+    return write_outputs(recs, fc, fp, len(plan), out, log, extra, compare)

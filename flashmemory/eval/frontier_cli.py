@@ -33,7 +33,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         fc = config_from_args(a)
         fingerprint(fc)   # reads the retriever: a missing file is named before any model loads
-        run_frontier(fc, progress=not a.no_progress, report_only=a.report_only, max_docs=a.max_docs)
+        run_frontier(fc, progress=not a.no_progress, report_only=a.report_only, max_docs=a.max_docs,
+                     compare=a.compare)
     except (UserError, CheckpointError, ValueError, OSError) as e:
         return fail("eval frontier", e)
     return 0
@@ -68,6 +69,8 @@ def register_frontier(sub: argparse._SubParsersAction) -> None:
                                                             "past the retriever's 6 train / 2 val documents)")
     p.add_argument("--seed", type=int, default=0, help="document seeds are seed * 1000 + index (default 0)")
     p.add_argument("--max-docs", type=int, default=None, help="run at most this many new documents, then report")
+    p.add_argument("--compare", default=None, help="another frontier --out dir (e.g. a --methods FlashMemory-fill "
+                                                   "run): its extra methods beside FlashMemory, same documents")
     p.add_argument("--report-only", action="store_true", help="only aggregate the documents already done")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)

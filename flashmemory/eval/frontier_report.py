@@ -14,7 +14,8 @@ from pathlib import Path
 
 RATIOS = (0.95, 0.99)
 COST_KEYS = ("device_bytes", "h2d_per_token", "scored_per_token", "l1_flops_per_token")
-PLOT_METHODS = ("Full", "HiSparse", "HiSparse+prefetch", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
+PLOT_METHODS = ("Full", "HiSparse", "HiSparse+prefetch", "FlashMemory", "FlashMemory+monitor", "FlashMemory-fill",
+                "Oracle", "Recency")
 
 
 def _flat(m: dict) -> dict:
@@ -272,13 +273,16 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(recs: list[dict], fc, fp: str, planned: int, out: Path, log=print) -> dict:
-    """Aggregate and write frontier.json, frontier.md and frontier.png (atomically) into `out`."""
+def write_outputs(recs: list[dict], fc, fp: str, planned: int, out: Path, log=print,
+                  extra: list[str] | None = None, compare: str | None = None) -> dict:
+    """Aggregate and write frontier.json, frontier.md (with `extra` markdown lines appended) and frontier.png
+    (atomically) into `out`. compare: the --compare dir named in the command line."""
     from dataclasses import asdict
     from flashmemory.atomic import atomic_write_text
     res = aggregate(recs, asdict(fc), fp, planned)
     atomic_write_text(out / "frontier.json", json.dumps(res, indent=1, default=float))
-    atomic_write_text(out / "frontier.md", markdown(res, command_line(fc)))
+    cmd = command_line(fc) + (f" --compare {compare}" if compare else "")
+    atomic_write_text(out / "frontier.md", markdown(res, cmd) + "\n".join(extra or []) + ("\n" if extra else ""))
     plot(res, out / "frontier.png")
     log(f"[frontier] {len(recs)} of {planned} documents -> {out}/frontier.md, frontier.json, frontier.png")
     return res

@@ -12,7 +12,7 @@ import torch
 
 from flashmemory.eval.decode import DocRun, mass_covered, method_quality, resident_stats
 from flashmemory.eval.intervals import interval
-from flashmemory.eval.methods import METHODS, DocView, make_method
+from flashmemory.eval.methods import EXTRA_METHODS, METHODS, DocView, make_method
 from flashmemory.eval.monitored import (METHOD as MONITORED, MonitorEvalConfig, cap_pages, equal_budget_replay,
                                         mean_resident_pages, monitor_factory)
 from flashmemory.eval.replay import replay_doc
@@ -30,9 +30,9 @@ class HarnessConfig:
     monitor: MonitorEvalConfig = MonitorEvalConfig()
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
         if self.tau < 1 or self.page_chunks < 1 or self.tail_chunks < 0:
             raise ValueError("tau and page_chunks must be >= 1, tail_chunks >= 0")
 

@@ -24,6 +24,10 @@ from flashmemory.residency.level1 import Scorer, retriever_scorer
 from flashmemory.residency.policy import PagePolicy, SelectionConfig, ThresholdPagePolicy
 
 METHODS = ("FlashMemory", "FlashMemory+monitor", "Recency", "Random", "Oracle", "Reactive")
+# Run only when asked (never in a default method list): the retriever's scores with the budget filled, i.e. the
+# pages with the largest summed score up to KMAX plus the recency tail, where FlashMemory's threshold policy keeps
+# only the pages with chunks above the threshold (fewer than KMAX at a large budget).
+EXTRA_METHODS = ("FlashMemory-fill",)
 
 
 @dataclass(frozen=True)
@@ -123,13 +127,15 @@ def make_method(name: str, view: DocView, sel: SelectionConfig, engine, retrieve
     makers: dict[str, Callable[[], tuple[Scorer, PagePolicy]]] = {
         "FlashMemory": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
         "FlashMemory+monitor": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
+        "FlashMemory-fill": lambda: (retriever_scorer(retriever, engine, sel.ensemble),
+                                     MassPagePolicy(sel.page_chunks, sel.last_keep)),
         "Recency": lambda: (zero_scorer, RecencyPolicy(sel.page_chunks)),
         "Random": lambda: (zero_scorer, RandomPolicy(sel.page_chunks, sel.last_keep, seed)),
         "Oracle": lambda: (oracle_scorer(view), MassPagePolicy(sel.page_chunks, sel.last_keep)),
         "Reactive": lambda: (reactive_scorer(view), MassPagePolicy(sel.page_chunks, sel.last_keep)),
     }
     if name not in makers:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     if name.startswith("FlashMemory") and retriever is None:
         raise ValueError("the FlashMemory method needs a trained retriever")
     return makers[name]()

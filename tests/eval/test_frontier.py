@@ -16,7 +16,7 @@ from flashmemory.eval import frontier as fr
 from flashmemory.eval.frontier_cost import KV_BYTES, method_costs
 from flashmemory.eval.frontier_report import iso_quality
 
-METHODS = ("Full", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency", "HiSparse")
+METHODS = ("Full", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency", "HiSparse")   # the default sweep
 
 
 def _row(acc: float, budget: float, name: str) -> dict:
@@ -40,8 +40,8 @@ class FakeSweep:
         FakeSweep.calls.append(i)
         budgets = {}
         for b in self.fc.budgets:
-            budgets[f"{b:g}"] = {name: _row(1.0 if name in ("Full", "HiSparse") else (1.0 if b >= 0.5 else 0.0),
-                                            b, name) for name in METHODS}
+            budgets[f"{b:g}"] = {name: _row(1.0 if name in ("Full", "HiSparse", "FlashMemory-fill") else (
+                1.0 if b >= 0.5 else 0.0), b, name) for name in ("Full", "HiSparse") + self.fc.methods}
         return {"budgets": budgets, "n_chunks": 80, "prompt_len": 316, "index_topk": 16, "forced_forwards": 0}
 
 
@@ -195,3 +195,41 @@ def test_hisparse_arm_replays_the_runs_picks_and_the_prefetch_hint():
     assert sorted(hint) == [0, 4] and hint[0].tolist() == [8, 9, 10, 11]
     pre = fr.hisparse_stats(run, 8, hint)
     assert pre["misses"] == 4 and pre["prefetched"] == 4 and pre["prefetch_hits"] == 4
+
+
+def test_compare_sets_another_runs_methods_beside_flashmemory(cfg, monkeypatch):
+    monkeypatch.setattr(fr, "Sweep", FakeSweep)
+    fill = fr.FrontierConfig(**{**cfg.__dict__, "out_dir": cfg.out_dir + "_fill", "methods": ("FlashMemory-fill",)})
+    fr.run_frontier(fill, log=lambda s: None, progress=False, max_docs=3)
+    fr.run_frontier(cfg, log=lambda s: None, progress=False, max_docs=2, compare=fill.out_dir)
+    md = (fr.Path(cfg.out_dir) / "frontier.md").read_text()
+    assert f"--compare {fill.out_dir}" in md and "2 documents in both runs; FlashMemory-fill from" in md
+    assert "| 10% | FlashMemory-fill | 2 | 1.000" in md and "| 10% | FlashMemory | 2 | 0.000" in md
+    rec = fr.Path(fill.out_dir) / "docs" / "00009.json"
+    body = json.loads(rec.read_text())
+    rec.write_text(json.dumps(body | {"prompt_len": 1}))
+    with pytest.raises(fr.UserError, match="document 9 differs"):
+        fr.run_frontier(cfg, log=lambda s: None, progress=False, report_only=True, compare=fill.out_dir)
+
+
+def test_fill_method_fills_the_budget_by_score_where_the_threshold_keeps_less():
+    import torch
+
+    from flashmemory.eval.harness import HarnessConfig
+    from flashmemory.eval.methods import METHODS, MassPagePolicy, make_method
+    from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
+    assert "FlashMemory-fill" not in METHODS            # never in a default method list (eval quality's stays)
+    HarnessConfig(methods=("FlashMemory-fill",))        # but the harness runs it when asked
+    sel = SelectionConfig(threshold=0.5, last_keep=4, page_chunks=4, kmax=6)
+    from types import SimpleNamespace
+    eng = SimpleNamespace(layout=SimpleNamespace(target_layers=()))
+    _, pol = make_method("FlashMemory-fill", None, sel, eng, retriever=SimpleNamespace(layers=()))
+    assert isinstance(pol, MassPagePolicy)
+    with pytest.raises(ValueError, match="retriever"):
+        make_method("FlashMemory-fill", None, sel, None)
+    scores = torch.zeros(40)
+    scores[[1, 9, 21]] = torch.tensor([0.9, 0.3, 0.2])  # one chunk above the threshold, two below it
+    kept_fill = pol(scores, 40, 6).tolist()
+    kept_thr = ThresholdPagePolicy(sel)(scores, 40, 6).tolist()
+    assert len(kept_fill) == 6 and {0, 2, 5, 9}.issubset(kept_fill)   # scored pages + the tail, then the newest
+    assert len(kept_thr) < 6 and 2 not in kept_thr
