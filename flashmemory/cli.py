@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser that `args` were parsed by, e.g. the one of `flashmemory eval quality`."""
+    for action in parser._actions:   # argparse offers no public walk over a parser's subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return chosen(action.choices[name], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Expected failures (`UserError`, `OSError`) print one line and exit 2; see
     `flashmemory.errors`."""
@@ -51,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     set_debug(debug)
     parser = build_parser()
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
+    if extra:   # named by the command they were given to, not by `flashmemory` alone
+        chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

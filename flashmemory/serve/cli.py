@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashmemory.errors import fail
+from flashmemory.errors import UserError, describe, fail
 from flashmemory.serve.procs import ServerStartError, Servers
 
 EXAMPLE = """\
@@ -55,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C / kill -INT would do nothing
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
-    model = ensure_model(Path(args.model))
+    try:
+        model = ensure_model(Path(args.model))
+    except OSError as e:   # e.g. a parent that is a file, or not writable: name the flag, not a lock file
+        raise UserError(f"--model {args.model}: no serving model there, and one cannot be built there "
+                        f"({describe(e)})") from e
     stock = args.stock or args.hisparse
     ckpt = "" if stock or args.ckpt == "none" else \
         str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt

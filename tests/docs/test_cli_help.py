@@ -100,3 +100,25 @@ def test_bench_messages_do_not_name_the_bench_again() -> None:
            if re.search(r"""(UserError|require_memory|require_disk)\(f?["']bench """, line)
            or re.search(r"""\bfail\(["']bench["']""", line)]
     assert bad == []
+
+
+def test_an_unknown_flag_is_named_by_the_command_it_was_given_to(capsys: pytest.CaptureFixture[str]) -> None:
+    """`flashmemory demo --nope` reads `flashmemory demo: error: ...`, for every (sub)command (argparse named
+    them all `flashmemory: error: unrecognized arguments`)."""
+    seen = 0
+    for chain, _ in all_parsers(build_parser()):
+        with pytest.raises(SystemExit) as e:
+            main([*chain.split()[1:], "--no-such-flag"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err and err[-1].startswith(f"{chain}: error: "), (chain, err[-1:])
+        seen += 1
+    assert seen > 20
+
+
+def test_serve_model_that_cannot_be_built_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         keep_signals) -> None:
+    (tmp_path / "file").write_text("")
+    model = tmp_path / "file" / "model"          # its parent is a file: nothing can be built there
+    assert main(["serve", "--ckpt", "none", "--model", str(model)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flashmemory serve: error: --model {model}: "), err
