@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import fields
 
+from flashmemory.errors import describe
 from flashmemory.tiny.train import TrainTinyConfig
 
 TRAIN_HELP = {
@@ -74,10 +75,10 @@ def run_train(a: argparse.Namespace) -> int:
     try:
         cfg = TrainTinyConfig(**kw, progress=not a.no_progress)
         summary = train_tiny(cfg)
-    except (ValueError, RuntimeError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, RuntimeError, OSError, FloatingPointError) as e:
         if a.debug:
             raise
-        print(f"flashmemory model train-tiny: error: {e}", file=sys.stderr)
+        print(f"flashmemory model train-tiny: error: {describe(e)}", file=sys.stderr)
         return 2
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
     return 0

@@ -122,3 +122,17 @@ def test_serve_model_that_cannot_be_built_names_the_flag(tmp_path: Path, capsys:
     assert main(["serve", "--ckpt", "none", "--model", str(model)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"flashmemory serve: error: --model {model}: "), err
+
+
+@pytest.mark.parametrize("parent", ["missing", "file"])
+def test_train_tiny_on_an_unusable_out_dir_is_one_line_naming_it(tmp_path: Path, parent: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The OS's error as `PATH: cause` under train-tiny's own prefix (it printed Python's `[Errno 2] ...`, and a
+    parent that is a file escaped as `flashmemory model: error:`)."""
+    if parent == "file":
+        (tmp_path / "file").write_text("")
+    out = tmp_path / parent / "run" if parent == "file" else Path("/proc") / "no-such-run"
+    assert main(["model", "train-tiny", "--out-dir", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flashmemory model train-tiny: error: {out}: "), err
+    assert "[Errno" not in err[0]
