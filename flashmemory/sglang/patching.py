@@ -45,7 +45,6 @@ TABLES: tuple[str, ...] = (
 CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels
 
-_APPLIED: dict[tuple[str, str, str], str] = {}   # (target, kind, impl) -> target, for patches applied here
 
 
 class StartupError(SystemExit):
@@ -172,8 +171,11 @@ def _apply_attrs(rows: list[Patch], originals: dict[str, Any]) -> None:
 def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> list[str]:
     """Check, apply and verify `patches` (those not applied in this process yet); returns the sorted targets of
     all `patches` that are in effect (optional ones whose package is absent are left out). `environ` is for
-    `env` rows (default the process environment); `context` is appended to a target error."""
-    todo = [p for p in patches if (p.target, p.kind, p.impl) not in _APPLIED and target_present(p)]
+    `env` rows (default the process environment); `context` is appended to a target error. What was applied is
+    recorded in the process state (`runtime.RUNTIME.applied_patches`)."""
+    from flashmemory.sglang.runtime import RUNTIME
+    done = RUNTIME.applied_patches
+    todo = [p for p in patches if (p.target, p.kind, p.impl) not in done and target_present(p)]
     # env and import_stub rows are idempotent by themselves and re-run each time (a test may reset the env).
     try:
         originals = check_all(todo)
@@ -191,7 +193,7 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
     _apply_attrs([p for p in todo if p.kind == "attr"], originals)
     for p in todo:
         if p.kind in CODE_KINDS:
-            _APPLIED[(p.target, p.kind, p.impl)] = p.target
+            done[(p.target, p.kind, p.impl)] = p.target
     if todo:
         logger.info("FlashMemory: %d sglang patches applied (%s)", len(todo),
                     ", ".join(sorted({p.feature for p in todo})))
@@ -200,4 +202,5 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
 
 def applied() -> list[str]:
     """Targets patched in this process so far (sorted)."""
-    return sorted(set(_APPLIED.values()))
+    from flashmemory.sglang.runtime import RUNTIME
+    return sorted(set(RUNTIME.applied_patches.values()))

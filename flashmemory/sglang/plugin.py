@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from flashmemory.retriever.model import JointRetriever
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
-_STATE: dict | None = None   # set once per process: {"features": ..., "targets": [...], "cpu_targets": [...]}
 PluginStartupError = StartupError   # "FlashMemory startup error: ..." (a SystemExit)
 
 
@@ -52,9 +51,10 @@ def announce(line: str) -> None:
 
 
 def register() -> None:
-    """Idempotent: read the gates, apply and verify the patches of the active features."""
-    global _STATE
-    if _STATE is not None:
+    """Idempotent: read the gates, apply and verify the patches of the active features. What it did is kept in
+    the process state, `RUNTIME.registration`: {"features": ..., "targets": [...], "cpu_targets": [...]}."""
+    from flashmemory.sglang.runtime import RUNTIME
+    if RUNTIME.registration is not None:
         return
     try:
         env = FlashMemoryEnv.from_environ()
@@ -67,7 +67,7 @@ def register() -> None:
     features = features_for(env)
     retriever = None
     if not features:
-        _STATE = {"features": (), "targets": [], "cpu_targets": cpu_targets}
+        RUNTIME.registration = {"features": (), "targets": [], "cpu_targets": cpu_targets}
         announce("FlashMemory: all gates off; no hooks registered (stock sglang)")
         return
     if "path_p" in features:
@@ -84,15 +84,14 @@ def register() -> None:
     except TargetError as e:
         raise PluginStartupError(f"{e}{context}") from None
 
-    from flashmemory.sglang.runtime import RUNTIME
-
     RUNTIME.configure(env, features, retriever)
     targets = apply(specs, context=context)
-    _STATE = {"features": features, "targets": targets, "cpu_targets": cpu_targets}
+    RUNTIME.registration = {"features": features, "targets": targets, "cpu_targets": cpu_targets}
     announce(f"FlashMemory: active features: {', '.join(env.active_features() or features)} "
              f"({len(targets)} hook targets)")
 
 
 def state() -> dict | None:
     """What `register()` did in this process (None before it ran)."""
-    return _STATE
+    from flashmemory.sglang.runtime import RUNTIME
+    return RUNTIME.registration

@@ -139,6 +139,9 @@ class Runtime:
         self.steps = 0
         self.counters: dict[str, int] = {}
         self.diag_path = stats_file()                     # diagnostics for scripts/gpu_check.py
+        # (target, kind, impl) -> target of every Patch row applied in this process (`patching.apply`: once each)
+        self.applied_patches: dict[tuple[str, str, str], str] = {}
+        self.registration: dict | None = None            # what `plugin.register` did here (None before it ran)
 
     def count(self, name: str) -> None:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""

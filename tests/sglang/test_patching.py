@@ -27,7 +27,8 @@ def target_module(monkeypatch):
 
     mod.f, mod.around_f = f, around_f
     monkeypatch.setitem(sys.modules, MOD, mod)
-    monkeypatch.setattr(patching, "_APPLIED", {})
+    from flashmemory.sglang.runtime import RUNTIME
+    monkeypatch.setattr(RUNTIME, "applied_patches", {})
     yield mod
     from sglang.srt.plugins.hook_registry import HookRegistry
     HookRegistry._hooks.pop(f"{MOD}.f", None)

@@ -20,9 +20,10 @@ from flashmemory.sglang.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 import os, sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
+from flashmemory.sglang.runtime import RUNTIME
 for gates in ({}, json.loads(os.environ["FM_GATES_ON"])):  # one process: importing sglang is slow
     os.environ.update(gates)
-    plugins._plugins_loaded, plugin._STATE = False, None
+    plugins._plugins_loaded, RUNTIME.registration = False, None
     try:
         plugins.load_plugins()
         err = None
@@ -62,7 +63,8 @@ def test_gates_off_patch_nothing_and_on_patch_all(installed):
 
 def test_bad_gate_value_stops_startup(monkeypatch):
     from flashmemory.sglang import plugin
-    monkeypatch.setattr(plugin, "_STATE", None)
+    from flashmemory.sglang.runtime import RUNTIME
+    monkeypatch.setattr(RUNTIME, "registration", None)
     monkeypatch.setenv("SGLANG_PATHP_PAGE_KMAX", "lots")
     monkeypatch.setenv("SGLANG_FLASHMEMORY_DUMP", "1")
     with pytest.raises(plugin.PluginStartupError, match="SGLANG_PATHP_PAGE_KMAX='lots'"):
@@ -79,7 +81,8 @@ def test_register_is_idempotent_and_verifies(sg, monkeypatch):
     orig = {spec.target: resolve(spec.target)[2]}
     bad = verify([spec], orig)   # nothing applied in this process
     assert bad and "is not patched" in bad[0]
-    monkeypatch.setattr(plugin, "_STATE", {"features": (), "targets": []})
+    from flashmemory.sglang.runtime import RUNTIME
+    monkeypatch.setattr(RUNTIME, "registration", {"features": (), "targets": []})
     plugin.register()  # already ran: no-op, nothing imported or registered
     assert plugin.state() == {"features": (), "targets": []}
 
@@ -131,13 +134,14 @@ BADCKPT = r"""
 import json, os, sys
 import sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
+from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.targets import SPECS
 from flashmemory.sglang.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 for case in json.loads(os.environ["FM_CASES"]):
     os.environ.update(case["env"])
     sys.argv = ["sglang.launch_server", *case["argv"]]
-    plugins._plugins_loaded, plugin._STATE = False, None
+    plugins._plugins_loaded, RUNTIME.registration = False, None
     try:
         plugins.load_plugins()   # swallows exceptions, so only a SystemExit stops it
         err = None

@@ -107,7 +107,8 @@ def test_the_attr_row_installs_the_view_on_that_module_only(sg, monkeypatch) -> 
     from flashmemory.sglang.cpu.patches_runtime import RUNTIME_PATCHES
     row = next(p for p in RUNTIME_PATCHES if p.kind == "attr")
     monkeypatch.setattr(kcc, "current_platform", kcc.current_platform)   # put back after the test
-    monkeypatch.setattr(patching, "_APPLIED", {})
+    from flashmemory.sglang.runtime import RUNTIME
+    monkeypatch.setattr(RUNTIME, "applied_patches", {})
     before = kcc.current_platform
     assert patching.apply([row]) == [row.target]
     assert isinstance(kcc.current_platform, Dsv4Fp8PlatformView) and kcc.current_platform.platform is before
