@@ -3,9 +3,9 @@
 One function loads it for both the check and the engine (`adapter_factory.build`), so what is checked is
 what serves: the layers of SGLANG_RETRIEVER_INLINE_LAYERS, every weight's shape and finiteness, the
 hidden size against the served model's config.json when the model path is a local directory, and the
-RoPE clamp of SGLANG_RETRIEVER_MAX_POSITION (a checkpoint's stored table length is ignored: training
-used to store 131072, which served every position past it as 131071). It loads on the CPU; `place_retriever`
-moves it to the server's device when the pool exists.
+RoPE clamp of SGLANG_RETRIEVER_MAX_POSITION (a checkpoint's stored table length is ignored: a checkpoint may
+carry a shorter table, e.g. 131072, which would serve every position past it as the last one). It loads on
+the CPU; `place_retriever` moves it to the server's device when the pool exists.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def test_zero_stride_means_tau_and_budgets_in_range_run(synth, teacher, tmp_path
 
 
 def test_a_checkpoint_of_another_hidden_size_is_named(synth, tmp_path, capsys) -> None:
-    """Was `ValueError: hidden must be [B, 128]` from inside the scorer, after loading every document."""
+    """A checkpoint whose hidden size differs from the dump's is one line naming both sizes and a document, before
+    any scoring (not a `ValueError: hidden must be [B, 128]` from inside the scorer)."""
     from flashmemory.retriever.model import JointRetriever
     from flashmemory.train.synthetic import TEACHER_DIMS
     other = replace(TEACHER_DIMS, hidden=TEACHER_DIMS.hidden * 2)

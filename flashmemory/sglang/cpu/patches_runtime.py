@@ -19,10 +19,11 @@
 - `_set_envs_and_config` (entrypoints/engine.py:1995) sets multiprocessing's start method to "spawn" (CUDA
   cannot be forked), so the scheduler and the detokenizer each import sglang again: about 25 CPU-s per process
   on this 2-core box, 89 CPU-s for a server start against 38 CPU-s when both are forked (two separate starts
-  of one stock server, `ps` TIME of its three processes: a sign, not a benchmark). On CPU there is no CUDA context to fork, so after that function the
-  start method is "fork" when the launcher has one OS thread (measured: it has, at that point); with more,
-  spawn stays (a fork copies no other thread, and a lock another thread holds would stay held in the child; an
-  OpenMP pool that torch already started, which a forked child could not use, shows up as such threads too).
+  of one stock server, `ps` TIME of its three processes: a sign, not a benchmark). On CPU there is no CUDA
+  context to fork, so after that function the start method is "fork" when the launcher has one OS thread
+  (measured: it has, at that point); with more, spawn stays (a fork copies no other thread, and a lock another
+  thread holds would stay held in the child; an OpenMP pool that torch already started, which a forked child
+  could not use, shows up as such threads too).
 """
 
 from __future__ import annotations
