@@ -5,8 +5,8 @@ A scan of `flashmemory/sglang/` for code that changes a foreign object by assign
 instance of a class of ours (a wrapper hung on someone else's object); an attribute named `flashmemory_*` (a
 tag on a foreign object). Such an assignment may only sit in the implementation of a code-kind `Patch` row
 (a hook's body acting on the objects sglang hands it, under that row's `why`), in the `import_stub` loader or in
-the apply loop itself (`patching.py`); tags never. `KNOWN` lists the sites still to be turned into rows, so a new one fails here and a converted one
-must leave the list.
+the apply loop itself (`patching.py`); tags never. `KNOWN` lists the sites still to be turned into rows, so a
+new one fails here and a converted one must leave the list.
 """
 
 from __future__ import annotations
