@@ -212,13 +212,15 @@ def _cost_table(res: dict, budgets: list[str]) -> list[str]:
          "HiSparse: H + 1 hot slots per c4 layer) + index keys; H2D = recall (FlashMemory) or synchronous swap-in "
          "misses x 584 B (HiSparse) per decode step; entries scored = indexer entries per step over all c4 layers "
          "(+ Level 1's over tau).", "",
-         "| budget | method | device bytes/req | c4 KV / buffer | index keys | H2D bytes/token | entries scored/token "
-         "| L1 FLOPs/token | HiSparse hit rate |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "| budget | method | KMAX | mean pages kept | device bytes/req | c4 KV / buffer | index keys | H2D bytes/token "
+         "| entries scored/token | L1 FLOPs/token | HiSparse hit rate |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for b in budgets:
         for m, r in res["methods"][b].items():
             hs = m.startswith("HiSparse")
             pend = hs and r.get("cost_pending", 0) > 0
-            L.append(f"| {float(b):.0%} | {m} | {_fmt_bytes(r.get('device_bytes'))} | "
+            pages = r.get("mean_pages", math.nan)
+            L.append(f"| {float(b):.0%} | {m} | {r.get('kmax', math.nan):.0f} | "
+                     f"{'-' if _nan(pages) else format(pages, '.1f')} | {_fmt_bytes(r.get('device_bytes'))} | "
                      f"{_fmt_bytes(r.get('device_c4_kv'))} | {_fmt_bytes(r.get('device_index_keys'))} | "
                      f"{'pending' if pend else _fmt_bytes(r.get('h2d_per_token'))} | "
                      f"{r.get('scored_per_token', math.nan):.0f} | {r.get('l1_flops_per_token', math.nan):.3g} | "
