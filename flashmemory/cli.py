@@ -55,8 +55,8 @@ def chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. Expected failures (`UserError`, `OSError`) print one line and exit 2; see
-    `flashmemory.errors`."""
+    """Run one subcommand. Expected failures (`UserError`, `OSError`) print one line named by the whole
+    subcommand (`flashmemory checkpoint convert: error: ...`) and exit 2; see `flashmemory.errors`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     set_debug(debug)
@@ -67,15 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    command = chosen(parser, args).prog.removeprefix(parser.prog).strip() or args.command   # e.g. "eval quality"
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print(f"flashmemory {args.command}: interrupted", file=sys.stderr)
+        print(f"flashmemory {command}: interrupted", file=sys.stderr)
         return 130
     except (UserError, OSError) as e:
         if debug:
             raise
-        return fail(args.command, e)
+        return fail(command, e)
 
 
 if __name__ == "__main__":

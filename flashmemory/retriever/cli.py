@@ -53,9 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
-def _fail(msg: str | BaseException) -> int:
-    """One line, exit 1 (this command's historical code); --debug re-raises an exception instead."""
-    return fail("checkpoint", msg, code=1)
+def _fail(what: str, msg: str | BaseException) -> int:
+    """`flashmemory checkpoint WHAT: error: ...`, exit 1 (this command's historical code), named by the subcommand
+    like every other command's error; --debug re-raises an exception instead."""
+    return fail(f"checkpoint {what}", msg, code=1)
 
 
 def _human(n: int) -> str:
@@ -69,7 +70,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_checkpoint(args.path, single_layer_id=args.layer)
     except (CheckpointError, OSError) as e:
-        return _fail(e)
+        return _fail("inspect", e)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
         return 0
@@ -102,23 +103,24 @@ def _convert(args: argparse.Namespace) -> int:
     from flashmemory.retriever.rope import RopeConfig
     dst = Path(args.dst)
     if dst.suffix != ".safetensors":
-        return _fail(f"{dst}: output must end in .safetensors")
+        return _fail("convert", f"{dst}: output must end in .safetensors")
     if dst.is_dir():
-        return _fail(f"{dst}: is a directory (--force replaces a file, never a directory)")
+        return _fail("convert", f"{dst}: is a directory (--force replaces a file, never a directory)")
     if dst.exists() and not args.force:
-        return _fail(f"{dst} exists (pass --force to overwrite)")
+        return _fail("convert", f"{dst} exists (pass --force to overwrite)")
     if Path(args.src).resolve() == dst.resolve():
-        return _fail(f"{dst}: input and output are the same file")
+        return _fail("convert", f"{dst}: input and output are the same file")
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
-        return _fail(f"--layers {args.layers!r}: expected comma-separated c4-layer ids like 10,12,20")
+        return _fail("convert",
+                     f"--layers {args.layers!r}: expected comma-separated c4-layer ids like 10,12,20")
     try:
         rope = RopeConfig(rope_dim=args.rope_dim) if args.rope_dim is not None else None
         model = load_retriever(args.src, layers=layers, single_layer_id=args.layer, rope=rope)
         out = save_retriever(model, dst, extra_meta={"source": Path(args.src).name})
     except (CheckpointError, ValueError, OSError) as e:
-        return _fail(e)
+        return _fail("convert", e)
     try:
         unknown = unused_keys(checkpoint_keys(args.src))
     except CheckpointError:
@@ -134,12 +136,13 @@ def _download(args: argparse.Namespace) -> int:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
-        return _fail("huggingface_hub is not installed (pip install huggingface_hub)")
+        return _fail("download", "huggingface_hub is not installed (pip install huggingface_hub)")
     dest = Path(args.dest)
     if not _offline():
         err = _reachable(args.timeout)
         if err:  # fail in `timeout` seconds instead of the hub's ~25 s of retries with backoff
-            return _fail(f"could not download {args.repo}/{args.file}: {err} (no network? set HF_ENDPOINT for "
+            return _fail("download",
+                         f"could not download {args.repo}/{args.file}: {err} (no network? set HF_ENDPOINT for "
                          "a mirror, or HF_HUB_OFFLINE=1 to use the local cache)")
     print(f"downloading {args.repo}/{args.file} -> {dest}/ ...", file=sys.stderr)
     try:
@@ -151,7 +154,8 @@ def _download(args: argparse.Namespace) -> int:
         hint = ("offline mode is on (HF_HUB_OFFLINE=1) and the file is not in the local cache"
                 if _offline() else "no network, a wrong --repo/--file, or a gated repo needing HF_TOKEN?")
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return _fail(f"could not download {args.repo}/{args.file}: {type(e).__name__}: {first} ({hint})")
+        return _fail("download",
+                     f"could not download {args.repo}/{args.file}: {type(e).__name__}: {first} ({hint})")
     print(path)
     print(f"check it with: flashmemory checkpoint inspect {path}", file=sys.stderr)
     return 0

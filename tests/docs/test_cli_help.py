@@ -136,3 +136,18 @@ def test_train_tiny_on_an_unusable_out_dir_is_one_line_naming_it(tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"flashmemory model train-tiny: error: {out}: "), err
     assert "[Errno" not in err[0]
+
+
+@pytest.mark.parametrize("argv,prefix", [
+    (["checkpoint", "inspect", "/no/such.safetensors"], "flashmemory checkpoint inspect: error: /no/such"),
+    (["checkpoint", "convert", "/no/such.pt", "x.pt"], "flashmemory checkpoint convert: error: x.pt"),
+    (["model", "build-serving", "--out", "{file}/model"], "flashmemory model build-serving: error: "),
+])
+def test_an_error_is_named_by_the_whole_subcommand(argv, prefix, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """One form for every command: the error line names the subcommand that failed (these read
+    `flashmemory checkpoint: error:` and `flashmemory model: error:`)."""
+    (tmp_path / "file").write_text("")
+    assert main([a.format(file=tmp_path / "file") for a in argv]) in (1, 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(prefix), err

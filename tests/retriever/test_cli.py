@@ -222,7 +222,7 @@ def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, c
     dst = tmp_path / "j.safetensors"
     assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 1
     err = capsys.readouterr().err
-    assert err == f"flashmemory checkpoint: error: {dst}: No space left on device (disk full)\n", err
+    assert err == f"flashmemory checkpoint convert: error: {dst}: No space left on device (disk full)\n", err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["j.pt"]   # no temp file, no partial output
 
 
