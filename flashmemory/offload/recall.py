@@ -281,6 +281,12 @@ class Recaller:
             plan.entries.append((row, gen, page, st.mpages[page], blk))
         return k
 
+    def prefetch(self, requests: Sequence[RecallRequest]) -> int:
+        """Start reading the requests' cold pages from a slower tier now (the source's `prefetch_requests`, when it
+        has one: the disk tier), so the copy later finds them in host memory. Returns the reads queued."""
+        fn = getattr(self.source, "prefetch_requests", None)
+        return fn(requests) if fn is not None else 0
+
     def copy(self, plan: RecallPlan) -> None:
         """Copy the planned pages mirror -> reserve, without the engine lock: in-flight blocks are neither read
         nor written by anyone else. If the request finishes meanwhile its mirror pages may be reused and the copy

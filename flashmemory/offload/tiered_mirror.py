@@ -33,9 +33,10 @@ Without the window a sealed page's DRAM copy stays in the mirror (the tier then 
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -44,7 +45,7 @@ from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_
 from flashmemory.offload.disk.format import pages_from_chunks
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.layout import OffloadLayout
-from flashmemory.offload.recall import RecallPlan, gather_copy
+from flashmemory.offload.recall import RecallPlan, RecallRequest, gather_copy
 from flashmemory.offload.rows import RowState
 from flashmemory.offload.sync import BatchSync, SyncResult
 
@@ -55,7 +56,7 @@ LAND_BATCH = 16    # complete pages packed per batch at admission (bounds the st
 # stat key of `TieredEngine.tier_stats` -> what it counts (the sglang layer's /metrics reuses these keys)
 TIER_STATS = ("disk_bytes_read", "disk_bytes_written", "disk_cache_hits", "disk_cache_misses", "disk_cache_hit_rate",
               "disk_recalls_waited", "disk_readahead_late", "disk_write_errors", "disk_pages_in_dram_pinned",
-              "disk_corrupt_pages")
+              "disk_corrupt_pages", "disk_decode_waits", "disk_write_waits", "disk_readahead_pages")
 
 
 class TieredEngine(OffloadEngine):
@@ -74,6 +75,7 @@ class TieredEngine(OffloadEngine):
         self.tier = tier
         self.sealed: dict[int, tuple[int, int]] = {}   # row -> (gen, logical pages [0, n) put into the tier)
         self.recalls_waited = 0                         # recall copies that waited for at least one disk read
+        self.readahead_pages = 0                        # reads queued when a cycle's selection named cold pages
         self.recaller.source = self
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -122,7 +124,9 @@ class TieredEngine(OffloadEngine):
         self.sealed[row] = (st.gen, head)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
-        """Seal (rows not finishing in this step), then the plain engine's step."""
+        """Seal (rows not finishing in this step), then the plain engine's step. The calling thread is the decode
+        thread: the tier counts its every wait on disk I/O (`disk_decode_waits`)."""
+        self.tier.decode_thread = threading.get_ident()
         self.seal(skip=set(sync.finished))
         return super().sync_batch(sync)
 
@@ -140,6 +144,26 @@ class TieredEngine(OffloadEngine):
         self.tier.store.close()
 
     # ---- recall copy (`Recaller.source`) -----------------------------------------------------------------
+    def prefetch_requests(self, requests: Sequence[RecallRequest]) -> int:
+        """Read-ahead as soon as a cycle's selection is known (Level 1's worker, before the plan): every selected
+        page that is sealed, not resident in the reserve and not in the host cache is queued on the cache's
+        readers, so the copy (on the worker, or on the decode thread in lockstep) finds it in DRAM. Returns the
+        reads queued. Only reads the row states (under the lock); the reads run on the reader threads."""
+        wanted: dict[str, list[int]] = {}
+        with self.lock:
+            for rq in requests:
+                st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
+                sg = self.sealed.get(rq.row)
+                if st is None or st.gen != rq.gen or sg is None or sg[0] != rq.gen:
+                    continue
+                cold = [p for p in rq.pages if 0 <= p < sg[1] and p not in st.recall]
+                if cold:
+                    wanted[str(st.rid)] = cold
+        n = sum(self.tier.prefetch(rid, pages) for rid, pages in wanted.items())
+        self.readahead_pages += n
+        return n
+
+
     def _tier_keys(self, plan: RecallPlan) -> tuple[list[str | None], list[bool]]:
         """Per plan entry: the rid whose tier holds that page (sealed) or None (read it from the mirror), and whether
         its request is still the one planned (a stale entry's bytes are discarded at publish). Caller holds the lock."""
@@ -243,7 +267,8 @@ class TieredEngine(OffloadEngine):
                 "disk_cache_hit_rate": c.hit_rate, "disk_recalls_waited": float(self.recalls_waited),
                 "disk_readahead_late": float(c.readahead_late), "disk_write_errors": float(c.write_errors),
                 "disk_pages_in_dram_pinned": float(self.tier.pinned_pages),
-                "disk_corrupt_pages": float(c.corrupt_pages)}
+                "disk_corrupt_pages": float(c.corrupt_pages), "disk_decode_waits": float(c.decode_disk_waits),
+                "disk_write_waits": float(c.write_waits), "disk_readahead_pages": float(self.readahead_pages)}
 
 
 def window_slots(disk: DiskTierConfig, layout: OffloadLayout, cfg: EngineConfig) -> int | None:

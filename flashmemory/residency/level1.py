@@ -240,7 +240,9 @@ class Level1:
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
         try:
-            self.engine.recaller.recall(self._requests(job))   # a failed copy is cancelled: nothing published
+            reqs = self._requests(job)
+            self.engine.recaller.prefetch(reqs)   # cold pages start reading from disk before the plan
+            self.engine.recaller.recall(reqs)     # a failed copy is cancelled: nothing published
         finally:
             with self._mu:
                 for row, gen, *_ in job:
@@ -252,6 +254,7 @@ class Level1:
             if lj.ready is not None:
                 torch.cuda.current_stream().wait_event(lj.ready)
             lj.reqs = self._requests(lj.items)
+            self.engine.recaller.prefetch(lj.reqs)   # disk reads run now, not at the publish on the decode thread
         except BaseException as e:  # raised on the decode thread at the job's publish call
             lj.error = e
         finally:

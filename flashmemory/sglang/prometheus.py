@@ -43,6 +43,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "disk_write_errors": ("counter", "Disk tier: write-behind failures (disk full, EIO); the page stayed in DRAM"),
     "disk_pages_in_dram_pinned": ("gauge", "Disk tier: pages kept in host DRAM after a failed write-behind"),
     "disk_corrupt_pages": ("counter", "Disk tier: pages that failed verification on read (their request failed)"),
+    "disk_decode_waits": ("counter", "Disk tier: times the decode thread waited on disk I/O (a read its recall "
+                                     "needed, a back-pressured write queue); 0 when read-ahead and write-behind "
+                                     "keep up"),
+    "disk_write_waits": ("counter", "Disk tier: page admissions that waited for the write-behind thread (its "
+                                    "queue was full: back-pressure, host memory stays bounded)"),
+    "disk_readahead_pages": ("counter", "Disk tier: page reads queued when a Level-1 selection named pages only "
+                                        "on disk (before the plan)"),
 }
 # Live state for an operator spotting a leak (`serving_gauges`): at idle live_requests is 0, free_reserve_blocks equals
 # reserve_blocks and host_mirror_bytes_in_use is 0. Published with `stats()` when a request joins or leaves and at

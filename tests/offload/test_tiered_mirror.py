@@ -109,8 +109,10 @@ def test_a_corrupt_page_fails_its_request_only(tmp_path):
         admit_step((eng, plain), [(0, "req-A", 20), (1, "req-B", 20)], g)
         ops.plan.corrupt = 1000        # every write while A's pages are sealed (and written behind) is damaged
         eng.seal(skip={1})
+        assert eng.tier.settle()       # written behind by the writer thread
         ops.plan.corrupt = 0
         eng.seal()                     # B's pages push A's last one out: all of A's sealed pages are on disk, bad
+        assert eng.tier.settle()
         with pytest.raises(CorruptPageError) as err:
             recall((eng,), {0: [0, 1], 1: [0, 1]})
         assert err.value.rid == "req-A" and err.value.page in (0, 1)
@@ -153,6 +155,7 @@ def test_disk_full_keeps_pages_in_dram_and_loses_nothing(tmp_path):
         ops.plan.full = True
         eng.sync_batch(BatchSync())   # seals 6 + 5 + 1 pages into a 2-page cache: write-behind hits ENOSPC
         plain.sync_batch(BatchSync())
+        assert eng.tier.settle()
         st = eng.tier_stats()
         assert st["disk_write_errors"] > 0 and st["disk_pages_in_dram_pinned"] > 0
         recall((eng, plain), {0: [0, 1, 2, 3], 1: [0, 1, 2]})
@@ -161,6 +164,7 @@ def test_disk_full_keeps_pages_in_dram_and_loses_nothing(tmp_path):
         ops.plan.full = False
         for e in (eng, plain):
             e.sync_batch(BatchSync(finished=(2,)))   # a finish: space returns, pinned pages are written now
+        assert eng.tier.settle()                     # ... by the writer thread
         assert eng.tier.pinned_pages == 0 and eng.tier_stats()["disk_bytes_written"] > 0
         eng.tier.drop_clean()           # a cold cache: the next recall reads from disk
         recall((eng, plain), {0: [4, 5], 1: [3, 4]})

@@ -2,17 +2,24 @@
 
 - `put(rid, page, data)` admits a page (landed by PD or written by decode) as dirty; when the cache is over its
   bound, the least recently used unpinned pages leave it: clean ones are dropped (the store holds them), dirty
-  ones are written behind to the store first.
+  ones are written behind to the store first, on the writer thread: they move to a write queue (still readable,
+  still in DRAM) bounded by `write_queue_pages`. Back-pressure: a `put` that finds the queue over its bound waits
+  for the writer (counted as `write_waits`, and as `decode_disk_waits` on the decode thread), so host memory
+  stays bounded (LRU + queue + pinned pages). Without a worker (`worker=False`) the write runs in `put`.
 - `prefetch(rid, pages)` queues read-ahead on the worker thread (Level 1's picks for the next tau window);
   `get(rid, page)` returns the page, waiting for a read in flight or reading it itself.
 - A page that fails verification raises `CorruptPageError(rid, page)` from `get` for that request only (until it
   is freed); other requests are unaffected.
 - ENOSPC / EIO at write-behind: the page stays in DRAM, pinned (moved out of the LRU into `_pinned`: the cache
-  goes over its bound by the pinned pages only) and counted; `retry_pinned()` (run at every `free_request`, when
-  space comes back) writes them, oldest first, and drops them from DRAM once on disk.
+  goes over its bound by the pinned pages only) and counted; every `free_request` (space may have come back) has
+  the writer retry them, oldest first, dropping them from DRAM once on disk (`retry_pinned()` does it now).
+- `decode_thread`: the ident of the thread that decodes (set by the engine). Every time that thread waits on disk
+  I/O (a read in `get`, a back-pressured `put`, a synchronous write) `decode_disk_waits` counts it: read-ahead
+  and the writer keep it at 0 in the normal path.
 
-Invariants (checked by `check()`): every live page is in the LRU, pinned, or in the store; the LRU never holds more
-than `capacity_pages`; a clean page in the LRU is also in the store; a pinned page is dirty and not in the LRU.
+Invariants (checked by `check()`): every live page is in the LRU, pinned, queued for the writer, or in the store;
+the LRU never holds more than `capacity_pages`; a clean page in the LRU is also in the store; a pinned or queued
+page is dirty and in neither the LRU nor the other.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class DiskTierCounters:
     write_errors: int = 0     # write-behind failures (ENOSPC, EIO, ...): the page stayed in DRAM
     corrupt_pages: int = 0
     evictions: int = 0
+    write_waits: int = 0        # puts that waited for the writer (the write queue was over its bound)
+    decode_disk_waits: int = 0  # times the decode thread waited on disk I/O (read, back-pressure, sync write)
 
     @property
     def hit_rate(self) -> float:
@@ -64,11 +73,14 @@ class HostPageCache:
     """Pages of `store.page_bytes` bytes, keyed (rid, page); at most `capacity_bytes // page_bytes` in the LRU,
     plus the pinned ones. Eviction is O(1) per page.
 
-    Thread-safe. `readers` read-ahead threads (0 with worker=False: `prefetch` reads at once). Write-behind runs in the thread that overflows the cache (under the cache lock, so writes and
-    frees of a page are ordered); disk reads run outside the lock, on the worker (read-ahead) or in `get`.
+    Thread-safe. `readers` read-ahead threads and one writer thread (none with worker=False: `prefetch` reads at
+    once and write-behind runs under the lock in the thread that overflows the cache). Disk reads and the
+    writer's writes run outside the lock; a page's version tells a finished transfer whether its page was
+    rewritten or freed meanwhile. write_queue_pages: bound of the write queue (0 = max(8, capacity // 4)).
     """
 
-    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True, readers: int = 1):
+    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True, readers: int = 1,
+                 write_queue_pages: int = 0):
         self.store = store
         self.page_bytes = store.page_bytes
         self.capacity_pages = capacity_bytes // self.page_bytes
@@ -87,6 +99,17 @@ class HostPageCache:
         self._ahead: set[Key] = set()
         self._q: queue.Queue[Key | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self.write_queue_pages = write_queue_pages or max(8, self.capacity_pages // 4)
+        self._writing: OrderedDict[Key, _Entry] = OrderedDict()   # dirty pages out of the LRU, oldest first
+        self._cond = threading.Condition(self._lock)                # the writer and back-pressured puts wait here
+        self._retry = False                                         # the writer retries pinned pages when set
+        self._stop = False
+        self._busy = False                                          # a write is in flight outside the lock
+        self.decode_thread: int | None = None
+        self._writer: threading.Thread | None = None
+        if worker:
+            self._writer = threading.Thread(target=self._write_loop, name="fm-disk-writer", daemon=True)
+            self._writer.start()
         if worker:  # `readers` threads share one queue (more reads in flight: a deeper device queue)
             for i in range(max(1, readers)):
                 t = threading.Thread(target=self._work, name=f"fm-disk-readahead-{i}", daemon=True)
@@ -99,7 +122,18 @@ class HostPageCache:
         return len(self._pinned)
 
     def resident(self, rid: str, page: int) -> bool:
-        return (rid, page) in self._lru or (rid, page) in self._pinned
+        """In DRAM (LRU, pinned, or queued for the writer)."""
+        key = (rid, page)
+        return key in self._lru or key in self._pinned or key in self._writing
+
+    @property
+    def queued_writes(self) -> int:
+        return len(self._writing)
+
+    def _note_wait(self) -> None:
+        """The calling thread is about to wait on disk I/O: count it if it is the decode thread (lock held)."""
+        if self.decode_thread is not None and threading.get_ident() == self.decode_thread:
+            self.counters.decode_disk_waits += 1
 
     def live_pages(self) -> dict[str, set[int]]:
         with self._lock:
@@ -114,8 +148,9 @@ class HostPageCache:
         with self._lock:
             self._next_ver += 1
             self._ver[key] = self._next_ver
-            self._lru.pop(key, None)  # new bytes replace old ones (a pinned copy too: they are written behind)
+            self._lru.pop(key, None)  # new bytes replace old ones (a pinned or queued copy too: written behind)
             self._pinned.pop(key, None)
+            self._writing.pop(key, None)
             self._lru[key] = _Entry(buf, dirty=True)
             self._failed.pop(key, None)
             self._live.setdefault(rid, set()).add(page)
@@ -135,7 +170,7 @@ class HostPageCache:
                 ent = self._lru.get(key)
                 if ent is not None:
                     self._lru.move_to_end(key)
-                ent = ent or self._pinned.get(key)
+                ent = ent or self._pinned.get(key) or self._writing.get(key)
                 if ent is not None:
                     self.counters.cache_hits += not counted
                     self._ahead.discard(key)
@@ -143,7 +178,9 @@ class HostPageCache:
                 if key in self._ahead:  # read-ahead asked for it but it has not arrived: it missed its window
                     self._ahead.discard(key)
                     self.counters.readahead_late += 1
-                self.counters.cache_misses += not counted
+                if not counted:
+                    self.counters.cache_misses += 1
+                    self._note_wait()
                 counted = True
                 ev = self._loading.get(key)
                 if ev is None:
@@ -163,7 +200,7 @@ class HostPageCache:
         with self._lock:
             if page not in self._live.get(rid, ()):
                 raise KeyError(f"disk tier: page {page} of request {rid!r} is not held")
-            ent = self._lru.get((rid, page)) or self._pinned.get((rid, page))
+            ent = self._lru.get((rid, page)) or self._pinned.get((rid, page)) or self._writing.get((rid, page))
             if ent is not None:
                 return bytes(ent.buf)
             return bytes(self.store.read(rid, page))
@@ -202,11 +239,16 @@ class HostPageCache:
                 key = (rid, p)
                 self._lru.pop(key, None)
                 self._pinned.pop(key, None)
+                self._writing.pop(key, None)
                 self._ver.pop(key, None)
                 self._failed.pop(key, None)
                 self._ahead.discard(key)
             self.store.free_request(rid)
-            self._retry_pinned()
+            if self._writer is None:
+                self._retry_pinned()
+            else:   # space came back: the writer retries the pinned pages, not this (decode) thread
+                self._retry = bool(self._pinned)
+                self._cond.notify_all()
         return len(pages)
 
     def retry_pinned(self) -> int:
@@ -216,11 +258,22 @@ class HostPageCache:
             return self.pinned_pages
 
     def flush(self) -> None:
-        """Write every dirty page to the store now (errors pin, as at write-behind)."""
+        """Write every dirty page to the store now (errors pin, as at write-behind): the write queue drains first."""
         with self._lock:
+            if self._writing:
+                self._note_wait()
+            while self._writing and self._writer is not None and self._writer.is_alive():
+                self._cond.wait()
             for key, ent in list(self._lru.items()):
                 if ent.dirty and not self._write_behind(key, ent):
                     self._pinned[key] = self._lru.pop(key)
+
+    def settle(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the writer has written (or pinned) every queued page and finished a requested retry of the
+        pinned ones; True when settled (at once without a writer). For tests, benches and shutdown."""
+        with self._lock:
+            return self._cond.wait_for(lambda: not (self._writing or self._busy or (self._retry and self._pinned))
+                                       or self._writer is None or not self._writer.is_alive(), timeout)
 
     def drop_clean(self) -> int:
         """Drop every clean, unpinned page from DRAM (they stay on disk): a cold cache. Returns how many went."""
@@ -232,7 +285,14 @@ class HostPageCache:
             return len(gone)
 
     def close(self) -> None:
-        """Stop the read-ahead threads after the reads already queued (idempotent)."""
+        """Stop the read-ahead threads after the reads already queued, and the writer after the queued writes
+        (idempotent)."""
+        if self._writer is not None:
+            with self._lock:
+                self._stop = True
+                self._cond.notify_all()
+            self._writer.join(timeout=30)
+            self._writer = None
         for _ in self._threads:
             self._q.put(None)
         for t in self._threads:
@@ -254,12 +314,83 @@ class HostPageCache:
         return True
 
     def _shrink(self) -> None:
+        """Bring the LRU back to its bound: clean pages leave DRAM, dirty ones go to the writer's queue (or are
+        written now without a writer). Then back-pressure: wait while the queue is over its bound."""
         while len(self._lru) > self.capacity_pages:
             key, ent = self._lru.popitem(last=False)
-            if ent.dirty and not self._write_behind(key, ent):
-                self._pinned[key] = ent  # kept in DRAM, outside the bound, until a retry writes it
-            else:
+            if not ent.dirty:
                 self.counters.evictions += 1
+            elif self._writer is not None:
+                self._writing[key] = ent
+                self._cond.notify_all()
+            else:
+                self._note_wait()
+                if self._write_behind(key, ent):
+                    self.counters.evictions += 1
+                else:
+                    self._pinned[key] = ent  # kept in DRAM, outside the bound, until a retry writes it
+        if len(self._writing) > self.write_queue_pages and threading.current_thread() is not self._writer:
+            self.counters.write_waits += 1
+            self._note_wait()
+            while len(self._writing) > self.write_queue_pages and self._writer is not None and self._writer.is_alive():
+                self._cond.wait(timeout=1.0)
+
+    def _write_loop(self) -> None:
+        """The writer thread: write queued pages (oldest first) outside the lock, then pinned ones when a release
+        asked for a retry; a page rewritten meanwhile keeps its newer bytes queued, a freed one leaves the store."""
+        with self._lock:
+            while True:
+                if self._writing:
+                    key, ent = next(iter(self._writing.items()))
+                    pinned = False
+                elif self._retry and self._pinned:
+                    key, ent = next(iter(self._pinned.items()))
+                    pinned = True
+                elif self._stop:
+                    return
+                else:
+                    self._retry = False
+                    self._cond.wait()
+                    continue
+                ver = self._ver.get(key)
+                self._busy = True
+                self._lock.release()
+                err: OSError | None = None
+                try:
+                    self.store.write(key[0], key[1], ent.buf)
+                except OSError as e:
+                    err = e
+                except Exception as e:  # noqa: BLE001 - a bug must not kill the writer: pin the page, log it
+                    log.exception("disk tier: write-behind of %r failed", key)
+                    err = OSError(str(e))
+                finally:
+                    self._lock.acquire()
+                    self._busy = False
+                self._wrote(key, ent, ver, err, pinned)
+                self._cond.notify_all()
+
+    def _wrote(self, key: Key, ent: _Entry, ver: int | None, err: OSError | None, pinned: bool) -> None:
+        """Writer side, lock held: settle one finished write of `ent` (page version `ver` when it started)."""
+        src = self._pinned if pinned else self._writing
+        current = src.get(key) is ent and self._ver.get(key) == ver
+        if not current:   # rewritten (newer bytes are queued or in the LRU) or freed meanwhile
+            if err is None and key not in self._ver:
+                self.store.free(*key)   # freed while we wrote: the slot our write took goes back
+            return
+        if err is None:
+            del src[key]
+            ent.dirty = False
+            self.counters.disk_bytes_written += self.page_bytes
+            self.counters.evictions += 1
+            return
+        self.counters.write_errors += 1
+        if pinned:
+            self._retry = False   # the disk still refuses: keep the rest pinned, try at the next release
+            return
+        log.warning("disk tier: write-behind of page %d of %r failed (%s); kept in host memory", key[1], key[0],
+                    err.strerror or err)
+        del self._writing[key]
+        self._pinned[key] = ent
 
     def _retry_pinned(self) -> None:
         for key, ent in list(self._pinned.items()):
@@ -321,6 +452,10 @@ class HostPageCache:
         """Raise AssertionError naming the first broken invariant (see the module docstring)."""
         with self._lock:
             assert len(self._lru) <= self.capacity_pages, (len(self._lru), self.capacity_pages)
+            for (rid, page), ent in self._writing.items():
+                assert page in self._live.get(rid, ()), f"dead queued page {page} of {rid!r}"
+                assert ent.dirty and (rid, page) not in self._lru and (rid, page) not in self._pinned, \
+                    f"queued page {page} of {rid!r} clean, in the LRU or pinned"
             for (rid, page), ent in self._lru.items():
                 assert page in self._live.get(rid, ()), f"dead page {page} of {rid!r} in DRAM"
                 assert ent.dirty or (rid, page) in self.store, f"clean page {page} of {rid!r} not on disk"

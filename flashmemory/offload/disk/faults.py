@@ -20,7 +20,7 @@ class FaultPlan:
     """Pending faults. write_errors / read_errors: errnos raised by the next transfers, first first; tear: the
     next writes store only their first `tear_keep` bytes (and report success, as a crash mid-write would leave
     them); corrupt: the next writes land with one byte flipped at `corrupt_at`; full: every write raises ENOSPC;
-    delay_s: sleep before every read (a slow drive); read_gate: reads block until it is set."""
+    delay_s: sleep before every read (a slow drive); read_gate / write_gate: reads / writes block until it is set."""
 
     write_errors: list[int] = field(default_factory=list)
     read_errors: list[int] = field(default_factory=list)
@@ -31,6 +31,7 @@ class FaultPlan:
     full: bool = False
     delay_s: float = 0.0
     read_gate: threading.Event | None = None  # reads wait until it is set (a read held in flight on purpose)
+    write_gate: threading.Event | None = None  # writes wait until it is set (a stalled drive)
 
 
 class FaultyFileOps:
@@ -47,6 +48,9 @@ class FaultyFileOps:
         self.injected[kind] = self.injected.get(kind, 0) + 1
 
     def pwrite(self, fd: int, buf: memoryview, off: int) -> int:
+        gate = self.plan.write_gate
+        if gate is not None:
+            gate.wait()
         with self._lock:
             p = self.plan
             if p.full:

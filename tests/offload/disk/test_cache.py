@@ -33,7 +33,8 @@ def test_write_behind_and_read_back(tier) -> None:
     cache, store, _ = tier
     for i in range(8):
         cache.put("a", i, page("a", i))
-    cache.check()
+    cache.check()                                                  # queued for the writer or written: both valid
+    assert cache.settle()
     assert len(cache._lru) == 3 and store.used_slots == 5          # 5 written behind, 3 still dirty in DRAM
     assert cache.counters.disk_bytes_written == 5 * PB and cache.counters.evictions == 5
     for i in reversed(range(8)):
@@ -57,6 +58,7 @@ def test_disk_full_or_eio_is_counted_and_nothing_is_lost(tmp_path, fault: str) -
     for i in range(6):
         cache.put("r", i, page("r", i))
     cache.check()
+    assert cache.settle()
     c = cache.counters
     assert c.write_errors >= 2 and cache.pinned_pages >= 2
     held = len(cache._lru) + cache.pinned_pages
@@ -67,6 +69,7 @@ def test_disk_full_or_eio_is_counted_and_nothing_is_lost(tmp_path, fault: str) -
     ops.plan.full = False
     cache.put("s", 0, page("s", 0))
     cache.free_request("s")                                        # space returns: pinned pages are retried
+    assert cache.settle()                                          # ... by the writer thread
     if fault != "slots":
         assert cache.pinned_pages == 0 and len(cache._lru) <= cache.capacity_pages
         assert all((r, i) in store for r, i in [("r", j) for j in range(6)] if not cache.resident(r, i))
@@ -106,6 +109,7 @@ def test_read_ahead_hit_and_late(tier) -> None:
     cache, store, ops = tier
     for i in range(6):
         cache.put("r", i, page("r", i))
+    assert cache.settle()
     assert not cache.resident("r", 0)
     gate = threading.Event()
     ops.plan.read_gate = gate

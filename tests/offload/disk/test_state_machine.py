@@ -133,7 +133,8 @@ class ThreeTiers(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------------------
     @invariant()
     def tiers_consistent(self) -> None:
-        self.cache.check()
+        self.cache.check()                        # holds with writes queued or in flight too
+        assert self.cache.settle(), "the writer did not settle"
         live = self.cache.live_pages()
         assert {(r, p) for r, ps in live.items() for p in ps} == set(self.model), "a page was lost or invented"
         with self.cache._lock, self.store._lock:  # no write in flight while both locks are held
