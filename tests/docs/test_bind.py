@@ -118,6 +118,43 @@ def test_file_store_rendezvous_opens_no_wide_listener(tmp_path) -> None:
     assert set(addrs(f"file://{tmp_path / 'store'}", GLOO_SOCKET_IFNAME="lo")) == {"127.0.0.1"}
 
 
+MOONCAKE = """
+import json, os, sys, time
+try:
+    from mooncake.engine import TransferEngine
+except ImportError as e:
+    print(e)
+    sys.exit(3)
+from tests.docs.listening import listening
+engine = TransferEngine()
+assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+time.sleep(0.5)
+print(json.dumps({"rpc": engine.get_rpc_port(),
+                  "ports": {p: sorted(a) for p, a in listening({os.getpid()}).items()}}))
+"""
+
+
+def test_mooncake_listens_on_every_interface_whatever_it_is_told() -> None:
+    """Why the HiSparse stack's Mooncake ports are the one documented exception to loopback-only listeners:
+    Mooncake's transfer engine (the TCP build HiSparse's PD uses, initialised as sglang does: P2P handshake, this
+    host's address) binds its RPC/handshake port on 0.0.0.0 and its TCP transport's data port on :: even when
+    every setting it reads that names an address says 127.0.0.1 (MC_TCP_BIND_ADDRESS and MC_RDMA_BIND_ADDRESS
+    only set the address it advertises; MC_LEGACY_RPC_PORT_BINDING is overridden by the P2P handshake). Two ports,
+    both in its RPC range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000). If this fails because they are now on
+    loopback, set what did it in `fm_local_only` / `loopback_env` and drop the exception from the live test."""
+    loopback = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_RDMA_BIND_ADDRESS": "127.0.0.1", "MC_FORCE_TCP": "1",
+                "MC_LEGACY_RPC_PORT_BINDING": "1"}
+    p = subprocess.run([sys.executable, "-c", MOONCAKE], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **loopback})
+    if p.returncode == 3:
+        pytest.skip(f"mooncake.engine does not import: {p.stdout.strip()}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    ports = {int(port): set(addrs) for port, addrs in got["ports"].items()}
+    assert len(ports) == 2 and got["rpc"] in ports, got
+    assert all(addrs <= {"0.0.0.0", "::"} and 15000 <= port <= 17000 for port, addrs in ports.items()), got
+
+
 def test_flashmemory_serve_binds_localhost() -> None:
     from flashmemory.serve.stack import PDConfig, _env
     cfg = PDConfig(base_env={"HOST": "0.0.0.0", "PATH": os.environ.get("PATH", "")})
