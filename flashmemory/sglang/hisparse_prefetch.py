@@ -20,6 +20,9 @@ Flow (docs/hisparse.md, section 9):
   CUDA-graph capture too), so nothing of a prefetch is in flight when a request slot or its locs are recycled;
   `before_destroy` synchronizes it.
 Counters (`PrefetchCounter`) are exported as `flashmemory_hisparse_prefetch_*`; hit attribution is CPU only.
+With SGLANG_RETRIEVER_INLINE_CKPT set, Level 1 is the hint source (`hisparse_hint.HintSource`, built after the
+coordinator): `around_indexer` copies the retriever layers' indexer inputs into the side band, `after_forward`
+hands each decode step to Level 1, whose cycles call `set_hint` through `resident_hint`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ import torch
 
 from flashmemory.sglang.cpu.ops.hisparse_prefetch import Provenance, dedup_positions, prefetch_layer_cpu, sanitize_hint
 from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.targets import C4_INDEXER
 
 logger = logging.getLogger(f"sglang.{__name__}")
 _M = "flashmemory.sglang.hisparse_prefetch"
 _CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_IDX = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
 
 
 def streams_on(device: torch.device) -> bool:
@@ -161,6 +166,7 @@ class PrefetchState:
 
 
 PREFETCH = PrefetchState()
+HINT: Any = None   # hisparse_hint.HintSource: Level 1 as the hint source (None: hints come from set_hint callers)
 
 
 def resident_hint(pages: torch.Tensor, n_entries: int, tail: int, page_chunks: int = 64) -> torch.Tensor:
@@ -201,6 +207,28 @@ def after_init_hisparse(result: Any, self: Any) -> None:
                        env.hisparse_prefetch_width, env.hisparse_prefetch_budget)
     logger.info("FlashMemory HiSparse prefetch: H=%d K=%d, %d positions per request per step, %d per cycle",
                 co.device_buffer_size, co.top_k, PREFETCH.width, PREFETCH.budget)
+    if env.retriever_ckpt:
+        _build_hint(self, env, int(co.top_k))
+
+
+def _build_hint(runner: Any, env: Any, top_k: int) -> None:
+    """Level 1 over the runner's c4 index-K pool, its cycles publishing hints (newest top_k entries left out)."""
+    global HINT
+    from flashmemory.sglang.hisparse_hint import HintSource
+    from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever, served_model_path
+    from flashmemory.sglang.runtime import RUNTIME, server_args
+    pool = runner.token_to_kv_pool
+    retriever = RUNTIME.retriever or load_serving_retriever(env, served_model_path(server_args(), []))
+    from flashmemory.sglang.geometry import pool_buffers
+    retriever = place_retriever(retriever, pool_buffers(pool)[1][0].device)
+    RUNTIME.sideband_rows_hint = max(RUNTIME.sideband_rows_hint, int(getattr(runner, "max_running_requests", 0) or 0))
+    if HINT is not None:
+        HINT.close()
+    pc = int(pool.c4_kv_pool.page_size)
+    HINT = HintSource(pool, env, retriever,
+                      lambda rid, pages, n: PREFETCH.set_hint(rid, resident_hint(pages, n, top_k, pc)))
+    logger.info("FlashMemory HiSparse prefetch: Level 1 is the hint source (c4 layers %s, every %d steps)",
+                list(env.retriever_layers), env.interval)
 
 
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -210,9 +238,39 @@ def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> 
         return
     if forward_batch.forward_mode.is_decode():
         PREFETCH.publish([str(r) for r in (getattr(forward_batch, "rids", None) or [])])
+        from flashmemory.sglang.runtime import RUNTIME
+        if HINT is not None and RUNTIME.sideband is not None:
+            RUNTIME.sideband.begin_forward()   # a layer that does not write this forward reads as stale
     elif PREFETCH.pf_active is not None:
         PREFETCH.active = 0
         PREFETCH.pf_active.fill_(0)
+
+
+def around_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexer: Any,
+                   forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """`C4IndexerBackendMixin.forward_c4_indexer` (indexer.py:774), unchanged; with Level 1 as the hint source,
+    a decode step's retriever-layer input x [B, hidden] and positions [B] are first copied into the side band."""
+    mode = forward_batch.forward_mode
+    if HINT is not None and mode.is_decode() and not mode.is_idle():
+        from flashmemory.sglang.runtime import RUNTIME
+        layer = RUNTIME.c4_layer(self.token_to_kv_pool, c4_indexer.layer_id)
+        if layer in RUNTIME.env.retriever_layers:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            RUNTIME.capture_sideband_input(layer, x, self.forward_metadata.core_metadata.positions, capturing)
+    return original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
+
+
+def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+    """After `ModelRunner.forward` of a decode batch: the step goes to Level 1 (rows, c4 page tables, the side
+    band's view of the real rows); its due cycles publish hints, on its worker thread by default."""
+    if HINT is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
+        return
+    from flashmemory.sglang.runtime import RUNTIME, c4_page_table, host_seq_lens
+    rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
+    seq = host_seq_lens(forward_batch, rids)
+    table = c4_page_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[: len(rids)], seq,
+                          self.token_to_kv_pool.page_size)
+    HINT.on_decode(rids, table, seq, RUNTIME.sideband_snapshot(len(rids)))
 
 
 def _gpu_swap_in(**kw: Any) -> None:
@@ -285,6 +343,8 @@ def after_request_finished(result: Any, self: Any, req: Any) -> None:
     """After `HiSparseCoordinator.request_finished` (:1402): forget the request's hint and its prefetched marks
     (counted wasted when never used)."""
     PREFETCH.drop(str(getattr(req, "rid", "")))
+    if HINT is not None:
+        HINT.forget(str(getattr(req, "rid", "")))
     if PREFETCH.provenance is not None:
         wasted = PREFETCH.provenance.release(int(req.kv.req_pool_idx))
         if wasted:
@@ -295,6 +355,8 @@ def before_destroy(self: Any, *args: Any, **kwargs: Any) -> None:
     """Before `HiSparseCoordinator.destroy` (:811): no prefetch copy may still read the host pool."""
     if PREFETCH.stream is not None:
         PREFETCH.stream.synchronize()
+    if HINT is not None:
+        HINT.l1.wait()   # no cycle reads sglang's index-K pool past this point
 
 
 WHY = "hisparse_coordinator.py"
@@ -304,6 +366,10 @@ PREFETCH_PATCHES: tuple[Patch, ...] = (
           "prefetch buffers and side stream before capture"),
     Patch("hisparse_prefetch", f"{_MR}.forward", "before", f"{_M}:before_forward", ("self", "forward_batch"),
           "model_runner.py:1813 publish this decode batch's hint rows into the static buffer"),
+    Patch("hisparse_prefetch", f"{_MR}.forward", "after", f"{_M}:after_forward", ("self", "forward_batch"),
+          "model_runner.py:1813 a decode step goes to Level 1, the hint source"),
+    Patch("hisparse_prefetch", f"{_IDX}.forward_c4_indexer", "around", f"{_M}:around_indexer", C4_INDEXER,
+          "indexer.py:774 the retriever layers' indexer inputs into Level 1's side band"),
     Patch("hisparse_prefetch", f"{_CO}.swap_in_selected_pages", "around", f"{_M}:around_swap_in",
           ("self", "req_pool_indices", "compressed_seq_lens", "top_k_result", "layer_id"),
           f"{WHY}:1587 after each c4 layer's own swap-in, the same op on the hint (side stream on a GPU)"),

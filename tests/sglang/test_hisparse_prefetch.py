@@ -76,7 +76,7 @@ def test_gate_env_refusal_features_and_rows():
     rows = select(["hisparse_prefetch"])
     assert {p.impl.rsplit(":", 1)[1] for p in rows} == {"after_init_hisparse", "before_forward", "around_swap_in",
                                                          "around_model_forward", "after_request_finished",
-                                                         "before_destroy"}
+                                                         "before_destroy", "after_forward", "around_indexer"}
     assert not select(features_for(FlashMemoryEnv())) or all(p.feature != "hisparse_prefetch"
                                                             for p in select(features_for(FlashMemoryEnv())))
 
