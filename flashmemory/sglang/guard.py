@@ -1,6 +1,6 @@
 """One guard around every FlashMemory hook: a failure costs one request, never the server.
 
-Every hook in `hooks.py` runs inside `GUARD.run` (the `guarded` decorator). An exception is classified:
+Every hook in `hooks.py` runs inside `RUNTIME.guard.run` (the `guarded` decorator). An exception is classified:
 
 request-local (`request_local`): a `RequestFailure(rid, hook, reason)` (the test-only fault injector raises one;
     so does the Level-1 scorer wrapper for a row with non-finite scores), or anything whose cause chain holds one
@@ -124,7 +124,7 @@ def _stop_server(message: str) -> None:
 
 @dataclass
 class Guard:
-    """Process-wide guard state (one per scheduler process: `GUARD`)."""
+    """Process-wide guard state (one per scheduler process: `runtime.RUNTIME.guard`)."""
 
     failed: dict[str, _Failed] = field(default_factory=dict)   # rid -> failure, until sglang has dropped it
     batch_rids: list[str] = field(default_factory=list)        # rids of the forward in progress
@@ -298,8 +298,6 @@ class Guard:
         self.unshared = []
 
 
-GUARD = Guard()
-
 
 def gloo_exchange(group: Any, world: int) -> Callable[[list[tuple[str, str, str]]], list[tuple[int, str, str, str]]]:
     """The failure exchange over a torch.distributed (gloo) group of `world` ranks: every rank must call it for the
@@ -346,13 +344,14 @@ def _late(delay: Any, rid: str, scores: Any) -> None:
     _refuse_non_finite(rid, scores)
 
 
-def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None = None) -> Callable:
-    """Decorator: run the hook under `GUARD` as `name`; `rids(args, kwargs)` gives its batch's request ids."""
+def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None, state: Any) -> Callable:
+    """Decorator: run the hook as `name` under `state.guard` (the process state's guard, read at each call);
+    `rids(args, kwargs)` gives its batch's request ids."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def hook(*args: Any, **kwargs: Any) -> Any:
-            return GUARD.run(name, fn, args, kwargs, rids)
+            return state.guard.run(name, fn, args, kwargs, rids)
         return hook
     return wrap
 

@@ -1,6 +1,6 @@
 """The hook callables registered with sglang's HookRegistry (see `targets.SPECS`). Glue only: each one reads
 sglang objects, calls the plain tensor functions in `resident_topk` or the state in `runtime.RUNTIME`, and returns.
-Every hook runs under `guard.GUARD` (wrapped at the bottom of this module): a failure costs one request.
+Every hook runs under `RUNTIME.guard` (wrapped at the bottom of this module): a failure costs one request.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from flashmemory.sglang.guard import GUARD, RequestFailure, batch_rids, guarded
+from flashmemory.sglang.guard import Guard, RequestFailure, batch_rids, guarded
 from flashmemory.sglang.resident_topk import apply_resident_mask, resident_view
 from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
 
@@ -145,7 +145,7 @@ def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor
 def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     RUNTIME.attach_pool(self)
     if RUNTIME.engine is not None:
-        GUARD.watch_scores(RUNTIME.engine)   # a non-finite retriever score fails its request, not the server
+        RUNTIME.guard.watch_scores(RUNTIME.engine)   # a non-finite retriever score fails its request, not the server
         RUNTIME.engine.make_failure = RequestFailure   # so does a disk-tier page failing verification in a recall
 
 
@@ -243,7 +243,7 @@ def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
     if not getattr(self, "is_draft_worker", False):
         r2t = getattr(getattr(self, "req_to_token_pool", None), "req_to_token", None)
-        RUNTIME.before_forward(GUARD.without_failed(forward_batch), r2t)   # failed requests: rows released
+        RUNTIME.before_forward(RUNTIME.guard.without_failed(forward_batch), r2t)   # failed requests: rows released
 
 
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -254,7 +254,7 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
         RUNTIME.after_decode_forward(forward_batch)
         if RUNTIME.metrics is not None and RUNTIME.engine is not None:
             RUNTIME.metrics.refresh(RUNTIME.engine)   # all stats when a request joined or left, else the gauges
-            GUARD.idle_published = False
+            RUNTIME.guard.idle_published = False
     elif not mode.is_idle():
         RUNTIME.after_extend_forward()
 
@@ -274,7 +274,7 @@ def before_add_request(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
 
 def before_process_batch_result(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> None:
     """Scheduler.process_batch_result: requests failed during this batch's forward finish with an abort now."""
-    GUARD.abort_failed(list(getattr(batch, "reqs", None) or []))
+    RUNTIME.guard.abort_failed(list(getattr(batch, "reqs", None) or []))
 
 
 def _scheduler_idle(sched: Any) -> bool:
@@ -297,11 +297,11 @@ def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         engine.engine.order.end_forward()   # a forward that raised never released the gate the worker waits for
         engine.l1.wait()   # a Level-1 cycle in flight publishes (or is discarded) first
         engine.begin_step([], torch.empty((0, 1), dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-        GUARD.idle_published = False
-    GUARD.forget_all()
-    if not GUARD.idle_published and RUNTIME.metrics is not None:
+        RUNTIME.guard.idle_published = False
+    RUNTIME.guard.forget_all()
+    if not RUNTIME.guard.idle_published and RUNTIME.metrics is not None:
         RUNTIME.metrics.refresh(engine, full=True)
-        GUARD.idle_published = True
+        RUNTIME.guard.idle_published = True
 
 
 # --- shrink mode (`flashmemory.sglang.shrink`): the device c4 KV pool is never allocated at full size ----------
@@ -386,7 +386,6 @@ _GUARDED: dict[str, Any] = {
     "around_compress": batch_rids(3),
 }
 HOOK_NAMES = tuple(_GUARDED)
-GUARD.hook_names = HOOK_NAMES
 
 
 def _admission_precheck(args: tuple, kwargs: dict) -> list[tuple[str, str]]:
@@ -396,9 +395,9 @@ def _admission_precheck(args: tuple, kwargs: dict) -> list[tuple[str, str]]:
     fb = args[1] if len(args) > 1 else kwargs.get("forward_batch")
     if fb is None or getattr(runner, "is_draft_worker", False):
         return []
-    return RUNTIME.admission_refusals(GUARD.without_failed(fb))
+    return RUNTIME.admission_refusals(RUNTIME.guard.without_failed(fb))
 
 
-GUARD.precheck = _admission_precheck
+RUNTIME.guard = Guard(hook_names=HOOK_NAMES, precheck=_admission_precheck)
 for _name, _rids in _GUARDED.items():
-    globals()[_name] = guarded(_name, _rids)(globals()[_name])
+    globals()[_name] = guarded(_name, _rids, RUNTIME)(globals()[_name])

@@ -37,6 +37,14 @@ class TargetError(RuntimeError):
     """A patch target is missing from the installed sglang or its signature changed."""
 
 
+class StartupError(SystemExit):
+    """FlashMemory cannot start with the requested gates; the message says which patch and why. A SystemExit,
+    so it stops sglang even where `load_plugins` swallows exceptions."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"FlashMemory startup error: {msg}")
+
+
 @dataclass(frozen=True)
 class Patch:
     """One change to sglang.

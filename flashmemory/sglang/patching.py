@@ -26,8 +26,8 @@ import logging
 import pkgutil
 from typing import Any, Iterable
 
-from flashmemory.sglang.patch_spec import (CODE_KINDS, HOOK_KINDS, Patch, TargetError, check_signature, resolve,
-                                           target_present, unwrap)
+from flashmemory.sglang.patch_spec import (CODE_KINDS, HOOK_KINDS, Patch, StartupError, TargetError, check_signature,
+                                           resolve, target_present, unwrap)
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 
@@ -45,13 +45,6 @@ TABLES: tuple[str, ...] = (
 CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels
 
-
-
-class StartupError(SystemExit):
-    """FlashMemory cannot start with the requested gates; the message says which patch and why."""
-
-    def __init__(self, msg: str):
-        super().__init__(f"FlashMemory startup error: {msg}")
 
 
 def all_patches() -> tuple[Patch, ...]:

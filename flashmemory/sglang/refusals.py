@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.patching import StartupError
+from flashmemory.sglang.patch_spec import StartupError
 
 
 def max_running(server_args: Any) -> int:

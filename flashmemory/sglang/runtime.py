@@ -142,6 +142,7 @@ class Runtime:
         # (target, kind, impl) -> target of every Patch row applied in this process (`patching.apply`: once each)
         self.applied_patches: dict[tuple[str, str, str], str] = {}
         self.registration: dict | None = None            # what `plugin.register` did here (None before it ran)
+        self.guard: Any = None   # the per-request failure guard (`guard.Guard`) the hooks run under (hooks.py)
 
     def count(self, name: str) -> None:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""

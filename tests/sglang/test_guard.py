@@ -50,7 +50,7 @@ class _Batch:
 
 @pytest.fixture
 def served(monkeypatch):
-    """RUNTIME with a copy-mode adapter over a fake pool, a fresh GUARD (its stop recorded, not run) and metrics in a
+    """RUNTIME with a copy-mode adapter over a fake pool, a fresh guard (its stop recorded, not run) and metrics in a
     private registry. Returns a namespace with the model runner, a batch maker and the stops."""
     from flashmemory.sglang.prometheus import FlashMemoryMetrics, failure_counter
     pool, e = fake_pool(), env()
@@ -62,8 +62,7 @@ def served(monkeypatch):
     g.hook_names = hooks.HOOK_NAMES
     g.precheck = hooks._admission_precheck
     g.counter = failure_counter(registry=reg)
-    monkeypatch.setattr(guard_mod, "GUARD", g)
-    monkeypatch.setattr(hooks, "GUARD", g)
+    monkeypatch.setattr(RUNTIME, "guard", g)
     for name, value in dict(env=e, engine=adapter, pool=pool, features=("level2", "path_p"), bufs=None, sideband=None,
                             metrics=FlashMemoryMetrics.create(registry=reg), steps=0, diag_path="").items():
         monkeypatch.setattr(RUNTIME, name, value)
@@ -118,7 +117,7 @@ def test_an_injected_fault_fails_that_request_alone(served):
     pages_a = RUNTIME.bufs.sel_pages[0].clone()
     # fault-free: the same steps with both requests served give "a" the same resident pages
     s.adapter.begin_step([], torch.zeros((0, 1), dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-    guard_mod.GUARD = hooks.GUARD = clean
+    RUNTIME.guard = clean
     clean.configured = True
     for step, rids in enumerate((["a", "bad-1"], ["a", "bad-1"], ["a"])):
         _step(s, rids, step)

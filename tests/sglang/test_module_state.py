@@ -18,7 +18,6 @@ PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
 PROCESS_STATE = {("runtime.py", "RUNTIME")}   # the one per-process object
 # (file, name) -> why it is still a singleton of its own.
 KNOWN = {
-    ("guard.py", "GUARD"): "the per-request guard; its hooks.py callers are shared with concurrent work",
     ("prometheus.py", "_FAILURE_COUNTER"): "the request-failure Prometheus counter, created on first use",
     ("cpu/patches_hisparse.py", "SWAPIN"): "the CPU HiSparse swap-in counters",
     ("cpu/patches_hisparse.py", "_TRACE"): "the CPU HiSparse trace switch and layer map",
@@ -88,8 +87,8 @@ def test_no_module_level_mutable_state_but_the_process_object():
                                  f"{sorted(set(KNOWN) - found)}")
 
 
-@pytest.mark.parametrize("name", ["_APPLIED", "_STATE", "guard_hook", "_VIEW_LOCK"])
+@pytest.mark.parametrize("name", ["_APPLIED", "_STATE", "guard_hook", "_VIEW_LOCK", "GUARD"])
 def test_folded_singletons_stay_gone(name):
-    from flashmemory.sglang import patching, plugin
+    from flashmemory.sglang import guard, hooks, patching, plugin
     from flashmemory.sglang.cpu import patches_runtime
-    assert not any(hasattr(m, name) for m in (patching, plugin, patches_runtime))
+    assert not any(hasattr(m, name) for m in (patching, plugin, patches_runtime, guard, hooks))

@@ -70,7 +70,10 @@ def _flags(path: Path) -> list[tuple[str, str, str, bool]]:
                 for t in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
                     if not isinstance(t, ast.Attribute):
                         continue
-                    base = t.value.id if isinstance(t.value, ast.Name) else None
+                    root = t.value
+                    while isinstance(root, (ast.Attribute, ast.Subscript)):
+                        root = root.value
+                    base = root.id if isinstance(root, ast.Name) else None
                     own = (base == "self" and cls is not None) or base in own_objects
                     v = ch.value
                     code = (isinstance(v, ast.Lambda) or (isinstance(v, ast.Name) and v.id in ours)

@@ -118,8 +118,7 @@ def _fresh_guard(monkeypatch) -> list[str]:
     from flashmemory.sglang import guard as guard_mod
     stops: list[str] = []
     g = guard_mod.Guard(stop=stops.append, configured=True)
-    monkeypatch.setattr(guard_mod, "GUARD", g)
-    monkeypatch.setattr(hooks, "GUARD", g)
+    monkeypatch.setattr(RUNTIME, "guard", g)
     return stops
 
 
