@@ -55,11 +55,14 @@ def run(args: argparse.Namespace) -> int:
     # ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C / kill -INT would do nothing
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
+    from flashmemory.hf.serving_build import BuildError
     try:
         model = ensure_model(Path(args.model))
     except OSError as e:   # e.g. a parent that is a file, or not writable: name the flag, not a lock file
         raise UserError(f"--model {args.model}: no serving model there, and one cannot be built there "
                         f"({describe(e)})") from e
+    except BuildError as e:   # something else is there (a file, another build): the builder's reason, our flag
+        raise UserError(f"--model {describe(e).replace('choose another --out', 'choose another --model')}") from e
     stock = args.stock or args.hisparse
     ckpt = "" if stock or args.ckpt == "none" else \
         str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt

@@ -115,10 +115,13 @@ def test_an_unknown_flag_is_named_by_the_command_it_was_given_to(capsys: pytest.
     assert seen > 20
 
 
-def test_serve_model_that_cannot_be_built_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                         keep_signals) -> None:
+@pytest.mark.parametrize("where", ["under_a_file", "a_file"])
+def test_serve_model_that_cannot_be_built_names_the_flag(tmp_path: Path, where: str,
+                                                         capsys: pytest.CaptureFixture[str], keep_signals) -> None:
+    """A --model with no model that cannot be built either: one line naming the flag (a parent that is a file
+    named a lock file; a file in its place ended in a traceback)."""
     (tmp_path / "file").write_text("")
-    model = tmp_path / "file" / "model"          # its parent is a file: nothing can be built there
+    model = tmp_path / "file" / "model" if where == "under_a_file" else tmp_path / "file"
     assert main(["serve", "--ckpt", "none", "--model", str(model)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"flashmemory serve: error: --model {model}: "), err
