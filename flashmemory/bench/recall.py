@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from flashmemory.bench.guard import require_memory
 from flashmemory.errors import UserError
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
 from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall, recall_now
@@ -262,8 +263,15 @@ def _print_table(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]])
         print("  ".join(f"{x:<{n}}" for x, n in zip(r, w)).rstrip())
 
 
-def _check_plan(args: argparse.Namespace) -> None:
-    """Refuse, before any work, a planning history too short for the exhausted cycle of `_plan_scenarios`."""
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work: a resident fraction outside (0, 1]; page recalls whose buffers would not fit in
+    host memory (the mirror holds 2 x KMAX pages, the reserve and the staging copy KMAX each, of all --layers);
+    a planning history too short for the exhausted cycle of `_plan_scenarios`."""
+    if not 0 < args.residency <= 1:
+        raise UserError(f"--residency {args.residency}: must lie in (0, 1] (a fraction of the pages)")
+    lay = OffloadLayout(n_layers=args.layers, target_layers=(min(10, args.layers - 1),))
+    page = lay.page_chunks * (lay.kv.chunk_bytes + lay.index.chunk_bytes) * lay.n_layers
+    require_memory(4 * max(args.kmax) * page, f"--kmax {max(args.kmax)} x --layers {args.layers}")
     n_rows, kmax, n_blocks = args.plan_rows, args.plan_kmax, args.plan_blocks
     n_chunks = args.plan_chunks or (16384 if args.quick else 65536)
     usable = -(-n_chunks // 64) - 1            # 64-chunk pages; the last (partial) one is never selected
@@ -275,7 +283,7 @@ def _check_plan(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_plan(args)
+    _check(args)
     dev = torch.device(args.device)
     reps = args.reps or (2 if args.quick else 5)
     with tqdm(total=len(args.kmax) + 6, desc="bench recall", leave=False) as bar:

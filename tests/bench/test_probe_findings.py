@@ -123,6 +123,8 @@ def test_zero_keeps_meaning_the_runs_default_where_it_is_the_default() -> None:
     (["serve", "--contexts", "4096"], "flashmemory bench serve: error: --contexts '4096'"),
     (["serve", "--contexts", "4096,1024"], "flashmemory bench serve: error: --contexts '4096,1024'"),
     (["recall", "--plan-chunks", "1"], "flashmemory bench recall: error: --plan-chunks 1: too short"),
+    (["recall", "--residency", "2"], "flashmemory bench recall: error: --residency 2.0: must lie in (0, 1]"),
+    (["recall", "--kmax", "99999999"], "flashmemory bench recall: error: --kmax 99999999 x --layers 21: needs about"),
 ])
 def test_bad_values_are_one_named_line_before_any_work(argv, prefix, capsys, no_servers) -> None:
     """Malformed lists and impossible sizes: one line naming the bench and the flag (these printed an unprefixed
