@@ -22,7 +22,8 @@ from tqdm import tqdm
 from flashmemory.bench.guard import require_memory
 from flashmemory.errors import UserError
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, gather_copy
-from flashmemory.offload.recall import page_by_page_copy, plan_recall, publish_recall, recall_now
+from flashmemory.offload.gather import page_by_page_copy
+from flashmemory.offload.recall import plan_recall, publish_recall, recall_now
 from flashmemory.retriever.fp8 import quantize_chunks
 
 

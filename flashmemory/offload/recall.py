@@ -22,15 +22,17 @@ Plan and publish write the tables between two forwards, on the forward stream ha
 
 from __future__ import annotations
 
-import time
 import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from flashmemory.offload.counters import OffloadMetrics
+from flashmemory.offload.gather import gather_copy, keep_staging
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
@@ -72,44 +74,6 @@ class RecallPlan:
 
 
 SLICE_PAGES = 512   # default `Recaller.slice_pages`
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes viewed with the widest integer dtype dividing the row: indexed copies move whole words."""
-    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if t.shape[-1] % size == 0:
-            return t.view(dt)
-    return t
-
-
-def gather_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                stage: torch.Tensor | None = None) -> torch.Tensor:
-    """dst[:, dst_idx] = src[:, src_idx] with one gather and one copy. src: [L, P, W] host; dst: [L, NB, W].
-
-    stage: optional reusable buffer with at least L*K*W bytes (pinned for an async H2D copy). Returns the
-    staging tensor [L, K, W], which must live until the copy completes.
-    """
-    shape = (src.shape[0], src_idx.numel(), src.shape[2])
-    n = shape[0] * shape[1] * shape[2]
-    if stage is None or stage.numel() < n:
-        stage = torch.empty(n, dtype=src.dtype, pin_memory=src.is_pinned() and dst.is_cuda)
-    stage = stage[:n].view(shape)
-    torch.index_select(src, 1, src_idx, out=stage)
-    _wide(dst).index_copy_(1, dst_idx.to(dst.device), _wide(stage.to(dst.device, non_blocking=stage.is_pinned())))
-    return stage
-
-
-def page_by_page_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], dst_idx: list[int]) -> None:
-    """The baseline `gather_copy` is measured against: one copy per (layer, page)."""
-    for layer in range(src.shape[0]):
-        for s, d in zip(src_idx, dst_idx):
-            dst[layer, d].copy_(src[layer, s])
-
-
-
-def _keep(cache: dict[str, torch.Tensor], key: str, stage: torch.Tensor) -> None:
-    if key not in cache or stage.numel() > cache[key].numel():
-        cache[key] = stage.view(-1)
 
 
 class Recaller:
@@ -306,12 +270,12 @@ class Recaller:
         side = self.side_stream
         with self.copy_lock, self.order.copy_context():   # forwards that read the victims' old bytes finish first
             stage = gather_copy(self.mirror.kv, self.reserve.kv, src, dst, self.staging.get("kv"))
-            _keep(self.staging, "kv", stage)
+            keep_staging(self.staging, "kv", stage)
             if self.copy_hook is not None:
                 self.copy_hook()
             if self.reserve.index.shape[0]:
                 stage = gather_copy(self.mirror.index, self.reserve.index, src, dst, self.staging.get("index"))
-                _keep(self.staging, "index", stage)
+                keep_staging(self.staging, "index", stage)
             if side is not None:
                 side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
 
@@ -447,11 +411,6 @@ def execute_recall(eng: HasRecaller, plan: RecallPlan) -> None:
 def publish_recall(eng: HasRecaller, plan: RecallPlan, also_count: str | None = None) -> int:
     """`eng.recaller.publish`."""
     return eng.recaller.publish(plan, also_count)
-
-
-def cancel_recall(eng: HasRecaller, plan: RecallPlan) -> None:
-    """`eng.recaller.cancel`."""
-    eng.recaller.cancel(plan)
 
 
 def recall_now(eng: HasRecaller, requests: Sequence[RecallRequest]) -> RecallPlan:

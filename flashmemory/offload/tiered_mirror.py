@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -44,8 +45,9 @@ from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_bytes, open_tier, pack_page
 from flashmemory.offload.disk.format import pages_from_chunks
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
+from flashmemory.offload.gather import gather_copy
 from flashmemory.offload.layout import OffloadLayout
-from flashmemory.offload.recall import RecallPlan, RecallRequest, gather_copy
+from flashmemory.offload.recall import RecallPlan, RecallRequest
 from flashmemory.offload.rows import RowState
 from flashmemory.offload.sync import BatchSync, SyncResult
 

@@ -13,8 +13,7 @@ import torch
 
 from flashmemory.offload import OffloadEngine, check_invariants
 from flashmemory.offload.disk import CorruptPageError, FaultyFileOps
-from tests.offload.test_tiered_mirror import (CFG, LAYOUT, admit_step, decode_step, recall, same_device_state,
-                                              tiered)
+from tests.offload.test_tiered_mirror import CFG, LAYOUT, admit_step, decode_step, recall, same_device_state, tiered
 
 
 def test_a_read_error_fails_its_request_only(tmp_path) -> None:
