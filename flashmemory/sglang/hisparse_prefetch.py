@@ -378,6 +378,8 @@ PREFETCH_PATCHES: tuple[Patch, ...] = (
           "deepseek_v4.py:4399 join the prefetch stream before the forward returns"),
     Patch("hisparse_prefetch", f"{_CO}.request_finished", "after", f"{_M}:after_request_finished", ("self", "req"),
           f"{WHY}:1402 a finished request's hint and prefetch marks are dropped"),
-    Patch("hisparse_prefetch", f"{_CO}.destroy", "before", f"{_M}:before_destroy", ("self",),
+    # Not on CPU (SGLANG_FLASHMEMORY_CPU=1): the CPU layer hooks destroy first, and sglang's HookRegistry applies
+    # a target once; there the prefetch runs inline (no stream to drain) and Level 1's worker is a daemon thread.
+    Patch("hisparse_prefetch_sync", f"{_CO}.destroy", "before", f"{_M}:before_destroy", ("self",),
           f"{WHY}:811 the prefetch stream is drained before the host pool goes"),
 )

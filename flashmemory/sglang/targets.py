@@ -130,4 +130,6 @@ def features_for(env: Any) -> tuple[str, ...]:
         f.append("dump")
     if getattr(env, "hisparse_prefetch", False):   # rows in hisparse_prefetch.PREFETCH_PATCHES
         f.append("hisparse_prefetch")
+        if not getattr(env, "cpu", False):   # the CPU layer hooks HiSparseCoordinator.destroy itself (no side stream)
+            f.append("hisparse_prefetch_sync")
     return tuple(f)

@@ -69,16 +69,28 @@ def test_gate_env_refusal_features_and_rows():
     env = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
                                        "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH": "32"})
     assert env.hisparse_prefetch and env.hisparse_prefetch_width == 32 and env.hisparse_prefetch_budget == 0
-    assert features_for(env) == ("hisparse_prefetch",)
+    assert features_for(env) == ("hisparse_prefetch", "hisparse_prefetch_sync")
+    assert select(["hisparse_prefetch_sync"])[0].impl.endswith(":before_destroy")
     assert features_for(FlashMemoryEnv.from_environ({})) == ()
     with pytest.raises(EnvError, match="SGLANG_DECODE_SWAP_P"):
         FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1", "SGLANG_DECODE_SWAP_P": "1"})
     rows = select(["hisparse_prefetch"])
     assert {p.impl.rsplit(":", 1)[1] for p in rows} == {"after_init_hisparse", "before_forward", "around_swap_in",
                                                          "around_model_forward", "after_request_finished",
-                                                         "before_destroy", "after_forward", "around_indexer"}
+                                                         "after_forward", "around_indexer"}
     assert not select(features_for(FlashMemoryEnv())) or all(p.feature != "hisparse_prefetch"
                                                             for p in select(features_for(FlashMemoryEnv())))
+
+
+def test_no_target_is_hooked_by_both_the_cpu_layer_and_the_mode():
+    """sglang's HookRegistry applies each target once: a hook the CPU layer (applied first) already holds would
+    not apply for the mode, and the server would refuse to start."""
+    from flashmemory.sglang.patching import CPU_FEATURES, HOOK_KINDS
+    env = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_CPU": "1", "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
+                                       "SGLANG_RETRIEVER_INLINE_CKPT": "/x.pt"})
+    cpu = {p.target for p in select(CPU_FEATURES) if p.kind in HOOK_KINDS}
+    mode_rows = {p.target for p in select(features_for(env)) if p.kind in HOOK_KINDS}
+    assert mode_rows and not cpu & mode_rows, cpu & mode_rows
 
 
 def test_resident_hint_expands_pages_and_leaves_the_tail(mode):
