@@ -67,8 +67,8 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": ("0", "HiSparse prefetch mode (PD decode server with --enable-hisparse, "
                                              "not with SGLANG_DECODE_SWAP_P): hinted c4 positions are copied into "
                                              "HiSparse's hot buffer after each layer's own swap-in; outputs stay "
-                                             "exact. With SGLANG_RETRIEVER_INLINE_CKPT, Level 1 (Path-P off) is the hint "
-                                             "source: each cycle's resident pages become the hint"),
+                                             "exact. With SGLANG_RETRIEVER_INLINE_CKPT, Level 1 (Path-P off) is "
+                                             "the hint source: each cycle's resident pages become the hint"),
     "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH": ("64", "Prefetch mode: hinted positions per request per decode step "
                                                    "(capped at hot buffer - top-k)"),
     "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET": ("0", "Prefetch mode: hinted positions per request per cycle; "
