@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     _print_table(f"Level-1 host planning, one cycle over {args.plan_rows} rows, {args.plan_blocks} recall blocks, "
                  f"KMAX {args.plan_kmax}; bytes copy excluded; budget = tau {args.tau} x {args.step_ms:g} ms step "
-                 f"= {args.tau * args.step_ms:g} ms",
+                 f"= {args.tau * args.step_ms:g} ms; lock holds as wall (holder's CPU) time",
                  ("cycle", "planned / dropped / evicted", "plan ms", "publish ms", "max lock hold ms",
                   "(plan+publish) / budget", "lock hold / step"), plan_rows)
     return 0

@@ -34,7 +34,7 @@ import torch
 from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.gather import gather_copy, keep_staging
 from flashmemory.offload.layout import OffloadLayout
-from flashmemory.offload.lru import PageLRU
+from flashmemory.offload.lru import PAGE_SCAN_PAUSE, PAUSE, PageLRU
 from flashmemory.offload.lut import ChunkLUT
 from flashmemory.offload.mirror import HostMirror
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve
@@ -151,7 +151,7 @@ class Recaller:
         while k < len(need):
             with self._slice() as (touched, cleared):
                 if victims is None:
-                    victims = self.lru.victims(self._evictable)
+                    victims = self.lru.victims(self._evictable, PAGE_SCAN_PAUSE)
                 k = self._assign(need, k, victims, plan, touched, cleared)
         return plan
 
@@ -220,21 +220,33 @@ class Recaller:
                 touched: set[int], cleared: list[int]) -> int:
         """Pass 2 from need[k] on, while this slice's budget lasts (under the lock): each page takes a free block,
         else the next LRU victim, else it is dropped (counted). Returns the next index. `victims` is
-        `lru.victims(self._evictable)`, shared by the pass's slices: within one hold evictability is fixed
-        (nothing else runs under the lock) and the LRU only loses the victims taken, so one forward scan yields
-        the same victims as a fresh search per page."""
-        start = k
-        while k < len(need) and self._budget_left(k - start, len(touched) + 1):   # + a victim's row
+        `lru.victims(self._evictable, PAGE_SCAN_PAUSE)`, shared by the pass's slices: within one hold
+        evictability is fixed (nothing else runs under the lock) and the LRU only loses the victims taken, so one
+        forward scan yields the same victims as a fresh search per page. The scan pauses every PAGE_SCAN_PAUSE
+        blocks (counted as a quarter unit each): a long search for a victim ends the slice and resumes in the
+        next hold with the same page."""
+        work = 0
+        while k < len(need) and self._budget_left(work, len(touched) + 1):   # + a victim's row
             row, gen, page, prio = need[k]
-            k += 1
             st = self.rows[row]
             if st is None or st.gen != gen or page in st.recall or page in st.ring:
+                k, work = k + 1, work + 1
                 continue  # finished, replaced or mapped by decode since pass 1
             blk = self.blocks.pop()
-            if blk is None:
-                blk = next(victims, None)
-                if blk is not None:
-                    self._evict(blk, touched, cleared)
+            victim = blk is None
+            while blk is None:
+                nxt = next(victims, None)
+                if nxt is None:
+                    break   # no block left to reclaim
+                if nxt == PAUSE:
+                    work += PAGE_SCAN_PAUSE // 4
+                    if not self._budget_left(work, len(touched) + 1):
+                        return k   # this page searches on in the next hold
+                    continue
+                blk = nxt
+            k, work = k + 1, work + 1
+            if blk is not None and victim:
+                self._evict(blk, touched, cleared)
             if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
                 self.stats.add(st.rid, "budget_hits")
                 if prio == float("inf"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
+import flashmemory.offload.recall as recall_mod
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants
 from tests.offload.test_sync_batch import state
 
@@ -59,8 +61,11 @@ def drive(slice_pages: int) -> tuple[OffloadEngine, list[list[tuple]], int]:
     return eng, plans, lock.holds
 
 
-def test_sliced_plans_equal_one_hold_plans() -> None:
+@pytest.mark.parametrize("pause", [128, 2])
+def test_sliced_plans_equal_one_hold_plans(monkeypatch, pause: int) -> None:
+    """pause: blocks a victim scan examines between pauses (2: long scans are cut across holds too)."""
     one, plans_one, holds_one = drive(10_000)
+    monkeypatch.setattr(recall_mod, "PAGE_SCAN_PAUSE", pause)
     sliced, plans_sliced, holds_sliced = drive(3)
     assert plans_sliced == plans_one
     assert sum(map(len, plans_one)) > 24   # the reserve ran out: victims and drops happened
