@@ -223,9 +223,3 @@ def replay_hisparse(picks: Sequence[Sequence[torch.Tensor]], lengths: Sequence[i
         total = total + buf.stats()
     return total
 
-
-if __name__ == "__main__":   # `python -m flashmemory.eval.hisparse_replay TRACE ...`: the trace replay's command
-    import sys
-
-    from flashmemory.eval.hisparse_trace import main
-    sys.exit(main())

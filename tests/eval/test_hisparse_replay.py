@@ -313,6 +313,6 @@ def test_trace_oracle_prefetches_the_next_step_of_the_same_request(tmp_path) -> 
     assert (plain.misses, plain.prefetched) == (8, 0)
     hinted = replay_trace(str(trace), oracle=True).replayed
     assert (hinted.misses, hinted.prefetched, hinted.prefetch_hits) == (4, 4, 4)   # [6, 7] not hinted: new request
-    done = subprocess.run([sys.executable, "-m", "flashmemory.eval.hisparse_replay", str(trace), "--oracle"],
+    done = subprocess.run([sys.executable, "-m", "flashmemory.eval.hisparse_trace", str(trace), "--oracle"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and json.loads(done.stdout)["replayed"]["prefetch_hits"] == 4
