@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flashmemory.errors import UserError
+from flashmemory.eval.records import DOCS_DIR, load_records
 
-DOCS_DIR = "docs"
 RETRIEVER_DONE = "retriever.json"   # written once the run's retriever is trained (its path and summary)
 FORMAT = "flashmemory-quality/1"
 
@@ -113,30 +113,9 @@ def file_digest(path: str, what: str) -> str:
     return h.hexdigest()
 
 
-def read_doc(path: Path, fp: str) -> dict | None:
-    """A finished document's record, or None when the file is unreadable (a rerun redoes it). A record from
-    another configuration is a UserError naming the file."""
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT or "budgets" not in rec:
-        return None
-    if rec.get("fingerprint") != fp:
-        raise UserError(f"{path}: written by a quality run with another configuration (fingerprint "
-                        f"{rec.get('fingerprint')}, this run {fp}); use another --out-dir")
-    return rec
-
-
 def load_done(out: Path, fp: str) -> dict[int, dict]:
-    """{document index: record} of the finished documents under out/docs."""
-    done = {}
-    for p in sorted((out / DOCS_DIR).glob("*.json")):
-        if p.stem.isdigit():
-            rec = read_doc(p, fp)
-            if rec is not None:
-                done[int(p.stem)] = rec
-    return done
+    """{document index: record} of the finished documents under out/docs (`eval.records`)."""
+    return load_records(out, fp, FORMAT, "a quality run", "--out-dir")
 
 
 def write_doc(out: Path, rec: dict) -> Path:

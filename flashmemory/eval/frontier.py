@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from flashmemory.errors import UserError
+from flashmemory.eval.records import DOCS_DIR, load_records
 
 FORMAT = "flashmemory-frontier/1"
-DOCS_DIR = "docs"
 TRAINED_TASKS = ("niah_single", "niah_multikey", "mqar")
 SWEEP_METHODS = ("FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
 PREFETCH = "HiSparse+prefetch"   # HiSparse whose hot buffer is also loaded with FlashMemory's set each cycle
@@ -115,29 +115,9 @@ def fingerprint(fc: FrontierConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_doc(path: Path, fp: str) -> dict | None:
-    """A finished record, or None when unreadable (a rerun redoes it); another configuration's is a UserError."""
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT or "budgets" not in rec:
-        return None
-    if rec.get("fingerprint") != fp:
-        raise UserError(f"{path}: written by a frontier run with another configuration (fingerprint "
-                        f"{rec.get('fingerprint')}, this run {fp}); use another --out")
-    return rec
-
-
 def load_done(out: Path, fp: str) -> dict[int, dict]:
-    """{document index: record} of the finished documents under out/docs."""
-    done = {}
-    for p in sorted((out / DOCS_DIR).glob("*.json")):
-        if p.stem.isdigit():
-            rec = read_doc(p, fp)
-            if rec is not None:
-                done[int(p.stem)] = rec
-    return done
+    """{document index: record} of the finished documents under out/docs (`eval.records`)."""
+    return load_records(out, fp, FORMAT, "a frontier run", "--out")
 
 
 def hisparse_stats(run, slots: int, hint: dict[int, torch.Tensor] | None = None) -> dict | None:

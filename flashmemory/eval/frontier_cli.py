@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def _tuple(raw: str | None) -> tuple[str, ...]:
-    return tuple(x.strip() for x in (raw or "").split(",") if x.strip())
+from flashmemory.eval.records import name_list as _tuple
 
 
 def config_from_args(a: argparse.Namespace):
