@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flashmemory.errors import UserError
-from flashmemory.eval.records import DOCS_DIR, load_records
+from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
 
 RETRIEVER_DONE = "retriever.json"   # written once the run's retriever is trained (its path and summary)
 FORMAT = "flashmemory-quality/1"
@@ -97,20 +97,6 @@ def fingerprint(cfg_dict: dict, qc: QualityConfig, methods: tuple[str, ...]) -> 
     key = {"demo": keep, "budgets": list(qc.budgets), "methods": list(methods),
            "retriever": file_digest(qc.retriever, "--retriever") if qc.retriever else ""}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def file_digest(path: str, what: str) -> str:
-    """sha256 (hex) of a file's bytes: a run keys on what the file holds, not on the name it is given by (the same
-    file under another path is the same run; another file at the same path is not). UserError naming `what` and
-    the path when it cannot be read."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except OSError as e:
-        raise UserError(f"{what} {path}: cannot be read ({e.strerror or e})") from e
-    return h.hexdigest()
 
 
 def load_done(out: Path, fp: str) -> dict[int, dict]:

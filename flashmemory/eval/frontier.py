@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from flashmemory.errors import UserError
-from flashmemory.eval.records import DOCS_DIR, load_records
+from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
 
 FORMAT = "flashmemory-frontier/1"
 TRAINED_TASKS = ("niah_single", "niah_multikey", "mqar")
@@ -93,18 +93,6 @@ def doc_plan(fc: FrontierConfig) -> list[tuple[int, str]]:
         i = fc.first_doc + j
         out.append((i, fc.tasks[i % len(fc.tasks)]))
     return out
-
-
-def file_digest(path: str, flag: str) -> str:
-    """sha256 of a file's bytes (the run keys on what the retriever holds, not on its name)."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot be read ({e.strerror or e})") from e
-    return h.hexdigest()
 
 
 def fingerprint(fc: FrontierConfig) -> str:

@@ -7,6 +7,7 @@ another configuration stops the run with a UserError naming the file, so two con
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -44,3 +45,17 @@ def load_records(out: Path, fp: str, fmt: str, run: str, out_flag: str) -> dict[
 def name_list(raw: str | None) -> tuple[str, ...]:
     """A comma-separated flag value as a tuple of non-empty, stripped names ("" or None -> ())."""
     return tuple(x.strip() for x in (raw or "").split(",") if x.strip())
+
+
+def file_digest(path: str, what: str) -> str:
+    """sha256 (hex) of a file's bytes: a run keys on what the file holds, not on the name it is given by (the same
+    file under another path is the same run; another file at the same path is not). UserError naming `what` and
+    the path when it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot be read ({e.strerror or e})") from e
+    return h.hexdigest()
