@@ -285,12 +285,15 @@ def test_grafana_dashboard_charts_what_the_decode_servers_export(stacks):
     FlashMemory D's, or the HiSparse D's for its swap-in counters (the HiSparse test above decoded there). Not
     on these servers, by design: the guard's labelled failure counter (no series until a request fails), and the
     miss monitor's and disk tier's gauges (a multiprocess gauge has no series until set, and both features are off
-    here); their names are checked against the exporter in tests/docs/test_grafana.py."""
+    here), and the HiSparse prefetch mode's counters (that mode is off on these stacks; its live test reads them);
+    their names are checked against the exporter in tests/docs/test_grafana.py."""
     import json
 
-    from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS, PREFIX
+    from flashmemory.sglang.prometheus import (DISK_KEYS, HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, METRICS,
+                                               MONITOR_KEYS, PREFIX)
     from tests.docs.test_grafana import DASHBOARD, charted
     feature_gauges = {PREFIX + k for k in (*MONITOR_KEYS, *DISK_KEYS) if METRICS[k][0] == "gauge"}
+    feature_gauges |= {f"{PREFIX}{HISPARSE_PREFETCH_PREFIX}{k}_total" for k in HISPARSE_PREFETCH}
     exported: set[str] = set()
     for cli in stacks.values():
         status, body = http_get(cli.ready["decode"] + "/metrics", timeout=60)
