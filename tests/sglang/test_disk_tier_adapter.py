@@ -53,6 +53,7 @@ def test_a_corrupt_disk_page_fails_its_request_in_level1(tmp_path):
         ad.tier.tier.store.ops = ops
         ops.plan.corrupt = 1000                       # every page written behind from here on is damaged
         ad.begin_step(["a", "b"], TABLE, s + 1)       # seals pages 0-2 of each; all but the last go to disk
+        assert ad.tier.tier.settle()                  # the writer thread has written them behind
         assert ad.stats()["disk_bytes_written"] > 0
         ad.make_failure = RequestFailure              # what hooks.after_pool_init hands the adapter
         with pytest.raises(RequestFailure) as err:    # Level 1 keeps the newest 2 pages: page 2 comes from disk
@@ -108,7 +109,8 @@ def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
             assert torch.equal(lay.kv.read_chunks(win.reserve.kv, cells[ok] // 64, cells[ok] % 64),
                                read_chunk_rows(lay.kv, pools[1].c4_kv_pool.kv_buffer, locs[ok]))
             assert check_invariants(win) == [] and win.mirror.slots_in_use <= 2
-        assert win.n_chunks(0) == 260 and win.sealed[0][1] == 4 and win.tier_stats()["disk_bytes_written"] > 0
+        assert win.n_chunks(0) == 260 and win.sealed[0][1] == 4 and win.tier.settle()
+        assert win.tier_stats()["disk_bytes_written"] > 0
         assert win.mirror.peak_slots <= 2 < len(win.rows[0].mpages)
         for ad in ads:
             ad.begin_step([], table[:0], s[:0])
