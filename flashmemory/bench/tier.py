@@ -244,11 +244,17 @@ def run(args: argparse.Namespace) -> int:
     args.conc = args.conc or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
     args.reps = args.reps or (1 if args.quick else 3)
     _check(args)
-    need = planned_bytes(args)
-    require_memory(need["host"], "--pages x --conc x the page size of --layers")
+    return measure_checked(args, planned_bytes(args), "--pages x --conc x the page size of --layers", measure, report)
+
+
+def measure_checked(args: argparse.Namespace, need: dict[str, int], memory_what: str,
+                    measure_fn: Callable[[argparse.Namespace], dict], report_fn: Callable[[dict], None]) -> int:
+    """A disk bench's run once its flags are checked: host memory and disk space (`need["host"]`, `need["disk"]`
+    bytes) refused in one line before any work, then measure, print, and write `--json` atomically."""
+    require_memory(need["host"], memory_what)
     require_disk(args.dir or tempfile.gettempdir(), need["disk"], "--dir")
-    r = measure(args)
-    report(r)
+    r = measure_fn(args)
+    report_fn(r)
     if args.json:
         from flashmemory.atomic import atomic_write_text
         atomic_write_text(args.json, json.dumps(r, indent=1))

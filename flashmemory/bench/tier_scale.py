@@ -19,7 +19,6 @@ DRAM does not hide the disk. Timings are this machine's; the counts depend on th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -29,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from flashmemory.bench.guard import require_disk, require_memory
 from flashmemory.errors import UserError
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.layout import OffloadLayout
@@ -247,13 +245,5 @@ def report(r: dict[str, Any]) -> None:
 def run(a: argparse.Namespace) -> int:
     _defaults(a)
     _check(a)
-    need = planned_bytes(a)
-    require_memory(need["host"], "--cache-gb plus --kmax pages of --layers")
-    require_disk(a.dir or tempfile.gettempdir(), need["disk"], "--dir")
-    r = measure(a)
-    report(r)
-    if a.json:
-        from flashmemory.atomic import atomic_write_text
-        atomic_write_text(a.json, json.dumps(r, indent=1))
-        print(f"wrote {a.json}")
-    return 0
+    from flashmemory.bench.tier import measure_checked
+    return measure_checked(a, planned_bytes(a), "--cache-gb plus --kmax pages of --layers", measure, report)
