@@ -104,7 +104,7 @@ class HostPageCache:
         self._cond = threading.Condition(self._lock)                # the writer and back-pressured puts wait here
         self._retry = False                                         # the writer retries pinned pages when set
         self._stop = False
-        self._busy = False                                          # a write is in flight outside the lock
+        self._busy: Key | None = None                               # the page whose write is in flight
         self.decode_thread: int | None = None
         self._writer: threading.Thread | None = None
         if worker:
@@ -243,6 +243,8 @@ class HostPageCache:
                 self._ver.pop(key, None)
                 self._failed.pop(key, None)
                 self._ahead.discard(key)
+            while self._busy is not None and self._busy[0] == rid:   # a write of ours holds a slot: let it land
+                self._cond.wait()
             self.store.free_request(rid)
             if self._writer is None:
                 self._retry_pinned()
@@ -272,8 +274,8 @@ class HostPageCache:
         """Wait until the writer has written (or pinned) every queued page and finished a requested retry of the
         pinned ones; True when settled (at once without a writer). For tests, benches and shutdown."""
         with self._lock:
-            return self._cond.wait_for(lambda: not (self._writing or self._busy or (self._retry and self._pinned))
-                                       or self._writer is None or not self._writer.is_alive(), timeout)
+            idle = lambda: not (self._writing or self._busy is not None or (self._retry and self._pinned))  # noqa: E731
+            return self._cond.wait_for(lambda: idle() or self._writer is None or not self._writer.is_alive(), timeout)
 
     def drop_clean(self) -> int:
         """Drop every clean, unpinned page from DRAM (they stay on disk): a cold cache. Returns how many went."""
@@ -353,7 +355,7 @@ class HostPageCache:
                     self._cond.wait()
                     continue
                 ver = self._ver.get(key)
-                self._busy = True
+                self._busy = key
                 self._lock.release()
                 err: OSError | None = None
                 try:
@@ -365,7 +367,7 @@ class HostPageCache:
                     err = OSError(str(e))
                 finally:
                     self._lock.acquire()
-                    self._busy = False
+                    self._busy = None
                 self._wrote(key, ent, ver, err, pinned)
                 self._cond.notify_all()
 

@@ -90,3 +90,26 @@ def test_the_decode_thread_waiting_on_disk_is_counted(stalled) -> None:
     before = cache.counters.decode_disk_waits
     assert bytes(cache.get("a", cold[-1])) == page("a", cold[-1])    # a read on the decode thread: counted
     assert cache.counters.decode_disk_waits == before + 1
+
+
+def test_free_request_waits_for_its_write_in_flight(stalled) -> None:
+    """A request freed while the writer holds one of its pages in flight: free_request returns only after that
+    write landed and its slot went back, so the store holds nothing of the request when it returns."""
+    cache, store, gate = stalled
+    for i in range(3):                  # 2 in the LRU, page 0 queued and taken by the writer (blocked in flight)
+        cache.put("a", i, page("a", i))
+    end = time.monotonic() + 30
+    while cache._busy is None and time.monotonic() < end:
+        time.sleep(0.005)
+    assert cache._busy == ("a", 0)
+    freed: list[int] = []
+    t = threading.Thread(target=lambda: freed.append(cache.free_request("a")), daemon=True)
+    t.start()
+    t.join(timeout=0.2)
+    assert t.is_alive() and not freed   # still waiting on the write in flight
+    gate.set()
+    t.join(timeout=30)
+    assert freed == [3] and store.used_slots == 0 and cache.queued_writes == 0
+    assert cache.settle()
+    assert store.used_slots == 0
+    cache.check()
