@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 from flashmemory.errors import UserError
 
@@ -73,7 +73,9 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
         raise EnvError(f"{name}={raw!r}: names no layer")
     bad = [i for i in ids if not 0 <= i < n_c4_layers]
     if bad:
-        raise EnvError(f"{name}={raw!r}: layer ids {bad} outside [0, {n_c4_layers}) (ids count c4 layers, not model layers)")
+        raise EnvError(
+            f"{name}={raw!r}: layer ids {bad} outside [0, {n_c4_layers}) (ids count c4 layers, not model layers)"
+        )
     return tuple(ids)
 
 
@@ -342,7 +344,8 @@ class FlashMemoryEnv:
         return max(base, self.miss_kmax_cap or 2 * base)
 
     def auto_reserve_pages(self) -> int:
-        """Recall blocks per layer: KMAX per concurrent request plus one spare page each (counted in pages, not tokens)."""
+        """Recall blocks per layer: KMAX per concurrent request plus one spare page each (counted in pages, not
+        tokens)."""
         if self.reserve_pages > 0:
             return self.reserve_pages
         return self.target_concurrency * (self.kmax() + 1)
