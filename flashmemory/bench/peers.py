@@ -1,12 +1,13 @@
-"""`flashmemory bench peers`: stock, sglang's HiSparse, FlashMemory and FlashMemory+miss monitor on the same
-requests in one run, live on CPU.
+"""`flashmemory bench peers`: stock, sglang's HiSparse, HiSparse+prefetch (Level 1's hints copied into HiSparse's
+hot buffer), FlashMemory and FlashMemory+miss monitor on the same requests in one run, live on CPU.
 
-Four PD stacks start at once (`peers_live`), then the arms are interleaved per round: for each repeat, for each
-context, the arms in turn (stock, HiSparse, FlashMemory, FlashMemory+monitor), so the shared box's load falls on all
-of them alike. A round streams `--requests` concurrent greedy requests of `--contexts[i]` random tokens (the same
-prompts for every arm) and reads, per arm:
+The arms' PD stacks start at once (`peers_live`; HiSparse and HiSparse+prefetch once per hot-buffer size given to
+--hisparse-buffer), then the arms are interleaved per round: for each repeat, for each context, the arms in turn,
+so the shared box's load falls on all of them alike. A round streams `--requests` concurrent greedy requests of
+`--contexts[i]` random tokens (the same prompts for every arm) and reads, per arm:
 - counted costs per decode token from D's /metrics (counter deltas over the round; `peers_costs`): host -> device
-  bytes, transfer operations, c4 entries moved, c4 entries scored over all c4 layers;
+  bytes on the critical path (on-demand) and prefetched ahead of it, the hot buffer's hit rate, transfer
+  operations, c4 entries moved, c4 entries scored over all c4 layers;
 - device-resident bytes per request of the c4 attention state (c4 KV / index-K / reserve or hot buffer), from the
   config and, for FlashMemory, its measured page budget;
 - tokens equal to the stock arm's in the same round (greedy; common prefix of each stream);
@@ -28,9 +29,9 @@ from pathlib import Path
 
 from flashmemory.atomic import atomic_write_text
 from flashmemory.bench.guard import require_memory
-from flashmemory.bench.peers_costs import (ARM_NAMES, ARMS, MAX_CONTEXT, Knobs, PeersArgError, check_args,
-                                           check_hot_buffer, decode_step_ms, delta, pool_tokens,
-                                           device_bytes, parse_contexts, per_token_costs, shape_from_config, spread,
+from flashmemory.bench.peers_costs import (ARMS, MAX_CONTEXT, Knobs, PeersArgError, arm_label, check_args,
+                                           decode_step_ms, delta, device_bytes, parse_arms, parse_buffers,
+                                           parse_contexts, per_token_costs, pool_tokens, shape_from_config, spread,
                                            steady_failures, tokens_equal)
 from flashmemory.bench.peers_report import plain, summarize
 from flashmemory.bench.serve import summarize as timing
@@ -55,8 +56,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="most decode tokens per request (default 512; streams stop earlier, see --steady-tokens; "
                         "it must outlast the other requests' prefills, and D's pool grows with it)")
     p.add_argument("--kmax", type=int, default=2, help="FlashMemory's resident pages of 64 c4 entries (default 2)")
-    p.add_argument("--hisparse-buffer", type=int, default=512,
-                   help="HiSparse hot-buffer slots per c4 layer per request (default 512, below the histories)")
+    p.add_argument("--hisparse-buffer", default="576,640",
+                   help="HiSparse hot-buffer slots per c4 layer per request, one or two sizes (default 576,640; "
+                        "the HiSparse and HiSparse+prefetch arms run at each; the prefetch needs more than top-k)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, stock among them (default {','.join(ARMS)})")
     p.add_argument("--ckpt", default="auto", help="retriever checkpoint for Level 1; 'auto' (default): the one "
                                                   "trained for the served model (once, about a minute)")
     p.add_argument("--model", default="", help="serving model dir (default: the tiny one, built if missing)")
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ctxs, requests, repeats, steady = _settings(args)
         check_args(requests, repeats, args.kmax, steady)
+        arms = parse_arms(args.arms)
         if not steady + 1 <= args.tokens <= MAX_CONTEXT:
             raise PeersArgError(f"--tokens {args.tokens}: must exceed --steady-tokens ({steady}) and be at most "
                                 f"{MAX_CONTEXT:,}")
@@ -118,14 +122,14 @@ def run(args: argparse.Namespace) -> int:
         model = ensure_model(Path(args.model) if args.model else DEFAULT_CPU_MODEL)
         cfg = json.loads((model / "config.json").read_text())
         shape = shape_from_config(cfg)
-        check_hot_buffer(args.hisparse_buffer, shape.index_topk)
-        if ctxs[0] // shape.c4_ratio <= args.hisparse_buffer:
-            print(f"note: context {ctxs[0]} has {ctxs[0] // shape.c4_ratio} c4 entries, not more than the "
-                  f"{args.hisparse_buffer}-slot hot buffer: HiSparse swaps in only its first step there", flush=True)
+        buffers = parse_buffers(args.hisparse_buffer, shape.index_topk, "hs_prefetch" in arms)
+        if ctxs[0] // shape.c4_ratio < 4 * buffers[-1]:
+            print(f"note: context {ctxs[0]} has {ctxs[0] // shape.c4_ratio} c4 entries, less than 4x the "
+                  f"{buffers[-1]}-slot hot buffer: the buffer is under little pressure there", flush=True)
     except UserError as e:
         return fail("bench peers", e)
     ckpt = str(ensure_retriever(model)) if args.ckpt == "auto" else args.ckpt
-    knobs = Knobs(kmax=args.kmax, interval=INTERVAL, retriever_layers=2, hot_buffer=args.hisparse_buffer)
+    knobs = Knobs(kmax=args.kmax, interval=INTERVAL, retriever_layers=2, hot_buffer=buffers[0])
     # an upper bound only: each stream stops `steady` tokens after all requests decode. It must outlast the
     # other requests' prefills (minutes each on a loaded box), or the first request ends before the last starts
     max_new = args.tokens
@@ -136,13 +140,15 @@ def run(args: argparse.Namespace) -> int:
     prompts = {c: [[rng.randrange(32, vocab) for _ in range(c)] for _ in range(requests)] for c in ctxs}
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fm_bench_peers_"))
     from flashmemory.bench.peers_live import arm_setups, start_all, stop_all
-    setups = arm_setups(model, ctx_len, max_total, max(4, requests), args.kmax, ckpt, args.hisparse_buffer,
-                        shape.index_topk, INTERVAL)
-    print(f"bench peers: arms {', '.join(ARM_NAMES[a] for a in ARMS)}; contexts {ctxs}, {requests} requests, "
-          f"{repeats} repeat(s), {steady} steady tokens; KMAX {args.kmax}, HiSparse buffer {args.hisparse_buffer}; "
+    setups = arm_setups(model, ctx_len, max_total, max(4, requests), args.kmax, ckpt, buffers,
+                        shape.index_topk, INTERVAL, tuple(arms))
+    keys = [s.arm for s in setups]
+    n_p = len({s.cfg.transfer_backend for s in setups})
+    print(f"bench peers: arms {', '.join(arm_label(k) for k in keys)}; contexts {ctxs}, {requests} requests, "
+          f"{repeats} repeat(s), {steady} steady tokens; KMAX {args.kmax}, HiSparse buffer(s) {buffers}; "
           f"pool {max_total} tokens; logs {logs}", flush=True)
-    print("starting 2 P servers (NIXL; Mooncake for HiSparse) and 4 D servers at once (several minutes on 2 "
-          "cores) ...", flush=True)
+    print(f"starting {n_p} P server(s) (NIXL; Mooncake for HiSparse) and {len(keys)} D servers at once (several "
+          "minutes on 2 cores) ...", flush=True)
     t_start = time.monotonic()
     signal.signal(signal.SIGTERM, _terminate)   # `kill` stops the servers too (the finally blocks below)
     try:
@@ -151,18 +157,18 @@ def run(args: argparse.Namespace) -> int:
         return fail("bench peers", f"{str(e).splitlines()[0]} (logs {logs})", 1)
     rounds, outs = [], {}
     settings = {"contexts": ctxs, "requests": requests, "repeats": repeats, "steady_tokens": steady,
-                "kmax": args.kmax, "hisparse_buffer": args.hisparse_buffer, "interval": INTERVAL,
+                "kmax": args.kmax, "hisparse_buffers": buffers, "arms": keys, "interval": INTERVAL,
                 "pool_tokens": max_total, "ckpt": ckpt, "model": str(model), "shape": vars(shape)}
     try:
         from flashmemory.bench.peers_live import stream_ids
-        for arm in ARMS:    # warm each path once (not counted)
+        for arm in keys:    # warm each path once (not counted)
             stream_ids(stacks[arm], prompts[ctxs[0]][0][:16], 2, lambda t: False)
-        total, k = repeats * len(ctxs) * len(ARMS), 0
+        total, k = repeats * len(ctxs) * len(keys), 0
         for rep in range(repeats):
             for ctx in ctxs:
-                for arm in ARMS:
+                for arm in keys:
                     k += 1
-                    print(f"[{k}/{total}] round {rep + 1}, context {ctx}, {ARM_NAMES[arm]} ... "
+                    print(f"[{k}/{total}] round {rep + 1}, context {ctx}, {arm_label(arm)} ... "
                           f"({time.monotonic() - t_start:.0f} s)", flush=True)
                     d_log = next(p for p in servers.procs if p.name == f"decode_{arm}")
                     rec, ids = _round(arm, stacks[arm], prompts[ctx], ctx, steady, max_new, shape, knobs, d_log)

@@ -1,4 +1,4 @@
-"""Live parts of `flashmemory bench peers`: start the four PD stacks, stream one round of requests with their
+"""Live parts of `flashmemory bench peers`: start the arms' PD stacks, stream one round of requests with their
 token ids, and sample D's gauges while it runs.
 
 Stacks: one P per transfer backend, shared by the arms on it, and one D per arm (no router: `stream_ids` pairs
@@ -7,6 +7,10 @@ servers and 4 routers, did not fit the box's memory):
 - stock: FLASHMEMORY=0, NIXL;
 - hisparse: `stack.hisparse_config`, as `flashmemory serve --hisparse`: stock D plus --enable-hisparse (passed
   through launch_decode.sh), KV moved by Mooncake over TCP (HiSparse's PD path refuses other backends, decode.py:1809);
+- hs_prefetch: the hisparse stack with D loading the FlashMemory plugin in its HiSparse prefetch mode
+  (SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1) and the retriever checkpoint, so Level 1 is the hint source (Path-P
+  off), as `tests/sglang/live/test_hisparse_prefetch_live.py` runs it;
+- hisparse and hs_prefetch: one D per hot-buffer size (`arm_key`: 'hisparse@640');
 - flashmemory: Path-P in shrink mode over NIXL, as `bench serve` runs it;
 - fm_monitor: the same plus SGLANG_RETRIEVER_MISS_MONITOR=1.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from flashmemory.bench.peers_costs import HOT_ARMS, arm_key
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, greedy_params
 from flashmemory.serve.procs import Servers, free_ports, http_post_json
 from flashmemory.serve.stack import PDConfig, _env, hisparse_config
@@ -52,17 +57,34 @@ class ArmSetup:
 
 
 def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: int, ckpt: str,
-               hot_buffer: int, topk: int, interval: int) -> list[ArmSetup]:
-    """The four arms' stacks. Every server gets the same context length, pool (MAX_TOTAL_TOKENS) and
-    max-running-requests, so only the decode-side mechanism differs."""
+               buffers: list[int], topk: int, interval: int, arms: tuple[str, ...]) -> list[ArmSetup]:
+    """The stacks of `arms` (names of peers_costs.ARMS), a hot-buffer arm once per size in `buffers` (keyed
+    'hisparse@576' when there are two sizes, by its bare name with one). Every server gets the same context
+    length, pool (MAX_TOTAL_TOKENS) and max-running-requests, so only the decode-side mechanism differs."""
     knobs = {"CTX_LEN": str(ctx_len), "MAX_RUN": str(max_run), "MAX_TOTAL_TOKENS": str(max_total)}
     fm_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL=str(interval), CKPT=ckpt)
     # startup: 6 servers at once on a shared 2-core box took over 7 minutes
     base = PDConfig(model=model, decode_env=knobs, prefill_env=knobs, startup_timeout=1800.0)
-    return [ArmSetup("stock", replace(base, flashmemory=False)),
-            ArmSetup("hisparse", hisparse_config(base, hot_buffer, topk)),   # what `flashmemory serve --hisparse` runs
-            ArmSetup("flashmemory", replace(base, decode_env=fm_env)),
-            ArmSetup("fm_monitor", replace(base, decode_env=dict(fm_env, SGLANG_RETRIEVER_MISS_MONITOR="1")))]
+    out = []
+    for arm in arms:
+        if arm in HOT_ARMS:
+            for b in buffers:
+                cfg = hisparse_config(base, b, topk)       # what `flashmemory serve --hisparse` runs
+                if arm == "hs_prefetch":
+                    cfg = replace(cfg, decode_env={**cfg.decode_env, "SGLANG_PLUGINS": "flashmemory_cpu,flashmemory",
+                                                   "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1", "CKPT": ckpt,
+                                                   "INTERVAL": str(interval)})
+                out.append(ArmSetup(arm_key(arm, b if len(buffers) > 1 else None), cfg))
+        elif arm == "stock":
+            out.append(ArmSetup("stock", replace(base, flashmemory=False)))
+        elif arm == "flashmemory":
+            out.append(ArmSetup("flashmemory", replace(base, decode_env=fm_env)))
+        elif arm == "fm_monitor":
+            monitor = dict(fm_env, SGLANG_RETRIEVER_MISS_MONITOR="1")
+            out.append(ArmSetup("fm_monitor", replace(base, decode_env=monitor)))
+        else:
+            raise ValueError(f"unknown arm {arm!r}")
+    return out
 
 
 def _decode_cmd(cfg: PDConfig, port: int, boot: int) -> tuple[dict[str, str], list[str]]:

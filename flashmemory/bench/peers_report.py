@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashmemory.bench.peers_costs import ARM_NAMES, ARMS, Knobs, Shape, device_bytes, entries, spread
+from flashmemory.bench.peers_costs import ARM_NAMES, Knobs, Shape, arm_label, arm_order, device_bytes, entries, spread
 
-COST_KEYS = ("h2d_bytes", "transfer_ops", "moved_entries", "scored_entries")
+COST_KEYS = ("h2d_bytes", "prefetch_bytes", "hit_rate", "transfer_ops", "moved_entries", "scored_entries")
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -20,25 +20,24 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def summarize(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (context, arm), contexts ascending, arms in ARMS order.
+    """One row per (context, arm key), contexts ascending, arms in ARMS order (a hot-buffer arm's sizes ascending).
 
-    Counted costs and device bytes: the median over rounds. Tokens equal to stock: summed over rounds. Timing:
+    Counted costs and device bytes: the median over rounds (a cost a round did not record, as in runs made before
+    the key existed, is NaN: 'n/a' in the table). Tokens equal to stock: summed over rounds. Timing:
     steady tok/s and its ratio to the stock arm of the same round and context (interleaved, so the box's load
     cancels), each as median/min/max over rounds; ITL and sglang's per-step decode time as medians."""
     rows = []
     for ctx in sorted({int(r["ctx"]) for r in rounds}):
         stock = {r["round"]: r for r in rounds if r["ctx"] == ctx and r["arm"] == "stock"}
-        for arm in ARMS:
+        for arm in sorted({r["arm"] for r in rounds if r["ctx"] == ctx}, key=arm_order):
             mine = [r for r in rounds if r["ctx"] == ctx and r["arm"] == arm]
-            if not mine:
-                continue
             ratios = [r["steady_tok_s"] / stock[r["round"]]["steady_tok_s"] for r in mine
                       if r["round"] in stock and stock[r["round"]]["steady_tok_s"] > 0]
             eq, cmp = sum(r.get("eq", 0) for r in mine), sum(r.get("cmp", 0) for r in mine)
             steps = [s for r in mine for s in r.get("step_ms", [])]
             rows.append({
                 "ctx": ctx, "arm": arm, "rounds": len(mine),
-                "costs": {k: _median([r["costs"][k] for r in mine]) for k in COST_KEYS},
+                "costs": {k: _median([r["costs"].get(k, float("nan")) for r in mine]) for k in COST_KEYS},
                 "device": {k: _median([r["device"][k] for r in mine]) for k in ("c4_kv", "index_k", "reserve")},
                 "tokens_equal": eq / cmp if cmp else float("nan"), "tokens_compared": cmp,
                 "steady_tok_s": spread([r["steady_tok_s"] for r in mine]), "vs_stock": spread(ratios),
@@ -59,20 +58,21 @@ def _range(s: Mapping[str, float], fmt: str) -> str:
     return f"{_f(s['median'], fmt)} ({_f(s['min'], fmt)}-{_f(s['max'], fmt)})"
 
 
-HEAD = ["context", "arm", "H2D KB/token", "transfer ops/token", "entries moved/token", "entries scored/token",
-        "device KB/request: c4 KV + index-K + reserve", "tokens = stock", "steady tok/s", "vs stock",
-        "ITL ms", "step ms"]
+HEAD = ["context", "arm", "hit rate", "on-demand H2D KB/token", "prefetched KB/token", "transfer ops/token",
+        "entries moved/token", "entries scored/token", "device KB/request: c4 KV + index-K + reserve", "tokens = stock",
+        "steady tok/s", "vs stock", "ITL ms", "step ms"]
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     """The table's cells, one list per summary row (HEAD's columns)."""
     out = []
     for r in rows:
-        c, d = r["costs"], r["device"]
+        c, d = dict.fromkeys(COST_KEYS, float("nan")) | dict(r["costs"]), r["device"]
         dev = (f"{_f((d['c4_kv'] + d['index_k'] + d['reserve']) / 1e3, '.0f')} "
                f"({_f(d['c4_kv'] / 1e3, '.0f')} + {_f(d['index_k'] / 1e3, '.0f')} + {_f(d['reserve'] / 1e3, '.0f')})")
         eq = "n/a" if not r["tokens_compared"] else f"{_f(r['tokens_equal'], '.3f')} of {r['tokens_compared']}"
-        out.append([f"{r['ctx']:,}", ARM_NAMES[r["arm"]], _f(c["h2d_bytes"] / 1e3, ".1f"),
+        out.append([f"{r['ctx']:,}", arm_label(r["arm"]), _f(c["hit_rate"], ".3f"), _f(c["h2d_bytes"] / 1e3, ".1f"),
+                    _f(c["prefetch_bytes"] / 1e3, ".1f"),
                     _f(c["transfer_ops"], ".2f"), _f(c["moved_entries"], ".0f"), _f(c["scored_entries"], ".0f"),
                     dev, eq, _range(r["steady_tok_s"], ".2f"), _range(r["vs_stock"], ".2f"), _f(r["itl_ms"], ".0f"),
                     _f(r["step_ms"], ".0f")])

@@ -1,17 +1,22 @@
-"""`flashmemory bench peers`, the pure parts: counters -> per-token costs, device bytes, the steady-window check,
-token equality, sglang's decode log, the summary and table, and bad arguments (one line, exit 2)."""
+"""`flashmemory bench peers`, the pure parts: counters -> per-token costs (HiSparse+prefetch's on-demand and
+prefetched bytes and hit rate too), device bytes, arm keys per hot-buffer size, the stacks' settings, the
+steady-window check, token equality, sglang's decode log, the summary and table, and bad arguments (one line,
+exit 2)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from pathlib import Path
 
 import pytest
 
 from flashmemory.bench import peers, peers_report
-from flashmemory.bench.peers_costs import (HS, Knobs, PeersArgError, Shape, decode_step_ms, delta, device_bytes,
-                                           parse_contexts, per_token_costs, shape_from_config, steady_failures,
-                                           tokens_equal)
+from flashmemory.bench.peers_costs import (HP, HS, Knobs, PeersArgError, Shape, arm_key, arm_label, arm_order,
+                                           decode_step_ms, delta, device_bytes, parse_arms, parse_buffers,
+                                           parse_contexts, per_token_costs, shape_from_config, split_arm,
+                                           steady_failures, tokens_equal)
 from flashmemory.serve.client import parse_metrics
 
 SHAPE = Shape(n_c4=2, index_topk=512, index_entry_bytes=132)
@@ -40,7 +45,9 @@ def test_hisparse_costs_from_metrics_text():
 
 def test_stock_and_flashmemory_costs():
     s = per_token_costs("stock", {}, 10, 4000, SHAPE, KNOBS)
-    assert s == {"h2d_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0, "scored_entries": 2000.0}
+    assert math.isnan(s.pop("hit_rate"))       # no hot buffer
+    assert s == {"h2d_bytes": 0.0, "prefetch_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0,
+                 "scored_entries": 2000.0}
     d = {"flashmemory_recall_bytes_total": 2 * 64 * 2 * 584.0, "flashmemory_recall_pages_total": 2.0,
          "flashmemory_level1_cycles_total": 4.0, "flashmemory_monitor_cycles_total": 2.0}
     f = per_token_costs("fm_monitor", d, 32, 4000, SHAPE, KNOBS, resident_fraction=0.1)
@@ -119,7 +126,7 @@ def test_summary_and_table():
     assert hs["costs"]["h2d_bytes"] == 2500.0       # median of 5000 and 0
     md = peers_report.markdown(rows)
     assert md.splitlines()[0].startswith("| context | arm |") and len(md.splitlines()) == 4
-    assert "| HiSparse | 2.5 |" in md and "0.938 of 16" in md and "0.65 (0.50-0.80)" in md
+    assert "| HiSparse | n/a | 2.5 | n/a |" in md and "0.938 of 16" in md and "0.65 (0.50-0.80)" in md
     assert "HiSparse" in peers_report.plain(rows)
 
 
@@ -144,6 +151,11 @@ def test_bad_contexts(text):
 @pytest.mark.parametrize("argv,flag", [(["--contexts", "9,x"], "--contexts"), (["--requests", "0"], "--requests"),
                                        (["--repeats", "0"], "--repeats"), (["--kmax", "0"], "--kmax"),
                                        (["--hisparse-buffer", "100"], "--hisparse-buffer"),
+                                       (["--hisparse-buffer", "512"], "--hisparse-buffer 512: the HiSparse+prefetch"),
+                                       (["--hisparse-buffer", "640,576"], "--hisparse-buffer"),
+                                       (["--hisparse-buffer", "576,640,768"], "--hisparse-buffer"),
+                                       (["--arms", "hisparse"], "--arms 'hisparse': must include stock"),
+                                       (["--arms", "stock,hs_prefech"], "--arms"),
                                        (["--steady-tokens", "1"], "--steady-tokens")])
 def test_run_bad_args_one_line_exit_2(argv, flag, capsys):
     p = argparse.ArgumentParser()
@@ -180,3 +192,93 @@ def test_the_pool_admits_every_request_into_ds_swa_pool():
         assert pool >= n * (ctx + max_new)                             # the full pool holds every request
         assert int(pool * SWA_RATIO) >= n * (max_new + SWA_SLACK)      # and D's SWA pool admits them all
     assert pool_tokens(2304, 2048, 2) > 10240
+
+
+PREFETCH_BEFORE = METRICS_BEFORE + """flashmemory_hisparse_swapin_lookups_total 2000.0
+flashmemory_hisparse_swapin_hits_total 1000.0
+flashmemory_hisparse_prefetch_calls_total 2.0
+flashmemory_hisparse_prefetch_loaded_total 10.0
+flashmemory_hisparse_prefetch_bytes_h2d_total 5840.0
+flashmemory_hisparse_prefetch_used_total 3.0
+"""
+PREFETCH_AFTER = METRICS_AFTER + """flashmemory_hisparse_swapin_lookups_total 10000.0
+flashmemory_hisparse_swapin_hits_total 7000.0
+flashmemory_hisparse_prefetch_calls_total 26.0
+flashmemory_hisparse_prefetch_loaded_total 410.0
+flashmemory_hisparse_prefetch_bytes_h2d_total 239440.0
+flashmemory_hisparse_prefetch_used_total 103.0
+"""
+
+
+def test_prefetch_costs_split_on_demand_from_prefetched_bytes():
+    """HiSparse+prefetch: on-demand bytes are the swap-in's (critical path), prefetched ones are counted apart;
+    the hit rate is the demand swap-in's hits over its lookups; transfer ops add the prefetch calls."""
+    d = delta(parse_metrics(PREFETCH_BEFORE), parse_metrics(PREFETCH_AFTER))
+    assert d[HP + "bytes_h2d_total"] == 400 * 584.0 and d[HS + "lookups_total"] == 8000.0
+    c = per_token_costs("hs_prefetch@640", d, tokens=16, ctx=4000, shape=SHAPE, knobs=KNOBS)
+    assert c["h2d_bytes"] == 1168000 / 16                       # the demand misses only
+    assert c["prefetch_bytes"] == 400 * 584 / 16                # off the critical path
+    assert c["hit_rate"] == 6000 / 8000
+    assert c["transfer_ops"] == (32 + 24) / 16 and c["moved_entries"] == (2000 + 400) / 16
+    assert c["scored_entries"] == 2 * 1000 + 2 * 1000 / 16      # the native indexer + Level 1 every 16 steps
+    # the plain HiSparse arm on the same counters: no prefetch share, same hit-rate rule
+    h = per_token_costs("hisparse@640", d, tokens=16, ctx=4000, shape=SHAPE, knobs=KNOBS)
+    assert h["prefetch_bytes"] == 0.0 and h["transfer_ops"] == 2.0 and h["hit_rate"] == 0.75
+    assert h["scored_entries"] == 2000.0
+    assert math.isnan(per_token_costs("hisparse", {}, 16, 4000, SHAPE, KNOBS)["hit_rate"])   # nothing looked up
+
+
+def test_arm_keys_per_buffer_size():
+    assert arm_key("hs_prefetch", 640) == "hs_prefetch@640" and arm_key("stock", 640) == "stock"
+    assert arm_key("hisparse", None) == "hisparse"
+    assert split_arm("hs_prefetch@576") == ("hs_prefetch", 576) and split_arm("flashmemory") == ("flashmemory", None)
+    assert arm_label("hs_prefetch@640") == "HiSparse+prefetch (640)" and arm_label("hisparse") == "HiSparse"
+    keys = ["flashmemory", "hs_prefetch@640", "hisparse@640", "stock", "hs_prefetch@576", "hisparse@576"]
+    assert sorted(keys, key=arm_order) == ["stock", "hisparse@576", "hisparse@640", "hs_prefetch@576",
+                                           "hs_prefetch@640", "flashmemory"]
+    for bad in ("other", "stock@640"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            split_arm(bad)
+    # device bytes follow the key's buffer size; the prefetch arm holds HiSparse's buffer
+    assert device_bytes("hisparse@640", 4000, SHAPE, KNOBS)["reserve"] == 2 * 704 * 584
+    assert device_bytes("hs_prefetch@576", 4000, SHAPE, KNOBS) == device_bytes("hisparse@576", 4000, SHAPE, KNOBS)
+    assert device_bytes("hs_prefetch", 4000, SHAPE, KNOBS)["reserve"] == 2 * 576 * 584     # knobs.hot_buffer
+
+
+def test_parse_buffers_and_arms():
+    assert parse_buffers("576,640", 512, prefetch=True) == [576, 640]
+    assert parse_buffers("512", 512, prefetch=False) == [512]
+    with pytest.raises(PeersArgError, match="more slots than"):
+        parse_buffers("512,640", 512, prefetch=True)
+    assert parse_arms("hs_prefetch,stock") == ["stock", "hs_prefetch"]
+
+
+def test_prefetch_stacks_one_per_buffer_size():
+    """Each hot-buffer arm runs once per size; the prefetch D loads the plugin with the gate and the checkpoint
+    (Level 1 as the hint source), plain HiSparse's D loads neither."""
+    from flashmemory.bench.peers_live import arm_setups
+    setups = arm_setups(Path("m"), 11000, 12000, 4, 2, "r.pt", [576, 640], 512, 16,
+                        ("stock", "hisparse", "hs_prefetch"))
+    by = {s.arm: s.cfg for s in setups}
+    assert list(by) == ["stock", "hisparse@576", "hisparse@640", "hs_prefetch@576", "hs_prefetch@640"]
+    for b in (576, 640):
+        hs, pf = by[f"hisparse@{b}"], by[f"hs_prefetch@{b}"]
+        assert hs.decode_args == pf.decode_args and f'"device_buffer_size": {b}' in pf.decode_args[-1]
+        assert pf.decode_env["SGLANG_FLASHMEMORY_HISPARSE_PREFETCH"] == "1" and pf.decode_env["CKPT"] == "r.pt"
+        assert "flashmemory," in pf.decode_env["SGLANG_PLUGINS"] + ","
+        assert hs.decode_env["CKPT"] == "" and "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH" not in hs.decode_env
+        assert pf.transfer_backend == hs.transfer_backend == "mooncake"
+    one = arm_setups(Path("m"), 11000, 12000, 4, 2, "r.pt", [640], 512, 16, ("stock", "hisparse"))
+    assert [s.arm for s in one] == ["stock", "hisparse"]      # one size: the bare key, as runs before the sizes
+
+
+def test_summary_orders_buffer_sizes_and_shows_prefetch_columns():
+    costs = {"h2d_bytes": 3000.0, "prefetch_bytes": 1500.0, "hit_rate": 0.8125, "transfer_ops": 3.0,
+             "moved_entries": 9.0, "scored_entries": 2100.0}
+    rounds = [_rec("hs_prefetch@640", 0, 8.0, 2.0, costs=costs), _rec("hisparse@640", 0, 8.0, 2.0),
+              _rec("stock", 0, 10.0, 2.0), _rec("hs_prefetch@576", 0, 8.0, 2.0)]
+    rows = peers_report.summarize(rounds)
+    assert [r["arm"] for r in rows] == ["stock", "hisparse@640", "hs_prefetch@576", "hs_prefetch@640"]
+    md = peers_report.markdown(rows)
+    assert "| 4,000 | HiSparse+prefetch (640) | 0.812 | 3.0 | 1.5 | 3.00 |" in md
+    assert "| 4,000 | HiSparse (640) | n/a | 0.0 | n/a |" in md      # a record without the new keys: n/a
