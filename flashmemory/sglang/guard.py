@@ -157,7 +157,10 @@ class Guard:
                            spec.hook, spec.rid)
         if self.counter is None:
             from flashmemory.sglang.prometheus import failure_counter
-            self.counter = failure_counter()
+            try:
+                self.counter = failure_counter()
+            except ValueError as e:   # another guard of this process registered it (tests build several)
+                logger.warning("FlashMemory: request-failure counter not exported by this guard (%s)", e)
 
     # --- running a hook ---------------------------------------------------------------------------
     def run(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,

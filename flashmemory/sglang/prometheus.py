@@ -93,22 +93,15 @@ DISK_KEYS = tuple(k for k in METRICS if k.startswith("disk_"))   # in stats() on
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
 
 
-_FAILURE_COUNTER: Any = None
-
-
 def failure_counter(registry: Any = None) -> Any:
-    """flashmemory_request_failures_total{hook=...}, created once per process (None without prometheus_client)."""
-    global _FAILURE_COUNTER
-    if _FAILURE_COUNTER is None or registry is not None:
-        try:
-            from prometheus_client import REGISTRY, Counter
-        except ImportError:
-            return None
-        c = Counter(PREFIX + FAILURES[0], FAILURES[1], ["hook"], registry=registry if registry is not None else REGISTRY)
-        if registry is not None:
-            return c
-        _FAILURE_COUNTER = c
-    return _FAILURE_COUNTER
+    """flashmemory_request_failures_total{hook=...} in `registry` (default: prometheus_client's), None without
+    prometheus_client. The process keeps the one it made in its guard (`RUNTIME.guard.counter`); a second in the
+    same registry raises ValueError (prometheus_client refuses a duplicate name)."""
+    try:
+        from prometheus_client import REGISTRY, Counter
+    except ImportError:
+        return None
+    return Counter(PREFIX + FAILURES[0], FAILURES[1], ["hook"], registry=registry if registry is not None else REGISTRY)
 
 
 def serving_gauges(adapter: Any) -> dict[str, float]:
