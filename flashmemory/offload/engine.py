@@ -1,23 +1,29 @@
 """`OffloadEngine`: request lifecycle (admit, decode, finish) over the mirror, the reserve and the lookup table.
 
-All host bookkeeping happens under `engine.lock`. Level-1 recall is executed by `engine.recaller`
-(`flashmemory.offload.recall.Recaller`, built here from the parts it needs; that module never imports this
-one), which takes the same lock to plan and to publish and copies bytes without it. Planners outside the core
-read `snapshot_rows()` instead of the rows. `sync_batch` applies one decode step's lifecycle in one call.
+Its parts (mirror, reserve, lookup table, target pool, recaller, block list, resident tables, forward
+order, lock) are its own: callers outside `flashmemory.offload` and `flashmemory.residency` use the lifecycle
+verbs here (`sync_batch` for a whole decode step; `admit`, `decode_append`, `add_pages`, `open_tail_page`,
+`finish`) and the verbs of `access.CoreAccess` (forward order, Level-2 reads, stores of bytes the caller holds,
+queries). All host bookkeeping happens under the core's lock, taken inside the verbs. Level-1 recall is
+executed by `engine.recaller` (`flashmemory.offload.recall.Recaller`, built here from the parts it needs; that
+module never imports this one), which takes the same lock to plan and to publish and copies bytes without it.
+Planners outside the core read `snapshot_rows()` instead of the rows.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
+from flashmemory.offload.access import CoreAccess
+from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
-from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
 from flashmemory.offload.recall import Recaller
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
@@ -48,7 +54,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.mirror_pages, landing_blocks and mirror_slots must be >= 0")
 
 
-class OffloadEngine:
+class OffloadEngine(CoreAccess):
     """The serving core. Chunk tensors are uint8 chunk rows for all `layout.n_layers` layers:
     kv [n_layers, n, kv_chunk_bytes] (584 B), index [n_layers, n, index_chunk_bytes] (D+4 B).
     """
@@ -61,7 +67,7 @@ class OffloadEngine:
         self.device = torch.device(device)
         self.max_pages = layout.pages_for(cfg.max_chunks)
         n_mirror = cfg.mirror_pages or cfg.max_rows * self.max_pages
-        self.mirror = HostMirror(layout, n_mirror, cfg.pin_memory, cfg.mirror_slots or None)
+        self.mirror = self.make_mirror(n_mirror)
         self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device,
                                      cfg.landing_blocks)
         self.target = TargetIndexPool(layout, n_mirror, self.device, target_buffers)
@@ -84,6 +90,11 @@ class OffloadEngine:
                                  lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
                                  stats=self.stats, lock=self._lock, order=self.order)
         self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock   # the recaller's
+
+    def make_mirror(self, n_pages: int) -> HostMirror:
+        """The host mirror of `n_pages` page ids (built once, in the constructor, before anything reads it): a
+        `HostMirror` with the config's pinning and landing window; the disk tier overrides it."""
+        return HostMirror(self.layout, n_pages, self.cfg.pin_memory, self.cfg.mirror_slots or None)
 
     @property
     def lock(self) -> Any:
@@ -228,7 +239,7 @@ class OffloadEngine:
                     self.reserve.write_cells(cells, kv, index)
                 if idx:  # publish last: the entries appear once the bytes are in place
                     self.lut.set(m, cells[idx])
-            for r, st in sts.items():
+            for st in sts.values():
                 st.n_chunks += 1
                 self.stats.add(st.rid, "decode_chunks")
             return cells
@@ -322,7 +333,8 @@ class OffloadEngine:
     def sync_batch(self, sync: BatchSync) -> SyncResult:
         """One decode step's lifecycle in one call, in this order: finish `sync.finished`; per batch row, admit
         (newest page made resident, then the warm start) and claim added mirror pages; then each append round.
-        Each part takes the lock itself as the separate calls do (the warm-start copy runs without it)."""
+        Each part takes the lock itself as the separate calls do (the warm-start copy runs without it); the result
+        is read in one last hold: mirror pages and history of the synced rows, resident pages of `sync.batch`."""
         for row in sync.finished:
             self.finish(row)
         for rs in sync.rows:
@@ -337,68 +349,6 @@ class OffloadEngine:
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
         with self.lock:
             sts = {rs.row: self._live(rs.row) for rs in sync.rows}
+            res = None if sync.batch is None else self.resident_pages(torch.tensor(sync.batch, dtype=torch.int64))
             return SyncResult(cells, {r: tuple(st.mpages) for r, st in sts.items()},
-                              {r: st.n_chunks for r, st in sts.items()})
-
-    # ---- queries -----------------------------------------------------------------------------------
-    def snapshot_rows(self) -> dict[int, tuple[int, int]]:
-        """{row: (gen, n_chunks)} of every admitted request, taken under the lock: what planners outside the core
-        (Level 1) read instead of the rows themselves."""
-        with self.lock:
-            return {r: (st.gen, st.n_chunks) for r, st in enumerate(self.rows) if st is not None}
-
-    def gen(self, row: int) -> int:
-        with self.lock:
-            return self._live(row).gen
-
-    def n_chunks(self, row: int) -> int:
-        with self.lock:
-            return self._live(row).n_chunks
-
-    def cells(self, rows: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-        """int32 [B, K] reserve cells of logical chunks [B, K] (-1: not resident / invalid) of rows [B]."""
-        with self.lock:
-            return self.lut.cells(rows, chunks)
-
-    def target_keys(self, row: int, layer: int) -> torch.Tensor:
-        """Dequantized index keys [n_chunks, D] fp32 of a target layer for a row's whole history."""
-        from flashmemory.retriever.fp8 import dequantize_chunks
-        with self.lock:
-            st = self._live(row)
-            m = self._mchunks(st, 0, st.n_chunks)
-            return dequantize_chunks(self.target.chunks(layer, m))
-
-    def note(self, row: int, name: str, n: int = 1) -> None:
-        """Add to a per-request counter of the request in `row` (ignored when the row is empty)."""
-        with self.lock:
-            st = self.rows[row] if 0 <= row < len(self.rows) else None
-            if st is not None:
-                self.stats.add(st.rid, name, n)
-
-    def record(self, row: int, gen: int, counts: dict[str, int], gauges: dict[str, float],
-               miss: float | None = None) -> None:
-        """If `row` still holds generation `gen`: add `counts` to its per-request counters, set `gauges`, and
-        observe one miss-mass value (the miss monitor's cycle result). Otherwise nothing."""
-        with self.lock:
-            st = self.rows[row] if 0 <= row < len(self.rows) else None
-            if st is None or st.gen != gen:
-                return
-            for name, n in counts.items():
-                self.stats.add(st.rid, name, n)
-            if miss is not None:
-                self.stats.observe_miss(miss)
-            self.stats.gauge(st.rid, **gauges)
-
-    def metrics(self) -> dict[str, Any]:
-        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.counters.COUNTERS`)."""
-        with self.lock:
-            res = {}
-            for r, st in enumerate(self.rows):
-                if st is not None:
-                    pages = len(st.recall) + sum(p >= 0 for p in st.ring)
-                    res[st.rid] = (pages, int((self.lut.cells(torch.tensor([r]),
-                                                              torch.arange(st.n_chunks).unsqueeze(0)) >= 0).sum()))
-            snap = self.stats.snapshot(res)
-            snap["total"].update(free_blocks=len(self.blocks), inflight_blocks=len(self.inflight),
-                                 free_mirror_pages=self.mirror.free_pages)
-            return snap
+                              {r: st.n_chunks for r, st in sts.items()}, res, self.mirror.free_pages)
