@@ -75,8 +75,10 @@ def case_env(case: str, stats_file: str = "", retriever: str = "") -> dict[str, 
         env["SGLANG_PLUGINS"] = "none"
     if case in ("full", "r10", "ret10", "dshrink", "tp2full", "tp2ret10"):
         env.update({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1",
-                    "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)), "SGLANG_RETRIEVER_LAST_KEEP": "64",
-                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10", "tp2ret10") else pages),
+                    "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)),
+                    "SGLANG_RETRIEVER_LAST_KEEP": "64",
+                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10", "tp2ret10")
+                                                  else pages),
                     "SGLANG_DSV4_TARGET_CONCURRENCY": "64"})
     if case in ("ret10", "tp2full", "tp2ret10"):
         env["SGLANG_RETRIEVER_INLINE_CKPT"] = retriever or "<written by the run>"
@@ -87,6 +89,7 @@ def write_retriever(path: str, cfg: dict) -> str:
     """A random-weight retriever checkpoint for the tiny model (its hidden size and index head dim, c4 layer
     `RET_LAYERS`), which the plugin loads and checks at registration like a trained one."""
     import torch
+
     from flashmemory.retriever import save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
     torch.manual_seed(0)
@@ -211,7 +214,8 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
             if d.get("decode_forwards", 0) <= 0:
                 bad.append(f"{c}: no decode forward reached the plugin")
             if d.get("sideband_stale"):
-                bad.append(f"{c}: {d['sideband_stale']} decode forwards left the Level-1 side band stale (copy not in the graph)")
+                bad.append(f"{c}: {d['sideband_stale']} decode forwards left the Level-1 side band stale "
+                           "(copy not in the graph)")
     return bad
 
 
@@ -227,8 +231,8 @@ def main() -> int:
     cases = tuple(x for x in os.environ.get("GPU_CHECK_CASES", ",".join(CASES)).split(",") if x)
     unknown = [x for x in cases if x not in CASES + PD_CASES + TP_CASES]
     if unknown:
-        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; known: {', '.join(CASES + PD_CASES + TP_CASES)}",
-              file=sys.stderr)
+        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; "
+              f"known: {', '.join(CASES + PD_CASES + TP_CASES)}", file=sys.stderr)
         return 2
     if a.case:
         run_case(a.case, a.model_dir, a.out, a.port)

@@ -28,12 +28,11 @@ import platform
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # scripts/: the gpu_core package
 
 import torch  # noqa: E402
-
 from gpu_core import level2_check, offload_check, perf_check  # noqa: E402
 from gpu_core.core import CheckResult, Sizes, atomic_write_text  # noqa: E402
 
@@ -55,7 +54,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _env(device: torch.device, sz: Sizes) -> dict:
-    info = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), python=platform.python_version(),
+    info = dict(date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), python=platform.python_version(),
                 torch=torch.__version__, cuda=torch.version.cuda, device_type=device.type, quick=sz.quick,
                 host=platform.node(), cpus=os.cpu_count())
     if device.type == "cuda":

@@ -21,13 +21,14 @@ BENCHES = {
     "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
     "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
-    "monitor": ("flashmemory.bench.monitor_cost", "miss monitor (1 native layer per tau steps) vs the native indexer on 21 "
-                                             "layers every step"),
+    "monitor": ("flashmemory.bench.monitor_cost", "miss monitor (1 native layer per tau steps) vs the native indexer "
+                                                  "on 21 layers every step"),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
-    "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of the "
-                                       "tau window at increasing concurrency"),
+    "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of "
+                                       "the tau window at increasing concurrency"),
     "tier-scale": ("flashmemory.bench.tier_scale", "disk tier with many requests whose pages exceed the host page "
-                                                   "cache: read-ahead hit rate, recalls and cycles that waited for disk"),
+                                                   "cache: read-ahead hit rate, recalls and cycles that waited for "
+                                                   "disk"),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
     "peers": ("flashmemory.bench.peers", "live sglang on CPU: stock, HiSparse, FlashMemory and FlashMemory+monitor on "
                                          "the same requests, counted costs per decode token side by side"),

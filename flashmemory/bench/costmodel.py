@@ -16,17 +16,43 @@ import dataclasses
 import json
 from typing import Any
 
-from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, HiSparseKnobs,
-                                   PolicyKnobs, RetrieverShape, all_miss_bytes, attention_core_terms, baseline_bytes,
-                                   baseline_flops, fit_line, flashmemory_bytes, flashmemory_flops, hisparse_bytes,
-                                   n_chunks)
-from flashmemory.costmodel.anchors import (B200_PD, H20_NODE, RTX6000_NODE, TOLERANCE, Fitted, Preset, anchors,
-                                           calibrated, capacity, fit, kmax_for, projections)
+from flashmemory.bench.costmodel_disk import add_disk_args, disk_knobs, disk_report
+from flashmemory.bench.table import print_table
+from flashmemory.costmodel import (
+    UPSTREAM,
+    UPSTREAM_CONSTANT_GFLOP,
+    CountRules,
+    FlashShape,
+    HiSparseKnobs,
+    PolicyKnobs,
+    RetrieverShape,
+    all_miss_bytes,
+    attention_core_terms,
+    baseline_bytes,
+    baseline_flops,
+    fit_line,
+    flashmemory_bytes,
+    flashmemory_flops,
+    hisparse_bytes,
+    n_chunks,
+)
+from flashmemory.costmodel.anchors import (
+    B200_PD,
+    H20_NODE,
+    RTX6000_NODE,
+    TOLERANCE,
+    Fitted,
+    Preset,
+    anchors,
+    calibrated,
+    capacity,
+    fit,
+    kmax_for,
+    projections,
+)
 from flashmemory.costmodel.disk import disk_point
 from flashmemory.costmodel.peers import peer_table
 from flashmemory.errors import fail
-from flashmemory.bench.table import print_table
-from flashmemory.bench.costmodel_disk import add_disk_args, disk_knobs, disk_report
 
 G, M = 1e9, 1e6
 DEFAULT_CTX = "262144:96,524288:192,1048576:384"
@@ -53,13 +79,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     h = H20_NODE.hw
     p.add_argument("--hbm-gb", type=float, default=None, help=f"GPU memory, GB (preset: {h.hbm_gb:.1f} = 97,871 MiB)")
     p.add_argument("--hbm-tbps", type=float, default=None, help=f"HBM TB/s (preset: {h.hbm_tbps:g})")
-    p.add_argument("--pcie-gbps", type=float, default=None, help=f"effective H2D GB/s per GPU (preset: {h.pcie_gbps:g})")
+    p.add_argument("--pcie-gbps", type=float, default=None,
+                   help=f"effective H2D GB/s per GPU (preset: {h.pcie_gbps:g})")
     p.add_argument("--tflops", type=float, default=None, help=f"dense BF16 TFLOP/s per GPU (preset: {h.tflops:g})")
     p.add_argument("--mfu", type=float, default=None, help="fraction of peak FLOPs reached (preset: 1 = roofline)")
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="--mem-fraction-static of the decode servers (default: the fitted value)")
     p.add_argument("--weights-gb", type=float, default=None, help="total weight bytes (default: from the shapes)")
-    p.add_argument("--host-ram-gb", type=float, default=None, help=f"host DRAM per node, GB (preset: {h.host_ram_gb:g})")
+    p.add_argument("--host-ram-gb", type=float, default=None,
+                   help=f"host DRAM per node, GB (preset: {h.host_ram_gb:g})")
     p.add_argument("--host-fraction", type=float, default=None,
                    help="share of host DRAM usable for mirrors (default: the fitted value)")
     p.add_argument("--overhead-ms", type=float, default=None,

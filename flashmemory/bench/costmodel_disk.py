@@ -74,8 +74,9 @@ def disk_report(hw: Hardware, dk: DiskKnobs, hs: HiSparseKnobs, overhead_ms: flo
         best_roof = max_conc_within(CTX, kmax, hw, k, GOAL_LOSS, pk, pool_cap)
         out[name] = {"points": pts, "max_conc_within_10pct": best, "max_conc_within_10pct_roofline": best_roof,
                      "knobs": dataclasses.asdict(k), "turnover": pk.turnover}
-    print_table(f"DISK TIER ESTIMATE (not measured): 1M context, KMAX {kmax}, Path-I, {hw.n_gpus}xH20, +{overhead_ms:g} ms "
-           f"per step; {dk.drives} NVMe x {dk.read_gbps:g} GB/s read / {dk.write_gbps:g} write x {dk.efficiency:g}, "
+    print_table(f"DISK TIER ESTIMATE (not measured): 1M context, KMAX {kmax}, Path-I, {hw.n_gpus}xH20, "
+           f"+{overhead_ms:g} ms per step; {dk.drives} NVMe x {dk.read_gbps:g} GB/s read / {dk.write_gbps:g} write "
+           f"x {dk.efficiency:g}, "
            f"{dk.drive_tb:g} TB each; host cache = {hw.host_ram_gb:g} GB x {hw.host_fraction:g}; "
            f"{dk.output_tokens} output tokens per request",
            ["scenario", "conc", "fits", "cache hit", "disk GB/cycle rd / wr", "disk ms", "window ms", "share",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from flashmemory.errors import UserError
 

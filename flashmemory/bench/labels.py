@@ -31,7 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads for both runs (default: torch's; 1 is fairer on a busy machine)")
 
 
-def loop_golden(layer_logits: list[torch.Tensor], topk: int, topp: float, min_layers: int) -> list[list[tuple[int, int]]]:
+def loop_golden(
+    layer_logits: list[torch.Tensor], topk: int, topp: float, min_layers: int
+) -> list[list[tuple[int, int]]]:
     """The straightforward implementation: per token, per layer, top-k + softmax + a Python nucleus loop."""
     rows = []
     for t in range(layer_logits[0].shape[0]):

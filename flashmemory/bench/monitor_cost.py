@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from flashmemory.bench.scorer import NATIVE_HEADS, N_C4_LAYERS, _keys, _timer
+from flashmemory.bench.scorer import N_C4_LAYERS, NATIVE_HEADS, _keys, _timer
 from flashmemory.errors import UserError
 from flashmemory.residency.monitor import miss_mass, miss_report
 from flashmemory.retriever.model import relu_head_scores
@@ -56,10 +56,10 @@ def bench_size(n: int, tau: int, repeats: int, device: torch.device) -> dict[str
     with torch.no_grad():
         t_mon = measure(monitor, repeats)
         t_nat = measure(lambda: relu_head_scores(q, w, keys), repeats)
-    del keys
     per_step_native = N_C4_LAYERS * t_nat
     return {"n_chunks": n, "monitor_cycle_s": t_mon, "native_1layer_s": t_nat,
-            "native_21layers_step_s": per_step_native, "monitor_per_step_s": t_mon / tau, "monitor_vs_native": (t_mon / tau) / per_step_native}
+            "native_21layers_step_s": per_step_native, "monitor_per_step_s": t_mon / tau,
+            "monitor_vs_native": (t_mon / tau) / per_step_native}
 
 
 def run(args: argparse.Namespace) -> int:

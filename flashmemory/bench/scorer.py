@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -110,7 +110,6 @@ def bench_size(model: JointRetriever, n: int, tau: int, repeats: int, device: to
         t_l1 = measure(level1, repeats)
         t_mm = measure(lambda: a @ b, repeats)
         t_nat = measure(lambda: relu_head_scores(qn, wn, k0), repeats)
-    del keys, a, b
     l1_gflops = flops / t_l1 / 1e9
     mm_gflops = mm_flops / t_mm / 1e9
     per_step_l1 = t_l1 / tau

@@ -19,14 +19,13 @@ import json
 import random
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from flashmemory.atomic import atomic_write_text
 from flashmemory.bench.guard import int_list
 from flashmemory.errors import UserError, fail
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, generate, generate_stream
-from flashmemory.serve.procs import ServerStartError, Servers
+from flashmemory.serve.procs import Servers, ServerStartError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +180,6 @@ def run(args: argparse.Namespace) -> int:
                                          m.get("flashmemory_recall_pages_total", float("nan")),
                                          m.get("flashmemory_recall_bytes_total", float("nan"))))
     if args.out:
-        atomic_write_text(args.out, json.dumps({"stock": stock, "flashmemory": fm, "ratio": ratio, "steady_ratio": steady,
-                                              "contexts": lens, "tokens": tokens}, indent=1))
+        atomic_write_text(args.out, json.dumps({"stock": stock, "flashmemory": fm, "ratio": ratio,
+                                                "steady_ratio": steady, "contexts": lens, "tokens": tokens}, indent=1))
     return 0

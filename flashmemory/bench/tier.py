@@ -30,14 +30,15 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from flashmemory.bench.guard import require_disk, require_memory
-from flashmemory.errors import UserError
 from flashmemory.env import DiskTierConfig
+from flashmemory.errors import UserError
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.engine import EngineConfig
 from flashmemory.offload.layout import OffloadLayout
@@ -47,7 +48,8 @@ from flashmemory.offload.tiered_mirror import window_slots
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="16 pages per request, concurrency 1 2 4, one repeat")
     p.add_argument("--pages", type=int, default=0, help="pages recalled per request and cycle (0 = 16 quick, else 96)")
-    p.add_argument("--conc", type=int, nargs="+", default=None, help="concurrent requests (default 1 2 4, 1 2 4 8 full)")
+    p.add_argument("--conc", type=int, nargs="+", default=None,
+                   help="concurrent requests (default 1 2 4, 1 2 4 8 full)")
     p.add_argument("--turnover", type=float, default=1.0, help="share of a request's pages new per cycle (for the fit)")
     p.add_argument("--readers", type=int, default=4, help="read-ahead threads of the host page cache")
     p.add_argument("--tau", type=int, default=64, help="decode steps per Level-1 cycle")
@@ -171,11 +173,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for c in sorted(args.conc):
             m = c * k
 
-            def host_path() -> None:
+            def host_path(m: int = m) -> None:   # m, c bound per concurrency
                 reserve[:m].copy_(host[:m], non_blocking=True)
                 sync()
 
-            def disk_path() -> None:
+            def disk_path(c: int = c, m: int = m) -> None:
                 for r in range(c):
                     cache.prefetch(f"req{r}", list(range(k)))
                 for i in range(m):

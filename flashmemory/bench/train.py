@@ -3,8 +3,8 @@
 Full-size retriever dims (hidden 4096, q-LoRA rank 2048, 128 heads x 128) on random data shaped
 like training batches (batch 8, n chunks per sample). Baseline: the forward-only (no_grad) cost of
 the same batch, measured in the same run; the table gives train/forward ratios. Peak memory: CUDA
-max_memory_allocated on GPU; on CPU the growth of RSS (sampled every 5 ms) above its level at the start of each phase (forward
-first, so the training phase's growth includes gradients and AdamW state).
+max_memory_allocated on GPU; on CPU the growth of RSS (sampled every 5 ms) above its level at the start of each
+phase (forward first, so the training phase's growth includes gradients and AdamW state).
 """
 
 from __future__ import annotations

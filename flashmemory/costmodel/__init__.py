@@ -2,15 +2,38 @@
 of throughput), with a disk-tier arm (`disk`), sglang's pool sizing (`pools`) and the calibration against the
 published figures (`anchors`). Pure functions; `flashmemory bench costmodel` prints it next to upstream's tables."""
 
-from flashmemory.costmodel.bytes import (EntryBytes, PolicyKnobs, RequestBytes, all_miss_bytes, baseline_bytes,
-                                         flashmemory_bytes)
-from flashmemory.costmodel.flops import (CountRules, FlashShape, FlopBreakdown, RetrieverShape, Term,
-                                         attention_core_terms, baseline_flops, constant_terms, fit_line,
-                                         flashmemory_flops, n_chunks, resident_chunks)
+from flashmemory.costmodel.bytes import (
+                                         EntryBytes,
+                                         PolicyKnobs,
+                                         RequestBytes,
+                                         all_miss_bytes,
+                                         baseline_bytes,
+                                         flashmemory_bytes,
+)
 from flashmemory.costmodel.disk import DiskKnobs, DiskPoint, disk_point, max_conc_within
+from flashmemory.costmodel.flops import (
+                                         CountRules,
+                                         FlashShape,
+                                         FlopBreakdown,
+                                         RetrieverShape,
+                                         Term,
+                                         attention_core_terms,
+                                         baseline_flops,
+                                         constant_terms,
+                                         fit_line,
+                                         flashmemory_flops,
+                                         n_chunks,
+                                         resident_chunks,
+)
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens, swap_kernel_ms
-from flashmemory.costmodel.throughput import (Estimate, Hardware, estimate, kv_budget_per_gpu, throughput_at,
-                                              weight_bytes)
+from flashmemory.costmodel.throughput import (
+                                         Estimate,
+                                         Hardware,
+                                         estimate,
+                                         kv_budget_per_gpu,
+                                         throughput_at,
+                                         weight_bytes,
+)
 
 # Upstream README (8xH20, TP8): context -> (KMAX, baseline GFLOP, ours GFLOP, baseline conc, baseline tok/s,
 # ours conc, ours tok/s). Reference values to compare against, never used inside the model.

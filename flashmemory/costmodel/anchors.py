@@ -11,15 +11,22 @@ disaggregation `Preset.hw.n_gpus` is the decode side.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, baseline_bytes, flashmemory_bytes
 from flashmemory.costmodel.disk import DiskKnobs
 from flashmemory.costmodel.flops import FlashShape, RetrieverShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, swap_kernel_ms
-from flashmemory.costmodel.pools import (PoolSizes, Serving, admitted, bytes_per_full_token, fixed_bytes,
-                                         padded_bytes_per_token, pool_sizes)
+from flashmemory.costmodel.pools import (
+    PoolSizes,
+    Serving,
+    admitted,
+    bytes_per_full_token,
+    fixed_bytes,
+    padded_bytes_per_token,
+    pool_sizes,
+)
 from flashmemory.costmodel.throughput import Hardware, step_time, weight_bytes
 
 MIB = 2**20

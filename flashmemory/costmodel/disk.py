@@ -77,8 +77,8 @@ class DiskPoint:
     """FlashMemory + disk tier at one concurrency, next to host-DRAM-only FlashMemory at the same concurrency.
 
     fits: HBM, disk capacity and max-running admit `conc`; dram_cap: requests whose per-rank mirrors host DRAM
-    holds without a disk tier (None: no host bytes); dram_fits: conc <= dram_cap; step_dram_ms / tok_s_dram: the DRAM-only arm at `conc` (as if DRAM were large enough when it is not);
-    loss = 1 - tok_s / tok_s_dram."""
+    holds without a disk tier (None: no host bytes); dram_fits: conc <= dram_cap; step_dram_ms / tok_s_dram: the
+    DRAM-only arm at `conc` (as if DRAM were large enough when it is not); loss = 1 - tok_s / tok_s_dram."""
 
     conc: int
     fits: bool
@@ -125,9 +125,9 @@ def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = Dis
     st = step_time(conc, req, flops, hw, s)[0]
     window = r.interval * st
     step = max(st, disk_s / r.interval)
-    return DiskPoint(conc, conc <= bounds[bound], bound, host_cap, host_cap is None or conc <= host_cap, hit, reads / 1e9,
-                     writes / 1e9, disk_s * 1e3, window * 1e3, disk_s / window, st * 1e3, step * 1e3, conc / st,
-                     conc / step, 1.0 - st / step)
+    return DiskPoint(conc, conc <= bounds[bound], bound, host_cap, host_cap is None or conc <= host_cap, hit,
+                     reads / 1e9, writes / 1e9, disk_s * 1e3, window * 1e3, disk_s / window, st * 1e3, step * 1e3,
+                     conc / st, conc / step, 1.0 - st / step)
 
 
 def max_conc_within(ctx: int, kmax: int, hw: Hardware, dk: DiskKnobs = DiskKnobs(), loss: float = 0.10,

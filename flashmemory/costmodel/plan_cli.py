@@ -13,8 +13,7 @@ from typing import Any
 
 from flashmemory.costmodel.anchors import sized
 from flashmemory.costmodel.disk import DiskKnobs
-from flashmemory.costmodel.plan import (MODELS, SCAN_LIMIT, UPSTREAM_SHARE, FmSettings, Plan, h20_node, pages_of,
-                                        plan)
+from flashmemory.costmodel.plan import MODELS, SCAN_LIMIT, UPSTREAM_SHARE, FmSettings, Plan, h20_node, pages_of, plan
 from flashmemory.errors import UserError
 
 G = 1e9

@@ -14,19 +14,36 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from flashmemory.atomic import atomic_write_text  # noqa: F401  (re-exported for the entry script)
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload import (EngineConfig, OffloadEngine, OffloadLayout, RecallPlan, RecallRequest,  # noqa: F401
-                                 check_invariants, execute_recall, plan_recall, publish_recall)
+from flashmemory.offload import (  # noqa: F401
+    EngineConfig,
+    OffloadEngine,
+    OffloadLayout,
+    RecallPlan,
+    RecallRequest,
+    check_invariants,
+    execute_recall,
+    plan_recall,
+    publish_recall,
+)
 from flashmemory.residency import Level2, miss_mass, miss_report  # noqa: F401
-from flashmemory.retriever import (JointRetriever, RetrieverDims, chunks_to_pages, dequantize_chunks,  # noqa: F401
-                                   quantize_chunks, relu_head_scores, save_retriever)
-from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever   # imports no sglang
+from flashmemory.retriever import (  # noqa: F401
+    JointRetriever,
+    RetrieverDims,
+    chunks_to_pages,
+    dequantize_chunks,
+    quantize_chunks,
+    relu_head_scores,
+    save_retriever,
+)
+from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever  # imports no sglang
 
 N_C4_LAYERS = 21        # DeepSeek-V4-Flash c4 (CSA) layers: the native indexer runs on each, every step
 TARGET_LAYERS = (10, 12, 20)

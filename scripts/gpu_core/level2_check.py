@@ -21,8 +21,18 @@ import random
 
 import torch
 
-from gpu_core.core import (CheckResult, EngineConfig, Level2, OffloadEngine, OffloadLayout, RecallRequest, Sizes,
-                           gen, random_engine_chunks, recall_sync)
+from gpu_core.core import (
+    CheckResult,
+    EngineConfig,
+    Level2,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    Sizes,
+    gen,
+    random_engine_chunks,
+    recall_sync,
+)
 
 MAX_ROWS_FULL = 128
 

@@ -24,9 +24,22 @@ import time
 
 import torch
 
-from gpu_core.core import (CheckResult, EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, Sizes,
-                           check_invariants, execute_recall, gen, plan_recall, publish_recall, random_engine_chunks,
-                           recall_sync, sync)
+from gpu_core.core import (
+    CheckResult,
+    EngineConfig,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    Sizes,
+    check_invariants,
+    execute_recall,
+    gen,
+    plan_recall,
+    publish_recall,
+    random_engine_chunks,
+    recall_sync,
+    sync,
+)
 
 COMPARE_EVERY = 25
 
@@ -101,7 +114,7 @@ class _Twin:
                 if st[1] % self.pc == 0:   # crossing into a new page: the caller hands the engine its id
                     p = self.free_pool.pop()
                     st[2].append(p)
-                    self.both(lambda e: e.add_pages(r, [p]))
+                    self.both(lambda e, r=r, p=p: e.add_pages(r, [p]))
         kv, ix = random_engine_chunks(self.layout, len(batch), self.g)
         cells = self.both(lambda e: e.decode_append(batch, kv, ix))
         if not torch.equal(cells[0].cpu(), cells[1].cpu()):

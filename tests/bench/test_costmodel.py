@@ -8,10 +8,28 @@ import json
 import pytest
 
 from flashmemory.bench import costmodel as bench
-from flashmemory.costmodel import (UPSTREAM, UPSTREAM_CONSTANT_GFLOP, CountRules, FlashShape, Hardware, HiSparseKnobs,
-                                   PolicyKnobs, baseline_bytes, baseline_flops, constant_terms, estimate, fit_line,
-                                   flashmemory_bytes, flashmemory_flops, hisparse_bytes, hisparse_swap_tokens,
-                                   kv_budget_per_gpu, n_chunks, resident_chunks, throughput_at)
+from flashmemory.costmodel import (
+    UPSTREAM,
+    UPSTREAM_CONSTANT_GFLOP,
+    CountRules,
+    FlashShape,
+    Hardware,
+    HiSparseKnobs,
+    PolicyKnobs,
+    baseline_bytes,
+    baseline_flops,
+    constant_terms,
+    estimate,
+    fit_line,
+    flashmemory_bytes,
+    flashmemory_flops,
+    hisparse_bytes,
+    hisparse_swap_tokens,
+    kv_budget_per_gpu,
+    n_chunks,
+    resident_chunks,
+    throughput_at,
+)
 from flashmemory.costmodel.anchors import H20_NODE, calibrated, fit, sized
 from flashmemory.costmodel.peers import kmax_for, peer_table
 

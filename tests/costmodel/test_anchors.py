@@ -11,8 +11,20 @@ import json
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.costmodel.anchors import (B200_PD, H20_NODE, RTX6000_NODE, TOLERANCE, anchors, calibrated,
-                                           calibrated_hisparse, capacity, fit, projections, sized, tok_s)
+from flashmemory.costmodel.anchors import (
+    B200_PD,
+    H20_NODE,
+    RTX6000_NODE,
+    TOLERANCE,
+    anchors,
+    calibrated,
+    calibrated_hisparse,
+    capacity,
+    fit,
+    projections,
+    sized,
+    tok_s,
+)
 from flashmemory.costmodel.hisparse import HiSparseKnobs, swap_kernel_ms
 from flashmemory.costmodel.pools import Serving, bytes_per_full_token
 

@@ -7,8 +7,15 @@ import pytest
 
 from flashmemory.costmodel.anchors import H20_NODE, calibrated, calibrated_hisparse, fit, tok_s
 from flashmemory.costmodel.hisparse import HiSparseKnobs
-from flashmemory.costmodel.hisparse_prefetch import (CONTEXTS, COVERAGES, HIT_RATES, PrefetchKnobs, prefetch_step,
-                                                     projection, table)
+from flashmemory.costmodel.hisparse_prefetch import (
+    CONTEXTS,
+    COVERAGES,
+    HIT_RATES,
+    PrefetchKnobs,
+    prefetch_step,
+    projection,
+    table,
+)
 
 F = fit()
 P = calibrated(H20_NODE, F, fitted_memory=True)

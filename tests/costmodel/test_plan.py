@@ -11,8 +11,8 @@ import pytest
 
 from flashmemory.cli import main
 from flashmemory.costmodel.anchors import capacity, kmax_for, tok_s
-from flashmemory.costmodel.disk import DiskKnobs, disk_point
 from flashmemory.costmodel.bytes import PolicyKnobs
+from flashmemory.costmodel.disk import DiskKnobs, disk_point
 from flashmemory.costmodel.plan import FmSettings, Plan, h20_node, plan, resolve_kmax
 
 M1 = 1048576

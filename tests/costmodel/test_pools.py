@@ -11,8 +11,15 @@ import types
 import pytest
 
 from flashmemory.costmodel.flops import FlashShape
-from flashmemory.costmodel.pools import (Serving, bytes_per_full_token, bytes_per_swa_slot, default_mem_fraction,
-                                         fixed_bytes, padded_bytes_per_token, pool_sizes)
+from flashmemory.costmodel.pools import (
+    Serving,
+    bytes_per_full_token,
+    bytes_per_swa_slot,
+    default_mem_fraction,
+    fixed_bytes,
+    padded_bytes_per_token,
+    pool_sizes,
+)
 
 pc = pytest.importorskip("sglang.srt.model_executor.pool_configurator")
 v4pool = pytest.importorskip("sglang.srt.mem_cache.deepseek_v4_memory_pool")

@@ -9,7 +9,6 @@ import json
 import types
 from pathlib import Path
 
-import pytest
 import torch
 
 from flashmemory.env import FlashMemoryEnv
