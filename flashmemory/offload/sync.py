@@ -9,8 +9,8 @@ table and resident tables come out identical.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 
@@ -52,16 +52,25 @@ class AppendRound:
 
 @dataclass(frozen=True)
 class BatchSync:
+    """batch: the step's engine row per batch position (-1: none), in batch order; the result carries their
+    resident pages as they stand after the sync (None: not read)."""
+
     finished: tuple[int, ...] = ()
     rows: tuple[RowSync, ...] = ()
     appends: tuple[AppendRound, ...] = ()
+    batch: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class SyncResult:
     """cells: per append round, int64 [len(rows)] reserve cells written; mpages: mirror pages (logical order)
-    and n_chunks: history length of every row in `BatchSync.rows` after the sync."""
+    and n_chunks: history length of every row in `BatchSync.rows` after the sync; resident: int64 [len(batch),
+    max_resident_pages + decode_pages] resident logical pages of `BatchSync.batch` (`resident_pages`), None when
+    no batch was given; free_mirror_pages: mirror pages held by no request after the sync (only a sync allocates
+    or frees them, so it stands until the next one)."""
 
     cells: tuple[torch.Tensor, ...] = ()
     mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
     n_chunks: dict[int, int] = field(default_factory=dict)
+    resident: torch.Tensor | None = None
+    free_mirror_pages: int = 0

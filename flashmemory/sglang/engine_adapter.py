@@ -10,15 +10,25 @@ defaults live in `offload_adapter.OffloadAdapter`; `adapter_factory.build` picks
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound
+
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
-from flashmemory.sglang.geometry import (RATIO, PoolGeometry, PoolGeometryError, c4_counts, page_locs,  # noqa: F401
-                                         pool_buffers, read_chunk_rows, read_geometry)
+from flashmemory.sglang.geometry import (  # noqa: F401
+    RATIO,
+    PoolGeometry,
+    PoolGeometryError,
+    c4_counts,
+    page_locs,
+    pool_buffers,
+    read_chunk_rows,
+    read_geometry,
+)
 from flashmemory.sglang.offload_adapter import AllPass, OffloadAdapter  # noqa: F401
 
 
@@ -41,13 +51,9 @@ class SGLangOffload(OffloadAdapter):
         locs = locs.reshape(-1).long()
         ok = (locs >= 0) & (locs < n)
         src = torch.where(ok, locs, torch.zeros_like(locs))
-        cells = self.engine.lut.table[self.loc2m[torch.where(ok, locs, torch.full_like(locs, n))]].long()
-        cells = torch.where(cells >= 0, cells, torch.full_like(cells, self.engine.reserve.sink_cell))
-        fmt, bm = self.layout.kv, self._kv_byte_map
-        src_idx = (src // pc).unsqueeze(1) * fmt.page_bytes + bm[src % pc]
-        dst_idx = (cells // pc).unsqueeze(1) * fmt.page_bytes + bm[cells % pc]
-        dst = self.engine.reserve.kv[layer].view(-1)
-        dst[dst_idx.reshape(-1)] = self.kv_bufs[layer].view(-1)[src_idx.reshape(-1)]
+        m = self.loc2m[torch.where(ok, locs, torch.full_like(locs, n))]   # the core's no_chunk where unknown
+        src_bytes = (src // pc).unsqueeze(1) * self.layout.kv.page_bytes + self._kv_byte_map[src % pc]
+        self.engine.refresh_cells(layer, m, self.kv_bufs[layer], src_bytes, self._kv_byte_map)
 
     def on_c4_store(self, layer: int, locs: torch.Tensor) -> None:
         """Layer `layer` of the pool was written at `locs`: mirror it, and into the reserve where resident."""

@@ -10,7 +10,8 @@ monitor skips its measurement; nothing else changes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def build_monitor(cfg: EscalationConfig | None, eng: OffloadEngine,
     if cfg.cap > eng.cfg.max_resident_pages:
         raise ValueError(f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap "
                          f"{eng.cfg.max_resident_pages}")
-    ctl = EscalationController(cfg, free_blocks=lambda: len(eng.blocks))
+    ctl = EscalationController(cfg, free_blocks=eng.free_blocks)
     native = keys_native_scorer(eng, lambda row, layer, hidden, pos: indexer_query(indexers(), layer, hidden, pos))
     return MissMonitor(eng, native, ctl, eng.layout.target_layers)
 

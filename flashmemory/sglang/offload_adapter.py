@@ -11,8 +11,12 @@ Address spaces (one c4 layer; every c4 layer shares them):
              index-K `pool.c4_indexer_kv_pool.index_k_with_scale_buffer[l]`: uint8 [n_pages, 8448]).
   mirror chunk  the core's key (mirror page * 64 + off).
   cell       reserve block * 64 + off: what attention reads through `reserve_kv(l)` instead of the pool.
-`loc2m` int64 [n_locs + 1] maps pool loc -> mirror chunk (the core's LUT sentinel where unknown; the last entry
-is a sentinel too), so `cells_of(locs) = lut.table[loc2m[locs]]`: two gathers, static tensors, graph safe.
+`loc2m` int64 [n_locs + 1] maps pool loc -> mirror chunk (the core's `no_chunk` where unknown; the last entry
+is `no_chunk` too), so `cells_of(locs) = cell_table[loc2m[locs]]`: two gathers, static tensors, graph safe.
+
+The adapter names no part of the core (its mirror, reserve, lookup table, lock, ...): it calls the core's verbs
+(`OffloadEngine` and `offload.access.CoreAccess`) in the core's addresses, and the core takes its lock inside
+them (tests/sglang/test_core_boundary.py checks it).
 
 Once per decode forward `begin_step` describes the step's lifecycle (finished rows, admissions, added pages,
 append rounds) as one `offload.sync.BatchSync` and hands it to the core in one call (`OffloadEngine.sync_batch`).
@@ -22,16 +26,17 @@ reported them), so building that description reads nothing of the core.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
+from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.sglang.core_config import core_config, serving_tp_size
-from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
 
@@ -69,13 +74,18 @@ class OffloadAdapter:
         self.monitor = build_monitor(self.core.escalation, self.engine, lambda: self.indexers)
         self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(self.core.selection), self.level1_cfg,
                          monitor=self.monitor)
-        self.loc2m = torch.full((geo.n_locs + 1,), self.engine.lut.sentinel, dtype=torch.int64, device=self.device)
+        # What Level 2 reads, lent once by the core (the same storage for its lifetime): the lookup table (mirror
+        # chunk -> reserve cell) and the reserve.
+        self._cells, self._storage = self.engine.cell_table(), self.engine.storage()
+        self.loc2m = torch.full((geo.n_locs + 1,), self.engine.no_chunk, dtype=torch.int64, device=self.device)
         self.rows: dict[str, int] = {}             # rid -> engine row
         self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
         self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
         self.hist: dict[int, int] = {}             # engine row -> history chunks, as the core last reported them
         self._mapped: dict[int, list[int]] = {}    # engine row -> pool pages whose loc2m entries are written
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
+        self._step_pages: torch.Tensor | None = None   # resident pages of step_rows, read by the step's sync
+        self._free_mirror: int | None = None   # the core's free mirror pages after the last sync (None: ask it)
 
     def landing_blocks(self) -> int:
         """Reserve scratch blocks for extend stores (none unless the mode lands extends in the reserve)."""
@@ -89,22 +99,22 @@ class OffloadAdapter:
     @property
     def lut(self) -> torch.Tensor:
         """Int32 [n_locs + 1]: pool loc -> reserve cell, -1 = not resident (last entry -1)."""
-        return self.engine.lut.table[self.loc2m]
+        return self._cells[self.loc2m]
 
     @property
     def resident_mask(self) -> torch.Tensor:
         """Bool [n_locs]: pool loc is resident (mask mode)."""
-        return self.engine.lut.table[self.loc2m[:-1]] >= 0
+        return self._cells[self.loc2m[:-1]] >= 0
 
     def cells_of(self, locs: torch.Tensor) -> torch.Tensor:
         """Top-k pool locs [B, K] (-1 empty) -> reserve cells [B, K] int32, -1 where not resident. Graph safe."""
         n = self.geo.n_locs
         idx = torch.where((locs >= 0) & (locs < n), locs.long(), torch.full_like(locs, n, dtype=torch.long))
-        return self.engine.lut.table[self.loc2m[idx]].to(torch.int32)
+        return self._cells[self.loc2m[idx]].to(torch.int32)
 
     def reserve_kv(self, layer: int) -> torch.Tensor:
         """uint8 [n_blocks, kv_page_bytes]: the reserve of c4 layer `layer`, read by attention."""
-        return self.engine.reserve.kv[layer]
+        return self._storage.reserve_kv[layer]
 
     def reserve_index(self, layer: int) -> torch.Tensor | None:
         """None: the indexer addresses index-K by pool page table, not by reserve block, so handing it the
@@ -194,7 +204,7 @@ class OffloadAdapter:
         if pages:
             pc = self.geo.page_chunks
             idx = (torch.tensor(pages).unsqueeze(1) * pc + torch.arange(pc)).reshape(-1)
-            self.loc2m[idx.to(self.device)] = self.engine.lut.sentinel
+            self.loc2m[idx.to(self.device)] = self.engine.no_chunk
 
     def _unmap(self, row: int) -> None:
         for per_row in (self.pages, self.mpages, self.hist):
@@ -223,7 +233,8 @@ class OffloadAdapter:
         live = set(rids)
         leaving = [row for rid, row in self.rows.items() if rid not in live]
         free_rows = self.cfg.max_rows - (len(self.rows) - len(leaving))
-        free_pages = self.engine.mirror.free_pages + sum(len(self.mpages.get(r, ())) for r in leaving)
+        free = self._free_mirror if self._free_mirror is not None else self.engine.free_mirror_pages()
+        free_pages = free + sum(len(self.mpages.get(r, ())) for r in leaving)
         out = []
         for rid, n in zip(rids, before.tolist()):
             if rid in self.rows or n < 1:
@@ -273,7 +284,9 @@ class OffloadAdapter:
             locs = torch.tensor([self.pages[r][n // pc] * pc + n % pc for _, r, n in lag], dtype=torch.int64)
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
-        res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds)))
+        self._free_mirror = self._step_pages = None   # unknown if the sync raises
+        res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows)))
+        self._free_mirror, self._step_pages = res.free_mirror_pages, res.resident
         self.mpages.update(res.mpages)
         self.hist.update(res.n_chunks)
         for rs in syncs:
@@ -284,54 +297,30 @@ class OffloadAdapter:
 
     # --- copies from sglang's pool (copy mode's stores; either mode's HIP index stores) -----------------
     def _copy_from_pool(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> None:
-        """Pool locs [n] of `layers` -> mirror, and -> the reserve where resident (one gather per pool layer)."""
-        eng, pc = self.engine, self.geo.page_chunks
+        """Pool locs [n] of `layers` -> the core's `store_chunks` (mirror, and the reserve where resident; one
+        gather per pool layer). Locs without a mirror chunk are left out."""
         locs = locs.to(self.device).long()
         m = self.loc2m[locs.clamp(0, self.geo.n_locs)]
-        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != eng.lut.sentinel)
+        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != self.engine.no_chunk)
         if not bool(ok.any()):
             return
         locs, m = locs[ok], m[ok]
-        layers = list(layers)
-        every = layers == list(range(self.geo.n_c4_layers))
-        with eng.lock:
-            cells = eng.lut.table[m].long()
-            res = cells >= 0
-            if kv:  # one gather per pool layer (separate tensors), one scatter into the mirror and the reserve
-                rows = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, layers)          # [len(layers), n, 584]
-                mr, mo = eng.mirror.rows((m // pc).cpu(), write=True), (m % pc).cpu()   # pages -> DRAM rows
-                hit = bool(res.any())
-                if hit:
-                    rc, rr, rrows = cells[res] // pc, cells[res] % pc, rows[:, res.cpu()].to(self.device)
-                for j, l in enumerate(layers if not every else [None]):
-                    sel = slice(None) if every else slice(j, j + 1)
-                    self.layout.kv.write_chunks(eng.mirror.kv if every else eng.mirror.kv[l:l + 1], mr, mo, rows[sel])
-                    if hit:
-                        self.layout.kv.write_chunks(eng.reserve.kv if every else eng.reserve.kv[l:l + 1], rc, rr, rrows[sel])
-            if index:
-                for l in layers:
-                    self._copy_index(l, locs, m, cells, res)
-
-    def _copy_index(self, l: int, locs: torch.Tensor, m: torch.Tensor, cells: torch.Tensor, res: torch.Tensor) -> None:
-        eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
-        rows = read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0]
-        if l in lay.target_layers:
-            buf = eng.target.pages[eng.target.layers.index(l)]
-            lay.index.write_chunks(buf, (m // pc).to(buf.device), (m % pc).to(buf.device), rows.to(buf.device))
-        elif l in lay.offload_index_layers:
-            i, mr = lay.offload_index_layers.index(l), eng.mirror.rows((m // pc).cpu(), True)   # -> DRAM rows
-            lay.index.write_chunks(eng.mirror.index[i], mr, (m % pc).cpu(), rows)
-            if bool(res.any()):
-                lay.index.write_chunks(eng.reserve.index[i], cells[res] // pc, cells[res] % pc, rows[res.cpu()].to(self.device))
+        layers, lay = list(layers), self.layout
+        rows = read_chunk_rows(lay.kv, self.kv_bufs, locs, layers) if kv else None   # [len(layers), n, 584]
+        kept = set(lay.target_layers) | set(lay.offload_index_layers)   # the index-K the core keeps
+        ix = [read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None
+              for l in layers] if index else None
+        self.engine.store_chunks(m, layers, rows, ix)
 
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
         """sglang stored index-K of `layer` at pool locs (HIP path): mirror / target pool / reserve."""
         self._copy_from_pool(locs.reshape(-1), [layer], kv=False, index=True)
 
     # --- Level 1 / Level 2 / stats -------------------------------------------------------------------
-    def level1(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def level1(self, snapshot: dict[str, torch.Tensor]) -> None:
         """One decode step's Level-1 call (cadence and async are Level1's). snapshot: hidden_{layer} [B, hidden]
-        for the target layers (absent without a retriever), positions [B]. Returns {"pages": [B, res_cap]}.
+        for the target layers (absent without a retriever), positions [B]. The cycle's pages appear in the core's
+        tables when it publishes (read them with `resident_pages`).
 
         The tensors may be views of the runtime's static side band: `Level1.on_step` copies the due rows
         (index_select + clone) on the caller's stream, so the next forward may overwrite them. A snapshot
@@ -355,21 +344,24 @@ class OffloadAdapter:
             if bad is None or self.make_failure is None:
                 raise
             raise self.make_failure(bad.rid, "level1", str(bad)) from e   # the guard fails that request alone
-        return {"pages": self.resident_pages(rows)}
 
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
         """Int64 [B, kmax + decode_pages] resident logical pages per row, ascending, -1 padded (-1 rows: all -1)."""
-        r = rows.to(self.device).long()
-        with self.engine.lock:
-            p = self.engine.res_pages[r.clamp_min(0)].long()
-        return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
+        return self.engine.resident_pages(rows)
+
+    def step_resident_pages(self) -> torch.Tensor:
+        """`resident_pages(step_rows)` as the step's sync read them: current until `close_forward`, since the core's
+        forward gate (taken by `open_forward`) holds Level-1 publishes back until then."""
+        if self._step_pages is None:
+            return self.resident_pages(self.step_rows)
+        return self._step_pages
 
     def stats(self) -> dict[str, float]:
         """The keys of `flashmemory.sglang.prometheus.METRICS`."""
         eng = self.engine
         snap = eng.metrics()["total"]
         hist = sum(n for _, n in eng.snapshot_rows().values())
-        rb = eng.reserve.recall_blocks
+        rb = self.cfg.recall_blocks
         return {"recall_bytes": float(snap["recall_bytes"]), "recall_pages": float(snap["recall_pages"]),
                 "warm_start_pages": float(snap["warm_start_pages"]),
                 "level1_cycles": float(snap["cycles"]),
@@ -382,9 +374,7 @@ class OffloadAdapter:
     def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
         if self.monitor is None:
             return {}
-        with self.engine.lock:
-            recent = list(self.engine.stats.miss_recent)
-        return monitor_stats(snap, recent)
+        return monitor_stats(snap, self.engine.recent_misses())
 
     def check_level1_scores(self, check: Callable[[str, torch.Tensor], None]) -> None:
         """Run `check(rid, scores)` on every Level-1 score vector (float [n_hist]) before the page policy sees it;
@@ -400,8 +390,18 @@ class OffloadAdapter:
         scorer.flashmemory_checked = True
         self.l1.scorer = scorer
 
+    def open_forward(self, is_decode: bool) -> None:
+        """Before any non-idle forward: the core learns the forward's stream and holds Level-1 table writes until
+        `close_forward`; then the mode's `begin_forward`."""
+        self.engine.begin_forward()
+        self.begin_forward(is_decode)
+
+    def close_forward(self) -> None:
+        """The forward is enqueued (or raised): Level-1 table writes may land. Idempotent."""
+        self.engine.end_forward()
+
     def close(self) -> None:
-        self.engine.order.end_forward()   # the worker may wait for the forward gate this thread holds
+        self.engine.end_forward()   # the worker may wait for the forward gate this thread holds
         self.l1.close()
         if self.tier is not None:
             self.tier.close()

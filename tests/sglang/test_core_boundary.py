@@ -26,22 +26,7 @@ CORE_CLASSES = frozenset({"OffloadEngine", "TieredEngine"})
 ADAPTER_CLASSES = frozenset({"OffloadAdapter", "SGLangOffload", "ShrunkOffload"})
 # (file, function) -> reach-throughs still to convert.
 KNOWN: dict[tuple[str, str], int] = {
-    ("engine_adapter.py", "SGLangOffload.refresh_from_pool"): 3,
     ("hooks.py", "after_on_idle"): 1,
-    ("miss_monitor.py", "build_monitor"): 1,
-    ("offload_adapter.py", "OffloadAdapter.__init__"): 1,
-    ("offload_adapter.py", "OffloadAdapter.lut"): 1,
-    ("offload_adapter.py", "OffloadAdapter.resident_mask"): 1,
-    ("offload_adapter.py", "OffloadAdapter.cells_of"): 1,
-    ("offload_adapter.py", "OffloadAdapter.reserve_kv"): 1,
-    ("offload_adapter.py", "OffloadAdapter._unmap_pages"): 1,
-    ("offload_adapter.py", "OffloadAdapter.admission_refusals"): 1,
-    ("offload_adapter.py", "OffloadAdapter._copy_from_pool"): 6,
-    ("offload_adapter.py", "OffloadAdapter._copy_index"): 4,
-    ("offload_adapter.py", "OffloadAdapter.resident_pages"): 2,
-    ("offload_adapter.py", "OffloadAdapter.stats"): 1,
-    ("offload_adapter.py", "OffloadAdapter._monitor_stats"): 2,
-    ("offload_adapter.py", "OffloadAdapter.close"): 1,
     ("prometheus.py", "serving_gauges"): 3,
     ("runtime.py", "Runtime.before_forward"): 1,
     ("runtime.py", "Runtime.after_decode_forward"): 1,
