@@ -294,7 +294,7 @@ def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     if engine is None or not _scheduler_idle(self):
         return
     if engine.rows:
-        engine.engine.order.end_forward()   # a forward that raised never released the gate the worker waits for
+        engine.close_forward()   # a forward that raised never released the gate the worker waits for
         engine.l1.wait()   # a Level-1 cycle in flight publishes (or is discarded) first
         engine.begin_step([], torch.empty((0, 1), dtype=torch.int64), torch.empty(0, dtype=torch.int64))
         RUNTIME.guard.idle_published = False

@@ -105,16 +105,9 @@ def failure_counter(registry: Any = None) -> Any:
 
 
 def serving_gauges(adapter: Any) -> dict[str, float]:
-    """The `SERVING_METRICS` of a Path-P adapter (`engine_adapter.SGLangOffload`), read under the engine's lock:
-    rows of the adapter (rid -> engine row), the reserve's free recall blocks and the mirror's pages in use."""
-    eng = adapter.engine
-    with eng.lock:
-        mirror = eng.mirror
-        return {"live_requests": float(len(adapter.rows)), "free_reserve_blocks": float(len(eng.blocks)),
-                "reserve_blocks": float(eng.cfg.recall_blocks),
-                "host_mirror_bytes_in_use": float(mirror.slots_in_use * mirror.page_bytes),
-                "host_mirror_bytes": float(mirror.physical_bytes),
-                "host_mirror_slots_in_use": float(mirror.slots_in_use)}
+    """The `SERVING_METRICS` of a Path-P adapter (`engine_adapter.SGLangOffload`): rows of the adapter (rid ->
+    engine row), and the core's occupancy (free recall blocks, mirror pages in use), read under its lock."""
+    return {"live_requests": float(len(adapter.rows)), **adapter.engine.occupancy()}
 
 
 def metrics_table() -> str:

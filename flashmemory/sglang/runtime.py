@@ -311,8 +311,7 @@ class Runtime:
         if self.engine is not None and not forward_batch.forward_mode.is_idle():
             # The stream this forward is enqueued on (sglang's current one here: forward_stream under overlap,
             # schedule_stream without) goes to the core, whose gate holds Level-1 table writes until after it.
-            self.engine.engine.order.begin_forward()
-            self.engine.begin_forward(decode)   # shrink mode: where this forward's c4 stores land
+            self.engine.open_forward(decode)   # then (shrink mode) where this forward's c4 stores land
             if not decode and self.engine.extend_reads_reserve and getattr(forward_batch, "rids", None):
                 # Its stores are kept (landing -> mirror), but its c4 attention reads the reserve by pool loc.
                 # sglang 0.5.23 re-bootstraps retracted DSv4 requests through P, so a PD decode server should
@@ -334,7 +333,7 @@ class Runtime:
             # alone: live, a fresh server's first request decoded one token unlike stock's.
             self.level2_buffers(len(rids), req_to_token.device)
         if self.bufs is not None and rids:
-            pages = self.engine.resident_pages(rows)
+            pages = self.engine.step_resident_pages()
             k = min(pages.shape[1], self.bufs.sel_pages.shape[1])
             self.bufs.back_pages[: len(rids)].fill_(-1)
             self.bufs.back_pages[: len(rids), :k] = pages[:, :k].to(self.bufs.back_pages.device)
@@ -356,7 +355,7 @@ class Runtime:
         self.steps += 1
         if self.engine is None:
             return
-        self.engine.engine.order.end_forward()   # the forward is enqueued: Level-1 table writes may land now
+        self.engine.close_forward()   # the forward is enqueued: Level-1 table writes may land now
         # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
         # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
         self.engine.settle()
@@ -374,7 +373,7 @@ class Runtime:
     def after_extend_forward(self) -> None:
         """Shrink mode: the extend's landing cells -> the mirror."""
         if self.engine is not None:
-            self.engine.engine.order.end_forward()
+            self.engine.close_forward()
             self.engine.end_extend()
 
 

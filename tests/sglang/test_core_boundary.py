@@ -26,11 +26,6 @@ CORE_CLASSES = frozenset({"OffloadEngine", "TieredEngine"})
 ADAPTER_CLASSES = frozenset({"OffloadAdapter", "SGLangOffload", "ShrunkOffload"})
 # (file, function) -> reach-throughs still to convert.
 KNOWN: dict[tuple[str, str], int] = {
-    ("hooks.py", "after_on_idle"): 1,
-    ("prometheus.py", "serving_gauges"): 3,
-    ("runtime.py", "Runtime.before_forward"): 1,
-    ("runtime.py", "Runtime.after_decode_forward"): 1,
-    ("runtime.py", "Runtime.after_extend_forward"): 1,
     ("shrink.py", "ShrunkOffload._shrink"): 2,
     ("shrink.py", "ShrunkOffload.store_cells"): 2,
     ("shrink.py", "ShrunkOffload._landing_cells"): 1,
