@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from flashmemory.dump.format import N_LOGIT_TOKENS, STORE_TOPK_MODES, DumpDoc
 from flashmemory.dump.inputs import InputItem

@@ -6,8 +6,8 @@ the hash of the item's messages and answer) are skipped; new documents continue 
 An item whose content changed since (the input was edited, or it is another file of the same name) is
 dumped again as a new document, with a message naming the items; the earlier document stays (it is valid
 for the input it was made from). Documents of an older version carry no hash: they count as done by file
-name and index, with a message saying so. A per-item `DumpItemError` is reported, recorded in `failed_items.jsonl` (a rerun
-skips it unless `retry_failed`) and skipped; any other exception stops the run (non-zero exit) after
+name and index, with a message saying so. A per-item `DumpItemError` is reported, recorded in `failed_items.jsonl`
+(a rerun skips it unless `retry_failed`) and skipped; any other exception stops the run (non-zero exit) after
 everything committed so far is safely on disk.
 """
 

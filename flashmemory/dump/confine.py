@@ -25,8 +25,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from flashmemory.dump.outdir import tmp_name
 from flashmemory.dump.protocol import PARAM_KEY, DumpProtocolError, DumpRequest

@@ -20,7 +20,6 @@ A document is complete only once its line is in `server_metadata.jsonl` (the wri
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
@@ -75,7 +74,8 @@ class DumpDoc:
     topp: float = 0.6
     min_layers: int = 3
     input_ids: torch.Tensor | None = None     # [P+T] int64
-    native_topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # C -> ([S,k] i32, [S,k] f32)
+    # C -> ([S,k] i32, [S,k] f32)
+    native_topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     native_topk_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [S] int32
 
     @property
@@ -130,9 +130,11 @@ class DumpDoc:
                 raise bad(f"compk_layer_{L}", f"{c.dtype} {tuple(c.shape)}, expected uint8 [N, D+4]")
             L0 = self.target_layers[0]
             if c.shape != self.compk[L0].shape:
-                raise bad(f"compk_layer_{L}", f"shape {tuple(c.shape)} != compk_layer_{L0} {tuple(self.compk[L0].shape)}")
+                raise bad(f"compk_layer_{L}",
+                          f"shape {tuple(c.shape)} != compk_layer_{L0} {tuple(self.compk[L0].shape)}")
             if h.shape != self.hidden[L0].shape:
-                raise bad(f"hidden_layer_{L}", f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}")
+                raise bad(f"hidden_layer_{L}",
+                          f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}")
             if not torch.equal(p, self.positions[L0]):
                 raise bad(f"positions_layer_{L}", f"differs from positions_layer_{L0}")
         for L in self.target_layers:
@@ -157,9 +159,11 @@ class DumpDoc:
         if S and not self.native_topk:
             raise bad(TOPK_STEPS_KEY, f"{S} stored steps but no native_topk_idx/val_layer_* tensors")
         if self.native_topk and not S:
-            raise bad(TOPK_STEPS_KEY, f"missing or empty, but native top-k of layers {sorted(self.native_topk)} is stored")
+            raise bad(TOPK_STEPS_KEY,
+                      f"missing or empty, but native top-k of layers {sorted(self.native_topk)} is stored")
         if S and (int(st.min()) < 0 or int(st.max()) >= T or (S > 1 and bool((st[1:] <= st[:-1]).any()))):
-            raise bad(TOPK_STEPS_KEY, f"must be strictly ascending decode steps in [0, T={T}), got {st.tolist()[:8]}...")
+            raise bad(TOPK_STEPS_KEY,
+                      f"must be strictly ascending decode steps in [0, T={T}), got {st.tolist()[:8]}...")
         k0 = None
         n_vis = self.n_chunks_at[st.long()] if S and self.positions else None
         for C, (idx, val) in sorted(self.native_topk.items()):

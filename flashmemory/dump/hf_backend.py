@@ -9,7 +9,7 @@ native indexer logits of every c4 layer at that row. The same rows give the stor
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

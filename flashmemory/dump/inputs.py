@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 BOXED = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 ROLES = ("system", "user", "assistant")
@@ -95,7 +95,9 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as e:
-            raise InputError(f"{p}: not valid JSON (line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)})") from None
+            raise InputError(
+                f"{p}: not valid JSON (line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)})"
+            ) from None
         if not isinstance(data, list):
             raise InputError(f"{p}: expected a JSON list of items, got {type(data).__name__}")
         for i, obj in enumerate(data):

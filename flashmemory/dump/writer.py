@@ -131,7 +131,9 @@ def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
         "n_total_labels": int(doc.label_indices.numel()),
         "hidden_shapes": {str(L): list(doc.hidden[L].shape) for L in doc.target_layers},
         "compk_shapes": {str(L): list(doc.compk[L].shape) for L in doc.target_layers},
-        "logits_shapes": {f"logits_layer_{L}_token_{t}": list(v.shape) for (L, t), v in sorted(doc.native_logits.items())},
+        "logits_shapes": {
+            f"logits_layer_{L}_token_{t}": list(v.shape) for (L, t), v in sorted(doc.native_logits.items())
+        },
         "target_csa_layers": doc.target_layers,
         "native_topk_steps": int(doc.native_topk_steps.numel()) if doc.native_topk else 0,
         "native_topk_layers": sorted(doc.native_topk),

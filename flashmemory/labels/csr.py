@@ -85,7 +85,8 @@ class LabelsCSR:
     @classmethod
     def from_entries(cls, row: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, n_tokens: int) -> "LabelsCSR":
         """Build from entries already grouped by row (row ascending): row/idx/score [E] integer tensors."""
-        counts = torch.bincount(row.long(), minlength=n_tokens) if row.numel() else torch.zeros(n_tokens, dtype=torch.long)
+        counts = (torch.bincount(row.long(), minlength=n_tokens) if row.numel()
+                  else torch.zeros(n_tokens, dtype=torch.long))
         if counts.numel() != n_tokens:
             raise LabelsError(f"entry row ids reach {counts.numel() - 1} but n_tokens is {n_tokens}")
         ptr = torch.zeros(n_tokens + 1, dtype=torch.int64)

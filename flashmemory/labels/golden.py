@@ -12,7 +12,7 @@ with -inf. `n_visible` may be passed instead/as well to mask columns explicitly.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -58,7 +58,9 @@ def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[s
     raise CheckpointError(f"{p}: unknown checkpoint type {p.suffix!r} (use .safetensors or .pt)")
 
 
-def split_layers(state: dict[str, torch.Tensor], single_layer_id: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
+def split_layers(
+    state: dict[str, torch.Tensor], single_layer_id: int | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
     """Group a state dict by layer: joint keys by their `l{id}` prefix; unprefixed keys as `single_layer_id`."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     plain: dict[str, torch.Tensor] = {}

@@ -12,8 +12,14 @@ import sys
 from pathlib import Path
 
 from flashmemory.errors import fail
-from flashmemory.retriever.checkpoint import (CheckpointError, checkpoint_keys, inspect_checkpoint, load_retriever,
-                                              save_retriever, unused_keys)
+from flashmemory.retriever.checkpoint import (
+    CheckpointError,
+    checkpoint_keys,
+    inspect_checkpoint,
+    load_retriever,
+    save_retriever,
+    unused_keys,
+)
 
 DEFAULT_REPO = "libertywing/FlashMemory-Deepseek-V4"
 DEFAULT_FILE = "top3_R930_joint.pt"
@@ -166,6 +172,7 @@ def _reachable(timeout: float) -> str:
     import socket
     import urllib.parse
     import urllib.request
+
     from huggingface_hub import constants
     url = urllib.parse.urlsplit(constants.ENDPOINT)
     if urllib.request.getproxies().get(url.scheme):

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import random
 
-from flashmemory.tasks.haystack import NOUNS, Built, SentenceStream, distinct_keys, insert_at_depths, number, \
-    token_fraction
+from flashmemory.tasks.haystack import (
+    NOUNS,
+    Built,
+    SentenceStream,
+    distinct_keys,
+    insert_at_depths,
+    number,
+    token_fraction,
+)
 from flashmemory.tasks.tokenizer import Tokenizer
 
 INTRO = "some special magic numbers are hidden inside the following text. memorize them. i will quiz you " \

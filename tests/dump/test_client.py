@@ -3,6 +3,7 @@ import pytest
 from flashmemory.dump import list_docs, load_doc, read_metadata
 from flashmemory.dump.backend import DumpBackendError, DumpConfig, DumpItemError, resolve_target_layers
 from flashmemory.dump.client import run_dump
+
 from .synth import make_doc
 
 

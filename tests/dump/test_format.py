@@ -6,6 +6,7 @@ import torch
 
 from flashmemory.dump import DumpFormatError, list_docs, load_doc, read_metadata
 from flashmemory.dump.writer import DumpWriter, save_doc_file
+
 from .synth import make_doc
 
 
@@ -85,6 +86,7 @@ def test_list_and_metadata(tmp_path):
     assert m["target_csa_layers"] == [1, 3] and len(m["logits_shapes"]) == 6
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "server_metadata.jsonl").write_text('{"doc_index": 0, "filename": "a"}\nnot json\n{"doc_index": 1, "filename": "b"}\n')
+    (bad / "server_metadata.jsonl").write_text('{"doc_index": 0, "filename": "a"}\nnot json\n'
+                                               '{"doc_index": 1, "filename": "b"}\n')
     with pytest.raises(DumpFormatError, match="server_metadata.jsonl:2"):
         read_metadata(bad)

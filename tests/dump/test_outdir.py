@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from flashmemory.dump import DumpWriter, list_docs, load_doc, read_metadata
 from flashmemory.dump.errors import DumpOutputError
 from flashmemory.dump.writer import save_doc_file
+
 from .synth import make_doc
 
 ROOT = Path(__file__).resolve().parents[2]

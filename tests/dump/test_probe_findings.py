@@ -3,9 +3,6 @@
 the code before its fix."""
 
 import json
-import math
-import os
-import shutil
 
 import pytest
 import torch
@@ -16,9 +13,12 @@ from flashmemory.dump.backend import DumpConfig
 from flashmemory.dump.client import run_dump
 from flashmemory.dump.outdir import is_own_tmp, tmp_name
 from flashmemory.dump.writer import doc_tensors
+
+from . import test_sglang_backend
 from .synth import make_doc
 from .test_client import FakeBackend
-from .test_sglang_backend import server  # noqa: F401 - the stand-in dump server fixture
+
+server = test_sglang_backend.server   # the stand-in dump server fixture, found by pytest under this name
 
 
 def _lines(path, prompts):
@@ -267,8 +267,9 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
 #    exception or a timeout ----------------------------------------------------------------------------------
 
 def _recorder_with_open_doc(tmp_path):
-    from .test_server_confinement import _feed, _req
     from flashmemory.sglang.dump_mode import DumpRecorder
+
+    from .test_server_confinement import _feed, _req
     root = tmp_path / "root"
     root.mkdir()
     rec = DumpRecorder(index_topk=8, root=root)
@@ -299,6 +300,7 @@ def test_finalize_into_a_folder_at_the_documents_name_is_one_log_line(tmp_path, 
 ])
 def test_the_client_names_an_unusable_directory_at_once(tmp_path, damage, why):
     import time
+
     from flashmemory.dump.backend import DumpItemError
     from flashmemory.dump.sglang_backend import SGLangBackend
     be = object.__new__(SGLangBackend)              # no server: only the wait for its file is under test

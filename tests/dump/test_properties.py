@@ -15,6 +15,7 @@ from flashmemory.dump.format import doc_from_tensors
 from flashmemory.dump.protocol import PARAM_KEY, DumpProtocolError, DumpRequest
 from flashmemory.dump.writer import save_doc_file
 from flashmemory.sglang.dump_mode import parse_request
+
 from .synth import make_doc
 
 FIELDS = ["version", "pass", "doc_index", "output_dir", "topp", "min_layers", "target_csa_layers", "n_logit_tokens",
@@ -24,7 +25,8 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
            | st.text(max_size=12))
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+json_values = st.recursive(scalars,
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
                            max_leaves=12)
 field_values = {
     "version": st.sampled_from([1, 2, 3, 2.0, "2"]) | json_values,
@@ -41,7 +43,8 @@ field_values = {
 }
 blocks = st.fixed_dictionaries({}, optional={k: v for k, v in field_values.items()})
 custom_params = (json_values | st.builds(lambda b: {PARAM_KEY: b}, blocks)
-                 | st.builds(lambda b, extra: {PARAM_KEY: b, **extra}, blocks, st.dictionaries(st.text(max_size=5), json_values, max_size=2)))
+                 | st.builds(lambda b, extra: {PARAM_KEY: b, **extra}, blocks,
+                             st.dictionaries(st.text(max_size=5), json_values, max_size=2)))
 
 
 @SETTINGS
@@ -151,6 +154,7 @@ def test_metadata_reader_on_generated_lines(tmp_path, lines, torn):
 @given(data=st.data())
 def test_doc_from_tensors_on_a_valid_doc_with_keys_replaced_or_dropped(data):
     from flashmemory.dump.writer import doc_tensors
+
     from .test_topk_store import add_topk
     doc = add_topk(make_doc(0, P=9, T=3, hidden=4, D=4), [0, 2], 3, 2)
     ts, meta = doc_tensors(doc)

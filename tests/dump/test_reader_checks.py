@@ -8,8 +8,9 @@ import pytest
 from flashmemory.cli import main
 from flashmemory.dump import DumpFormatError, DumpWriter, list_docs, load_doc, read_metadata
 from flashmemory.dump.writer import doc_tensors, save_doc_file
-from flashmemory.train.dataset import resolve_docs
 from flashmemory.train.data_config import DataConfigError, DataSpec
+from flashmemory.train.dataset import resolve_docs
+
 from .synth import make_doc
 
 
@@ -75,7 +76,8 @@ def test_eval_and_verify_refuse_an_outside_filename_too(tmp_path, teacher, capsy
     with open(d / "server_metadata.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
     ck = save_retriever(teacher, tmp_path / "t.safetensors")
-    for argv in (["eval", "--checkpoint", str(ck), "--dump", str(d)], ["verify", "--checkpoint", str(ck), "--dump", str(d)]):
+    for argv in (["eval", "--checkpoint", str(ck), "--dump", str(d)],
+                 ["verify", "--checkpoint", str(ck), "--dump", str(d)]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "server_metadata.jsonl:2: filename '../elsewhere/doc_00001.safetensors' is outside" in err, err

@@ -13,6 +13,7 @@ from flashmemory.dump.cli import main
 from flashmemory.dump.format import topk_store_steps
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.dump.writer import save_doc_file
+
 from .synth import make_doc
 from .test_topk_store import add_topk
 
@@ -41,7 +42,8 @@ class StandIn(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self._send({"data": [{"id": "stand-in"}]} if self.path == "/v1/models" else {}, 200 if self.path == "/v1/models" else 404)
+        models = self.path == "/v1/models"
+        self._send({"data": [{"id": "stand-in"}]} if models else {}, 200 if models else 404)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -86,7 +88,8 @@ def test_two_pass_dump_via_stand_in(server, tmp_path):
     assert all(b["max_tokens"] == 2 and b["messages"][-1]["role"] == "assistant" for b in p2)
     assert {b["messages"][-1]["content"] for b in p2} == {"response 0", "response 1", "response 2"}
     docs = [load_doc(p) for p in list_docs(out)]
-    assert [d.doc_index for d in docs] == [0, 1, 2] and [d.rid for d in docs] == [f"tiny_chat.jsonl:{i}" for i in range(3)]
+    assert [d.doc_index for d in docs] == [0, 1, 2]
+    assert [d.rid for d in docs] == [f"tiny_chat.jsonl:{i}" for i in range(3)]
     for d in docs:
         assert d.target_layers == [10, 12] and all((c == 7).all() for c in d.compk.values())  # pass-2 keys merged
         assert d.labels.to_rows() == make_doc(d.doc_index).labels.to_rows()
@@ -114,6 +117,7 @@ def test_store_topk_reaches_the_server_and_the_committed_doc(server, tmp_path, c
 
 def test_a_server_that_drops_the_topk_fails_the_item_clearly(server, tmp_path):
     import io
+
     from flashmemory.dump.backend import DumpConfig
     from flashmemory.dump.client import run_dump
     from flashmemory.dump.sglang_backend import SGLangBackend

@@ -7,6 +7,7 @@ from flashmemory.dump import DumpFormatError, load_doc
 from flashmemory.dump.backend import DumpConfig
 from flashmemory.dump.format import native_topk_rows, topk_store_steps
 from flashmemory.dump.writer import doc_tensors, save_doc_file
+
 from .synth import make_doc
 
 
@@ -25,7 +26,8 @@ def test_round_trip_of_topk_keys(tmp_path):
     doc = add_topk(make_doc(2, P=13, T=9), [0, 4, 8], k=6)  # step 0 sees 3 chunks < k: padded with -1
     tensors, _ = doc_tensors(doc)
     assert tensors["native_topk_steps"].dtype == torch.int32
-    assert tensors["native_topk_idx_layer_3"].shape == (3, 6) and tensors["native_topk_val_layer_3"].dtype == torch.float32
+    assert tensors["native_topk_idx_layer_3"].shape == (3, 6)
+    assert tensors["native_topk_val_layer_3"].dtype == torch.float32
     back = load_doc(save_doc_file(tmp_path / "doc_00002.safetensors", doc))
     assert back.native_topk_steps.tolist() == [0, 4, 8] and sorted(back.native_topk) == [0, 1, 2, 3]
     for C in range(4):

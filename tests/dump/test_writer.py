@@ -1,6 +1,7 @@
 import pytest
 
 from flashmemory.dump import DumpFormatError, DumpWriter, list_docs, load_doc, read_metadata
+
 from .synth import make_doc
 
 

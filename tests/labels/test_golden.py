@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashmemory.labels import LabelsError, golden_labels, layer_nucleus
+
 from .brute import assert_rows_agree, brute_golden, brute_margins
 
 

@@ -3,6 +3,7 @@ import torch
 
 import flashmemory.labels.lookahead as la
 from flashmemory.labels import LabelsCSR, LabelsError, lookahead_union, lookahead_union_all
+
 from .brute import brute_union
 
 

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmemory.retriever.checkpoint import (CheckpointError, inspect_checkpoint, load_retriever, read_state,
-                                              save_retriever)
+from flashmemory.retriever.checkpoint import (
+    CheckpointError,
+    inspect_checkpoint,
+    load_retriever,
+    read_state,
+    save_retriever,
+)
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig
 

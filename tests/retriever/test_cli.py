@@ -122,6 +122,7 @@ def test_download_reports_hub_errors_and_success(monkeypatch: pytest.MonkeyPatch
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     import flashmemory.retriever.cli as cli
     monkeypatch.setattr(cli, "_reachable", lambda timeout: "")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.retriever.fp8 import (chunk_bytes, chunks_to_pages, dequantize_chunks, pages_to_chunks,
-                                       quantize_chunks, split_chunks)
+from flashmemory.retriever.fp8 import (
+    chunk_bytes,
+    chunks_to_pages,
+    dequantize_chunks,
+    pages_to_chunks,
+    quantize_chunks,
+    split_chunks,
+)
 
 
 def keys(n: int, d: int, seed: int = 0) -> torch.Tensor:
