@@ -4,7 +4,8 @@ Its parts (mirror, reserve, lookup table, target pool, recaller, block list, res
 order, lock) are its own: callers outside `flashmemory.offload` and `flashmemory.residency` use the lifecycle
 verbs here (`sync_batch` for a whole decode step; `admit`, `decode_append`, `add_pages`, `open_tail_page`,
 `finish`) and the verbs of `access.CoreAccess` (forward order, Level-2 reads, stores of bytes the caller holds,
-queries). All host bookkeeping happens under the core's lock, taken inside the verbs. Level-1 recall is
+queries; shrink mode's adapter uses `cell_table`, `no_chunk`, `slots`, `storage`, `settle_cells` and
+`store_index_pages`). All host bookkeeping happens under the core's lock, taken inside the verbs. Level-1 recall is
 executed by `engine.recaller` (`flashmemory.offload.recall.Recaller`, built here from the parts it needs; that
 module never imports this one), which takes the same lock to plan and to publish and copies bytes without it.
 Planners outside the core read `snapshot_rows()` instead of the rows.
