@@ -26,8 +26,11 @@ after `tier.put` (the cache holds the bytes, pinned there if the disk refuses th
 tail page in the mirror: its complete pages are packed straight from the chunk rows into the tier (`land`) and
 count as sealed from the start. So host DRAM = slots x page bytes + the bounded page cache. The window holds at
 least max_rows x (LANDED_PAGES + 2) slots (`window_slots`). Shrink mode keeps a full-size mirror (PD lands P's
-KV in it by pool page id through NIXL registration), so `build_engine(full_mirror=True)` ignores the knob.
-Without the window a sealed page's DRAM copy stays in the mirror (the tier then lowers no host DRAM).
+KV in it by pool page id through NIXL registration), so `build_engine(full_mirror=True)` ignores the knob and
+builds a `SparseMirror` instead: one slot per page id at its pool address, backed by DRAM only where it holds
+bytes; `seal` releases a page there too (its OS pages go back), so host DRAM = the landed, not yet sealed pages
++ each live request's tail page + the bounded page cache. An admission's warm start still reads the mirror (the
+bytes just landed; sealing happens at the next step), so the decode thread waits on no disk read for it.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ import torch
 from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_bytes, open_tier, pack_page
 from flashmemory.offload.disk.format import pages_from_chunks
+from flashmemory.offload.disk.sparse_mirror import SparseMirror
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.gather import gather_copy
 from flashmemory.offload.layout import OffloadLayout
+from flashmemory.offload.mirror import HostMirror
 from flashmemory.offload.recall import RecallPlan, RecallRequest
 from flashmemory.offload.rows import RowState
 from flashmemory.offload.sync import BatchSync, SyncResult
@@ -66,19 +71,28 @@ class TieredEngine(OffloadEngine):
 
     tier: a `HostPageCache` whose page_bytes is `disk_page_bytes(layout)`; the engine owns it from here on
     (`close` stops its readers and removes its store file). Keys are (str(rid), logical page).
+    addressed: the mirror is written by page id from outside (shrink mode's PD landing): a `SparseMirror`.
     """
 
-    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, tier: HostPageCache, device: torch.device | str = "cpu",
-                 target_buffers: list[torch.Tensor] | None = None):
+    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, tier: HostPageCache,
+                 device: torch.device | str = "cpu", target_buffers: list[torch.Tensor] | None = None,
+                 addressed: bool = False):
         if tier.page_bytes != disk_page_bytes(layout):
             raise ValueError(f"TieredEngine: the tier's pages hold {tier.page_bytes} B, a mirror page "
                              f"{disk_page_bytes(layout)} B")
+        if addressed and cfg.mirror_slots:
+            raise ValueError("TieredEngine: an addressed mirror keeps one slot per page id (mirror_slots must be 0)")
+        self.addressed = addressed
         super().__init__(layout, cfg, device, target_buffers)
         self.tier = tier
         self.sealed: dict[int, tuple[int, int]] = {}   # row -> (gen, logical pages [0, n) put into the tier)
         self.recalls_waited = 0                         # recall copies that waited for at least one disk read
         self.readahead_pages = 0                        # reads queued when a cycle's selection named cold pages
         self.recaller.source = self
+
+    def make_mirror(self, n_pages: int) -> HostMirror:
+        """A `SparseMirror` when addressed (DRAM only for pages holding bytes), else the plain engine's mirror."""
+        return SparseMirror(self.layout, n_pages) if self.addressed else super().make_mirror(n_pages)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def seal(self, skip: frozenset[int] | set[int] = frozenset()) -> int:
@@ -305,12 +319,14 @@ def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device 
         return OffloadEngine(layout, cfg, device, target_buffers)
     if full_mirror and disk.host_mirror_bytes is not None:
         log.warning("disk tier: SGLANG_PATHP_HOST_MIRROR_GB is ignored in shrink mode: PD lands P's KV in the host "
-                    "mirror by pool page id (NIXL registration), so the mirror keeps one DRAM slot per page")
+                    "mirror by pool page id (NIXL registration), so the mirror spans every page id; it is sparse "
+                    "(DRAM only for pages not yet sealed into the tier)")
     slots = cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg))
     n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
     tier = open_tier(disk, disk_page_bytes(layout), rank, window=(slots or n_pages, n_pages))
     try:
-        return TieredEngine(layout, replace(cfg, mirror_slots=slots or 0), tier, device, target_buffers)
+        return TieredEngine(layout, replace(cfg, mirror_slots=slots or 0), tier, device, target_buffers,
+                            addressed=full_mirror and not slots)
     except BaseException:
         tier.close()
         tier.store.close()

@@ -22,6 +22,7 @@ import torch
 from flashmemory.env import DiskTierConfig
 from flashmemory.offload import BatchSync, OffloadCapacityError, OffloadEngine, check_invariants
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
+from flashmemory.offload.disk.sparse_mirror import SparseMirror
 from flashmemory.offload.tiered_mirror import TieredEngine, build_engine, window_slots
 
 # The tier-on vs tier-off test's engine shape and steps: the window runs the same admissions, appends and recalls.
@@ -154,7 +155,7 @@ def test_build_engine_sizes_and_logs_the_window(tmp_path, caplog):
     caplog.clear()
     eng = build_engine(LAYOUT, CFG, "cpu", disk, full_mirror=True)   # shrink mode: PD lands by pool page id
     try:
-        assert eng.mirror.slot_of is None and eng.mirror.n_slots == 128
+        assert isinstance(eng.mirror, SparseMirror) and eng.mirror.n_slots == 128   # DRAM only where it holds bytes
         assert any("ignored in shrink mode" in r.getMessage() for r in caplog.records)
         assert any("host mirror full size (128 pages" in r.getMessage() for r in caplog.records)
     finally:
