@@ -139,7 +139,8 @@ def parse_buffers(text: str, topk: int, prefetch: bool) -> list[int]:
 def check_args(requests: int, repeats: int, kmax: int, steady_tokens: int) -> None:
     """Raise PeersArgError naming the first bad flag."""
     for flag, v, lo, hi in (("--requests", requests, 1, MAX_REQUESTS), ("--repeats", repeats, 1, 1000),
-                            ("--kmax", kmax, 1, MAX_CONTEXT // 256), ("--steady-tokens", steady_tokens, 2, MAX_CONTEXT)):
+                            ("--kmax", kmax, 1, MAX_CONTEXT // 256),
+                            ("--steady-tokens", steady_tokens, 2, MAX_CONTEXT)):
         if not lo <= v <= hi:
             raise PeersArgError(f"{flag} {v}: must lie in [{lo}, {hi:,}]")
 
