@@ -352,4 +352,4 @@ class OffloadEngine(CoreAccess):
             sts = {rs.row: self._live(rs.row) for rs in sync.rows}
             res = None if sync.batch is None else self.resident_pages(torch.tensor(sync.batch, dtype=torch.int64))
             return SyncResult(cells, {r: tuple(st.mpages) for r, st in sts.items()},
-                              {r: st.n_chunks for r, st in sts.items()}, res, self.mirror.free_pages)
+                              {r: st.n_chunks for r, st in sts.items()}, res)

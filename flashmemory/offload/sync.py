@@ -66,11 +66,9 @@ class SyncResult:
     """cells: per append round, int64 [len(rows)] reserve cells written; mpages: mirror pages (logical order)
     and n_chunks: history length of every row in `BatchSync.rows` after the sync; resident: int64 [len(batch),
     max_resident_pages + decode_pages] resident logical pages of `BatchSync.batch` (`resident_pages`), None when
-    no batch was given; free_mirror_pages: mirror pages held by no request after the sync (only a sync allocates
-    or frees them, so it stands until the next one)."""
+    no batch was given."""
 
     cells: tuple[torch.Tensor, ...] = ()
     mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
     n_chunks: dict[int, int] = field(default_factory=dict)
     resident: torch.Tensor | None = None
-    free_mirror_pages: int = 0

@@ -85,7 +85,6 @@ class OffloadAdapter:
         self._mapped: dict[int, list[int]] = {}    # engine row -> pool pages whose loc2m entries are written
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
         self._step_pages: torch.Tensor | None = None   # resident pages of step_rows, read by the step's sync
-        self._free_mirror: int | None = None   # the core's free mirror pages after the last sync (None: ask it)
 
     def landing_blocks(self) -> int:
         """Reserve scratch blocks for extend stores (none unless the mode lands extends in the reserve)."""
@@ -233,19 +232,22 @@ class OffloadAdapter:
         live = set(rids)
         leaving = [row for rid, row in self.rows.items() if rid not in live]
         free_rows = self.cfg.max_rows - (len(self.rows) - len(leaving))
-        free = self._free_mirror if self._free_mirror is not None else self.engine.free_mirror_pages()
-        free_pages = free + sum(len(self.mpages.get(r, ())) for r in leaving)
+        free_pages: int | None = None   # asked of the core only when a new request needs mirror pages
         out = []
         for rid, n in zip(rids, before.tolist()):
             if rid in self.rows or n < 1:
                 continue
             need = self._mirror_pages_needed(n)
+            if need and free_pages is None:
+                free_pages = self.engine.free_mirror_pages() + sum(len(self.mpages.get(r, ())) for r in leaving)
             if free_rows < 1:
                 out.append((rid, f"more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests"))
-            elif need > free_pages:
+            elif need and need > (free_pages or 0):
                 out.append((rid, f"host mirror full: its {n} c4 chunks need {need} pages, {free_pages} free"))
             else:
-                free_rows, free_pages = free_rows - 1, free_pages - need
+                free_rows -= 1
+                if need:
+                    free_pages = (free_pages or 0) - need
         return out
 
     def begin_step(self, rids: Sequence[str], page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -284,9 +286,9 @@ class OffloadAdapter:
             locs = torch.tensor([self.pages[r][n // pc] * pc + n % pc for _, r, n in lag], dtype=torch.int64)
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
-        self._free_mirror = self._step_pages = None   # unknown if the sync raises
+        self._step_pages = None   # unknown if the sync raises
         res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows)))
-        self._free_mirror, self._step_pages = res.free_mirror_pages, res.resident
+        self._step_pages = res.resident
         self.mpages.update(res.mpages)
         self.hist.update(res.n_chunks)
         for rs in syncs:
