@@ -41,7 +41,7 @@ def _tuple(kind):
         try:
             return tuple(kind(x) for x in s.split(",") if x.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {s!r}") from None
     return parse
 
 

@@ -2,7 +2,8 @@
 
 A `Doc` is one chat prompt (tiny word-level tokenizer, `<bos> <|user|> ... <|end|> <|assistant|>`) followed
 by its answer tokens and `<|end|>`. Answers are the suite's: the number (mqar: the asked
-numbers, comma-separated, in the asked order), vt: the chain's names, mrcr: prefix + the copied response. The loss and the accuracy are on the answer tokens only. Every document
+numbers, comma-separated, in the asked order), vt: the chain's names, mrcr: prefix + the copied response.
+The loss and the accuracy are on the answer tokens only. Every document
 fits `length` tokens; batches are right-padded (pads sit after every scored token, so they change nothing
 a causal model scores).
 

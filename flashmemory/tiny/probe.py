@@ -130,7 +130,8 @@ def probe_table(rows: list[ProbeRow], index_topk: int) -> str:
             "(step x layer pairs) | copied-token recall per c4 layer |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.task} | {r.n_docs} | {r.acc_full:.3f} | {r.acc_mask_answer:.3f} | {r.acc_mask_random:.3f} | "
+        lines.append(f"| {r.task} | {r.n_docs} | {r.acc_full:.3f} | {r.acc_mask_answer:.3f} | "
+                     f"{r.acc_mask_random:.3f} | "
                      f"{r.tok_acc_full:.3f} / {r.tok_acc_mask_answer:.3f} / {r.tok_acc_mask_random:.3f} | "
                      f"{r.masked_entries:.1f} | {r.recall_all:.3f} / {r.recall_any:.3f} / {r.recall_token:.3f} "
                      f"({r.n_answer_steps}) | {' / '.join(f'{x:.2f}' for x in r.recall_token_by_layer)} |")

@@ -279,7 +279,8 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
                         m = labels != -100
                         tok_acc = float((logits.argmax(-1)[m] == labels[m]).float().mean())
                     rec = {"step": step, "elapsed_s": round(elapsed, 2), "progress": round(p, 4), "length": L,
-                           "batch": bsz, "lr": lr, "loss": float(ce.detach()), "kl": float(kl_loss.detach()), "tok_acc": tok_acc,
+                           "batch": bsz, "lr": lr, "loss": float(ce.detach()), "kl": float(kl_loss.detach()),
+                           "tok_acc": tok_acc,
                            "grad_norm": float(gnorm), "sparse": sparse}
                     append_jsonl(out / "metrics.jsonl", rec)
                     bar.set_postfix(L=L, loss=f"{rec['loss']:.3f}", kl=f"{rec['kl']:.3f}", acc=f"{tok_acc:.2f}")

@@ -16,17 +16,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="JSON/YAML file naming train/val/test dump dirs: {\"train\": [{\"data_dir\": DIR, "
                         "\"doc_ids\": [..]|null}], \"val\": [...], \"test\": [...]}; relative dirs resolve "
                         "against the config file's directory")
-    g.add_argument("--output-dir", default="./checkpoints", help="where checkpoints and metrics.jsonl go (default %(default)s)")
+    g.add_argument("--output-dir", default="./checkpoints",
+                   help="where checkpoints and metrics.jsonl go (default %(default)s)")
     g.add_argument("--resume-from", default=None, metavar="CKPT",
-                   help="epoch checkpoint (ckpt_joint_epochEEE.pt) to continue from: weights, optimizer, schedule, step. "
-                        "Into the same --output-dir it continues that run as it stood at CKPT (what was written after it, "
-                        "e.g. by a killed run, is moved aside)")
+                   help="epoch checkpoint (ckpt_joint_epochEEE.pt) to continue from: weights, optimizer, schedule, "
+                        "step. Into the same --output-dir it continues that run as it stood at CKPT (what was written "
+                        "after it, e.g. by a killed run, is moved aside)")
     g.add_argument("--overwrite", action="store_true",
                    help="if --output-dir already holds a run, move its checkpoints and metrics.jsonl aside into "
                         "OUTPUT_DIR/previous-<time>/ and start fresh (without it, such a dir is refused)")
     g.add_argument("--weight-dir", default="./weights",
                    help="native DeepSeek-V4 weights for the init: a dir of safetensors shards (official or HF names, "
-                        "fp8 dequantized) with config.json, or a shipped model name such as 'micro' (default %(default)s)")
+                        "fp8 dequantized) with config.json, or a shipped model name such as 'micro' "
+                        "(default %(default)s)")
     g.add_argument("--no-pretrain", action="store_true", help="random init instead of native indexer weights")
     g.add_argument("--max-position", type=int, default=0,
                    help="RoPE position clamp in training; 0 = DeepSeek-V4's 1,048,576 (default %(default)s). Serving "
@@ -40,7 +42,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--q-lora-rank", type=int, default=None, help="q-LoRA rank (default 1024)")
     m.add_argument("--rope-dim", type=int, default=0, help="RoPE dims per head; 0 = 64, or head_dim/2 below 128")
     s = p.add_argument_group("samples")
-    s.add_argument("--label-interval", type=int, default=64, help="tau: lookahead window [t, t+tau) (default %(default)s)")
+    s.add_argument("--label-interval", type=int, default=64,
+                   help="tau: lookahead window [t, t+tau) (default %(default)s)")
     s.add_argument("--max-pos", type=int, default=512, help="positives per sample (default %(default)s)")
     s.add_argument("--neg-ratio", type=float, default=1.0, help="negatives per positive (default %(default)s)")
     s.add_argument("--sample-interval", type=int, default=1, help="use every k-th decode step (default %(default)s)")
@@ -52,13 +55,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default %(default)s)")
     o.add_argument("--wd", type=float, default=1e-2, help="AdamW weight decay (default %(default)s)")
-    o.add_argument("--epochs", type=int, default=3, help="epochs; cosine schedule over all of them (default %(default)s)")
+    o.add_argument("--epochs", type=int, default=3,
+                   help="epochs; cosine schedule over all of them (default %(default)s)")
     o.add_argument("--batch-size", type=int, default=8, help="samples per step per process (default %(default)s)")
     o.add_argument("--bf16", action="store_true", help="bf16 autocast for forward and loss")
     o.add_argument("--focal-loss", action="store_true", help="focal loss (gamma 2, no alpha) instead of BCE")
     o.add_argument("--pairwise", type=float, default=0.0, metavar="W", help="add W x pairwise BPR loss (default off)")
     v = p.add_argument_group("validation")
-    v.add_argument("--val-stride", type=int, default=4, help="score all chunks every k-th decode step (default %(default)s)")
+    v.add_argument("--val-stride", type=int, default=4,
+                   help="score all chunks every k-th decode step (default %(default)s)")
     v.add_argument("--threshold", type=float, default=0.5, help="sigmoid threshold for P/R/F1 (default %(default)s)")
     v.add_argument("--select-ensemble", choices=("max", "mean"), default="max",
                    help="ensemble used to pick best checkpoints (max = serving's 'or') (default %(default)s)")
@@ -99,6 +104,7 @@ def config_from_args(a: argparse.Namespace):
 def check_ranges(cfg) -> None:
     """Range-check the numeric flags where they are read (UserError naming the flag)."""
     import math
+
     from flashmemory.errors import UserError
     at_least = {"epochs": 1, "batch_size": 1, "log_interval": 1, "val_stride": 1, "n_heads": 1, "q_lora_rank": 1,
                 "rope_dim": 0, "max_position": 0, "num_workers": 0, "val_every_steps": 0, "patience_vals": 0}

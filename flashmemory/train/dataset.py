@@ -37,7 +37,8 @@ def resolve_docs(specs: tuple[DataSpec, ...] | list[DataSpec], what: str = "data
             have = {int(m.group(1)): p for p in docs if (m := _DOC_ID.match(p.name))}
             missing = [i for i in s.doc_ids if i not in have]
             if missing:
-                shown = ", ".join(map(str, missing[:10])) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+                more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+                shown = ", ".join(map(str, missing[:10])) + more
                 raise DataConfigError(f"{what}: {s.data_dir}: doc_ids {shown} have no complete document (no "
                                       "server_metadata.jsonl line or no file); remove them from the data config "
                                       "or finish the dump")

@@ -206,7 +206,8 @@ class Trainer:
                                  num_workers=cfg.num_workers, drop_last=False)
         self.steps_per_epoch = len(self.loader)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.wd)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=max(1, self.steps_per_epoch * cfg.epochs))
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt,
+                                                                T_max=max(1, self.steps_per_epoch * cfg.epochs))
         self.step, self.start_epoch = 0, 0
         self.best = {"f1": -1.0, "rk": -1.0, "stale": 0}
         self.out = Path(cfg.output_dir)

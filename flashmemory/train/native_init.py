@@ -33,7 +33,8 @@ NATIVE = {
     "wq_a.weight": r"(?:attn\.wq_a|self_attn\.q_a_proj)\.weight",
     "q_norm_weight": r"(?:attn\.q_norm|self_attn\.q_a_norm)\.weight",
     "wq_b.weight": r"(?:attn\.indexer\.wq_b|self_attn\.compressor\.indexer\.q_b_proj)\.weight",
-    "weights_proj.weight": r"(?:attn\.indexer\.weights_proj|self_attn\.compressor\.indexer\.scorer\.weights_proj)\.weight",
+    "weights_proj.weight": (r"(?:attn\.indexer\.weights_proj"
+                            r"|self_attn\.compressor\.indexer\.scorer\.weights_proj)\.weight"),
 }
 EXTRACTED = {"wq_a.weight": "wq_a.weight", "q_norm_weight": "q_norm.weight",
              "wq_b.weight": "indexer.wq_b.weight", "weights_proj.weight": "indexer.weights_proj.weight"}

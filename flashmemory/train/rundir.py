@@ -88,6 +88,7 @@ def read_progress(obj: dict, path: str | Path, best: dict) -> tuple[int, int, di
     integers, best scores finite or -1 (unset), `stale` a count. A NaN or a string there would reach `int()`
     or be compared as a score (a CheckpointError naming the file and the field)."""
     import math
+
     from flashmemory.retriever.checkpoint import CheckpointError
 
     def number(key: str, v: object, integer: bool) -> float:

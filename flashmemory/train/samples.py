@@ -24,7 +24,6 @@ import torch
 
 from flashmemory.labels import LabelsCSR, lookahead_union_all
 
-
 MAX_NEG_RATIO = 1e6   # far above any useful ratio (negatives are capped by the chunks that exist anyway)
 
 
@@ -46,7 +45,9 @@ class SampleConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if not 0 <= self.neg_ratio <= MAX_NEG_RATIO:  # also NaN and inf, which reach int() in `draw_sample`
-            raise ValueError(f"--neg-ratio {self.neg_ratio}: must lie in [0, {MAX_NEG_RATIO:g}] (negatives per positive)")
+            raise ValueError(
+                f"--neg-ratio {self.neg_ratio}: must lie in [0, {MAX_NEG_RATIO:g}] (negatives per positive)"
+            )
         if self.vote_hi <= self.vote_lo:
             raise ValueError(f"vote_hi ({self.vote_hi}) must exceed vote_lo ({self.vote_lo})")
 

@@ -250,7 +250,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="native mode: shipped model name (micro, tiny-flash) or HF model dir")
     p.add_argument("--seed", type=int, default=0, help="seed of a shipped random model (must match the dump's; "
                                                        "a dump records it, and a mismatch is refused)")
-    p.add_argument("--weight-dir", default=None, help="native mode: dir of DeepSeek-V4 safetensors shards + config.json")
+    p.add_argument("--weight-dir", default=None,
+                   help="native mode: dir of DeepSeek-V4 safetensors shards + config.json")
     p.add_argument("--checkpoint", default=None, help="checkpoint mode: a retriever checkpoint")
     p.add_argument("--max-docs", type=int, default=4, help="documents to check (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="checkpoint mode: decode steps per doc (default %(default)s)")

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from flashmemory.tasks.suite import score
 from flashmemory.tasks.tokenizer import load_tokenizer

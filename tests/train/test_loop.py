@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 
 from flashmemory.retriever.checkpoint import load_retriever
-from flashmemory.train.loop import BEST_F1, BEST_RK, Trainer, TrainConfig
+from flashmemory.train.loop import BEST_F1, BEST_RK, TrainConfig, Trainer
 from flashmemory.train.samples import SampleConfig
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from flashmemory.cli import main
 from flashmemory.retriever.checkpoint import load_retriever
-from flashmemory.train.loop import BEST_F1, Trainer, TrainConfig
+from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
 from flashmemory.train.samples import SampleConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "data_generation" / "example_data" / "tiny_chat.jsonl"

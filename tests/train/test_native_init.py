@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.train.native_init import (NativeWeightError, NativeWeights, c4_layers_from_config, copy_native,
-                                           dequantize_fp8)
+from flashmemory.train.native_init import (
+    NativeWeightError,
+    NativeWeights,
+    c4_layers_from_config,
+    copy_native,
+    dequantize_fp8,
+)
 from flashmemory.train.synthetic import TEACHER_DIMS, write_native_checkpoint
 
 

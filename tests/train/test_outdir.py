@@ -14,7 +14,7 @@ from flashmemory.cli import main
 from flashmemory.errors import UserError
 from flashmemory.outdir import DirLock, DirLockedError
 from flashmemory.train import loop
-from flashmemory.train.loop import BEST_F1, Trainer, TrainConfig, TrainingDivergedError
+from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
 from flashmemory.train.samples import SampleConfig
 
 
@@ -139,6 +139,7 @@ def test_debug_shows_the_traceback_instead_of_the_line(synth, tmp_path) -> None:
 
 def _refuse_worker(rank: int, port: int, synth: str, out_dir: str, out: dict) -> None:
     import torch.distributed as dist
+
     from flashmemory.train.ddp import DistInfo
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -154,6 +155,7 @@ def _refuse_worker(rank: int, port: int, synth: str, out_dir: str, out: dict) ->
 def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> None:
     """Only rank 0 owns the output dir; when it refuses, the other ranks stop too instead of waiting forever."""
     import socket
+
     import torch.multiprocessing as mp
     Trainer(_cfg(synth, tmp_path / "used")).fit()
     with socket.socket() as s:

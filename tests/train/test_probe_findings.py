@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashmemory.cli import main
-from flashmemory.train.loop import BEST_F1, BEST_RK, Trainer, TrainConfig
+from flashmemory.train.loop import BEST_F1, BEST_RK, TrainConfig, Trainer
 from flashmemory.train.samples import SampleConfig
 
 

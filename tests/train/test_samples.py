@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from flashmemory.dump.format import list_docs, load_doc
-from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
 from flashmemory.train.data_config import load_data_config
+from flashmemory.train.dataset import SampleDataset, collate, resolve_docs
 from flashmemory.train.samples import SampleConfig, doc_targets, draw_sample, positive_weights
 
 
