@@ -50,6 +50,23 @@ def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return list(kv_pool.kv_buffer), list(ix)
 
 
+def shrunk_kv_pages(pool: Any) -> int | None:
+    """Logical page count of a shrink-mode c4 KV pool, None for any other pool.
+
+    In shrink mode (`hooks.around_make_kv_pool`) sglang builds the c4 KV pool with a one-page capacity
+    (`size == page_size`), so its device buffer is a placeholder the reserve later replaces; the pages its
+    allocator hands out still follow the DSv4 pool's own c4 config (`compressed_pool_configs[4].kv_size`), and
+    sglang's page count for that size (`_num_dsv4_physical_kv_pages`) is the logical count. Read from sglang's
+    attributes only: nothing is stored on the pool."""
+    kv_pool = pool.c4_kv_pool
+    size, page = getattr(kv_pool, "size", None), getattr(kv_pool, "page_size", None)
+    config = (getattr(pool, "compressed_pool_configs", None) or {}).get(RATIO)
+    if config is None or not page or size != page:
+        return None
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import _num_dsv4_physical_kv_pages
+    return int(_num_dsv4_physical_kv_pages(config.kv_size, page, getattr(kv_pool, "global_page_size", page * RATIO)))
+
+
 def read_geometry(pool: Any) -> PoolGeometry:
     """Geometry from the pool's real buffers; raises PoolGeometryError naming what does not match."""
     kv, ix = pool_buffers(pool)
@@ -59,8 +76,7 @@ def read_geometry(pool: Any) -> PoolGeometry:
     pc = int(kv_pool.page_size)
     d = int(getattr(ix_pool, "index_head_dim", 128))
     want_kv = PageFormat((576, 8), pc, 576).page_bytes
-    # Shrink mode allocates a placeholder c4 KV buffer; the logical page count is kept on the pool (hooks.py).
-    kv_pages = getattr(kv_pool, "flashmemory_logical_pages", None)
+    kv_pages = shrunk_kv_pages(pool)   # shrink mode: the c4 KV buffer is a placeholder
     kv_rows = kv_pages if kv_pages is not None else (kv[0].shape[0] if kv[0].dim() == 2 else -1)
     ix_rows = ix[0].shape[0] if ix[0].dim() == 2 else -1
     # sglang sizes the two c4 pools from different counts (c4 tokens vs c128 tokens * 32), so they can differ by a

@@ -6,7 +6,7 @@ still loads every miss, and a prefetch is the same swap-in op called on a hint (
 `cpu/ops/hisparse_prefetch.py` for the invariants that keep the current step's picks and the bytes intact).
 
 Flow (docs/hisparse.md, section 9):
-- A hint source calls `PREFETCH.set_hint(request id, positions)` once per cycle: positions in priority order;
+- A hint source calls `state().set_hint(request id, positions)` once per cycle: positions in priority order;
   they are deduplicated and capped at the cycle budget (<= H-K per request). `resident_hint` turns a Level-1
   resident set (pages) into such a list, without the recency tail.
 - `before_forward` (decode, the forward's own stream): each row of the batch takes its next `W` pending positions
@@ -36,6 +36,7 @@ import torch
 
 from flashmemory.sglang.cpu.ops.hisparse_prefetch import Provenance, dedup_positions, prefetch_layer_cpu, sanitize_hint
 from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.targets import C4_INDEXER
 
 logger = logging.getLogger(f"sglang.{__name__}")
@@ -165,8 +166,17 @@ class PrefetchState:
         return self.active
 
 
-PREFETCH = PrefetchState()
-HINT: Any = None   # hisparse_hint.HintSource: Level 1 as the hint source (None: hints come from set_hint callers)
+def state() -> PrefetchState:
+    """The mode's process state (`RUNTIME.hisparse.prefetch`), created on first use."""
+    if RUNTIME.hisparse.prefetch is None:
+        RUNTIME.hisparse.prefetch = PrefetchState()
+    return RUNTIME.hisparse.prefetch
+
+
+def hint() -> Any:
+    """`hisparse_hint.HintSource` when Level 1 is the hint source (`RUNTIME.hisparse.hint`); None: hints come
+    from `set_hint` callers."""
+    return RUNTIME.hisparse.hint
 
 
 def resident_hint(pages: torch.Tensor, n_entries: int, tail: int, page_chunks: int = 64) -> torch.Tensor:
@@ -180,7 +190,6 @@ def resident_hint(pages: torch.Tensor, n_entries: int, tail: int, page_chunks: i
 
 
 def _env() -> Any:
-    from flashmemory.sglang.runtime import RUNTIME
     return RUNTIME.env
 
 
@@ -201,32 +210,31 @@ def after_init_hisparse(result: Any, self: Any) -> None:
     if getattr(co, "enable_prefetch", False):
         raise StartupError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with sglang's shared-index prefetch on: one writer "
                            "per layer's hot buffer; set SGLANG_DISABLE_HISPARSE_PREFETCH=1 or unset the first")
-    env = _env()
-    PREFETCH.configure(int(co.device_buffer_size), int(co.top_k), int(co.req_device_buffer_tokens.shape[1]),
+    env, st = _env(), state()
+    st.configure(int(co.device_buffer_size), int(co.top_k), int(co.req_device_buffer_tokens.shape[1]),
                        int(co.req_device_buffer_tokens.shape[0]), co.req_device_buffer_tokens.device,
                        env.hisparse_prefetch_width, env.hisparse_prefetch_budget)
     logger.info("FlashMemory HiSparse prefetch: H=%d K=%d, %d positions per request per step, %d per cycle",
-                co.device_buffer_size, co.top_k, PREFETCH.width, PREFETCH.budget)
+                co.device_buffer_size, co.top_k, st.width, st.budget)
     if env.retriever_ckpt:
         _build_hint(self, env, int(co.top_k))
 
 
 def _build_hint(runner: Any, env: Any, top_k: int) -> None:
     """Level 1 over the runner's c4 index-K pool, its cycles publishing hints (newest top_k entries left out)."""
-    global HINT
     from flashmemory.sglang.hisparse_hint import HintSource
     from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever, served_model_path
-    from flashmemory.sglang.runtime import RUNTIME, server_args
+    from flashmemory.sglang.runtime import server_args
     pool = runner.token_to_kv_pool
     retriever = RUNTIME.retriever or load_serving_retriever(env, served_model_path(server_args(), []))
     from flashmemory.sglang.geometry import pool_buffers
     retriever = place_retriever(retriever, pool_buffers(pool)[1][0].device)
     RUNTIME.sideband_rows_hint = max(RUNTIME.sideband_rows_hint, int(getattr(runner, "max_running_requests", 0) or 0))
-    if HINT is not None:
-        HINT.close()
-    pc = int(pool.c4_kv_pool.page_size)
-    HINT = HintSource(pool, env, retriever,
-                      lambda rid, pages, n: PREFETCH.set_hint(rid, resident_hint(pages, n, top_k, pc)))
+    if RUNTIME.hisparse.hint is not None:
+        RUNTIME.hisparse.hint.close()
+    pc, st = int(pool.c4_kv_pool.page_size), state()
+    RUNTIME.hisparse.hint = HintSource(pool, env, retriever,
+                                       lambda rid, pages, n: st.set_hint(rid, resident_hint(pages, n, top_k, pc)))
     logger.info("FlashMemory HiSparse prefetch: Level 1 is the hint source (c4 layers %s, every %d steps)",
                 list(env.retriever_layers), env.interval)
 
@@ -236,14 +244,14 @@ def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> 
     prefetch nothing."""
     if getattr(self, "is_draft_worker", False):
         return
+    st = state()
     if forward_batch.forward_mode.is_decode():
-        PREFETCH.publish([str(r) for r in (getattr(forward_batch, "rids", None) or [])])
-        from flashmemory.sglang.runtime import RUNTIME
-        if HINT is not None and RUNTIME.sideband is not None:
+        st.publish([str(r) for r in (getattr(forward_batch, "rids", None) or [])])
+        if hint() is not None and RUNTIME.sideband is not None:
             RUNTIME.sideband.begin_forward()   # a layer that does not write this forward reads as stale
-    elif PREFETCH.pf_active is not None:
-        PREFETCH.active = 0
-        PREFETCH.pf_active.fill_(0)
+    elif st.pf_active is not None:
+        st.active = 0
+        st.pf_active.fill_(0)
 
 
 def around_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexer: Any,
@@ -251,8 +259,7 @@ def around_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch
     """`C4IndexerBackendMixin.forward_c4_indexer` (indexer.py:774), unchanged; with Level 1 as the hint source,
     a decode step's retriever-layer input x [B, hidden] and positions [B] are first copied into the side band."""
     mode = forward_batch.forward_mode
-    if HINT is not None and mode.is_decode() and not mode.is_idle():
-        from flashmemory.sglang.runtime import RUNTIME
+    if hint() is not None and mode.is_decode() and not mode.is_idle():
         layer = RUNTIME.c4_layer(self.token_to_kv_pool, c4_indexer.layer_id)
         if layer in RUNTIME.env.retriever_layers:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -263,14 +270,15 @@ def around_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
     """After `ModelRunner.forward` of a decode batch: the step goes to Level 1 (rows, c4 page tables, the side
     band's view of the real rows); its due cycles publish hints, on its worker thread by default."""
-    if HINT is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
+    src = hint()
+    if src is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
         return
-    from flashmemory.sglang.runtime import RUNTIME, c4_page_table, host_seq_lens
+    from flashmemory.sglang.runtime import c4_page_table, host_seq_lens
     rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
     seq = host_seq_lens(forward_batch, rids)
     table = c4_page_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[: len(rids)], seq,
                           self.token_to_kv_pool.page_size)
-    HINT.on_decode(rids, table, seq, RUNTIME.sideband_snapshot(len(rids)))
+    src.on_decode(rids, table, seq, RUNTIME.sideband_snapshot(len(rids)))
 
 
 def _gpu_swap_in(**kw: Any) -> None:
@@ -280,7 +288,7 @@ def _gpu_swap_in(**kw: Any) -> None:
 
 
 def _prefetch_gpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, layer_id: int, bs: int) -> None:
-    st = PREFETCH
+    st = state()
     st.stream.wait_stream(torch.cuda.current_stream())   # after this layer's own swap-in (I4)
     with torch.cuda.stream(st.stream):
         st.pf_clean[:bs].copy_(sanitize_hint(st.pf_pos[:bs], req_pool_indices, lens, co.req_to_host_pool))
@@ -296,7 +304,7 @@ def _prefetch_gpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, l
 
 def _prefetch_cpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor,
                   layer_id: int, bs: int) -> None:
-    st = PREFETCH
+    st = state()
     real = min(bs, int(co.num_real_reqs.reshape(-1)[0]))
     tokens = co.req_device_buffer_tokens[layer_id]
     a = st.provenance.after_demand(layer_id, picks, req_pool_indices, tokens, real)
@@ -318,7 +326,7 @@ def around_swap_in(original: Callable, self: Any, req_pool_indices: torch.Tensor
     """`HiSparseCoordinator.swap_in_selected_pages` (hisparse_coordinator.py:1587), then this layer's prefetch
     (decode, 2-D top-k, DSv4 HiSparse, sglang's shared-index prefetch off)."""
     out = original(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, *args, **kwargs)
-    st = PREFETCH
+    st = state()
     if (st.pf_pos is None or top_k_result.ndim != 2 or not getattr(self, "is_dsv4_hisparse", False)
             or getattr(self, "enable_prefetch", False)):
         return out
@@ -334,29 +342,32 @@ def around_model_forward(original: Callable, self: Any, *args: Any, **kwargs: An
     """`DeepseekV4Model.forward` (deepseek_v4.py:4399), then the join: the forward's stream waits for every
     prefetch it forked (I10; inside a capture, an unjoined fork would invalidate the graph)."""
     out = original(self, *args, **kwargs)
-    if PREFETCH.stream is not None:
-        torch.cuda.current_stream().wait_stream(PREFETCH.stream)
+    st = state()
+    if st.stream is not None:
+        torch.cuda.current_stream().wait_stream(st.stream)
     return out
 
 
 def after_request_finished(result: Any, self: Any, req: Any) -> None:
     """After `HiSparseCoordinator.request_finished` (:1402): forget the request's hint and its prefetched marks
     (counted wasted when never used)."""
-    PREFETCH.drop(str(getattr(req, "rid", "")))
-    if HINT is not None:
-        HINT.forget(str(getattr(req, "rid", "")))
-    if PREFETCH.provenance is not None:
-        wasted = PREFETCH.provenance.release(int(req.kv.req_pool_idx))
+    st, src = state(), hint()
+    st.drop(str(getattr(req, "rid", "")))
+    if src is not None:
+        src.forget(str(getattr(req, "rid", "")))
+    if st.provenance is not None:
+        wasted = st.provenance.release(int(req.kv.req_pool_idx))
         if wasted:
-            PREFETCH.counts.add(wasted=wasted)
+            st.counts.add(wasted=wasted)
 
 
 def before_destroy(self: Any, *args: Any, **kwargs: Any) -> None:
     """Before `HiSparseCoordinator.destroy` (:811): no prefetch copy may still read the host pool."""
-    if PREFETCH.stream is not None:
-        PREFETCH.stream.synchronize()
-    if HINT is not None:
-        HINT.l1.wait()   # no cycle reads sglang's index-K pool past this point
+    st, src = state(), hint()
+    if st.stream is not None:
+        st.stream.synchronize()
+    if src is not None:
+        src.l1.wait()   # no cycle reads sglang's index-K pool past this point
 
 
 WHY = "hisparse_coordinator.py"

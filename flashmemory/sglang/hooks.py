@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from flashmemory.sglang.guard import Guard, RequestFailure, batch_rids, guarded
 from flashmemory.sglang.resident_topk import apply_resident_mask, resident_view
-from flashmemory.sglang.runtime import RUNTIME, Level2Buffers, substitute_buf_infos
+from flashmemory.sglang.runtime import RUNTIME, substitute_buf_infos
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     layer that does not come after that one starts a new forward (also each CUDA-graph warmup and capture
     run, so the capture records the view's computation instead of baking in a warmup-time tensor).
     """
-    cache = RUNTIME.view_cache
+    cache = RUNTIME.fwd.view_cache
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     bs = md.page_table.shape[0]
@@ -39,19 +40,19 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
-    RUNTIME.view_cache = (md, layer, view)
+    RUNTIME.fwd.view_cache = (md, layer, view)
     return view
 
 
 def _resident_block_metadata(md: Any, layer: int) -> Any:
     """Score-resident view for a layer whose index-K lives in the Path-I reserve: the same columns as
     `_resident_metadata`, with the page table mapped to reserve blocks (so top-k come out as reserve cells)."""
-    cache = RUNTIME.block_view_cache
+    cache = RUNTIME.fwd.block_view_cache
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     view = _resident_metadata(md, layer)
     blocks = dataclasses.replace(view, page_table=RUNTIME.engine.block_table(view.page_table))
-    RUNTIME.block_view_cache = (md, layer, blocks)
+    RUNTIME.fwd.block_view_cache = (md, layer, blocks)
     return blocks
 
 
@@ -59,13 +60,13 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
                               c4_indexer: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     mode = forward_batch.forward_mode
     if mode.is_idle() or not mode.is_decode():
-        RUNTIME.decode_active = False
+        RUNTIME.fwd.decode_active = False
         return original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
     pool = self.token_to_kv_pool
     layer = RUNTIME.c4_layer(pool, c4_indexer.layer_id)
     meta = self.forward_metadata
     md = meta.indexer_metadata
-    RUNTIME.decode_active = True
+    RUNTIME.fwd.decode_active = True
     capturing = _capturing()
     RUNTIME.count("indexer_calls_captured" if capturing else "indexer_calls_eager")
     if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
@@ -87,11 +88,11 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
         finally:
             meta.indexer_metadata = md
     elif RUNTIME.on("mask") and engine is not None:
-        RUNTIME.mask_resident = engine.resident_mask
+        RUNTIME.fwd.mask_resident = engine.resident_mask
         try:
             out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
         finally:
-            RUNTIME.mask_resident = None
+            RUNTIME.fwd.mask_resident = None
     else:
         out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
     if picks_are_cells:
@@ -136,7 +137,7 @@ def _dump_observe(backend: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexe
 
 def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor, page_tables: torch.Tensor,
                 out_page_indices: torch.Tensor, page_size: int, *args: Any, **kwargs: Any) -> Any:
-    resident = RUNTIME.mask_resident
+    resident = RUNTIME.fwd.mask_resident
     if resident is not None and scores.dtype == torch.float32:
         apply_resident_mask(scores, page_tables, resident, page_size)
     return original(scores, seq_lens, page_tables, out_page_indices, page_size, *args, **kwargs)
@@ -167,19 +168,19 @@ def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Te
     out_loc = getattr(self.forward_metadata.core_metadata, "c4_out_loc", None)
     if out_loc is not None:
         engine.refresh_from_pool(c4, out_loc)
-    RUNTIME.attn_layer = c4
+    RUNTIME.fwd.attn_layer = c4
     try:
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
     finally:
-        RUNTIME.attn_layer = None
+        RUNTIME.fwd.attn_layer = None
 
 
 def around_get_extra_key_buffer(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
     buf = original(self, layer_id, *args, **kwargs)  # also waits for this layer's transfer, as stock does
     engine = RUNTIME.engine
-    if engine is not None and self is RUNTIME.pool and RUNTIME.attn_layer is not None:
+    if engine is not None and self is RUNTIME.pool and RUNTIME.fwd.attn_layer is not None:
         layer = RUNTIME.c4_layer(self, layer_id)
-        if layer is not None and layer == RUNTIME.attn_layer:
+        if layer is not None and layer == RUNTIME.fwd.attn_layer:
             RUNTIME.count("reserve_reads_captured" if _capturing() else "reserve_reads_eager")
             # The pool hands out its uint8 page rows viewed as the KV dtype (fp8); so must the reserve.
             return engine.reserve_kv(layer).view(buf.dtype)
@@ -205,7 +206,7 @@ def around_contiguous_buf_infos(original: Callable, self: Any, *args: Any, **kwa
 
 def around_get_index_k(original: Callable, self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
     engine = RUNTIME.engine
-    if engine is not None and self is RUNTIME.pool and RUNTIME.decode_active:
+    if engine is not None and self is RUNTIME.pool and RUNTIME.fwd.decode_active:
         layer = RUNTIME.c4_layer(self, layer_id)
         if layer is not None and layer not in RUNTIME.env.retriever_layers:
             buf = engine.reserve_index(layer)
@@ -315,16 +316,15 @@ def around_init_compressed_pools(original: Callable, self: Any, *args: Any, **kw
 
 def around_make_kv_pool(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     """The c4 KV pool (page = global page / 4, built by `_init_compressed_pools`) gets a one-page placeholder
-    buffer when the shrink will run; `ShrunkOffload` replaces it with the reserve. The logical size is kept on
-    the pool object for the geometry (`engine_adapter.read_geometry`)."""
+    buffer when the shrink will run; `ShrunkOffload` replaces it with the reserve. The geometry reads the logical
+    size from sglang's own pool config (`geometry.shrunk_kv_pages`): nothing is stored on the pool."""
     page, glob, size = kwargs.get("page_size"), kwargs.get("global_page_size"), kwargs.get("size")
     if not (RUNTIME.in_compressed_pools and page and glob and page * 4 == glob and size and RUNTIME.shrink_planned()):
         return original(self, *args, **kwargs)
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import _num_dsv4_physical_kv_pages
     pool = original(self, *args, **{**kwargs, "size": page})
-    pool.flashmemory_logical_pages = _num_dsv4_physical_kv_pages(size, page, glob)
     logger.info("FlashMemory shrink: c4 KV pool of %d pages per layer not allocated on the device",
-                pool.flashmemory_logical_pages)
+                _num_dsv4_physical_kv_pages(size, page, glob))
     return pool
 
 
@@ -364,7 +364,7 @@ def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batc
     cm = self.forward_metadata.core_metadata
     locs = cm.c4_out_loc
     cells = engine.store_cells(locs)
-    RUNTIME.keep_alive.append(cells)  # eager multi-stream: the kernel may run after this call returns
+    RUNTIME.fwd.keep_alive.append(cells)  # eager multi-stream: the kernel may run after this call returns
     cm.c4_out_loc = cells
     try:
         return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)

@@ -1,10 +1,12 @@
 """Process-wide FlashMemory state inside one sglang scheduler process, and the offload-core contract.
 
-The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`. The Path-P
+The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`, the one
+per-process object (configs, the adapter and its core, the retriever, metrics, the guard, the static buffers);
+what one forward uses lives in `RUNTIME.fwd` (`context.ForwardContext`, built per forward). The Path-P
 adapter (`offload_adapter.OffloadAdapter`: copy mode `engine_adapter.SGLangOffload` or shrink mode
 `shrink.ShrunkOffload`) puts the offload core behind sglang's pool; the base class carries every method the
-hooks call (no-op defaults), so neither this module nor the hooks probe what the adapter can do. Static buffers live here
-so the decode CUDA graph can bake them in.
+hooks call (no-op defaults), so neither this module nor the hooks probe what the adapter can do. Static buffers
+live here so the decode CUDA graph can bake them in.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv, stats_file
+from flashmemory.sglang.context import ForwardContext, HiSparseState
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 
 if TYPE_CHECKING:
@@ -112,7 +115,8 @@ class Level2CapacityError(RuntimeError):
 
 
 class Runtime:
-    """State for one scheduler process; `configure` is called by `plugin.register`."""
+    """State for one scheduler process (lives as long as it); `configure` is called by `plugin.register`. The
+    current forward's scratch is `fwd`, replaced by `before_forward`."""
 
     def __init__(self) -> None:
         self.env = FlashMemoryEnv()
@@ -123,17 +127,12 @@ class Runtime:
         self.bufs: Level2Buffers | None = None
         self.dump = None
         self.metrics = None
-        self.mask_resident: torch.Tensor | None = None   # set around one indexer call in mask mode
-        self.decode_active = False
-        self.attn_layer: int | None = None               # c4 layer whose attention is running (reads the reserve)
         self.sideband: SidebandBuffers | None = None     # Level-1 inputs, written in place by the indexer hook
         self.sideband_rows_hint = 0                       # largest decode batch the server may run (init_cuda_graphs)
         self.indexers: dict[int, Any] = {}                # target c4 layer -> sglang's C4Indexer (miss monitor)
         self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
-        self.view_cache: tuple[Any, int, Any] | None = None  # (indexer metadata, c4 layer that built it, view)
-        self.block_view_cache: tuple[Any, int, Any] | None = None  # the same, for the Path-I reserve-block view
-        self.keep_alive: list[torch.Tensor] = []          # translated store locs of the running forward
+        self.fwd = ForwardContext()                        # the current forward's scratch (built per forward)
         self.in_compressed_pools = False                  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
         self._shrink: bool | None = None                  # shrink decision, made once per process
         self.steps = 0
@@ -143,6 +142,7 @@ class Runtime:
         self.applied_patches: dict[tuple[str, str, str], str] = {}
         self.registration: dict | None = None            # what `plugin.register` did here (None before it ran)
         self.guard: Any = None   # the per-request failure guard (`guard.Guard`) the hooks run under (hooks.py)
+        self.hisparse = HiSparseState()                   # the HiSparse CPU swap-in and prefetch modes' state
 
     def count(self, name: str) -> None:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""
@@ -305,7 +305,7 @@ class Runtime:
         """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the
         static Level-2 buffer (read by the graph in score-resident mode)."""
         decode = forward_batch.forward_mode.is_decode()
-        self.keep_alive = []
+        self.fwd = self.fwd.next()
         if self.sideband is not None and decode:
             self.sideband.begin_forward()
         if self.engine is not None and not forward_batch.forward_mode.is_idle():

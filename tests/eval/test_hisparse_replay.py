@@ -204,9 +204,9 @@ def test_trace_of_the_patched_swap_in_replays_exactly(tmp_path, monkeypatch) -> 
     counter = hp.SwapInCounter()
     counter.prom = {}
     monkeypatch.setattr(hp, "hisparse_on_cpu", lambda: True)
-    monkeypatch.setattr(hp, "SWAPIN", counter)
-    monkeypatch.setattr(hp, "_TRACE", {"path": str(trace), "layers": {}})
-    monkeypatch.setattr(hp, "_NEWEST_PENDING", {})
+    from flashmemory.sglang.context import HiSparseState
+    from flashmemory.sglang.runtime import RUNTIME
+    monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(swapin=counter, trace_path=str(trace)))
     hot, k, max_len, rnd = 8, 6, 40, random.Random(7)
     layers = [_op_state(2, hot, max_len, empty=False) for _ in range(2)]
     coord = SimpleNamespace(is_dsv4_hisparse=True, device_buffer_size=hot, host_token_len=lambda n: n // 4,

@@ -9,6 +9,7 @@ import torch
 
 from flashmemory.sglang import hooks
 from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.context import ForwardContext
 from flashmemory.sglang.geometry import c4_counts, read_chunk_rows
 from flashmemory.sglang.runtime import RUNTIME, c4_page_table
 from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool, write_chunk
@@ -51,8 +52,8 @@ def test_refresh_from_pool_copies_the_new_entry_into_its_cell():
 def live(monkeypatch):
     pool = fake_pool(4)
     eng = build(pool, env(""))
-    for name, val in (("engine", eng), ("pool", pool), ("attn_layer", None), ("env", eng.env),
-                      ("bufs", None), ("view_cache", None), ("counters", {})):
+    for name, val in (("engine", eng), ("pool", pool), ("fwd", ForwardContext()), ("env", eng.env),
+                      ("bufs", None), ("counters", {})):
         monkeypatch.setattr(RUNTIME, name, val)
     yield pool, eng
     eng.close()
@@ -75,7 +76,7 @@ def test_reserve_is_read_only_inside_attention(live):
     got = hooks.around_attention(attention, backend, None, None, None, types.SimpleNamespace(layer_id=2), fb)
     assert got[2].data_ptr() == eng.reserve_kv(1).data_ptr()                  # model layer 2 = c4 layer 1: the reserve
     assert got[1] is pool.c4_kv_pool.kv_buffer[0]          # another layer's buffer is untouched
-    assert RUNTIME.attn_layer is None and RUNTIME.counters["reserve_reads_eager"] == 1
+    assert RUNTIME.fwd.attn_layer is None and RUNTIME.counters["reserve_reads_eager"] == 1
     cell = eng.cells_of(torch.tensor([[loc]])).long().reshape(1)
     assert torch.equal(eng.layout.kv.read_chunks(eng.engine.reserve.kv[1:2], cell // 64, cell % 64),
                        read_chunk_rows(eng.layout.kv, pool.c4_kv_pool.kv_buffer, torch.tensor([loc]), [1]))

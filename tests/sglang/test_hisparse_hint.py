@@ -12,6 +12,7 @@ from flashmemory.env import FlashMemoryEnv
 from flashmemory.retriever.fp8 import dequantize_chunks, pages_to_chunks
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.sglang import hisparse_prefetch as hp
+from flashmemory.sglang.context import HiSparseState
 from flashmemory.sglang.runtime import RUNTIME
 from tests.sglang.test_hisparse_prefetch import K, _coordinator
 
@@ -47,8 +48,7 @@ def _req_to_token() -> torch.Tensor:
 @pytest.fixture
 def hint_mode(monkeypatch):
     state = hp.PrefetchState()
-    monkeypatch.setattr(hp, "PREFETCH", state)
-    monkeypatch.setattr(hp, "HINT", None)
+    monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(prefetch=state))
     env = FlashMemoryEnv(hisparse_prefetch=True, hisparse_prefetch_width=16, retriever_ckpt="in-memory",
                          retriever_layers=(1,), interval=2, page_kmax=5, last_keep=64, async_recall=False,
                          decode_max_conc=2)
@@ -63,8 +63,8 @@ def hint_mode(monkeypatch):
                                    max_running_requests=2,
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=_req_to_token()))
     yield state, runner
-    if hp.HINT is not None:
-        hp.HINT.close()
+    if hp.hint() is not None:
+        hp.hint().close()
 
 
 def _batch(step: int) -> types.SimpleNamespace:
@@ -88,7 +88,7 @@ def _step(runner, step: int, indexer: bool = True) -> None:
 def test_level1_publishes_hints_after_its_cycle_and_none_before(hint_mode):
     state, runner = hint_mode
     hp.after_init_hisparse(None, runner)
-    src = hp.HINT
+    src = hp.hint()
     assert src is not None and not state.pending
     _step(runner, 0, indexer=False)                 # the side band was not written: no cycle, no hint
     assert not state.pending and src.snapshot()["cycles"] == 0
@@ -108,7 +108,7 @@ def test_level1_publishes_hints_after_its_cycle_and_none_before(hint_mode):
 def test_hint_pages_follow_the_retriever_scores_over_sglangs_index_k(hint_mode):
     state, runner = hint_mode
     hp.after_init_hisparse(None, runner)
-    src = hp.HINT
+    src = hp.hint()
     _step(runner, 1)
     row = src.by_rid["a"]
     keys = src.target_keys(row, 1)
@@ -130,7 +130,7 @@ def test_without_a_retriever_checkpoint_nothing_of_level1_runs(hint_mode, monkey
     state, runner = hint_mode
     monkeypatch.setattr(RUNTIME, "env", FlashMemoryEnv(hisparse_prefetch=True, hisparse_prefetch_width=16))
     hp.after_init_hisparse(None, runner)
-    assert hp.HINT is None
+    assert hp.hint() is None
     _step(runner, 1)
     assert RUNTIME.sideband is None and not state.pending
 
@@ -141,6 +141,6 @@ def test_a_finished_request_leaves_level1(hint_mode):
     _step(runner, 1)
     hp.after_request_finished(None, runner.hisparse_coordinator,
                               types.SimpleNamespace(rid="a", kv=types.SimpleNamespace(req_pool_idx=0)))
-    assert "a" not in state.pending and "a" not in hp.HINT.by_rid and "b" in hp.HINT.by_rid
+    assert "a" not in state.pending and "a" not in hp.hint().by_rid and "b" in hp.hint().by_rid
     with pytest.raises(KeyError):
-        hp.HINT.gen(0)
+        hp.hint().gen(0)

@@ -11,6 +11,7 @@ import torch
 
 from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang import hisparse_prefetch as hp
+from flashmemory.sglang.context import HiSparseState
 from flashmemory.sglang.cpu.ops import hisparse as hs
 from flashmemory.sglang.patching import StartupError, select
 from flashmemory.sglang.runtime import RUNTIME
@@ -60,7 +61,7 @@ def _batch(rids, decode=True):
 @pytest.fixture
 def mode(monkeypatch):
     state = hp.PrefetchState()
-    monkeypatch.setattr(hp, "PREFETCH", state)
+    monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(prefetch=state))
     monkeypatch.setattr(RUNTIME, "env", FlashMemoryEnv(hisparse_prefetch=True, hisparse_prefetch_width=16))
     return state
 

@@ -23,7 +23,6 @@ PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
 # (file, function) -> what is left to convert into a Patch row.
 KNOWN = {
     ("shrink.py", "ShrunkOffload._shrink"): "the c4 pool's store translation seam (compressor_v2.py:227)",
-    ("hooks.py", "around_make_kv_pool"): "the logical c4 page count tagged on the pool (read by geometry.py)",
 }
 
 

@@ -13,7 +13,8 @@ from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import check_invariants
 from flashmemory.sglang import hooks
 from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import c4_counts
+from flashmemory.sglang.context import ForwardContext
+from flashmemory.sglang.geometry import c4_counts, shrunk_kv_pages
 from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.shrink import LandingOverflowError, ShrunkOffload, landing_chunks, shrink_blockers
 
@@ -100,7 +101,8 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
     pool = make_pool(sa, monkeypatch, shrink=True)
     kvp = pool.c4_kv_pool
     n_pages = pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0]
-    assert kvp.flashmemory_logical_pages == n_pages and all(t.shape[0] <= 5 for t in kvp.kv_buffer)
+    assert shrunk_kv_pages(pool) == n_pages and all(t.shape[0] <= 5 for t in kvp.kv_buffer)
+    assert not [k for k in vars(kvp) if k.startswith("flashmemory")]     # nothing of ours stored on the pool
     stock_infos = pool.get_contiguous_buf_infos()
     eng = build(pool, env(), sa.args, shrink=True)
     assert isinstance(eng, ShrunkOffload) and eng.geo.n_pages == n_pages
@@ -122,7 +124,7 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
 
 def test_copy_mode_allocates_stock(sa, monkeypatch):
     pool = make_pool(sa, monkeypatch, shrink=False)
-    assert not hasattr(pool.c4_kv_pool, "flashmemory_logical_pages")
+    assert shrunk_kv_pages(pool) is None
     n = pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0]
     assert all(t.shape[0] >= n for t in pool.c4_kv_pool.kv_buffer)
     eng = build(pool, env(), None)          # no server args: copy mode, with a warning
@@ -131,7 +133,7 @@ def test_copy_mode_allocates_stock(sa, monkeypatch):
     # inside attention the reserve stands in for the pool, in the pool's own dtype view (fp8, not raw uint8)
     monkeypatch.setattr(RUNTIME, "engine", eng)
     monkeypatch.setattr(RUNTIME, "pool", pool)
-    monkeypatch.setattr(RUNTIME, "attn_layer", 1)
+    monkeypatch.setattr(RUNTIME, "fwd", ForwardContext(attn_layer=1))
     lid = c4_layer_ids(pool)[1]
     stock = type(pool).get_extra_key_buffer(pool, lid)
     got = hooks.around_get_extra_key_buffer(type(pool).get_extra_key_buffer, pool, lid)

@@ -8,6 +8,7 @@ import torch
 from flashmemory.offload import check_invariants
 from flashmemory.sglang import hooks
 from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.context import ForwardContext
 from flashmemory.sglang.geometry import c4_counts
 from flashmemory.sglang.runtime import RUNTIME
 from tests.sglang.test_shrink import PAGE, _rand, c4_layer_ids, env, make_pool, sa  # noqa: F401  (sa: fixture)
@@ -44,8 +45,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     monkeypatch.setattr(RUNTIME, "engine", eng)
     monkeypatch.setattr(RUNTIME, "pool", pool)
     monkeypatch.setattr(RUNTIME, "bufs", Level2Buffers.allocate(2, RUNTIME.level2_width(), "cpu"))
-    monkeypatch.setattr(RUNTIME, "view_cache", None)
-    monkeypatch.setattr(RUNTIME, "block_view_cache", None)
+    monkeypatch.setattr(RUNTIME, "fwd", ForwardContext())
     lay, g, ids = eng.layout, torch.Generator().manual_seed(2), c4_layer_ids(pool)
     ix = pool.c4_indexer_kv_pool.index_k_with_scale_buffer
     res = eng.engine.reserve

@@ -9,6 +9,7 @@ import torch
 
 from flashmemory.sglang import hooks
 from flashmemory.sglang.adapter_factory import build
+from flashmemory.sglang.context import ForwardContext
 from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
@@ -56,7 +57,7 @@ def live(monkeypatch):
     for name, val in (("engine", eng), ("pool", pool), ("env", eng.env), ("features", ("level2", "path_p", "level1")),
                       ("bufs", None), ("dump", None), ("metrics", None), ("diag_path", ""), ("counters", {}),
                       ("sideband", None), ("sideband_rows_hint", 4), ("_sideband_frozen", False),
-                      ("_sideband_checked", set()), ("attn_layer", None)):
+                      ("_sideband_checked", set()), ("fwd", ForwardContext())):
         monkeypatch.setattr(RUNTIME, name, val)
     pages = [5, 2, 9, 7]
     r2t = torch.full((2, 4 * PAGE), -1, dtype=torch.int64)

@@ -5,8 +5,8 @@ Every hook is gated: it runs the torch version only when this process serves on 
 HiSparse on (`enable_hisparse` in the server args this process runs with); otherwise it calls sglang's own
 function unchanged. Paths are relative to the installed `sglang` package.
 
-The swap-in keeps counters sglang does not (`SWAPIN`): lookups, hits, misses and bytes copied host -> device,
-per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
+The swap-in keeps counters sglang does not (`swapin()`, in `RUNTIME.hisparse`): lookups, hits, misses and bytes
+copied host -> device, per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
 (`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls. With
 FLASHMEMORY_HISPARSE_TRACE set (a diagnostic, off by default) every swap-in call's picks and counts and every
 direct admission are appended to that file as JSON lines (`trace_swapin`), for `eval.hisparse_trace.replay_trace`.
@@ -24,6 +24,7 @@ import torch
 from flashmemory.sglang.cpu.ops.hisparse import (ITEM_BYTES, SwapInCounts, copy_c4_tokens,
                                                  load_cache_to_device_buffer_dsv4)
 from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.runtime import RUNTIME
 
 logger = logging.getLogger(f"sglang.{__name__}")
 _HP = "flashmemory.sglang.cpu.patches_hisparse"
@@ -90,12 +91,16 @@ class SwapInCounter:
             return dict(self.totals)
 
 
-SWAPIN = SwapInCounter()
+def swapin() -> SwapInCounter:
+    """The process's swap-in counter (`RUNTIME.hisparse.swapin`), created on first use."""
+    if RUNTIME.hisparse.swapin is None:
+        RUNTIME.hisparse.swapin = SwapInCounter()
+    return RUNTIME.hisparse.swapin
 
 
 def swapin_counts() -> dict[str, int]:
     """The process's swap-in totals: calls, lookups, hits, misses, bytes_h2d (misses x 584 B)."""
-    return SWAPIN.snapshot()
+    return swapin().snapshot()
 
 
 # --- hooks ----------------------------------------------------------------------------------------------------
@@ -124,20 +129,18 @@ def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool
     return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 
-_TRACE: dict[str, Any] = {}   # "path": FLASHMEMORY_HISPARSE_TRACE ("" = off), "layers": {data_ptr: c4 layer index}
-_TRACE_LOCK = threading.Lock()
-
-
 def trace_path() -> str:
-    """FLASHMEMORY_HISPARSE_TRACE, read once per process ("" = no trace)."""
-    if "path" not in _TRACE:
+    """FLASHMEMORY_HISPARSE_TRACE, read once per process ("" = no trace; `RUNTIME.hisparse.trace_path`)."""
+    st = RUNTIME.hisparse
+    if st.trace_path is None:
         from flashmemory.env import hisparse_trace
-        _TRACE.update(path=hisparse_trace(), layers={})
-    return _TRACE["path"]
+        st.trace_path = hisparse_trace()
+    return st.trace_path
 
 
 def _trace_write(rec: dict[str, Any]) -> None:
-    with _TRACE_LOCK, open(_TRACE["path"], "a") as f:
+    st = RUNTIME.hisparse
+    with st.trace_lock, open(st.trace_path or "", "a") as f:
         f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
@@ -146,16 +149,12 @@ def trace_swapin(layer_state: torch.Tensor, picks: torch.Tensor, req_pool_indice
     """One JSON line per swap-in call: {"ev": "swapin", "layer": c4 layer index (by the layer's state tensor, in
     order of first call), "hot", "k", "rows": [[request slot, compressed length, [picks]] per real row], and the
     op's "lookups", "hits", "misses"}. picks: int [real rows, k], taken before the op ran."""
-    with _TRACE_LOCK:
-        layer = _TRACE["layers"].setdefault(int(layer_state.data_ptr()), len(_TRACE["layers"]))
+    st = RUNTIME.hisparse
+    with st.trace_lock:
+        layer = st.trace_layers.setdefault(int(layer_state.data_ptr()), len(st.trace_layers))
     rows = [[int(req_pool_indices[b]), int(seq_lens[b]), picks[b].tolist()] for b in range(picks.shape[0])]
     _trace_write({"ev": "swapin", "layer": layer, "hot": hot, "k": int(picks.shape[1]), "rows": rows,
                   "lookups": c.lookups, "hits": c.hits, "misses": c.misses})
-
-
-# request slot -> (c4 entries that came with its prefill, data_ptrs of the c4 layers whose reserved slot is not
-# loaded yet); see `admit_direct`.
-_NEWEST_PENDING: dict[int, tuple[int, set[int]]] = {}
 
 
 def admit_direct(result: Any, self: Any, req: Any) -> None:
@@ -163,16 +162,17 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
     with every LRU slot empty, but the swap-in resolves the newest entry (position L-1) to the reserved slot
     without a copy (hisparse.cuh:480-499), and nothing loads that slot before the next c4 entry is written there
     (map_last_loc_to_buffer, :1100). Its c4 bytes are in the host pool only. Recorded here, loaded by
-    `fill_newest` at each c4 layer's first swap-in of the request."""
+    `fill_newest` at each c4 layer's first swap-in of the request (in `RUNTIME.hisparse.newest_pending`)."""
     if not hisparse_on_cpu() or not getattr(self, "is_dsv4_hisparse", False):
         return
     rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
     if trace_path():   # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
         _trace_write({"ev": "admit", "rid": rid, "entries": n0, "empty": n0 > self.device_buffer_size})
+    pending = RUNTIME.hisparse.newest_pending
     if n0 > self.device_buffer_size:
-        _NEWEST_PENDING[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
+        pending[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
     else:
-        _NEWEST_PENDING.pop(rid, None)
+        pending.pop(rid, None)
 
 
 def fill_newest(host_cache: torch.Tensor, device_buffer: torch.Tensor, host_cache_locs: torch.Tensor,
@@ -180,15 +180,15 @@ def fill_newest(host_cache: torch.Tensor, device_buffer: torch.Tensor, host_cach
                 hot: int, real: int) -> int:
     """Load the prefill's newest c4 entry into the reserved slot (see `admit_direct`) where still pending for
     this layer; returns the number of tokens copied (584 B each)."""
-    key, copied = int(device_buffer.data_ptr()), 0
+    key, copied, by_slot = int(device_buffer.data_ptr()), 0, RUNTIME.hisparse.newest_pending
     for b in range(real):
         rid = int(req_pool_indices[b])
-        pending = _NEWEST_PENDING.get(rid)
+        pending = by_slot.get(rid)
         if pending is None or key not in pending[1]:
             continue
         pending[1].discard(key)
         if not pending[1]:
-            del _NEWEST_PENDING[rid]
+            del by_slot[rid]
         last = int(seq_lens[b]) - 1
         if last < pending[0]:   # else a decode step already wrote a newer entry into the reserved slot
             copy_c4_tokens(host_cache, device_buffer, host_cache_locs[rid, last:last + 1],
@@ -222,7 +222,7 @@ def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_t
     counts = load_cache_to_device_buffer_dsv4(
         top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
         top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs)
-    SWAPIN.add(counts)
+    swapin().add(counts)
     if picks is not None:
         trace_swapin(device_buffer_tokens, picks, req_pool_indices, seq_lens, hot_buffer_size, counts)
 

@@ -11,8 +11,10 @@ import torch
 
 pytest.importorskip("sglang")
 
+from flashmemory.sglang.context import HiSparseState  # noqa: E402
 from flashmemory.sglang.cpu import patches_hisparse as hp  # noqa: E402
 from flashmemory.sglang.cpu.ops import hisparse as hs  # noqa: E402
+from flashmemory.sglang.runtime import RUNTIME  # noqa: E402
 
 
 @pytest.fixture
@@ -154,7 +156,7 @@ def test_eager_backup_rule(gate):
 
 def test_swap_in_is_counted_and_refuses_other_modes(gate, monkeypatch):
     counter = hp.SwapInCounter()
-    monkeypatch.setattr(hp, "SWAPIN", counter)
+    monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(swapin=counter))
     hot, k, width = 4, 3, 4 + hs.C4_PAGE
     g = torch.Generator().manual_seed(1)
     host = torch.randint(0, 256, (2, hs.PAGE_BYTES), dtype=torch.uint8, generator=g)
@@ -212,14 +214,14 @@ def test_prefill_newest_entry_is_loaded_into_the_reserved_slot_once(gate, monkey
     """A long request admitted over PD (12 c4 entries > hot 4): its newest entry (position 11) resolves to the
     reserved slot 4, which nothing else loads. Each layer's first swap-in loads it from host, once; a short
     request (fast path, preloaded by sglang) records nothing."""
-    monkeypatch.setattr(hp, "_NEWEST_PENDING", {})
+    monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState())
     pool = _pool()
     hot = 4
     co = SimpleNamespace(is_dsv4_hisparse=True, device_buffer_size=hot, mem_pool_device=SimpleNamespace(
         kv_buffer=pool.device_buffers), host_token_len=lambda n: n // 4)
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0, kv_allocated_len=16)))
-    assert set(hp._NEWEST_PENDING) == {1}
+    assert set(RUNTIME.hisparse.newest_pending) == {1}
     host_locs = torch.arange(100, 100 + 2 * 16, dtype=torch.int64).view(2, 16)
     dev_locs = torch.arange(2 * (hot + 64), dtype=torch.int32).view(2, hot + 64)
     args = (host_locs, dev_locs, torch.tensor([0, 1]), torch.tensor([4, 12]), hot, 2)
@@ -227,7 +229,7 @@ def test_prefill_newest_entry_is_loaded_into_the_reserved_slot_once(gate, monkey
     assert _token(pool.device_buffers[0], int(dev_locs[1, hot])) == _token(pool.kv_buffer[0], 127)
     assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 0      # once per layer
     assert hp.fill_newest(pool.kv_buffer[1], pool.device_buffers[1], *args) == 1      # the other layer
-    assert hp._NEWEST_PENDING == {}
+    assert RUNTIME.hisparse.newest_pending == {}
     # a decode step already wrote a newer entry (position 12 >= the prefill's 12): the slot is left alone
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
     before = pool.device_buffers[0].clone()
