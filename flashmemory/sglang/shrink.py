@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -93,6 +94,7 @@ class ShrunkOffload(OffloadAdapter):
                  n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128):
         self.n_landing = n_landing
         super().__init__(pool, env, retriever, device)
+        self.slots = self.engine.slots()   # the reserve's fixed block layout (sink, landing)
         # Path-I in the reserve needs score-resident Level 2: mask mode scores every page of the history.
         self.index_shrink = bool(self.layout.offload_index_layers) and env.score_resident
         if self.layout.offload_index_layers and not env.score_resident:
@@ -111,17 +113,17 @@ class ShrunkOffload(OffloadAdapter):
         return [self.ix_bufs[l][: self.geo.n_pages] for l in self.layout.target_layers]
 
     def _shrink(self) -> None:
-        kv_pool, res = self.pool.c4_kv_pool, self.engine.reserve
+        kv_pool, res, sl = self.pool.c4_kv_pool, self.engine.storage(), self.slots
         full = self.geo.n_c4_layers * self.geo.n_pages * self.geo.kv_page_bytes   # what stock sglang allocates
         for l in range(self.geo.n_c4_layers):
-            kv_pool.kv_buffer[l] = res.kv[l]
+            kv_pool.kv_buffer[l] = res.reserve_kv[l]
         self.kv_bufs = list(kv_pool.kv_buffer)
-        self.device_bytes_saved = full - res.kv.numel()
+        self.device_bytes_saved = full - res.reserve_kv.numel()
         if self.index_shrink:
             ix = self.pool.c4_indexer_kv_pool.index_k_with_scale_buffer
             for i, l in enumerate(self.layout.offload_index_layers):
-                self.device_bytes_saved += ix[l].numel() - res.index[i].numel()
-                ix[l] = res.index[i]
+                self.device_bytes_saved += ix[l].numel() - res.reserve_index[i].numel()
+                ix[l] = res.reserve_index[i]
             self.ix_bufs = list(ix)
         kv_pool.translate_loc_to_hisparse_device = self.store_cells
         kv_pool._translate_loc_to_hisparse_device = self.store_cells
@@ -131,14 +133,14 @@ class ShrunkOffload(OffloadAdapter):
             logger.warning("FlashMemory shrink with SGLANG_PD_CREDIT_OFFLOADED_C4: sglang's token pool was sized "
                            "without c4 KV bytes, so the reserve (%.2f GiB) comes out of the non-static headroom; "
                            "lower --mem-fraction-static by that much if activations or CUDA graphs run short",
-                           res.kv.numel() / 2**30)
+                           res.reserve_kv.numel() / 2**30)
         if self.device_bytes_saved <= 0:
-            logger.warning("FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool (%d pages): "
-                           "it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",
-                           res.n_blocks, self.geo.n_pages)
+            logger.warning("FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool "
+                           "(%d pages): it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",
+                           sl.n_blocks, self.geo.n_pages)
         logger.info("FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. "
-                    "%d landing); PD lands c4 KV in the host mirror (%.2f GiB)", full / 2**30, res.kv.numel() / 2**30,
-                    res.n_blocks, res.landing_blocks, self.engine.mirror.kv.numel() / 2**30)
+                    "%d landing); PD lands c4 KV in the host mirror (%.2f GiB)", full / 2**30,
+                    res.reserve_kv.numel() / 2**30, sl.n_blocks, sl.landing_blocks, res.mirror_kv.numel() / 2**30)
 
     # --- the store seam ---------------------------------------------------------------------------
     def store_cells(self, out_loc: torch.Tensor) -> torch.Tensor:
@@ -147,22 +149,23 @@ class ShrunkOffload(OffloadAdapter):
         Decode: the reserve cell `begin_step` published (graph safe). Extend: consecutive landing cells, moved to
         the mirror by `end_extend`. Anything unknown goes to the sink cell, never to another request's cell."""
         loc = out_loc.long()
-        sink = self.engine.reserve.sink_cell
+        sink = self.slots.sink_cell
         if self.phase == "extend":
             return self._landing_cells(loc).to(out_loc.dtype)
         n = self.geo.n_locs
         idx = torch.where((loc >= 0) & (loc < n), loc, torch.full_like(loc, n))
-        cells = self.engine.lut.table[self.loc2m[idx]].long()
+        cells = self.engine.cell_table()[self.loc2m[idx]].long()
         return torch.where(cells >= 0, cells, torch.full_like(cells, sink)).to(out_loc.dtype)
 
     def _landing_cells(self, loc: torch.Tensor) -> torch.Tensor:
-        res, pc = self.engine.reserve, self.geo.page_chunks
+        res, pc = self.slots, self.geo.page_chunks
         ok = (loc > 0) & (loc < self.geo.n_locs)
         k = int(ok.sum())
         if k > res.landing_blocks * pc:
             raise LandingOverflowError(f"FlashMemory shrink: an extend forward stores {k} c4 entries, the landing "
                                        f"region holds {res.landing_blocks * pc} (sized from --max-prefill-tokens / "
-                                       "--chunked-prefill-size; raise those consistently or turn SGLANG_PD_B_C4_SHRINK off)")
+                                       "--chunked-prefill-size; raise those consistently or turn "
+                                       "SGLANG_PD_B_C4_SHRINK off)")
         cells = torch.where(ok, res.landing_base * pc + ok.long().cumsum(0) - 1, torch.full_like(loc, res.sink_cell))
         if self._landing is None:  # every c4 layer of one forward passes the same out_loc
             self._landing = (loc[ok].clone(), cells[ok].clone())
@@ -178,12 +181,12 @@ class ShrunkOffload(OffloadAdapter):
         pc, n = self.geo.page_chunks, self.geo.n_pages
         p = pages.long()
         loc = torch.where((p >= 0) & (p < n), p * pc, torch.full_like(p, self.geo.n_locs))
-        cell = self.engine.lut.table[self.loc2m[loc]].long()
-        return torch.where(cell >= 0, cell // pc, torch.full_like(cell, self.engine.reserve.sink_block)).to(torch.int32)
+        cell = self.engine.cell_table()[self.loc2m[loc]].long()
+        return torch.where(cell >= 0, cell // pc, torch.full_like(cell, self.slots.sink_block)).to(torch.int32)
 
     def drop_sink(self, cells: torch.Tensor) -> torch.Tensor:
         """Top-k picks that are reserve cells [B, K]: those in the sink block become -1."""
-        sink = self.engine.reserve.sink_block
+        sink = self.slots.sink_block
         return torch.where(torch.div(cells, self.geo.page_chunks, rounding_mode="floor") == sink,
                            torch.full_like(cells, -1), cells)
 
@@ -236,42 +239,31 @@ class ShrunkOffload(OffloadAdapter):
 
     def _move(self, locs: torch.Tensor, cells: torch.Tensor) -> None:
         """c4 KV at reserve cells [n] (all layers) -> mirror chunks == pool locs [n], and -> the cell each loc is
-        resident in now if that differs (a recall published meanwhile); Path-I index-K pool -> mirror, reserve."""
-        eng, lay, pc = self.engine, self.layout, self.geo.page_chunks
-        locs, cells = locs.long(), cells.long().to(self.device)
-        with eng.lock:
-            rows = lay.kv.read_chunks(eng.reserve.kv, cells // pc, cells % pc)     # [L, n, 584] on the device
-            lay.kv.write_chunks(eng.mirror.kv, locs // pc, locs % pc, rows.cpu())    # the mirror's bytes: a D2H read
-            now = eng.lut.table[self.loc2m[locs.to(self.device)]].long()
-            # Where a recall published the loc into another cell meanwhile, the bytes go there too; every other
-            # loc writes the sink cell (scratch), so no mask is read by the host.
-            sink = torch.full_like(now, eng.reserve.sink_cell)
-            dst = torch.where((now >= 0) & (now != cells), now, sink)
-            lay.kv.write_chunks(eng.reserve.kv, dst // pc, dst % pc, rows)
-            if lay.offload_index_layers:
-                if self.index_shrink:   # the indexer store wrote the same cells of the Path-I reserve
-                    ix = lay.index.read_chunks(eng.reserve.index, cells // pc, cells % pc).cpu()
-                else:
-                    ix = torch.stack([lay.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
-                                                            (locs % pc).to(self.ix_bufs[l].device)).cpu()
-                                      for l in lay.offload_index_layers])
-                lay.index.write_chunks(eng.mirror.index, locs // pc, locs % pc, ix)
-                dst = torch.where(now >= 0, now, sink)
-                lay.index.write_chunks(eng.reserve.index, dst // pc, dst % pc, ix.to(self.device))
+        resident in now if that differs (a recall published meanwhile); Path-I index-K (the same cells of the
+        Path-I reserve with `index_shrink`, else sglang's device index-K pool) -> mirror and resident cell."""
+        pc, ol = self.geo.page_chunks, self.layout.offload_index_layers
+        index = None
+        if ol and not self.index_shrink:
+            index = torch.stack([self.layout.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
+                                                               (locs % pc).to(self.ix_bufs[l].device)).cpu()
+                                 for l in ol])
+        self.engine.settle_cells(locs.long(), cells, index)
 
     def _index_to_mirror(self, pages: torch.Tensor) -> None:
         """Path-I: whole index-K pages of the non-target layers, sglang's device pool -> the mirror."""
-        for i, l in enumerate(self.layout.offload_index_layers):
-            self.engine.mirror.index[i, pages] = self.ix_bufs[l][pages.to(self.ix_bufs[l].device)].cpu()
+        rows = [self.ix_bufs[l][pages.to(self.ix_bufs[l].device)].cpu() for l in self.layout.offload_index_layers]
+        if rows:
+            self.engine.store_index_pages(pages, torch.stack(rows))
 
     # --- stores and reads ------------------------------------------------------------------------------
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:
         """Device buffer ptr (the reserve, now sglang's c4 KV and, with `index_shrink`, Path-I index-K buffers)
         -> (mirror ptr, mirror bytes, page bytes)."""
-        m, res = self.engine.mirror.kv, self.engine.reserve.kv
+        st = self.engine.storage()
+        m, res = st.mirror_kv, st.reserve_kv
         out = {res[l].data_ptr(): (m[l].data_ptr(), m[l].numel(), m.shape[-1]) for l in range(self.geo.n_c4_layers)}
         if self.index_shrink:
-            mi, ri = self.engine.mirror.index, self.engine.reserve.index
+            mi, ri = st.mirror_index, st.reserve_index
             out.update({ri[i].data_ptr(): (mi[i].data_ptr(), mi[i].numel(), mi.shape[-1]) for i in range(ri.shape[0])})
         return out
 

@@ -26,14 +26,6 @@ CORE_CLASSES = frozenset({"OffloadEngine", "TieredEngine"})
 ADAPTER_CLASSES = frozenset({"OffloadAdapter", "SGLangOffload", "ShrunkOffload"})
 # (file, function) -> reach-throughs still to convert.
 KNOWN: dict[tuple[str, str], int] = {
-    ("shrink.py", "ShrunkOffload._shrink"): 2,
-    ("shrink.py", "ShrunkOffload.store_cells"): 2,
-    ("shrink.py", "ShrunkOffload._landing_cells"): 1,
-    ("shrink.py", "ShrunkOffload.block_table"): 2,
-    ("shrink.py", "ShrunkOffload.drop_sink"): 1,
-    ("shrink.py", "ShrunkOffload._move"): 9,
-    ("shrink.py", "ShrunkOffload._index_to_mirror"): 1,
-    ("shrink.py", "ShrunkOffload.mirror_buf_infos"): 4,
 }
 
 
