@@ -8,7 +8,13 @@ replays each method through the offload engine and Level 1 and decodes its Level
 prefix. HiSparse keeps Full's outputs by construction; its cost at a hot buffer of H = KMAX x page_chunks slots
 comes from replaying sglang 0.5.23's LRU swap-in over the Full run's own top-k picks of every c4 layer
 (`eval.hisparse_replay`); "HiSparse+prefetch" adds FlashMemory's resident set as a prefetch hint at each
-Level-1 cycle (at most H - k positions, so it never evicts a current pick). Every method row gains its costs (`eval.frontier_cost.method_costs`).
+Level-1 cycle (at most H - k positions, so it never evicts a current pick). Every method row gains its costs
+(`eval.frontier_cost.method_costs`).
+
+Speed: the harness replays every budget coverage-only, then the Level-2 forwards of all (budget, method) resident
+sets run as one batched decode from the shared prompt cache (`PrefixDecoder.forward_many`; equal sets, e.g. every
+method at budget 1, once) and `method_quality` completes the rows from those logits (`Sweep._quality_batched`).
+The record is the one the one-forward-per-method path writes (tests/eval/test_frontier_decode.py checks it).
 
 Budgets are stated as a share of history and as resident chunks per top-k (KMAX x page_chunks / index_topk).
 
@@ -110,9 +116,10 @@ def load_done(out: Path, fp: str) -> dict[int, dict]:
 
 def hisparse_stats(run, slots: int, hint: dict[int, torch.Tensor] | None = None) -> dict | None:
     """HiSparse's LRU swap-in replayed over the Full run's decode-row picks of every c4 layer with a hot buffer of
-    `slots` entries: {"hits", "misses", "hit_rate", "fast_path_calls", "calls"} summed over layers and steps (sglang's
-PD admission: a request longer than the buffer starts it empty; hit rate 1 on the fast path, history <= slots); None while the replay module is
-    not installed (the report then marks the HiSparse cost columns pending)."""
+    `slots` entries: {"hits", "misses", "hit_rate", "fast_path_calls", "calls"} summed over layers and steps
+    (sglang's PD admission: a request longer than the buffer starts it empty; hit rate 1 on the fast path,
+    history <= slots); None while the replay module is not installed (the report then marks the HiSparse cost
+    columns pending)."""
     try:
         from flashmemory.eval.hisparse_replay import replay_hisparse
     except ImportError:
@@ -168,16 +175,55 @@ class Sweep:
     def text(self, ids: list[int]) -> str:
         return self.tok.decode([i if 0 <= i < self.tok.vocab_size else self.tok.unk for i in ids])
 
-    def doc(self, i: int, task: str) -> dict:
-        """{"budgets": {budget: {method: metrics + costs}}, "n_chunks", "prompt_len"} of document i."""
-        from flashmemory.eval.frontier_cost import method_costs
+    def doc(self, i: int, task: str, batched: bool = True) -> dict:
+        """{"budgets": {budget: {method: metrics + costs}}, "n_chunks", "prompt_len"} of document i.
+
+        batched: every (budget, method) Level-2 forward in one batched decode (`_quality_batched`); False runs
+        each through the harness one at a time. Both give the same record (up to float error in the logits)."""
         from flashmemory.eval.frontier_decode import cached_full_run
         from flashmemory.eval.harness import evaluate_doc
         from flashmemory.tasks.suite import generate
         fc, eng = self.fc, self.engine
         it = generate(task, fc.doc_len, n=1, seed=fc.seed * 1000 + i, tokenizer=self.tok)[0]
-        run, dec = cached_full_run(eng, f"{task}-{i}", self.tok.encode_chat(it.messages), fc.gen_tokens,
-                                   self.targets, fc.topp, min(fc.min_layers, eng.n_c4_layers), it.to_record())
+        with torch.no_grad():
+            run, dec = cached_full_run(eng, f"{task}-{i}", self.tok.encode_chat(it.messages), fc.gen_tokens,
+                                       self.targets, fc.topp, min(fc.min_layers, eng.n_c4_layers), it.to_record())
+            per_budget: dict[float, tuple[dict, dict]] = {}
+            for b in fc.budgets:
+                residents: dict = {}
+                rows = evaluate_doc(dec, run, self.retriever, self.hc, self.targets, b, self.text,
+                                    quality=not batched, residents=residents)
+                per_budget[b] = (rows, residents)
+            if batched:
+                self._quality_batched(run, dec, per_budget)
+        return self._record(run, dec, per_budget)
+
+    def _quality_batched(self, run, dec, per_budget: dict[float, tuple[dict, dict]]) -> None:
+        """Complete coverage-only harness rows (`evaluate_doc(quality=False)`) into the rows `quality=True`
+        gives, in the same key order: Full's row first, then each method's replay fields followed by
+        `method_quality`'s, whose Level-2 logits come from one `PrefixDecoder.forward_many` over every
+        (budget, method) resident set of the document."""
+        from flashmemory.eval.decode import method_quality, query_mask
+        from flashmemory.eval.frontier_decode import ServedLogits
+        from flashmemory.eval.harness import kmax_for
+        eng, P, T = self.engine, run.prompt_len, run.n_steps
+        n_vis = torch.tensor([min((P + t + 1) // 4, run.index_chunks.shape[1]) for t in range(T)])
+        masks = [query_mask(run, r) for _, res in per_budget.values() for r in res.values()]
+        served = ServedLogits(eng.index_topk, P, masks, dec.forward_many(run.ids, masks))
+        full = method_quality(eng, run, None, n_vis, self.targets, self.text)
+        for b, (rows, residents) in per_budget.items():
+            out = {"Full": full | {"recall_bytes": 0.0, "level1_share": 0.0,
+                                   "kmax": kmax_for(run, b, self.fc.page_chunks)}}
+            for name, m in rows.items():
+                q = method_quality(served, run, residents[name], n_vis, self.targets, self.text)
+                out[name] = {k: v for k, v in m.items() if k not in q} | q
+            rows.clear()
+            rows.update(out)
+
+    def _record(self, run, dec, per_budget: dict[float, tuple[dict, dict]]) -> dict:
+        """The record body from the harness rows of every budget: HiSparse's arms and every row's costs."""
+        from flashmemory.eval.frontier_cost import method_costs
+        fc, eng = self.fc, self.engine
         n_c4, n_final, cb = run.index_chunks.shape
         T, P = run.n_steps, run.prompt_len
         n_vis = torch.tensor([min((P + t + 1) // 4, n_final) for t in range(T)]).float()
@@ -185,9 +231,7 @@ class Sweep:
                      n_steps=T, index_bytes=cb, page_chunks=fc.page_chunks, tau=fc.tau,
                      l1_flops=self._l1(P + T, *self.shapes))
         budgets = {}
-        for b in fc.budgets:
-            residents: dict = {}
-            rows = evaluate_doc(dec, run, self.retriever, self.hc, self.targets, b, self.text, residents=residents)
+        for b, (rows, residents) in per_budget.items():
             kmax = int(rows["Full"]["kmax"])
             slots = max(kmax * fc.page_chunks, eng.index_topk)
             arms = {"HiSparse": hisparse_stats(run, slots)}
@@ -222,6 +266,7 @@ def run_frontier(fc: FrontierConfig, log=print, progress: bool = True, report_on
 def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, max_docs: int | None,
          compare: str | None = None) -> dict:
     from tqdm import tqdm
+
     from flashmemory.atomic import atomic_write_text
     from flashmemory.eval.frontier_report import write_outputs
     fp = fingerprint(fc)
