@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from tests.topk_ties import (assert_picks_agree, assert_scores_close, compare_picks, flip_boundary,
-                             greedy_agreement, row_tolerance)
+from tests.topk_ties import (
+    assert_picks_agree,
+    assert_scores_close,
+    compare_picks,
+    flip_boundary,
+    greedy_agreement,
+    row_tolerance,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -1,8 +1,16 @@
 """Residency: the Level-1 selection policy and cycle (what stays on the device), the Level-2 top-k, and the miss
 monitor with per-request escalation (what notices and repairs a wrong Level-1 prediction)."""
 
-from flashmemory.residency.policy import (PagePolicy, SelectionConfig, ThresholdPagePolicy, ensemble_scores,
-                                          forced_mask, page_keys, select_chunks, select_pages)
+from flashmemory.residency.policy import (
+    PagePolicy,
+    SelectionConfig,
+    ThresholdPagePolicy,
+    ensemble_scores,
+    forced_mask,
+    page_keys,
+    select_chunks,
+    select_pages,
+)
 
 __all__ = ["PagePolicy", "SelectionConfig", "ThresholdPagePolicy", "ensemble_scores", "forced_mask", "page_keys",
            "select_chunks", "select_pages", "Level1", "Level1Config", "Level2", "Level2Out", "paged_index_logits",

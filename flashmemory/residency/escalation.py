@@ -22,8 +22,8 @@ grant at once (`forget`, `sync`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -98,7 +98,9 @@ class AllPass:
         return torch.ones(n_hist)
 
 
-def page_priority(scores: torch.Tensor, n_hist: int, pages: torch.Tensor, page_chunks: int, last_keep: int) -> list[float]:
+def page_priority(
+    scores: torch.Tensor, n_hist: int, pages: torch.Tensor, page_chunks: int, last_keep: int
+) -> list[float]:
     """Priority of each page: +inf inside the recency tail, else the page's best chunk score."""
     n_pages = -(-n_hist // page_chunks)
     pad = torch.full((n_pages * page_chunks,), float("-inf"))

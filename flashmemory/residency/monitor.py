@@ -10,8 +10,8 @@ Pure functions here; the per-request state that acts on the result is `flashmemo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -106,7 +106,8 @@ def keys_native_scorer(engine, qw: Callable[[int, int, Mapping[int, torch.Tensor
     """A `NativeScorer` over the engine's device-resident target index-K: sum_h relu(q_h . k) w_h.
 
     qw(row, layer, hidden, position) -> (q fp32 [H, D], w fp32 [H]): the native indexer's query and head
-    weights of that layer (from the model; see `flashmemory.sglang.miss_monitor`), or None (then the scorer returns None)."""
+    weights of that layer (from the model; see `flashmemory.sglang.miss_monitor`), or None (then the scorer
+    returns None)."""
     from flashmemory.retriever.model import relu_head_scores
 
     @torch.no_grad()

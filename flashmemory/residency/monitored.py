@@ -12,7 +12,7 @@ and each request's budget go to the engine's metrics.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

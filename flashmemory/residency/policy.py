@@ -9,8 +9,9 @@ unless `fill_zero_pages` is set: a resident page that nothing asked for only cos
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 

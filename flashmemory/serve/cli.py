@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from flashmemory.errors import UserError, describe, fail
-from flashmemory.serve.procs import ServerStartError, Servers
+from flashmemory.serve.procs import Servers, ServerStartError
 
 EXAMPLE = """\
 FlashMemory PD stack on CPU (tiny model: random weights, so the text is noise; it is for trying things out)

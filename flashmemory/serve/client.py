@@ -10,8 +10,8 @@ import json
 import math
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from flashmemory.serve.procs import http_get, http_post_json
 

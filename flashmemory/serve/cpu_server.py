@@ -20,8 +20,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flashmemory.serve.procs import (free_ports, loopback_env, remove_rendezvous_store, remove_server_stores,
-                                     remove_stale_rendezvous_stores)
+from flashmemory.serve.procs import (
+    free_ports,
+    loopback_env,
+    remove_rendezvous_store,
+    remove_server_stores,
+    remove_stale_rendezvous_stores,
+)
 from flashmemory.serve.validate import check_concurrency, check_timeout, max_running_requests, plugin_row_limit
 
 MARKER = "FLASHMEMORY_CPU_SERVER_ID"
@@ -67,7 +72,8 @@ class CpuServer:
         self.env = loopback_env({**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1",
                                  MARKER: self.id, **(env or {})}, self.id)
         if pythonpath:
-            self.env["PYTHONPATH"] = pythonpath + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+            rest = os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else ""
+            self.env["PYTHONPATH"] = pythonpath + rest
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
                     "--port", str(self.port), *CPU_SERVER_ARGS, *extra_args]
         self.proc: subprocess.Popen | None = None

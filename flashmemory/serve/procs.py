@@ -20,10 +20,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Mapping, Sequence
-
 
 RENDEZVOUS_VAR = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
 STORE_PREFIX = "flashmemory-dist-"

@@ -18,15 +18,27 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
 
 from flashmemory.errors import UserError
-from flashmemory.serve.procs import (RENDEZVOUS_VAR, ServerStartError, Servers, is_loopback_host, port_clash,
-                                     rendezvous_store)
-from flashmemory.serve.validate import (StackPorts, check_concurrency, check_port, check_timeout,
-                                        max_running_requests, stack_ports)
+from flashmemory.serve.procs import (
+    RENDEZVOUS_VAR,
+    Servers,
+    ServerStartError,
+    is_loopback_host,
+    port_clash,
+    rendezvous_store,
+)
+from flashmemory.serve.validate import (
+    StackPorts,
+    check_concurrency,
+    check_port,
+    check_timeout,
+    max_running_requests,
+    stack_ports,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"   # FM_CPU_MODEL in scripts/launch_common.sh

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from flashmemory.errors import UserError
 from flashmemory.serve.procs import free_ports

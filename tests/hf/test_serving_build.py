@@ -55,7 +55,8 @@ def test_deterministic_and_idempotent(built, tmp_path):
 def test_tokenizer_specials_and_bytes():
     tok = build_tokenizer(1024)
     assert tok.get_vocab_size() == 1024
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS))) and len(SPECIAL_TOKENS) == 26
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert len(SPECIAL_TOKENS) == 26
     text = "<｜User｜>héllo, wörld<｜Assistant｜>"
     ids = tok.encode(text).ids
     assert ids[0] == SPECIAL_TOKENS.index("<｜User｜>") and ids[-1] == SPECIAL_TOKENS.index("<｜Assistant｜>")

@@ -12,8 +12,16 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flashmemory.offload import (EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants,
-                                 execute_recall, plan_recall, publish_recall)
+from flashmemory.offload import (
+    EngineConfig,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    check_invariants,
+    execute_recall,
+    plan_recall,
+    publish_recall,
+)
 from flashmemory.residency.escalation import EscalationConfig, EscalationController
 from flashmemory.residency.level1 import Level1, Level1Config
 from flashmemory.residency.monitored import MissMonitor, merge_selection
@@ -142,16 +150,16 @@ class ControllerMachine(RuleBasedStateMachine):
         problems = check_invariants(self.eng)
         assert not problems, problems
         snap = self.ctl.snapshot()
-        for row, (gen, budget, _) in snap.items():
+        for row, (_gen, budget, _) in snap.items():
             assert BASE <= budget <= CAP, f"row {row}: budget {budget} outside [{BASE}, {CAP}]"
-        live_grants = sum(b - BASE for r, (g, b, _) in snap.items())
+        live_grants = sum(b - BASE for _, b, _ in snap.values())
         assert self.ctl.granted == live_grants, f"granted {self.ctl.granted} != tracked grants {live_grants}"
         assert 0 <= self.ctl.granted <= POOL
         self.l1.on_step([-1], {}, torch.zeros(1, dtype=torch.long))   # sync: only live requests stay tracked
         snap = self.ctl.snapshot()
         assert all(self.live.get(r) == g for r, (g, _, _) in snap.items()), (snap, self.live)
         assert self.ctl.granted == sum(b - BASE for _, b, _ in snap.values())
-        for r, (g, b, _) in snap.items():
+        for r, (_g, b, _) in snap.items():
             assert len(self.eng.rows[r].recall) <= min(CAP, b + 1), "recalled pages beyond the request's budget"
         if not self.live:
             assert self.ctl.granted == 0

@@ -7,8 +7,16 @@ import time
 
 import torch
 
-from flashmemory.offload import (EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants,
-                                 execute_recall, plan_recall, publish_recall)
+from flashmemory.offload import (
+    EngineConfig,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    check_invariants,
+    execute_recall,
+    plan_recall,
+    publish_recall,
+)
 from flashmemory.residency.level1 import Level1, Level1Config, retriever_scorer
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
 from flashmemory.retriever.fp8 import quantize_chunks
@@ -80,8 +88,8 @@ def held_copy_level1(eng):
         in_copy.set()
         release.wait(5)
     eng.copy_hook = hook
-    l1 = Level1(eng, Recorder(), ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4)),
-                Level1Config(tau=64, max_resident_pages=6, last_keep=4, async_recall=True))
+    policy = ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4))
+    l1 = Level1(eng, Recorder(), policy, Level1Config(tau=64, max_resident_pages=6, last_keep=4, async_recall=True))
     return l1, in_copy, release
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, recall_now
-from flashmemory.retriever.fp8 import FP8
 from flashmemory.residency.level2 import Level2, paged_index_logits
+from flashmemory.retriever.fp8 import FP8
 
 LAYOUT = OffloadLayout(n_layers=3, page_chunks=8, kv_widths=(6, 2), kv_align=4, index_head_dim=4, target_layers=(1,))
 

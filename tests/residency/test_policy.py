@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.residency.policy import (SelectionConfig, ThresholdPagePolicy, ensemble_scores, forced_mask,
-                                          select_chunks, select_pages)
+from flashmemory.residency.policy import (
+    SelectionConfig,
+    ThresholdPagePolicy,
+    ensemble_scores,
+    forced_mask,
+    select_chunks,
+    select_pages,
+)
 
 NO_FORCE = dict(last_keep=0, first_keep=0)
 

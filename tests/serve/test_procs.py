@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from flashmemory.serve.procs import ServerStartError, Servers, free_ports, http_get
+from flashmemory.serve.procs import Servers, ServerStartError, free_ports, http_get
 
 
 def test_stop_kills_the_whole_group_including_grandchildren(tmp_path):
@@ -61,6 +61,7 @@ def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own_pick():
 def test_free_ports_skip_a_port_someone_holds():
     import random
     import socket
+
     from flashmemory.serve.procs import PORT_RANGE
     first = random.Random(7).sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), 1)[0]
     with socket.socket() as held:
