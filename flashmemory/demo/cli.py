@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from flashmemory.demo.config import (EXPECTED_SECONDS, EXPECTED_SERVE_SECONDS, SERVE_FIELDS, SERVE_STAGE, DemoConfig,
-                                     preset)
+from flashmemory.demo.config import (
+    EXPECTED_SECONDS,
+    EXPECTED_SERVE_SECONDS,
+    SERVE_FIELDS,
+    SERVE_STAGE,
+    DemoConfig,
+    preset,
+)
 
 HELP = {
     "model": "auto (the shipped trained model, else tiny-flash), a shipped random model (tiny-flash: 43-layer "

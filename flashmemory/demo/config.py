@@ -115,8 +115,8 @@ def resolve_model(cfg: DemoConfig, user_set: frozenset[str] | set[str] = frozens
         return (replace(cfg, model=str(trained_model_dir()), **over),
                 f"model {TRAINED_NAME}: the shipped trained tiny DeepSeek-V4 (flashmemory/hf/trained/{TRAINED_NAME})")
     return (replace(cfg, model="tiny-flash", tasks=cfg.tasks or tuple(TASKS)),
-            f"model tiny-flash with RANDOM weights: the shipped trained checkpoint flashmemory/hf/trained/{TRAINED_NAME} "
-            "is missing, so task scores are not meaningful")
+            f"model tiny-flash with RANDOM weights: the shipped trained checkpoint "
+            f"flashmemory/hf/trained/{TRAINED_NAME} is missing, so task scores are not meaningful")
 
 
 SERVE_STAGE = "7. live serving: PD + router on CPU, chats through the router"
@@ -133,7 +133,8 @@ EXPECTED_SECONDS: dict[str, dict[str, float]] = {
              "5. two-level recall through the offload engine": 100.0,
              "6. miss monitor: per task, and residency against length": 20.0, "8. report": 2.0},
     "quick": {"1. build model": 1.0, "2. generate tasks": 0.5,
-              "3. decode under Full attention, dump golden labels": 70.0, "4. train retriever": 3.0, "5. two-level recall through the offload engine": 26.0,
+              "3. decode under Full attention, dump golden labels": 70.0, "4. train retriever": 3.0,
+              "5. two-level recall through the offload engine": 26.0,
               "6. miss monitor: per task, and residency against length": 60.0, "8. report": 1.5},
 }
 # Stage 7 (either preset, with --serve), measured with the box shared (load 8-21): 347 s with these settings

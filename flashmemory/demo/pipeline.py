@@ -30,12 +30,11 @@ import torch
 from tqdm import tqdm
 
 from flashmemory.demo.config import SERVE_STAGE, WORK_MARKER, DemoConfig
-from flashmemory.serve.tiny_retriever import dump_runs
 from flashmemory.errors import UserError
 from flashmemory.eval.decode import full_run
 from flashmemory.eval.harness import HarnessConfig, budget_cells, evaluate_doc, mean_rows
 from flashmemory.outdir import DirLock, prepare_dir
-
+from flashmemory.serve.tiny_retriever import dump_runs
 
 SLOW_FACTOR = 3.0   # a stage this many times slower than measured on a quiet machine gets a warning ...
 SLOW_EXCESS = 30.0  # ... once it is also this many seconds over (a 1-second stage taking 3 s is noise)
@@ -273,7 +272,6 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     with stage("3. decode under Full attention, dump golden labels"):
         runs = []
         for i, it in enumerate(tqdm(items, desc="full decode + capture", disable=not progress)):
-            test = i >= cfg.n_train + cfg.n_val
             runs.append(full_run(engine, f"{it.task}-{i}", tok.encode_chat(it.messages), cfg.gen_tokens, targets,
                                  cfg.topp, cfg.min_layers, record=it.to_record()))
         splits = {"train": runs[:cfg.n_train], "val": runs[cfg.n_train:cfg.n_train + cfg.n_val],

@@ -127,8 +127,7 @@ def run_pending(out: Path, fp: str, todo: list[tuple[int, str]], compute, done: 
 def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple[int, ...], log, progress: bool):
     """The run's retriever: --retriever, else the one this out dir trained before (RETRIEVER_DONE), else train the
     demo's (its 6 train / 2 val documents decoded and dumped under out/work, as in the demo's stages 3-4)."""
-    from flashmemory.retriever.checkpoint import load_retriever
-    from flashmemory.retriever.checkpoint import check_fits
+    from flashmemory.retriever.checkpoint import check_fits, load_retriever
 
     def fitted(path: str):
         model = load_retriever(path)
@@ -173,11 +172,12 @@ def run_quality(qc: QualityConfig, log=print, progress: bool = True, report_only
 
 def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -> dict:
     import torch
+
     from flashmemory.demo.pipeline import default_targets
+    from flashmemory.demo.quality_report import aggregate, write_results
     from flashmemory.eval.decode import full_run
     from flashmemory.eval.harness import HarnessConfig, evaluate_doc
     from flashmemory.eval.methods import METHODS
-    from flashmemory.demo.quality_report import aggregate, write_results
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.suite import generate
     from flashmemory.tasks.tokenizer import load_tokenizer

@@ -9,9 +9,9 @@ from flashmemory.eval.records import name_list as _tuple
 
 def config_from_args(a: argparse.Namespace):
     """QualityConfig from the parsed flags (UserError naming a bad flag)."""
+    from flashmemory.demo.quality import QualityConfig
     from flashmemory.errors import UserError
     from flashmemory.eval.budgets import parse_budgets
-    from flashmemory.demo.quality import QualityConfig
     budgets = parse_budgets(a.budgets)
     if not budgets:
         raise UserError(f"--budgets {a.budgets!r}: give at least one fraction in (0, 1]")
@@ -21,8 +21,8 @@ def config_from_args(a: argparse.Namespace):
 
 
 def run(a: argparse.Namespace) -> int:
-    from flashmemory.errors import UserError, fail
     from flashmemory.demo.quality import run_quality
+    from flashmemory.errors import UserError, fail
     try:
         qc = config_from_args(a)
         run_quality(qc, progress=not a.no_progress, report_only=a.report_only)

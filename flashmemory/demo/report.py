@@ -188,8 +188,8 @@ def monitor_section(results: dict) -> list[str]:
     mon = results["methods"].get("FlashMemory+monitor", {})
     q = quantiles(mon.get("miss_values", []))
     lines += ["", f"Miss mass measured by the monitor on the test documents (FlashMemory+monitor, one rotated target "
-              f"layer per cycle): p10 {q[0]:.3f}, p50 {q[1]:.3f}, p90 {q[2]:.3f} over {len(mon.get('miss_values', []))} "
-              "cycles.", "",
+              f"layer per cycle): p10 {q[0]:.3f}, p50 {q[1]:.3f}, p90 {q[2]:.3f} over "
+              f"{len(mon.get('miss_values', []))} cycles.", "",
               "Equal average budget: the monitored method runs at the largest base budget (and cap) whose mean "
               "resident pages over the decode steps do not exceed FlashMemory's at KMAX (`mean pages`; "
               "`flashmemory.eval.monitored`). The MRCR-like rows come from extra held-out documents. "

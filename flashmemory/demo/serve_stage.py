@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 # what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/prometheus.py)
 LIVE_COLUMNS = [

@@ -99,6 +99,7 @@ def test_quick_writes_to_its_own_folder_and_knows_its_stage_times():
 
 def test_a_slow_stage_is_named_while_it_runs():
     import threading
+
     from flashmemory.demo.pipeline import Stages, slow_warning
     assert slow_warning("3. decode", 200.0, 70.0) is None
     msg = slow_warning("3. decode", 232.0, 70.0)   # the quick demo's decode stage on this box under load
@@ -143,7 +144,7 @@ def test_a_locked_out_dir_is_refused(tmp_path):
 
 
 def test_no_progress_prints_no_training_bar(synth, tmp_path, capfd):
-    from flashmemory.train.loop import Trainer, TrainConfig
+    from flashmemory.train.loop import TrainConfig, Trainer
     cfg = dict(data_config=str(synth / "data.json"), no_pretrain=True, joint_layers=(0, 1), n_heads=8, q_lora_rank=32,
                epochs=1, batch_size=8, log_interval=10**9)
     Trainer(TrainConfig(output_dir=str(tmp_path / "a"), **cfg)).fit()
@@ -163,7 +164,8 @@ def test_report_compares_monitor_and_tabulates_residency(demo_run):
     assert mon["monitor_cycles"] > 0 and len(mon["miss_values"]) > 0
     assert all(0.0 <= v <= 1.0 for v in mon["miss_values"])
     rows = res["residency"]["rows"]
-    assert [r["tokens"] for r in rows] == [128, 256] and all(r["fm_pages_max"] <= 3 + 3 for r in rows)  # KMAX + decode region
+    assert [r["tokens"] for r in rows] == [128, 256]
+    assert all(r["fm_pages_max"] <= 3 + 3 for r in rows)  # KMAX + decode region
     assert len(res["residency"]["costmodel"]) == 4 and "niah_single" in res["monitor_tasks"]
 
 

@@ -4,8 +4,6 @@ the first real work)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from flashmemory.cli import main

@@ -9,10 +9,18 @@ import math
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.errors import UserError
-from flashmemory.demo.quality import (FORMAT, QualityConfig, doc_plan, fingerprint, load_done, run_pending,
-                                      run_quality, write_doc)
+from flashmemory.demo.quality import (
+    FORMAT,
+    QualityConfig,
+    doc_plan,
+    fingerprint,
+    load_done,
+    run_pending,
+    run_quality,
+    write_doc,
+)
 from flashmemory.demo.quality_report import aggregate, report_markdown
+from flashmemory.errors import UserError
 from flashmemory.outdir import DirLock, DirLockedError
 
 TASKS = ("niah_single", "niah_multikey", "mqar")
@@ -103,7 +111,7 @@ def _results(n: int, planned: int) -> dict:
 
 def test_every_cell_has_n_and_an_interval_and_a_partial_run_says_so() -> None:
     res = _results(12, 144)
-    for b, methods in res["task_by_budget"].items():
+    for methods in res["task_by_budget"].values():
         for name in METHODS:
             ci = methods[name]["task_score_ci"]
             assert ci["n"] == 12 and ci["method"] == "wilson" and ci["lo"] <= methods[name]["task_score"] <= ci["hi"]
@@ -144,6 +152,7 @@ def test_plain_eval_still_requires_a_checkpoint(capsys) -> None:
 
 def test_the_demo_report_points_to_the_quality_run() -> None:
     from flashmemory.demo.report import report_markdown as demo_markdown
-    from tests.demo.test_report import _doc, _results as demo_results
+    from tests.demo.test_report import _doc
+    from tests.demo.test_report import _results as demo_results
     md = demo_markdown(demo_results([_doc(1.0, 0.8), _doc(0.0, 0.6), _doc(1.0, 0.7)]))
     assert "`flashmemory eval quality`" in md and "docs/quality/report.md" in md

@@ -17,13 +17,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import importlib.util
+import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 # Programs a page may name whose arguments are not the project's to check.

@@ -82,7 +82,7 @@ def test_every_bench_fails_in_one_form_naming_itself(monkeypatch: pytest.MonkeyP
     def refuse(args):
         raise UserError("--flag 7: bad")
     names = list(available())
-    for name, (mod, _) in available().items():
+    for mod, _ in available().values():
         monkeypatch.setattr(importlib.import_module(mod), "run", refuse)
     for name in names:
         assert main(["bench", name]) == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,13 @@ def exported_samples() -> set[str]:
     `_bucket` / `_sum` / `_count`)."""
     prom = pytest.importorskip("prometheus_client")
     from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
-    from flashmemory.sglang.prometheus import (HISPARSE_SWAPIN, HISPARSE_SWAPIN_PREFIX, PREFIX, FlashMemoryMetrics,
-                                               failure_counter)
+    from flashmemory.sglang.prometheus import (
+        HISPARSE_SWAPIN,
+        HISPARSE_SWAPIN_PREFIX,
+        PREFIX,
+        FlashMemoryMetrics,
+        failure_counter,
+    )
     reg = prom.CollectorRegistry()
     FlashMemoryMetrics.create(registry=reg)
     failure_counter(registry=reg).labels(hook="before_forward").inc()
@@ -68,9 +72,16 @@ def test_a_misspelt_metric_is_caught() -> None:
 
 
 def test_every_metric_family_is_charted() -> None:
-    from flashmemory.sglang.prometheus import (FAILURES, HISPARSE_SWAPIN, HISPARSE_SWAPIN_PREFIX, METRICS, PREFIX,
-                                               SERVING_METRICS)
-    from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
+    from flashmemory.sglang.prometheus import (
+        FAILURES,
+        HISPARSE_PREFETCH,
+        HISPARSE_PREFETCH_PREFIX,
+        HISPARSE_SWAPIN,
+        HISPARSE_SWAPIN_PREFIX,
+        METRICS,
+        PREFIX,
+        SERVING_METRICS,
+    )
     families = [*METRICS, *SERVING_METRICS, FAILURES[0], *(HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN),
                 *(HISPARSE_PREFETCH_PREFIX + k for k in HISPARSE_PREFETCH)]
     names = charted(json.loads(DASHBOARD.read_text()))
