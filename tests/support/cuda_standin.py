@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator
+from typing import Any
 
 import torch
 
@@ -125,7 +126,8 @@ class StandIn:
 
     # --- checks -------------------------------------------------------------------------------------------
     def ops(self, kind: str | None = None, resource: Any = None) -> list[Op]:
-        return [o for o in self.log if (kind is None or o.kind == kind) and (resource is None or o.resource == resource)]
+        return [o for o in self.log
+                if (kind is None or o.kind == kind) and (resource is None or o.resource == resource)]
 
     def races(self, resource_pred: Any) -> list[tuple[Op, Op]]:
         """Pairs (write, other access) of a resource matching `resource_pred` on different streams that no wait or
@@ -242,7 +244,8 @@ SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__floa
 class DeviceTensor(torch.Tensor):
     """A CPU tensor standing for one on the accelerator: results of ops on it stay `DeviceTensor`s, and every read
     of its values by the host (`SYNC_METHODS`, and indexing with a boolean mask, whose output size the host
-    reads) is counted in `DeviceTensor.syncs` as a host sync; `SYNC_METHODS` return a plain tensor / value. `.to(device)` is not counted: on CPU the stand-in device and the host are one
+    reads) is counted in `DeviceTensor.syncs` as a host sync; `SYNC_METHODS` return a plain tensor / value.
+    `.to(device)` is not counted: on CPU the stand-in device and the host are one
     (`.to("cpu")` as a host read would slip through; the serving path spells host reads `.cpu()`). Made by
     `on_device` (below)."""
 
@@ -259,7 +262,8 @@ class DeviceTensor(torch.Tensor):
             import traceback
             frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/flashmemory/" in f.filename), None)
             what = f"{name} (boolean mask)" if masked else name
-            where = f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}" if frame else what
+            where = (f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}"
+                     if frame else what)
             cls.syncs.append((threading.current_thread().name, frame.name if frame else "?", where))
         if name in SYNC_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
