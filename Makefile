@@ -22,6 +22,8 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -rs -n 2 --durations=15 tests
 
 # The suite without real sglang servers (marker `live`: tests/sglang/live) and the `slow` end-to-end runs.

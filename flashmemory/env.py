@@ -82,10 +82,10 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
 # Upper bounds of the sizing knobs: far above any real server, low enough that a typo (1e12) is named here
 # instead of surfacing as an overflow or a failed allocation. Memory itself is checked before allocation
 # (`flashmemory.sglang.geometry.check_reserve_memory`).
-MAX_POSITION = 1 << 30      # tokens per request (DeepSeek-V4 serves 1,048,576)
+MAX_POSITION = 1 << 30  # tokens per request (DeepSeek-V4 serves 1,048,576)
 MAX_PAGES = MAX_POSITION // (4 * 64)  # c4 pages (64 chunks of 4 tokens) of a MAX_POSITION request
-MAX_ROWS = 1 << 16          # concurrent requests
-MAX_BLOCKS = 1 << 24        # reserve page blocks per layer
+MAX_ROWS = 1 << 16  # concurrent requests
+MAX_BLOCKS = 1 << 24  # reserve page blocks per layer
 
 
 CPU_GATE = "SGLANG_FLASHMEMORY_CPU"
@@ -131,6 +131,7 @@ def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = 
     """Parse FLASHMEMORY_FAULT_INJECT (None when unset or empty). `hooks`: the hook names it may name (unchecked when
     empty). A malformed value is an EnvError naming the variable."""
     import re
+
     raw = ((os.environ if env is None else env).get(FAULT_INJECT) or "").strip()
     if not raw:
         return None
@@ -139,8 +140,9 @@ def fault_inject(env: Mapping[str, str] | None = None, hooks: tuple[str, ...] = 
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in ("hook", "rid", "rank") or key in fields:
-            raise EnvError(f"{FAULT_INJECT}={raw!r}: expected 'hook=<hook name>,rid=<regex>[,rank=<n>]' "
-                           f"(bad part {part!r})")
+            raise EnvError(
+                f"{FAULT_INJECT}={raw!r}: expected 'hook=<hook name>,rid=<regex>[,rank=<n>]' (bad part {part!r})"
+            )
         fields[key] = value.strip()
     if not fields.get("hook") or not fields.get("rid"):
         raise EnvError(f"{FAULT_INJECT}={raw!r}: needs both hook=<hook name> and rid=<regex>")
@@ -174,8 +176,12 @@ def level1_delay(env: Mapping[str, str] | None = None) -> DelaySpec | None:
     if not raw:
         return None
     fields = dict(part.strip().partition("=")[::2] for part in raw.split(","))
-    if set(fields) - {"ms", "rank"} or not fields.get("ms", "").isdigit() \
-            or not fields.get("rank", "0").isdigit() or int(fields["ms"]) > 60_000:
+    if (
+        set(fields) - {"ms", "rank"}
+        or not fields.get("ms", "").isdigit()
+        or not fields.get("rank", "0").isdigit()
+        or int(fields["ms"]) > 60_000
+    ):
         raise EnvError(f"{LEVEL1_DELAY}={raw!r}: expected 'ms=<0..60000>[,rank=<n>]'")
     return DelaySpec(int(fields["ms"]) / 1000, int(fields["rank"]) if "rank" in fields else None)
 
@@ -258,13 +264,18 @@ class DiskTierConfig:
         if out.dir and not os.path.isabs(out.dir):
             raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.dir!r}: must be an absolute directory")
         mirror_set = bool((e.get("SGLANG_PATHP_HOST_MIRROR_GB") or "").strip())
-        for name, v in (("SGLANG_PATHP_DISK_GB", out.disk_gb), ("SGLANG_PATHP_HOST_CACHE_GB", out.host_cache_gb),
-                        ("SGLANG_PATHP_HOST_MIRROR_GB", out.host_mirror_gb if mirror_set else 1.0)):
+        for name, v in (
+            ("SGLANG_PATHP_DISK_GB", out.disk_gb),
+            ("SGLANG_PATHP_HOST_CACHE_GB", out.host_cache_gb),
+            ("SGLANG_PATHP_HOST_MIRROR_GB", out.host_mirror_gb if mirror_set else 1.0),
+        ):
             if v <= 0:
                 raise EnvError(f"{name}={v}: must be > 0")
             if not out.dir and (e.get(name) or "").strip():
-                raise EnvError(f"{name} is set but SGLANG_PATHP_DISK_DIR is not: the disk tier is off without a "
-                               "directory (set SGLANG_PATHP_DISK_DIR=/abs/dir or unset " + name + ")")
+                raise EnvError(
+                    f"{name} is set but SGLANG_PATHP_DISK_DIR is not: the disk tier is off without a "
+                    "directory (set SGLANG_PATHP_DISK_DIR=/abs/dir or unset " + name + ")"
+                )
         return out
 
 
@@ -273,51 +284,51 @@ class FlashMemoryEnv:
     """The resolved gates and knobs; defaults match upstream `launch_decode.sh` where that still makes sense."""
 
     # Gates (all off = stock sglang).
-    decode_swap_p: bool = False          # SGLANG_DECODE_SWAP_P: Path-P, c4 KV in a host mirror + device reserve
-    index_k_offload: bool = False        # SGLANG_PATHP_INDEX_K_OFFLOAD: Path-I, non-target index-K offloaded too
-    score_resident: bool = False         # SGLANG_PATHP_SCORE_RESIDENT: Level 2 scores only resident pages
-    page_recall: bool = False            # SGLANG_PATHP_PAGE_RECALL: page-granular recall (the only mode here)
-    cudagraph: bool = False              # SGLANG_PATHP_CUDAGRAPH: Level 2 inside the decode CUDA graph
-    async_recall: bool = True            # SGLANG_PATHP_ASYNC_RECALL: Level 1 on a worker thread + side stream
-    fused_remap: bool = False            # SGLANG_PATHP_FUSED_REMAP: top-k columns map straight to reserve cells
-    stagger_cycle: bool = False          # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
-    dump_mode: bool = False              # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
-    dump_root: str = ""                  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
-    cpu: bool = False                    # SGLANG_FLASHMEMORY_CPU: run sglang's DeepSeek-V4 path on CPU (no GPU)
-    hisparse_prefetch: bool = False      # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH: hints prefetched into HiSparse's buffer
-    hisparse_prefetch_width: int = 64    # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH: positions per request per step
-    hisparse_prefetch_budget: int = 0    # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET: per request per cycle, 0 = H-K
+    decode_swap_p: bool = False  # SGLANG_DECODE_SWAP_P: Path-P, c4 KV in a host mirror + device reserve
+    index_k_offload: bool = False  # SGLANG_PATHP_INDEX_K_OFFLOAD: Path-I, non-target index-K offloaded too
+    score_resident: bool = False  # SGLANG_PATHP_SCORE_RESIDENT: Level 2 scores only resident pages
+    page_recall: bool = False  # SGLANG_PATHP_PAGE_RECALL: page-granular recall (the only mode here)
+    cudagraph: bool = False  # SGLANG_PATHP_CUDAGRAPH: Level 2 inside the decode CUDA graph
+    async_recall: bool = True  # SGLANG_PATHP_ASYNC_RECALL: Level 1 on a worker thread + side stream
+    fused_remap: bool = False  # SGLANG_PATHP_FUSED_REMAP: top-k columns map straight to reserve cells
+    stagger_cycle: bool = False  # SGLANG_PATHP_STAGGER_CYCLE: spread requests over the tau phases
+    dump_mode: bool = False  # SGLANG_FLASHMEMORY_DUMP: per-request golden-label dump (data generation)
+    dump_root: str = ""  # SGLANG_FLASHMEMORY_DUMP_ROOT: the only tree dump mode writes under (absolute)
+    cpu: bool = False  # SGLANG_FLASHMEMORY_CPU: run sglang's DeepSeek-V4 path on CPU (no GPU)
+    hisparse_prefetch: bool = False  # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH: hints prefetched into HiSparse's buffer
+    hisparse_prefetch_width: int = 64  # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH: positions per request per step
+    hisparse_prefetch_budget: int = 0  # SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET: per request per cycle, 0 = H-K
     # Page budget.
-    page_kmax: int = 96                  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
-    page_kmax_ratio: float = 0.0         # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
-    target_context: int = 262144         # SGLANG_DSV4_TARGET_CONTEXT: tokens, used with the ratio
+    page_kmax: int = 96  # SGLANG_PATHP_PAGE_KMAX: resident pages per request
+    page_kmax_ratio: float = 0.0  # SGLANG_PATHP_PAGE_KMAX_RATIO: if > 0, KMAX = ceil(ratio * pages(TGT_CTX))
+    target_context: int = 262144  # SGLANG_DSV4_TARGET_CONTEXT: tokens, used with the ratio
     # Level 1 retriever.
-    retriever_ckpt: str = ""             # SGLANG_RETRIEVER_INLINE_CKPT: "" = Level 1 off (everything resident)
+    retriever_ckpt: str = ""  # SGLANG_RETRIEVER_INLINE_CKPT: "" = Level 1 off (everything resident)
     retriever_layers: tuple[int, ...] = (10, 12, 20)  # SGLANG_RETRIEVER_INLINE_LAYERS (c4-layer ids)
-    interval: int = 64                   # SGLANG_RETRIEVER_INTERVAL: tau, decode steps per Level-1 cycle
-    threshold: float = 0.5               # SGLANG_RETRIEVER_SIGMOID_THRESH: keep if score > threshold
-    last_keep: int = 2048                # SGLANG_RETRIEVER_LAST_KEEP: recency tail, in c4 chunks
-    first_keep: int = 0                  # SGLANG_RETRIEVER_FIRST_KEEP: sink, in c4 chunks
-    ensemble_mode: str = "or"            # SGLANG_RETRIEVER_ENSEMBLE_MODE: "or" (max) | "mean"
-    max_resident: int = 0                # SGLANG_RETRIEVER_MAX_RESIDENT: chunk cap, 0 = none
-    max_position: int = 1048576          # SGLANG_RETRIEVER_MAX_POSITION: RoPE table length
-    logit_offset: float = 0.0            # SGLANG_RETRIEVER_LOGIT_OFFSET
+    interval: int = 64  # SGLANG_RETRIEVER_INTERVAL: tau, decode steps per Level-1 cycle
+    threshold: float = 0.5  # SGLANG_RETRIEVER_SIGMOID_THRESH: keep if score > threshold
+    last_keep: int = 2048  # SGLANG_RETRIEVER_LAST_KEEP: recency tail, in c4 chunks
+    first_keep: int = 0  # SGLANG_RETRIEVER_FIRST_KEEP: sink, in c4 chunks
+    ensemble_mode: str = "or"  # SGLANG_RETRIEVER_ENSEMBLE_MODE: "or" (max) | "mean"
+    max_resident: int = 0  # SGLANG_RETRIEVER_MAX_RESIDENT: chunk cap, 0 = none
+    max_position: int = 1048576  # SGLANG_RETRIEVER_MAX_POSITION: RoPE table length
+    logit_offset: float = 0.0  # SGLANG_RETRIEVER_LOGIT_OFFSET
     # Miss monitor, escalation and exact-recall fallback (flashmemory.residency.escalation).
-    miss_monitor: bool = False           # SGLANG_RETRIEVER_MISS_MONITOR: measure each request's miss mass per cycle
-    miss_threshold: float = 0.2          # SGLANG_RETRIEVER_MISS_THRESHOLD: escalate above this miss mass
-    miss_low: float = 0.05               # SGLANG_RETRIEVER_MISS_LOW: shrink back / leave fallback at or below this
-    miss_kmax_cap: int = 0               # SGLANG_RETRIEVER_MISS_KMAX_CAP: most pages per request, 0 = 2 x KMAX
-    miss_extra_pages: int = 0            # SGLANG_RETRIEVER_MISS_EXTRA_PAGES: pages above KMAX, all requests; 0 = auto
-    miss_shrink_after: int = 2           # SGLANG_RETRIEVER_MISS_SHRINK_AFTER: low cycles before a step back
-    miss_fallback_after: int = 2         # SGLANG_RETRIEVER_MISS_FALLBACK_AFTER: high cycles before the fallback
+    miss_monitor: bool = False  # SGLANG_RETRIEVER_MISS_MONITOR: measure each request's miss mass per cycle
+    miss_threshold: float = 0.2  # SGLANG_RETRIEVER_MISS_THRESHOLD: escalate above this miss mass
+    miss_low: float = 0.05  # SGLANG_RETRIEVER_MISS_LOW: shrink back / leave fallback at or below this
+    miss_kmax_cap: int = 0  # SGLANG_RETRIEVER_MISS_KMAX_CAP: most pages per request, 0 = 2 x KMAX
+    miss_extra_pages: int = 0  # SGLANG_RETRIEVER_MISS_EXTRA_PAGES: pages above KMAX, all requests; 0 = auto
+    miss_shrink_after: int = 2  # SGLANG_RETRIEVER_MISS_SHRINK_AFTER: low cycles before a step back
+    miss_fallback_after: int = 2  # SGLANG_RETRIEVER_MISS_FALLBACK_AFTER: high cycles before the fallback
     # Reserve sizing.
-    reserve_pages: int = 0               # SGLANG_PATHP_RESERVE_PAGES: page blocks per layer, 0 = auto
-    decode_resident_chunks: int = 512    # SGLANG_PATHP_DECODE_RESIDENT_CHUNKS: per-request decode region
-    decode_max_conc: int = 128           # SGLANG_PATHP_DECODE_MAX_CONC: rows with a decode region
-    target_concurrency: int = 64         # SGLANG_DSV4_TARGET_CONCURRENCY: used by auto reserve sizing
+    reserve_pages: int = 0  # SGLANG_PATHP_RESERVE_PAGES: page blocks per layer, 0 = auto
+    decode_resident_chunks: int = 512  # SGLANG_PATHP_DECODE_RESIDENT_CHUNKS: per-request decode region
+    decode_max_conc: int = 128  # SGLANG_PATHP_DECODE_MAX_CONC: rows with a decode region
+    target_concurrency: int = 64  # SGLANG_DSV4_TARGET_CONCURRENCY: used by auto reserve sizing
     # PD decode ("B mode"): where the c4 KV lives.
-    pd_c4_shrink: bool = True            # SGLANG_PD_B_C4_SHRINK: PD lands c4 KV in the mirror, device pool -> reserve
-    pd_credit_c4: bool = False           # SGLANG_PD_CREDIT_OFFLOADED_C4: size the token pool without the c4 KV term
+    pd_c4_shrink: bool = True  # SGLANG_PD_B_C4_SHRINK: PD lands c4 KV in the mirror, device pool -> reserve
+    pd_credit_c4: bool = False  # SGLANG_PD_CREDIT_OFFLOADED_C4: size the token pool without the c4 KV term
     # Disk tier below the host mirror: SGLANG_PATHP_DISK_DIR / _DISK_GB / _HOST_CACHE_GB.
     disk: DiskTierConfig = DiskTierConfig()
 
@@ -352,8 +363,11 @@ class FlashMemoryEnv:
 
     def active_features(self) -> list[str]:
         names = {
-            "decode_swap_p": "path-p", "index_k_offload": "path-i", "score_resident": "score-resident",
-            "cudagraph": "cuda-graph", "dump_mode": "dump",
+            "decode_swap_p": "path-p",
+            "index_k_offload": "path-i",
+            "score_resident": "score-resident",
+            "cudagraph": "cuda-graph",
+            "dump_mode": "dump",
         }
         feats = [label for attr, label in names.items() if getattr(self, attr)]
         if self.level1_enabled:
@@ -380,10 +394,12 @@ class FlashMemoryEnv:
             dump_root=(e.get("SGLANG_FLASHMEMORY_DUMP_ROOT") or "").strip(),
             cpu=cpu_enabled(e),
             hisparse_prefetch=_bool(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH", d.hisparse_prefetch),
-            hisparse_prefetch_width=_int(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH", d.hisparse_prefetch_width,
-                                         lo=1, hi=MAX_POSITION // 4),
-            hisparse_prefetch_budget=_int(e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET", d.hisparse_prefetch_budget,
-                                          hi=MAX_POSITION // 4),
+            hisparse_prefetch_width=_int(
+                e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH", d.hisparse_prefetch_width, lo=1, hi=MAX_POSITION // 4
+            ),
+            hisparse_prefetch_budget=_int(
+                e, "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_BUDGET", d.hisparse_prefetch_budget, hi=MAX_POSITION // 4
+            ),
             page_kmax=_int(e, "SGLANG_PATHP_PAGE_KMAX", d.page_kmax, lo=1, hi=MAX_PAGES),
             page_kmax_ratio=_float(e, "SGLANG_PATHP_PAGE_KMAX_RATIO", d.page_kmax_ratio, 0.0, 1.0),
             target_context=_int(e, "SGLANG_DSV4_TARGET_CONTEXT", d.target_context, lo=1, hi=MAX_POSITION),
@@ -405,8 +421,9 @@ class FlashMemoryEnv:
             miss_shrink_after=_int(e, "SGLANG_RETRIEVER_MISS_SHRINK_AFTER", d.miss_shrink_after, lo=1),
             miss_fallback_after=_int(e, "SGLANG_RETRIEVER_MISS_FALLBACK_AFTER", d.miss_fallback_after, lo=1),
             reserve_pages=_int(e, "SGLANG_PATHP_RESERVE_PAGES", d.reserve_pages, hi=MAX_BLOCKS),
-            decode_resident_chunks=_int(e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1,
-                                        hi=MAX_POSITION // 4),
+            decode_resident_chunks=_int(
+                e, "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS", d.decode_resident_chunks, lo=1, hi=MAX_POSITION // 4
+            ),
             decode_max_conc=_int(e, "SGLANG_PATHP_DECODE_MAX_CONC", d.decode_max_conc, lo=1, hi=MAX_ROWS),
             target_concurrency=_int(e, "SGLANG_DSV4_TARGET_CONCURRENCY", d.target_concurrency, lo=1, hi=MAX_ROWS),
             pd_c4_shrink=_bool(e, "SGLANG_PD_B_C4_SHRINK", d.pd_c4_shrink),
@@ -415,22 +432,32 @@ class FlashMemoryEnv:
         )
         pages = math.ceil(out.max_position / (4 * 64))
         if out.page_kmax > pages:
-            raise EnvError(f"SGLANG_PATHP_PAGE_KMAX={out.page_kmax}: more pages than a request of "
-                           f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has "
-                           f"({pages} pages of 64 c4 chunks)")
+            raise EnvError(
+                f"SGLANG_PATHP_PAGE_KMAX={out.page_kmax}: more pages than a request of "
+                f"SGLANG_RETRIEVER_MAX_POSITION={out.max_position} tokens has "
+                f"({pages} pages of 64 c4 chunks)"
+            )
         if out.dump_root and not os.path.isabs(out.dump_root):
             raise EnvError(f"SGLANG_FLASHMEMORY_DUMP_ROOT={out.dump_root!r}: must be an absolute directory")
         if out.miss_low > out.miss_threshold:
-            raise EnvError(f"SGLANG_RETRIEVER_MISS_LOW={out.miss_low} is above SGLANG_RETRIEVER_MISS_THRESHOLD="
-                           f"{out.miss_threshold}: the shrink-back level must be at or below the escalation level")
+            raise EnvError(
+                f"SGLANG_RETRIEVER_MISS_LOW={out.miss_low} is above SGLANG_RETRIEVER_MISS_THRESHOLD="
+                f"{out.miss_threshold}: the shrink-back level must be at or below the escalation level"
+            )
         if out.disk.enabled and not out.decode_swap_p:
-            raise EnvError(f"SGLANG_PATHP_DISK_DIR={out.disk.dir!r} is set but SGLANG_DECODE_SWAP_P is not: the disk "
-                           "tier sits under Path-P's host mirror and would be ignored (set SGLANG_DECODE_SWAP_P=1 or "
-                           "unset SGLANG_PATHP_DISK_DIR)")
+            raise EnvError(
+                f"SGLANG_PATHP_DISK_DIR={out.disk.dir!r} is set but SGLANG_DECODE_SWAP_P is not: the disk "
+                "tier sits under Path-P's host mirror and would be ignored (set SGLANG_DECODE_SWAP_P=1 or "
+                "unset SGLANG_PATHP_DISK_DIR)"
+            )
         if out.hisparse_prefetch and out.decode_swap_p:
-            raise EnvError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with SGLANG_DECODE_SWAP_P=1: in the prefetch mode "
-                           "sglang's HiSparse owns the c4 pool and its host copy; unset one of them")
+            raise EnvError(
+                "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with SGLANG_DECODE_SWAP_P=1: in the prefetch mode "
+                "sglang's HiSparse owns the c4 pool and its host copy; unset one of them"
+            )
         if out.dump_mode and not out.dump_root:
-            raise EnvError("SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
-                           "dump requests may write under (their output_dir must lie inside it)")
+            raise EnvError(
+                "SGLANG_FLASHMEMORY_DUMP=1 needs SGLANG_FLASHMEMORY_DUMP_ROOT=/abs/dir: the only tree "
+                "dump requests may write under (their output_dir must lie inside it)"
+            )
         return out

@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 import sys
 
-EXIT_USER = 2        # bad input or environment (argparse uses 2 for bad flags, too)
-_debug = False       # set once by `flashmemory.cli.main` from --debug
+EXIT_USER = 2  # bad input or environment (argparse uses 2 for bad flags, too)
+_debug = False  # set once by `flashmemory.cli.main` from --debug
 
 
 class UserError(ValueError):
@@ -37,9 +37,13 @@ def describe(e: BaseException) -> str:
     """One line for an expected failure: the message, with the path and the cause for an OSError."""
     if isinstance(e, OSError) and e.errno is not None:  # from the OS: the path and the cause
         what = e.strerror or type(e).__name__
-        hint = {errno.ENOSPC: " (disk full)", errno.EACCES: " (not writable or readable by you)",
-                errno.EROFS: " (read-only file system)", errno.ENOTDIR: " (a path component is a file)",
-                errno.EEXIST: " (exists, and is not what was expected)"}.get(e.errno or 0, "")
+        hint = {
+            errno.ENOSPC: " (disk full)",
+            errno.EACCES: " (not writable or readable by you)",
+            errno.EROFS: " (read-only file system)",
+            errno.ENOTDIR: " (a path component is a file)",
+            errno.EEXIST: " (exists, and is not what was expected)",
+        }.get(e.errno or 0, "")
         paths = [p for p in (e.filename, e.filename2) if p]
         where = " -> ".join(map(str, paths)) if paths else "(path not given by the OS)"
         return f"{where}: {what}{hint}"

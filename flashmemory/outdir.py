@@ -51,8 +51,10 @@ class DirLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
             os.close(fd)
-            raise DirLockedError(f"{self.dir}: this {what} is being written by another process (pid {holder}, "
-                                 f"lock {self.path}); wait for it to finish or choose another directory") from None
+            raise DirLockedError(
+                f"{self.dir}: this {what} is being written by another process (pid {holder}, "
+                f"lock {self.path}); wait for it to finish or choose another directory"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd

@@ -33,14 +33,14 @@ import sys
 import tempfile
 import time
 
-CASES = ("stock", "full", "r10", "ret10", "off")   # "off" last: least informative if time runs out
-PD_CASES = ("dstock", "dshrink")           # optional: GPU_CHECK_CASES=dstock,dshrink
+CASES = ("stock", "full", "r10", "ret10", "off")  # "off" last: least informative if time runs out
+PD_CASES = ("dstock", "dshrink")  # optional: GPU_CHECK_CASES=dstock,dshrink
 TP_CASES = ("tp2stock", "tp2full", "tp2ret10")  # optional, two GPUs: GPU_CHECK_CASES=tp2stock,tp2full,tp2ret10
 RANK_AGREE = ("level1_cycles", "recall_pages", "recall_bytes", "resident_fraction")  # equal on every TP rank
 PROMPT_LEN, DECODE_STEPS, BATCHES, TOKEN_CHECK = 4096, 500, (1, 8, 64), 32
-BUDGET_S, FIRST_CASE_S = 455, 200        # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
+BUDGET_S, FIRST_CASE_S = 455, 200  # whole run (gpu_check.sh kills at 480); the first case pays the JIT builds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RET_LAYERS = (1,)                          # the retriever's c4 layer (SGLANG_RETRIEVER_INLINE_LAYERS)
+RET_LAYERS = (1,)  # the retriever's c4 layer (SGLANG_RETRIEVER_INLINE_LAYERS)
 
 
 def tiny_config() -> dict:
@@ -52,18 +52,56 @@ def tiny_config() -> dict:
     through ModelConfig and ServerArgs.resolve_once (flashmemory/sglang/README.md, Status)."""
     ratios = [0, 4, 128, 4, 128, 0]
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 4096,
-        "hidden_size": 4096, "intermediate_size": 2048, "moe_intermediate_size": 2048, "num_hidden_layers": len(ratios),
-        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
-        "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 16, "n_shared_experts": 1,
-        "num_experts_per_tok": 6, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
-        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "hidden_act": "silu", "index_n_heads": 64,
-        "index_head_dim": 128, "index_topk": 512, "compress_ratios": ratios, "compress_rope_theta": 40000,
-        "sliding_window": 128, "window_size": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-        "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "rope_theta": 10000, "num_nextn_predict_layers": 0,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1},
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 4096,
+        "hidden_size": 4096,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": len(ratios),
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_lora_rank": 1024,
+        "o_groups": 8,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "num_hash_layers": 1,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "hidden_act": "silu",
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "compress_ratios": ratios,
+        "compress_rope_theta": 40000,
+        "sliding_window": 128,
+        "window_size": 128,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "num_nextn_predict_layers": 0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1,
+            "mscale_all_dim": 1,
+        },
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
 
 
@@ -74,12 +112,17 @@ def case_env(case: str, stats_file: str = "", retriever: str = "") -> dict[str, 
     if case in ("stock", "dstock", "tp2stock"):
         env["SGLANG_PLUGINS"] = "none"
     if case in ("full", "r10", "ret10", "dshrink", "tp2full", "tp2ret10"):
-        env.update({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1",
-                    "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)),
-                    "SGLANG_RETRIEVER_LAST_KEEP": "64",
-                    "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10", "tp2ret10")
-                                                  else pages),
-                    "SGLANG_DSV4_TARGET_CONCURRENCY": "64"})
+        env.update(
+            {
+                "SGLANG_DECODE_SWAP_P": "1",
+                "SGLANG_PATHP_SCORE_RESIDENT": "1",
+                "SGLANG_PATHP_CUDAGRAPH": "1",
+                "SGLANG_RETRIEVER_INLINE_LAYERS": ",".join(map(str, RET_LAYERS)),
+                "SGLANG_RETRIEVER_LAST_KEEP": "64",
+                "SGLANG_PATHP_PAGE_KMAX": str(max(1, pages // 10) if case in ("r10", "ret10", "tp2ret10") else pages),
+                "SGLANG_DSV4_TARGET_CONCURRENCY": "64",
+            }
+        )
     if case in ("ret10", "tp2full", "tp2ret10"):
         env["SGLANG_RETRIEVER_INLINE_CKPT"] = retriever or "<written by the run>"
     return env
@@ -92,6 +135,7 @@ def write_retriever(path: str, cfg: dict) -> str:
 
     from flashmemory.retriever import save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
+
     torch.manual_seed(0)
     dims = RetrieverDims(hidden=cfg["hidden_size"], rank=256, n_heads=16, head_dim=cfg["index_head_dim"], rope_dim=64)
     return str(save_retriever(JointRetriever(RET_LAYERS, dims), path))
@@ -101,12 +145,24 @@ def engine_kwargs(model_dir: str, port: int, pd: bool = False, tp: int = 1) -> d
     """sgl.Engine / ServerArgs fields (names checked against sglang 0.5.23's ServerArgs.resolve_once on CPU);
     pd: a decode server with the `fake` transfer backend (the PD cases); tp: tensor parallelism (the TP cases)."""
     extra = dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake") if pd else {}
-    return dict(**extra, model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, tp_size=tp, random_seed=0,
-                port=port, mem_fraction_static=0.5, context_length=PROMPT_LEN + DECODE_STEPS + 64,
-                max_total_tokens=max(BATCHES) * (PROMPT_LEN + DECODE_STEPS + 64) + 16384,
-                max_running_requests=max(BATCHES), cuda_graph_max_bs_decode=max(BATCHES),
-                cuda_graph_bs_decode=[1, 2, 8, 64], dsv4_attn_backend="flashmla",
-                disable_radix_cache=True, log_level="info")
+    return dict(
+        **extra,
+        model_path=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        tp_size=tp,
+        random_seed=0,
+        port=port,
+        mem_fraction_static=0.5,
+        context_length=PROMPT_LEN + DECODE_STEPS + 64,
+        max_total_tokens=max(BATCHES) * (PROMPT_LEN + DECODE_STEPS + 64) + 16384,
+        max_running_requests=max(BATCHES),
+        cuda_graph_max_bs_decode=max(BATCHES),
+        cuda_graph_bs_decode=[1, 2, 8, 64],
+        dsv4_attn_backend="flashmla",
+        disable_radix_cache=True,
+        log_level="info",
+    )
 
 
 def run_case(case: str, model_dir: str, out: str, port: int) -> None:
@@ -115,21 +171,27 @@ def run_case(case: str, model_dir: str, out: str, port: int) -> None:
     t0 = time.perf_counter()
     eng = sgl.Engine(**engine_kwargs(model_dir, port, pd=case in PD_CASES, tp=2 if case in TP_CASES else 1))
     from flashmemory.sglang import plugin
-    res: dict = {"case": case, "startup_s": time.perf_counter() - t0, "plugin_state": plugin.state(),
-                 "tokens": None, "tok_s": {}}
+
+    res: dict = {
+        "case": case,
+        "startup_s": time.perf_counter() - t0,
+        "plugin_state": plugin.state(),
+        "tokens": None,
+        "tok_s": {},
+    }
     print(f"gpu_check[{case}]: engine up in {res['startup_s']:.1f}s, plugin {plugin.state()}", flush=True)
     try:
         prompt = [[(7 * i + 3 * b) % 4000 + 10 for i in range(PROMPT_LEN)] for b in range(max(BATCHES))]
         sp = {"temperature": 0.0, "max_new_tokens": TOKEN_CHECK, "ignore_eos": True}
         res["tokens"] = [o["output_ids"] for o in eng.generate(input_ids=prompt[:2], sampling_params=sp)]
         again = [o["output_ids"] for o in eng.generate(input_ids=prompt[:2], sampling_params=sp)]
-        res["deterministic"] = again == res["tokens"]   # if False, a token mismatch below is noise, not FlashMemory
+        res["deterministic"] = again == res["tokens"]  # if False, a token mismatch below is noise, not FlashMemory
         for bs in BATCHES:
             sp = {"temperature": 0.0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True}
             t = time.perf_counter()
             outs = eng.generate(input_ids=prompt[:bs], sampling_params=sp)
             dt = time.perf_counter() - t
-            res["tok_s"][str(bs)] = sum(len(o["output_ids"]) for o in outs) / dt   # prefill included
+            res["tok_s"][str(bs)] = sum(len(o["output_ids"]) for o in outs) / dt  # prefill included
             print(f"gpu_check[{case}]: bs {bs}: {res['tok_s'][str(bs)]:.0f} tok/s", flush=True)
     finally:
         eng.shutdown()
@@ -155,7 +217,7 @@ def run_group(cmd: list[str], env: dict, timeout: int, log: str) -> int | str:
         except subprocess.TimeoutExpired:
             return "timeout"
         finally:
-            kill()          # stray children of a finished case too
+            kill()  # stray children of a finished case too
             p.wait()
             signal.signal(signal.SIGTERM, old)
 
@@ -163,6 +225,7 @@ def run_group(cmd: list[str], env: dict, timeout: int, log: str) -> int | str:
 def ensure_entry_point(work: str) -> str:
     """'' if the entry point is installed, else the PYTHONPATH dir of a throw-away dist-info declaring it."""
     from importlib.metadata import entry_points
+
     if any(ep.name == "flashmemory" for ep in entry_points(group="sglang.srt.plugins")):
         return ""
     d = os.path.join(work, "ep", "flashmemory_gpu_check-0.0.dist-info")
@@ -174,8 +237,13 @@ def ensure_entry_point(work: str) -> str:
     return os.path.dirname(d)
 
 
-REF_OF = {"dstock": "dstock", "dshrink": "dstock", "tp2stock": "tp2stock", "tp2full": "tp2stock",
-          "tp2ret10": "tp2stock"}   # the reference whose tokens each case is compared with; else stock
+REF_OF = {
+    "dstock": "dstock",
+    "dshrink": "dstock",
+    "tp2stock": "tp2stock",
+    "tp2full": "tp2stock",
+    "tp2ret10": "tp2stock",
+}  # the reference whose tokens each case is compared with; else stock
 
 
 def check_case(c: str, r: dict, ref: list | None) -> list[str]:
@@ -189,8 +257,10 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
     if c == "dshrink":
         d = r.get("diag") or {}
         if d.get("mode") != "shrink" or d.get("device_bytes_saved", 0) <= 0:
-            bad.append(f"dshrink: Path-P did not run in shrink mode or saved no device memory ({d.get('mode')}, "
-                       f"{d.get('device_bytes_saved')} B); see the 'copy mode' warning in its log")
+            bad.append(
+                f"dshrink: Path-P did not run in shrink mode or saved no device memory ({d.get('mode')}, "
+                f"{d.get('device_bytes_saved')} B); see the 'copy mode' warning in its log"
+            )
     if c in TP_CASES[1:]:
         d, d1 = r.get("diag") or {}, r.get("diag_rank1") or {}
         if not d1:
@@ -214,8 +284,10 @@ def check_case(c: str, r: dict, ref: list | None) -> list[str]:
             if d.get("decode_forwards", 0) <= 0:
                 bad.append(f"{c}: no decode forward reached the plugin")
             if d.get("sideband_stale"):
-                bad.append(f"{c}: {d['sideband_stale']} decode forwards left the Level-1 side band stale "
-                           "(copy not in the graph)")
+                bad.append(
+                    f"{c}: {d['sideband_stale']} decode forwards left the Level-1 side band stale "
+                    "(copy not in the graph)"
+                )
     return bad
 
 
@@ -231,8 +303,10 @@ def main() -> int:
     cases = tuple(x for x in os.environ.get("GPU_CHECK_CASES", ",".join(CASES)).split(",") if x)
     unknown = [x for x in cases if x not in CASES + PD_CASES + TP_CASES]
     if unknown:
-        print(f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; "
-              f"known: {', '.join(CASES + PD_CASES + TP_CASES)}", file=sys.stderr)
+        print(
+            f"gpu_check: unknown case(s) {unknown} in GPU_CHECK_CASES; known: {', '.join(CASES + PD_CASES + TP_CASES)}",
+            file=sys.stderr,
+        )
         return 2
     if a.case:
         run_case(a.case, a.model_dir, a.out, a.port)
@@ -260,6 +334,7 @@ def main() -> int:
             f.write("\n".join(summary) + "\n")
 
     import torch
+
     if not torch.cuda.is_available():
         say("gpu_check: FAILED: no CUDA device (use --dry-run on a CPU machine)")
         return 2
@@ -269,8 +344,10 @@ def main() -> int:
         say(f"gpu_check: FAILED: sglang does not import with {sys.executable}: {type(e).__name__}: {e}")
         return 2
     ep_dir = ensure_entry_point(work)
-    say(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, sglang {sglang.__version__}, "
-        f"python {sys.executable}; entry point {'declared on PYTHONPATH' if ep_dir else 'installed'}; out {out_dir}")
+    say(
+        f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, sglang {sglang.__version__}, "
+        f"python {sys.executable}; entry point {'declared on PYTHONPATH' if ep_dir else 'installed'}; out {out_dir}"
+    )
     model_dir = os.path.join(work, "model")
     os.makedirs(model_dir)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -292,8 +369,23 @@ def main() -> int:
         env = {**os.environ, **case_env(c, stats, ckpt), "PYTHONPATH": pp}
         log = os.path.join(out_dir, f"case_{c}.log")
         t = time.monotonic()
-        rc = run_group([sys.executable, os.path.abspath(__file__), "--case", c, "--model-dir", model_dir, "--out", out,
-                        "--port", str(30000 + 100 * i)], env, limit, log)
+        rc = run_group(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--case",
+                c,
+                "--model-dir",
+                model_dir,
+                "--out",
+                out,
+                "--port",
+                str(30000 + 100 * i),
+            ],
+            env,
+            limit,
+            log,
+        )
         dt = time.monotonic() - t
         if rc != 0 or not os.path.exists(out):
             with open(log, errors="replace") as lf:
@@ -315,19 +407,26 @@ def main() -> int:
         failures += check_case(c, r, results.get(REF_OF.get(c, "stock"), {}).get("tokens"))
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"results": results, "failures": failures}, f, indent=1, default=str)
+
     def base_of(c: str) -> dict:
         names = ("dstock",) if c in PD_CASES else ("tp2stock",) if c in TP_CASES else ("off", "stock")
         return next((results[n]["tok_s"] for n in names if n in results), {})
-    say(f"{'case':7} " + " ".join(f"{'bs' + str(b) + ' x base':>14}" for b in BATCHES)
-        + "  tokens==ref  graph(capt/eager)  recall_bytes  resident  saved_GiB   (base: off/stock; dstock for dshrink)")
+
+    say(
+        f"{'case':7} "
+        + " ".join(f"{'bs' + str(b) + ' x base':>14}" for b in BATCHES)
+        + "  tokens==ref  graph(capt/eager)  recall_bytes  resident  saved_GiB   (base: off/stock; dstock for dshrink)"
+    )
     for c, r in results.items():
         base = base_of(c)
         rel = " ".join(f"{r['tok_s'].get(str(b), 0) / max(base.get(str(b), 1e-9), 1e-9):14.2f}" for b in BATCHES)
         d = r.get("diag", {})
         graph = f"{d.get('indexer_calls_captured', '-')}/{d.get('indexer_calls_eager', '-')}"
         same = r["tokens"] == results.get(REF_OF.get(c, "stock"), {}).get("tokens")
-        say(f"{c:7} {rel}  {str(same):>11}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
-            f"{d.get('resident_fraction', float('nan')):8.3f}  {d.get('device_bytes_saved', 0) / 2**30:9.2f}")
+        say(
+            f"{c:7} {rel}  {str(same):>11}  {graph:>17}  {d.get('recall_bytes', 0):12.0f}  "
+            f"{d.get('resident_fraction', float('nan')):8.3f}  {d.get('device_bytes_saved', 0) / 2**30:9.2f}"
+        )
     for msg in failures:
         say("FAIL " + msg)
     say("gpu_check: " + ("FAILED" if failures else "OK") + f" in {time.monotonic() - start:.0f}s")

@@ -30,7 +30,7 @@ import time
 import traceback
 from datetime import UTC, datetime
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # scripts/: the gpu_core package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/: the gpu_core package
 
 import torch  # noqa: E402
 from gpu_core import level2_check, offload_check, perf_check  # noqa: E402
@@ -45,8 +45,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default cuda; cpu needs --quick")
     p.add_argument("--quick", action="store_true", help="tiny sizes, correctness only (CPU smoke run, < 1 minute)")
-    p.add_argument("--out", default=None, help="folder for results.json / results.md (default docs/gpu; with "
-                                               "--quick nothing is written unless --out is given)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for results.json / results.md (default docs/gpu; with "
+        "--quick nothing is written unless --out is given)",
+    )
     p.add_argument("--only", default="a,b,c,d", help="comma-separated checks to run (default a,b,c,d)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", action="store_true", help="print tracebacks of checks that raise")
@@ -54,9 +58,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _env(device: torch.device, sz: Sizes) -> dict:
-    info = dict(date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), python=platform.python_version(),
-                torch=torch.__version__, cuda=torch.version.cuda, device_type=device.type, quick=sz.quick,
-                host=platform.node(), cpus=os.cpu_count())
+    info = dict(
+        date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device_type=device.type,
+        quick=sz.quick,
+        host=platform.node(),
+        cpus=os.cpu_count(),
+    )
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
         info["device_memory_GiB"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
@@ -74,10 +85,14 @@ def _fmt(v) -> str:
 
 
 def render_md(env: dict, results: list[CheckResult], ok: bool) -> str:
-    lines = ["# FlashMemory core on one GPU (`scripts/gpu_core_check.py`)", "",
-             f"{env['date']}; device {env['device']}; torch {env['torch']} (CUDA {env['cuda']}); Python "
-             f"{env['python']}; {'quick (tiny sizes, correctness only)' if env['quick'] else 'full sizes'}.",
-             f"Correctness: **{'all passed' if ok else 'FAILED'}**.", ""]
+    lines = [
+        "# FlashMemory core on one GPU (`scripts/gpu_core_check.py`)",
+        "",
+        f"{env['date']}; device {env['device']}; torch {env['torch']} (CUDA {env['cuda']}); Python "
+        f"{env['python']}; {'quick (tiny sizes, correctness only)' if env['quick'] else 'full sizes'}.",
+        f"Correctness: **{'all passed' if ok else 'FAILED'}**.",
+        "",
+    ]
     for r in results:
         verdict = "PASS" if r.ok else "FAIL"
         lines += [f"## ({r.name}) {r.title}", "", f"**{verdict}** ({r.wall_s:.1f} s): {r.summary}", ""]
@@ -97,9 +112,22 @@ def render_md(env: dict, results: list[CheckResult], ok: bool) -> str:
 def write(out: str | None, env: dict, results: list[CheckResult], ok: bool) -> None:
     if out is None:
         return
-    doc = dict(env, ok=ok, checks={r.name: dict(title=r.title, ok=r.ok, summary=r.summary, wall_s=r.wall_s,
-                                                 failures=r.failures, skipped=r.skipped, figures=r.figures)
-                                   for r in results})
+    doc = dict(
+        env,
+        ok=ok,
+        checks={
+            r.name: dict(
+                title=r.title,
+                ok=r.ok,
+                summary=r.summary,
+                wall_s=r.wall_s,
+                failures=r.failures,
+                skipped=r.skipped,
+                figures=r.figures,
+            )
+            for r in results
+        },
+    )
     atomic_write_text(os.path.join(out, "results.json"), json.dumps(doc, indent=1, default=str) + "\n")
     atomic_write_text(os.path.join(out, "results.md"), render_md(env, results, ok))
 
@@ -112,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --only {args.only!r}: choose from a,b,c,d", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"{PROG}: --device cuda: torch {torch.__version__} sees no CUDA device (use --device cpu --quick)",
-              file=sys.stderr)
+        print(
+            f"{PROG}: --device cuda: torch {torch.__version__} sees no CUDA device (use --device cpu --quick)",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu" and not args.quick:
         print(f"{PROG}: --device cpu needs --quick (the full sizes are GPU sizes)", file=sys.stderr)
@@ -123,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     default_out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "gpu")
     out = args.out if args.out is not None else (None if args.quick else default_out)
     env = _env(device, sz)
-    print(f"{PROG}: {env['device']}, torch {env['torch']}, {'quick' if sz.quick else 'full'}; checks "
-          f"{','.join(c for c in CHECKS if c in only)}", flush=True)
+    print(
+        f"{PROG}: {env['device']}, torch {env['torch']}, {'quick' if sz.quick else 'full'}; checks "
+        f"{','.join(c for c in CHECKS if c in only)}",
+        flush=True,
+    )
     results: list[CheckResult] = []
     t_all = time.perf_counter()
     for name, fn in CHECKS.items():
@@ -148,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    skipped: {s}", flush=True)
         write(out, dict(env, wall_s=round(time.perf_counter() - t_all, 1)), results, all(r.ok for r in results))
     ok = all(r.ok for r in results)
-    print(f"{PROG}: {'all correctness checks passed' if ok else 'a correctness check FAILED'} in "
-          f"{time.perf_counter() - t_all:.1f}s" + (f"; results in {out}/" if out else ""), flush=True)
+    print(
+        f"{PROG}: {'all correctness checks passed' if ok else 'a correctness check FAILED'} in "
+        f"{time.perf_counter() - t_all:.1f}s" + (f"; results in {out}/" if out else ""),
+        flush=True,
+    )
     return 0 if ok else 1
 
 

@@ -18,8 +18,15 @@ def synth(tmp_path_factory, teacher):
     write_synthetic_dump(root / "train", teacher, n_docs=4, seed=0)
     write_synthetic_dump(root / "val", teacher, n_docs=1, seed=7)
     cfg = root / "data.json"
-    cfg.write_text(json.dumps({"train": [{"data_dir": "train", "doc_ids": None}],
-                               "val": [{"data_dir": "val", "doc_ids": [0]}], "test": []}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "train": [{"data_dir": "train", "doc_ids": None}],
+                "val": [{"data_dir": "val", "doc_ids": [0]}],
+                "test": [],
+            }
+        )
+    )
     # A fit check: validate on a training doc (the held-out doc's doc-level query is unseen).
     (root / "fit.json").write_text(json.dumps({"train": ["train"], "val": [{"data_dir": "train", "doc_ids": [0]}]}))
     return root
@@ -30,6 +37,7 @@ def one_torch_thread():
     """One torch thread for the test: tiny models and ops are as fast uncontended, and 5-10x faster on a busy
     CPU (folders with tiny work use it autouse through their own conftest)."""
     import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -56,15 +64,30 @@ def pytest_collection_modifyitems(config, items):
     first use and kept to the folder's end): both sets up at once ran this 23-GB box out of memory. Whole modules
     move, so no module fixture starts twice. A LIVE_OWN module that uses a shared server is a usage error: its
     worker would start a second copy of that server."""
-    shared = {_module(item.nodeid) for item in items
-              if item.nodeid.startswith(LIVE) and "live_servers" in getattr(item, "fixturenames", ())}
-    wrong = sorted({_module(item.nodeid) for item in items if _module(item.nodeid) in LIVE_OWN
-                    and set(SHARED_FIXTURES) & set(getattr(item, "fixturenames", ()))})
+    shared = {
+        _module(item.nodeid)
+        for item in items
+        if item.nodeid.startswith(LIVE) and "live_servers" in getattr(item, "fixturenames", ())
+    }
+    wrong = sorted(
+        {
+            _module(item.nodeid)
+            for item in items
+            if _module(item.nodeid) in LIVE_OWN and set(SHARED_FIXTURES) & set(getattr(item, "fixturenames", ()))
+        }
+    )
     if wrong:
-        raise pytest.UsageError(f"tests/conftest.py LIVE_OWN: {wrong} use a shared live server; move them out of "
-                                "LIVE_OWN (they would start a second copy of it on the other worker)")
-    items.sort(key=lambda item: (not item.nodeid.startswith(LIVE), _module(item.nodeid) in LIVE_OWN,
-                                 _module(item.nodeid) in shared))
+        raise pytest.UsageError(
+            f"tests/conftest.py LIVE_OWN: {wrong} use a shared live server; move them out of "
+            "LIVE_OWN (they would start a second copy of it on the other worker)"
+        )
+    items.sort(
+        key=lambda item: (
+            not item.nodeid.startswith(LIVE),
+            _module(item.nodeid) in LIVE_OWN,
+            _module(item.nodeid) in shared,
+        )
+    )
 
 
 @pytest.hookimpl(optionalhook=True)

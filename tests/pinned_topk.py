@@ -30,6 +30,7 @@ from tests.topk_ties import PickDiff, assert_picks_agree, assert_scores_close
 def _decision_modules(model: nn.Module) -> dict[str, nn.Module]:
     """name -> module for every lightning indexer and learned (non-hash) MoE gate of the model."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer, DeepseekV4TopKRouter
+
     return {n: m for n, m in model.named_modules() if isinstance(m, (DeepseekV4Indexer, DeepseekV4TopKRouter))}
 
 
@@ -105,8 +106,7 @@ class PinnedTopk:
         self._replay = replay
         self._calls.clear()
         stack = self.model.model
-        outer = [stack.register_forward_pre_hook(self._begin, with_kwargs=True),
-                 stack.register_forward_hook(self._end)]
+        outer = [stack.register_forward_pre_hook(self._begin, with_kwargs=True), stack.register_forward_hook(self._end)]
         try:
             yield
         finally:
@@ -137,6 +137,7 @@ class PinnedTopk:
     def _keep_scores(self, name: str):
         def hook(module, args, out):
             self._scores[name] = out.detach()
+
         return hook
 
     def _decide(self, name: str):
@@ -159,16 +160,19 @@ class PinnedTopk:
             ref_scores, ref_picks = self.ref[name]
             what = f"{name} (call {call}, positions {start}..{start + t - 1})"
             assert ref_scores.shape[0] == b and start + t <= ref_scores.shape[1], (
-                f"{what}: outside the reference run {tuple(ref_scores.shape)}")
-            ref_scores = _width(ref_scores[:, start:start + t], n, float("-inf"))
-            ref_picks = _fit_width(ref_picks[:, start:start + t], picks.shape[-1], what)
+                f"{what}: outside the reference run {tuple(ref_scores.shape)}"
+            )
+            ref_scores = _width(ref_scores[:, start : start + t], n, float("-inf"))
+            ref_picks = _fit_width(ref_picks[:, start : start + t], picks.shape[-1], what)
             assert_scores_close(ref_scores, scores, rtol=self.rtol, atol=self.atol, what=what)
-            self.diffs[(name, call)] = assert_picks_agree(ref_scores, ref_picks, scores, picks,
-                                                          rtol=self.rtol, atol=self.atol, what=what)
+            self.diffs[(name, call)] = assert_picks_agree(
+                ref_scores, ref_picks, scores, picks, rtol=self.rtol, atol=self.atol, what=what
+            )
             if gate:
                 idx = ref_picks.reshape(b * t, -1)
                 return out[0], _gate_weights(module, out[0], idx), idx
             return ref_picks
+
         return hook
 
 
@@ -196,8 +200,10 @@ def _assemble(name: str, chunks: list[tuple[int, Tensor, Tensor]]) -> tuple[Tens
         pos += scores.shape[1]
     n = max(c[1].shape[-1] for c in chunks)
     k = max(c[2].shape[-1] for c in chunks)
-    return (torch.cat([_width(c[1], n, float("-inf")) for c in chunks], dim=1),
-            torch.cat([_width(c[2], k, -1) for c in chunks], dim=1))
+    return (
+        torch.cat([_width(c[1], n, float("-inf")) for c in chunks], dim=1),
+        torch.cat([_width(c[2], k, -1) for c in chunks], dim=1),
+    )
 
 
 def _fit_width(picks: Tensor, k: int, what: str) -> Tensor:

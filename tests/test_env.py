@@ -16,8 +16,16 @@ def test_defaults_match_the_documented_ones() -> None:
     env = FlashMemoryEnv.from_environ({})
     assert env == FlashMemoryEnv()
     assert not env.any_gate and not env.level1_enabled and env.active_features() == []
-    assert (env.retriever_layers, env.interval, env.threshold, env.last_keep, env.first_keep, env.ensemble_mode,
-            env.page_kmax, env.max_position) == ((10, 12, 20), 64, 0.5, 2048, 0, "or", 96, 1048576)
+    assert (
+        env.retriever_layers,
+        env.interval,
+        env.threshold,
+        env.last_keep,
+        env.first_keep,
+        env.ensemble_mode,
+        env.page_kmax,
+        env.max_position,
+    ) == ((10, 12, 20), 64, 0.5, 2048, 0, "or", 96, 1048576)
     # ENV_DOC's defaults are the dataclass's (the README table prints ENV_DOC).
     assert ENV_DOC["SGLANG_PATHP_PAGE_KMAX"][0] == str(env.page_kmax)
     assert ENV_DOC["SGLANG_RETRIEVER_LAST_KEEP"][0] == str(env.last_keep)
@@ -29,13 +37,21 @@ def test_defaults_match_the_documented_ones() -> None:
 
 
 def test_parsing() -> None:
-    env = FlashMemoryEnv.from_environ({
-        "SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "true", "SGLANG_PATHP_ASYNC_RECALL": "off",
-        "SGLANG_RETRIEVER_INLINE_CKPT": " ckpt.safetensors ", "SGLANG_RETRIEVER_INLINE_LAYERS": "20, 10,10",
-        "SGLANG_RETRIEVER_INTERVAL": "32", "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.25",
-        "SGLANG_RETRIEVER_ENSEMBLE_MODE": "MEAN", "SGLANG_RETRIEVER_LOGIT_OFFSET": "-5.5",
-        "SGLANG_PATHP_PAGE_KMAX": "", "SGLANG_DSV4_TARGET_CONCURRENCY": "8",
-    })
+    env = FlashMemoryEnv.from_environ(
+        {
+            "SGLANG_DECODE_SWAP_P": "1",
+            "SGLANG_PATHP_SCORE_RESIDENT": "true",
+            "SGLANG_PATHP_ASYNC_RECALL": "off",
+            "SGLANG_RETRIEVER_INLINE_CKPT": " ckpt.safetensors ",
+            "SGLANG_RETRIEVER_INLINE_LAYERS": "20, 10,10",
+            "SGLANG_RETRIEVER_INTERVAL": "32",
+            "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.25",
+            "SGLANG_RETRIEVER_ENSEMBLE_MODE": "MEAN",
+            "SGLANG_RETRIEVER_LOGIT_OFFSET": "-5.5",
+            "SGLANG_PATHP_PAGE_KMAX": "",
+            "SGLANG_DSV4_TARGET_CONCURRENCY": "8",
+        }
+    )
     assert env.decode_swap_p and env.score_resident and not env.async_recall
     assert env.retriever_ckpt == "ckpt.safetensors" and env.level1_enabled
     assert env.retriever_layers == (10, 20) and env.interval == 32 and env.threshold == 0.25
@@ -54,30 +70,33 @@ def test_kmax_ratio() -> None:
     assert FlashMemoryEnv.from_environ({"SGLANG_PATHP_PAGE_KMAX": "5"}).kmax() == 5
 
 
-@pytest.mark.parametrize("name,value,why", [
-    ("SGLANG_PATHP_PAGE_KMAX", "abc", "integer"),
-    ("SGLANG_PATHP_PAGE_KMAX", "0", ">= 1"),
-    ("SGLANG_PATHP_PAGE_KMAX", "9.5", "integer"),
-    ("SGLANG_RETRIEVER_INLINE_LAYERS", "10,21", "21"),
-    ("SGLANG_RETRIEVER_INLINE_LAYERS", "10,x", "comma-separated"),
-    ("SGLANG_RETRIEVER_INLINE_LAYERS", ",", "no layer"),
-    ("SGLANG_RETRIEVER_INLINE_LAYERS", "-1", "-1"),
-    ("SGLANG_RETRIEVER_ENSEMBLE_MODE", "xor", "xor"),
-    ("SGLANG_RETRIEVER_SIGMOID_THRESH", "1.5", r"\[0.0, 1.0\]"),
-    ("SGLANG_RETRIEVER_SIGMOID_THRESH", "nan", "0.0"),
-    ("SGLANG_RETRIEVER_SIGMOID_THRESH", "half", "number"),
-    ("SGLANG_RETRIEVER_INTERVAL", "-3", ">= 1"),
-    ("SGLANG_DECODE_SWAP_P", "maybe", "0/1"),
-    ("SGLANG_RETRIEVER_LOGIT_OFFSET", "inf", "must lie"),
-    # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation.
-    ("SGLANG_PATHP_PAGE_KMAX", "1e20", "integer"),
-    ("SGLANG_PATHP_PAGE_KMAX", str(10**20), "<= "),
-    ("SGLANG_PATHP_PAGE_KMAX", "5000", "SGLANG_RETRIEVER_MAX_POSITION=1048576 tokens has \\(4096 pages"),
-    ("SGLANG_PATHP_RESERVE_PAGES", str(10**12), "<= 16777216"),
-    ("SGLANG_PATHP_DECODE_MAX_CONC", str(10**9), "<= 65536"),
-    ("SGLANG_DSV4_TARGET_CONCURRENCY", str(10**9), "<= 65536"),
-    ("SGLANG_RETRIEVER_MAX_POSITION", str(10**15), "<= "),
-])
+@pytest.mark.parametrize(
+    "name,value,why",
+    [
+        ("SGLANG_PATHP_PAGE_KMAX", "abc", "integer"),
+        ("SGLANG_PATHP_PAGE_KMAX", "0", ">= 1"),
+        ("SGLANG_PATHP_PAGE_KMAX", "9.5", "integer"),
+        ("SGLANG_RETRIEVER_INLINE_LAYERS", "10,21", "21"),
+        ("SGLANG_RETRIEVER_INLINE_LAYERS", "10,x", "comma-separated"),
+        ("SGLANG_RETRIEVER_INLINE_LAYERS", ",", "no layer"),
+        ("SGLANG_RETRIEVER_INLINE_LAYERS", "-1", "-1"),
+        ("SGLANG_RETRIEVER_ENSEMBLE_MODE", "xor", "xor"),
+        ("SGLANG_RETRIEVER_SIGMOID_THRESH", "1.5", r"\[0.0, 1.0\]"),
+        ("SGLANG_RETRIEVER_SIGMOID_THRESH", "nan", "0.0"),
+        ("SGLANG_RETRIEVER_SIGMOID_THRESH", "half", "number"),
+        ("SGLANG_RETRIEVER_INTERVAL", "-3", ">= 1"),
+        ("SGLANG_DECODE_SWAP_P", "maybe", "0/1"),
+        ("SGLANG_RETRIEVER_LOGIT_OFFSET", "inf", "must lie"),
+        # Sizes a typo makes absurd are named here, not met later as an overflow or a failed allocation.
+        ("SGLANG_PATHP_PAGE_KMAX", "1e20", "integer"),
+        ("SGLANG_PATHP_PAGE_KMAX", str(10**20), "<= "),
+        ("SGLANG_PATHP_PAGE_KMAX", "5000", "SGLANG_RETRIEVER_MAX_POSITION=1048576 tokens has \\(4096 pages"),
+        ("SGLANG_PATHP_RESERVE_PAGES", str(10**12), "<= 16777216"),
+        ("SGLANG_PATHP_DECODE_MAX_CONC", str(10**9), "<= 65536"),
+        ("SGLANG_DSV4_TARGET_CONCURRENCY", str(10**9), "<= 65536"),
+        ("SGLANG_RETRIEVER_MAX_POSITION", str(10**15), "<= "),
+    ],
+)
 def test_bad_values_name_the_variable(name: str, value: str, why: str) -> None:
     with pytest.raises(EnvError, match=name) as e:
         FlashMemoryEnv.from_environ({name: value})
@@ -108,7 +127,7 @@ def test_dump_mode_needs_an_absolute_root() -> None:
         FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "dumps"})
     e = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/data/d"})
     assert e.dump_mode and e.dump_root == "/data/d"
-    assert FlashMemoryEnv.from_environ({}).dump_root == ""                 # gates off: nothing required
+    assert FlashMemoryEnv.from_environ({}).dump_root == ""  # gates off: nothing required
 
 
 def test_miss_low_above_miss_threshold_is_refused() -> None:

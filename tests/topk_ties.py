@@ -43,16 +43,17 @@ def assert_scores_close(ref: Tensor, got: Tensor, *, rtol: float, atol: float, w
     worst = int(err.argmax()) if err.numel() else 0
     assert err.numel() == 0 or float(err.max()) <= 0, (
         f"{what}: score differs by {float((a - b).abs().reshape(-1)[worst]):.3g} at row {worst // a.shape[-1]}, "
-        f"entry {worst % a.shape[-1]} (tolerance {float(tol.reshape(-1)[worst // a.shape[-1]]):.3g})")
+        f"entry {worst % a.shape[-1]} (tolerance {float(tol.reshape(-1)[worst // a.shape[-1]]):.3g})"
+    )
 
 
 @dataclass
 class PickDiff:
     """The outcome of `compare_picks`: rows whose pick sets differ only by near-ties, and the failures."""
 
-    rows: int = 0                                               # rows compared
-    near_tie_rows: list[int] = field(default_factory=list)      # rows whose picks differ, each a near-tie
-    failures: list[str] = field(default_factory=list)           # differences that are not near-ties
+    rows: int = 0  # rows compared
+    near_tie_rows: list[int] = field(default_factory=list)  # rows whose picks differ, each a near-tie
+    failures: list[str] = field(default_factory=list)  # differences that are not near-ties
 
 
 def _membership(picks: Tensor, n: int) -> Tensor:
@@ -62,8 +63,9 @@ def _membership(picks: Tensor, n: int) -> Tensor:
     return out[:, :n]
 
 
-def compare_picks(ref_scores: Tensor, ref_picks: Tensor, got_scores: Tensor, got_picks: Tensor, *,
-                  rtol: float, atol: float) -> PickDiff:
+def compare_picks(
+    ref_scores: Tensor, ref_picks: Tensor, got_scores: Tensor, got_picks: Tensor, *, rtol: float, atol: float
+) -> PickDiff:
     """Compare two top-k pick sets row by row; order within a row does not matter.
 
     ref_scores / got_scores [..., N] float: the scores each side took its top-k over (after its masks);
@@ -89,15 +91,18 @@ def compare_picks(ref_scores: Tensor, ref_picks: Tensor, got_scores: Tensor, got
                 gap = 0.0 if scores[j] == boundary else float((scores[j] - boundary).abs())
                 if not gap <= float(tol[r]):
                     ok = False
-                    diff.failures.append(f"row {r}: entry {j} picked by one side only, {gap:.3g} from the "
-                                         f"boundary score (tolerance {float(tol[r]):.3g}): not a near-tie")
+                    diff.failures.append(
+                        f"row {r}: entry {j} picked by one side only, {gap:.3g} from the "
+                        f"boundary score (tolerance {float(tol[r]):.3g}): not a near-tie"
+                    )
         if ok:
             diff.near_tie_rows.append(r)
     return diff
 
 
-def assert_picks_agree(ref_scores: Tensor, ref_picks: Tensor, got_scores: Tensor, got_picks: Tensor, *,
-                       rtol: float, atol: float, what: str) -> PickDiff:
+def assert_picks_agree(
+    ref_scores: Tensor, ref_picks: Tensor, got_scores: Tensor, got_picks: Tensor, *, rtol: float, atol: float, what: str
+) -> PickDiff:
     """`compare_picks`, raising AssertionError (prefixed with `what`) on any difference that is not a near-tie."""
     diff = compare_picks(ref_scores, ref_picks, got_scores, got_picks, rtol=rtol, atol=atol)
     assert not diff.failures, f"{what}: " + "; ".join(diff.failures[:5])
@@ -122,8 +127,10 @@ def greedy_agreement(ref_logits: Tensor, got_tokens: list[int], *, rtol: float, 
         gap = float(lg[i, best] - lg[i, tok])
         if gap <= float(tol[i]):
             return i, "near-tie"
-        return i, (f"step {i}: token {tok} scores {gap:.3g} below the reference's top token {best} "
-                   f"(tolerance {float(tol[i]):.3g})")
+        return i, (
+            f"step {i}: token {tok} scores {gap:.3g} below the reference's top token {best} "
+            f"(tolerance {float(tol[i]):.3g})"
+        )
     return len(got_tokens), ""
 
 

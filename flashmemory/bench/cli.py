@@ -21,17 +21,28 @@ BENCHES = {
     "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
     "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
-    "monitor": ("flashmemory.bench.monitor_cost", "miss monitor (1 native layer per tau steps) vs the native indexer "
-                                                  "on 21 layers every step"),
+    "monitor": (
+        "flashmemory.bench.monitor_cost",
+        "miss monitor (1 native layer per tau steps) vs the native indexer on 21 layers every step",
+    ),
     "costmodel": ("flashmemory.bench.costmodel", "per-token FLOPs, bytes and a throughput estimate vs upstream tables"),
-    "tier": ("flashmemory.bench.tier", "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of "
-                                       "the tau window at increasing concurrency"),
-    "tier-scale": ("flashmemory.bench.tier_scale", "disk tier with many requests whose pages exceed the host page "
-                                                   "cache: read-ahead hit rate, recalls and cycles that waited for "
-                                                   "disk"),
+    "tier": (
+        "flashmemory.bench.tier",
+        "disk tier: recall disk -> host cache -> reserve vs host -> reserve, share of "
+        "the tau window at increasing concurrency",
+    ),
+    "tier-scale": (
+        "flashmemory.bench.tier_scale",
+        "disk tier with many requests whose pages exceed the host page "
+        "cache: read-ahead hit rate, recalls and cycles that waited for "
+        "disk",
+    ),
     "serve": ("flashmemory.bench.serve", "live sglang on CPU: decode tok/s, FlashMemory at ~10% residency vs stock"),
-    "peers": ("flashmemory.bench.peers", "live sglang on CPU: stock, HiSparse, FlashMemory and FlashMemory+monitor on "
-                                         "the same requests, counted costs per decode token side by side"),
+    "peers": (
+        "flashmemory.bench.peers",
+        "live sglang on CPU: stock, HiSparse and HiSparse+prefetch (two hot-buffer sizes), FlashMemory and "
+        "FlashMemory+monitor on the same requests, counted costs per decode token side by side",
+    ),
 }
 
 
@@ -40,15 +51,18 @@ def available() -> dict[str, tuple[str, str]]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run a benchmark (ratios measured side by side in one run)",
-                       description="Benchmarks. Every number is a ratio against a baseline measured in the same run.")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (ratios measured side by side in one run)",
+        description="Benchmarks. Every number is a ratio against a baseline measured in the same run.",
+    )
     bsub = p.add_subparsers(dest="bench", metavar="NAME")
     for name, (mod, help_) in available().items():
         # argparse %-formats help strings: a literal % must be doubled or the help prints the action's dict
         bp = bsub.add_parser(name, help=help_.replace("%", "%%"), description=help_)
         m = importlib.import_module(mod)
         m.add_args(bp)
-        guard_numbers(bp)   # every int / float flag: a whole / finite number in range, or argparse's one line
+        guard_numbers(bp)  # every int / float flag: a whole / finite number in range, or argparse's one line
         bp.set_defaults(func=named(name, m.run))
     ap = bsub.add_parser("all", help="run every benchmark in turn")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -57,11 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def named(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """`run`, with an expected failure (UserError, OSError) reported as `flashmemory bench NAME: error: ...`."""
+
     def run_named(args: argparse.Namespace) -> int:
         try:
             return int(run(args) or 0)
         except (UserError, OSError) as e:
-            return fail(f"bench {name}", e)   # re-raises under --debug
+            return fail(f"bench {name}", e)  # re-raises under --debug
+
     return run_named
 
 

@@ -60,41 +60,78 @@ DEFAULT_CTX = "262144:96,524288:192,1048576:384"
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=DEFAULT_CTX, help=f"ctx:KMAX pairs, comma separated (default {DEFAULT_CTX})")
-    p.add_argument("--path-i", choices=("auto", "on", "off"), default="auto",
-                   help="offload the 18 non-retriever layers' index keys (auto: on at >= 1M, as upstream)")
-    p.add_argument("--turnover", type=float, default=1.0,
-                   help="fraction of the resident set replaced per Level-1 cycle (default 1.0 = worst case)")
-    p.add_argument("--hisparse-miss", type=float, default=0.05,
-                   help="HiSparse: fraction of the per-step top-512 that misses the hot buffer, i.e. 1 - hit rate "
-                        "(default 0.05: IndexCache's >=95%% adjacent-step overlap; not measured on V4. Measured live "
-                        "on the random-weight serving-tiny model, 512 slots, after the cold first step: 0.07 at a "
-                        "550-entry history, 0.32 at 750)")
-    p.add_argument("--hisparse-buffer", type=int, default=HiSparseKnobs().device_buffer_size,
-                   help="HiSparse device_buffer_size in c4 slots per layer (default 4096, sglang's default)")
-    p.add_argument("--hisparse-step-ms", type=float, default=0.0,
-                   help="HiSparse fixed cost per decode step beyond its bytes (default 0)")
-    p.add_argument("--hisparse-ratio", type=int, default=HiSparseKnobs().host_to_device_ratio,
-                   help="HiSparse host_to_device_ratio: sglang prices the device c4 pool at 1/(4 x ratio) slot per "
-                        "token (default 2, sglang's default)")
+    p.add_argument(
+        "--path-i",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="offload the 18 non-retriever layers' index keys (auto: on at >= 1M, as upstream)",
+    )
+    p.add_argument(
+        "--turnover",
+        type=float,
+        default=1.0,
+        help="fraction of the resident set replaced per Level-1 cycle (default 1.0 = worst case)",
+    )
+    p.add_argument(
+        "--hisparse-miss",
+        type=float,
+        default=0.05,
+        help="HiSparse: fraction of the per-step top-512 that misses the hot buffer, i.e. 1 - hit rate "
+        "(default 0.05: IndexCache's >=95%% adjacent-step overlap; not measured on V4. Measured live "
+        "on the random-weight serving-tiny model, 512 slots, after the cold first step: 0.07 at a "
+        "550-entry history, 0.32 at 750)",
+    )
+    p.add_argument(
+        "--hisparse-buffer",
+        type=int,
+        default=HiSparseKnobs().device_buffer_size,
+        help="HiSparse device_buffer_size in c4 slots per layer (default 4096, sglang's default)",
+    )
+    p.add_argument(
+        "--hisparse-step-ms",
+        type=float,
+        default=0.0,
+        help="HiSparse fixed cost per decode step beyond its bytes (default 0)",
+    )
+    p.add_argument(
+        "--hisparse-ratio",
+        type=int,
+        default=HiSparseKnobs().host_to_device_ratio,
+        help="HiSparse host_to_device_ratio: sglang prices the device c4 pool at 1/(4 x ratio) slot per "
+        "token (default 2, sglang's default)",
+    )
     h = H20_NODE.hw
     p.add_argument("--hbm-gb", type=float, default=None, help=f"GPU memory, GB (preset: {h.hbm_gb:.1f} = 97,871 MiB)")
     p.add_argument("--hbm-tbps", type=float, default=None, help=f"HBM TB/s (preset: {h.hbm_tbps:g})")
-    p.add_argument("--pcie-gbps", type=float, default=None,
-                   help=f"effective H2D GB/s per GPU (preset: {h.pcie_gbps:g})")
+    p.add_argument(
+        "--pcie-gbps", type=float, default=None, help=f"effective H2D GB/s per GPU (preset: {h.pcie_gbps:g})"
+    )
     p.add_argument("--tflops", type=float, default=None, help=f"dense BF16 TFLOP/s per GPU (preset: {h.tflops:g})")
     p.add_argument("--mfu", type=float, default=None, help="fraction of peak FLOPs reached (preset: 1 = roofline)")
-    p.add_argument("--mem-fraction", type=float, default=None,
-                   help="--mem-fraction-static of the decode servers (default: the fitted value)")
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="--mem-fraction-static of the decode servers (default: the fitted value)",
+    )
     p.add_argument("--weights-gb", type=float, default=None, help="total weight bytes (default: from the shapes)")
-    p.add_argument("--host-ram-gb", type=float, default=None,
-                   help=f"host DRAM per node, GB (preset: {h.host_ram_gb:g})")
-    p.add_argument("--host-fraction", type=float, default=None,
-                   help="share of host DRAM usable for mirrors (default: the fitted value)")
-    p.add_argument("--overhead-ms", type=float, default=None,
-                   help="fixed cost per decode step, ms (default: the fitted value)")
-    p.add_argument("--anchors", action="store_true",
-                   help="print only the fitted constants, the published anchors vs the model and the 8xH20 "
-                        "projections")
+    p.add_argument(
+        "--host-ram-gb", type=float, default=None, help=f"host DRAM per node, GB (preset: {h.host_ram_gb:g})"
+    )
+    p.add_argument(
+        "--host-fraction",
+        type=float,
+        default=None,
+        help="share of host DRAM usable for mirrors (default: the fitted value)",
+    )
+    p.add_argument(
+        "--overhead-ms", type=float, default=None, help="fixed cost per decode step, ms (default: the fitted value)"
+    )
+    p.add_argument(
+        "--anchors",
+        action="store_true",
+        help="print only the fitted constants, the published anchors vs the model and the 8xH20 projections",
+    )
     add_disk_args(p)
     p.add_argument("--json", metavar="PATH", help="also write every number as JSON (atomic)")
     p.add_argument("--quick", action="store_true", help="accepted for `bench all`; the model is instant anyway")
@@ -125,23 +162,59 @@ def flop_report(cases: list[tuple[int, int]], rules: CountRules = CountRules()) 
     s, r = FlashShape(), RetrieverShape()
     b0 = baseline_flops(cases[0][0], s, r, rules)
     const_rows = [[t.name, t.note, t.count, t.flops(rules) / G] for t in b0.terms if t.name != "indexer scoring"]
-    print_table(f"Constant part per decode token ({rules.flops_per_mac} FLOP/MAC): ours {b0.constant / G:.2f} GFLOP vs "
-           f"upstream {UPSTREAM_CONSTANT_GFLOP} ({_pct(b0.constant / G, UPSTREAM_CONSTANT_GFLOP)})",
-           ["term", "shape", "x layers", "GFLOP"], const_rows)
+    print_table(
+        f"Constant part per decode token ({rules.flops_per_mac} FLOP/MAC): ours {b0.constant / G:.2f} GFLOP vs "
+        f"upstream {UPSTREAM_CONSTANT_GFLOP} ({_pct(b0.constant / G, UPSTREAM_CONSTANT_GFLOP)})",
+        ["term", "shape", "x layers", "GFLOP"],
+        const_rows,
+    )
     rows, out = [], []
     for ctx, kmax in cases:
         b, f = baseline_flops(ctx, s, r, rules), flashmemory_flops(ctx, kmax, s, r, rules)
         up = UPSTREAM.get(ctx)
         up_ok = up is not None and up[0] == kmax
-        rows.append([_label(ctx), kmax, b.scoring / G, f.scoring / G, f.level1 / G, b.total / G,
-                     f"{up[1]} ({_pct(b.total / G, up[1])})" if up_ok else "-", f.total / G,
-                     f"{up[2]} ({_pct(f.total / G, up[2])})" if up_ok else "-", f"{f.total / b.total:.2f}x",
-                     f"{up[2] / up[1]:.2f}x" if up_ok else "-"])
-        out.append({"ctx": ctx, "kmax": kmax, "chunks": n_chunks(ctx, s), "baseline": dataclasses.asdict(b),
-                    "flashmemory": dataclasses.asdict(f), "upstream": up if up_ok else None})
-    print_table("Per-decode-token GFLOP (indexer scoring = 21 c4 layers x chunks x (64x128 + 64) MACs x 2)",
-           ["ctx", "KMAX", "base score", "FM L2 score", "FM L1/tau", "baseline", "upstream", "FlashMemory",
-            "upstream", "FM/base", "upstream"], rows)
+        rows.append(
+            [
+                _label(ctx),
+                kmax,
+                b.scoring / G,
+                f.scoring / G,
+                f.level1 / G,
+                b.total / G,
+                f"{up[1]} ({_pct(b.total / G, up[1])})" if up_ok else "-",
+                f.total / G,
+                f"{up[2]} ({_pct(f.total / G, up[2])})" if up_ok else "-",
+                f"{f.total / b.total:.2f}x",
+                f"{up[2] / up[1]:.2f}x" if up_ok else "-",
+            ]
+        )
+        out.append(
+            {
+                "ctx": ctx,
+                "kmax": kmax,
+                "chunks": n_chunks(ctx, s),
+                "baseline": dataclasses.asdict(b),
+                "flashmemory": dataclasses.asdict(f),
+                "upstream": up if up_ok else None,
+            }
+        )
+    print_table(
+        "Per-decode-token GFLOP (indexer scoring = 21 c4 layers x chunks x (64x128 + 64) MACs x 2)",
+        [
+            "ctx",
+            "KMAX",
+            "base score",
+            "FM L2 score",
+            "FM L1/tau",
+            "baseline",
+            "upstream",
+            "FlashMemory",
+            "upstream",
+            "FM/base",
+            "upstream",
+        ],
+        rows,
+    )
     return {"constant_gflop": b0.constant / G, "cases": out}
 
 
@@ -162,27 +235,40 @@ def assumption_report(cases: list[tuple[int, int]]) -> dict[str, Any]:
         devs = []
         for ctx, kmax in known:
             up = UPSTREAM[ctx]
-            devs += [baseline_flops(ctx, rules=rules).total / G / up[1] - 1,
-                     flashmemory_flops(ctx, kmax, rules=rules).total / G / up[2] - 1]
+            devs += [
+                baseline_flops(ctx, rules=rules).total / G / up[1] - 1,
+                flashmemory_flops(ctx, kmax, rules=rules).total / G / up[2] - 1,
+            ]
         worst = max(devs, key=abs)
         res[name] = devs
-        rows.append([name, " ".join(f"{100 * d:+.1f}" for d in devs), f"{100 * worst:+.1f}%",
-                     "yes" if abs(worst) <= 0.05 else "NO"])
-    print_table("Which counting rule reproduces upstream (deviation %, base/FM per context)",
-           ["rule", "deviations", "worst", "within 5%"], rows)
+        rows.append(
+            [
+                name,
+                " ".join(f"{100 * d:+.1f}" for d in devs),
+                f"{100 * worst:+.1f}%",
+                "yes" if abs(worst) <= 0.05 else "NO",
+            ]
+        )
+    print_table(
+        "Which counting rule reproduces upstream (deviation %, base/FM per context)",
+        ["rule", "deviations", "worst", "within 5%"],
+        rows,
+    )
     xs = [n_chunks(c) * FlashShape().n_c4 for c, _ in known]
     icpt, slope = fit_line(xs, [UPSTREAM[c][1] * G for c, _ in known])
     b = baseline_flops(known[0][0])
     # residual FLOPs -> (chunk x layer) pairs -> chunks -> tokens
     extra_tokens = (icpt - UPSTREAM_CONSTANT_GFLOP * G) / slope / FlashShape().n_c4 * FlashShape().c4_ratio
     core = attention_core_terms(known[0][0], FlashShape())
-    print(f"\n  Upstream baseline column as a line: {icpt / G:.2f} GFLOP + {slope:.0f} FLOP per (chunk x c4 layer).\n"
-          f"  Our slope is {2 * (64 * 128 + 64)} (= 2 x (64x128 + 64)); our constant {b.constant / G:.2f}.\n"
-          f"  Upstream's baseline carries a context-independent {icpt / G - UPSTREAM_CONSTANT_GFLOP:.2f} GFLOP beyond "
-          f"its stated 26.6 that its FlashMemory column lacks.\n  Candidates (not verifiable without their script): "
-          f"top-512 QK+PV at the 21 c4 layers = {2 * 512 * 2 * 64 * 512 * 21 / G:.2f} GFLOP "
-          f"(with SWA {core[0].flops(CountRules()) / G:.2f}); or ~{extra_tokens / 1024:.0f}K "
-          f"extra history tokens scored.\n  We do not add it: the model stays within 5% without it (see table).")
+    print(
+        f"\n  Upstream baseline column as a line: {icpt / G:.2f} GFLOP + {slope:.0f} FLOP per (chunk x c4 layer).\n"
+        f"  Our slope is {2 * (64 * 128 + 64)} (= 2 x (64x128 + 64)); our constant {b.constant / G:.2f}.\n"
+        f"  Upstream's baseline carries a context-independent {icpt / G - UPSTREAM_CONSTANT_GFLOP:.2f} GFLOP beyond "
+        f"its stated 26.6 that its FlashMemory column lacks.\n  Candidates (not verifiable without their script): "
+        f"top-512 QK+PV at the 21 c4 layers = {2 * 512 * 2 * 64 * 512 * 21 / G:.2f} GFLOP "
+        f"(with SWA {core[0].flops(CountRules()) / G:.2f}); or ~{extra_tokens / 1024:.0f}K "
+        f"extra history tokens scored.\n  We do not add it: the model stays within 5% without it (see table)."
+    )
     return {"variants": res, "upstream_baseline_fit": {"intercept_gflop": icpt / G, "flop_per_chunk_layer": slope}}
 
 
@@ -192,16 +278,30 @@ def byte_report(cases: list[tuple[int, int]], knobs_for: Any, hs: HiSparseKnobs)
         kn = knobs_for(ctx)
         for rb in (baseline_bytes(ctx), flashmemory_bytes(ctx, kmax, kn), hisparse_bytes(ctx, hs)):
             name = rb.policy + (" (Path-I)" if rb.policy == "flashmemory" and kn.path_i else "")
-            rows.append([_label(ctx), name, rb.device / G, rb.host / G, rb.hbm_read_step / M, rb.pcie_step / M,
-                         rb.recall_cycle / M])
+            rows.append(
+                [
+                    _label(ctx),
+                    name,
+                    rb.device / G,
+                    rb.host / G,
+                    rb.hbm_read_step / M,
+                    rb.pcie_step / M,
+                    rb.recall_cycle / M,
+                ]
+            )
             out.append({"ctx": ctx, "kmax": kmax, **dataclasses.asdict(rb)})
         rows.append(["", "all-miss swap-in", "", "", "", all_miss_bytes(ctx) / M, ""])
-    print_table("Bytes per request (device/host GB; HBM read and PCIe per decode step MB; recall per 64-step cycle MB)",
-           ["ctx", "policy", "device GB", "host GB", "HBM rd/step MB", "PCIe/step MB", "per cycle MB"], rows)
+    print_table(
+        "Bytes per request (device/host GB; HBM read and PCIe per decode step MB; recall per 64-step cycle MB)",
+        ["ctx", "policy", "device GB", "host GB", "HBM rd/step MB", "PCIe/step MB", "per cycle MB"],
+        rows,
+    )
     b = baseline_bytes(1048576)
     parts = ", ".join(f"{k} {v / G:.3f} GB" for k, v in b.device_parts.items())
-    print(f"\n  Device KV breakdown, baseline 1M: {parts}"
-          f"  (= {b.device / 2**30:.2f} GiB; upstream's README says 3.73 -> 0.37 GB at 1M).")
+    print(
+        f"\n  Device KV breakdown, baseline 1M: {parts}"
+        f"  (= {b.device / 2**30:.2f} GiB; upstream's README says 3.73 -> 0.37 GB at 1M)."
+    )
     return {"requests": out}
 
 
@@ -211,18 +311,34 @@ def _tok(v: float | None) -> str:
 
 def anchors_report(f: Fitted) -> dict[str, Any]:
     """Fitted constants with their sources, then every published anchor next to the model (fit or held out)."""
-    print_table("FITTED CONSTANTS (each fitted on one published figure, never refitted)",
-                ["constant", "value", "fitted on"], [list(r) for r in f.rows()])
-    print("  Presets (decode side only): " + "; ".join(f"{p.name}: {p.source}" for p in (H20_NODE, B200_PD,
-                                                                                        RTX6000_NODE)))
+    print_table(
+        "FITTED CONSTANTS (each fitted on one published figure, never refitted)",
+        ["constant", "value", "fitted on"],
+        [list(r) for r in f.rows()],
+    )
+    print(
+        "  Presets (decode side only): " + "; ".join(f"{p.name}: {p.source}" for p in (H20_NODE, B200_PD, RTX6000_NODE))
+    )
     rows, out = [], []
     for a in anchors(f):
         ok = a.use == "fit" or abs(a.ratio - 1) <= TOLERANCE
-        rows.append([a.name, a.setting, f"{a.published:g}", f"{a.model:.2f}", f"{a.ratio:.2f}", a.use,
-                     "yes" if ok else "NO (see below)"])
+        rows.append(
+            [
+                a.name,
+                a.setting,
+                f"{a.published:g}",
+                f"{a.model:.2f}",
+                f"{a.ratio:.2f}",
+                a.use,
+                "yes" if ok else "NO (see below)",
+            ]
+        )
         out.append({**dataclasses.asdict(a), "ratio": a.ratio, "within": ok})
-    print_table(f"ANCHORS: published figure vs the calibrated model (held out within +-{TOLERANCE:.0%}?)",
-                ["anchor", "setting", "published", "model", "model/pub", "use", "within"], rows)
+    print_table(
+        f"ANCHORS: published figure vs the calibrated model (held out within +-{TOLERANCE:.0%}?)",
+        ["anchor", "setting", "published", "model", "model/pub", "use", "within"],
+        rows,
+    )
     for a in anchors(f):
         if a.use != "fit" and abs(a.ratio - 1) > TOLERANCE:
             print(f"  NO: {a.name} ({a.setting}): {a.lacks or 'no reason recorded'} [{a.source}]")
@@ -237,16 +353,30 @@ def projection_report(f: Fitted, p: Preset, hs: HiSparseKnobs, dk: Any) -> list[
 
     rows = projections(f, hs, p, disk_tok_s)
     base = {r["ctx"]: r for r in rows if r["arm"] == "stock"}
-    print_table(f"PROJECTED (calibrated model, not measured): {p.name}, max concurrency and decode tok/s there",
-                ["ctx", "arm", "KMAX", "max conc", "bound", "tok/s", "vs stock"],
-                [[_label(r["ctx"]), r["arm"], r["kmax"] if r["arm"] not in ("stock", "hisparse") else "-", r["conc"],
-                  r["bound"], f"{r['tok_s']:.0f}", f"{r['tok_s'] / base[r['ctx']]['tok_s']:.2f}x"] for r in rows])
-    print(f"  HiSparse: host_to_device_ratio {hs.host_to_device_ratio}, device_buffer_size {hs.device_buffer_size}, "
-          f"hit rate {hs.hit_rate:g}, swap-in {hs.swap_layer_us:.0f} us per c4 layer per step. FlashMemory: KMAX "
-          f"scaled from 96 at 256K, Path-I at 1M, launched with CREDIT_C4=1 (token pool without c4 KV, reserve rows "
-          f"from the same budget); flashmemory-nocredit: the launch default CREDIT_C4=0, whose token pool admits "
-          f"what stock's does. Disk: FlashMemory with the history on {dk.drives} NVMe per node instead of host DRAM; "
-          f"tok/s includes waits for disk reads.")
+    print_table(
+        f"PROJECTED (calibrated model, not measured): {p.name}, max concurrency and decode tok/s there",
+        ["ctx", "arm", "KMAX", "max conc", "bound", "tok/s", "vs stock"],
+        [
+            [
+                _label(r["ctx"]),
+                r["arm"],
+                r["kmax"] if r["arm"] not in ("stock", "hisparse") else "-",
+                r["conc"],
+                r["bound"],
+                f"{r['tok_s']:.0f}",
+                f"{r['tok_s'] / base[r['ctx']]['tok_s']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
+    print(
+        f"  HiSparse: host_to_device_ratio {hs.host_to_device_ratio}, device_buffer_size {hs.device_buffer_size}, "
+        f"hit rate {hs.hit_rate:g}, swap-in {hs.swap_layer_us:.0f} us per c4 layer per step. FlashMemory: KMAX "
+        f"scaled from 96 at 256K, Path-I at 1M, launched with CREDIT_C4=1 (token pool without c4 KV, reserve rows "
+        f"from the same budget); flashmemory-nocredit: the launch default CREDIT_C4=0, whose token pool admits "
+        f"what stock's does. Disk: FlashMemory with the history on {dk.drives} NVMe per node instead of host DRAM; "
+        f"tok/s includes waits for disk reads."
+    )
     return rows
 
 
@@ -257,30 +387,56 @@ def peer_report(f: Fitted, hs: HiSparseKnobs) -> dict[str, Any]:
     for c in cells:
         parts = c.device_parts
         c4 = parts.get("c4 kv", parts.get("c4 hot buffer", 0.0))
-        rows.append([_label(c.ctx), c.policy + (f" KMAX {c.kmax}" if c.policy == "flashmemory" else ""),
-                     c.device_bytes / G, c4 / G, parts["index keys"] / G, f"{c.max_conc} ({c.bound})"]
-                    + [f"{_tok(c.tok_s_roof[b])} / {_tok(c.tok_s[b])}" for b in sorted(c.tok_s)])
-    print_table(f"PROJECTED stock vs HiSparse vs FlashMemory, 8xH20 (not measured): device GB one request occupies, "
-                f"admitted ceiling, tok/s roofline / +{f.overhead_ms:.1f} ms per step ('-': not admitted)",
-                ["ctx", "arm", "device GB", "c4 GB", "index-K GB", "max conc"] + [f"{b} req tok/s" for b in sorted(
-                    cells[0].tok_s)], rows)
-    print("  The ceiling is sglang's token pool (a request reserves its whole context in logical tokens, priced by\n"
-          "  pools.bytes_per_full_token), not the bytes a request occupies. Quality differs: HiSparse is exact,\n"
-          "  FlashMemory is lossy.")
+        rows.append(
+            [
+                _label(c.ctx),
+                c.policy + (f" KMAX {c.kmax}" if c.policy == "flashmemory" else ""),
+                c.device_bytes / G,
+                c4 / G,
+                parts["index keys"] / G,
+                f"{c.max_conc} ({c.bound})",
+            ]
+            + [f"{_tok(c.tok_s_roof[b])} / {_tok(c.tok_s[b])}" for b in sorted(c.tok_s)]
+        )
+    print_table(
+        f"PROJECTED stock vs HiSparse vs FlashMemory, 8xH20 (not measured): device GB one request occupies, "
+        f"admitted ceiling, tok/s roofline / +{f.overhead_ms:.1f} ms per step ('-': not admitted)",
+        ["ctx", "arm", "device GB", "c4 GB", "index-K GB", "max conc"]
+        + [f"{b} req tok/s" for b in sorted(cells[0].tok_s)],
+        rows,
+    )
+    print(
+        "  The ceiling is sglang's token pool (a request reserves its whole context in logical tokens, priced by\n"
+        "  pools.bytes_per_full_token), not the bytes a request occupies. Quality differs: HiSparse is exact,\n"
+        "  FlashMemory is lossy."
+    )
     return {"cells": [dataclasses.asdict(c) for c in cells]}
 
 
 def _atomic_json(path: str, obj: Any) -> None:
     from flashmemory.atomic import atomic_write_text
+
     atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 def _preset(args: argparse.Namespace, f: Fitted) -> Preset:
     """The calibrated 8xH20 preset with any hardware flag given on the command line in place of its value."""
     p = calibrated(H20_NODE, f, fitted_memory=True)
-    hw_kw = {k: getattr(args, k) for k in ("hbm_gb", "hbm_tbps", "pcie_gbps", "tflops", "mfu", "weights_gb",
-                                           "host_ram_gb", "host_fraction", "overhead_ms")
-             if getattr(args, k) is not None}
+    hw_kw = {
+        k: getattr(args, k)
+        for k in (
+            "hbm_gb",
+            "hbm_tbps",
+            "pcie_gbps",
+            "tflops",
+            "mfu",
+            "weights_gb",
+            "host_ram_gb",
+            "host_fraction",
+            "overhead_ms",
+        )
+        if getattr(args, k) is not None
+    }
     hw = dataclasses.replace(p.hw, **hw_kw)
     sv = p.serving if args.mem_fraction is None else dataclasses.replace(p.serving, mem_fraction=args.mem_fraction)
     return dataclasses.replace(p, hw=hw, serving=sv)
@@ -292,8 +448,10 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= args.turnover <= 1 or not 0 <= args.hisparse_miss <= 1:
             raise ValueError("--turnover and --hisparse-miss must lie in [0, 1]")
         if args.hisparse_buffer < FlashShape().index_topk:
-            raise ValueError(f"--hisparse-buffer {args.hisparse_buffer}: must be >= index_topk "
-                             f"{FlashShape().index_topk} (sglang refuses a smaller hot buffer)")
+            raise ValueError(
+                f"--hisparse-buffer {args.hisparse_buffer}: must be >= index_topk "
+                f"{FlashShape().index_topk} (sglang refuses a smaller hot buffer)"
+            )
         if not args.hisparse_step_ms >= 0:
             raise ValueError("--hisparse-step-ms must be >= 0")
         if args.hisparse_ratio < 1:
@@ -302,9 +460,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--overhead-ms must be >= 0")
         f = fit()
         p = _preset(args, f)
-        hs = HiSparseKnobs(device_buffer_size=args.hisparse_buffer, hit_rate=1.0 - args.hisparse_miss,
-                           step_overhead_ms=args.hisparse_step_ms, host_to_device_ratio=args.hisparse_ratio,
-                           swap_layer_us=f.swap_layer_us)
+        hs = HiSparseKnobs(
+            device_buffer_size=args.hisparse_buffer,
+            hit_rate=1.0 - args.hisparse_miss,
+            step_overhead_ms=args.hisparse_step_ms,
+            host_to_device_ratio=args.hisparse_ratio,
+            swap_layer_us=f.swap_layer_us,
+        )
         dk = disk_knobs(args)
     except ValueError as e:
         return fail("bench costmodel", e)
@@ -315,11 +477,23 @@ def run(args: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {"anchors": anchors_report(f), "projections": projection_report(f, p, hs, dk)}
     if not args.anchors:
-        report.update({"flops": flop_report(cases), "assumptions": assumption_report(cases),
-                       "bytes": byte_report(cases, knobs_for, hs), "peers": peer_report(f, hs),
-                       "disk": disk_report(p.hw, dk, hs, p.hw.overhead_ms, args.turnover,
-                                           capacity(p, "disk", 1048576, kmax_for(1048576), hs, dk)[0],
-                                           capacity(p, "hisparse", 1048576, hs=hs)[0])})
+        report.update(
+            {
+                "flops": flop_report(cases),
+                "assumptions": assumption_report(cases),
+                "bytes": byte_report(cases, knobs_for, hs),
+                "peers": peer_report(f, hs),
+                "disk": disk_report(
+                    p.hw,
+                    dk,
+                    hs,
+                    p.hw.overhead_ms,
+                    args.turnover,
+                    capacity(p, "disk", 1048576, kmax_for(1048576), hs, dk)[0],
+                    capacity(p, "hisparse", 1048576, hs=hs)[0],
+                ),
+            }
+        )
     if args.json:
         _atomic_json(args.json, report)
         print(f"\nwrote {args.json}")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from flashmemory.errors import UserError
 
-MAX_INT = 1 << 40   # larger than any size a bench takes; a value past it is a typo (or an overflow to come)
+MAX_INT = 1 << 40  # larger than any size a bench takes; a value past it is a typo (or an overflow to come)
 
 
 def checked_int(text: str) -> int:
@@ -47,19 +47,21 @@ def checked_float(text: str) -> float:
 
 def count_at_least(lo: int) -> Callable[[str], int]:
     """argparse type: `checked_int`, and >= `lo`."""
+
     def count(text: str) -> int:
         v = checked_int(text)
         if v < lo:
             raise argparse.ArgumentTypeError(f"{text}: must be >= {lo}")
         return v
-    count.__name__ = f"count_at_least_{lo}"   # argparse names the type in some messages
+
+    count.__name__ = f"count_at_least_{lo}"  # argparse names the type in some messages
     return count
 
 
 def guard_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Swap every plain int / float option type of `parser` for its checked twin (in place); returns parser.
     An int option becomes a count: >= 0 when its default is 0, else >= 1 (`count_at_least`)."""
-    for action in parser._actions:   # argparse offers no public walk over a parser's options
+    for action in parser._actions:  # argparse offers no public walk over a parser's options
         if action.type is int:
             action.type = count_at_least(0 if action.default == 0 else 1)
         elif action.type is float:
@@ -100,8 +102,9 @@ def require_memory(need: int, what: str, avail: int | None = None) -> None:
     """UserError when `need` bytes of host memory exceed 90% of what is available; `what` names the flags."""
     have = available_memory() if avail is None else avail
     if need > 0.9 * have:
-        raise UserError(f"{what}: needs about {need / 1e9:.3g} GB of host memory, {have / 1e9:.3g} GB is "
-                        "available; lower them")
+        raise UserError(
+            f"{what}: needs about {need / 1e9:.3g} GB of host memory, {have / 1e9:.3g} GB is available; lower them"
+        )
 
 
 def require_disk(path: str, need: int, what: str) -> None:
@@ -109,5 +112,4 @@ def require_disk(path: str, need: int, what: str) -> None:
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if need > free:
-        raise UserError(f"{what} {path}: needs about {need / 1e9:.3g} GB of disk, {free / 1e9:.3g} GB is free "
-                        "there")
+        raise UserError(f"{what} {path}: needs about {need / 1e9:.3g} GB of disk, {free / 1e9:.3g} GB is free there")

@@ -27,8 +27,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-layers", type=int, default=3)
     p.add_argument("--tau", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for both runs (default: torch's; 1 is fairer on a busy machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both runs (default: torch's; 1 is fairer on a busy machine)",
+    )
 
 
 def loop_golden(
@@ -76,6 +80,7 @@ def _timed(fn, *a, **kw):
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
     if args.threads:
         torch.set_num_threads(args.threads)
     n = args.n_chunks or (8192 if args.quick else 65536)
@@ -105,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
     u_slow, t_uslow = _timed(loop_union, rows_py, Tub, args.tau)
     match_u = u_fast.to_rows()[:Tub] == u_slow
 
-    print(f"labels: {args.layers} layers, top-{args.topk}, N={n}, topp={args.topp}, min_layers={args.min_layers}; "
-          f"{fast.indices.numel() / max(T, 1):.1f} golden chunks/token; union tau={args.tau} over {Tu} tokens; "
-          f"{torch.get_num_threads()} torch thread(s)")
+    print(
+        f"labels: {args.layers} layers, top-{args.topk}, N={n}, topp={args.topp}, min_layers={args.min_layers}; "
+        f"{fast.indices.numel() / max(T, 1):.1f} golden chunks/token; union tau={args.tau} over {Tu} tokens; "
+        f"{torch.get_num_threads()} torch thread(s)"
+    )
     print(f"{'stage':<22}{'impl':<26}{'tokens':>8}{'seconds':>10}{'tok/s':>12}{'ratio':>9}  match")
     rf, rs = T / t_fast, Tb / t_slow
     print(f"{'golden labels':<22}{'per-layer/token loop':<26}{Tb:>8}{t_slow:>10.3f}{rs:>12.1f}{1.0:>9.2f}")

@@ -11,17 +11,23 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flashmemory.errors import UserError
 
 ARMS = ("stock", "hisparse", "hs_prefetch", "flashmemory", "fm_monitor")
-ARM_NAMES = {"stock": "stock", "hisparse": "HiSparse", "hs_prefetch": "HiSparse+prefetch",
-             "flashmemory": "FlashMemory", "fm_monitor": "FlashMemory+monitor"}
-HOT_ARMS = ("hisparse", "hs_prefetch")   # the arms with a hot buffer: one stack per buffer size
+ARM_NAMES = {
+    "stock": "stock",
+    "hisparse": "HiSparse",
+    "hs_prefetch": "HiSparse+prefetch",
+    "flashmemory": "FlashMemory",
+    "fm_monitor": "FlashMemory+monitor",
+}
+HOT_ARMS = ("hisparse", "hs_prefetch")  # the arms with a hot buffer: one stack per buffer size
 KV_ENTRY_BYTES = 584
-PAGE_ENTRIES = 64            # FlashMemory's page: 64 c4 entries
+PAGE_ENTRIES = 64  # FlashMemory's page: 64 c4 entries
 HS = "flashmemory_hisparse_swapin_"
 HP = "flashmemory_hisparse_prefetch_"
 FM = "flashmemory_"
@@ -31,8 +37,8 @@ class PeersArgError(UserError):
     """A bad command-line value; the message is one line naming the flag."""
 
 
-MAX_CONTEXT = 1 << 20   # prompt tokens: the longest context the served model's RoPE table is built for
-MAX_REQUESTS = 256      # concurrent requests per round (a CPU stack holds a handful)
+MAX_CONTEXT = 1 << 20  # prompt tokens: the longest context the served model's RoPE table is built for
+MAX_REQUESTS = 256  # concurrent requests per round (a CPU stack holds a handful)
 
 
 def arm_key(arm: str, buffer: int | None = None) -> str:
@@ -76,8 +82,11 @@ def shape_from_config(cfg: Mapping[str, Any]) -> Shape:
     """Shape of a DeepSeek-V4 HF config dict (compress_ratios: 4 marks a c4 layer)."""
     try:
         ratios = list(cfg["compress_ratios"])
-        return Shape(n_c4=sum(1 for r in ratios if int(r) == 4), index_topk=int(cfg["index_topk"]),
-                     index_entry_bytes=int(cfg["index_head_dim"]) + 4)
+        return Shape(
+            n_c4=sum(1 for r in ratios if int(r) == 4),
+            index_topk=int(cfg["index_topk"]),
+            index_entry_bytes=int(cfg["index_head_dim"]) + 4,
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise PeersArgError(f"model config.json: missing or bad field {e}") from None
 
@@ -95,7 +104,7 @@ class Knobs:
 def parse_contexts(text: str) -> list[int]:
     """'2048,4096' -> [2048, 4096]: positive, increasing, no repeats; PeersArgError (one line) otherwise."""
     try:
-        out = [int(x) for x in text.split(",")]   # an empty entry ('2048,,4096') is an error too
+        out = [int(x) for x in text.split(",")]  # an empty entry ('2048,,4096') is an error too
     except ValueError:
         raise PeersArgError(f"--contexts {text!r}: expected comma-separated integers, e.g. 2048,4096") from None
     if not out or any(c < 64 for c in out) or out != sorted(set(out)):
@@ -111,8 +120,9 @@ def parse_arms(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",")]
     bad = [n for n in names if n not in ARMS]
     if bad or not names:
-        raise PeersArgError(f"--arms {text!r}: unknown arm {bad[0] if bad else ''!r}; expected some of "
-                            f"{','.join(ARMS)}")
+        raise PeersArgError(
+            f"--arms {text!r}: unknown arm {bad[0] if bad else ''!r}; expected some of {','.join(ARMS)}"
+        )
     if "stock" not in names:
         raise PeersArgError(f"--arms {text!r}: must include stock (the reference for tokens equal to stock)")
     return [a for a in ARMS if a in names]
@@ -131,22 +141,27 @@ def parse_buffers(text: str, topk: int, prefetch: bool) -> list[int]:
     for b in out:
         check_hot_buffer(b, topk)
         if prefetch and b <= topk:
-            raise PeersArgError(f"--hisparse-buffer {b}: the HiSparse+prefetch arm needs more slots than the "
-                                f"model's index_topk ({topk}) to prefetch into")
+            raise PeersArgError(
+                f"--hisparse-buffer {b}: the HiSparse+prefetch arm needs more slots than the "
+                f"model's index_topk ({topk}) to prefetch into"
+            )
     return out
 
 
 def check_args(requests: int, repeats: int, kmax: int, steady_tokens: int) -> None:
     """Raise PeersArgError naming the first bad flag."""
-    for flag, v, lo, hi in (("--requests", requests, 1, MAX_REQUESTS), ("--repeats", repeats, 1, 1000),
-                            ("--kmax", kmax, 1, MAX_CONTEXT // 256),
-                            ("--steady-tokens", steady_tokens, 2, MAX_CONTEXT)):
+    for flag, v, lo, hi in (
+        ("--requests", requests, 1, MAX_REQUESTS),
+        ("--repeats", repeats, 1, 1000),
+        ("--kmax", kmax, 1, MAX_CONTEXT // 256),
+        ("--steady-tokens", steady_tokens, 2, MAX_CONTEXT),
+    ):
         if not lo <= v <= hi:
             raise PeersArgError(f"{flag} {v}: must lie in [{lo}, {hi:,}]")
 
 
-SWA_RATIO = 0.1   # sglang sets --swa-full-tokens-ratio 0.1 for DeepseekV4ForCausalLM (D's log: "Setting ...")
-SWA_SLACK = 512   # tokens per request beyond max_new for D's SWA admission (the window tail, page rounding)
+SWA_RATIO = 0.1  # sglang sets --swa-full-tokens-ratio 0.1 for DeepseekV4ForCausalLM (D's log: "Setting ...")
+SWA_SLACK = 512  # tokens per request beyond max_new for D's SWA admission (the window tail, page rounding)
 
 
 def pool_tokens(longest_ctx: int, max_new: int, requests: int, swa_ratio: float = SWA_RATIO) -> int:
@@ -164,8 +179,10 @@ def pool_tokens(longest_ctx: int, max_new: int, requests: int, swa_ratio: float 
 def check_hot_buffer(hot_buffer: int, topk: int) -> None:
     """HiSparse's buffer must hold the native top-k (sglang refuses less); PeersArgError naming the flag."""
     if hot_buffer < topk:
-        raise PeersArgError(f"--hisparse-buffer {hot_buffer}: must be at least the model's index_topk ({topk}); "
-                            "sglang refuses a smaller buffer")
+        raise PeersArgError(
+            f"--hisparse-buffer {hot_buffer}: must be at least the model's index_topk ({topk}); "
+            "sglang refuses a smaller buffer"
+        )
 
 
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -178,8 +195,7 @@ def entries(ctx: int, shape: Shape) -> int:
     return ctx // shape.c4_ratio
 
 
-def device_bytes(key: str, ctx: int, shape: Shape, knobs: Knobs, budget_pages: float | None = None
-                 ) -> dict[str, float]:
+def device_bytes(key: str, ctx: int, shape: Shape, knobs: Knobs, budget_pages: float | None = None) -> dict[str, float]:
     """Device-resident bytes per request of the c4 attention state, split c4 KV / index-K / reserve-or-hot-buffer
     (config arithmetic; every other region is the same in all arms). Index-K stays on the device at full length in
     every arm (HiSparse keeps the indexer pool on the device; Path-I is off here). FlashMemory's c4 KV lives in its
@@ -197,13 +213,23 @@ def device_bytes(key: str, ctx: int, shape: Shape, knobs: Knobs, budget_pages: f
         return {"c4_kv": 0.0, "index_k": idx, "reserve": float(shape.n_c4 * (hot + 64) * shape.kv_entry_bytes)}
     if arm in ("flashmemory", "fm_monitor"):
         pages = knobs.kmax if budget_pages is None or not math.isfinite(budget_pages) else budget_pages
-        return {"c4_kv": 0.0, "index_k": idx,
-                "reserve": float(shape.n_c4 * min(n, pages * PAGE_ENTRIES) * shape.kv_entry_bytes)}
+        return {
+            "c4_kv": 0.0,
+            "index_k": idx,
+            "reserve": float(shape.n_c4 * min(n, pages * PAGE_ENTRIES) * shape.kv_entry_bytes),
+        }
     raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
 
 
-def per_token_costs(key: str, d: Mapping[str, float], tokens: int, ctx: int, shape: Shape, knobs: Knobs,
-                    resident_fraction: float | None = None) -> dict[str, float]:
+def per_token_costs(
+    key: str,
+    d: Mapping[str, float],
+    tokens: int,
+    ctx: int,
+    shape: Shape,
+    knobs: Knobs,
+    resident_fraction: float | None = None,
+) -> dict[str, float]:
     """Counted costs per decode token of one arm over one round.
 
     d: counter deltas of D's /metrics over the round (`delta`); tokens: decode tokens D produced in it (> 0);
@@ -226,30 +252,41 @@ def per_token_costs(key: str, d: Mapping[str, float], tokens: int, ctx: int, sha
     full = float(shape.n_c4 * n)
     nan = float("nan")
     if arm == "stock":
-        return {"h2d_bytes": 0.0, "prefetch_bytes": 0.0, "hit_rate": nan, "transfer_ops": 0.0,
-                "moved_entries": 0.0, "scored_entries": full}
+        return {
+            "h2d_bytes": 0.0,
+            "prefetch_bytes": 0.0,
+            "hit_rate": nan,
+            "transfer_ops": 0.0,
+            "moved_entries": 0.0,
+            "scored_entries": full,
+        }
     if arm in HOT_ARMS:
         lookups = d.get(HS + "lookups_total", 0.0)
         pf = arm == "hs_prefetch"
         level1 = knobs.retriever_layers * n / knobs.interval if pf else 0.0
-        return {"h2d_bytes": d.get(HS + "bytes_h2d_total", 0.0) / tokens,
-                "prefetch_bytes": d.get(HP + "bytes_h2d_total", 0.0) / tokens if pf else 0.0,
-                "hit_rate": d.get(HS + "hits_total", 0.0) / lookups if lookups > 0 else nan,
-                "transfer_ops": (d.get(HS + "calls_total", 0.0) + (d.get(HP + "calls_total", 0.0) if pf else 0.0))
-                / tokens,
-                "moved_entries": (d.get(HS + "misses_total", 0.0) + (d.get(HP + "loaded_total", 0.0) if pf else 0.0))
-                / tokens,
-                "scored_entries": full + level1}
+        return {
+            "h2d_bytes": d.get(HS + "bytes_h2d_total", 0.0) / tokens,
+            "prefetch_bytes": d.get(HP + "bytes_h2d_total", 0.0) / tokens if pf else 0.0,
+            "hit_rate": d.get(HS + "hits_total", 0.0) / lookups if lookups > 0 else nan,
+            "transfer_ops": (d.get(HS + "calls_total", 0.0) + (d.get(HP + "calls_total", 0.0) if pf else 0.0)) / tokens,
+            "moved_entries": (d.get(HS + "misses_total", 0.0) + (d.get(HP + "loaded_total", 0.0) if pf else 0.0))
+            / tokens,
+            "scored_entries": full + level1,
+        }
     if arm in ("flashmemory", "fm_monitor"):
         frac = resident_fraction if resident_fraction is not None and math.isfinite(resident_fraction) else None
         resident = n * frac if frac is not None else min(n, knobs.kmax * PAGE_ENTRIES)
         level1 = d.get(FM + "level1_cycles_total", 0.0) * knobs.retriever_layers * n / tokens
         monitor = d.get(FM + "monitor_cycles_total", 0.0) * n / tokens
         pages = d.get(FM + "recall_pages_total", 0.0)
-        return {"h2d_bytes": d.get(FM + "recall_bytes_total", 0.0) / tokens, "prefetch_bytes": 0.0,
-                "hit_rate": nan, "transfer_ops": pages / tokens,
-                "moved_entries": pages * PAGE_ENTRIES * shape.n_c4 / tokens,
-                "scored_entries": shape.n_c4 * resident + level1 + monitor}
+        return {
+            "h2d_bytes": d.get(FM + "recall_bytes_total", 0.0) / tokens,
+            "prefetch_bytes": 0.0,
+            "hit_rate": nan,
+            "transfer_ops": pages / tokens,
+            "moved_entries": pages * PAGE_ENTRIES * shape.n_c4 / tokens,
+            "scored_entries": shape.n_c4 * resident + level1 + monitor,
+        }
     raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
 
 
@@ -260,8 +297,10 @@ def steady_failures(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     for r in rounds:
         s, w = r.get("steady_tok_s", float("nan")), r.get("steady_window_s", 0.0)
         if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0 and w > 0):
-            bad.append(f"round {r.get('round')}, context {r.get('ctx')}, arm {r.get('arm')}: the window with all "
-                       f"requests decoding did not open (window {w:.2f} s)")
+            bad.append(
+                f"round {r.get('round')}, context {r.get('ctx')}, arm {r.get('arm')}: the window with all "
+                f"requests decoding did not open (window {w:.2f} s)"
+            )
     return bad
 
 

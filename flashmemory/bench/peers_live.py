@@ -22,9 +22,9 @@ import random
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from flashmemory.bench.peers_costs import HOT_ARMS, arm_key
 from flashmemory.serve.client import StreamResult, flashmemory_metrics, greedy_params
@@ -44,8 +44,11 @@ class PDPair:
     startup_s: dict[str, float]
 
     def bootstrap(self) -> dict[str, object]:
-        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": random.getrandbits(63)}
+        return {
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": random.getrandbits(63),
+        }
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,18 @@ class ArmSetup:
     cfg: PDConfig
 
 
-def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: int, ckpt: str,
-               buffers: list[int], topk: int, interval: int, arms: tuple[str, ...]) -> list[ArmSetup]:
+def arm_setups(
+    model: Path,
+    ctx_len: int,
+    max_total: int,
+    max_run: int,
+    kmax: int,
+    ckpt: str,
+    buffers: list[int],
+    topk: int,
+    interval: int,
+    arms: tuple[str, ...],
+) -> list[ArmSetup]:
     """The stacks of `arms` (names of peers_costs.ARMS), a hot-buffer arm once per size in `buffers` (keyed
     'hisparse@576' when there are two sizes, by its bare name with one). Every server gets the same context
     length, pool (MAX_TOTAL_TOKENS) and max-running-requests, so only the decode-side mechanism differs."""
@@ -69,11 +82,18 @@ def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: in
     for arm in arms:
         if arm in HOT_ARMS:
             for b in buffers:
-                cfg = hisparse_config(base, b, topk)       # what `flashmemory serve --hisparse` runs
+                cfg = hisparse_config(base, b, topk)  # what `flashmemory serve --hisparse` runs
                 if arm == "hs_prefetch":
-                    cfg = replace(cfg, decode_env={**cfg.decode_env, "SGLANG_PLUGINS": "flashmemory_cpu,flashmemory",
-                                                   "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1", "CKPT": ckpt,
-                                                   "INTERVAL": str(interval)})
+                    cfg = replace(
+                        cfg,
+                        decode_env={
+                            **cfg.decode_env,
+                            "SGLANG_PLUGINS": "flashmemory_cpu,flashmemory",
+                            "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
+                            "CKPT": ckpt,
+                            "INTERVAL": str(interval),
+                        },
+                    )
                 out.append(ArmSetup(arm_key(arm, b if len(buffers) > 1 else None), cfg))
         elif arm == "stock":
             out.append(ArmSetup("stock", replace(base, flashmemory=False)))
@@ -89,9 +109,17 @@ def arm_setups(model: Path, ctx_len: int, max_total: int, max_run: int, kmax: in
 
 def _decode_cmd(cfg: PDConfig, port: int, boot: int) -> tuple[dict[str, str], list[str]]:
     """D's environment and argv: launch_decode.sh with the config's extra sglang flags."""
-    return (_env(cfg, PORT=str(port), FLASHMEMORY="1" if cfg.flashmemory else "0",
-                 TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot), **dict(cfg.decode_env)),
-            ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args])
+    return (
+        _env(
+            cfg,
+            PORT=str(port),
+            FLASHMEMORY="1" if cfg.flashmemory else "0",
+            TRANSFER_BACKEND=cfg.transfer_backend,
+            BOOTSTRAP_PORT=str(boot),
+            **dict(cfg.decode_env),
+        ),
+        ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args],
+    )
 
 
 def start_all(setups: list[ArmSetup], logs: Path) -> tuple[Servers, dict[str, "PDPair"]]:
@@ -107,9 +135,13 @@ def start_all(setups: list[ArmSetup], logs: Path) -> tuple[Servers, dict[str, "P
             b = s.cfg.transfer_backend
             if b not in prefills:
                 p_port, boot = free_ports(2, host)
-                proc = servers.start(f"prefill_{b}", ["bash", str(s.cfg.launch_dir / "launch_prefill.sh")],
-                                     _env(s.cfg, PORT=str(p_port), TRANSFER_BACKEND=b, BOOTSTRAP_PORT=str(boot),
-                                          **dict(s.cfg.prefill_env)))
+                proc = servers.start(
+                    f"prefill_{b}",
+                    ["bash", str(s.cfg.launch_dir / "launch_prefill.sh")],
+                    _env(
+                        s.cfg, PORT=str(p_port), TRANSFER_BACKEND=b, BOOTSTRAP_PORT=str(boot), **dict(s.cfg.prefill_env)
+                    ),
+                )
                 prefills[b] = (f"http://{host}:{p_port}", boot, proc)
         decodes = {}
         for s in setups:
@@ -146,22 +178,27 @@ class Streamed:
     ids: list[int] = field(default_factory=list)
 
 
-def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[list[float]], bool],
-               timeout: float = 3600.0) -> Streamed:
+def stream_ids(
+    pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[list[float]], bool], timeout: float = 3600.0
+) -> Streamed:
     """A streamed greedy PD request (P prefills, D decodes and streams) that keeps the output ids (cumulative or
     incremental chunks) and the arrival time of every new token; stop(token_times) True closes D's stream (D
     aborts the request)."""
     rid = f"peers-{random.getrandbits(48):012x}"
-    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new), "rid": rid,
-               **pd.bootstrap()}
+    payload = {
+        "input_ids": list(map(int, input_ids)),
+        "sampling_params": greedy_params(max_new),
+        "rid": rid,
+        **pd.bootstrap(),
+    }
     p_err: list[BaseException] = []
 
     def prefill() -> None:
         try:
             http_post_json(pd.prefill_url + "/generate", payload, timeout=timeout)
-        except BaseException as e:   # reported below if D streamed nothing
+        except BaseException as e:  # reported below if D streamed nothing
             p_err.append(e)
-            try:   # D would wait for this request's KV until `timeout`: end its stream now
+            try:  # D would wait for this request's KV until `timeout`: end its stream now
                 http_post_json(pd.decode_url + "/abort_request", {"rid": rid}, timeout=30)
             except (OSError, ValueError):
                 pass
@@ -181,7 +218,7 @@ def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[l
             msg = json.loads(line[5:].strip())
             done = int((msg.get("meta_info") or {}).get("completion_tokens", n))
             got = [int(t) for t in msg.get("output_ids") or []]
-            ids = got if len(got) >= done else ids + got     # cumulative by default; incremental otherwise
+            ids = got if len(got) >= done else ids + got  # cumulative by default; incremental otherwise
             if done > n:
                 times.extend([time.monotonic()] * (done - n))
                 n = done
@@ -189,8 +226,9 @@ def stream_ids(pd: PDPair, input_ids: list[int], max_new: int, stop: Callable[[l
                     break
     pt.join(timeout=60)
     if n == 0:
-        raise RuntimeError(f"{pd.decode_url}/generate streamed no tokens"
-                           + (f" (prefill: {p_err[0]})" if p_err else ""))
+        raise RuntimeError(
+            f"{pd.decode_url}/generate streamed no tokens" + (f" (prefill: {p_err[0]})" if p_err else "")
+        )
     return Streamed(StreamResult(sent, times, n), ids[:n])
 
 
@@ -211,12 +249,13 @@ def concurrent_round(pd: PDPair, prompts: list[list[int]], max_new: int, steady_
                         all_in[0] = times[0]
                 t0 = all_in[0]
             return sum(t > t0 for t in times) >= steady_tokens
+
         return stop
 
     def one(i: int) -> None:
         try:
             out[i] = stream_ids(pd, prompts[i], max_new, stopper(i))
-        except BaseException as e:   # re-raised below, in the caller's thread
+        except BaseException as e:  # re-raised below, in the caller's thread
             out[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]

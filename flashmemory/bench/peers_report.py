@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flashmemory.bench.peers_costs import ARM_NAMES, Knobs, Shape, arm_label, arm_order, device_bytes, entries, spread
 
@@ -31,18 +32,28 @@ def summarize(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         stock = {r["round"]: r for r in rounds if r["ctx"] == ctx and r["arm"] == "stock"}
         for arm in sorted({r["arm"] for r in rounds if r["ctx"] == ctx}, key=arm_order):
             mine = [r for r in rounds if r["ctx"] == ctx and r["arm"] == arm]
-            ratios = [r["steady_tok_s"] / stock[r["round"]]["steady_tok_s"] for r in mine
-                      if r["round"] in stock and stock[r["round"]]["steady_tok_s"] > 0]
+            ratios = [
+                r["steady_tok_s"] / stock[r["round"]]["steady_tok_s"]
+                for r in mine
+                if r["round"] in stock and stock[r["round"]]["steady_tok_s"] > 0
+            ]
             eq, cmp = sum(r.get("eq", 0) for r in mine), sum(r.get("cmp", 0) for r in mine)
             steps = [s for r in mine for s in r.get("step_ms", [])]
-            rows.append({
-                "ctx": ctx, "arm": arm, "rounds": len(mine),
-                "costs": {k: _median([r["costs"].get(k, float("nan")) for r in mine]) for k in COST_KEYS},
-                "device": {k: _median([r["device"][k] for r in mine]) for k in ("c4_kv", "index_k", "reserve")},
-                "tokens_equal": eq / cmp if cmp else float("nan"), "tokens_compared": cmp,
-                "steady_tok_s": spread([r["steady_tok_s"] for r in mine]), "vs_stock": spread(ratios),
-                "itl_ms": _median([r["itl_ms"] for r in mine]), "step_ms": _median(steps),
-            })
+            rows.append(
+                {
+                    "ctx": ctx,
+                    "arm": arm,
+                    "rounds": len(mine),
+                    "costs": {k: _median([r["costs"].get(k, float("nan")) for r in mine]) for k in COST_KEYS},
+                    "device": {k: _median([r["device"][k] for r in mine]) for k in ("c4_kv", "index_k", "reserve")},
+                    "tokens_equal": eq / cmp if cmp else float("nan"),
+                    "tokens_compared": cmp,
+                    "steady_tok_s": spread([r["steady_tok_s"] for r in mine]),
+                    "vs_stock": spread(ratios),
+                    "itl_ms": _median([r["itl_ms"] for r in mine]),
+                    "step_ms": _median(steps),
+                }
+            )
     return rows
 
 
@@ -58,9 +69,22 @@ def _range(s: Mapping[str, float], fmt: str) -> str:
     return f"{_f(s['median'], fmt)} ({_f(s['min'], fmt)}-{_f(s['max'], fmt)})"
 
 
-HEAD = ["context", "arm", "hit rate", "on-demand H2D KB/token", "prefetched KB/token", "transfer ops/token",
-        "entries moved/token", "entries scored/token", "device KB/request: c4 KV + index-K + reserve", "tokens = stock",
-        "steady tok/s", "vs stock", "ITL ms", "step ms"]
+HEAD = [
+    "context",
+    "arm",
+    "hit rate",
+    "on-demand H2D KB/token",
+    "prefetched KB/token",
+    "transfer ops/token",
+    "entries moved/token",
+    "entries scored/token",
+    "device KB/request: c4 KV + index-K + reserve",
+    "tokens = stock",
+    "steady tok/s",
+    "vs stock",
+    "ITL ms",
+    "step ms",
+]
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -68,14 +92,29 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     out = []
     for r in rows:
         c, d = dict.fromkeys(COST_KEYS, float("nan")) | dict(r["costs"]), r["device"]
-        dev = (f"{_f((d['c4_kv'] + d['index_k'] + d['reserve']) / 1e3, '.0f')} "
-               f"({_f(d['c4_kv'] / 1e3, '.0f')} + {_f(d['index_k'] / 1e3, '.0f')} + {_f(d['reserve'] / 1e3, '.0f')})")
+        dev = (
+            f"{_f((d['c4_kv'] + d['index_k'] + d['reserve']) / 1e3, '.0f')} "
+            f"({_f(d['c4_kv'] / 1e3, '.0f')} + {_f(d['index_k'] / 1e3, '.0f')} + {_f(d['reserve'] / 1e3, '.0f')})"
+        )
         eq = "n/a" if not r["tokens_compared"] else f"{_f(r['tokens_equal'], '.3f')} of {r['tokens_compared']}"
-        out.append([f"{r['ctx']:,}", arm_label(r["arm"]), _f(c["hit_rate"], ".3f"), _f(c["h2d_bytes"] / 1e3, ".1f"),
-                    _f(c["prefetch_bytes"] / 1e3, ".1f"),
-                    _f(c["transfer_ops"], ".2f"), _f(c["moved_entries"], ".0f"), _f(c["scored_entries"], ".0f"),
-                    dev, eq, _range(r["steady_tok_s"], ".2f"), _range(r["vs_stock"], ".2f"), _f(r["itl_ms"], ".0f"),
-                    _f(r["step_ms"], ".0f")])
+        out.append(
+            [
+                f"{r['ctx']:,}",
+                arm_label(r["arm"]),
+                _f(c["hit_rate"], ".3f"),
+                _f(c["h2d_bytes"] / 1e3, ".1f"),
+                _f(c["prefetch_bytes"] / 1e3, ".1f"),
+                _f(c["transfer_ops"], ".2f"),
+                _f(c["moved_entries"], ".0f"),
+                _f(c["scored_entries"], ".0f"),
+                dev,
+                eq,
+                _range(r["steady_tok_s"], ".2f"),
+                _range(r["vs_stock"], ".2f"),
+                _f(r["itl_ms"], ".0f"),
+                _f(r["step_ms"], ".0f"),
+            ]
+        )
     return out
 
 
@@ -100,8 +139,10 @@ def curve_markdown(shape: Shape, knobs: Knobs, contexts: Sequence[int]) -> str:
     context, device KB per request of the c4 state and the c4 entries the indexers score per token. FlashMemory's
     Level 1 is counted as its retriever layers over the history once per `knobs.interval` steps; its resident set
     as KMAX pages (no escalation)."""
-    lines = ["| context | arm | device KB/request (c4 KV + index-K + reserve) | entries scored/token |",
-             "|---|---|---|---|"]
+    lines = [
+        "| context | arm | device KB/request (c4 KV + index-K + reserve) | entries scored/token |",
+        "|---|---|---|---|",
+    ]
     for ctx in contexts:
         n = entries(ctx, shape)
         for arm in ("stock", "hisparse", "flashmemory"):
@@ -110,8 +151,10 @@ def curve_markdown(shape: Shape, knobs: Knobs, contexts: Sequence[int]) -> str:
                 scored = shape.n_c4 * min(n, knobs.kmax * 64) + knobs.retriever_layers * n / knobs.interval
             else:
                 scored = float(shape.n_c4 * n)
-            lines.append(f"| {ctx:,} | {ARM_NAMES[arm]} | {sum(d.values()) / 1e3:.0f} ({d['c4_kv'] / 1e3:.0f} + "
-                         f"{d['index_k'] / 1e3:.0f} + {d['reserve'] / 1e3:.0f}) | {scored:.0f} |")
+            lines.append(
+                f"| {ctx:,} | {ARM_NAMES[arm]} | {sum(d.values()) / 1e3:.0f} ({d['c4_kv'] / 1e3:.0f} + "
+                f"{d['index_k'] / 1e3:.0f} + {d['reserve'] / 1e3:.0f}) | {scored:.0f} |"
+            )
     return "\n".join(lines)
 
 

@@ -41,8 +41,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-rows", type=int, default=128, help="planning: admitted requests (EngineConfig.max_rows)")
     p.add_argument("--plan-blocks", type=int, default=8192, help="planning: recall blocks per layer")
     p.add_argument("--plan-kmax", type=int, default=96, help="planning: per-request page cap (KMAX)")
-    p.add_argument("--plan-chunks", type=int, default=0,
-                   help="planning: history per request, in chunks (0 = 16384 with --quick, else 65536)")
+    p.add_argument(
+        "--plan-chunks",
+        type=int,
+        default=0,
+        help="planning: history per request, in chunks (0 = 16384 with --quick, else 65536)",
+    )
     p.add_argument("--tau", type=int, default=64, help="planning budget: decode steps per Level-1 cycle")
     p.add_argument("--step-ms", type=float, default=30.0, help="planning budget: one decode step, in ms")
 
@@ -64,8 +68,18 @@ def _time(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
 def _recall_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str, str]]:
     lay = OffloadLayout(n_layers=args.layers, target_layers=(min(10, args.layers - 1),))
     kmax = max(args.kmax)
-    eng = OffloadEngine(lay, EngineConfig(max_rows=1, max_chunks=2 * kmax * 64, mirror_pages=2 * kmax,
-                                          recall_blocks=kmax, decode_pages=1, max_resident_pages=kmax), dev)
+    eng = OffloadEngine(
+        lay,
+        EngineConfig(
+            max_rows=1,
+            max_chunks=2 * kmax * 64,
+            mirror_pages=2 * kmax,
+            recall_blocks=kmax,
+            decode_pages=1,
+            max_resident_pages=kmax,
+        ),
+        dev,
+    )
     m, r = eng.mirror, eng.reserve
     m.kv.random_(0, 256)
     m.index.random_(0, 256)
@@ -86,18 +100,28 @@ def _recall_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str
             r.kv.view(-1)[:kv_b].copy_(m.kv.view(-1)[:kv_b], non_blocking=True)
             if ix_b:
                 r.index.view(-1)[:ix_b].copy_(m.index.view(-1)[:ix_b], non_blocking=True)
+
         t_b, t_r = _time(batched, reps, dev), _time(raw, reps, dev)
         nbytes = kv_b + ix_b
-        rows.append((f"recall K={k} x {args.layers} layers ({nbytes / 1e6:.0f} MB)",
-                     f"{nbytes / t_b / 1e9:.2f} GB/s vs raw {nbytes / t_r / 1e9:.2f} GB/s",
-                     f"{t_r / t_b:.2f}x of raw copy"))
+        rows.append(
+            (
+                f"recall K={k} x {args.layers} layers ({nbytes / 1e6:.0f} MB)",
+                f"{nbytes / t_b / 1e9:.2f} GB/s vs raw {nbytes / t_r / 1e9:.2f} GB/s",
+                f"{t_r / t_b:.2f}x of raw copy",
+            )
+        )
         bar.update(1)
     k = min(args.kmax)
     src, dst = torch.randperm(2 * kmax, generator=g)[:k], torch.randperm(kmax, generator=g)[:k]
     t_loop = _time(lambda: page_by_page_copy(m.kv, r.kv, src.tolist(), dst.tolist()), max(1, reps // 2), dev)
     t_b = _time(lambda: gather_copy(m.kv, r.kv, src, dst, stage.get("kv")), reps, dev)
-    rows.append((f"batched gather vs page-by-page, K={k} x {args.layers} layers (c4 KV)",
-                 f"{t_b * 1e3:.1f} ms vs {t_loop * 1e3:.1f} ms", f"speedup {t_loop / t_b:.2f}x"))
+    rows.append(
+        (
+            f"batched gather vs page-by-page, K={k} x {args.layers} layers (c4 KV)",
+            f"{t_b * 1e3:.1f} ms vs {t_loop * 1e3:.1f} ms",
+            f"speedup {t_loop / t_b:.2f}x",
+        )
+    )
     bar.update(1)
     del eng
     return rows
@@ -105,13 +129,17 @@ def _recall_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str
 
 def _level2_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str, str]]:
     from flashmemory.residency.level2 import Level2, paged_index_logits
+
     b = args.batch or (2 if args.quick else 8)
     n, pc, d = args.chunks, 64, 128
     n_pages = -(-n // pc)
     kres = max(1, round(args.residency * n_pages))
     lay = OffloadLayout(n_layers=2, target_layers=(0,), kv_widths=(8,), kv_align=1, index_head_dim=d)
-    eng = OffloadEngine(lay, EngineConfig(max_rows=b, max_chunks=n, recall_blocks=b * kres, decode_pages=1,
-                                          max_resident_pages=kres), dev)
+    eng = OffloadEngine(
+        lay,
+        EngineConfig(max_rows=b, max_chunks=n, recall_blocks=b * kres, decode_pages=1, max_resident_pages=kres),
+        dev,
+    )
     g = torch.Generator().manual_seed(1)
     for row in range(b):
         ix = quantize_chunks(torch.randn(n, d, generator=g)).unsqueeze(0).expand(2, -1, -1).contiguous()
@@ -133,16 +161,25 @@ def _level2_rows(args, dev: torch.device, reps: int, bar) -> list[tuple[str, str
 
     def score_res():
         return l2.score_resident_topk(q, w, rows_t, 0)
+
     t_n = _time(native, reps, dev)
     t_m = _time(mask, reps, dev)
     t_s = _time(score_res, reps, dev)
     bar.update(1)
     assert (l2.score_resident_topk(q, w, rows_t, 0).cells >= 0).all()
     tag = f"N={n}, {args.residency:.0%} resident, B={b}, top-{args.topk}"
-    return [(f"Level-2 mask mode ({tag})", f"{t_m * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
-             f"{t_m / t_n:.2f}x native time"),
-            (f"Level-2 score-resident ({tag})", f"{t_s * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
-             f"speedup {t_n / t_s:.2f}x vs native")]
+    return [
+        (
+            f"Level-2 mask mode ({tag})",
+            f"{t_m * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
+            f"{t_m / t_n:.2f}x native time",
+        ),
+        (
+            f"Level-2 score-resident ({tag})",
+            f"{t_s * 1e3:.1f} ms vs native {t_n * 1e3:.1f} ms",
+            f"speedup {t_n / t_s:.2f}x vs native",
+        ),
+    ]
 
 
 class _HoldTimer:
@@ -190,18 +227,24 @@ def _plan_scenarios(args, dev: torch.device, reps: int, bar) -> list[tuple[str, 
     """
     n_rows, kmax, n_blocks = args.plan_rows, args.plan_kmax, args.plan_blocks
     n_chunks = args.plan_chunks or (16384 if args.quick else 65536)
-    lay = OffloadLayout(n_layers=21, page_chunks=64, kv_widths=(1,), kv_align=1, index_head_dim=1,
-                        target_layers=(10, 12, 20))
-    eng = OffloadEngine(lay, EngineConfig(max_rows=n_rows, max_chunks=n_chunks, recall_blocks=n_blocks,
-                                          max_resident_pages=kmax, pin_memory=False), dev)
+    lay = OffloadLayout(
+        n_layers=21, page_chunks=64, kv_widths=(1,), kv_align=1, index_head_dim=1, target_layers=(10, 12, 20)
+    )
+    eng = OffloadEngine(
+        lay,
+        EngineConfig(
+            max_rows=n_rows, max_chunks=n_chunks, recall_blocks=n_blocks, max_resident_pages=kmax, pin_memory=False
+        ),
+        dev,
+    )
     kv = torch.zeros(lay.n_layers, n_chunks, lay.kv.chunk_bytes, dtype=torch.uint8)
     ix = torch.zeros(lay.n_layers, n_chunks, lay.index.chunk_bytes, dtype=torch.uint8)
     gens = [eng.admit(r, kv, ix) for r in range(n_rows)]
     del kv, ix
     timer = _HoldTimer(eng.lock)
     eng.lock = timer
-    usable = lay.pages_for(n_chunks) - 1       # the last (partial) page is never selected: it is not evictable
-    per_row = n_blocks // n_rows               # pages per row when the reserve is exactly shared
+    usable = lay.pages_for(n_chunks) - 1  # the last (partial) page is never selected: it is not evictable
+    per_row = n_blocks // n_rows  # pages per row when the reserve is exactly shared
     keep_n = min(per_row // 2, kmax)
     if usable < per_row + kmax - keep_n:
         raise ValueError(f"--plan-chunks {n_chunks} too short: need > {64 * (per_row + kmax - keep_n + 1)} chunks")
@@ -240,9 +283,17 @@ def _plan_scenarios(args, dev: torch.device, reps: int, bar) -> list[tuple[str, 
     def report(name: str, res: tuple[float, float, float, float, dict[str, int]]) -> None:
         t_plan, t_pub, hold, cpu, c = res
         step = args.step_ms / 1e3
-        out.append((name, f"{c['pages']} / {c['budget_hits']} / {c['evictions']}",
-                    f"{t_plan * 1e3:.1f}", f"{t_pub * 1e3:.1f}", f"{hold * 1e3:.1f} ({cpu * 1e3:.1f})",
-                    f"{(t_plan + t_pub) / budget:.3f}", f"{hold / step:.2f} ({cpu / step:.2f})"))
+        out.append(
+            (
+                name,
+                f"{c['pages']} / {c['budget_hits']} / {c['evictions']}",
+                f"{t_plan * 1e3:.1f}",
+                f"{t_pub * 1e3:.1f}",
+                f"{hold * 1e3:.1f} ({cpu * 1e3:.1f})",
+                f"{(t_plan + t_pub) / budget:.3f}",
+                f"{hold / step:.2f} ({cpu / step:.2f})",
+            )
+        )
 
     report(f"(a) cold: {n_rows} rows x {kmax} new pages", cycle(lambda r: fresh(r, kmax)))
     bar.update(1)
@@ -251,8 +302,10 @@ def _plan_scenarios(args, dev: torch.device, reps: int, bar) -> list[tuple[str, 
     runs = [cycle(lambda r: sel[r][swap:] + fresh(r, swap)) for _ in range(reps)]
     report(f"(b) steady: {per_row} pages/row resident, {swap} swapped per row", min(runs, key=lambda x: x[0] + x[1]))
     bar.update(1)
-    report(f"(c) exhausted: keep {keep_n}, add {kmax - keep_n} per row (2x reclaimable)",
-           cycle(lambda r: sel[r][:keep_n] + fresh(r, kmax - keep_n)))
+    report(
+        f"(c) exhausted: keep {keep_n}, add {kmax - keep_n} per row (2x reclaimable)",
+        cycle(lambda r: sel[r][:keep_n] + fresh(r, kmax - keep_n)),
+    )
     bar.update(1)
     eng.lock = timer._lock
     return out
@@ -276,12 +329,14 @@ def _check(args: argparse.Namespace) -> None:
     require_memory(4 * max(args.kmax) * page, f"--kmax {max(args.kmax)} x --layers {args.layers}")
     n_rows, kmax, n_blocks = args.plan_rows, args.plan_kmax, args.plan_blocks
     n_chunks = args.plan_chunks or (16384 if args.quick else 65536)
-    usable = -(-n_chunks // 64) - 1            # 64-chunk pages; the last (partial) one is never selected
+    usable = -(-n_chunks // 64) - 1  # 64-chunk pages; the last (partial) one is never selected
     per_row = n_blocks // n_rows
     keep_n = min(per_row // 2, kmax)
     if usable < per_row + kmax - keep_n:
-        raise UserError(f"--plan-chunks {n_chunks}: too short for --plan-rows {n_rows}, --plan-blocks {n_blocks} and "
-                        f"--plan-kmax {kmax}: need > {64 * (per_row + kmax - keep_n + 1)} chunks")
+        raise UserError(
+            f"--plan-chunks {n_chunks}: too short for --plan-rows {n_rows}, --plan-blocks {n_blocks} and "
+            f"--plan-kmax {kmax}: need > {64 * (per_row + kmax - keep_n + 1)} chunks"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,9 +359,19 @@ def run(args: argparse.Namespace) -> int:
     for a, b_, c in rows:
         print(f"{a:<{w0}}  {b_:<{w1}}  {c}")
     print()
-    _print_table(f"Level-1 host planning, one cycle over {args.plan_rows} rows, {args.plan_blocks} recall blocks, "
-                 f"KMAX {args.plan_kmax}; bytes copy excluded; budget = tau {args.tau} x {args.step_ms:g} ms step "
-                 f"= {args.tau * args.step_ms:g} ms; lock holds as wall (holder's CPU) time",
-                 ("cycle", "planned / dropped / evicted", "plan ms", "publish ms", "max lock hold ms",
-                  "(plan+publish) / budget", "lock hold / step"), plan_rows)
+    _print_table(
+        f"Level-1 host planning, one cycle over {args.plan_rows} rows, {args.plan_blocks} recall blocks, "
+        f"KMAX {args.plan_kmax}; bytes copy excluded; budget = tau {args.tau} x {args.step_ms:g} ms step "
+        f"= {args.tau * args.step_ms:g} ms; lock holds as wall (holder's CPU) time",
+        (
+            "cycle",
+            "planned / dropped / evicted",
+            "plan ms",
+            "publish ms",
+            "max lock hold ms",
+            "(plan+publish) / budget",
+            "lock hold / step",
+        ),
+        plan_rows,
+    )
     return 0

@@ -33,11 +33,16 @@ _MM_K = 1024  # ceiling matmul: [m, 1024] @ [1024, 1024], m chosen for equal FLO
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"N = {', '.join(map(str, QUICK_SIZES))} chunks (smoke run)")
-    p.add_argument("--sizes", default=None,
-                   help=f"comma-separated chunk counts (default {','.join(map(str, FULL_SIZES))})")
+    p.add_argument(
+        "--sizes", default=None, help=f"comma-separated chunk counts (default {','.join(map(str, FULL_SIZES))})"
+    )
     p.add_argument("--tau", type=int, default=64, help="decode steps per Level-1 cycle (default 64)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per number; the median is reported "
-                                                             "(default 5, 3 with --quick)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per number; the median is reported (default 5, 3 with --quick)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this process may use)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -71,6 +76,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
             sync()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
+
     return measure
 
 
@@ -80,7 +86,7 @@ def _keys(n: int, d: int, seed: int, device: torch.device) -> torch.Tensor:
     out = torch.empty(n, d, dtype=torch.float32, device=device)
     for s in range(0, n, 65536):
         m = min(65536, n - s)
-        out[s:s + m] = dequantize_chunks(quantize_chunks(torch.randn(m, d, generator=g))).to(device)
+        out[s : s + m] = dequantize_chunks(quantize_chunks(torch.randn(m, d, generator=g))).to(device)
     return out
 
 
@@ -115,28 +121,55 @@ def bench_size(model: JointRetriever, n: int, tau: int, repeats: int, device: to
     per_step_l1 = t_l1 / tau
     per_step_native = N_C4_LAYERS * t_nat
     return {
-        "n_chunks": n, "level1_s": t_l1, "level1_chunks_per_s": n / t_l1, "level1_gflops": l1_gflops,
-        "matmul_s": t_mm, "matmul_gflops": mm_gflops, "level1_vs_ceiling": l1_gflops / mm_gflops,
-        "native_1layer_s": t_nat, "native_21layers_s": per_step_native, "native_gflops": native_flops(n) / t_nat / 1e9,
-        "level1_per_step_s": per_step_l1, "level1_per_step_vs_native": per_step_l1 / per_step_native,
+        "n_chunks": n,
+        "level1_s": t_l1,
+        "level1_chunks_per_s": n / t_l1,
+        "level1_gflops": l1_gflops,
+        "matmul_s": t_mm,
+        "matmul_gflops": mm_gflops,
+        "level1_vs_ceiling": l1_gflops / mm_gflops,
+        "native_1layer_s": t_nat,
+        "native_21layers_s": per_step_native,
+        "native_gflops": native_flops(n) / t_nat / 1e9,
+        "level1_per_step_s": per_step_l1,
+        "level1_per_step_vs_native": per_step_l1 / per_step_native,
     }
 
 
 def _table(rows: list[dict[str, float]], tau: int) -> str:
-    head = ("N chunks", "L1 3-layer ms", "L1 chunks/s", "L1 GFLOP/s", "matmul GFLOP/s", "L1 / ceiling",
-            "native 1 layer ms", "native x21 ms", f"L1/{tau} ms", f"(L1/{tau}) / (native x21)")
+    head = (
+        "N chunks",
+        "L1 3-layer ms",
+        "L1 chunks/s",
+        "L1 GFLOP/s",
+        "matmul GFLOP/s",
+        "L1 / ceiling",
+        "native 1 layer ms",
+        "native x21 ms",
+        f"L1/{tau} ms",
+        f"(L1/{tau}) / (native x21)",
+    )
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     for r in rows:
-        cells = (f"{r['n_chunks']:,}", f"{r['level1_s'] * 1e3:.2f}", f"{r['level1_chunks_per_s']:.3g}",
-                 f"{r['level1_gflops']:.1f}", f"{r['matmul_gflops']:.1f}", f"{r['level1_vs_ceiling']:.2f}",
-                 f"{r['native_1layer_s'] * 1e3:.3f}", f"{r['native_21layers_s'] * 1e3:.2f}",
-                 f"{r['level1_per_step_s'] * 1e3:.3f}", f"{r['level1_per_step_vs_native']:.3f}")
+        cells = (
+            f"{r['n_chunks']:,}",
+            f"{r['level1_s'] * 1e3:.2f}",
+            f"{r['level1_chunks_per_s']:.3g}",
+            f"{r['level1_gflops']:.1f}",
+            f"{r['matmul_gflops']:.1f}",
+            f"{r['level1_vs_ceiling']:.2f}",
+            f"{r['native_1layer_s'] * 1e3:.3f}",
+            f"{r['native_21layers_s'] * 1e3:.2f}",
+            f"{r['level1_per_step_s'] * 1e3:.3f}",
+            f"{r['level1_per_step_vs_native']:.3f}",
+        )
         lines.append(" | ".join(c.rjust(len(h)) for c, h in zip(cells, head)))
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
     if args.sizes:
         try:
             sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
@@ -154,23 +187,45 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     with torch.device(device):
         model = JointRetriever(LAYERS, dims).eval()
-    rows = [bench_size(model, n, args.tau, repeats, device)
-            for n in tqdm(sizes, desc="bench scorer", unit="size", leave=False)]
-    print(f"Level-1 scorer, full size (hidden {dims.hidden}, rank {dims.rank}, {dims.n_heads} heads x {dims.head_dim}),"
-          f" batch 1, layers {','.join(map(str, LAYERS))}; device {device}, {torch.get_num_threads()} threads, fp32;"
-          f" median of {repeats} after a warm-up")
+    rows = [
+        bench_size(model, n, args.tau, repeats, device)
+        for n in tqdm(sizes, desc="bench scorer", unit="size", leave=False)
+    ]
+    print(
+        f"Level-1 scorer, full size (hidden {dims.hidden}, rank {dims.rank}, {dims.n_heads} heads x {dims.head_dim}),"
+        f" batch 1, layers {','.join(map(str, LAYERS))}; device {device}, {torch.get_num_threads()} threads, fp32;"
+        f" median of {repeats} after a warm-up"
+    )
     print(_table(rows, args.tau))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if device.type == "cpu" and torch.get_num_threads() > 1 and load > 1.5 * torch.get_num_threads():
-        print(f"warning: load average {load:.1f} on {torch.get_num_threads()} threads; other processes share these "
-              "CPUs, so each parallel op may stall on its slowest thread. Compare with --threads 1.")
-    print(f"L1 / ceiling: Level-1 GFLOP/s over a plain fp32 matmul ([m,{_MM_K}]@[{_MM_K},{_MM_K}], same FLOPs) "
-          "timed in this run. L1 chunks/s: history chunks scored per second by all 3 layers.")
-    print(f"Native indexer ({NATIVE_HEADS} heads x {dims.head_dim}) is timed for ONE c4 layer and multiplied by "
-          f"{N_C4_LAYERS} (all c4 layers, every decode step); Level 1 runs once every tau={args.tau} steps. "
-          "Both use the same fp32 relu_head_scores on dequantized keys.")
+        print(
+            f"warning: load average {load:.1f} on {torch.get_num_threads()} threads; other processes share these "
+            "CPUs, so each parallel op may stall on its slowest thread. Compare with --threads 1."
+        )
+    print(
+        f"L1 / ceiling: Level-1 GFLOP/s over a plain fp32 matmul ([m,{_MM_K}]@[{_MM_K},{_MM_K}], same FLOPs) "
+        "timed in this run. L1 chunks/s: history chunks scored per second by all 3 layers."
+    )
+    print(
+        f"Native indexer ({NATIVE_HEADS} heads x {dims.head_dim}) is timed for ONE c4 layer and multiplied by "
+        f"{N_C4_LAYERS} (all c4 layers, every decode step); Level 1 runs once every tau={args.tau} steps. "
+        "Both use the same fp32 relu_head_scores on dequantized keys."
+    )
     if args.json:
         from flashmemory.atomic import atomic_write_text
-        atomic_write_text(args.json, json.dumps({"device": str(device), "threads": torch.get_num_threads(),
-                                                 "tau": args.tau, "repeats": repeats, "rows": rows}, indent=2))
+
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                {
+                    "device": str(device),
+                    "threads": torch.get_num_threads(),
+                    "tau": args.tau,
+                    "repeats": repeats,
+                    "rows": rows,
+                },
+                indent=2,
+            ),
+        )
     return 0

@@ -32,13 +32,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="contexts 512-1024, 4 steady tokens (a smoke run)")
     p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--contexts", default="1024,4096", help="min,max prompt tokens, spread over the requests")
-    p.add_argument("--tokens", type=int, default=1024,
-                   help="most decode tokens per request (default 1024; a stream stops earlier, see --steady-tokens)")
-    p.add_argument("--steady-tokens", type=int, default=32,
-                   help="tokens each request decodes once all are decoding, then its stream stops (default 32)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=1024,
+        help="most decode tokens per request (default 1024; a stream stops earlier, see --steady-tokens)",
+    )
+    p.add_argument(
+        "--steady-tokens",
+        type=int,
+        default=32,
+        help="tokens each request decodes once all are decoding, then its stream stops (default 32)",
+    )
     p.add_argument("--kmax", type=int, default=1, help="resident pages (64 c4 chunks) per request (default 1)")
-    p.add_argument("--ckpt", default="auto", help="retriever checkpoint for Level 1; 'auto' (default) trains one for "
-                                                  "the served model first (about a minute), '' runs recency only")
+    p.add_argument(
+        "--ckpt",
+        default="auto",
+        help="retriever checkpoint for Level 1; 'auto' (default) trains one for "
+        "the served model first (about a minute), '' runs recency only",
+    )
     p.add_argument("--model", default="", help="serving model dir (default: the tiny one, built if missing)")
     p.add_argument("--out", default="", help="write the result as JSON here too")
     p.add_argument("--logs", default="", help="server logs dir (default: a temp dir)")
@@ -64,11 +76,14 @@ def summarize(results: list[StreamResult]) -> dict[str, float]:
     steady = sum(lo < t <= hi for r in results for t in r.token_times)
     decoded = sum(r.n_tokens - 1 for r in results)
     itls = [(r.last - r.first) / (r.n_tokens - 1) for r in results if r.n_tokens > 1]
-    return {"decode_tok_s": decoded / (t1 - t0) if t1 > t0 else float("nan"),
-            "steady_tok_s": steady / (hi - lo) if hi > lo else float("nan"), "steady_window_s": max(0.0, hi - lo),
-            "itl_ms": 1e3 * sum(itls) / len(itls) if itls else float("nan"),
-            "ttft_s": sum(r.first - r.sent for r in results) / len(results),
-            "wall_s": t1 - min(r.sent for r in results)}
+    return {
+        "decode_tok_s": decoded / (t1 - t0) if t1 > t0 else float("nan"),
+        "steady_tok_s": steady / (hi - lo) if hi > lo else float("nan"),
+        "steady_window_s": max(0.0, hi - lo),
+        "itl_ms": 1e3 * sum(itls) / len(itls) if itls else float("nan"),
+        "ttft_s": sum(r.first - r.sent for r in results) / len(results),
+        "wall_s": t1 - min(r.sent for r in results),
+    }
 
 
 def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: int) -> list[StreamResult]:
@@ -82,12 +97,13 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: 
     def stop_after_steady(i: int):
         def stop(times: list[float]) -> bool:
             with lock:
-                if i not in started:        # the first chunk may bring more than one token
+                if i not in started:  # the first chunk may bring more than one token
                     started.add(i)
                     if len(started) == n:
                         all_in[0] = times[0]
                 t0 = all_in[0]
             return sum(t > t0 for t in times) >= steady_tokens
+
         return stop
 
     done = [0]
@@ -95,7 +111,7 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: 
     def one(i: int) -> None:
         try:
             out[i] = generate_stream(url, prompts[i], tokens, stop=stop_after_steady(i))
-        except BaseException as e:   # re-raised below, in the caller's thread
+        except BaseException as e:  # re-raised below, in the caller's thread
             out[i] = e
         with lock:
             done[0] += 1
@@ -112,9 +128,18 @@ def _concurrent(url: str, prompts: list[list[int]], tokens: int, steady_tokens: 
     return out  # type: ignore[return-value]
 
 
-def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: int, ckpt: str,
-            logs: Path, steady_tokens: int = 32) -> dict:
+def run_arm(
+    fm: bool,
+    model: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    kmax: int,
+    ckpt: str,
+    logs: Path,
+    steady_tokens: int = 32,
+) -> dict:
     from flashmemory.serve.stack import PDConfig, start_pd
+
     ctx = max(len(p) for p in prompts) + tokens + 256
     knobs = {"CTX_LEN": str(ctx), "MAX_RUN": str(max(4, len(prompts)))}
     decode_env = dict(knobs, KMAX=str(kmax), LAST_KEEP="64", INTERVAL="16", CKPT=ckpt)
@@ -123,9 +148,12 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
     print(f"arm {arm}: starting P, D and the router (1-3 minutes on 2 cores; logs {logs / arm}) ...", flush=True)
     with Servers(logs / arm) as servers:
         stack = start_pd(servers, cfg)
-        print(f"arm {arm}: ready ({', '.join(f'{k} {v:.0f} s' for k, v in stack.startup_s.items())}); "
-              f"streaming {len(prompts)} requests ...", flush=True)
-        generate(stack.router_url, prompts[0][:16], 2)          # warm the path once (not timed)
+        print(
+            f"arm {arm}: ready ({', '.join(f'{k} {v:.0f} s' for k, v in stack.startup_s.items())}); "
+            f"streaming {len(prompts)} requests ...",
+            flush=True,
+        )
+        generate(stack.router_url, prompts[0][:16], 2)  # warm the path once (not timed)
         res = summarize(_concurrent(stack.router_url, prompts, tokens, steady_tokens))
         res["startup_s"] = stack.startup_s
         res["metrics"] = flashmemory_metrics(stack.decode_url) if fm else {}
@@ -136,6 +164,7 @@ def run_arm(fm: bool, model: Path, prompts: list[list[int]], tokens: int, kmax: 
 
 def run(args: argparse.Namespace) -> int:
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, ensure_model
+
     bounds = [512, 1024] if args.quick else int_list(args.contexts, "--contexts", 1, 1 << 20)
     if len(bounds) != 2 or bounds[0] > bounds[1]:
         raise UserError(f"--contexts {args.contexts!r}: expected MIN,MAX prompt tokens with MIN <= MAX, e.g. 1024,4096")
@@ -151,15 +180,19 @@ def run(args: argparse.Namespace) -> int:
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     rng = random.Random(0)
     lens = contexts(lo, hi, args.requests)
-    prompts = [[rng.randrange(32, vocab) for _ in range(n)] for n in lens]   # past the special tokens
+    prompts = [[rng.randrange(32, vocab) for _ in range(n)] for n in lens]  # past the special tokens
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fm_bench_serve_"))
     ckpt = args.ckpt
     if ckpt == "auto":
         from flashmemory.serve.tiny_retriever import train_tiny_retriever
+
         print(f"bench serve: training a retriever for {model} (about a minute) ...", flush=True)
         ckpt = str(train_tiny_retriever(model, logs / "retriever"))
-    print(f"bench serve: {args.requests} concurrent requests, contexts {lens}, {tokens} tokens each; "
-          f"KMAX {args.kmax} page(s); retriever {ckpt or 'none (recency only)'}; logs {logs}", flush=True)
+    print(
+        f"bench serve: {args.requests} concurrent requests, contexts {lens}, {tokens} tokens each; "
+        f"KMAX {args.kmax} page(s); retriever {ckpt or 'none (recency only)'}; logs {logs}",
+        flush=True,
+    )
     try:
         stock = run_arm(False, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
         fm = run_arm(True, model, prompts, tokens, args.kmax, ckpt, logs, args.steady_tokens)
@@ -170,16 +203,36 @@ def run(args: argparse.Namespace) -> int:
     m = fm["metrics"]
     print(f"{'':14s}{'decode tok/s':>14s}{'steady tok/s':>14s}{'window s':>10s}{'ITL ms':>10s}{'TTFT s':>10s}")
     for name, r in (("stock", stock), ("FlashMemory", fm)):
-        print(f"{name:14s}{r['decode_tok_s']:14.2f}{r['steady_tok_s']:14.2f}{r['steady_window_s']:10.1f}"
-              f"{r['itl_ms']:10.1f}{r['ttft_s']:10.1f}")
-    print(f"ratio FlashMemory / stock decode tok/s: {ratio:.3f} (hooks' overhead {100 * (1 - ratio):+.1f}%); "
-          f"all {len(prompts)} decoding: {steady:.3f}")
-    print("FlashMemory counters on D: resident fraction {:.3f}, Level-1 cycles {:.0f}, pages recalled {:.0f}, "
-          "recalled bytes {:.0f}".format(m.get("flashmemory_resident_fraction", float("nan")),
-                                         m.get("flashmemory_level1_cycles_total", float("nan")),
-                                         m.get("flashmemory_recall_pages_total", float("nan")),
-                                         m.get("flashmemory_recall_bytes_total", float("nan"))))
+        print(
+            f"{name:14s}{r['decode_tok_s']:14.2f}{r['steady_tok_s']:14.2f}{r['steady_window_s']:10.1f}"
+            f"{r['itl_ms']:10.1f}{r['ttft_s']:10.1f}"
+        )
+    print(
+        f"ratio FlashMemory / stock decode tok/s: {ratio:.3f} (hooks' overhead {100 * (1 - ratio):+.1f}%); "
+        f"all {len(prompts)} decoding: {steady:.3f}"
+    )
+    print(
+        "FlashMemory counters on D: resident fraction {:.3f}, Level-1 cycles {:.0f}, pages recalled {:.0f}, "
+        "recalled bytes {:.0f}".format(
+            m.get("flashmemory_resident_fraction", float("nan")),
+            m.get("flashmemory_level1_cycles_total", float("nan")),
+            m.get("flashmemory_recall_pages_total", float("nan")),
+            m.get("flashmemory_recall_bytes_total", float("nan")),
+        )
+    )
     if args.out:
-        atomic_write_text(args.out, json.dumps({"stock": stock, "flashmemory": fm, "ratio": ratio,
-                                                "steady_ratio": steady, "contexts": lens, "tokens": tokens}, indent=1))
+        atomic_write_text(
+            args.out,
+            json.dumps(
+                {
+                    "stock": stock,
+                    "flashmemory": fm,
+                    "ratio": ratio,
+                    "steady_ratio": steady,
+                    "contexts": lens,
+                    "tokens": tokens,
+                },
+                indent=1,
+            ),
+        )
     return 0

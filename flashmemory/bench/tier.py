@@ -48,17 +48,26 @@ from flashmemory.offload.tiered_mirror import window_slots
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="16 pages per request, concurrency 1 2 4, one repeat")
     p.add_argument("--pages", type=int, default=0, help="pages recalled per request and cycle (0 = 16 quick, else 96)")
-    p.add_argument("--conc", type=int, nargs="+", default=None,
-                   help="concurrent requests (default 1 2 4, 1 2 4 8 full)")
+    p.add_argument(
+        "--conc", type=int, nargs="+", default=None, help="concurrent requests (default 1 2 4, 1 2 4 8 full)"
+    )
     p.add_argument("--turnover", type=float, default=1.0, help="share of a request's pages new per cycle (for the fit)")
     p.add_argument("--readers", type=int, default=4, help="read-ahead threads of the host page cache")
     p.add_argument("--tau", type=int, default=64, help="decode steps per Level-1 cycle")
-    p.add_argument("--step-ms", type=float, default=30.0,
-                   help="stated decode-step time in ms, the window being tau x this (default 30: upstream's measured "
-                        "steps are 24-30 ms)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=30.0,
+        help="stated decode-step time in ms, the window being tau x this (default 30: upstream's measured "
+        "steps are 24-30 ms)",
+    )
     p.add_argument("--layers", type=int, default=21, help="c4 layers in a page (Path-I index rows for all but 3)")
-    p.add_argument("--context", type=int, default=1048576,
-                   help="tokens per request for the host-mirror DRAM lines (default 1,048,576)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=1048576,
+        help="tokens per request for the host-mirror DRAM lines (default 1,048,576)",
+    )
     p.add_argument("--reps", type=int, default=0, help="repeats per timing, best kept (0 = 1 quick, else 3)")
     p.add_argument("--dir", default="", help="directory for the page store (default: a new temp dir, removed after)")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O even where O_DIRECT works")
@@ -74,8 +83,11 @@ def _fs_type(path: str) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
-                        and len(parts[1]) >= len(best):
+                if (
+                    len(parts) > 2
+                    and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/"))
+                    and len(parts[1]) >= len(best)
+                ):
                     best, kind = parts[1], parts[2]
     except OSError:
         pass
@@ -127,8 +139,13 @@ def mirror_dram(layout: OffloadLayout, context: int, conc: int) -> dict[str, int
     cfg = EngineConfig(max_rows=conc, max_chunks=-(-context // 4))
     pages = conc * layout.pages_for(cfg.max_chunks)
     slots = window_slots(DiskTierConfig(dir="/", host_mirror_gb=1e-9), layout, cfg)
-    return {"conc": conc, "pages": pages, "full_bytes": pages * pb, "window_slots": slots or pages,
-            "window_bytes": (slots or pages) * pb}
+    return {
+        "conc": conc,
+        "pages": pages,
+        "full_bytes": pages * pb,
+        "window_slots": slots or pages,
+        "window_bytes": (slots or pages) * pb,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,21 +162,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     staging = torch.empty((n, pb), dtype=torch.uint8, pin_memory=pin)
     reserve = torch.empty((n, pb), dtype=torch.uint8, device=dev)
     hnp, snp = host.numpy(), staging.numpy()
-    store = PageStore(d, (n + 8) * (pb + 8192), pb, direct=not args.no_direct, what="--dir",
-                      size_what="--pages x --conc")
+    store = PageStore(
+        d, (n + 8) * (pb + 8192), pb, direct=not args.no_direct, what="--dir", size_what="--pages x --conc"
+    )
     cache = HostPageCache(store, (n + 1) * pb, readers=args.readers)
-    out: dict[str, Any] = {"page_bytes": pb, "pages_per_request": k, "readers": args.readers, "dir": d,
-                           "filesystem": _fs_type(d), "o_direct": store.direct, "fallback": store.fallback_reason,
-                           "device": str(dev), "tau": args.tau, "step_ms": args.step_ms, "turnover": args.turnover}
+    out: dict[str, Any] = {
+        "page_bytes": pb,
+        "pages_per_request": k,
+        "readers": args.readers,
+        "dir": d,
+        "filesystem": _fs_type(d),
+        "o_direct": store.direct,
+        "fallback": store.fallback_reason,
+        "device": str(dev),
+        "tau": args.tau,
+        "step_ms": args.step_ms,
+        "turnover": args.turnover,
+    }
     try:
         t = time.perf_counter()
         for i in range(n):
             cache.put(f"req{i // k}", i % k, memoryview(hnp[i]))
         cache.flush()
         if cache.pinned_pages or cache.counters.write_errors:
-            raise UserError(f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
-                            f"page store ({cache.counters.write_errors} write errors: disk full or failing); the "
-                            "timings would measure host memory, not the disk")
+            raise UserError(
+                f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
+                f"page store ({cache.counters.write_errors} write errors: disk full or failing); the "
+                "timings would measure host memory, not the disk"
+            )
         if not store.direct:
             os.fsync(store.fd)
         out["write_gbps"] = n * pb / (time.perf_counter() - t) / 1e9
@@ -173,7 +203,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for c in sorted(args.conc):
             m = c * k
 
-            def host_path(m: int = m) -> None:   # m, c bound per concurrency
+            def host_path(m: int = m) -> None:  # m, c bound per concurrency
                 reserve[:m].copy_(host[:m], non_blocking=True)
                 sync()
 
@@ -194,10 +224,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if not torch.equal(reserve[:m].cpu(), host[:m]):
                 raise RuntimeError("bench tier: the pages recalled from disk differ from the pages written")
             window = args.tau * args.step_ms / 1e3
-            rows.append({"conc": c, "bytes": m * pb, "host_s": t_host, "disk_s": t_disk,
-                         "host_gbps": m * pb / t_host / 1e9, "disk_gbps": m * pb / t_disk / 1e9,
-                         "ratio": t_disk / t_host, "disk_window_share": args.turnover * t_disk / window,
-                         "host_window_share": args.turnover * t_host / window})
+            rows.append(
+                {
+                    "conc": c,
+                    "bytes": m * pb,
+                    "host_s": t_host,
+                    "disk_s": t_disk,
+                    "host_gbps": m * pb / t_host / 1e9,
+                    "disk_gbps": m * pb / t_disk / 1e9,
+                    "ratio": t_disk / t_host,
+                    "disk_window_share": args.turnover * t_disk / window,
+                    "host_window_share": args.turnover * t_host / window,
+                }
+            )
         out["rows"] = rows
         out["counters"] = cache.counters.as_dict()
         last = rows[-1]
@@ -217,28 +256,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     mode = "O_DIRECT" if r["o_direct"] else f"buffered ({r['fallback'] or 'OS cache dropped before each read'})"
-    print(f"disk tier recall: {r['pages_per_request']} pages x {r['page_bytes']:,} B per request, store on "
-          f"{r['filesystem']} ({mode}), {r['readers']} read-ahead threads, reserve on {r['device']}")
+    print(
+        f"disk tier recall: {r['pages_per_request']} pages x {r['page_bytes']:,} B per request, store on "
+        f"{r['filesystem']} ({mode}), {r['readers']} read-ahead threads, reserve on {r['device']}"
+    )
     print(f"store write (write-behind): {r['write_gbps']:.2f} GB/s")
     window_ms = r["tau"] * r["step_ms"]
     print(f"tau window = {r['tau']} x {r['step_ms']:g} ms (stated) = {window_ms:,.0f} ms; turnover {r['turnover']:g}")
-    print(f"{'conc':>5} {'MB':>8} {'host->res ms':>13} {'disk->host->res ms':>19} {'host GB/s':>10} "
-          f"{'disk GB/s':>10} {'disk/host':>10} {'window: disk':>13} {'host':>7}")
+    print(
+        f"{'conc':>5} {'MB':>8} {'host->res ms':>13} {'disk->host->res ms':>19} {'host GB/s':>10} "
+        f"{'disk GB/s':>10} {'disk/host':>10} {'window: disk':>13} {'host':>7}"
+    )
     for x in r["rows"]:
-        print(f"{x['conc']:>5} {x['bytes'] / 1e6:>8.1f} {x['host_s'] * 1e3:>13.2f} {x['disk_s'] * 1e3:>19.2f} "
-              f"{x['host_gbps']:>10.2f} {x['disk_gbps']:>10.2f} {x['ratio']:>9.1f}x "
-              f"{x['disk_window_share']:>12.1%} {x['host_window_share']:>7.1%}")
+        print(
+            f"{x['conc']:>5} {x['bytes'] / 1e6:>8.1f} {x['host_s'] * 1e3:>13.2f} {x['disk_s'] * 1e3:>19.2f} "
+            f"{x['host_gbps']:>10.2f} {x['disk_gbps']:>10.2f} {x['ratio']:>9.1f}x "
+            f"{x['disk_window_share']:>12.1%} {x['host_window_share']:>7.1%}"
+        )
     c = r["counters"]
-    print(f"cache: hit rate {c['hit_rate']:.2f}, read-ahead late {c['readahead_late']}, disk read "
-          f"{c['disk_bytes_read'] / 1e9:.2f} GB, written {c['disk_bytes_written'] / 1e9:.2f} GB")
-    print(f"stops fitting: at the bandwidth of the last row one window holds the recalls of {r['fit_conc_disk']} "
-          f"requests from disk, {r['fit_conc_host']} from host DRAM (this machine; a per-node NVMe array: "
-          "`flashmemory bench costmodel`, disk arm)")
-    print(f"host mirror DRAM at {r['context']:,} tokens per request (computed from the geometry, as the engine sizes "
-          "it; the host page cache comes on top of the window):")
+    print(
+        f"cache: hit rate {c['hit_rate']:.2f}, read-ahead late {c['readahead_late']}, disk read "
+        f"{c['disk_bytes_read'] / 1e9:.2f} GB, written {c['disk_bytes_written'] / 1e9:.2f} GB"
+    )
+    print(
+        f"stops fitting: at the bandwidth of the last row one window holds the recalls of {r['fit_conc_disk']} "
+        f"requests from disk, {r['fit_conc_host']} from host DRAM (this machine; a per-node NVMe array: "
+        "`flashmemory bench costmodel`, disk arm)"
+    )
+    print(
+        f"host mirror DRAM at {r['context']:,} tokens per request (computed from the geometry, as the engine sizes "
+        "it; the host page cache comes on top of the window):"
+    )
     for m in r["mirror_dram"]:
-        print(f"{m['conc']:>5} requests: one slot per page {m['full_bytes'] / 1e9:,.2f} GB ({m['pages']:,} pages); "
-              f"landing window {m['window_bytes'] / 1e6:,.1f} MB ({m['window_slots']:,} slots)")
+        print(
+            f"{m['conc']:>5} requests: one slot per page {m['full_bytes'] / 1e9:,.2f} GB ({m['pages']:,} pages); "
+            f"landing window {m['window_bytes'] / 1e6:,.1f} MB ({m['window_slots']:,} slots)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,8 +302,13 @@ def run(args: argparse.Namespace) -> int:
     return measure_checked(args, planned_bytes(args), "--pages x --conc x the page size of --layers", measure, report)
 
 
-def measure_checked(args: argparse.Namespace, need: dict[str, int], memory_what: str,
-                    measure_fn: Callable[[argparse.Namespace], dict], report_fn: Callable[[dict], None]) -> int:
+def measure_checked(
+    args: argparse.Namespace,
+    need: dict[str, int],
+    memory_what: str,
+    measure_fn: Callable[[argparse.Namespace], dict],
+    report_fn: Callable[[dict], None],
+) -> int:
     """A disk bench's run once its flags are checked: host memory and disk space (`need["host"]`, `need["disk"]`
     bytes) refused in one line before any work, then measure, print, and write `--json` atomically."""
     require_memory(need["host"], memory_what)
@@ -259,6 +317,7 @@ def measure_checked(args: argparse.Namespace, need: dict[str, int], memory_what:
     report_fn(r)
     if args.json:
         from flashmemory.atomic import atomic_write_text
+
         atomic_write_text(args.json, json.dumps(r, indent=1))
         print(f"wrote {args.json}")
     return 0

@@ -40,20 +40,40 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests with pages on disk (0 = 8 quick, else 32)")
     p.add_argument("--pages", type=int, default=0, help="pages each request holds on disk (0 = 16 quick, else 64)")
     p.add_argument("--kmax", type=int, default=0, help="pages each request recalls per cycle (0 = 4 quick, else 8)")
-    p.add_argument("--turnover", type=float, default=0.5,
-                   help="share of a request's picks that are new each cycle (default 0.5; 1.0 = worst case)")
+    p.add_argument(
+        "--turnover",
+        type=float,
+        default=0.5,
+        help="share of a request's picks that are new each cycle (default 0.5; 1.0 = worst case)",
+    )
     p.add_argument("--cycles", type=int, default=0, help="Level-1 cycles per run (0 = 3 quick, else 6)")
-    p.add_argument("--cache-gb", type=float, default=0.0,
-                   help="host page cache, GB (SGLANG_PATHP_HOST_CACHE_GB; default 0 = a quarter of all the pages)")
+    p.add_argument(
+        "--cache-gb",
+        type=float,
+        default=0.0,
+        help="host page cache, GB (SGLANG_PATHP_HOST_CACHE_GB; default 0 = a quarter of all the pages)",
+    )
     p.add_argument("--readers", type=int, default=4, help="read-ahead threads of the host page cache (default 4)")
-    p.add_argument("--lead-ms", type=float, nargs="+", default=None,
-                   help="wall time between queuing a cycle's read-ahead and its copy, one run each (default 0 1000; "
-                        "quick 0)")
+    p.add_argument(
+        "--lead-ms",
+        type=float,
+        nargs="+",
+        default=None,
+        help="wall time between queuing a cycle's read-ahead and its copy, one run each (default 0 1000; quick 0)",
+    )
     p.add_argument("--tau", type=int, default=64, help="decode steps per Level-1 cycle (default 64)")
-    p.add_argument("--step-ms", type=float, default=30.0,
-                   help="stated decode-step time, ms; the window is tau x this (default 30, not measured here)")
-    p.add_argument("--layers", type=int, default=0,
-                   help="c4 layers in a page, Path-I index rows for all but 3 (0 = 4 quick, else 21: the real page)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=30.0,
+        help="stated decode-step time, ms; the window is tau x this (default 30, not measured here)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="c4 layers in a page, Path-I index rows for all but 3 (0 = 4 quick, else 21: the real page)",
+    )
     p.add_argument("--dir", default="", help="directory for the page store (default: a temp dir, removed after)")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT")
     p.add_argument("--seed", type=int, default=0, help="seed of the picks (default 0)")
@@ -120,10 +140,12 @@ class Tally:
     wait_s: float = 0.0
 
     def rates(self) -> dict[str, float]:
-        return {"cache_hit_rate": self.hits / self.gets if self.gets else 0.0,
-                "readahead_hit_rate": self.ahead_hits / self.ahead if self.ahead else 1.0,
-                "recalls_waited_share": self.recalls_waited / self.recalls if self.recalls else 0.0,
-                "cycles_waited_share": self.cycles_waited / self.cycles if self.cycles else 0.0}
+        return {
+            "cache_hit_rate": self.hits / self.gets if self.gets else 0.0,
+            "readahead_hit_rate": self.ahead_hits / self.ahead if self.ahead else 1.0,
+            "recalls_waited_share": self.recalls_waited / self.recalls if self.recalls else 0.0,
+            "cycles_waited_share": self.cycles_waited / self.cycles if self.cycles else 0.0,
+        }
 
 
 def run_cycles(cache: HostPageCache, a: argparse.Namespace, lead_s: float, staging: np.ndarray) -> Tally:
@@ -171,8 +193,13 @@ def planned_bytes(a: argparse.Namespace) -> dict[str, int]:
     pb = disk_page_bytes(layout(a.layers))
     n = a.requests * a.pages
     cache = int(a.cache_gb * 1e9) if a.cache_gb else n * pb // 4
-    return {"page": pb, "pages": n, "cache": cache, "host": cache + (a.kmax + 2) * pb,
-            "disk": (n + 8) * (pb + SLOT_SLACK)}
+    return {
+        "page": pb,
+        "pages": n,
+        "cache": cache,
+        "host": cache + (a.kmax + 2) * pb,
+        "disk": (n + 8) * (pb + SLOT_SLACK),
+    }
 
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
@@ -184,10 +211,21 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     staging = np.empty((a.kmax, pb), dtype=np.uint8)
     store = PageStore(d, need["disk"], pb, direct=not a.no_direct, what="--dir", size_what="--requests x --pages")
     cache: HostPageCache | None = None
-    out: dict[str, Any] = {"page_bytes": pb, "requests": a.requests, "pages": a.pages, "kmax": a.kmax,
-                           "turnover": a.turnover, "cycles": a.cycles, "readers": a.readers, "tau": a.tau,
-                           "step_ms": a.step_ms, "o_direct": store.direct, "fallback": store.fallback_reason,
-                           "history_bytes": n * pb, "runs": []}
+    out: dict[str, Any] = {
+        "page_bytes": pb,
+        "requests": a.requests,
+        "pages": a.pages,
+        "kmax": a.kmax,
+        "turnover": a.turnover,
+        "cycles": a.cycles,
+        "readers": a.readers,
+        "tau": a.tau,
+        "step_ms": a.step_ms,
+        "o_direct": store.direct,
+        "fallback": store.fallback_reason,
+        "history_bytes": n * pb,
+        "runs": [],
+    }
     try:
         cache = HostPageCache(store, need["cache"], readers=a.readers)
         out["cache_bytes"] = cache.capacity_pages * pb
@@ -197,8 +235,10 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                 cache.put(f"req{r}", p, memoryview(page_bytes_of(r, p, base)))
         cache.flush()
         if cache.pinned_pages or cache.counters.write_errors:
-            raise UserError(f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the page store "
-                            f"({cache.counters.write_errors} write errors: disk full or failing)")
+            raise UserError(
+                f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the page store "
+                f"({cache.counters.write_errors} write errors: disk full or failing)"
+            )
         out["write_s"] = time.perf_counter() - t0
         for lead in a.lead_ms:
             cache.drop_clean()
@@ -208,13 +248,22 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
             before = cache.counters.as_dict()
             t = run_cycles(cache, a, lead / 1e3, staging)
             after = cache.counters.as_dict()
-            delta = {k: after[k] - before[k] for k in ("disk_bytes_read", "readahead_late", "cache_hits",
-                                                       "cache_misses", "corrupt_pages")}
+            delta = {
+                k: after[k] - before[k]
+                for k in ("disk_bytes_read", "readahead_late", "cache_hits", "cache_misses", "corrupt_pages")
+            }
             window_s = a.tau * a.step_ms / 1e3
-            out["runs"].append({"lead_ms": lead, **asdict(t), **t.rates(), "counters": delta,
-                                "copy_ms_per_cycle": 1e3 * t.copy_s / t.cycles,
-                                "wait_ms_per_cycle": 1e3 * t.wait_s / t.cycles,
-                                "window_share": t.copy_s / t.cycles / window_s})
+            out["runs"].append(
+                {
+                    "lead_ms": lead,
+                    **asdict(t),
+                    **t.rates(),
+                    "counters": delta,
+                    "copy_ms_per_cycle": 1e3 * t.copy_s / t.cycles,
+                    "wait_ms_per_cycle": 1e3 * t.wait_s / t.cycles,
+                    "window_share": t.copy_s / t.cycles / window_s,
+                }
+            )
     finally:
         if cache is not None:
             cache.close()
@@ -226,24 +275,33 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     mode = "O_DIRECT" if r["o_direct"] else f"buffered ({r['fallback'] or 'OS cache dropped before each run'})"
-    print(f"disk tier at scale (measured on this machine): {r['requests']} requests x {r['pages']} pages of "
-          f"{r['page_bytes']:,} B = {r['history_bytes'] / 1e9:.2f} GB on disk ({mode}); host page cache "
-          f"{r['cache_bytes'] / 1e9:.3f} GB ({r['cache_bytes'] / r['history_bytes']:.0%} of the pages); "
-          f"written behind in {r['write_s']:.1f} s")
-    print(f"{r['cycles']} cycles, {r['kmax']} pages recalled per request per cycle, turnover {r['turnover']:g}, "
-          f"{r['readers']} read-ahead threads; window {r['tau']} x {r['step_ms']:g} ms (stated)")
-    print(f"{'lead ms':>8} {'cache hit':>10} {'read-ahead hit':>15} {'late':>6} {'recalls waited':>15} "
-          f"{'cycles waited':>14} {'copy ms/cycle':>14} {'disk wait ms':>13} {'window':>7} {'disk GB':>8}")
+    print(
+        f"disk tier at scale (measured on this machine): {r['requests']} requests x {r['pages']} pages of "
+        f"{r['page_bytes']:,} B = {r['history_bytes'] / 1e9:.2f} GB on disk ({mode}); host page cache "
+        f"{r['cache_bytes'] / 1e9:.3f} GB ({r['cache_bytes'] / r['history_bytes']:.0%} of the pages); "
+        f"written behind in {r['write_s']:.1f} s"
+    )
+    print(
+        f"{r['cycles']} cycles, {r['kmax']} pages recalled per request per cycle, turnover {r['turnover']:g}, "
+        f"{r['readers']} read-ahead threads; window {r['tau']} x {r['step_ms']:g} ms (stated)"
+    )
+    print(
+        f"{'lead ms':>8} {'cache hit':>10} {'read-ahead hit':>15} {'late':>6} {'recalls waited':>15} "
+        f"{'cycles waited':>14} {'copy ms/cycle':>14} {'disk wait ms':>13} {'window':>7} {'disk GB':>8}"
+    )
     for x in r["runs"]:
-        print(f"{x['lead_ms']:>8g} {x['cache_hit_rate']:>10.2f} {x['readahead_hit_rate']:>15.2f} "
-              f"{x['counters']['readahead_late']:>6} {x['recalls_waited_share']:>15.0%} "
-              f"{x['cycles_waited_share']:>14.0%} "
-              f"{x['copy_ms_per_cycle']:>14.0f} {x['wait_ms_per_cycle']:>13.0f} {x['window_share']:>7.0%} "
-              f"{x['counters']['disk_bytes_read'] / 1e9:>8.2f}")
+        print(
+            f"{x['lead_ms']:>8g} {x['cache_hit_rate']:>10.2f} {x['readahead_hit_rate']:>15.2f} "
+            f"{x['counters']['readahead_late']:>6} {x['recalls_waited_share']:>15.0%} "
+            f"{x['cycles_waited_share']:>14.0%} "
+            f"{x['copy_ms_per_cycle']:>14.0f} {x['wait_ms_per_cycle']:>13.0f} {x['window_share']:>7.0%} "
+            f"{x['counters']['disk_bytes_read'] / 1e9:>8.2f}"
+        )
 
 
 def run(a: argparse.Namespace) -> int:
     _defaults(a)
     _check(a)
     from flashmemory.bench.tier import measure_checked
+
     return measure_checked(a, planned_bytes(a), "--cache-gb plus --kmax pages of --layers", measure, report)

@@ -39,7 +39,7 @@ def _rss_now_mib() -> float:
     """Current resident set size; falls back to the process peak where /proc is missing."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return kb / (1024 * 1024) if sys.platform == "darwin" else kb / 1024
@@ -72,11 +72,14 @@ class _PeakRSS:
 
 def _batch(b: int, n: int, layers: tuple[int, ...], dims: RetrieverDims, dev: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"hidden": {L: torch.randn(b, dims.hidden, generator=g).to(dev) for L in layers},
-            "positions": torch.randint(0, 131072, (b,), generator=g).to(dev),
-            "keys": {L: torch.randn(b, n, dims.head_dim, generator=g).to(dev) for L in layers},
-            "target": (torch.rand(b, n, generator=g) < 0.25).float().to(dev),
-            "weight": torch.ones(b, n, device=dev), "mask": torch.ones(b, n, dtype=torch.bool, device=dev)}
+    return {
+        "hidden": {L: torch.randn(b, dims.hidden, generator=g).to(dev) for L in layers},
+        "positions": torch.randint(0, 131072, (b,), generator=g).to(dev),
+        "keys": {L: torch.randn(b, n, dims.head_dim, generator=g).to(dev) for L in layers},
+        "target": (torch.rand(b, n, generator=g) < 0.25).float().to(dev),
+        "weight": torch.ones(b, n, device=dev),
+        "mask": torch.ones(b, n, dtype=torch.bool, device=dev),
+    }
 
 
 def _sync(dev: torch.device) -> None:
@@ -120,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
                 fn()
             _sync(dev)
             dt = (time.perf_counter() - t0) / steps
-        mem = torch.cuda.max_memory_allocated(dev) / 2 ** 20 if dev.type == "cuda" else rss.growth_mib
+        mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else rss.growth_mib
         res[name] = (args.batch_size / dt, dt, mem)
-    print(f"retriever: {n_layers} layer(s) x (hidden {dims.hidden}, rank {dims.rank}, {dims.n_heads} heads x "
-          f"{dims.head_dim}); {n_params / 1e6:.1f} M params; batch {args.batch_size} x {n} chunks; {dev}"
-          f"{' bf16' if args.bf16 else ''}")
+    print(
+        f"retriever: {n_layers} layer(s) x (hidden {dims.hidden}, rank {dims.rank}, {dims.n_heads} heads x "
+        f"{dims.head_dim}); {n_params / 1e6:.1f} M params; batch {args.batch_size} x {n} chunks; {dev}"
+        f"{' bf16' if args.bf16 else ''}"
+    )
     mem_kind = "peak alloc MiB" if dev.type == "cuda" else "peak RSS growth MiB"
     print(f"{'phase':>8} {'samples/s':>10} {'ms/step':>9} {mem_kind:>20}")
     for name, (sps, dt, mem) in res.items():

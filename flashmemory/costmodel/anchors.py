@@ -44,21 +44,54 @@ class Preset:
 
 
 # Capacities are what the driver reports (MiB), not the marketing GB.
-H20_NODE = Preset("8xH20 (upstream decode)", Hardware(
-    n_gpus=8, hbm_gb=97871 * MIB / 1e9, hbm_tbps=4.0, pcie_gbps=50.0, tflops=148.0, host_ram_gb=2265.0,
-    max_running=128), 78, Serving(max_running=128),
+H20_NODE = Preset(
+    "8xH20 (upstream decode)",
+    Hardware(
+        n_gpus=8,
+        hbm_gb=97871 * MIB / 1e9,
+        hbm_tbps=4.0,
+        pcie_gbps=50.0,
+        tflops=148.0,
+        host_ram_gb=2265.0,
+        max_running=128,
+    ),
+    78,
+    Serving(max_running=128),
     "H20 96 GB (97,871 MiB), 4.0 TB/s, 148 TFLOP/s BF16, 78 SMs; host 2,265 GB; decode --max-running-requests 128 "
-    "(upstream launch_decode.sh); cross-machine PD: all 8 GPUs decode")
-B200_PD = Preset("2xB200 PD (1 decode GPU)", Hardware(
-    n_gpus=1, hbm_gb=183359 * MIB / 1e9, hbm_tbps=8.0, pcie_gbps=50.0, tflops=2250.0, host_ram_gb=2048.0,
-    max_running=256), 148, Serving(max_running=256),
+    "(upstream launch_decode.sh); cross-machine PD: all 8 GPUs decode",
+)
+B200_PD = Preset(
+    "2xB200 PD (1 decode GPU)",
+    Hardware(
+        n_gpus=1,
+        hbm_gb=183359 * MIB / 1e9,
+        hbm_tbps=8.0,
+        pcie_gbps=50.0,
+        tflops=2250.0,
+        host_ram_gb=2048.0,
+        max_running=256,
+    ),
+    148,
+    Serving(max_running=256),
     "B200 183,359 MiB, 8 TB/s, 2.25 PFLOP/s BF16, 148 SMs; HiSparse needs PD, so of 2 GPUs one prefills and one "
-    "decodes (TP1); sglang's DSv4 max-running 256")
-RTX6000_NODE = Preset("8xRTX PRO 6000", Hardware(
-    n_gpus=8, hbm_gb=97887 * MIB / 1e9, hbm_tbps=1.79, pcie_gbps=50.0, tflops=500.0, host_ram_gb=1024.0,
-    max_running=256), 188, Serving(max_running=256),
+    "decodes (TP1); sglang's DSv4 max-running 256",
+)
+RTX6000_NODE = Preset(
+    "8xRTX PRO 6000",
+    Hardware(
+        n_gpus=8,
+        hbm_gb=97887 * MIB / 1e9,
+        hbm_tbps=1.79,
+        pcie_gbps=50.0,
+        tflops=500.0,
+        host_ram_gb=1024.0,
+        max_running=256,
+    ),
+    188,
+    Serving(max_running=256),
     "RTX PRO 6000 Blackwell 96 GB GDDR7 (97,887 MiB), 1.79 TB/s, ~500 TFLOP/s BF16 [unverified], 188 SMs, PCIe "
-    "only; sglang defaults")
+    "only; sglang defaults",
+)
 
 
 def _weights_per_gpu(hw: Hardware) -> float:
@@ -80,14 +113,26 @@ class Fitted:
 
     def rows(self) -> list[tuple[str, str, str]]:
         return [
-            ("mem_fraction (8xH20 decode)", f"{self.mem_fraction:.3f}",
-             "upstream README: stock 47 concurrent at 256K (token pool set to 47.5 x 262,144 tokens)"),
-            ("host_fraction (8xH20)", f"{self.host_fraction:.3f}",
-             "upstream README: FlashMemory's 1M ceiling ~40 (KMAX 96), 'bounded by host DRAM' (per-rank mirrors)"),
-            ("overhead_ms per decode step", f"{self.overhead_ms:.2f}",
-             "upstream README: stock 256K, 47 concurrent at 1,584 tok/s (step 29.7 ms) minus the model's roofline"),
-            ("HiSparse swap_layer_us", f"{self.swap_layer_us:.0f}",
-             "HiSparse paper: 7-8 ms added per token at low concurrency (7.5 ms / 21 c4 layers)"),
+            (
+                "mem_fraction (8xH20 decode)",
+                f"{self.mem_fraction:.3f}",
+                "upstream README: stock 47 concurrent at 256K (token pool set to 47.5 x 262,144 tokens)",
+            ),
+            (
+                "host_fraction (8xH20)",
+                f"{self.host_fraction:.3f}",
+                "upstream README: FlashMemory's 1M ceiling ~40 (KMAX 96), 'bounded by host DRAM' (per-rank mirrors)",
+            ),
+            (
+                "overhead_ms per decode step",
+                f"{self.overhead_ms:.2f}",
+                "upstream README: stock 256K, 47 concurrent at 1,584 tok/s (step 29.7 ms) minus the model's roofline",
+            ),
+            (
+                "HiSparse swap_layer_us",
+                f"{self.swap_layer_us:.0f}",
+                "HiSparse paper: 7-8 ms added per token at low concurrency (7.5 ms / 21 c4 layers)",
+            ),
         ]
 
 
@@ -104,8 +149,11 @@ def _arm(policy: str, ctx: int, kmax: int, hs: HiSparseKnobs) -> tuple[RequestBy
     if policy == "hisparse":
         return hisparse_bytes(ctx, hs), baseline_flops(ctx).total, True
     if policy in ("flashmemory", "flashmemory-nocredit", "disk"):
-        return (flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=ctx >= 1048576)),
-                flashmemory_flops(ctx, kmax).total, False)
+        return (
+            flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=ctx >= 1048576)),
+            flashmemory_flops(ctx, kmax).total,
+            False,
+        )
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -113,8 +161,17 @@ def tok_s(p: Preset, policy: str, ctx: int, batch: int, kmax: int = 1, hs: HiSpa
     """Aggregate decode tok/s of `batch` requests of `ctx` tokens (capacity not checked: see `capacity`)."""
     req, fl, sync = _arm(policy, ctx, kmax, hs)
     extra = swap_kernel_ms(batch, ctx, hs, p.n_sm) if policy == "hisparse" else 0.0
-    return batch / step_time(batch, req, fl, p.hw, sync_pcie=sync, extra_ms=extra + (
-        hs.step_overhead_ms if policy == "hisparse" else 0.0))[0]
+    return (
+        batch
+        / step_time(
+            batch,
+            req,
+            fl,
+            p.hw,
+            sync_pcie=sync,
+            extra_ms=extra + (hs.step_overhead_ms if policy == "hisparse" else 0.0),
+        )[0]
+    )
 
 
 def fm_reserve_bytes(ctx: int, kmax: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape()) -> float:
@@ -122,8 +179,9 @@ def fm_reserve_bytes(ctx: int, kmax: int, s: FlashShape = FlashShape(), r: Retri
     return min(kmax * r.page_chunks, ctx // s.c4_ratio) * s.n_c4 * padded_bytes_per_token(4)
 
 
-def capacity(p: Preset, policy: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs(),
-             dk: DiskKnobs = DiskKnobs()) -> tuple[int, str]:
+def capacity(
+    p: Preset, policy: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs(), dk: DiskKnobs = DiskKnobs()
+) -> tuple[int, str]:
     """(requests admitted at once, what binds) for one arm, from sglang's sizing plus host DRAM (per-rank copies);
     the disk arm is FlashMemory with the history on `dk`'s drives instead of host DRAM (one copy per rank).
     'flashmemory' is launched with CREDIT_C4=1 (the token pool priced without c4 KV, the reserve taken from the same
@@ -160,16 +218,18 @@ def fit(h20: Preset = H20_NODE) -> Fitted:
     frac = (pool_bytes + fixed_bytes(h20.serving) + _weights_per_gpu(h20.hw)) / (h20.hw.hbm_gb * 1e9)
     fm_host = _arm("flashmemory", UP_CTX["1M"], UP_FM_1M_K96[0], HiSparseKnobs())[0].host
     host_frac = (UP_FM_1M_K96[1] + 0.5) * fm_host * h20.hw.n_gpus / (h20.hw.host_ram_gb * 1e9)
-    roof = step_time(conc, baseline_bytes(ctx), baseline_flops(ctx).total,
-                     dataclasses.replace(h20.hw, overhead_ms=0))[0]
+    roof = step_time(conc, baseline_bytes(ctx), baseline_flops(ctx).total, dataclasses.replace(h20.hw, overhead_ms=0))[
+        0
+    ]
     overhead = 1e3 * (conc / tps - roof)
     return Fitted(round(frac, 4), round(host_frac, 4), overhead, HISPARSE_LOW_CONC_MS * 1e3 / FlashShape().n_c4)
 
 
 def calibrated(p: Preset, f: Fitted, fitted_memory: bool = False) -> Preset:
     """`p` with the fitted overhead (and, for upstream's own 8xH20 servers, its fitted memory/host fractions)."""
-    hw = dataclasses.replace(p.hw, overhead_ms=f.overhead_ms,
-                             host_fraction=f.host_fraction if fitted_memory else p.hw.host_fraction)
+    hw = dataclasses.replace(
+        p.hw, overhead_ms=f.overhead_ms, host_fraction=f.host_fraction if fitted_memory else p.hw.host_fraction
+    )
     sv = dataclasses.replace(p.serving, mem_fraction=f.mem_fraction) if fitted_memory else p.serving
     return dataclasses.replace(p, hw=hw, serving=sv)
 
@@ -207,18 +267,58 @@ def anchors(f: Fitted | None = None) -> list[Anchor]:
     src = "upstream FlashMemory README (seeds), 8xH20 TP8, cross-machine PD"
     for lab, ctx in UP_CTX.items():
         conc, tps = UP_STOCK[lab]
-        out.append(Anchor(f"stock concurrency {lab}", up.name, conc, capacity(up, "stock", ctx)[0],
-                          "fit" if lab == "256K" else "held out", src))
-        out.append(Anchor(f"stock tok/s {lab} @ {conc}", up.name, tps, tok_s(up, "stock", ctx, conc),
-                          "fit" if lab == "256K" else "held out", src))
+        out.append(
+            Anchor(
+                f"stock concurrency {lab}",
+                up.name,
+                conc,
+                capacity(up, "stock", ctx)[0],
+                "fit" if lab == "256K" else "held out",
+                src,
+            )
+        )
+        out.append(
+            Anchor(
+                f"stock tok/s {lab} @ {conc}",
+                up.name,
+                tps,
+                tok_s(up, "stock", ctx, conc),
+                "fit" if lab == "256K" else "held out",
+                src,
+            )
+        )
     for lab, (kmax, conc, tps) in UP_FM.items():
-        out.append(Anchor(f"FlashMemory tok/s {lab} KMAX {kmax} @ {conc}", up.name, tps,
-                          tok_s(up, "flashmemory", UP_CTX[lab], conc, kmax), "held out", src))
+        out.append(
+            Anchor(
+                f"FlashMemory tok/s {lab} KMAX {kmax} @ {conc}",
+                up.name,
+                tps,
+                tok_s(up, "flashmemory", UP_CTX[lab], conc, kmax),
+                "held out",
+                src,
+            )
+        )
     kmax, conc, tps = UP_FM_1M_K96
-    out.append(Anchor("FlashMemory 1M ceiling KMAX 96", up.name, conc,
-                      capacity(up, "flashmemory", UP_CTX["1M"], kmax)[0], "fit", src))
-    out.append(Anchor(f"FlashMemory tok/s 1M KMAX 96 @ {conc}", up.name, tps,
-                      tok_s(up, "flashmemory", UP_CTX["1M"], conc, kmax), "held out", src))
+    out.append(
+        Anchor(
+            "FlashMemory 1M ceiling KMAX 96",
+            up.name,
+            conc,
+            capacity(up, "flashmemory", UP_CTX["1M"], kmax)[0],
+            "fit",
+            src,
+        )
+    )
+    out.append(
+        Anchor(
+            f"FlashMemory tok/s 1M KMAX 96 @ {conc}",
+            up.name,
+            tps,
+            tok_s(up, "flashmemory", UP_CTX["1M"], conc, kmax),
+            "held out",
+            src,
+        )
+    )
     ratio = tok_s(up, "flashmemory", UP_CTX["1M"], 30, 384) / tok_s(up, "stock", UP_CTX["1M"], 11)
     out.append(Anchor("FlashMemory / stock tok/s at 1M (30 vs 11)", up.name, 2.8, ratio, "held out", src))
     out += _hisparse_paper(f) + _pr33075(f)
@@ -231,19 +331,34 @@ def _hisparse_paper(f: Fitted) -> list[Anchor]:
     src = "HiSparse paper (arXiv 2608.07009, secondary summaries; performance-anchors.md)"
     cs, ch = (min(conc, capacity(p, pol, peak, hs=hs)[0]) for pol in ("stock", "hisparse"))
     ts, th = tok_s(p, "stock", mean, cs), tok_s(p, "hisparse", mean, ch, hs=hs)
-    lacks = (f"in sglang's sizing one B200 admits {capacity(p, 'stock', peak)[0]} stock requests of {peak} tokens "
-             "(not capacity-bound at 64), so HiSparse only adds its swap-in; the paper's stock launch (memory "
-             "fraction, max-running, PD split) is not public, and its generation figure includes prefill and queueing")
+    lacks = (
+        f"in sglang's sizing one B200 admits {capacity(p, 'stock', peak)[0]} stock requests of {peak} tokens "
+        "(not capacity-bound at 64), so HiSparse only adds its swap-in; the paper's stock launch (memory "
+        "fraction, max-running, PD split) is not public, and its generation figure includes prefill and queueing"
+    )
     c128 = 21 * 32768 * padded_bytes_per_token(4)
     hot = 21 * (1024 + 64) * padded_bytes_per_token(4)
     return [
         Anchor("decode-only HiSparse / stock, 64 concurrent", p.name, 2.9, th / ts, "held out", src, lacks),
         Anchor("generation HiSparse / stock, 64 concurrent", p.name, 2.1, th / ts, "held out", src, lacks),
-        Anchor("stock generation tok/s", p.name, 600.0, ts, "held out", src,
-               "the published figure is output tokens over the whole run (prefill, queueing: TTFT 829 s); the "
-               "model gives steady decode tok/s"),
-        Anchor("HBM per 128K request: c4 KV, stock / HiSparse (buffer 2 x top-k)", "DSv4-Flash geometry", 30.0,
-               c128 / hot, "held out", src),
+        Anchor(
+            "stock generation tok/s",
+            p.name,
+            600.0,
+            ts,
+            "held out",
+            src,
+            "the published figure is output tokens over the whole run (prefill, queueing: TTFT 829 s); the "
+            "model gives steady decode tok/s",
+        ),
+        Anchor(
+            "HBM per 128K request: c4 KV, stock / HiSparse (buffer 2 x top-k)",
+            "DSv4-Flash geometry",
+            30.0,
+            c128 / hot,
+            "held out",
+            src,
+        ),
     ]
 
 
@@ -254,10 +369,15 @@ def _pr33075(f: Fitted) -> list[Anchor]:
     out = []
     for batch, pub in ((1, 0.92), (2, 0.92), (8, 1.19), (32, 2.43), (54, 3.00)):
         r = tok_s(p, "hisparse", ctx, batch, hs=hs) / tok_s(p, "stock", ctx, batch)
-        lacks = "" if pub <= 1 else (
-            f"above 1 HiSparse must admit more than stock; in sglang's sizing this node holds "
-            f"{capacity(p, 'stock', ctx)[0]} stock requests, so the model keeps the ratio below 1: the PR's "
-            f"stock launch flags are not public")
+        lacks = (
+            ""
+            if pub <= 1
+            else (
+                f"above 1 HiSparse must admit more than stock; in sglang's sizing this node holds "
+                f"{capacity(p, 'stock', ctx)[0]} stock requests, so the model keeps the ratio below 1: the PR's "
+                f"stock launch flags are not public"
+            )
+        )
         out.append(Anchor(f"HiSparse / stock at batch {batch}", p.name, pub, r, "held out", src, lacks))
     return out
 
@@ -271,8 +391,12 @@ def kmax_for(ctx: int) -> int:
     return max(1, round(ctx * 96 / 262144))
 
 
-def projections(f: Fitted | None = None, hs: HiSparseKnobs | None = None, preset: Preset | None = None,
-                disk_tok_s: Callable[[Preset, int, int, int], float] | None = None) -> list[dict]:
+def projections(
+    f: Fitted | None = None,
+    hs: HiSparseKnobs | None = None,
+    preset: Preset | None = None,
+    disk_tok_s: Callable[[Preset, int, int, int], float] | None = None,
+) -> list[dict]:
     """Max concurrency (and what binds) and tok/s there for every arm at 128K, 256K, 1M on `preset` (default:
     8xH20 calibrated with `f`). The disk arm is FlashMemory without the host-DRAM bound; `disk_tok_s(preset, ctx,
     kmax, conc)` prices its reads (default: FlashMemory's tok/s, i.e. disk reads hidden in the recall window)."""

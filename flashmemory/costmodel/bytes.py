@@ -70,8 +70,14 @@ def baseline_bytes(ctx: int, s: FlashShape = FlashShape(), e: EntryBytes = Entry
     return RequestBytes("baseline", sum(reg.values()), 0.0, read, 0.0, 0.0, reg)
 
 
-def flashmemory_bytes(ctx: int, kmax: int, knobs: PolicyKnobs = PolicyKnobs(), s: FlashShape = FlashShape(),
-                      r: RetrieverShape = RetrieverShape(), e: EntryBytes = EntryBytes()) -> RequestBytes:
+def flashmemory_bytes(
+    ctx: int,
+    kmax: int,
+    knobs: PolicyKnobs = PolicyKnobs(),
+    s: FlashShape = FlashShape(),
+    r: RetrieverShape = RetrieverShape(),
+    e: EntryBytes = EntryBytes(),
+) -> RequestBytes:
     n = n_chunks(ctx, s)
     res = resident_chunks(kmax, ctx, s, r)
     reg = _regions(ctx, s, e)
@@ -80,9 +86,11 @@ def flashmemory_bytes(ctx: int, kmax: int, knobs: PolicyKnobs = PolicyKnobs(), s
     dev["c4 kv"] = s.n_c4 * res * e.kv
     dev["index keys"] = (s.n_c4 - offl_idx_layers) * n * e.index_key + offl_idx_layers * res * e.index_key
     host = reg["c4 kv"] + offl_idx_layers * n * e.index_key
-    read = (s.n_c4 * res * e.index_key  # Level 2: resident keys only
-            + r.n_layers * n * e.index_key / r.interval  # Level 1: full history at the retriever layers
-            + _attend_read(ctx, s, e))
+    read = (
+        s.n_c4 * res * e.index_key  # Level 2: resident keys only
+        + r.n_layers * n * e.index_key / r.interval  # Level 1: full history at the retriever layers
+        + _attend_read(ctx, s, e)
+    )
     cycle = knobs.turnover * res * (s.n_c4 * e.kv + offl_idx_layers * e.index_key)
     # New chunks written back to the host mirror: 1/ratio chunk per step per layer.
     backup = (s.n_c4 * e.kv + offl_idx_layers * e.index_key) / s.c4_ratio

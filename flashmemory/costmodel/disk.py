@@ -34,9 +34,9 @@ class DiskKnobs:
     """Per-node NVMe array and workload assumptions of the disk arm (see the module docstring)."""
 
     drives: int = 4
-    read_gbps: float = 6.5     # per drive, datasheet sequential read (PCIe Gen4 x4 class)
-    write_gbps: float = 3.5    # per drive, datasheet sequential write
-    efficiency: float = 0.8    # share of datasheet bandwidth reached with ~1-MB page reads at queue depth
+    read_gbps: float = 6.5  # per drive, datasheet sequential read (PCIe Gen4 x4 class)
+    write_gbps: float = 3.5  # per drive, datasheet sequential write
+    efficiency: float = 0.8  # share of datasheet bandwidth reached with ~1-MB page reads at queue depth
     drive_tb: float = 7.68
     disk_fraction: float = 0.9
     copies: int | None = None  # stores per node: None = one per rank (Hardware.n_gpus); 1 = node-shared
@@ -98,9 +98,17 @@ class DiskPoint:
     loss: float
 
 
-def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = DiskKnobs(),
-               knobs: PolicyKnobs = PolicyKnobs(path_i=True), s: FlashShape = FlashShape(),
-               r: RetrieverShape = RetrieverShape(), pool_cap: int | None = None) -> DiskPoint:
+def disk_point(
+    ctx: int,
+    kmax: int,
+    conc: int,
+    hw: Hardware,
+    dk: DiskKnobs = DiskKnobs(),
+    knobs: PolicyKnobs = PolicyKnobs(path_i=True),
+    s: FlashShape = FlashShape(),
+    r: RetrieverShape = RetrieverShape(),
+    pool_cap: int | None = None,
+) -> DiskPoint:
     """The disk arm at `conc` requests of `ctx` tokens (KMAX pages resident each); see the module docstring.
     `pool_cap`: the requests sglang's token pool admits (`anchors.capacity`), in place of the HBM bound computed
     from the bytes one request occupies."""
@@ -125,13 +133,35 @@ def disk_point(ctx: int, kmax: int, conc: int, hw: Hardware, dk: DiskKnobs = Dis
     st = step_time(conc, req, flops, hw, s)[0]
     window = r.interval * st
     step = max(st, disk_s / r.interval)
-    return DiskPoint(conc, conc <= bounds[bound], bound, host_cap, host_cap is None or conc <= host_cap, hit,
-                     reads / 1e9, writes / 1e9, disk_s * 1e3, window * 1e3, disk_s / window, st * 1e3, step * 1e3,
-                     conc / st, conc / step, 1.0 - st / step)
+    return DiskPoint(
+        conc,
+        conc <= bounds[bound],
+        bound,
+        host_cap,
+        host_cap is None or conc <= host_cap,
+        hit,
+        reads / 1e9,
+        writes / 1e9,
+        disk_s * 1e3,
+        window * 1e3,
+        disk_s / window,
+        st * 1e3,
+        step * 1e3,
+        conc / st,
+        conc / step,
+        1.0 - st / step,
+    )
 
 
-def max_conc_within(ctx: int, kmax: int, hw: Hardware, dk: DiskKnobs = DiskKnobs(), loss: float = 0.10,
-                    knobs: PolicyKnobs = PolicyKnobs(path_i=True), pool_cap: int | None = None) -> int:
+def max_conc_within(
+    ctx: int,
+    kmax: int,
+    hw: Hardware,
+    dk: DiskKnobs = DiskKnobs(),
+    loss: float = 0.10,
+    knobs: PolicyKnobs = PolicyKnobs(path_i=True),
+    pool_cap: int | None = None,
+) -> int:
     """Largest admitted concurrency whose throughput loss against DRAM-only stays <= `loss` (0 if none).
 
     The loss grows with conc (more reads per cycle and a colder cache), so the scan stops at the first miss."""

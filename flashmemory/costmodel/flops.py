@@ -109,24 +109,34 @@ def constant_terms(s: FlashShape, rules: CountRules = CountRules()) -> list[Term
         Term("attn wq_a", s.hidden * s.q_lora, s.n_layers, f"{s.hidden}->{s.q_lora}"),
         Term("attn wq_b", s.q_lora * s.n_heads * s.head_dim, s.n_layers, f"{s.q_lora}->{s.n_heads}x{s.head_dim}"),
         Term("attn wkv", s.hidden * s.head_dim, s.n_layers, f"{s.hidden}->{s.head_dim} (1 shared KV head)"),
-        Term("attn wo_a", s.o_groups * heads_per_group * s.head_dim * s.o_lora, s.n_layers,
-             f"{s.o_groups} groups x ({heads_per_group}x{s.head_dim}->{s.o_lora})"),
+        Term(
+            "attn wo_a",
+            s.o_groups * heads_per_group * s.head_dim * s.o_lora,
+            s.n_layers,
+            f"{s.o_groups} groups x ({heads_per_group}x{s.head_dim}->{s.o_lora})",
+        ),
         Term("attn wo_b", s.o_groups * s.o_lora * s.hidden, s.n_layers, f"{s.o_groups * s.o_lora}->{s.hidden}"),
         Term("moe gate", s.hidden * s.n_experts, s.n_layers, f"{s.hidden}->{s.n_experts} (hash layers too)"),
-        Term("moe experts", (s.experts_per_tok + s.n_shared) * 3 * s.hidden * s.moe_inter, s.n_layers,
-             f"({s.experts_per_tok}+{s.n_shared}) x SwiGLU 3x{s.hidden}x{s.moe_inter}"),
+        Term(
+            "moe experts",
+            (s.experts_per_tok + s.n_shared) * 3 * s.hidden * s.moe_inter,
+            s.n_layers,
+            f"({s.experts_per_tok}+{s.n_shared}) x SwiGLU 3x{s.hidden}x{s.moe_inter}",
+        ),
         Term("c4 compressor", 2 * s.hidden * 2 * s.head_dim, s.n_c4, f"wkv+wgate {s.hidden}->2x{s.head_dim}"),
         Term("c128 compressor", 2 * s.hidden * s.head_dim, s.n_c128, f"wkv+wgate {s.hidden}->{s.head_dim}"),
-        Term("indexer wq_b", s.q_lora * s.index_heads * s.index_dim, s.n_c4,
-             f"{s.q_lora}->{s.index_heads}x{s.index_dim}"),
+        Term(
+            "indexer wq_b", s.q_lora * s.index_heads * s.index_dim, s.n_c4, f"{s.q_lora}->{s.index_heads}x{s.index_dim}"
+        ),
         Term("indexer weights_proj", s.hidden * s.index_heads, s.n_c4, f"{s.hidden}->{s.index_heads}"),
         Term("indexer compressor", 2 * s.hidden * 2 * s.index_dim, s.n_c4, f"wkv+wgate {s.hidden}->2x{s.index_dim}"),
         Term("lm head", s.hidden * s.vocab, 1, f"{s.hidden}->{s.vocab}"),
     ]
     if rules.count_hc:
         mix = (2 + s.hc_mult) * s.hc_mult
-        terms.append(Term("mHC mixing", 2 * mix * s.hc_mult * s.hidden, s.n_layers,
-                          f"2 sites x [{mix}, {s.hc_mult}x{s.hidden}]"))
+        terms.append(
+            Term("mHC mixing", 2 * mix * s.hc_mult * s.hidden, s.n_layers, f"2 sites x [{mix}, {s.hc_mult}x{s.hidden}]")
+        )
         terms.append(Term("mHC head", s.hc_mult * s.hc_mult * s.hidden, 1, f"[{s.hc_mult}, {s.hc_mult}x{s.hidden}]"))
     return terms
 
@@ -156,10 +166,18 @@ def level1_terms(ctx: int, s: FlashShape, r: RetrieverShape, rules: CountRules) 
     qproj = s.hidden * r.rank + r.rank * r.n_heads * r.head_dim + s.hidden * r.n_heads
     score = n * score_macs_per_chunk(r.n_heads, r.head_dim, rules)
     return [
-        Term("L1 retriever q-proj / tau", qproj / r.interval, r.n_layers,
-             f"({s.hidden}->{r.rank}->{r.n_heads}x{r.head_dim}, +w {r.n_heads}) / {r.interval}"),
-        Term("L1 retriever scoring / tau", score / r.interval, r.n_layers,
-             f"{n} chunks x ({r.n_heads}x{r.head_dim}+{r.n_heads}) / {r.interval}"),
+        Term(
+            "L1 retriever q-proj / tau",
+            qproj / r.interval,
+            r.n_layers,
+            f"({s.hidden}->{r.rank}->{r.n_heads}x{r.head_dim}, +w {r.n_heads}) / {r.interval}",
+        ),
+        Term(
+            "L1 retriever scoring / tau",
+            score / r.interval,
+            r.n_layers,
+            f"{n} chunks x ({r.n_heads}x{r.head_dim}+{r.n_heads}) / {r.interval}",
+        ),
     ]
 
 
@@ -169,37 +187,63 @@ def attention_core_terms(ctx: int, s: FlashShape) -> list[Term]:
     n_c128 = ctx // s.c128_ratio
     n_swa_only = s.n_layers - s.n_c4 - s.n_c128
     return [
-        Term("attn core c4 (top-k + SWA)", (min(s.index_topk, n_chunks(ctx, s)) + s.window) * per_entry, s.n_c4,
-             f"({s.index_topk}+{s.window}) entries x 2x{s.n_heads}x{s.head_dim}"),
-        Term("attn core c128 (all + SWA)", (n_c128 + s.window) * per_entry, s.n_c128,
-             f"({n_c128}+{s.window}) entries x 2x{s.n_heads}x{s.head_dim}"),
+        Term(
+            "attn core c4 (top-k + SWA)",
+            (min(s.index_topk, n_chunks(ctx, s)) + s.window) * per_entry,
+            s.n_c4,
+            f"({s.index_topk}+{s.window}) entries x 2x{s.n_heads}x{s.head_dim}",
+        ),
+        Term(
+            "attn core c128 (all + SWA)",
+            (n_c128 + s.window) * per_entry,
+            s.n_c128,
+            f"({n_c128}+{s.window}) entries x 2x{s.n_heads}x{s.head_dim}",
+        ),
         Term("attn core SWA-only", s.window * per_entry, n_swa_only, f"{s.window} entries"),
     ]
 
 
-def _breakdown(ctx: int, scored: int, with_level1: bool, s: FlashShape, r: RetrieverShape,
-               rules: CountRules) -> FlopBreakdown:
+def _breakdown(
+    ctx: int, scored: int, with_level1: bool, s: FlashShape, r: RetrieverShape, rules: CountRules
+) -> FlopBreakdown:
     const = constant_terms(s, rules)
-    score = [Term("indexer scoring", scored * score_macs_per_chunk(s.index_heads, s.index_dim, rules), s.n_c4,
-                  f"{scored} chunks x ({s.index_heads}x{s.index_dim}+{s.index_heads})")]
+    score = [
+        Term(
+            "indexer scoring",
+            scored * score_macs_per_chunk(s.index_heads, s.index_dim, rules),
+            s.n_c4,
+            f"{scored} chunks x ({s.index_heads}x{s.index_dim}+{s.index_heads})",
+        )
+    ]
     l1 = level1_terms(ctx, s, r, rules) if with_level1 and rules.count_level1 else []
     core = attention_core_terms(ctx, s) if rules.count_attention_core else []
 
     def total(ts: list[Term]) -> float:
         return sum(t.flops(rules) for t in ts)
 
-    return FlopBreakdown(constant=total(const), scoring=total(score), level1=total(l1),
-                         attention_core=total(core), terms=tuple(const + score + l1 + core))
+    return FlopBreakdown(
+        constant=total(const),
+        scoring=total(score),
+        level1=total(l1),
+        attention_core=total(core),
+        terms=tuple(const + score + l1 + core),
+    )
 
 
-def baseline_flops(ctx: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape(),
-                   rules: CountRules = CountRules()) -> FlopBreakdown:
+def baseline_flops(
+    ctx: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape(), rules: CountRules = CountRules()
+) -> FlopBreakdown:
     """Native V4 decode: the lightning indexer scores every compressed chunk of the history at all c4 layers."""
     return _breakdown(ctx, n_chunks(ctx, s), False, s, r, rules)
 
 
-def flashmemory_flops(ctx: int, kmax: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape(),
-                      rules: CountRules = CountRules()) -> FlopBreakdown:
+def flashmemory_flops(
+    ctx: int,
+    kmax: int,
+    s: FlashShape = FlashShape(),
+    r: RetrieverShape = RetrieverShape(),
+    rules: CountRules = CountRules(),
+) -> FlopBreakdown:
     """FlashMemory decode: Level 2 scores only the resident KMAX*64 chunks; Level 1 amortized over tau."""
     return _breakdown(ctx, resident_chunks(kmax, ctx, s, r), True, s, r, rules)
 

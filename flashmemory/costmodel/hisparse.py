@@ -43,8 +43,10 @@ class HiSparseKnobs:
 
     def __post_init__(self) -> None:
         if self.device_buffer_size < 1 or self.buffer_page < 0:
-            raise ValueError(f"HiSparseKnobs: device_buffer_size {self.device_buffer_size} must be >= 1 and "
-                             f"buffer_page {self.buffer_page} >= 0")
+            raise ValueError(
+                f"HiSparseKnobs: device_buffer_size {self.device_buffer_size} must be >= 1 and "
+                f"buffer_page {self.buffer_page} >= 0"
+            )
         if not 0.0 <= self.hit_rate <= 1.0:
             raise ValueError(f"HiSparseKnobs.hit_rate must lie in [0, 1], got {self.hit_rate}")
         if not self.step_overhead_ms >= 0.0:
@@ -62,8 +64,10 @@ class HiSparseKnobs:
 def hisparse_swap_tokens(ctx: int, knobs: HiSparseKnobs = HiSparseKnobs(), s: FlashShape = FlashShape()) -> float:
     """c4 entries copied host -> device per decode step over all c4 layers (0 while the history fits the buffer)."""
     if knobs.device_buffer_size < s.index_topk:
-        raise ValueError(f"device_buffer_size {knobs.device_buffer_size} < index_topk {s.index_topk}: sglang "
-                         f"refuses it (the buffer must hold one step's picks)")
+        raise ValueError(
+            f"device_buffer_size {knobs.device_buffer_size} < index_topk {s.index_topk}: sglang "
+            f"refuses it (the buffer must hold one step's picks)"
+        )
     n = n_chunks(ctx, s)
     if n <= knobs.device_buffer_size:
         return 0.0
@@ -80,8 +84,13 @@ def swap_kernel_ms(batch: int, ctx: int, knobs: HiSparseKnobs, n_sm: int, s: Fla
     return s.n_c4 * knobs.swap_layer_us * math.ceil(batch / n_sm) / 1e3
 
 
-def hisparse_bytes(ctx: int, knobs: HiSparseKnobs = HiSparseKnobs(), s: FlashShape = FlashShape(),
-                   r: RetrieverShape = RetrieverShape(), e: EntryBytes = EntryBytes()) -> RequestBytes:
+def hisparse_bytes(
+    ctx: int,
+    knobs: HiSparseKnobs = HiSparseKnobs(),
+    s: FlashShape = FlashShape(),
+    r: RetrieverShape = RetrieverShape(),
+    e: EntryBytes = EntryBytes(),
+) -> RequestBytes:
     """Device/host bytes, HBM reads and PCIe bytes per decode step of one HiSparse request of `ctx` tokens.
 
     device_parts: 'c4 hot buffer', 'index keys', 'c128 kv', 'swa kv'. pcie_step = swap-in (H2D, synchronous)

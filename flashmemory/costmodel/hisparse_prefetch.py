@@ -31,7 +31,7 @@ from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hispar
 from flashmemory.costmodel.throughput import step_time
 
 CONTEXTS = (131072, 262144, 524288, 1048576)
-HIT_RATES = (0.95, 0.68)   # the cost model's default knob; the CPU run's post-cold-step rate at 750 entries / 512
+HIT_RATES = (0.95, 0.68)  # the cost model's default knob; the CPU run's post-cold-step rate at 750 entries / 512
 COVERAGES = (0.5, 0.9)
 
 
@@ -71,11 +71,18 @@ class PrefetchStep:
         return self.hisparse_ms / self.prefetch_ms
 
 
-def prefetch_step(p: Preset, ctx: int, batch: int, hs: HiSparseKnobs, pk: PrefetchKnobs,
-                  s: FlashShape = FlashShape(), e: EntryBytes = EntryBytes()) -> PrefetchStep:
+def prefetch_step(
+    p: Preset,
+    ctx: int,
+    batch: int,
+    hs: HiSparseKnobs,
+    pk: PrefetchKnobs,
+    s: FlashShape = FlashShape(),
+    e: EntryBytes = EntryBytes(),
+) -> PrefetchStep:
     """Step times of both arms on preset `p` (see the module docstring for the model)."""
     req = hisparse_bytes(ctx, hs, s)
-    swap = hisparse_swap_tokens(ctx, hs, s) * e.kv            # demand H2D bytes per request per step
+    swap = hisparse_swap_tokens(ctx, hs, s) * e.kv  # demand H2D bytes per request per step
     backup = req.pcie_step - swap
     extra = swap_kernel_ms(batch, ctx, hs, p.n_sm, s) + hs.step_overhead_ms
     base_flops = baseline_flops(ctx, s).total
@@ -83,14 +90,19 @@ def prefetch_step(p: Preset, ctx: int, batch: int, hs: HiSparseKnobs, pk: Prefet
     demand = swap * (1.0 - pk.coverage)
     pf = swap * pk.coverage / pk.precision
     flops = base_flops + (flashmemory_flops(ctx, 1, s).level1 if pk.level1 else 0.0)
-    fwd = step_time(batch, dataclasses.replace(req, pcie_step=demand + backup), flops, p.hw, s, sync_pcie=True,
-                    extra_ms=extra)
+    fwd = step_time(
+        batch, dataclasses.replace(req, pcie_step=demand + backup), flops, p.hw, s, sync_pcie=True, extra_ms=extra
+    )
     link = (p.hw.overhead_ms + extra) * 1e-3 + fwd[3] + batch * pf / (p.hw.pcie_gbps * 1e9)
     return PrefetchStep(ctx, batch, hisparse * 1e3, max(fwd[0], link) * 1e3, demand, pf, swap, link > fwd[0])
 
 
-def projection(p: Preset | None = None, hit_rates: tuple[float, ...] = HIT_RATES,
-               coverages: tuple[float, ...] = COVERAGES, precision: float = 0.5) -> list[PrefetchStep]:
+def projection(
+    p: Preset | None = None,
+    hit_rates: tuple[float, ...] = HIT_RATES,
+    coverages: tuple[float, ...] = COVERAGES,
+    precision: float = 0.5,
+) -> list[PrefetchStep]:
     """Both arms at HiSparse's admitted concurrency (sglang's sizing, `anchors.capacity`) on 8xH20 calibrated
     like `flashmemory bench costmodel --anchors`, for each context, hit rate and coverage (in that order)."""
     f = fit()
@@ -105,22 +117,29 @@ def projection(p: Preset | None = None, hit_rates: tuple[float, ...] = HIT_RATES
     return out
 
 
-def table(rows: list[PrefetchStep], hit_rates: tuple[float, ...] = HIT_RATES,
-          coverages: tuple[float, ...] = COVERAGES) -> str:
+def table(
+    rows: list[PrefetchStep], hit_rates: tuple[float, ...] = HIT_RATES, coverages: tuple[float, ...] = COVERAGES
+) -> str:
     """Markdown table of `projection()` rows (same order)."""
-    lines = ["| context | HiSparse hit rate | coverage | batch | HiSparse step ms | + prefetch step ms | speed-up | "
-             "demand H2D KB/token | prefetch KB/token | PCIe binds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| context | HiSparse hit rate | coverage | batch | HiSparse step ms | + prefetch step ms | speed-up | "
+        "demand H2D KB/token | prefetch KB/token | PCIe binds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     keys = [(h, c) for _ in CONTEXTS for h in hit_rates for c in coverages]
     for r, (h, c) in zip(rows, keys):
-        lines.append(f"| {r.ctx // 1024}K | {h:.2f} | {c:.1f} | {r.batch} | {r.hisparse_ms:.1f} | "
-                     f"{r.prefetch_ms:.1f} | "
-                     f"{r.speedup:.2f} | {r.demand_bytes / 1e3:.0f} | {r.prefetch_bytes / 1e3:.0f} | "
-                     f"{'yes' if r.link_bound else 'no'} |")
+        lines.append(
+            f"| {r.ctx // 1024}K | {h:.2f} | {c:.1f} | {r.batch} | {r.hisparse_ms:.1f} | "
+            f"{r.prefetch_ms:.1f} | "
+            f"{r.speedup:.2f} | {r.demand_bytes / 1e3:.0f} | {r.prefetch_bytes / 1e3:.0f} | "
+            f"{'yes' if r.link_bound else 'no'} |"
+        )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print("8xH20 decode, DeepSeek-V4-Flash shape, HiSparse at sglang's default buffer (4,096 slots) and its admitted "
-          "concurrency; prefetch precision 0.5, Level 1 FLOPs included (projected)")
+    print(
+        "8xH20 decode, DeepSeek-V4-Flash shape, HiSparse at sglang's default buffer (4,096 slots) and its admitted "
+        "concurrency; prefetch precision 0.5, Level 1 FLOPs included (projected)"
+    )
     print(table(projection()))

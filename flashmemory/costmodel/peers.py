@@ -14,8 +14,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import (H20_NODE, Fitted, Preset, calibrated, calibrated_hisparse, capacity, fit,
-                                           kmax_for, tok_s)
+from flashmemory.costmodel.anchors import (
+    H20_NODE,
+    Fitted,
+    Preset,
+    calibrated,
+    calibrated_hisparse,
+    capacity,
+    fit,
+    kmax_for,
+    tok_s,
+)
 from flashmemory.costmodel.anchors import _arm as arm_bytes
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 
@@ -44,8 +53,13 @@ class PeerCell:
     tok_s: dict[int, float | None]
 
 
-def peer_table(f: Fitted | None = None, hs: HiSparseKnobs | None = None, preset: Preset = H20_NODE,
-               contexts: tuple[int, ...] = PEER_CONTEXTS, batches: tuple[int, ...] = PEER_BATCHES) -> list[PeerCell]:
+def peer_table(
+    f: Fitted | None = None,
+    hs: HiSparseKnobs | None = None,
+    preset: Preset = H20_NODE,
+    contexts: tuple[int, ...] = PEER_CONTEXTS,
+    batches: tuple[int, ...] = PEER_BATCHES,
+) -> list[PeerCell]:
     """Every arm at every context on `preset` calibrated with `f` (default: `fit()`); `hs` defaults to sglang's
     HiSparse defaults with the fitted swap-in kernel cost."""
     f = f or fit()
@@ -60,6 +74,5 @@ def peer_table(f: Fitted | None = None, hs: HiSparseKnobs | None = None, preset:
             conc, bound = capacity(p, policy, ctx, kmax, hs)
             tr = {b: tok_s(roof, policy, ctx, b, kmax, hs) if b <= conc else None for b in batches}
             to = {b: tok_s(p, policy, ctx, b, kmax, hs) if b <= conc else None for b in batches}
-            cells.append(PeerCell(policy, ctx, kmax, req.device, req.host, dict(req.device_parts), conc, bound,
-                                  tr, to))
+            cells.append(PeerCell(policy, ctx, kmax, req.device, req.host, dict(req.device_parts), conc, bound, tr, to))
     return cells

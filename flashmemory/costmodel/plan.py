@@ -151,15 +151,29 @@ def _hit(usable: float, conc: int, window: float, history: float, fm: FmSettings
     return min(1.0, cache / (conc * history))
 
 
-def _point(node: Preset, disk: DiskKnobs | None, ctx: int, kmax: int, conc: int, knobs: PolicyKnobs,
-           r: RetrieverShape, hit: float, pool_cap: int, output_tokens: int) -> DiskPoint:
-    dk = (dataclasses.replace(disk, hit_rate=hit) if disk is not None
-          else DiskKnobs(hit_rate=1.0, output_tokens=output_tokens))  # no disk: nothing read or written
+def _point(
+    node: Preset,
+    disk: DiskKnobs | None,
+    ctx: int,
+    kmax: int,
+    conc: int,
+    knobs: PolicyKnobs,
+    r: RetrieverShape,
+    hit: float,
+    pool_cap: int,
+    output_tokens: int,
+) -> DiskPoint:
+    dk = (
+        dataclasses.replace(disk, hit_rate=hit)
+        if disk is not None
+        else DiskKnobs(hit_rate=1.0, output_tokens=output_tokens)
+    )  # no disk: nothing read or written
     return disk_point(ctx, kmax, conc, node.hw, dk, knobs, r=r, pool_cap=pool_cap)
 
 
-def plan(node: Preset, disk: DiskKnobs | None, ctx: int, conc: int, fm: FmSettings = FmSettings(),
-         output_tokens: int = 8192) -> Plan:
+def plan(
+    node: Preset, disk: DiskKnobs | None, ctx: int, conc: int, fm: FmSettings = FmSettings(), output_tokens: int = 8192
+) -> Plan:
     """The plan for `conc` requests of `ctx` tokens on `node` (calibrated preset) with `disk` (None: no disk tier).
     `output_tokens` (decode tokens per request) sets how often admissions write their history behind."""
     if ctx < 4 or conc < 1:
@@ -183,37 +197,57 @@ def plan(node: Preset, disk: DiskKnobs | None, ctx: int, conc: int, fm: FmSettin
     history = req.host * copies
 
     pool = token_pool(node, ctx, kmax, fm.credit_c4)
-    res = [dataclasses.replace(pool, need=conc * pool.need),
-           Resource("max-running (--max-running-requests)", node.serving.max_running, conc,
-                    node.serving.max_running, "requests")]
+    res = [
+        dataclasses.replace(pool, need=conc * pool.need),
+        Resource(
+            "max-running (--max-running-requests)", node.serving.max_running, conc, node.serving.max_running, "requests"
+        ),
+    ]
     host_per = window if disk is not None else req.host * gpus
     host = "host DRAM (node, landing windows)" if disk is not None else "host DRAM (node, full mirrors)"
     res.append(Resource(host, int(usable // host_per), conc * host_per, usable, "B"))
 
     def at(c: int) -> DiskPoint:
-        return _point(node, disk, ctx, kmax, c, knobs, r, _hit(usable, c, window, history, fm), pool.cap,
-                      output_tokens)
+        return _point(node, disk, ctx, kmax, c, knobs, r, _hit(usable, c, window, history, fm), pool.cap, output_tokens)
 
     pt = at(conc)
     if disk is not None:
-        res.append(Resource("disk capacity (node)", int(disk.disk_bytes // history), conc * history,
-                            disk.disk_bytes, "B"))
+        res.append(
+            Resource("disk capacity (node)", int(disk.disk_bytes // history), conc * history, disk.disk_bytes, "B")
+        )
         bw = 0  # the disk time per cycle grows with the concurrency (more reads, a colder cache): stop at a miss
         for c in range(1, SCAN_LIMIT + 1):
             if at(c).window_share > 1.0:
                 break
             bw = c
-        res.append(Resource("disk bandwidth (reads + writes within tau x step)", bw, pt.disk_ms_cycle,
-                            pt.window_ms, "ms per cycle"))
+        res.append(
+            Resource(
+                "disk bandwidth (reads + writes within tau x step)", bw, pt.disk_ms_cycle, pt.window_ms, "ms per cycle"
+            )
+        )
     admitted = min(x.cap for x in res)
     tok_adm = at(admitted).tok_s if admitted >= 1 else 0.0
     hit = pt.hit_rate
     recall = req.recall_cycle / fm.tau
-    tiers = [Tier("HBM (per GPU)", pool.cap, pool.need, {"HBM read per GPU": req.hbm_read_step}),
-             Tier("host DRAM (node)", res[2].cap, host_per,
-                  {"H2D recall per GPU link": recall, "D2H write-back per GPU link": req.pcie_step - recall})]
+    tiers = [
+        Tier("HBM (per GPU)", pool.cap, pool.need, {"HBM read per GPU": req.hbm_read_step}),
+        Tier(
+            "host DRAM (node)",
+            res[2].cap,
+            host_per,
+            {"H2D recall per GPU link": recall, "D2H write-back per GPU link": req.pcie_step - recall},
+        ),
+    ]
     if disk is not None:
-        tiers.append(Tier("disk (node)", res[3].cap, history,
-                          {"disk -> host read-ahead": recall * copies * (1.0 - hit),
-                           "host -> disk write-behind": history * (1.0 - hit) / output_tokens}))
+        tiers.append(
+            Tier(
+                "disk (node)",
+                res[3].cap,
+                history,
+                {
+                    "disk -> host read-ahead": recall * copies * (1.0 - hit),
+                    "host -> disk write-behind": history * (1.0 - hit) / output_tokens,
+                },
+            )
+        )
     return Plan(node, disk, ctx, conc, kmax, path_i, fm, req, hit, tuple(res), tuple(tiers), pt, admitted, tok_adm)

@@ -56,8 +56,10 @@ class Serving:
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.hisparse_ratio < 1 or self.decode_extra_slots < 0:
-            raise ValueError(f"Serving: max_running {self.max_running} and hisparse_ratio {self.hisparse_ratio} "
-                             f"must be >= 1, decode_extra_slots {self.decode_extra_slots} >= 0")
+            raise ValueError(
+                f"Serving: max_running {self.max_running} and hisparse_ratio {self.hisparse_ratio} "
+                f"must be >= 1, decode_extra_slots {self.decode_extra_slots} >= 0"
+            )
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
             raise ValueError(f"Serving.mem_fraction must lie in (0, 1], got {self.mem_fraction}")
 
@@ -108,19 +110,29 @@ class PoolSizes:
     c4_device_slots: int
 
 
-def pool_sizes(gpu_bytes: float, weights_per_gpu: float, tp: int, sv: Serving,
-               s: FlashShape = FlashShape()) -> PoolSizes:
+def pool_sizes(
+    gpu_bytes: float, weights_per_gpu: float, tp: int, sv: Serving, s: FlashShape = FlashShape()
+) -> PoolSizes:
     """sglang's sizing on one GPU of `gpu_bytes` (the capacity torch reports) holding `weights_per_gpu`."""
-    frac = sv.mem_fraction if sv.mem_fraction is not None else default_mem_fraction(
-        gpu_bytes / 2**20, tp, sv.max_running, sv.cuda_graph)
+    frac = (
+        sv.mem_fraction
+        if sv.mem_fraction is not None
+        else default_mem_fraction(gpu_bytes / 2**20, tp, sv.max_running, sv.cuda_graph)
+    )
     avail = gpu_bytes * frac - weights_per_gpu
     fixed = fixed_bytes(sv, s)
     full = int(max(avail - fixed, 0.0) / bytes_per_full_token(sv, s)) // PAGE * PAGE
     return PoolSizes(frac, avail, fixed, full, full // (4 * sv.hisparse_ratio))
 
 
-def admitted(pools: PoolSizes, ctx: int, sv: Serving, hisparse_slots: int | None = None,
-             extra_per_request: float = 0.0, s: FlashShape = FlashShape()) -> tuple[int, str]:
+def admitted(
+    pools: PoolSizes,
+    ctx: int,
+    sv: Serving,
+    hisparse_slots: int | None = None,
+    extra_per_request: float = 0.0,
+    s: FlashShape = FlashShape(),
+) -> tuple[int, str]:
     """(requests of `ctx` tokens the pools hold at once, what binds): the logical token pool, max-running, the
     HiSparse device c4 slots (`hisparse_slots` per request), or `extra_per_request` device bytes each (a
     FlashMemory reserve row) taken from the same budget."""

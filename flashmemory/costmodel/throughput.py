@@ -61,11 +61,20 @@ def weight_bytes(s: FlashShape = FlashShape()) -> WeightBytes:
     """Checkpoint bytes: routed experts FP4 (+1 scale byte / 32), embed + head bf16, everything else FP8."""
     routed = s.n_layers * s.n_experts * 3 * s.hidden * s.moe_inter * (0.5 + 1 / 32)
     hpg = s.n_heads // s.o_groups
-    attn = (s.hidden * s.q_lora + s.q_lora * s.n_heads * s.head_dim + s.hidden * s.head_dim
-            + s.o_groups * hpg * s.head_dim * s.o_lora + s.o_groups * s.o_lora * s.hidden)
+    attn = (
+        s.hidden * s.q_lora
+        + s.q_lora * s.n_heads * s.head_dim
+        + s.hidden * s.head_dim
+        + s.o_groups * hpg * s.head_dim * s.o_lora
+        + s.o_groups * s.o_lora * s.hidden
+    )
     moe_other = s.n_shared * 3 * s.hidden * s.moe_inter + s.hidden * s.n_experts
-    c4 = 2 * s.hidden * 2 * s.head_dim + s.q_lora * s.index_heads * s.index_dim + s.hidden * s.index_heads \
+    c4 = (
+        2 * s.hidden * 2 * s.head_dim
+        + s.q_lora * s.index_heads * s.index_dim
+        + s.hidden * s.index_heads
         + 2 * s.hidden * 2 * s.index_dim
+    )
     c128 = 2 * s.hidden * s.head_dim
     other = s.n_layers * (attn + moe_other) + s.n_c4 * c4 + s.n_c128 * c128 + 2 * 2 * s.vocab * s.hidden
     return WeightBytes(routed=routed, other=other)
@@ -101,9 +110,15 @@ def kv_budget_per_gpu(hw: Hardware, s: FlashShape = FlashShape()) -> float:
     return budget
 
 
-def step_time(batch: int, req: RequestBytes, flops_per_token: float, hw: Hardware,
-              s: FlashShape = FlashShape(), sync_pcie: bool = False,
-              extra_ms: float = 0.0) -> tuple[float, float, float, float]:
+def step_time(
+    batch: int,
+    req: RequestBytes,
+    flops_per_token: float,
+    hw: Hardware,
+    s: FlashShape = FlashShape(),
+    sync_pcie: bool = False,
+    extra_ms: float = 0.0,
+) -> tuple[float, float, float, float]:
     """(step, hbm, compute, pcie) seconds for `batch` decoding requests, each like `req`; `extra_ms` is a
     policy's own fixed per-step cost on top of `hw.overhead_ms`."""
     w_total, w_routed = _weights_per_gpu(hw, s)
@@ -124,9 +139,15 @@ def capacity(req: RequestBytes, hw: Hardware, s: FlashShape = FlashShape()) -> t
     return dev, math.floor(hw.host_ram_gb * 1e9 * hw.host_fraction / (req.host * hw.n_gpus))
 
 
-def throughput_at(req: RequestBytes, flops_per_token: float, hw: Hardware, batch: int,
-                  s: FlashShape = FlashShape(), sync_pcie: bool = False,
-                  extra_ms: float = 0.0) -> tuple[float, float] | None:
+def throughput_at(
+    req: RequestBytes,
+    flops_per_token: float,
+    hw: Hardware,
+    batch: int,
+    s: FlashShape = FlashShape(),
+    sync_pcie: bool = False,
+    extra_ms: float = 0.0,
+) -> tuple[float, float] | None:
     """(aggregate tok/s, step ms) with `batch` requests like `req` decoding at once; None when they do not fit
     the HBM KV budget or host DRAM (max-running is not applied: the caller picks the batch)."""
     if batch < 1:
@@ -138,8 +159,14 @@ def throughput_at(req: RequestBytes, flops_per_token: float, hw: Hardware, batch
     return batch / st, st * 1e3
 
 
-def estimate(req: RequestBytes, flops_per_token: float, hw: Hardware, s: FlashShape = FlashShape(),
-             sync_pcie: bool = False, extra_ms: float = 0.0) -> Estimate:
+def estimate(
+    req: RequestBytes,
+    flops_per_token: float,
+    hw: Hardware,
+    s: FlashShape = FlashShape(),
+    sync_pcie: bool = False,
+    extra_ms: float = 0.0,
+) -> Estimate:
     """Concurrency ceiling (min of HBM, host DRAM, max-running) and aggregate tok/s at that concurrency."""
     dev, host = capacity(req, hw, s)
     bounds = {"HBM": dev, "max-running": hw.max_running}

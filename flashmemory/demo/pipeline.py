@@ -36,7 +36,7 @@ from flashmemory.eval.harness import HarnessConfig, budget_cells, evaluate_doc, 
 from flashmemory.outdir import DirLock, prepare_dir
 from flashmemory.serve.tiny_retriever import dump_runs
 
-SLOW_FACTOR = 3.0   # a stage this many times slower than measured on a quiet machine gets a warning ...
+SLOW_FACTOR = 3.0  # a stage this many times slower than measured on a quiet machine gets a warning ...
 SLOW_EXCESS = 30.0  # ... once it is also this many seconds over (a 1-second stage taking 3 s is noise)
 
 
@@ -45,14 +45,17 @@ def slow_after(expected: float, factor: float = SLOW_FACTOR, excess: float = SLO
     return max(factor * expected, expected + excess)
 
 
-def slow_warning(name: str, elapsed: float, expected: float, factor: float = SLOW_FACTOR,
-                 excess: float = SLOW_EXCESS) -> str | None:
+def slow_warning(
+    name: str, elapsed: float, expected: float, factor: float = SLOW_FACTOR, excess: float = SLOW_EXCESS
+) -> str | None:
     """The one-line warning for a stage running far slower than measured on a quiet 2-core machine, else None."""
     if expected <= 0 or elapsed < slow_after(expected, factor, excess):
         return None
-    return (f"[demo] warning: stage '{name}' has taken {elapsed:.0f} s, over {factor:.0f}x the ~{expected:.0f} s it "
-            "takes on a quiet 2-core machine; other processes are probably competing for the CPU (see `top`). "
-            "It will finish, only later")
+    return (
+        f"[demo] warning: stage '{name}' has taken {elapsed:.0f} s, over {factor:.0f}x the ~{expected:.0f} s it "
+        "takes on a quiet 2-core machine; other processes are probably competing for the CPU (see `top`). "
+        "It will finish, only later"
+    )
 
 
 class Stages:
@@ -101,6 +104,7 @@ def default_targets(n_c4: int) -> tuple[int, ...]:
 
 def make_items(cfg: DemoConfig, tok) -> list:
     from flashmemory.tasks.suite import generate
+
     items = []
     for i in range(cfg.n_docs):
         task = cfg.tasks[i % len(cfg.tasks)]
@@ -112,10 +116,13 @@ def make_all_items(cfg: DemoConfig, tok) -> tuple[list, list]:
     """The run's task items and its extra monitor items (stage 6), generated up front: a `--doc-len` too short for
     one of them is a UserError naming the flag now, not after minutes of decoding."""
     from flashmemory.tasks.suite import generate
+
     try:
         items = make_items(cfg, tok)
-        extra = [generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
-                 for j, task in enumerate(cfg.monitor_tasks)]
+        extra = [
+            generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + cfg.n_docs + j, tokenizer=tok)[0]
+            for j, task in enumerate(cfg.monitor_tasks)
+        ]
     except ValueError as e:
         raise UserError(f"--doc-len {cfg.doc_len}: {e}") from None
     return items, extra
@@ -125,21 +132,38 @@ def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progre
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
     from flashmemory.train.samples import SampleConfig
+
     work = out / "work"
-    data = {"train": [{"data_dir": "dump/train"}], "val": [{"data_dir": "dump/val"}],
-            "test": [{"data_dir": "dump/test"}]}
+    data = {
+        "train": [{"data_dir": "dump/train"}],
+        "val": [{"data_dir": "dump/val"}],
+        "test": [{"data_dir": "dump/test"}],
+    }
     (work / "data_config.json").write_text(json.dumps(data, indent=1))
-    tc = TrainConfig(data_config=str(work / "data_config.json"), output_dir=str(work / "ckpt"), no_pretrain=True,
-                     joint_layers=targets, n_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank, lr=cfg.lr,
-                     epochs=cfg.epochs, batch_size=cfg.batch_size, focal_loss=True, threshold=cfg.threshold,
-                     sample=SampleConfig(label_interval=cfg.tau, max_pos=128, neg_ratio=3.0), seed=cfg.seed,
-                     device="cpu", log_interval=10**9, progress=progress)
+    tc = TrainConfig(
+        data_config=str(work / "data_config.json"),
+        output_dir=str(work / "ckpt"),
+        no_pretrain=True,
+        joint_layers=targets,
+        n_heads=cfg.n_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        lr=cfg.lr,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        focal_loss=True,
+        threshold=cfg.threshold,
+        sample=SampleConfig(label_interval=cfg.tau, max_pos=128, neg_ratio=3.0),
+        seed=cfg.seed,
+        device="cpu",
+        log_interval=10**9,
+        progress=progress,
+    )
     summary = Trainer(tc).fit()
     return load_retriever(work / "ckpt" / BEST_F1), summary
 
 
-OUTPUTS = ("tasks.jsonl", "results.json", "report.md", "coverage.png")   # what a run writes into --out-dir
-OUTPUTS_MANIFEST = ".flashmemory-demo-outputs.json"   # {name: sha256} of the outputs the demo itself wrote last
+OUTPUTS = ("tasks.jsonl", "results.json", "report.md", "coverage.png")  # what a run writes into --out-dir
+OUTPUTS_MANIFEST = ".flashmemory-demo-outputs.json"  # {name: sha256} of the outputs the demo itself wrote last
 
 
 def _sha256(path: Path) -> str:
@@ -161,6 +185,7 @@ def _own_outputs(out: Path) -> dict[str, str]:
 def record_outputs(out: Path, names: tuple[str, ...]) -> None:
     """Note the sha256 of outputs the demo just wrote, so its next run knows them as its own (and replaces them)."""
     from flashmemory.atomic import atomic_write_text
+
     own = _own_outputs(out) | {n: _sha256(out / n) for n in names if (out / n).is_file()}
     atomic_write_text(out / OUTPUTS_MANIFEST, json.dumps(own, indent=1, sort_keys=True))
 
@@ -196,7 +221,7 @@ def move_aside_outputs(out: Path, names: tuple[str, ...], log=print) -> list[tup
         if not (p.exists() or p.is_symlink()):
             continue
         if p.is_file() and not p.is_symlink() and own.get(name) == _sha256(p):
-            continue   # the demo's own output of its last run
+            continue  # the demo's own output of its last run
         n = 1
         while True:
             dest = out / (f"{name}.bak-{stamp}" + (f"-{n}" if n > 1 else ""))
@@ -207,8 +232,10 @@ def move_aside_outputs(out: Path, names: tuple[str, ...], log=print) -> list[tup
                 n += 1
         moved.append((name, dest.name))
     if moved:
-        log(f"[demo] moved earlier files the demo would overwrite aside in {out}: "
-            + ", ".join(f"{a} -> {b}" for a, b in moved))
+        log(
+            f"[demo] moved earlier files the demo would overwrite aside in {out}: "
+            + ", ".join(f"{a} -> {b}" for a, b in moved)
+        )
     return moved
 
 
@@ -218,15 +245,22 @@ def clean_work_dir(out: Path) -> None:
     work = out / "work"
     if work.exists():
         if not (work / WORK_MARKER).is_file():
-            raise UserError(f"--out-dir {out}: {work} exists and was not written by the demo; move it away or "
-                            "choose another --out-dir (the demo deletes only its own work folder)")
+            raise UserError(
+                f"--out-dir {out}: {work} exists and was not written by the demo; move it away or "
+                "choose another --out-dir (the demo deletes only its own work folder)"
+            )
         shutil.rmtree(work)
     work.mkdir(parents=True)
     (work / WORK_MARKER).write_text("written by `flashmemory demo`; removed by its next run in this folder\n")
 
 
-def run_demo(cfg: DemoConfig, log=print, progress: bool = True, expected: dict[str, float] | None = None,
-             user_set: frozenset[str] = frozenset()) -> dict:
+def run_demo(
+    cfg: DemoConfig,
+    log=print,
+    progress: bool = True,
+    expected: dict[str, float] | None = None,
+    user_set: frozenset[str] = frozenset(),
+) -> dict:
     """Run every stage; returns the results dict that is also written to `out_dir/results.json`.
 
     The output dir is locked for the run. expected: seconds per stage on a quiet machine (`slow_warning`).
@@ -236,18 +270,21 @@ def run_demo(cfg: DemoConfig, log=print, progress: bool = True, expected: dict[s
         return _run_demo(cfg, out, log, progress, expected, user_set)
 
 
-def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[str, float] | None,
-              user_set: frozenset[str]) -> dict:
+def _run_demo(
+    cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[str, float] | None, user_set: frozenset[str]
+) -> dict:
     from flashmemory.demo.config import resolve_model
     from flashmemory.demo.report import write_outputs
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.tokenizer import load_tokenizer
+
     cfg, model_note = resolve_model(cfg, user_set)
     if cfg.serve:
         from flashmemory.demo.serve_stage import check_serve_modules
+
         check_serve_modules()
     tok = load_tokenizer(None)
-    items, monitor_items = make_all_items(cfg, tok)   # before any work: a --doc-len too short is named now
+    items, monitor_items = make_all_items(cfg, tok)  # before any work: a --doc-len too short is named now
     torch.manual_seed(cfg.seed)
     move_aside_outputs(out, OUTPUTS if cfg.plot else OUTPUTS[:3], log)
     # A re-run starts clean; only the demo's own work folder is removed, so a dump a user made at
@@ -260,26 +297,51 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
         engine = HFEngine.from_name(cfg.model, seed=cfg.seed)
         if Path(cfg.model).is_dir():
             from flashmemory.tiny.attention import use_band_attention
+
             use_band_attention(engine.model)  # equal to eager (tests/tiny), O(S (W + S/4)) per full forward
         targets = cfg.target_layers or default_targets(engine.n_c4_layers)
         cfg = replace(cfg, target_layers=targets, min_layers=min(cfg.min_layers, engine.n_c4_layers))
-        log(f"       {cfg.model}: {engine.n_c4_layers} c4 layers, index top-{engine.index_topk}, "
-            f"retriever on c4 layers {targets}")
+        log(
+            f"       {cfg.model}: {engine.n_c4_layers} c4 layers, index top-{engine.index_topk}, "
+            f"retriever on c4 layers {targets}"
+        )
     with stage("2. generate tasks"):
         from flashmemory.tasks.suite import write_jsonl
+
         write_jsonl(items, str(out / "tasks.jsonl"))
         record_outputs(out, ("tasks.jsonl",))
     with stage("3. decode under Full attention, dump golden labels"):
         runs = []
         for i, it in enumerate(tqdm(items, desc="full decode + capture", disable=not progress)):
-            runs.append(full_run(engine, f"{it.task}-{i}", tok.encode_chat(it.messages), cfg.gen_tokens, targets,
-                                 cfg.topp, cfg.min_layers, record=it.to_record()))
-        splits = {"train": runs[:cfg.n_train], "val": runs[cfg.n_train:cfg.n_train + cfg.n_val],
-                  "test": runs[cfg.n_train + cfg.n_val:]}
+            runs.append(
+                full_run(
+                    engine,
+                    f"{it.task}-{i}",
+                    tok.encode_chat(it.messages),
+                    cfg.gen_tokens,
+                    targets,
+                    cfg.topp,
+                    cfg.min_layers,
+                    record=it.to_record(),
+                )
+            )
+        splits = {
+            "train": runs[: cfg.n_train],
+            "val": runs[cfg.n_train : cfg.n_train + cfg.n_val],
+            "test": runs[cfg.n_train + cfg.n_val :],
+        }
         start = 0
         for name, rs in splits.items():
-            dump_runs(rs, out / "work" / "dump" / name, engine, targets, start, topp=cfg.topp,
-                      min_layers=cfg.min_layers, max_tokens=cfg.gen_tokens)
+            dump_runs(
+                rs,
+                out / "work" / "dump" / name,
+                engine,
+                targets,
+                start,
+                topp=cfg.topp,
+                min_layers=cfg.min_layers,
+                max_tokens=cfg.gen_tokens,
+            )
             start += len(rs)
         for r in runs:
             r.cap = None  # the dump holds what training needs; keep memory flat
@@ -288,29 +350,49 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     with stage("4. train retriever"):
         retriever, summary = train_retriever(cfg, out, targets, progress)
     test_runs = splits["test"]
-    hc = HarnessConfig(tau=cfg.tau, page_chunks=cfg.page_chunks, tail_chunks=cfg.tail_chunks,
-                       threshold=cfg.threshold, seed=cfg.seed)
+    hc = HarnessConfig(
+        tau=cfg.tau, page_chunks=cfg.page_chunks, tail_chunks=cfg.tail_chunks, threshold=cfg.threshold, seed=cfg.seed
+    )
     with stage("5. two-level recall through the offload engine"):
+
         def decode_text(ids: list[int]) -> str:  # the model's vocabulary is larger than the tiny tokenizer's
             return tok.decode([i if 0 <= i < tok.vocab_size else tok.unk for i in ids])
-        per_doc = [evaluate_doc(engine, r, retriever, hc, targets, cfg.budget, decode_text)
-                   for r in tqdm(test_runs, desc="methods x test docs", disable=not progress)]
+
+        per_doc = [
+            evaluate_doc(engine, r, retriever, hc, targets, cfg.budget, decode_text)
+            for r in tqdm(test_runs, desc="methods x test docs", disable=not progress)
+        ]
         task_by_budget = {}
         for b in cfg.task_budgets:
-            rows = per_doc if b == cfg.budget else [
-                evaluate_doc(engine, r, retriever, hc, targets, b, decode_text)
-                for r in tqdm(test_runs, desc=f"task accuracy at {b:.0%}", disable=not progress)]
+            rows = (
+                per_doc
+                if b == cfg.budget
+                else [
+                    evaluate_doc(engine, r, retriever, hc, targets, b, decode_text)
+                    for r in tqdm(test_runs, desc=f"task accuracy at {b:.0%}", disable=not progress)
+                ]
+            )
             task_by_budget[str(b)] = budget_cells(rows, [r.record["task"] for r in test_runs])  # + intervals
         sweep = {}
         for b in tqdm(cfg.sweep, desc="budget sweep", disable=not progress):
-            sweep[b] = mean_rows([evaluate_doc(engine, r, retriever, hc, targets, b, quality=False)
-                                  for r in test_runs])
+            sweep[b] = mean_rows([evaluate_doc(engine, r, retriever, hc, targets, b, quality=False) for r in test_runs])
     with stage("6. miss monitor: per task, and residency against length"):
         from flashmemory.eval.residency import ResidencyConfig, extend_costmodel, residency_vs_length
+
         extra = []
         for j, it in enumerate(monitor_items):
-            extra.append(full_run(engine, f"{it.task}-{cfg.n_docs + j}", tok.encode_chat(it.messages), cfg.gen_tokens,
-                                  targets, cfg.topp, cfg.min_layers, record=it.to_record()))
+            extra.append(
+                full_run(
+                    engine,
+                    f"{it.task}-{cfg.n_docs + j}",
+                    tok.encode_chat(it.messages),
+                    cfg.gen_tokens,
+                    targets,
+                    cfg.topp,
+                    cfg.min_layers,
+                    record=it.to_record(),
+                )
+            )
             extra[-1].cap = None
         mhc = replace(hc, methods=("FlashMemory", "FlashMemory+monitor"))
         per_task: dict[str, list] = {}
@@ -318,10 +400,18 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
             per_task.setdefault(r.name.rsplit("-", 1)[0], []).append({k: d[k] for k in ("Full", *mhc.methods)})
         for r in extra:
             per_task.setdefault(r.name.rsplit("-", 1)[0], []).append(
-                evaluate_doc(engine, r, retriever, mhc, targets, cfg.budget, decode_text))
-        rc = ResidencyConfig(lengths=cfg.residency_lengths, gen_tokens=cfg.gen_tokens, kmax=cfg.residency_kmax,
-                             page_chunks=cfg.page_chunks, tau=cfg.tau, tail_chunks=cfg.tail_chunks,
-                             threshold=cfg.threshold, seed=cfg.seed)
+                evaluate_doc(engine, r, retriever, mhc, targets, cfg.budget, decode_text)
+            )
+        rc = ResidencyConfig(
+            lengths=cfg.residency_lengths,
+            gen_tokens=cfg.gen_tokens,
+            kmax=cfg.residency_kmax,
+            page_chunks=cfg.page_chunks,
+            tau=cfg.tau,
+            tail_chunks=cfg.tail_chunks,
+            threshold=cfg.threshold,
+            seed=cfg.seed,
+        )
         residency = residency_vs_length(engine, retriever, tok, rc, log=log)
     results = {
         "config": asdict(cfg),
@@ -339,11 +429,21 @@ def _run_demo(cfg: DemoConfig, out: Path, log, progress: bool, expected: dict[st
     if cfg.serve:
         from flashmemory.demo.serve_stage import serve_demo
         from flashmemory.train.loop import BEST_F1
+
         with stage(SERVE_STAGE):
-            msgs = [it.messages for it in items[cfg.n_train + cfg.n_val:]][:cfg.serve_requests]
-            results["serving"] = serve_demo(cfg.model, out / "work" / "ckpt" / BEST_F1, targets, msgs, out,
-                                            cfg.serve_tokens, cfg.serve_kmax, cfg.serve_prompt_chars, log=log,
-                                            train_messages=[it.messages for it in items[:cfg.n_train + cfg.n_val]])
+            msgs = [it.messages for it in items[cfg.n_train + cfg.n_val :]][: cfg.serve_requests]
+            results["serving"] = serve_demo(
+                cfg.model,
+                out / "work" / "ckpt" / BEST_F1,
+                targets,
+                msgs,
+                out,
+                cfg.serve_tokens,
+                cfg.serve_kmax,
+                cfg.serve_prompt_chars,
+                log=log,
+                train_messages=[it.messages for it in items[: cfg.n_train + cfg.n_val]],
+            )
         results["stage_seconds"] = stage.times
     with stage("8. report"):
         write_outputs(results, out, plot=cfg.plot, log=log)

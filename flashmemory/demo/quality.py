@@ -27,7 +27,7 @@ from pathlib import Path
 from flashmemory.errors import UserError
 from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
 
-RETRIEVER_DONE = "retriever.json"   # written once the run's retriever is trained (its path and summary)
+RETRIEVER_DONE = "retriever.json"  # written once the run's retriever is trained (its path and summary)
 FORMAT = "flashmemory-quality/1"
 
 
@@ -38,6 +38,7 @@ class QualityConfig:
     tasks: () = the demo's (the trained model's) tasks, else a subset of them (the documents of the other tasks
     are skipped, so document i is the same document in every run); tau: 0 = the demo's; retriever: a checkpoint
     to use instead of training the demo's."""
+
     out_dir: str = "quality_out"
     n_per_task: int = 48
     budgets: tuple[float, ...] = (0.1, 0.2)
@@ -49,6 +50,7 @@ class QualityConfig:
 
     def __post_init__(self) -> None:
         from flashmemory.eval.methods import METHODS
+
         if self.n_per_task < 1:
             raise UserError(f"--n-per-task {self.n_per_task}: must be >= 1")
         if not self.budgets or any(not 0.0 < b <= 1.0 for b in self.budgets):
@@ -58,17 +60,20 @@ class QualityConfig:
             raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
         if self.tau < 0:
             raise UserError(f"--tau {self.tau}: must be >= 1 (0 = the demo's)")
-        if not 0 <= self.seed < 2**20:   # document seeds are seed * 1000 + i
+        if not 0 <= self.seed < 2**20:  # document seeds are seed * 1000 + i
             raise UserError(f"--seed {self.seed}: must lie in [0, 2**20)")
 
 
 def demo_config(qc: QualityConfig):
     """The demo configuration the run reuses (the shipped trained model's settings); UserError without it."""
     from flashmemory.demo.config import DemoConfig, resolve_model
+
     cfg, note = resolve_model(DemoConfig(out_dir=qc.out_dir, seed=qc.seed, plot=False))
     if "RANDOM" in note:
-        raise UserError("flashmemory eval quality: the shipped trained model (flashmemory/hf/trained/dsv4-retrieval) "
-                        "is missing; quality numbers on random weights mean nothing")
+        raise UserError(
+            "flashmemory eval quality: the shipped trained model (flashmemory/hf/trained/dsv4-retrieval) "
+            "is missing; quality numbers on random weights mean nothing"
+        )
     bad = [t for t in qc.tasks if t not in cfg.tasks]
     if bad:
         raise UserError(f"--tasks: {', '.join(bad)} not among the trained model's tasks ({', '.join(cfg.tasks)})")
@@ -93,9 +98,13 @@ def doc_plan(n_first: int, tasks: tuple[str, ...], keep: tuple[str, ...], n_per_
 def fingerprint(cfg_dict: dict, qc: QualityConfig, methods: tuple[str, ...]) -> str:
     """sha256 (16 hex) of everything a document's numbers depend on (not n_per_task, out_dir or the task filter)."""
     keep = {k: v for k, v in cfg_dict.items() if k not in ("out_dir", "plot", "n_test", "serve")}
-    keep["model"] = Path(str(keep.get("model", ""))).name   # the shipped model's name, not this checkout's path
-    key = {"demo": keep, "budgets": list(qc.budgets), "methods": list(methods),
-           "retriever": file_digest(qc.retriever, "--retriever") if qc.retriever else ""}
+    keep["model"] = Path(str(keep.get("model", ""))).name  # the shipped model's name, not this checkout's path
+    key = {
+        "demo": keep,
+        "budgets": list(qc.budgets),
+        "methods": list(methods),
+        "retriever": file_digest(qc.retriever, "--retriever") if qc.retriever else "",
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -107,19 +116,29 @@ def load_done(out: Path, fp: str) -> dict[int, dict]:
 def write_doc(out: Path, rec: dict) -> Path:
     """Atomically write one finished document's record (temp file + fsync + rename)."""
     from flashmemory.atomic import atomic_write_text
+
     return atomic_write_text(out / DOCS_DIR / f"{rec['index']:05d}.json", json.dumps(rec, allow_nan=True))
 
 
-def run_pending(out: Path, fp: str, todo: list[tuple[int, str]], compute, done: dict[int, dict],
-                progress: bool = True) -> None:
+def run_pending(
+    out: Path, fp: str, todo: list[tuple[int, str]], compute, done: dict[int, dict], progress: bool = True
+) -> None:
     """Compute each pending (index, task) with compute(i, task) -> {budget: {method: metrics}} and write its record
     atomically as soon as it is done (an interruption loses at most the document in flight); adds it to `done`."""
     from tqdm import tqdm
+
     for i, task in tqdm(todo, desc="quality: held-out documents", disable=not progress, unit="doc"):
         t0 = time.perf_counter()
         rows = compute(i, task)
-        rec = {"format": FORMAT, "fingerprint": fp, "index": i, "task": task, "name": f"{task}-{i}",
-               "seconds": time.perf_counter() - t0, "budgets": rows}
+        rec = {
+            "format": FORMAT,
+            "fingerprint": fp,
+            "index": i,
+            "task": task,
+            "name": f"{task}-{i}",
+            "seconds": time.perf_counter() - t0,
+            "budgets": rows,
+        }
         write_doc(out, rec)
         done[i] = rec
 
@@ -133,6 +152,7 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
         model = load_retriever(path)
         check_fits(model, path, engine.hidden_size, engine.index_head_dim, targets)
         return model.eval()
+
     if qc.retriever:
         return fitted(qc.retriever), {"checkpoint": qc.retriever}
     done = out / RETRIEVER_DONE
@@ -145,19 +165,49 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
     from flashmemory.eval.decode import full_run
     from flashmemory.serve.tiny_retriever import dump_runs
     from flashmemory.train.loop import BEST_F1
+
     clean_work_dir(out)
-    items = make_items(cfg, tok)[:cfg.n_train + cfg.n_val]   # the demo's train / val documents
+    items = make_items(cfg, tok)[: cfg.n_train + cfg.n_val]  # the demo's train / val documents
     log(f"[quality] training the demo's retriever on {cfg.n_train} train / {cfg.n_val} val documents ...")
-    runs = [full_run(engine, f"{it.task}-{i}", tok.encode_chat(it.messages), cfg.gen_tokens, targets, cfg.topp,
-                     cfg.min_layers, record=it.to_record()) for i, it in enumerate(items)]
-    dump_runs(runs[:cfg.n_train], out / "work" / "dump" / "train", engine, targets, 0, topp=cfg.topp,
-              min_layers=cfg.min_layers, max_tokens=cfg.gen_tokens)
-    dump_runs(runs[cfg.n_train:], out / "work" / "dump" / "val", engine, targets, cfg.n_train, topp=cfg.topp,
-              min_layers=cfg.min_layers, max_tokens=cfg.gen_tokens)
+    runs = [
+        full_run(
+            engine,
+            f"{it.task}-{i}",
+            tok.encode_chat(it.messages),
+            cfg.gen_tokens,
+            targets,
+            cfg.topp,
+            cfg.min_layers,
+            record=it.to_record(),
+        )
+        for i, it in enumerate(items)
+    ]
+    dump_runs(
+        runs[: cfg.n_train],
+        out / "work" / "dump" / "train",
+        engine,
+        targets,
+        0,
+        topp=cfg.topp,
+        min_layers=cfg.min_layers,
+        max_tokens=cfg.gen_tokens,
+    )
+    dump_runs(
+        runs[cfg.n_train :],
+        out / "work" / "dump" / "val",
+        engine,
+        targets,
+        cfg.n_train,
+        topp=cfg.topp,
+        min_layers=cfg.min_layers,
+        max_tokens=cfg.gen_tokens,
+    )
     (out / "work" / "dump" / "test").mkdir(exist_ok=True)
     retriever, summary = train_retriever(cfg, out, targets, progress)
-    info = {"checkpoint": str(out / "work" / "ckpt" / BEST_F1),
-            "summary": {k: v for k, v in summary.items() if k != "losses"}}
+    info = {
+        "checkpoint": str(out / "work" / "ckpt" / BEST_F1),
+        "summary": {k: v for k, v in summary.items() if k != "losses"},
+    }
     atomic_write_text(done, json.dumps(info, indent=1, default=str))
     return retriever, info
 
@@ -165,6 +215,7 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
 def run_quality(qc: QualityConfig, log=print, progress: bool = True, report_only: bool = False) -> dict:
     """Run (or continue) the quality run in qc.out_dir; returns the aggregated results (also written there)."""
     from flashmemory.outdir import DirLock, prepare_dir
+
     out = prepare_dir(qc.out_dir, "--out-dir")
     with DirLock(out, "quality output directory"):
         return _run(qc, out, log, progress, report_only)
@@ -181,11 +232,13 @@ def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -
     from flashmemory.hf import HFEngine
     from flashmemory.tasks.suite import generate
     from flashmemory.tasks.tokenizer import load_tokenizer
+
     t_start = time.perf_counter()
     cfg, note = demo_config(qc)
     methods = qc.methods or METHODS
     engine = HFEngine.from_name(cfg.model, seed=cfg.seed)
     from flashmemory.tiny.attention import use_band_attention
+
     use_band_attention(engine.model)
     targets = cfg.target_layers or default_targets(engine.n_c4_layers)
     cfg = replace(cfg, target_layers=targets, min_layers=min(cfg.min_layers, engine.n_c4_layers))
@@ -193,30 +246,52 @@ def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -
     plan = doc_plan(cfg.n_train + cfg.n_val, cfg.tasks, qc.tasks, qc.n_per_task)
     done = load_done(out, fp)
     todo = [(i, t) for i, t in plan if i not in done]
-    log(f"[quality] {note}; {len(plan)} held-out documents ({qc.n_per_task} per task), {len(plan) - len(todo)} done "
+    log(
+        f"[quality] {note}; {len(plan)} held-out documents ({qc.n_per_task} per task), {len(plan) - len(todo)} done "
         f"earlier, {len(todo)} to run; budgets {', '.join(f'{b:.0%}' for b in qc.budgets)}; methods "
-        f"{', '.join(methods)}; fingerprint {fp}")
+        f"{', '.join(methods)}; fingerprint {fp}"
+    )
     if todo and not report_only:
         tok = load_tokenizer(None)
         torch.manual_seed(cfg.seed)
         retriever, _ = get_retriever(qc, cfg, out, engine, tok, targets, log, progress)
-        hc = HarnessConfig(tau=cfg.tau, page_chunks=cfg.page_chunks, tail_chunks=cfg.tail_chunks,
-                           threshold=cfg.threshold, seed=cfg.seed, methods=methods)
+        hc = HarnessConfig(
+            tau=cfg.tau,
+            page_chunks=cfg.page_chunks,
+            tail_chunks=cfg.tail_chunks,
+            threshold=cfg.threshold,
+            seed=cfg.seed,
+            methods=methods,
+        )
 
         def decode_text(ids: list[int]) -> str:
             return tok.decode([i if 0 <= i < tok.vocab_size else tok.unk for i in ids])
+
         def compute(i: int, task: str) -> dict[str, dict]:
             it = generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + i, tokenizer=tok)[0]
-            run = full_run(engine, f"{task}-{i}", tok.encode_chat(it.messages), cfg.gen_tokens, targets, cfg.topp,
-                           cfg.min_layers, record=it.to_record())
+            run = full_run(
+                engine,
+                f"{task}-{i}",
+                tok.encode_chat(it.messages),
+                cfg.gen_tokens,
+                targets,
+                cfg.topp,
+                cfg.min_layers,
+                record=it.to_record(),
+            )
             run.cap = None
             return {str(b): evaluate_doc(engine, run, retriever, hc, targets, b, decode_text) for b in qc.budgets}
+
         run_pending(out, fp, todo, compute, done, progress)
     recs = [done[i] for i, _ in plan if i in done]
     if not recs:
         raise UserError(f"--out-dir {out}: no finished documents to report")
-    results = aggregate(recs, asdict(cfg) | {"quality": asdict(qc), "fingerprint": fp, "methods": list(methods)},
-                        note, planned=len(plan))
+    results = aggregate(
+        recs,
+        asdict(cfg) | {"quality": asdict(qc), "fingerprint": fp, "methods": list(methods)},
+        note,
+        planned=len(plan),
+    )
     results["wall_seconds_this_call"] = time.perf_counter() - t_start
     write_results(results, out, log)
     return results

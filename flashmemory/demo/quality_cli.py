@@ -12,17 +12,26 @@ def config_from_args(a: argparse.Namespace):
     from flashmemory.demo.quality import QualityConfig
     from flashmemory.errors import UserError
     from flashmemory.eval.budgets import parse_budgets
+
     budgets = parse_budgets(a.budgets)
     if not budgets:
         raise UserError(f"--budgets {a.budgets!r}: give at least one fraction in (0, 1]")
-    return QualityConfig(out_dir=a.out_dir, n_per_task=a.n_per_task, budgets=budgets,
-                         methods=_tuple(a.methods), tasks=_tuple(a.tasks), tau=a.tau,
-                         seed=a.seed, retriever=a.retriever or "")
+    return QualityConfig(
+        out_dir=a.out_dir,
+        n_per_task=a.n_per_task,
+        budgets=budgets,
+        methods=_tuple(a.methods),
+        tasks=_tuple(a.tasks),
+        tau=a.tau,
+        seed=a.seed,
+        retriever=a.retriever or "",
+    )
 
 
 def run(a: argparse.Namespace) -> int:
     from flashmemory.demo.quality import run_quality
     from flashmemory.errors import UserError, fail
+
     try:
         qc = config_from_args(a)
         run_quality(qc, progress=not a.no_progress, report_only=a.report_only)
@@ -39,17 +48,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def register_quality(eval_parser: argparse.ArgumentParser) -> None:
     """Add `quality` as a subcommand of `flashmemory eval`."""
-    sub = getattr(eval_parser, "fm_subcommands", None) or eval_parser.add_subparsers(dest="eval_command",
-                                                                                      metavar="{quality}")
+    sub = getattr(eval_parser, "fm_subcommands", None) or eval_parser.add_subparsers(
+        dest="eval_command", metavar="{quality}"
+    )
     p = sub.add_parser(
-        "quality", help="the demo's quality table over many held-out documents, resumable",
+        "quality",
+        help="the demo's quality table over many held-out documents, resumable",
         description="The demo's pipeline (shipped trained model, the demo's retriever) over N held-out documents "
-                    "per task: every method at every budget, each document's result written atomically as it "
-                    "finishes; rerun the same command to continue an interrupted run. Writes results.json and "
-                    "report.md (every cell with n and a 95% interval) to --out-dir, which is locked while it runs. "
-                    "About 30 s per document on a shared 2-core machine.")
-    p.add_argument("--out-dir", default="quality_out", help="output dir (docs/ per document, results.json, "
-                                                            "report.md, work/ for the retriever) (default %(default)s)")
+        "per task: every method at every budget, each document's result written atomically as it "
+        "finishes; rerun the same command to continue an interrupted run. Writes results.json and "
+        "report.md (every cell with n and a 95% interval) to --out-dir, which is locked while it runs. "
+        "About 30 s per document on a shared 2-core machine.",
+    )
+    p.add_argument(
+        "--out-dir",
+        default="quality_out",
+        help="output dir (docs/ per document, results.json, report.md, work/ for the retriever) (default %(default)s)",
+    )
     p.add_argument("--n-per-task", type=int, default=48, help="held-out documents per task (default %(default)s)")
     p.add_argument("--budgets", default="0.1,0.2", help="page budgets, fractions in (0, 1] (default %(default)s)")
     p.add_argument("--methods", default=None, help="comma-separated methods (default: all; Full always runs)")

@@ -19,22 +19,30 @@ COLUMNS = [  # (key, header, format)
     ("task_score", "task score", "{:.2f}"),
 ]
 
-SCOPE = ("Quality here is a mechanics check on a tiny random-weight model: it ranks residency policies at an "
-         "equal page budget and catches regressions. It is not a LongBench/RULER accuracy claim.")
-SCOPE_TRAINED = ("The model is a 1.9M-parameter DeepSeek-V4 trained only on these needle tasks (held-out seeds here): "
-                 "task accuracy is real retrieval through its c4 entries, on its own training distribution. It is "
-                 "not a LongBench/RULER claim. The first answer token comes from the (full) prefill; the method's "
-                 "resident set applies from the second decode step on.")
+SCOPE = (
+    "Quality here is a mechanics check on a tiny random-weight model: it ranks residency policies at an "
+    "equal page budget and catches regressions. It is not a LongBench/RULER accuracy claim."
+)
+SCOPE_TRAINED = (
+    "The model is a 1.9M-parameter DeepSeek-V4 trained only on these needle tasks (held-out seeds here): "
+    "task accuracy is real retrieval through its c4 entries, on its own training distribution. It is "
+    "not a LongBench/RULER claim. The first answer token comes from the (full) prefill; the method's "
+    "resident set applies from the second decode step on."
+)
 
 
-INTERVAL_NOTE = ("Intervals: [lo, hi] is a 95% interval over documents (Wilson score interval for task accuracy, "
-                 "counting a document's score as its share of a success; percentile bootstrap over documents, 2000 "
-                 "seeded resamples, for the other rates); n = documents (a cell over fewer says n=k).")
+INTERVAL_NOTE = (
+    "Intervals: [lo, hi] is a 95% interval over documents (Wilson score interval for task accuracy, "
+    "counting a document's score as its share of a success; percentile bootstrap over documents, 2000 "
+    "seeded resamples, for the other rates); n = documents (a cell over fewer says n=k)."
+)
 
 
-QUALITY_POINTER = ("This is the demo's small run (a few documents per task: wide intervals). The same pipeline over 48 "
-                   "held-out documents per task is `flashmemory eval quality`; its committed result is "
-                   "docs/quality/report.md, which the README's quality tables cite.")
+QUALITY_POINTER = (
+    "This is the demo's small run (a few documents per task: wide intervals). The same pipeline over 48 "
+    "held-out documents per task is `flashmemory eval quality`; its committed result is "
+    "docs/quality/report.md, which the README's quality tables cite."
+)
 
 
 def _fmt(v, fmt: str, key: str) -> str:
@@ -72,8 +80,10 @@ def budget_cell(m: dict) -> str:
         return "-"
     if not u["docs"]:
         return "matched"
-    return (f"**NOT matched** on {u['docs']}/{u['of']} docs: mean pages {u['mean_pages']:.2f} vs "
-            f"FlashMemory {u['target_pages']:.2f}")
+    return (
+        f"**NOT matched** on {u['docs']}/{u['of']} docs: mean pages {u['mean_pages']:.2f} vs "
+        f"FlashMemory {u['target_pages']:.2f}"
+    )
 
 
 def _cell(m: dict, key: str, fmt: str, n_row: int | None) -> str:
@@ -91,9 +101,11 @@ def method_table(methods: dict[str, dict]) -> str:
     rows = []
     for name, m in methods.items():
         n = row_n(m)
-        rows.append(f"| {name} | {'-' if n is None else n} | " +
-                    " | ".join(_cell(m, k, f, n) for k, _, f in COLUMNS) +
-                    (f" | {budget_cell(m)} |" if budget else " |"))
+        rows.append(
+            f"| {name} | {'-' if n is None else n} | "
+            + " | ".join(_cell(m, k, f, n) for k, _, f in COLUMNS)
+            + (f" | {budget_cell(m)} |" if budget else " |")
+        )
     return "\n".join([head, sep, *rows])
 
 
@@ -103,10 +115,12 @@ def unmatched_notes(methods: dict[str, dict], where: str = "") -> list[str]:
     for name, m in methods.items():
         u = m.get("budget_unmatched")
         if u and u["docs"]:
-            out.append(f"- **Budget not matched{where}**: {name}'s equal-budget search found no base budget whose mean "
-                       f"resident pages stay within FlashMemory's on {u['docs']} of {u['of']} documents; on those its "
-                       f"mean resident pages are {u['mean_pages']:.2f} against FlashMemory's {u['target_pages']:.2f}, "
-                       "so its row there is not at an equal budget.")
+            out.append(
+                f"- **Budget not matched{where}**: {name}'s equal-budget search found no base budget whose mean "
+                f"resident pages stay within FlashMemory's on {u['docs']} of {u['of']} documents; on those its "
+                f"mean resident pages are {u['mean_pages']:.2f} against FlashMemory's {u['target_pages']:.2f}, "
+                "so its row there is not at an equal budget."
+            )
     return out
 
 
@@ -122,42 +136,72 @@ def task_tables(tb: dict) -> list[str]:
         return []
     budgets = list(tb)
     methods = [m for m in next(iter(tb.values())) if not m.startswith(("task:", "task_ci:"))]
-    head = "| method | n | " + " | ".join(f"task acc @ {float(b):.0%}" for b in budgets) + " | " + \
-        " | ".join(f"top-k mass @ {float(b):.0%}" for b in budgets) + " |"
+    head = (
+        "| method | n | "
+        + " | ".join(f"task acc @ {float(b):.0%}" for b in budgets)
+        + " | "
+        + " | ".join(f"top-k mass @ {float(b):.0%}" for b in budgets)
+        + " |"
+    )
     lines = [head, "|---|---:|" + "---:|" * (2 * len(budgets))]
     notes = []
     for m in methods:
         n = row_n(tb[budgets[0]][m])
         mark = {b: " †" if (tb[b][m].get("budget_unmatched") or {}).get("docs") else "" for b in budgets}
-        lines.append(f"| {m} | {'-' if n is None else n} | " +
-                     " | ".join(_cell(tb[b][m], "task_score", "{:.3f}", n) + mark[b] for b in budgets) + " | " +
-                     " | ".join(_cell(tb[b][m], "mass", "{:.3f}", n) + mark[b] for b in budgets) + " |")
+        lines.append(
+            f"| {m} | {'-' if n is None else n} | "
+            + " | ".join(_cell(tb[b][m], "task_score", "{:.3f}", n) + mark[b] for b in budgets)
+            + " | "
+            + " | ".join(_cell(tb[b][m], "mass", "{:.3f}", n) + mark[b] for b in budgets)
+            + " |"
+        )
         for b in budgets:
             if mark[b]:
-                notes += [x.replace("- **Budget", "- † **Budget", 1)
-                          for x in unmatched_notes({m: tb[b][m]}, f" at {float(b):.0%}")]
+                notes += [
+                    x.replace("- **Budget", "- † **Budget", 1)
+                    for x in unmatched_notes({m: tb[b][m]}, f" at {float(b):.0%}")
+                ]
     if notes:
         lines += ["", *notes]
     tasks = [k[5:] for k in tb[budgets[0]] if k.startswith("task:")]
     if tasks:
-        lines += ["", "Per task (task accuracy " + " / ".join(f"@ {float(b):.0%}" for b in budgets) +
-                  ", each with its 95% Wilson interval):", "",
-                  "| task | n | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
+        lines += [
+            "",
+            "Per task (task accuracy "
+            + " / ".join(f"@ {float(b):.0%}" for b in budgets)
+            + ", each with its 95% Wilson interval):",
+            "",
+            "| task | n | " + " | ".join(methods) + " |",
+            "|---|---:|" + "---:|" * len(methods),
+        ]
         for t in tasks:
             cis = [tb[b].get(f"task_ci:{t}", {}) for b in budgets]
             ns = [c.get("n") for ci in cis for c in ci.values() if c]
             n = max(ns) if ns else None
-            lines.append(f"| {t} | {'-' if n is None else n} | " + " | ".join(
-                " / ".join(interval_cell(tb[b][f"task:{t}"].get(m), ci.get(m), "{:.2f}", n)
-                           for b, ci in zip(budgets, cis)) for m in methods) + " |")
+            lines.append(
+                f"| {t} | {'-' if n is None else n} | "
+                + " | ".join(
+                    " / ".join(
+                        interval_cell(tb[b][f"task:{t}"].get(m), ci.get(m), "{:.2f}", n) for b, ci in zip(budgets, cis)
+                    )
+                    for m in methods
+                )
+                + " |"
+            )
     return lines
 
 
-MONITOR_COLS = [("mass", "top-k mass", "{:.3f}"), ("golden_recall", "golden recall", "{:.3f}"),
-                 ("agreement", "agree w/ Full", "{:.3f}"), ("mean_pages", "mean pages", "{:.2f}"),
-                 ("resident_frac", "resident frac", "{:.3f}"), ("task_score", "task score", "{:.2f}"),
-                 ("miss_mass_mean", "miss mass", "{:.3f}"), ("escalations", "escalations", "{:.1f}"),
-                 ("fallbacks", "fallbacks", "{:.1f}")]
+MONITOR_COLS = [
+    ("mass", "top-k mass", "{:.3f}"),
+    ("golden_recall", "golden recall", "{:.3f}"),
+    ("agreement", "agree w/ Full", "{:.3f}"),
+    ("mean_pages", "mean pages", "{:.2f}"),
+    ("resident_frac", "resident frac", "{:.3f}"),
+    ("task_score", "task score", "{:.2f}"),
+    ("miss_mass_mean", "miss mass", "{:.3f}"),
+    ("escalations", "escalations", "{:.1f}"),
+    ("fallbacks", "fallbacks", "{:.1f}"),
+]
 
 
 def quantiles(values: list[float], qs: tuple[float, ...] = (0.1, 0.5, 0.9)) -> list[float]:
@@ -169,41 +213,59 @@ def quantiles(values: list[float], qs: tuple[float, ...] = (0.1, 0.5, 0.9)) -> l
 def monitor_section(results: dict) -> list[str]:
     """FlashMemory vs FlashMemory+monitor per task, and the residency-vs-length table."""
     from flashmemory.eval.residency import residency_table
+
     per_task = results.get("monitor_tasks") or {}
     if not per_task:
         return []
     head = "| task | method | n | " + " | ".join(h for _, h, _ in MONITOR_COLS) + " | equal budget |"
-    lines = ["## Miss monitor: FlashMemory vs FlashMemory+monitor", "", head,
-             "|---|---|---:|" + "|".join("---:" for _ in MONITOR_COLS) + "|---|"]
+    lines = [
+        "## Miss monitor: FlashMemory vs FlashMemory+monitor",
+        "",
+        head,
+        "|---|---|---:|" + "|".join("---:" for _ in MONITOR_COLS) + "|---|",
+    ]
     notes = []
     for task, methods in per_task.items():
         for name in ("FlashMemory", "FlashMemory+monitor"):
             m = methods.get(name, {})
             n = row_n(m)
-            lines.append(f"| {task} | {name} | {'-' if n is None else n} | " +
-                         " | ".join(_cell(m, k, f, n) for k, _, f in MONITOR_COLS) + f" | {budget_cell(m)} |")
+            lines.append(
+                f"| {task} | {name} | {'-' if n is None else n} | "
+                + " | ".join(_cell(m, k, f, n) for k, _, f in MONITOR_COLS)
+                + f" | {budget_cell(m)} |"
+            )
         notes += unmatched_notes({n: m for n, m in methods.items() if n == "FlashMemory+monitor"}, f" ({task})")
     if notes:
         lines += ["", *notes]
     mon = results["methods"].get("FlashMemory+monitor", {})
     q = quantiles(mon.get("miss_values", []))
-    lines += ["", f"Miss mass measured by the monitor on the test documents (FlashMemory+monitor, one rotated target "
-              f"layer per cycle): p10 {q[0]:.3f}, p50 {q[1]:.3f}, p90 {q[2]:.3f} over "
-              f"{len(mon.get('miss_values', []))} cycles.", "",
-              "Equal average budget: the monitored method runs at the largest base budget (and cap) whose mean "
-              "resident pages over the decode steps do not exceed FlashMemory's at KMAX (`mean pages`; "
-              "`flashmemory.eval.monitored`). The MRCR-like rows come from extra held-out documents. "
-              f"Scope: {scope(results)}", ""]
+    lines += [
+        "",
+        f"Miss mass measured by the monitor on the test documents (FlashMemory+monitor, one rotated target "
+        f"layer per cycle): p10 {q[0]:.3f}, p50 {q[1]:.3f}, p90 {q[2]:.3f} over "
+        f"{len(mon.get('miss_values', []))} cycles.",
+        "",
+        "Equal average budget: the monitored method runs at the largest base budget (and cap) whose mean "
+        "resident pages over the decode steps do not exceed FlashMemory's at KMAX (`mean pages`; "
+        "`flashmemory.eval.monitored`). The MRCR-like rows come from extra held-out documents. "
+        f"Scope: {scope(results)}",
+        "",
+    ]
     res = results.get("residency")
     if res:
         cfg = results["config"]
-        lines += ["## Resident pages per request against context length", "",
-                  f"Control document: filler text with nothing to retrieve; fixed budget KMAX = "
-                  f"{cfg.get('residency_kmax')} pages of {cfg['page_chunks']} chunks (cap 2 x KMAX with the monitor); "
-                  "mean / max over the decode steps of pages holding a resident chunk (decode region included). "
-                  "The second table carries the largest measured pages/KMAX ratio to serving lengths with the cost "
-                  "model (KMAX 96 pages of 64 chunks, 584-B c4 entries, 21 c4 layers).", "",
-                  residency_table(res["rows"], res["costmodel"]), ""]
+        lines += [
+            "## Resident pages per request against context length",
+            "",
+            f"Control document: filler text with nothing to retrieve; fixed budget KMAX = "
+            f"{cfg.get('residency_kmax')} pages of {cfg['page_chunks']} chunks (cap 2 x KMAX with the monitor); "
+            "mean / max over the decode steps of pages holding a resident chunk (decode region included). "
+            "The second table carries the largest measured pages/KMAX ratio to serving lengths with the cost "
+            "model (KMAX 96 pages of 64 chunks, 584-B c4 entries, 21 c4 layers).",
+            "",
+            residency_table(res["rows"], res["costmodel"]),
+            "",
+        ]
     return lines
 
 
@@ -263,17 +325,22 @@ def live_section(results: dict) -> list[str]:
     if "serving" not in results:
         return []
     from flashmemory.demo.serve_stage import live_note, live_table
+
     s = results["serving"]
-    intro = ("Live serving (stage 7): real sglang servers on this CPU, P and D (FlashMemory on, shrink mode, Level 1 "
-             "with a retriever) behind the PD router; chats from the test documents sent concurrently through the "
-             "router with the `openai` client; counters from D's /metrics.")
+    intro = (
+        "Live serving (stage 7): real sglang servers on this CPU, P and D (FlashMemory on, shrink mode, Level 1 "
+        "with a retriever) behind the PD router; chats from the test documents sent concurrently through the "
+        "router with the `openai` client; counters from D's /metrics."
+    )
     return [intro, "", live_table(s), "", *([live_note(s), ""] if live_note(s) else [])]
 
 
 def plot_coverage(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     sweep = results["sweep"]
     names = list(next(iter(sweep.values())).keys()) if sweep else []

@@ -65,8 +65,9 @@ class DumpBackend(Protocol):
     @property
     def n_c4_layers(self) -> int | None: ...  # None when the backend cannot tell (a remote server)
 
-    def dump_batch(self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
-                   ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]: ...
+    def dump_batch(
+        self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
+    ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]: ...
 
 
 def resolve_target_layers(requested: list[int] | None, n_c4_layers: int | None) -> tuple[tuple[int, ...], str]:
@@ -81,12 +82,16 @@ def resolve_target_layers(requested: list[int] | None, n_c4_layers: int | None) 
         if n_c4_layers is not None:
             bad = [x for x in layers if not 0 <= x < n_c4_layers]
             if bad:
-                raise DumpBackendError(f"--target-csa-layers {' '.join(map(str, layers))}: the model has "
-                                       f"{n_c4_layers} c4 layers (ids 0..{n_c4_layers - 1}); {bad} do not exist")
+                raise DumpBackendError(
+                    f"--target-csa-layers {' '.join(map(str, layers))}: the model has "
+                    f"{n_c4_layers} c4 layers (ids 0..{n_c4_layers - 1}); {bad} do not exist"
+                )
         return layers, ""
     if n_c4_layers is None or all(x < n_c4_layers for x in DEFAULT_TARGET_LAYERS):
         return DEFAULT_TARGET_LAYERS, ""
     layers = tuple(range(max(0, n_c4_layers - 3), n_c4_layers))
-    return layers, (f"note: the model has {n_c4_layers} c4 layers, so the default target layers "
-                    f"{' '.join(map(str, DEFAULT_TARGET_LAYERS))} do not exist; using the last ones: "
-                    f"{' '.join(map(str, layers))} (pass --target-csa-layers to choose)")
+    return layers, (
+        f"note: the model has {n_c4_layers} c4 layers, so the default target layers "
+        f"{' '.join(map(str, DEFAULT_TARGET_LAYERS))} do not exist; using the last ones: "
+        f"{' '.join(map(str, layers))} (pass --target-csa-layers to choose)"
+    )

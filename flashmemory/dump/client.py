@@ -25,14 +25,14 @@ from flashmemory.dump.writer import FAILED_FILE, DumpWriter
 
 @dataclass
 class DumpReport:
-    committed: list[int] = field(default_factory=list)   # doc indices written in this run
-    skipped_done: int = 0                                 # items already complete (resume)
-    changed: list[int] = field(default_factory=list)      # items dumped before with other content: dumped again
+    committed: list[int] = field(default_factory=list)  # doc indices written in this run
+    skipped_done: int = 0  # items already complete (resume)
+    changed: list[int] = field(default_factory=list)  # items dumped before with other content: dumped again
     legacy_done: list[int] = field(default_factory=list)  # taken as done from a document without a content hash
-    bad_input: list[str] = field(default_factory=list)    # malformed input lines
-    failed: list[str] = field(default_factory=list)       # items the backend could not dump (this run)
+    bad_input: list[str] = field(default_factory=list)  # malformed input lines
+    failed: list[str] = field(default_factory=list)  # items the backend could not dump (this run)
     skipped_failed: list[int] = field(default_factory=list)  # items that failed in an earlier run, not retried
-    recovered: list[str] = field(default_factory=list)    # repairs made to the output directory
+    recovered: list[str] = field(default_factory=list)  # repairs made to the output directory
 
     @property
     def incomplete(self) -> bool:
@@ -40,8 +40,9 @@ class DumpReport:
         return bool(self.failed or self.skipped_failed)
 
 
-def select_items(items: list[InputItem], start_idx: int = 0, end_idx: int | None = None,
-                 n_samples: int | None = None) -> list[InputItem]:
+def select_items(
+    items: list[InputItem], start_idx: int = 0, end_idx: int | None = None, n_samples: int | None = None
+) -> list[InputItem]:
     """Upstream slicing: items[start_idx:end_idx], then the first n_samples (all three must be >= 0)."""
     for name, v in (("start_idx", start_idx), ("end_idx", end_idx), ("n_samples", n_samples)):
         if v is not None and v < 0:
@@ -50,8 +51,9 @@ def select_items(items: list[InputItem], start_idx: int = 0, end_idx: int | None
     return chosen if n_samples is None else chosen[:n_samples]
 
 
-def load_selection(input_path: str | Path, start_idx: int = 0, end_idx: int | None = None,
-                   n_samples: int | None = None) -> tuple[list[InputItem], list[str]]:
+def load_selection(
+    input_path: str | Path, start_idx: int = 0, end_idx: int | None = None, n_samples: int | None = None
+) -> tuple[list[InputItem], list[str]]:
     """(selected items, malformed-line messages). InputError when the file holds no usable item or the
     slice selects none: a dump that cannot produce anything is an error, not a quiet exit 0."""
     items, bad = load_items(input_path)
@@ -60,9 +62,11 @@ def load_selection(input_path: str | Path, start_idx: int = 0, end_idx: int | No
         raise InputError(f"{input_path}: no usable input item ({why})")
     chosen = select_items(items, start_idx, end_idx, n_samples)
     if not chosen:
-        raise InputError(f"{input_path}: --start-idx {start_idx} --end-idx {end_idx} --n-samples {n_samples} select "
-                         f"no item (the file has {len(items)} usable item(s), indices "
-                         f"{items[0].item_index}..{items[-1].item_index})")
+        raise InputError(
+            f"{input_path}: --start-idx {start_idx} --end-idx {end_idx} --n-samples {n_samples} select "
+            f"no item (the file has {len(items)} usable item(s), indices "
+            f"{items[0].item_index}..{items[-1].item_index})"
+        )
     return chosen, bad
 
 
@@ -71,13 +75,25 @@ def _some(indices: list[int], n: int = 5) -> str:
     return "items " + ", ".join(map(str, indices[:n])) + (", ..." if len(indices) > n else "")
 
 
-def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Path, cfg: DumpConfig, *,
-             start_idx: int = 0, end_idx: int | None = None, n_samples: int | None = None, batch_size: int = 10,
-             progress: bool = True, log: TextIO | None = None, writer: DumpWriter | None = None,
-             retry_failed: bool = False) -> DumpReport:
+def run_dump(
+    backend: DumpBackend,
+    input_path: str | Path,
+    output_dir: str | Path,
+    cfg: DumpConfig,
+    *,
+    start_idx: int = 0,
+    end_idx: int | None = None,
+    n_samples: int | None = None,
+    batch_size: int = 10,
+    progress: bool = True,
+    log: TextIO | None = None,
+    writer: DumpWriter | None = None,
+    retry_failed: bool = False,
+) -> DumpReport:
     """Dump every selected item of `input_path` into `output_dir` (or into `writer`'s directory, already
     opened and locked by the caller). Returns what happened."""
     from tqdm import tqdm
+
     log = log if log is not None else sys.stderr  # looked up per call: a test or caller may have replaced it
     rep = DumpReport()
     selected, rep.bad_input = load_selection(input_path, start_idx, end_idx, n_samples)
@@ -107,24 +123,33 @@ def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Pat
                 if have:
                     rep.changed.append(it.item_index)
         if rep.changed:
-            print(f"resume: {len(rep.changed)} item(s) of {source} ({_some(rep.changed)}) differ from the documents "
-                  f"dumped for them in {w.dir} (the input changed, or it is another file of the same name): dumping "
-                  "them again as new documents; the earlier documents stay", file=log)
+            print(
+                f"resume: {len(rep.changed)} item(s) of {source} ({_some(rep.changed)}) differ from the documents "
+                f"dumped for them in {w.dir} (the input changed, or it is another file of the same name): dumping "
+                "them again as new documents; the earlier documents stay",
+                file=log,
+            )
         if rep.legacy_done:
-            print(f"resume: {len(rep.legacy_done)} item(s) of {source} ({_some(rep.legacy_done)}) taken as done by "
-                  "file name and index only (dumped by an older version, which recorded no content hash); if the "
-                  "input changed since, dump into a new --output-dir", file=log)
+            print(
+                f"resume: {len(rep.legacy_done)} item(s) of {source} ({_some(rep.legacy_done)}) taken as done by "
+                "file name and index only (dumped by an older version, which recorded no content hash); if the "
+                "input changed since, dump into a new --output-dir",
+                file=log,
+            )
         if rep.skipped_done:
             print(f"resume: {rep.skipped_done} item(s) already dumped in {w.dir}", file=log)
         if rep.skipped_failed:
             first = rep.skipped_failed[0]
-            print(f"resume: skipping {len(rep.skipped_failed)} item(s) that failed in an earlier run (listed in "
-                  f"{w.dir / FAILED_FILE}; pass --retry-failed to try them again); item {first}: "
-                  f"{failed_before[first]}", file=log)
+            print(
+                f"resume: skipping {len(rep.skipped_failed)} item(s) that failed in an earlier run (listed in "
+                f"{w.dir / FAILED_FILE}; pass --retry-failed to try them again); item {first}: "
+                f"{failed_before[first]}",
+                file=log,
+            )
         bar = tqdm(total=len(todo), desc=f"dump ({backend.name})", unit="doc", disable=not progress, file=log)
         try:
             for b0 in range(0, len(todo), max(1, batch_size)):
-                batch = todo[b0:b0 + max(1, batch_size)]
+                batch = todo[b0 : b0 + max(1, batch_size)]
                 first_index = w.next_doc_index
                 jobs = [(it, first_index + i, f"{source}:{it.item_index}") for i, it in enumerate(batch)]
                 for item, out in backend.dump_batch(jobs, cfg):
@@ -134,9 +159,15 @@ def run_dump(backend: DumpBackend, input_path: str | Path, output_dir: str | Pat
                         if getattr(out, "permanent", True):
                             w.record_failure(source, item.item_index, str(out), digests[item.item_index])
                     else:
-                        w.commit(out, item_index=item.item_index, source=source, backend=backend.name,
-                                 item_sha256=digests[item.item_index], **getattr(backend, "provenance", {}),
-                                 n_prompt_tokens=int(out.positions[out.target_layers[0]][0]) if out.n_tokens else None)
+                        w.commit(
+                            out,
+                            item_index=item.item_index,
+                            source=source,
+                            backend=backend.name,
+                            item_sha256=digests[item.item_index],
+                            **getattr(backend, "provenance", {}),
+                            n_prompt_tokens=int(out.positions[out.target_layers[0]][0]) if out.n_tokens else None,
+                        )
                         rep.committed.append(out.doc_index)
                     bar.update(1)
         finally:

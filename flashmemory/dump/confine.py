@@ -64,7 +64,7 @@ def unusable(path: str | os.PathLike, below: str | os.PathLike) -> str | None:
         try:
             st = os.lstat(nxt)
         except FileNotFoundError:
-            return None              # not there yet: the server creates it
+            return None  # not there yet: the server creates it
         except OSError as e:
             return f"{nxt}: {e.strerror or e}"
         if stat.S_ISLNK(st.st_mode) and (nxt + "/").startswith(top):
@@ -86,7 +86,7 @@ def relative_parts(target: str, root: str) -> list[str]:
             return []
         prefix = base.rstrip("/") + "/"
         if norm.startswith(prefix):
-            parts = norm[len(prefix):].split("/")
+            parts = norm[len(prefix) :].split("/")
             if any(p in ("", ".", "..") for p in parts):
                 raise ConfineError(errno.EINVAL, f"{target}: not a plain path below the dump root {root}")
             return parts
@@ -183,13 +183,17 @@ class DocTargets:
     def _root(self) -> int:
         if self._root_fd is None:
             if self.root is None:
-                raise DumpProtocolError(f"{PARAM_KEY}.output_dir: this server has no dump root "
-                                        "(SGLANG_FLASHMEMORY_DUMP_ROOT), so it writes no dump")
+                raise DumpProtocolError(
+                    f"{PARAM_KEY}.output_dir: this server has no dump root "
+                    "(SGLANG_FLASHMEMORY_DUMP_ROOT), so it writes no dump"
+                )
             try:
                 self._root_fd = os.open(os.path.realpath(self.root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as e:
-                raise DumpProtocolError(f"the dump root {self.root} (SGLANG_FLASHMEMORY_DUMP_ROOT) cannot be "
-                                        f"opened as a directory ({e.strerror or e})") from None
+                raise DumpProtocolError(
+                    f"the dump root {self.root} (SGLANG_FLASHMEMORY_DUMP_ROOT) cannot be "
+                    f"opened as a directory ({e.strerror or e})"
+                ) from None
         return self._root_fd
 
     def _parts(self, req: DumpRequest) -> list[str]:
@@ -202,8 +206,9 @@ class DocTargets:
         try:
             fd = open_below(self._root(), self.root or "/", self._parts(req), create=True)
         except OSError as e:  # a ConfineError, or the OS (out of descriptors): the request fails, not the server
-            raise DumpProtocolError(f"request {rid}: {PARAM_KEY}.output_dir={req.output_dir!r}: "
-                                    f"{e.strerror or e}") from None
+            raise DumpProtocolError(
+                f"request {rid}: {PARAM_KEY}.output_dir={req.output_dir!r}: {e.strerror or e}"
+            ) from None
         try:
             self._check_name(fd, name, str(path))
             st = os.fstat(fd)
@@ -225,8 +230,10 @@ class DocTargets:
             limit = 255
         longest = max(len(os.fsencode(name)), len(os.fsencode(tmp_name(name))))
         if longest > limit:
-            raise ConfineError(errno.ENAMETOOLONG, f"{shown}: file name too long ({longest} bytes with its temp "
-                                                   f"name; this file system allows {limit})")
+            raise ConfineError(
+                errno.ENAMETOOLONG,
+                f"{shown}: file name too long ({longest} bytes with its temp name; this file system allows {limit})",
+            )
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -234,17 +241,25 @@ class DocTargets:
         except OSError as e:
             raise ConfineError(e.errno or errno.EIO, f"{shown}: {e.strerror or e}") from None
         if st is not None and not stat.S_ISREG(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
-                "not a regular file"
+            kind = (
+                "a symlink"
+                if stat.S_ISLNK(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "not a regular file"
+            )
             raise ConfineError(errno.EEXIST, f"{shown}: exists and is {kind}, so the document cannot be written")
         probe = tmp_name("probe")
         try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=fd))
+            os.close(
+                os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+            )
             os.unlink(probe, dir_fd=fd)
         except OSError as e:
-            raise ConfineError(e.errno or errno.EIO, f"{os.path.dirname(shown)}: the directory does not take a "
-                                                     f"file ({e.strerror or e})") from None
+            raise ConfineError(
+                e.errno or errno.EIO,
+                f"{os.path.dirname(shown)}: the directory does not take a file ({e.strerror or e})",
+            ) from None
 
     @contextmanager
     def open_dir(self, rid: str, req: DumpRequest) -> Iterator[int]:
@@ -256,8 +271,11 @@ class DocTargets:
             want = self._ident.pop(rid, None)
             st = os.fstat(fd)
             if want is not None and (st.st_dev, st.st_ino) != want:
-                raise ConfineError(errno.ESTALE, f"{path}: not the directory admitted for request {rid} (it was "
-                                                 "replaced or moved since); document not written")
+                raise ConfineError(
+                    errno.ESTALE,
+                    f"{path}: not the directory admitted for request {rid} (it was "
+                    "replaced or moved since); document not written",
+                )
             yield fd
         finally:
             os.close(fd)

@@ -34,8 +34,16 @@ from flashmemory.dump.metadata import DOC_RE as _DOC_RE
 from flashmemory.dump.metadata import METADATA_FILE, list_docs, metadata_lines, read_metadata
 from flashmemory.labels.csr import LabelsCSR, LabelsError
 
-__all__ = ["FORMAT", "METADATA_FILE", "DumpDoc", "DumpFormatError", "doc_filename", "list_docs", "load_doc",
-           "read_metadata"]
+__all__ = [
+    "FORMAT",
+    "METADATA_FILE",
+    "DumpDoc",
+    "DumpFormatError",
+    "doc_filename",
+    "list_docs",
+    "load_doc",
+    "read_metadata",
+]
 
 FORMAT = "flashmemory-dump/1"
 N_LOGIT_TOKENS = 3
@@ -62,18 +70,18 @@ class DumpDoc:
 
     doc_index: int
     rid: str
-    hidden: dict[int, torch.Tensor]           # L -> [T, hidden] float32
-    positions: dict[int, torch.Tensor]        # L -> [T] int64
-    compk: dict[int, torch.Tensor]            # L -> [N, D+4] uint8
-    label_indices: torch.Tensor               # [E] int32
-    label_scores: torch.Tensor                # [E] int32
-    label_pointers: torch.Tensor              # [T+1] int32
+    hidden: dict[int, torch.Tensor]  # L -> [T, hidden] float32
+    positions: dict[int, torch.Tensor]  # L -> [T] int64
+    compk: dict[int, torch.Tensor]  # L -> [N, D+4] uint8
+    label_indices: torch.Tensor  # [E] int32
+    label_scores: torch.Tensor  # [E] int32
+    label_pointers: torch.Tensor  # [T+1] int32
     n_prompt_blocks: int
     ratio: int = 4
     native_logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (L, t) -> [n_t] float32
     topp: float = 0.6
     min_layers: int = 3
-    input_ids: torch.Tensor | None = None     # [P+T] int64
+    input_ids: torch.Tensor | None = None  # [P+T] int64
     # C -> ([S,k] i32, [S,k] f32)
     native_topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     native_topk_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [S] int32
@@ -103,21 +111,28 @@ class DumpDoc:
 
     def validate(self, source: str = "<memory>") -> None:
         """Raise DumpFormatError naming the key if shapes or dtypes disagree."""
+
         def bad(key: str, msg: str) -> DumpFormatError:
             return DumpFormatError(f"{source}: {key}: {msg}")
+
         if not (math.isfinite(self.topp) and 0.0 <= self.topp <= 1.0):
             raise bad("topp", f"{self.topp!r} must lie in [0, 1]")
         if self.ratio < 1 or self.min_layers < 1 or self.n_prompt_blocks < 0:
-            raise bad("ratio/min_layers/n_prompt_blocks", f"{self.ratio}/{self.min_layers}/{self.n_prompt_blocks} "
-                                                          "must be >= 1 / >= 1 / >= 0")
+            raise bad(
+                "ratio/min_layers/n_prompt_blocks",
+                f"{self.ratio}/{self.min_layers}/{self.n_prompt_blocks} must be >= 1 / >= 1 / >= 0",
+            )
         try:
             self.labels.validate(f"{source}: labels")
         except LabelsError as e:  # LabelsCSR may check itself on construction, without our source: add it
             raise DumpFormatError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
         T = self.n_tokens
         if set(self.hidden) != set(self.positions) or set(self.hidden) != set(self.compk):
-            raise bad("layers", f"hidden {sorted(self.hidden)}, positions {sorted(self.positions)} and compk "
-                                f"{sorted(self.compk)} name different target layers")
+            raise bad(
+                "layers",
+                f"hidden {sorted(self.hidden)}, positions {sorted(self.positions)} and compk "
+                f"{sorted(self.compk)} name different target layers",
+            )
         if not self.hidden:
             raise bad("layers", "no target layer in the document")
         for L in self.target_layers:
@@ -130,11 +145,13 @@ class DumpDoc:
                 raise bad(f"compk_layer_{L}", f"{c.dtype} {tuple(c.shape)}, expected uint8 [N, D+4]")
             L0 = self.target_layers[0]
             if c.shape != self.compk[L0].shape:
-                raise bad(f"compk_layer_{L}",
-                          f"shape {tuple(c.shape)} != compk_layer_{L0} {tuple(self.compk[L0].shape)}")
+                raise bad(
+                    f"compk_layer_{L}", f"shape {tuple(c.shape)} != compk_layer_{L0} {tuple(self.compk[L0].shape)}"
+                )
             if h.shape != self.hidden[L0].shape:
-                raise bad(f"hidden_layer_{L}",
-                          f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}")
+                raise bad(
+                    f"hidden_layer_{L}", f"shape {tuple(h.shape)} != hidden_layer_{L0} {tuple(self.hidden[L0].shape)}"
+                )
             if not torch.equal(p, self.positions[L0]):
                 raise bad(f"positions_layer_{L}", f"differs from positions_layer_{L0}")
         for L in self.target_layers:
@@ -159,27 +176,38 @@ class DumpDoc:
         if S and not self.native_topk:
             raise bad(TOPK_STEPS_KEY, f"{S} stored steps but no native_topk_idx/val_layer_* tensors")
         if self.native_topk and not S:
-            raise bad(TOPK_STEPS_KEY,
-                      f"missing or empty, but native top-k of layers {sorted(self.native_topk)} is stored")
+            raise bad(
+                TOPK_STEPS_KEY, f"missing or empty, but native top-k of layers {sorted(self.native_topk)} is stored"
+            )
         if S and (int(st.min()) < 0 or int(st.max()) >= T or (S > 1 and bool((st[1:] <= st[:-1]).any()))):
-            raise bad(TOPK_STEPS_KEY,
-                      f"must be strictly ascending decode steps in [0, T={T}), got {st.tolist()[:8]}...")
+            raise bad(
+                TOPK_STEPS_KEY, f"must be strictly ascending decode steps in [0, T={T}), got {st.tolist()[:8]}..."
+            )
         k0 = None
         n_vis = self.n_chunks_at[st.long()] if S and self.positions else None
         for C, (idx, val) in sorted(self.native_topk.items()):
             if idx.dim() != 2 or idx.dtype != torch.int32 or idx.shape[0] != S:
                 raise bad(f"native_topk_idx_layer_{C}", f"{idx.dtype} {tuple(idx.shape)}, expected int32 [S={S}, k]")
             if val.dtype != torch.float32 or val.shape != idx.shape:
-                raise bad(f"native_topk_val_layer_{C}", f"{val.dtype} {tuple(val.shape)}, expected float32 "
-                                                        f"{list(idx.shape)} like native_topk_idx_layer_{C}")
+                raise bad(
+                    f"native_topk_val_layer_{C}",
+                    f"{val.dtype} {tuple(val.shape)}, expected float32 "
+                    f"{list(idx.shape)} like native_topk_idx_layer_{C}",
+                )
             k0 = idx.shape[1] if k0 is None else k0
             if idx.shape[1] != k0:
                 raise bad(f"native_topk_idx_layer_{C}", f"k={idx.shape[1]} differs from the other layers' k={k0}")
             valid = idx >= 0
-            if (bool((idx < -1).any()) or not torch.equal(valid, val > float("-inf")) or bool(val.isnan().any())
-                    or bool((val == float("inf")).any())):
-                raise bad(f"native_topk_idx_layer_{C}", "ids must be >= 0 exactly where the value is a finite "
-                                                        "logit (-1 with -inf otherwise)")
+            if (
+                bool((idx < -1).any())
+                or not torch.equal(valid, val > float("-inf"))
+                or bool(val.isnan().any())
+                or bool((val == float("inf")).any())
+            ):
+                raise bad(
+                    f"native_topk_idx_layer_{C}",
+                    "ids must be >= 0 exactly where the value is a finite logit (-1 with -inf otherwise)",
+                )
             if n_vis is not None and bool((valid & (idx.long() >= n_vis[:, None])).any()):
                 raise bad(f"native_topk_idx_layer_{C}", "a chunk id is not visible at its decode step")
 
@@ -205,12 +233,17 @@ def _check_keys(c: torch.Tensor, key: str, bad) -> None:
     scale = c[:, d:].contiguous().view(torch.float32).reshape(-1)
     bad_scale = ~torch.isfinite(scale)
     if bool(bad_scale.any()):
-        raise bad(key, f"{int(bad_scale.sum())} non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk "
-                       f"{int(bad_scale.nonzero()[0])}")
+        raise bad(
+            key,
+            f"{int(bad_scale.sum())} non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk "
+            f"{int(bad_scale.nonzero()[0])}",
+        )
     nan8 = ((c[:, :d] & 0x7F) == 0x7F).any(1)
     if bool(nan8.any()):
-        raise bad(key, f"{int(nan8.sum())} chunk(s) with a NaN fp8 key byte (0x7f/0xff), first in chunk "
-                       f"{int(nan8.nonzero()[0])}")
+        raise bad(
+            key,
+            f"{int(nan8.sum())} chunk(s) with a NaN fp8 key byte (0x7f/0xff), first in chunk {int(nan8.nonzero()[0])}",
+        )
 
 
 def topk_store_steps(n_tokens: int, mode: str, interval: int = 64) -> torch.Tensor:
@@ -292,8 +325,9 @@ def doc_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], sou
             topk[m.group(1)][int(m.group(2))] = v
     for a, b in (("idx", "val"), ("val", "idx")):
         for C in sorted(set(topk[a]) - set(topk[b])):
-            raise DumpFormatError(f"{source}: key 'native_topk_{b}_layer_{C}' missing "
-                                  f"(native_topk_{a}_layer_{C} is present)")
+            raise DumpFormatError(
+                f"{source}: key 'native_topk_{b}_layer_{C}' missing (native_topk_{a}_layer_{C} is present)"
+            )
     for k in ("label_indices", "label_scores", "label_pointers"):
         if k not in tensors:
             raise DumpFormatError(f"{source}: key {k!r} missing")
@@ -343,12 +377,15 @@ def load_doc(path: str | os.PathLike, allow_pickle: bool = False) -> DumpDoc:
         raise DumpFormatError(f"{p}: no such file")
     if p.suffix == ".pkl":
         if not allow_pickle:
-            raise DumpFormatError(f"{p}: refusing to unpickle an upstream dump file (unpickling runs code from "
-                                  "the file). Pass allow_pickle=True / --allow-pickle only if you trust it.")
+            raise DumpFormatError(
+                f"{p}: refusing to unpickle an upstream dump file (unpickling runs code from "
+                "the file). Pass allow_pickle=True / --allow-pickle only if you trust it."
+            )
         return _load_pickle(p)
     if p.suffix != ".safetensors":
         raise DumpFormatError(f"{p}: unknown dump file type {p.suffix!r} (expected .safetensors or .pkl)")
     from safetensors import safe_open
+
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = dict(f.metadata() or {})

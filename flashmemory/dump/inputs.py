@@ -28,16 +28,20 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class InputItem:
-    item_index: int          # 0-based position among the file's items (non-blank lines for JSONL)
-    messages: list[dict]     # [{"role": ..., "content": str}]
+    item_index: int  # 0-based position among the file's items (non-blank lines for JSONL)
+    messages: list[dict]  # [{"role": ..., "content": str}]
     answer: str | None
-    where: str               # "file.jsonl:12" for messages
+    where: str  # "file.jsonl:12" for messages
 
     def content_sha256(self) -> str:
         """sha256 (64 hex) of the item's messages and answer as canonical JSON: what a resumed dump compares
         (with the file name and item index) to tell an item it already dumped from a changed one."""
-        blob = json.dumps({"messages": self.messages, "answer": self.answer}, sort_keys=True, ensure_ascii=False,
-                          separators=(",", ":"))
+        blob = json.dumps(
+            {"messages": self.messages, "answer": self.answer},
+            sort_keys=True,
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
         return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -46,8 +50,10 @@ def _check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X}, a JSON \\u escape of half a "
-                         f"pair) at character {e.start}: not valid UTF-8 text") from None
+        raise ValueError(
+            f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X}, a JSON \\u escape of half a "
+            f"pair) at character {e.start}: not valid UTF-8 text"
+        ) from None
 
 
 def _messages(prompt: object) -> list[dict]:
@@ -90,8 +96,10 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
         except UnicodeDecodeError as e:
             line = raw.count(b"\n", 0, e.start) + 1
             col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-            raise InputError(f"{p}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {col} of the line); "
-                             "fix or re-encode the file") from None
+            raise InputError(
+                f"{p}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {col} of the line); "
+                "fix or re-encode the file"
+            ) from None
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as e:
@@ -106,8 +114,9 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
                 if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                     raise ValueError("expected an object with a string `prompt`")
                 _check_text(obj["prompt"], "prompt")
-                items.append(InputItem(i, [{"role": "user", "content": obj["prompt"] + BOXED}],
-                                       obj.get("answer"), where))
+                items.append(
+                    InputItem(i, [{"role": "user", "content": obj["prompt"] + BOXED}], obj.get("answer"), where)
+                )
             except ValueError as e:
                 errors.append(f"{where}: {e}")
         return items, errors
@@ -123,8 +132,10 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
-                                     "item skipped, never dumped with a replacement character") from None
+                    raise ValueError(
+                        f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
+                        "item skipped, never dumped with a replacement character"
+                    ) from None
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -134,8 +145,9 @@ def _parse(p: Path) -> tuple[list[InputItem], list[str]]:
                 if not isinstance(obj, dict) or "prompt" not in obj:
                     raise ValueError("expected an object with a `prompt` field")
                 answer = obj.get("answer")
-                items.append(InputItem(idx, _messages(obj["prompt"]), answer if isinstance(answer, str) else None,
-                                       where))
+                items.append(
+                    InputItem(idx, _messages(obj["prompt"]), answer if isinstance(answer, str) else None, where)
+                )
             except ValueError as e:
                 errors.append(f"{where}: {e}")
             idx += 1

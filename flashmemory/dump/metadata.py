@@ -25,8 +25,10 @@ DOC_RE = re.compile(r"^doc_(\d{5,})\.(safetensors|pkl)$")
 def check_filename(name: object, where: str) -> str:
     """`name` if it is a plain file name (the doc lives in the dump dir itself); else DumpFormatError."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise DumpFormatError(f"{where}: filename {name!r} is outside the dump directory (a metadata line "
-                              "must name a file in the directory itself)")
+        raise DumpFormatError(
+            f"{where}: filename {name!r} is outside the dump directory (a metadata line "
+            "must name a file in the directory itself)"
+        )
     return name
 
 
@@ -71,9 +73,11 @@ def dedupe(lines: list[tuple[int, dict]], source: str) -> list[dict]:
         for table, key, what in ((by_index, rec["doc_index"], "doc_index"), (by_name, rec["filename"], "filename")):
             seen = table.get(key)
             if seen is not None and seen[1] != rec:
-                raise DumpFormatError(f"{source}: lines {seen[0]} and {i} both claim {what} {key!r} with different "
-                                      "contents (two writers on one directory?); rerun `flashmemory dump` on it to "
-                                      "repair, or remove the wrong line")
+                raise DumpFormatError(
+                    f"{source}: lines {seen[0]} and {i} both claim {what} {key!r} with different "
+                    "contents (two writers on one directory?); rerun `flashmemory dump` on it to "
+                    "repair, or remove the wrong line"
+                )
             table.setdefault(key, (i, rec))
     return [rec for _, rec in sorted(by_index.values(), key=lambda x: x[1]["doc_index"])]
 

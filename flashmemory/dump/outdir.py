@@ -24,7 +24,7 @@ from flashmemory.dump.errors import DumpOutputError
 
 LOCK_FILE = ".dump.lock"
 QUARANTINE = ".quarantine"
-TMP_PREFIX = ".tmp-"   # every temp name starts so; recovery deletes only those `is_own_tmp` verifies
+TMP_PREFIX = ".tmp-"  # every temp name starts so; recovery deletes only those `is_own_tmp` verifies
 _TMP_TAG = b"flashmemory-dump-temp/1\0"
 _OWN_TMP_RE = re.compile(r"^\.tmp-fm([0-9a-f]{12})-(.+)\.(\d+)$")
 LEGACY_TMP_RE = re.compile(r"^\.tmp-(doc_\d{5,}\.safetensors|server_metadata\.jsonl|probe)\.\d+$")  # before the tag
@@ -82,6 +82,7 @@ class DirLock:
 
     def __init__(self, d: Path):
         import fcntl
+
         self._fd: int | None = None
         self.path = d / LOCK_FILE
         try:
@@ -94,8 +95,10 @@ class DirLock:
             holder = _read_pid(fd)
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DumpOutputError(f"{d}: locked by another dump writer (pid {holder}); wait for it to finish "
-                                      "or give this run its own --output-dir (one directory per shard)") from None
+                raise DumpOutputError(
+                    f"{d}: locked by another dump writer (pid {holder}); wait for it to finish "
+                    "or give this run its own --output-dir (one directory per shard)"
+                ) from None
             raise DumpOutputError(f"{d}: cannot lock {LOCK_FILE} ({os_reason(e)})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -42,8 +42,8 @@ from flashmemory.dump.format import STORE_TOPK_MODES
 
 PARAM_KEY = "flashmemory_dump"
 VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)   # 1: no store_topk / topk_interval fields (they take their defaults)
-MAX_LOGIT_TOKENS = 64         # first decode steps whose full native logits a document keeps (upstream: 3)
+SUPPORTED_VERSIONS = (1, 2)  # 1: no store_topk / topk_interval fields (they take their defaults)
+MAX_LOGIT_TOKENS = 64  # first decode steps whose full native logits a document keeps (upstream: 3)
 
 
 class DumpProtocolError(ValueError):
@@ -65,8 +65,10 @@ class DumpRequest:
 
     def __post_init__(self) -> None:
         if self.version not in SUPPORTED_VERSIONS:
-            raise DumpProtocolError(f"{PARAM_KEY}.version={self.version}: this side speaks version(s) "
-                                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+            raise DumpProtocolError(
+                f"{PARAM_KEY}.version={self.version}: this side speaks version(s) "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
+            )
         if self.pass_ not in (1, 2):
             raise DumpProtocolError(f"{PARAM_KEY}.pass={self.pass_}: expected 1 or 2")
         if self.doc_index < 0:
@@ -81,16 +83,24 @@ class DumpRequest:
         if self.min_layers < 1:
             raise DumpProtocolError(f"{PARAM_KEY}.min_layers={self.min_layers}: must be >= 1")
         layers = self.target_csa_layers
-        if (not isinstance(layers, tuple) or not layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
-                                                               for x in layers) or len(set(layers)) != len(layers)):
-            raise DumpProtocolError(f"{PARAM_KEY}.target_csa_layers={layers!r}: must be a non-empty list of distinct "
-                                    "c4-layer ids (integers >= 0)")
+        if (
+            not isinstance(layers, tuple)
+            or not layers
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            raise DumpProtocolError(
+                f"{PARAM_KEY}.target_csa_layers={layers!r}: must be a non-empty list of distinct "
+                "c4-layer ids (integers >= 0)"
+            )
         if not 0 <= self.n_logit_tokens <= MAX_LOGIT_TOKENS:
-            raise DumpProtocolError(f"{PARAM_KEY}.n_logit_tokens={self.n_logit_tokens}: must lie in "
-                                    f"[0, {MAX_LOGIT_TOKENS}]")
+            raise DumpProtocolError(
+                f"{PARAM_KEY}.n_logit_tokens={self.n_logit_tokens}: must lie in [0, {MAX_LOGIT_TOKENS}]"
+            )
         if not isinstance(self.store_topk, str) or self.store_topk not in STORE_TOPK_MODES:
-            raise DumpProtocolError(f"{PARAM_KEY}.store_topk={self.store_topk!r}: expected one of "
-                                    f"{', '.join(STORE_TOPK_MODES)}")
+            raise DumpProtocolError(
+                f"{PARAM_KEY}.store_topk={self.store_topk!r}: expected one of {', '.join(STORE_TOPK_MODES)}"
+            )
         ti = self.topk_interval
         if isinstance(ti, bool) or not isinstance(ti, int) or ti < 1:
             raise DumpProtocolError(f"{PARAM_KEY}.topk_interval={self.topk_interval!r}: must be an integer >= 1")
@@ -107,8 +117,9 @@ class DumpRequest:
         if custom_params is None:
             return None
         if not isinstance(custom_params, dict):
-            raise DumpProtocolError(f"custom_params: expected an object (with a {PARAM_KEY} block), got "
-                                    f"{type(custom_params).__name__}")
+            raise DumpProtocolError(
+                f"custom_params: expected an object (with a {PARAM_KEY} block), got {type(custom_params).__name__}"
+            )
         if PARAM_KEY not in custom_params:
             return None
         d = custom_params[PARAM_KEY]
@@ -119,15 +130,22 @@ class DumpRequest:
             raise DumpProtocolError(f"{PARAM_KEY}: missing field(s) {missing}")
         version = _field(d, "version", int, VERSION)
         if version not in SUPPORTED_VERSIONS:  # before the other fields: a newer block may mean them differently
-            raise DumpProtocolError(f"{PARAM_KEY}.version={version}: this side speaks version(s) "
-                                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}; update flashmemory on both sides")
-        return cls(pass_=_field(d, "pass", int), doc_index=_field(d, "doc_index", int),
-                   output_dir=_field(d, "output_dir", str), topp=_field(d, "topp", float, 0.6),
-                   min_layers=_field(d, "min_layers", int, 3),
-                   target_csa_layers=_field(d, "target_csa_layers", _int_list, (10, 12, 20)),
-                   n_logit_tokens=_field(d, "n_logit_tokens", int, 3),
-                   store_topk=_field(d, "store_topk", str, "cycle"), topk_interval=_field(d, "topk_interval", int, 64),
-                   version=version)
+            raise DumpProtocolError(
+                f"{PARAM_KEY}.version={version}: this side speaks version(s) "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}; update flashmemory on both sides"
+            )
+        return cls(
+            pass_=_field(d, "pass", int),
+            doc_index=_field(d, "doc_index", int),
+            output_dir=_field(d, "output_dir", str),
+            topp=_field(d, "topp", float, 0.6),
+            min_layers=_field(d, "min_layers", int, 3),
+            target_csa_layers=_field(d, "target_csa_layers", _int_list, (10, 12, 20)),
+            n_logit_tokens=_field(d, "n_logit_tokens", int, 3),
+            store_topk=_field(d, "store_topk", str, "cycle"),
+            topk_interval=_field(d, "topk_interval", int, 64),
+            version=version,
+        )
 
     def doc_path(self) -> Path:
         """Where the server writes this request's file."""
@@ -138,12 +156,16 @@ def under_root(output_dir: str, root: str | os.PathLike | None) -> Path:
     """The real path of `output_dir` if it lies inside `root` (symlinks resolved on both), else
     DumpProtocolError. root None: the server has no dump root, so nothing may be written."""
     if root is None or str(root) == "":
-        raise DumpProtocolError(f"{PARAM_KEY}.output_dir={output_dir!r}: this server has no dump root "
-                                "(SGLANG_FLASHMEMORY_DUMP_ROOT), so it writes no dump")
+        raise DumpProtocolError(
+            f"{PARAM_KEY}.output_dir={output_dir!r}: this server has no dump root "
+            "(SGLANG_FLASHMEMORY_DUMP_ROOT), so it writes no dump"
+        )
     real, base = Path(os.path.realpath(output_dir)), Path(os.path.realpath(root))
     if real != base and base not in real.parents:
-        raise DumpProtocolError(f"{PARAM_KEY}.output_dir={output_dir!r}: outside the server's dump root {base} "
-                                "(SGLANG_FLASHMEMORY_DUMP_ROOT)")
+        raise DumpProtocolError(
+            f"{PARAM_KEY}.output_dir={output_dir!r}: outside the server's dump root {base} "
+            "(SGLANG_FLASHMEMORY_DUMP_ROOT)"
+        )
     return real
 
 

@@ -36,8 +36,12 @@ PASS2_MAX_TOKENS = 2
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -48,12 +52,15 @@ def clear_staging(staging: Path) -> int:
     deleted; a doc-named file that is not verifiably the server's would be read as this run's output, so it
     is a DumpBackendError naming it (move it away)."""
     from flashmemory.dump.writer import _header_meta
+
     n = 0
     for sub in (staging / "pass1", staging / "pass2"):
         if sub.is_symlink() or not sub.is_dir():
             if sub.is_symlink() or sub.exists():
-                raise DumpBackendError(f"{sub}: not a directory of the staging area (a symlink or a file); move it "
-                                       "away, the dump server refuses to write through it")
+                raise DumpBackendError(
+                    f"{sub}: not a directory of the staging area (a symlink or a file); move it "
+                    "away, the dump server refuses to write through it"
+                )
             continue
         for f in sorted(sub.iterdir()):
             plain = f.is_file() and not f.is_symlink()
@@ -62,8 +69,10 @@ def clear_staging(staging: Path) -> int:
                 n += 1
             elif DOC_RE.match(f.name):
                 if not (plain and f.suffix == ".safetensors" and _header_meta(f).get("format") == FORMAT):
-                    raise DumpBackendError(f"{f}: in the dump staging area, but not a file the dump server wrote "
-                                           "(never deleted): move it away and rerun")
+                    raise DumpBackendError(
+                        f"{f}: in the dump staging area, but not a file the dump server wrote "
+                        "(never deleted): move it away and rerun"
+                    )
                 f.unlink()
                 n += 1
     return n
@@ -72,6 +81,7 @@ def clear_staging(staging: Path) -> int:
 def read_compk(path: Path) -> dict[int, torch.Tensor]:
     """The `compk_layer_{L}` tensors of a (pass-2) file, without requiring the rest of a document."""
     from safetensors import safe_open
+
     try:
         with safe_open(str(path), framework="pt") as f:
             out = {int(k.rsplit("_", 1)[1]): f.get_tensor(k) for k in f.keys() if k.startswith("compk_layer_")}
@@ -95,9 +105,11 @@ def merge_passes(r1: DumpRequest, r2: DumpRequest, rid: str, where: str = "") ->
         raise DumpItemError(f"{where}: pass 2 has compk layers {sorted(compk)}, pass 1 {doc.target_layers}")
     want = topk_store_steps(doc.n_tokens, r1.store_topk, r1.topk_interval)
     if not torch.equal(doc.native_topk_steps, want) or (want.numel() and not doc.native_topk):
-        raise DumpItemError(f"{where}: pass 1 stores native top-k at steps {doc.native_topk_steps.tolist()[:8]} "
-                            f"(layers {sorted(doc.native_topk)}), but store_topk={r1.store_topk} "
-                            f"topk_interval={r1.topk_interval} asks for {want.tolist()[:8]} (T={doc.n_tokens})")
+        raise DumpItemError(
+            f"{where}: pass 1 stores native top-k at steps {doc.native_topk_steps.tolist()[:8]} "
+            f"(layers {sorted(doc.native_topk)}), but store_topk={r1.store_topk} "
+            f"topk_interval={r1.topk_interval} asks for {want.tolist()[:8]} (T={doc.n_tokens})"
+        )
     doc.compk = compk
     doc.doc_index, doc.rid = r1.doc_index, rid
     try:
@@ -111,8 +123,16 @@ class SGLangBackend:
     name = "sglang"
     n_c4_layers = None  # the server checks the layers against the model it serves
 
-    def __init__(self, url: str, output_dir: Path, model: str = "default", concurrency: int = 4,
-                 thinking: bool = False, timeout: float = 3600.0, flush_timeout: float = 60.0):
+    def __init__(
+        self,
+        url: str,
+        output_dir: Path,
+        model: str = "default",
+        concurrency: int = 4,
+        thinking: bool = False,
+        timeout: float = 3600.0,
+        flush_timeout: float = 60.0,
+    ):
         self.url = url.rstrip("/")
         self.staging = Path(output_dir).resolve() / STAGING
         self.model = model
@@ -129,19 +149,27 @@ class SGLangBackend:
                 r.read()
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise DumpBackendError(f"cannot reach the sglang server at {self.url} ({reason}); start it with "
-                                   "data_generation/start_dump_server.sh or pass --url") from None
+            raise DumpBackendError(
+                f"cannot reach the sglang server at {self.url} ({reason}); start it with "
+                "data_generation/start_dump_server.sh or pass --url"
+            ) from None
 
     def _chat(self, messages: list[dict], max_tokens: int, req: DumpRequest) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "custom_params": req.to_custom_params()}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "custom_params": req.to_custom_params(),
+        }
         if self.thinking:
             body["chat_template_kwargs"] = {"thinking": True}
         try:
             out = _post(f"{self.url}/chat/completions", body, self.timeout)
         except urllib.error.HTTPError as e:  # 4xx: this request is bad (too long, ...); 5xx may pass later
-            raise DumpItemError(f"server answered HTTP {e.code}: {e.read()[:300]!r}",
-                                permanent=400 <= e.code < 500) from None
+            raise DumpItemError(
+                f"server answered HTTP {e.code}: {e.read()[:300]!r}", permanent=400 <= e.code < 500
+            ) from None
         except (urllib.error.URLError, OSError) as e:
             raise DumpBackendError(f"lost the sglang server at {self.url} ({getattr(e, 'reason', e)})") from None
         try:
@@ -158,16 +186,26 @@ class SGLangBackend:
             if why:
                 raise DumpItemError(f"the server cannot write {path.name}: {why}")
             if time.monotonic() > deadline:
-                raise DumpItemError(f"the server did not write {path} within {self.flush_timeout:.0f} s (is it "
-                                    "running in dump mode, SGLANG_FLASHMEMORY_DUMP=1, with this --output-dir under "
-                                    "its SGLANG_FLASHMEMORY_DUMP_ROOT? its log names the reason)", permanent=False)
+                raise DumpItemError(
+                    f"the server did not write {path} within {self.flush_timeout:.0f} s (is it "
+                    "running in dump mode, SGLANG_FLASHMEMORY_DUMP=1, with this --output-dir under "
+                    "its SGLANG_FLASHMEMORY_DUMP_ROOT? its log names the reason)",
+                    permanent=False,
+                )
             time.sleep(0.05)
 
     def _request(self, pass_: int, doc_index: int, cfg: DumpConfig) -> DumpRequest:
-        return DumpRequest(pass_=pass_, doc_index=doc_index, output_dir=str(self.staging), topp=cfg.topp,
-                           min_layers=cfg.min_layers, target_csa_layers=cfg.target_layers,
-                           n_logit_tokens=cfg.n_logit_tokens, store_topk=cfg.store_topk if pass_ == 1 else "none",
-                           topk_interval=cfg.topk_interval)
+        return DumpRequest(
+            pass_=pass_,
+            doc_index=doc_index,
+            output_dir=str(self.staging),
+            topp=cfg.topp,
+            min_layers=cfg.min_layers,
+            target_csa_layers=cfg.target_layers,
+            n_logit_tokens=cfg.n_logit_tokens,
+            store_topk=cfg.store_topk if pass_ == 1 else "none",
+            topk_interval=cfg.topk_interval,
+        )
 
     def _pass1(self, item: InputItem, doc_index: int, cfg: DumpConfig) -> str | DumpItemError:
         try:
@@ -186,8 +224,9 @@ class SGLangBackend:
         self._wait(r2.doc_path())
         return merge_passes(r1, r2, rid, item.where)
 
-    def dump_batch(self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
-                   ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]:
+    def dump_batch(
+        self, jobs: list[tuple[InputItem, int, str]], cfg: DumpConfig
+    ) -> Iterator[tuple[InputItem, DumpDoc | DumpItemError]]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             responses = list(pool.map(lambda j: self._pass1(j[0], j[1], cfg), jobs))
         for (item, doc_index, rid), resp in zip(jobs, responses):

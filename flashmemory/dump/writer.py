@@ -56,9 +56,14 @@ def doc_tensors(doc: DumpDoc) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             t[f"native_topk_idx_layer_{C}"] = idx.to(torch.int32).contiguous()
             t[f"native_topk_val_layer_{C}"] = val.to(torch.float32).contiguous()
     meta = {
-        "format": FORMAT, "doc_index": str(doc.doc_index), "rid": doc.rid,
-        "n_prompt_blocks": str(doc.n_prompt_blocks), "ratio": str(doc.ratio), "topp": repr(float(doc.topp)),
-        "min_layers": str(doc.min_layers), "target_csa_layers": json.dumps(doc.target_layers),
+        "format": FORMAT,
+        "doc_index": str(doc.doc_index),
+        "rid": doc.rid,
+        "n_prompt_blocks": str(doc.n_prompt_blocks),
+        "ratio": str(doc.ratio),
+        "topp": repr(float(doc.topp)),
+        "min_layers": str(doc.min_layers),
+        "target_csa_layers": json.dumps(doc.target_layers),
         "n_decode_tokens": str(doc.n_tokens),
     }
     return t, meta
@@ -84,20 +89,23 @@ def _as_oserror(e: Exception, p: Path) -> OSError:
     return OSError(code, os.strerror(code), str(p))
 
 
-def save_doc_file(path: str | os.PathLike, doc: DumpDoc, *, dir_fd: int | None = None,
-                  header: dict[str, str] | None = None) -> Path:
+def save_doc_file(
+    path: str | os.PathLike, doc: DumpDoc, *, dir_fd: int | None = None, header: dict[str, str] | None = None
+) -> Path:
     """Validate and atomically write one doc file (temp + fsync + os.replace). Also used by the server side.
 
     dir_fd: write `path`'s file name into this open directory (the dump server's confined write,
     `confine.write_file_at`: nothing on the way is looked up by path, no symlink is followed); `path` then
     only names the file in messages. header: extra string metadata for the file's header (additive)."""
     from safetensors.torch import save, save_file
+
     p = Path(path)
     doc.validate(str(p))
     tensors, meta = doc_tensors(doc)
     meta.update(header or {})
     if dir_fd is not None:
         from flashmemory.dump.confine import write_file_at
+
         try:
             data = save(tensors, metadata=meta)
         except Exception as e:  # noqa: BLE001 - see _as_oserror
@@ -126,8 +134,11 @@ def save_doc_file(path: str | os.PathLike, doc: DumpDoc, *, dir_fd: int | None =
 def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
     """The `server_metadata.jsonl` line for a document (upstream fields first, then extras)."""
     rec = {
-        "doc_index": doc.doc_index, "rid": doc.rid, "filename": filename,
-        "n_prompt_blocks": doc.n_prompt_blocks, "n_decode_tokens": doc.n_tokens,
+        "doc_index": doc.doc_index,
+        "rid": doc.rid,
+        "filename": filename,
+        "n_prompt_blocks": doc.n_prompt_blocks,
+        "n_decode_tokens": doc.n_tokens,
         "n_total_labels": int(doc.label_indices.numel()),
         "hidden_shapes": {str(L): list(doc.hidden[L].shape) for L in doc.target_layers},
         "compk_shapes": {str(L): list(doc.compk[L].shape) for L in doc.target_layers},
@@ -137,7 +148,9 @@ def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
         "target_csa_layers": doc.target_layers,
         "native_topk_steps": int(doc.native_topk_steps.numel()) if doc.native_topk else 0,
         "native_topk_layers": sorted(doc.native_topk),
-        "ratio": doc.ratio, "topp": doc.topp, "min_layers": doc.min_layers,
+        "ratio": doc.ratio,
+        "topp": doc.topp,
+        "min_layers": doc.min_layers,
     }
     rec.update(extra)
     return rec
@@ -146,6 +159,7 @@ def metadata_record(doc: DumpDoc, filename: str, **extra: object) -> dict:
 def _header_meta(path: Path) -> dict:
     """The string metadata of a safetensors file's header (empty when unreadable)."""
     from safetensors import safe_open
+
     try:
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata() or {})
@@ -196,8 +210,10 @@ class DumpWriter:
                 p.unlink()
                 notes.append(f"removed stray temp file {p.name}")
             elif LEGACY_TMP_RE.match(p.name):
-                notes.append(f"left {p.name} alone: it looks like an older version's temp file, but carries no "
-                             "tag to prove it; remove it yourself if it is one")
+                notes.append(
+                    f"left {p.name} alone: it looks like an older version's temp file, but carries no "
+                    "tag to prove it; remove it yourself if it is one"
+                )
         raw = self.meta_path.read_text() if self.meta_path.is_file() else ""
         lines = metadata_lines(self.dir)
         kept: list[dict] = []
@@ -255,8 +271,10 @@ class DumpWriter:
             head = _header_meta(p)
             if head.get("doc_index") != str(r["doc_index"]) or ("rid" in r and head.get("rid") != r["rid"]):
                 # two unlocked writers wrote one doc_index: the file holds the other line's document
-                return (f"{r['filename']} holds doc {head.get('doc_index')} rid {head.get('rid')!r}, not rid "
-                        f"{r.get('rid')!r}; line dropped")
+                return (
+                    f"{r['filename']} holds doc {head.get('doc_index')} rid {head.get('rid')!r}, not rid "
+                    f"{r.get('rid')!r}; line dropped"
+                )
             return None
         return quarantine(self.dir, p, f"committed file is damaged ({problem})")
 
@@ -273,8 +291,9 @@ class DumpWriter:
             return None, f"no metadata line and it holds doc_index {doc.doc_index}"
         h = _header_meta(p).get("item_sha256")
         extra = {"item_sha256": h} if isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) else {}
-        return metadata_record(doc, p.name, **_source_item(doc.rid), **extra, file_size=p.stat().st_size,
-                               adopted=True), ""
+        return metadata_record(
+            doc, p.name, **_source_item(doc.rid), **extra, file_size=p.stat().st_size, adopted=True
+        ), ""
 
     def _write_metadata(self, records: list[dict]) -> None:
         tmp = self.meta_path.with_name(tmp_name(METADATA_FILE))
@@ -325,8 +344,11 @@ class DumpWriter:
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue  # a torn or foreign line: that item is simply tried again
         done = self.done_keys(source)
-        return {i: why for i, why in out.items()
-                if not (done.get(i) and (digests is None or None in done[i] or digests.get(i) in done[i]))}
+        return {
+            i: why
+            for i, why in out.items()
+            if not (done.get(i) and (digests is None or None in done[i] or digests.get(i) in done[i]))
+        }
 
     # --- writing ------------------------------------------------------------------------------------------
     def record_failure(self, source: str, item_index: int, reason: str, item_sha256: str | None = None) -> None:

@@ -15,7 +15,6 @@ regressions; it makes no claim about real long-context accuracy.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +32,15 @@ class DocRun:
     name: str
     prompt_ids: list[int]
     response_ids: list[int]
-    logits: torch.Tensor                  # [S, vocab] Full next-token logits
+    logits: torch.Tensor  # [S, vocab] Full next-token logits
     index_logits: dict[int, torch.Tensor]  # c4 id -> [S, N_c] native logits (-inf where not visible)
-    topk: dict[int, torch.Tensor]          # c4 id -> [S, k] picks (-1 invalid)
-    hidden: dict[int, torch.Tensor]        # target c4 id -> [S, hidden]
-    index_chunks: torch.Tensor             # [n_c4, N_c, D+4] uint8 stored index keys
-    labels: LabelsCSR                      # golden labels of the T decode steps
-    decode_step_s: float                   # measured seconds per decode step of the Full generate
-    cap: object = None                     # the `ForwardCapture` (for writing dump documents)
-    record: dict | None = None             # the task item, when the document came from the task suite
+    topk: dict[int, torch.Tensor]  # c4 id -> [S, k] picks (-1 invalid)
+    hidden: dict[int, torch.Tensor]  # target c4 id -> [S, hidden]
+    index_chunks: torch.Tensor  # [n_c4, N_c, D+4] uint8 stored index keys
+    labels: LabelsCSR  # golden labels of the T decode steps
+    decode_step_s: float  # measured seconds per decode step of the Full generate
+    cap: object = None  # the `ForwardCapture` (for writing dump documents)
+    record: dict | None = None  # the task item, when the document came from the task suite
 
     @property
     def prompt_len(self) -> int:
@@ -56,14 +55,23 @@ class DocRun:
         return self.prompt_ids + self.response_ids
 
 
-def full_run(engine, name: str, prompt_ids: list[int], max_new_tokens: int, target_layers: tuple[int, ...],
-             topp: float = 0.6, min_layers: int = 3, record: dict | None = None) -> DocRun:
+def full_run(
+    engine,
+    name: str,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    target_layers: tuple[int, ...],
+    topp: float = 0.6,
+    min_layers: int = 3,
+    record: dict | None = None,
+) -> DocRun:
     """Generate greedily under Full attention, then capture everything from one forward.
 
     `decode_step_s` is the mean wall time of the one-token decode forwards of that same generate, each
     timed on its own (the prefill is never among them, so it cannot be subtracted into a negative).
     """
     from flashmemory.hf import stored_index_keys
+
     times: list[float] = []
     response = list(engine.generate(prompt_ids, max_new_tokens, step_times=times))
     step_s = sum(times) / len(times) if times else 0.0
@@ -71,18 +79,31 @@ def full_run(engine, name: str, prompt_ids: list[int], max_new_tokens: int, targ
     cap = engine.forward(ids, capture_layers=None)
     P, T = len(prompt_ids), len(response)
     n_c4 = engine.n_c4_layers
-    labels = golden_labels([cap.index_logits[c][P:P + T] for c in range(n_c4)], topk=engine.index_topk,
-                           topp=topp, min_layers=min_layers)
+    labels = golden_labels(
+        [cap.index_logits[c][P : P + T] for c in range(n_c4)], topk=engine.index_topk, topp=topp, min_layers=min_layers
+    )
     chunks = torch.stack([stored_index_keys(cap.index_keys[c]) for c in range(n_c4)])
-    return DocRun(name, list(prompt_ids), response, cap.logits, cap.index_logits, cap.topk,
-                  {c: cap.hidden[c] for c in target_layers}, chunks, labels, step_s, cap, record)
+    return DocRun(
+        name,
+        list(prompt_ids),
+        response,
+        cap.logits,
+        cap.index_logits,
+        cap.topk,
+        {c: cap.hidden[c] for c in target_layers},
+        chunks,
+        labels,
+        step_s,
+        cap,
+        record,
+    )
 
 
 def query_mask(run: DocRun, resident: torch.Tensor) -> torch.Tensor:
     """[S, N_c] bool per-query mask: prompt rows (prefill) see everything; decode row P + t sees resident[t]."""
     S, n = len(run.ids), run.index_chunks.shape[1]
     m = torch.ones(S, n, dtype=torch.bool)
-    m[run.prompt_len:run.prompt_len + run.n_steps] = resident[:, :n]
+    m[run.prompt_len : run.prompt_len + run.n_steps] = resident[:, :n]
     return m
 
 
@@ -90,8 +111,8 @@ def mass_covered(run: DocRun, resident: torch.Tensor, k: int) -> float:
     """Mean over c4 layers and decode steps of Full's top-k softmax mass that lies inside the resident set."""
     P, T = run.prompt_len, run.n_steps
     out = []
-    for c, lg in run.index_logits.items():
-        rows = lg[P:P + T]
+    for lg in run.index_logits.values():
+        rows = lg[P : P + T]
         kk = min(k, rows.shape[1])
         vals, idx = rows.topk(kk, dim=1)
         p = torch.softmax(vals, dim=1).nan_to_num(0.0)
@@ -111,8 +132,9 @@ def golden_recall(labels: LabelsCSR, resident: torch.Tensor) -> float:
     return float((h[ok] / n[ok]).mean())
 
 
-def resident_stats(resident: torch.Tensor, n_vis: torch.Tensor, n_c4: int, index_bytes: int,
-                   n_target: int) -> dict[str, float]:
+def resident_stats(
+    resident: torch.Tensor, n_vis: torch.Tensor, n_c4: int, index_bytes: int, n_target: int
+) -> dict[str, float]:
     """Resident fraction, and device bytes at DeepSeek-V4 entry sizes (584-B c4 KV in every c4 layer; index-K
     resident for offloaded layers, always on device for the target layers) against Full."""
     res = resident.sum(1).float()
@@ -120,12 +142,22 @@ def resident_stats(resident: torch.Tensor, n_vis: torch.Tensor, n_c4: int, index
     per_chunk_full = n_c4 * (C4_ENTRY_BYTES + index_bytes)
     dev = res * (n_c4 * C4_ENTRY_BYTES + (n_c4 - n_target) * index_bytes) + n_vis.float() * n_target * index_bytes
     full = n_vis.float() * per_chunk_full
-    return {"resident_frac": frac, "resident_kib": float(dev.mean()) / 1024, "full_kib": float(full.mean()) / 1024,
-            "bytes_vs_full": float(dev.mean() / full.mean())}
+    return {
+        "resident_frac": frac,
+        "resident_kib": float(dev.mean()) / 1024,
+        "full_kib": float(full.mean()) / 1024,
+        "bytes_vs_full": float(dev.mean() / full.mean()),
+    }
 
 
-def method_quality(engine, run: DocRun, resident: torch.Tensor | None, n_vis: torch.Tensor,
-                   target_layers: tuple[int, ...], decode_text=None) -> dict[str, float]:
+def method_quality(
+    engine,
+    run: DocRun,
+    resident: torch.Tensor | None,
+    n_vis: torch.Tensor,
+    target_layers: tuple[int, ...],
+    decode_text=None,
+) -> dict[str, float]:
     """Metrics of one method on one document. resident None = Full attention (no forward needed)."""
     P, T = run.prompt_len, run.n_steps
     n_c4, cb = run.index_chunks.shape[0], run.index_chunks.shape[2]
@@ -134,14 +166,17 @@ def method_quality(engine, run: DocRun, resident: torch.Tensor | None, n_vis: to
         logits = run.logits
     else:
         logits = engine.forward(run.ids, resident=query_mask(run, resident), capture_layers=[]).logits
-    pred = logits[P:P + T].argmax(-1)
-    full = run.logits[P:P + T].argmax(-1)
-    out = {"agreement": float((pred == full).float().mean()),
-           "mass": mass_covered(run, resident, engine.index_topk),
-           "golden_recall": golden_recall(run.labels, resident)}
+    pred = logits[P : P + T].argmax(-1)
+    full = run.logits[P : P + T].argmax(-1)
+    out = {
+        "agreement": float((pred == full).float().mean()),
+        "mass": mass_covered(run, resident, engine.index_topk),
+        "golden_recall": golden_recall(run.labels, resident),
+    }
     out |= resident_stats(resident, n_vis, n_c4, cb, len(target_layers))
     if run.record is not None and decode_text is not None:
         from flashmemory.tasks.suite import score
+
         # Step t predicts response token t + 1; the first response token comes from the prefill.
         toks = [run.response_ids[0]] + pred[:-1].tolist()
         out["task_score"] = float(score(run.record, decode_text(toks)))

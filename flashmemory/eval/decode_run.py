@@ -14,8 +14,13 @@ import sys
 
 from tqdm import tqdm
 
-COLS = (("agreement", "agree"), ("mass", "mass"), ("golden_recall", "golden"), ("resident_frac", "resident"),
-        ("task_score", "task"))
+COLS = (
+    ("agreement", "agree"),
+    ("mass", "mass"),
+    ("golden_recall", "golden"),
+    ("resident_frac", "resident"),
+    ("task_score", "task"),
+)
 
 
 def format_cells(cells: dict[str, dict[str, dict]]) -> str:
@@ -35,6 +40,7 @@ def run_decode(a: argparse.Namespace) -> int:
     from flashmemory.retriever.checkpoint import CheckpointError, load_retriever
     from flashmemory.tasks.suite import read_jsonl
     from flashmemory.tasks.tokenizer import load_tokenizer
+
     try:
         if not a.tasks:
             raise ValueError("--decode needs --tasks FILE.jsonl (from `flashmemory tasks generate`)")
@@ -48,11 +54,18 @@ def run_decode(a: argparse.Namespace) -> int:
         targets = tuple(retriever.layers)
         bad = [t for t in targets if t >= engine.n_c4_layers]
         if bad:
-            raise CheckpointError(f"{a.checkpoint}: layers {bad} do not exist in {a.model} "
-                                  f"({engine.n_c4_layers} c4 layers)")
+            raise CheckpointError(
+                f"{a.checkpoint}: layers {bad} do not exist in {a.model} ({engine.n_c4_layers} c4 layers)"
+            )
         methods = tuple(m.strip() for m in a.methods.split(",")) if a.methods else None
-        hc = HarnessConfig(tau=a.tau, page_chunks=a.page_chunks, tail_chunks=a.tail_chunks, threshold=a.threshold,
-                           seed=a.seed, **({"methods": methods} if methods else {}))
+        hc = HarnessConfig(
+            tau=a.tau,
+            page_chunks=a.page_chunks,
+            tail_chunks=a.tail_chunks,
+            threshold=a.threshold,
+            seed=a.seed,
+            **({"methods": methods} if methods else {}),
+        )
         tok = load_tokenizer(a.tokenizer)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"flashmemory eval --decode: error: {e}", file=sys.stderr)
@@ -65,26 +78,41 @@ def run_decode(a: argparse.Namespace) -> int:
     per_task: dict[str, list] = {}
     for i, rec in enumerate(tqdm(records, desc="tasks", disable=a.no_progress)):
         msgs = json.loads(rec["prompt"])
-        run = full_run(engine, f"{rec.get('task', 'item')}-{i}", tok.encode_chat(msgs), a.gen_tokens, targets,
-                       min_layers=min(3, engine.n_c4_layers), record=rec if "task" in rec else None)
+        run = full_run(
+            engine,
+            f"{rec.get('task', 'item')}-{i}",
+            tok.encode_chat(msgs),
+            a.gen_tokens,
+            targets,
+            min_layers=min(3, engine.n_c4_layers),
+            record=rec if "task" in rec else None,
+        )
         run.cap = None
         per_task.setdefault(rec.get("task", "item"), []).append(
-            evaluate_doc(engine, run, retriever, hc, targets, a.budget, text))
+            evaluate_doc(engine, run, retriever, hc, targets, a.budget, text)
+        )
     cells = {task: mean_rows(rows) for task, rows in per_task.items()}
     print(format_cells(cells))
-    print(f"budget {a.budget:.0%} of pages for every method; tau {a.tau}; pages of {a.page_chunks} chunks. "
-          "Mechanics check on a tiny model: it ranks policies, it is not an accuracy claim.")
+    print(
+        f"budget {a.budget:.0%} of pages for every method; tau {a.tau}; pages of {a.page_chunks} chunks. "
+        "Mechanics check on a tiny model: it ranks policies, it is not an accuracy claim."
+    )
     if a.json:
         from flashmemory.atomic import atomic_write_text
-        atomic_write_text(a.json, json.dumps({"config": vars(a) | {"func": None}, "cells": cells}, indent=1,
-                                             default=str))
+
+        atomic_write_text(
+            a.json, json.dumps({"config": vars(a) | {"func": None}, "cells": cells}, indent=1, default=str)
+        )
     return 0
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--decode mode (quality harness on a task set)")
-    g.add_argument("--decode", action="store_true", help="decode each task item with every method enforced at "
-                                                         "Level 2 (needs --tasks, --checkpoint, --model)")
+    g.add_argument(
+        "--decode",
+        action="store_true",
+        help="decode each task item with every method enforced at Level 2 (needs --tasks, --checkpoint, --model)",
+    )
     g.add_argument("--tasks", default=None, help="task JSONL from `flashmemory tasks generate`")
     g.add_argument("--model", default="micro", help="tiny model name or local checkpoint dir (default %(default)s)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the shipped tiny tokenizer)")
@@ -92,7 +120,11 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=float, default=0.25, help="page budget, fraction in (0, 1] (default %(default)s)")
     g.add_argument("--page-chunks", type=int, default=8, help="chunks per page (default %(default)s)")
     g.add_argument("--tail-chunks", type=int, default=8, help="recency tail in chunks (default %(default)s)")
-    g.add_argument("--methods", default=None, help="comma-separated subset of FlashMemory,FlashMemory+monitor,"
-                                                   "Recency,Random,Oracle,Reactive (default: all; +monitor runs at "
-                                                   "FlashMemory's measured average budget)")
+    g.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated subset of FlashMemory,FlashMemory+monitor,"
+        "Recency,Random,Oracle,Reactive (default: all; +monitor runs at "
+        "FlashMemory's measured average budget)",
+    )
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")

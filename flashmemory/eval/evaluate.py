@@ -34,10 +34,10 @@ PAGE_CHUNKS = 64
 @dataclass(frozen=True)
 class EvalConfig:
     tau: int = 64
-    stride: int = 0                  # 0 = tau
+    stride: int = 0  # 0 = tau
     fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
     threshold: float = 0.5
-    native_topk: int = 512           # native top-k whose softmax mass is measured
+    native_topk: int = 512  # native top-k whose softmax mass is measured
     seed: int = 0
 
 
@@ -99,9 +99,9 @@ class Acc:
     def __init__(self):
         self.recall, self.frac, self.chunks, self.pages, self.mass, self.n = 0.0, 0.0, 0.0, 0.0, [], 0
         self.recall_rows = 0
-        self.doc_recall: list[tuple[float, int]] = []   # per finished document: (recall sum, cycles with gold)
-        self.doc_mass: list[tuple[float, int]] = []     # per finished document: (mass sum, mass steps)
-        self._mark = (0.0, 0, 0)                        # (recall, recall_rows, len(mass)) when the document began
+        self.doc_recall: list[tuple[float, int]] = []  # per finished document: (recall sum, cycles with gold)
+        self.doc_mass: list[tuple[float, int]] = []  # per finished document: (mass sum, mass steps)
+        self._mark = (0.0, 0, 0)  # (recall, recall_rows, len(mass)) when the document began
 
     def add(self, mask: torch.Tensor, gold: torch.Tensor, mass: list[float]) -> None:
         n = mask.numel()
@@ -129,11 +129,18 @@ class Acc:
         def ci(per_doc: list[tuple[float, int]]) -> dict:
             lo, hi = bootstrap_pooled([s for s, _ in per_doc], [c for _, c in per_doc])
             return {"n": len(per_doc), "lo": lo, "hi": hi, "method": "bootstrap"}
-        return {"golden_recall": self.recall / self.recall_rows if self.recall_rows else nan,
-                "native_mass": sum(self.mass) / len(self.mass) if self.mass else nan, "mass_steps": len(self.mass),
-                "resident_frac": self.frac / max(self.n, 1), "chunks": self.chunks / max(self.n, 1),
-                "pages": self.pages / max(self.n, 1), "cycles": self.n,
-                "golden_recall_ci": ci(self.doc_recall), "native_mass_ci": ci(self.doc_mass)}
+
+        return {
+            "golden_recall": self.recall / self.recall_rows if self.recall_rows else nan,
+            "native_mass": sum(self.mass) / len(self.mass) if self.mass else nan,
+            "mass_steps": len(self.mass),
+            "resident_frac": self.frac / max(self.n, 1),
+            "chunks": self.chunks / max(self.n, 1),
+            "pages": self.pages / max(self.n, 1),
+            "cycles": self.n,
+            "golden_recall_ci": ci(self.doc_recall),
+            "native_mass_ci": ci(self.doc_mass),
+        }
 
 
 def evaluate(docs: list, fm_scores, cfg: EvalConfig) -> dict:
@@ -177,32 +184,42 @@ def mass_note(docs: list) -> str:
     if with_topk:
         n_steps = sum(int(d.native_topk_steps.numel()) for d in with_topk)
         n_layers = sorted({len(d.native_topk) for d in with_topk})
-        parts.append(f"mass over {n_steps} stored steps x {'/'.join(map(str, n_layers))} layers (stored native "
-                     f"top-k of every c4 layer, {len(with_topk)} of {len(docs)} docs)")
+        parts.append(
+            f"mass over {n_steps} stored steps x {'/'.join(map(str, n_layers))} layers (stored native "
+            f"top-k of every c4 layer, {len(with_topk)} of {len(docs)} docs)"
+        )
     if len(with_topk) < len(docs):
-        parts.append(f"{len(docs) - len(with_topk)} doc(s) without stored top-k: mass over the dumped native logits "
-                     "of the target layers (first 3 decode steps, so the t=0 cycle only)")
+        parts.append(
+            f"{len(docs) - len(with_topk)} doc(s) without stored top-k: mass over the dumped native logits "
+            "of the target layers (first 3 decode steps, so the t=0 cycle only)"
+        )
     return "; ".join(parts) + "; nan where none."
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     from flashmemory.eval.policies import top_budget
+
     return top_budget(scores, k)
 
 
 def format_table(res: dict) -> str:
     """One line per (budget, policy); recall and mass with their 95% intervals over documents, n = documents."""
-    head = (f"{'budget':>8} {'policy':>12} {'frac':>6} {'chunks':>7} {'pages':>6} {'recall [95% CI]':>21} "
-            f"{'mass [95% CI]':>21} {'docs':>4} {'n':>4}")
+    head = (
+        f"{'budget':>8} {'policy':>12} {'frac':>6} {'chunks':>7} {'pages':>6} {'recall [95% CI]':>21} "
+        f"{'mass [95% CI]':>21} {'docs':>4} {'n':>4}"
+    )
     lines = [head, "-" * len(head)]
 
     def cell(m: dict, key: str) -> str:
         c = m.get(f"{key}_ci") or {}
         lo, hi = c.get("lo", float("nan")), c.get("hi", float("nan"))
         return f"{m[key]:.3f} [{lo:.3f}, {hi:.3f}]" if not math.isnan(lo) else f"{m[key]:.3f}"
+
     for b, pol in res.items():
         for p, m in pol.items():
             docs = max((m.get(k) or {}).get("n", 0) for k in ("golden_recall_ci", "native_mass_ci"))
-            lines.append(f"{b:>8} {p:>12} {m['resident_frac']:6.3f} {m['chunks']:7.1f} {m['pages']:6.2f} "
-                         f"{cell(m, 'golden_recall'):>21} {cell(m, 'native_mass'):>21} {docs:4d} {m['cycles']:4d}")
+            lines.append(
+                f"{b:>8} {p:>12} {m['resident_frac']:6.3f} {m['chunks']:7.1f} {m['pages']:6.2f} "
+                f"{cell(m, 'golden_recall'):>21} {cell(m, 'native_mass'):>21} {docs:4d} {m['cycles']:4d}"
+            )
     return "\n".join(lines)

@@ -40,7 +40,7 @@ from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
 FORMAT = "flashmemory-frontier/1"
 TRAINED_TASKS = ("niah_single", "niah_multikey", "mqar")
 SWEEP_METHODS = ("FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
-PREFETCH = "HiSparse+prefetch"   # HiSparse whose hot buffer is also loaded with FlashMemory's set each cycle
+PREFETCH = "HiSparse+prefetch"  # HiSparse whose hot buffer is also loaded with FlashMemory's set each cycle
 QUALITY_KEYS = ("agreement", "mass", "golden_recall", "task_score", "resident_frac")
 
 
@@ -50,6 +50,7 @@ class FrontierConfig:
     harness (Full and HiSparse always run); model: a tiny model name or checkpoint dir ("" = the shipped trained
     model); retriever: a retriever checkpoint (required); doc_len: prompt tokens; the rest as `eval quality`'s
     demo settings (tau and gen_tokens in decode steps, page_chunks and tail_chunks in c4 chunks)."""
+
     out_dir: str
     retriever: str
     n_per_task: int = 24
@@ -71,6 +72,7 @@ class FrontierConfig:
     def __post_init__(self) -> None:
         from flashmemory.eval.methods import EXTRA_METHODS, METHODS
         from flashmemory.tasks.suite import TASKS
+
         known = METHODS + EXTRA_METHODS
         if self.n_per_task < 1:
             raise UserError(f"--n-per-task {self.n_per_task}: must be >= 1")
@@ -82,8 +84,14 @@ class FrontierConfig:
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise UserError(f"--tasks: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
-        for name, lo in (("doc_len", 64), ("gen_tokens", 2), ("tau", 1), ("page_chunks", 1), ("tail_chunks", 0),
-                         ("first_doc", 0)):
+        for name, lo in (
+            ("doc_len", 64),
+            ("gen_tokens", 2),
+            ("tau", 1),
+            ("page_chunks", 1),
+            ("tail_chunks", 0),
+            ("first_doc", 0),
+        ):
             if getattr(self, name) < lo:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= {lo}")
         if not (math.isfinite(self.threshold) and 0.0 <= self.threshold <= 1.0):
@@ -127,15 +135,23 @@ def hisparse_stats(run, slots: int, hint: dict[int, torch.Tensor] | None = None)
     P, T = run.prompt_len, run.n_steps
     picks = []
     for c in sorted(run.topk):
-        rows = run.topk[c][P:P + T]
+        rows = run.topk[c][P : P + T]
         picks.append([r[r >= 0].long() for r in rows])
     lengths = [min((P + t + 1) // 4, run.index_chunks.shape[1]) for t in range(T)]
     st = replay_hisparse(picks, lengths, slots, hint)
-    out = {"hits": float(st.hits), "misses": float(st.misses), "hit_rate": float(st.hit_rate),
-           "fast_path_calls": float(st.fast_path_calls), "calls": float(st.calls)}
+    out = {
+        "hits": float(st.hits),
+        "misses": float(st.misses),
+        "hit_rate": float(st.hit_rate),
+        "fast_path_calls": float(st.fast_path_calls),
+        "calls": float(st.calls),
+    }
     if hint is not None:
-        out |= {"prefetched": float(st.prefetched), "prefetch_hits": float(st.prefetch_hits),
-                "prefetch_wasted": float(st.prefetch_wasted)}
+        out |= {
+            "prefetched": float(st.prefetched),
+            "prefetch_hits": float(st.prefetch_hits),
+            "prefetch_wasted": float(st.prefetch_wasted),
+        }
     return out
 
 
@@ -157,6 +173,7 @@ class Sweep:
         from flashmemory.tasks.tokenizer import load_tokenizer
         from flashmemory.tiny.attention import use_band_attention
         from flashmemory.tiny.shipped import trained_model_available, trained_model_dir
+
         if not fc.model and not trained_model_available():
             raise UserError("flashmemory eval frontier: the shipped trained model is missing and no --model given")
         self.fc = fc
@@ -166,9 +183,15 @@ class Sweep:
         self.targets = tuple(self.retriever.layers)
         check_fits(self.retriever, fc.retriever, self.engine.hidden_size, self.engine.index_head_dim, self.targets)
         self.tok = load_tokenizer(None)
-        self.hc = HarnessConfig(tau=fc.tau, page_chunks=fc.page_chunks, tail_chunks=fc.tail_chunks,
-                                threshold=fc.threshold, seed=fc.seed, methods=fc.methods,
-                                monitor=MonitorEvalConfig(search_from_target=True))
+        self.hc = HarnessConfig(
+            tau=fc.tau,
+            page_chunks=fc.page_chunks,
+            tail_chunks=fc.tail_chunks,
+            threshold=fc.threshold,
+            seed=fc.seed,
+            methods=fc.methods,
+            monitor=MonitorEvalConfig(search_from_target=True),
+        )
         self.shapes = tiny_shapes(self.engine, self.retriever, fc.tau, fc.page_chunks)
         self._l1 = level1_flops
 
@@ -183,16 +206,34 @@ class Sweep:
         from flashmemory.eval.frontier_decode import cached_full_run
         from flashmemory.eval.harness import evaluate_doc
         from flashmemory.tasks.suite import generate
+
         fc, eng = self.fc, self.engine
         it = generate(task, fc.doc_len, n=1, seed=fc.seed * 1000 + i, tokenizer=self.tok)[0]
         with torch.no_grad():
-            run, dec = cached_full_run(eng, f"{task}-{i}", self.tok.encode_chat(it.messages), fc.gen_tokens,
-                                       self.targets, fc.topp, min(fc.min_layers, eng.n_c4_layers), it.to_record())
+            run, dec = cached_full_run(
+                eng,
+                f"{task}-{i}",
+                self.tok.encode_chat(it.messages),
+                fc.gen_tokens,
+                self.targets,
+                fc.topp,
+                min(fc.min_layers, eng.n_c4_layers),
+                it.to_record(),
+            )
             per_budget: dict[float, tuple[dict, dict]] = {}
             for b in fc.budgets:
                 residents: dict = {}
-                rows = evaluate_doc(dec, run, self.retriever, self.hc, self.targets, b, self.text,
-                                    quality=not batched, residents=residents)
+                rows = evaluate_doc(
+                    dec,
+                    run,
+                    self.retriever,
+                    self.hc,
+                    self.targets,
+                    b,
+                    self.text,
+                    quality=not batched,
+                    residents=residents,
+                )
                 per_budget[b] = (rows, residents)
             if batched:
                 self._quality_batched(run, dec, per_budget)
@@ -206,14 +247,16 @@ class Sweep:
         from flashmemory.eval.decode import method_quality, query_mask
         from flashmemory.eval.frontier_decode import ServedLogits
         from flashmemory.eval.harness import kmax_for
+
         eng, P, T = self.engine, run.prompt_len, run.n_steps
         n_vis = torch.tensor([min((P + t + 1) // 4, run.index_chunks.shape[1]) for t in range(T)])
         masks = [query_mask(run, r) for _, res in per_budget.values() for r in res.values()]
         served = ServedLogits(eng.index_topk, P, masks, dec.forward_many(run.ids, masks))
         full = method_quality(eng, run, None, n_vis, self.targets, self.text)
         for b, (rows, residents) in per_budget.items():
-            out = {"Full": full | {"recall_bytes": 0.0, "level1_share": 0.0,
-                                   "kmax": kmax_for(run, b, self.fc.page_chunks)}}
+            out = {
+                "Full": full | {"recall_bytes": 0.0, "level1_share": 0.0, "kmax": kmax_for(run, b, self.fc.page_chunks)}
+            }
             for name, m in rows.items():
                 q = method_quality(served, run, residents[name], n_vis, self.targets, self.text)
                 out[name] = {k: v for k, v in m.items() if k not in q} | q
@@ -223,13 +266,22 @@ class Sweep:
     def _record(self, run, dec, per_budget: dict[float, tuple[dict, dict]]) -> dict:
         """The record body from the harness rows of every budget: HiSparse's arms and every row's costs."""
         from flashmemory.eval.frontier_cost import method_costs
+
         fc, eng = self.fc, self.engine
         n_c4, n_final, cb = run.index_chunks.shape
         T, P = run.n_steps, run.prompt_len
         n_vis = torch.tensor([min((P + t + 1) // 4, n_final) for t in range(T)]).float()
-        shape = dict(n_c4=n_c4, n_target=len(self.targets), n_final=n_final, n_vis_mean=float(n_vis.mean()),
-                     n_steps=T, index_bytes=cb, page_chunks=fc.page_chunks, tau=fc.tau,
-                     l1_flops=self._l1(P + T, *self.shapes))
+        shape = dict(
+            n_c4=n_c4,
+            n_target=len(self.targets),
+            n_final=n_final,
+            n_vis_mean=float(n_vis.mean()),
+            n_steps=T,
+            index_bytes=cb,
+            page_chunks=fc.page_chunks,
+            tau=fc.tau,
+            l1_flops=self._l1(P + T, *self.shapes),
+        )
         budgets = {}
         for b, (rows, residents) in per_budget.items():
             kmax = int(rows["Full"]["kmax"])
@@ -239,51 +291,83 @@ class Sweep:
                 arms[PREFETCH] = hisparse_stats(run, slots, prefetch_hint(residents["FlashMemory"], fc.tau))
             for arm, hs in arms.items():
                 rows[arm] = {k: rows["Full"][k] for k in QUALITY_KEYS if k in rows["Full"]} | {
-                    "kmax": kmax, "hot_slots": slots, **(hs or {"hit_rate": float("nan")}),
-                    "cost_pending": hs is None}
+                    "kmax": kmax,
+                    "hot_slots": slots,
+                    **(hs or {"hit_rate": float("nan")}),
+                    "cost_pending": hs is None,
+                }
             for name, m in rows.items():
                 m.pop("miss_values", None)
                 m |= method_costs(name, m, hot_slots=slots, swap_misses=(hs or {}).get("misses"), **shape)
-                m["resident_per_topk"] = (n_final if name == "Full" else min(kmax * fc.page_chunks, n_final)) \
-                    / eng.index_topk
+                m["resident_per_topk"] = (
+                    n_final if name == "Full" else min(kmax * fc.page_chunks, n_final)
+                ) / eng.index_topk
             budgets[f"{b:g}"] = rows
-        return {"budgets": budgets, "n_chunks": n_final, "prompt_len": P, "index_topk": eng.index_topk,
-                "forced_forwards": dec.forced_forwards}
+        return {
+            "budgets": budgets,
+            "n_chunks": n_final,
+            "prompt_len": P,
+            "index_topk": eng.index_topk,
+            "forced_forwards": dec.forced_forwards,
+        }
 
 
-def run_frontier(fc: FrontierConfig, log=print, progress: bool = True, report_only: bool = False,
-                 max_docs: int | None = None, compare: str | None = None) -> dict:
+def run_frontier(
+    fc: FrontierConfig,
+    log=print,
+    progress: bool = True,
+    report_only: bool = False,
+    max_docs: int | None = None,
+    compare: str | None = None,
+) -> dict:
     """Run (or continue) the sweep in fc.out_dir and write frontier.json / .md / .png from the finished
     documents; returns the aggregate. max_docs: stop after this many new documents (the rest stay pending);
     compare: another frontier out dir whose extra methods frontier.md sets beside FlashMemory
     (`eval.frontier_compare`)."""
     from flashmemory.outdir import DirLock, prepare_dir
+
     out = prepare_dir(fc.out_dir, "--out")
     with DirLock(out, "frontier output directory"):
         return _run(fc, out, log, progress, report_only, max_docs, compare)
 
 
-def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, max_docs: int | None,
-         compare: str | None = None) -> dict:
+def _run(
+    fc: FrontierConfig,
+    out: Path,
+    log,
+    progress: bool,
+    report_only: bool,
+    max_docs: int | None,
+    compare: str | None = None,
+) -> dict:
     from tqdm import tqdm
 
     from flashmemory.atomic import atomic_write_text
     from flashmemory.eval.frontier_report import write_outputs
+
     fp = fingerprint(fc)
     plan = doc_plan(fc)
     done = load_done(out, fp)
     todo = [(i, t) for i, t in plan if i not in done]
     if max_docs is not None:
         todo = todo[:max_docs]
-    log(f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(done)} done earlier, "
-        f"{len(todo)} to run now; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}")
+    log(
+        f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(done)} done earlier, "
+        f"{len(todo)} to run now; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}"
+    )
     if todo and not report_only:
         sw = Sweep(fc)
         for i, task in tqdm(todo, desc="frontier: documents", disable=not progress, unit="doc"):
             t0 = time.perf_counter()
             body = sw.doc(i, task)
-            rec = {"format": FORMAT, "fingerprint": fp, "index": i, "task": task,
-                   "seconds": time.perf_counter() - t0, **body}
+            rec = {
+                "format": FORMAT,
+                "fingerprint": fp,
+                "index": i,
+                "task": task,
+                "seconds": time.perf_counter() - t0,
+                **body,
+            }
             atomic_write_text(out / DOCS_DIR / f"{i:05d}.json", json.dumps(rec, allow_nan=True))
             done[i] = rec
             log(f"[frontier] document {i} ({task}) done in {rec['seconds']:.0f} s")
@@ -293,5 +377,6 @@ def _run(fc: FrontierConfig, out: Path, log, progress: bool, report_only: bool, 
     extra = None
     if compare:
         from flashmemory.eval.frontier_compare import compare_lines
+
         extra = compare_lines(recs, compare, FORMAT)
     return write_outputs(recs, fc, fp, len(plan), out, log, extra, compare)

@@ -35,6 +35,7 @@ def compare_lines(recs: list[dict], other_dir: str, fmt: str, base: str = "Flash
     documents both runs finished (n stated)."""
     from flashmemory.eval.frontier_report import _ci, _flat, _fmt_bytes
     from flashmemory.eval.harness import mean_rows
+
     other = load_records(other_dir, fmt)
     if not Path(other_dir).is_dir():
         raise UserError(f"--compare {other_dir}: not a directory")
@@ -45,16 +46,25 @@ def compare_lines(recs: list[dict], other_dir: str, fmt: str, base: str = "Flash
     for r in common:
         o = other[r["index"]]
         b0 = next(iter(r["budgets"]))
-        same = (o.get("prompt_len") == r.get("prompt_len") and b0 in o["budgets"] and
-                o["budgets"][b0]["Full"].get("task_score") == r["budgets"][b0]["Full"].get("task_score"))
+        same = (
+            o.get("prompt_len") == r.get("prompt_len")
+            and b0 in o["budgets"]
+            and o["budgets"][b0]["Full"].get("task_score") == r["budgets"][b0]["Full"].get("task_score")
+        )
         if not same:
-            raise UserError(f"--compare {other_dir}: document {r['index']} differs from this run's (another "
-                            "document length, seed or model)")
+            raise UserError(
+                f"--compare {other_dir}: document {r['index']} differs from this run's (another "
+                "document length, seed or model)"
+            )
     b0 = next(iter(common[0]["budgets"]))
     extra = [m for m in other[common[0]["index"]]["budgets"][b0] if m not in common[0]["budgets"][b0]]
-    L = head + [f"{len(common)} documents in both runs; {', '.join(extra) or 'no method'} from {other_dir}.", "",
-                "| budget | method | n | task acc [95%] | agreement | top-k mass | mean pages | device bytes/req | "
-                "H2D bytes/token |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    L = head + [
+        f"{len(common)} documents in both runs; {', '.join(extra) or 'no method'} from {other_dir}.",
+        "",
+        "| budget | method | n | task acc [95%] | agreement | top-k mass | mean pages | device bytes/req | "
+        "H2D bytes/token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for b in common[0]["budgets"]:
         rows = []
         for r in common:
@@ -64,8 +74,10 @@ def compare_lines(recs: list[dict], other_dir: str, fmt: str, base: str = "Flash
         if any(set(x) != set(rows[0]) for x in rows):
             continue
         for m, v in mean_rows(rows).items():
-            L.append(f"| {float(b):.0%} | {m} | {len(rows)} | {_ci(v.get('task_score'), v.get('task_score_ci'))} | "
-                     f"{v.get('agreement', math.nan):.3f} | {v.get('mass', math.nan):.3f} | "
-                     f"{v.get('mean_pages', math.nan):.1f} | {_fmt_bytes(v.get('device_bytes'))} | "
-                     f"{_fmt_bytes(v.get('h2d_per_token'))} |")
+            L.append(
+                f"| {float(b):.0%} | {m} | {len(rows)} | {_ci(v.get('task_score'), v.get('task_score_ci'))} | "
+                f"{v.get('agreement', math.nan):.3f} | {v.get('mass', math.nan):.3f} | "
+                f"{v.get('mean_pages', math.nan):.1f} | {_fmt_bytes(v.get('device_bytes'))} | "
+                f"{_fmt_bytes(v.get('h2d_per_token'))} |"
+            )
     return L

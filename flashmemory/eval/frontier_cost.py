@@ -27,7 +27,7 @@ import math
 from flashmemory.costmodel.bytes import EntryBytes
 from flashmemory.costmodel.flops import CountRules, FlashShape, RetrieverShape, level1_terms
 
-KV_BYTES = EntryBytes().kv          # 584 B per c4 entry
+KV_BYTES = EntryBytes().kv  # 584 B per c4 entry
 PROJECT_CONTEXTS = (131072, 262144, 1048576)
 LEVEL1_METHODS = ("FlashMemory", "FlashMemory+monitor", "FlashMemory-fill")
 
@@ -36,14 +36,28 @@ def tiny_shapes(engine, retriever, tau: int, page_chunks: int) -> tuple[FlashSha
     """The cost model's shapes for the tiny model (only the fields Level 1's FLOPs read matter)."""
     cfg = engine.config
     kinds = list(getattr(cfg, "layer_types", []) or [])
-    s = FlashShape(hidden=engine.hidden_size, n_layers=int(cfg.num_hidden_layers),
-                   n_heads=int(cfg.num_attention_heads), head_dim=int(cfg.head_dim), q_lora=int(cfg.q_lora_rank),
-                   o_groups=int(cfg.o_groups), index_heads=engine.index_n_heads, index_dim=engine.index_head_dim,
-                   index_topk=engine.index_topk, n_c4=engine.n_c4_layers,
-                   n_c128=kinds.count("heavily_compressed_attention"))
+    s = FlashShape(
+        hidden=engine.hidden_size,
+        n_layers=int(cfg.num_hidden_layers),
+        n_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.head_dim),
+        q_lora=int(cfg.q_lora_rank),
+        o_groups=int(cfg.o_groups),
+        index_heads=engine.index_n_heads,
+        index_dim=engine.index_head_dim,
+        index_topk=engine.index_topk,
+        n_c4=engine.n_c4_layers,
+        n_c128=kinds.count("heavily_compressed_attention"),
+    )
     d = retriever.dims
-    r = RetrieverShape(n_layers=len(retriever.layers), n_heads=d.n_heads, head_dim=d.head_dim, rank=d.rank,
-                       interval=tau, page_chunks=page_chunks)
+    r = RetrieverShape(
+        n_layers=len(retriever.layers),
+        n_heads=d.n_heads,
+        head_dim=d.head_dim,
+        rank=d.rank,
+        interval=tau,
+        page_chunks=page_chunks,
+    )
     return s, r
 
 
@@ -53,9 +67,22 @@ def level1_flops(ctx_tokens: int, s: FlashShape, r: RetrieverShape) -> float:
     return sum(t.flops(rules) for t in level1_terms(ctx_tokens, s, r, rules))
 
 
-def method_costs(method: str, m: dict, *, n_c4: int, n_target: int, n_final: int, n_vis_mean: float,
-                 n_steps: int, index_bytes: int, page_chunks: int, tau: int, l1_flops: float,
-                 hot_slots: int | None = None, swap_misses: float | None = None) -> dict:
+def method_costs(
+    method: str,
+    m: dict,
+    *,
+    n_c4: int,
+    n_target: int,
+    n_final: int,
+    n_vis_mean: float,
+    n_steps: int,
+    index_bytes: int,
+    page_chunks: int,
+    tau: int,
+    l1_flops: float,
+    hot_slots: int | None = None,
+    swap_misses: float | None = None,
+) -> dict:
     """The cost fields of one method's metrics `m` (from `eval.harness.evaluate_doc`) on one document.
 
     n_final: chunks visible after the last step (N); n_vis_mean: mean visible chunks per step; index_bytes: one
@@ -63,20 +90,28 @@ def method_costs(method: str, m: dict, *, n_c4: int, n_target: int, n_final: int
     idx_full = n_c4 * n_final * index_bytes
     if method in ("Full", "HiSparse", "HiSparse+prefetch"):
         kv = n_c4 * n_final * KV_BYTES if method == "Full" else n_c4 * (hot_slots + 1) * KV_BYTES
-        moved = (swap_misses or 0.0) + float(m.get("prefetched", 0.0))   # on-demand misses + prefetched entries
+        moved = (swap_misses or 0.0) + float(m.get("prefetched", 0.0))  # on-demand misses + prefetched entries
         h2d = 0.0 if method == "Full" else moved * KV_BYTES / max(n_steps, 1)
-        return {"device_bytes": kv + idx_full, "device_parts": {"c4 kv": kv, "index keys": idx_full},
-                "h2d_per_token": h2d, "scored_per_token": n_c4 * n_vis_mean, "l1_flops_per_token": 0.0}
+        return {
+            "device_bytes": kv + idx_full,
+            "device_parts": {"c4 kv": kv, "index keys": idx_full},
+            "h2d_per_token": h2d,
+            "scored_per_token": n_c4 * n_vis_mean,
+            "l1_flops_per_token": 0.0,
+        }
     pages = int(m.get("cap_pages") or m.get("kmax") or 0)
     reserve = min(pages * page_chunks, n_final)
     kv = n_c4 * reserve * KV_BYTES
     idx = n_target * n_final * index_bytes + (n_c4 - n_target) * reserve * index_bytes
     resident = float(m.get("resident_frac", 0.0)) * n_vis_mean
     l1 = method in LEVEL1_METHODS
-    return {"device_bytes": kv + idx, "device_parts": {"c4 kv": kv, "index keys": idx},
-            "h2d_per_token": float(m.get("recall_bytes", 0.0)) / max(n_steps, 1),
-            "scored_per_token": n_c4 * resident + (n_target * n_vis_mean / tau if l1 else 0.0),
-            "l1_flops_per_token": l1_flops if l1 else 0.0}
+    return {
+        "device_bytes": kv + idx,
+        "device_parts": {"c4 kv": kv, "index keys": idx},
+        "h2d_per_token": float(m.get("recall_bytes", 0.0)) / max(n_steps, 1),
+        "scored_per_token": n_c4 * resident + (n_target * n_vis_mean / tau if l1 else 0.0),
+        "l1_flops_per_token": l1_flops if l1 else 0.0,
+    }
 
 
 def project(budget: float, hit_rate: float | None, contexts: tuple[int, ...] = PROJECT_CONTEXTS) -> list[dict]:
@@ -87,24 +122,44 @@ def project(budget: float, hit_rate: float | None, contexts: tuple[int, ...] = P
     from flashmemory.costmodel.bytes import PolicyKnobs, baseline_bytes, flashmemory_bytes
     from flashmemory.costmodel.flops import flashmemory_flops, n_chunks, resident_chunks
     from flashmemory.costmodel.hisparse import hisparse_bytes
+
     f = fit()
     p = calibrated(H20_NODE, f, fitted_memory=True)
     s = FlashShape()
     rows = []
     for ctx in contexts:
         kmax = max(1, math.ceil(budget * n_chunks(ctx) / RetrieverShape().page_chunks - 1e-9))
-        hs = calibrated_hisparse(f, device_buffer_size=max(s.index_topk, kmax * RetrieverShape().page_chunks),
-                                 hit_rate=hit_rate if hit_rate is not None else 0.0)
-        arms = {"Full": ("stock", baseline_bytes(ctx), n_chunks(ctx) * s.n_c4, 0.0),
-                "FlashMemory": ("flashmemory", flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=ctx >= 1048576)),
-                                resident_chunks(kmax, ctx) * s.n_c4, flashmemory_flops(ctx, kmax).level1)}
+        hs = calibrated_hisparse(
+            f,
+            device_buffer_size=max(s.index_topk, kmax * RetrieverShape().page_chunks),
+            hit_rate=hit_rate if hit_rate is not None else 0.0,
+        )
+        arms = {
+            "Full": ("stock", baseline_bytes(ctx), n_chunks(ctx) * s.n_c4, 0.0),
+            "FlashMemory": (
+                "flashmemory",
+                flashmemory_bytes(ctx, kmax, PolicyKnobs(path_i=ctx >= 1048576)),
+                resident_chunks(kmax, ctx) * s.n_c4,
+                flashmemory_flops(ctx, kmax).level1,
+            ),
+        }
         if hit_rate is not None:
             arms["HiSparse"] = ("hisparse", hisparse_bytes(ctx, hs), n_chunks(ctx) * s.n_c4, 0.0)
         for name, (arm, req, scored, l1) in arms.items():
             conc, bound = capacity(p, arm, ctx, kmax, hs)
-            rows.append({"ctx": ctx, "method": name, "kmax": kmax, "resident_per_topk": (
-                             min(kmax * 64, n_chunks(ctx)) / s.index_topk),
-                         "device_bytes": req.device, "h2d_per_token": req.pcie_step, "scored_per_token": scored,
-                         "l1_flops_per_token": l1, "conc": conc, "bound": bound,
-                         "tok_s": tok_s(p, arm, ctx, conc, kmax, hs) if conc >= 1 else 0.0})
+            rows.append(
+                {
+                    "ctx": ctx,
+                    "method": name,
+                    "kmax": kmax,
+                    "resident_per_topk": (min(kmax * 64, n_chunks(ctx)) / s.index_topk),
+                    "device_bytes": req.device,
+                    "h2d_per_token": req.pcie_step,
+                    "scored_per_token": scored,
+                    "l1_flops_per_token": l1,
+                    "conc": conc,
+                    "bound": bound,
+                    "tok_s": tok_s(p, arm, ctx, conc, kmax, hs) if conc >= 1 else 0.0,
+                }
+            )
     return rows

@@ -75,30 +75,35 @@ class BatchResidentHooks(IndexerHooks):
     def __init__(self, model, config, resident: Tensor):
         super().__init__(model, config, resident=None, record=False)
         if resident.dim() != 3 or resident.dtype != torch.bool:
-            raise ValueError(f"BatchResidentHooks: expected bool [B, R, N], got {resident.dtype} "
-                             f"{tuple(resident.shape)}")
+            raise ValueError(
+                f"BatchResidentHooks: expected bool [B, R, N], got {resident.dtype} {tuple(resident.shape)}"
+            )
         self.batch_resident = resident
 
     def _pre_hook(self, cid: int):
         def hook(module, args, kwargs):
-            pos = _arg(args, kwargs, 2, "position_ids")   # [1 or B, S]: the same positions in every batch row
+            pos = _arg(args, kwargs, 2, "position_ids")  # [1 or B, S]: the same positions in every batch row
             if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
                 raise ValueError("BatchResidentHooks: batch rows must sit at the same positions")
             self._positions[cid] = pos[0]
+
         return hook
 
     def _scorer_hook(self, cid: int):
-        def hook(module, args, kwargs, scores):           # scores [B, S, n]
+        def hook(module, args, kwargs, scores):  # scores [B, S, n]
             pos = self._positions[cid]
             n = scores.shape[-1]
             res = self.batch_resident
             if res.shape[0] != scores.shape[0] or res.shape[2] < n or int(pos.max()) >= res.shape[1]:
-                raise ValueError(f"BatchResidentHooks: resident {tuple(res.shape)} does not cover scores "
-                                 f"{tuple(scores.shape)} at position {int(pos.max())}")
+                raise ValueError(
+                    f"BatchResidentHooks: resident {tuple(res.shape)} does not cover scores "
+                    f"{tuple(scores.shape)} at position {int(pos.max())}"
+                )
             future = torch.arange(n, device=scores.device).unsqueeze(0) >= ((pos + 1) // self.ratio).unsqueeze(1)
             scores = scores.masked_fill(~res[:, pos, :n], NEG_INF)
             self._masked[cid] = scores.masked_fill(future.unsqueeze(0), NEG_INF)
             return scores
+
         return hook
 
 
@@ -114,11 +119,13 @@ class PrefixDecoder:
         self.prompt = list(prompt_ids)
         ids = engine._ids(self.prompt, "prompt_ids")
         self.cache = DynamicCache(config=engine.config)
-        with torch.no_grad(), IndexerHooks(engine.model, engine.config, resident=None, record=False), \
-                torch_threads(engine.num_threads):
-            out = engine.model(input_ids=ids.unsqueeze(0), past_key_values=self.cache, use_cache=True,
-                               logits_to_keep=1)
-        self.first_logits = out.logits[0, -1].float()   # predicts response token 0
+        with (
+            torch.no_grad(),
+            IndexerHooks(engine.model, engine.config, resident=None, record=False),
+            torch_threads(engine.num_threads),
+        ):
+            out = engine.model(input_ids=ids.unsqueeze(0), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.first_logits = out.logits[0, -1].float()  # predicts response token 0
         self.forced_forwards = 0
 
     def generate(self, max_new_tokens: int, step_times: list[float] | None = None) -> list[int]:
@@ -126,8 +133,11 @@ class PrefixDecoder:
         cache = copy.deepcopy(self.cache)
         new = [int(self.first_logits.argmax())]
         m = self.engine.model
-        with torch.no_grad(), IndexerHooks(m, self.engine.config, resident=None, record=False), \
-                torch_threads(self.engine.decode_threads):
+        with (
+            torch.no_grad(),
+            IndexerHooks(m, self.engine.config, resident=None, record=False),
+            torch_threads(self.engine.decode_threads),
+        ):
             while len(new) < max_new_tokens:
                 step = torch.tensor([[new[-1]]], dtype=torch.long, device=self.engine.device)
                 t0 = time.perf_counter()
@@ -138,8 +148,7 @@ class PrefixDecoder:
         return new
 
     @torch.no_grad()
-    def forward(self, input_ids: list[int] | Tensor, resident: Tensor | None = None,
-                capture_layers=None) -> Forced:
+    def forward(self, input_ids: list[int] | Tensor, resident: Tensor | None = None, capture_layers=None) -> Forced:
         """Logits [S, vocab] of ids = prompt + response (S = P + T) with `resident` [S, N_c] bool per query row
         (rows < P must be all True: the prefill was dense), decode rows only; rows < P are returned as zeros."""
         eng = self.engine
@@ -154,7 +163,7 @@ class PrefixDecoder:
         out = torch.zeros(S, eng.vocab_size)
         with IndexerHooks(eng.model, eng.config, resident=res, record=False), torch_threads(eng.decode_threads):
             for t in range(P, S):
-                lg = eng.model(input_ids=ids[t:t + 1].unsqueeze(0), past_key_values=cache, use_cache=True).logits
+                lg = eng.model(input_ids=ids[t : t + 1].unsqueeze(0), past_key_values=cache, use_cache=True).logits
                 out[t] = lg[0, -1].float()
         self.forced_forwards += 1
         return Forced(out)
@@ -184,13 +193,13 @@ class PrefixDecoder:
             slot.append(seen[key])
         done: list[Tensor] = []
         for lo in range(0, len(uniq), batch):
-            group = torch.stack(uniq[lo:lo + batch])              # [B, S, N_c]
+            group = torch.stack(uniq[lo : lo + batch])  # [B, S, N_c]
             B = group.shape[0]
             cache = batch_cache(self.cache, B)
             rows = torch.empty(B, S - P, eng.vocab_size)
             with BatchResidentHooks(eng.model, eng.config, group), torch_threads(eng.decode_threads):
                 for t in range(P, S):
-                    step = ids[t:t + 1].view(1, 1).expand(B, 1)
+                    step = ids[t : t + 1].view(1, 1).expand(B, 1)
                     lg = eng.model(input_ids=step, past_key_values=cache, use_cache=True).logits
                     rows[:, t - P] = lg[:, -1].float()
             done.extend(rows.unbind(0))
@@ -216,7 +225,7 @@ class ServedLogits:
         one buffer reused by the next call: read it before asking again (method_quality does)."""
         if resident is None:
             raise KeyError("ServedLogits: Full attention's logits come from the capture, not from here")
-        if not bool(resident[:self.prompt_len].all()):
+        if not bool(resident[: self.prompt_len].all()):
             raise KeyError("ServedLogits: a set restricting a prompt row was never decoded here")
         rows = self._served.get(_set_key(resident, self.prompt_len))
         if rows is None:
@@ -224,7 +233,7 @@ class ServedLogits:
         S = self.prompt_len + rows.shape[0]
         if self._out is None or self._out.shape != (S, rows.shape[1]):
             self._out = torch.zeros(S, rows.shape[1])
-        self._out[self.prompt_len:] = rows
+        self._out[self.prompt_len :] = rows
         return Forced(self._out)
 
 
@@ -234,12 +243,21 @@ def _set_key(mask: Tensor, prompt_len: int) -> bytes:
     return repr(tuple(mask.shape)).encode() + d.contiguous().numpy().tobytes()
 
 
-def cached_full_run(engine, name: str, prompt_ids: list[int], max_new_tokens: int, target_layers: tuple[int, ...],
-                    topp: float = 0.6, min_layers: int = 3, record: dict | None = None) -> tuple[DocRun, PrefixDecoder]:
+def cached_full_run(
+    engine,
+    name: str,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    target_layers: tuple[int, ...],
+    topp: float = 0.6,
+    min_layers: int = 3,
+    record: dict | None = None,
+) -> tuple[DocRun, PrefixDecoder]:
     """`eval.decode.full_run` with the prompt prefilled once: (the Full run, the decoder the methods reuse).
     Same fields as full_run's DocRun (one capture forward over prompt + response); `cap` is dropped."""
     from flashmemory.hf import stored_index_keys
     from flashmemory.labels.golden import golden_labels
+
     dec = PrefixDecoder(engine, prompt_ids)
     times: list[float] = []
     response = dec.generate(max_new_tokens, times)
@@ -247,10 +265,22 @@ def cached_full_run(engine, name: str, prompt_ids: list[int], max_new_tokens: in
     cap = engine.forward(ids, capture_layers=None)
     P, T = len(prompt_ids), len(response)
     n_c4 = engine.n_c4_layers
-    labels = golden_labels([cap.index_logits[c][P:P + T] for c in range(n_c4)], topk=engine.index_topk,
-                           topp=topp, min_layers=min_layers)
+    labels = golden_labels(
+        [cap.index_logits[c][P : P + T] for c in range(n_c4)], topk=engine.index_topk, topp=topp, min_layers=min_layers
+    )
     chunks = torch.stack([stored_index_keys(cap.index_keys[c]) for c in range(n_c4)])
-    run = DocRun(name, list(prompt_ids), response, cap.logits, cap.index_logits, cap.topk,
-                 {c: cap.hidden[c] for c in target_layers}, chunks, labels,
-                 sum(times) / len(times) if times else 0.0, None, record)
+    run = DocRun(
+        name,
+        list(prompt_ids),
+        response,
+        cap.logits,
+        cap.index_logits,
+        cap.topk,
+        {c: cap.hidden[c] for c in target_layers},
+        chunks,
+        labels,
+        sum(times) / len(times) if times else 0.0,
+        None,
+        record,
+    )
     return run, dec

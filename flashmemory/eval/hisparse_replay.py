@@ -79,8 +79,12 @@ class ReplayStats:
 
     def as_dict(self) -> dict[str, float]:
         """Every count plus hit_rate, on_demand_bytes and prefetched_bytes (JSON-ready)."""
-        return {**asdict(self), "hit_rate": self.hit_rate, "on_demand_bytes": self.on_demand_bytes,
-                "prefetched_bytes": self.prefetched_bytes}
+        return {
+            **asdict(self),
+            "hit_rate": self.hit_rate,
+            "on_demand_bytes": self.on_demand_bytes,
+            "prefetched_bytes": self.prefetched_bytes,
+        }
 
 
 class HotBufferReplay:
@@ -96,11 +100,11 @@ class HotBufferReplay:
             raise ValueError(f"HotBufferReplay: slots must be >= 1, got {slots}")
         self.slots = slots
         self.tokens: list[int] = [-1] * slots if start_empty else list(range(slots))
-        self.where: dict[int, int] = {} if start_empty else {s: s for s in range(slots)}   # position -> slot
+        self.where: dict[int, int] = {} if start_empty else {s: s for s in range(slots)}  # position -> slot
         self.order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))  # oldest first
-        self.stamp: list[int] = list(range(slots))   # LRU rank of each slot (larger = more recent)
+        self.stamp: list[int] = list(range(slots))  # LRU rank of each slot (larger = more recent)
         self.next_stamp = slots
-        self.marked: set[int] = set()   # slots loaded by a prefetch and not picked since
+        self.marked: set[int] = set()  # slots loaded by a prefetch and not picked since
         self.c = dict.fromkeys((f.name for f in fields(ReplayStats)), 0)
 
     def _pending(self, picks: Sequence[int], length: int, what: str) -> list[int]:
@@ -126,8 +130,9 @@ class HotBufferReplay:
                     if len(take) == len(miss):
                         break
             if len(take) < len(miss):
-                raise ValueError(f"hot buffer of {self.slots} slots cannot take {len(miss)} misses next to "
-                                 f"{len(hit)} hits")
+                raise ValueError(
+                    f"hot buffer of {self.slots} slots cannot take {len(miss)} misses next to {len(hit)} hits"
+                )
         for s, p in zip(take, miss):
             old = self.tokens[s]
             if old >= 0:
@@ -183,17 +188,21 @@ class HotBufferReplay:
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens int32 [slots]: the position each LRU slot holds, -1 empty; lru int16 [slots]: slots oldest
         first), in the layout of sglang's `req_device_buffer_tokens[l, rid, :slots]` and `lru_slots[l, rid]`."""
-        return (torch.tensor(self.tokens, dtype=torch.int32),
-                torch.tensor(list(self.order), dtype=torch.int16))
+        return (torch.tensor(self.tokens, dtype=torch.int32), torch.tensor(list(self.order), dtype=torch.int16))
 
     def stats(self) -> ReplayStats:
         """The counts so far; prefetched slots not yet picked nor evicted count as `prefetch_unused_end`."""
         return ReplayStats(**{**self.c, "prefetch_unused_end": len(self.marked)})
 
 
-def replay_hisparse(picks: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], slots: int,
-                    hint: Mapping[int, torch.Tensor] | None = None, admission: Admission = "pd",
-                    cap_hint: bool = True) -> ReplayStats:
+def replay_hisparse(
+    picks: Sequence[Sequence[torch.Tensor]],
+    lengths: Sequence[int],
+    slots: int,
+    hint: Mapping[int, torch.Tensor] | None = None,
+    admission: Admission = "pd",
+    cap_hint: bool = True,
+) -> ReplayStats:
     """One request's decode replayed through a hot buffer of `slots` per c4 layer, summed over the layers.
 
     picks: layer -> step -> int [k] top-k compressed positions of that layer's indexer at that step (-1 = none);
@@ -218,8 +227,7 @@ def replay_hisparse(picks: Sequence[Sequence[torch.Tensor]], lengths: Sequence[i
             if hint is not None and t in hint:
                 h = hint[t]
                 if cap_hint:
-                    h = h[:max(0, slots - int(pk.numel()))]
+                    h = h[: max(0, slots - int(pk.numel()))]
                 buf.prefetch(h, int(length))
         total = total + buf.stats()
     return total
-

@@ -104,7 +104,7 @@ def replay_trace(path: str, slots: int | None = None, oracle: bool = False) -> T
             h, m = buf.step(picks, int(length))
             hits, misses = hits + h, misses + m
             if (i, j) in nxt and size > len(picks):
-                buf.prefetch(nxt[(i, j)][:size - len(picks)], int(length))
+                buf.prefetch(nxt[(i, j)][: size - len(picks)], int(length))
         recorded["calls"] += 1
         for k in ("lookups", "hits", "misses"):
             recorded[k] += int(rec[k])
@@ -126,9 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for size in [int(a) for a in args[1:]] or [None]:
             r = replay_trace(args[0], size, oracle)
-            print(json.dumps({"slots": r.slots, "recorded_hot": r.recorded_hot, "layers": r.layers,
-                              "requests": r.requests, "recorded": r.recorded, "mismatched_calls": r.mismatched_calls,
-                              "replayed": r.replayed.as_dict()}))
+            print(
+                json.dumps(
+                    {
+                        "slots": r.slots,
+                        "recorded_hot": r.recorded_hot,
+                        "layers": r.layers,
+                        "requests": r.requests,
+                        "recorded": r.recorded,
+                        "mismatched_calls": r.mismatched_calls,
+                        "replayed": r.replayed.as_dict(),
+                    }
+                )
+            )
     except (OSError, ValueError) as e:
         print(f"flashmemory eval.hisparse_trace: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2

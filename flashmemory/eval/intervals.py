@@ -15,12 +15,12 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-Z95 = 1.959963984540054     # the standard normal's 97.5% quantile
-N_BOOT = 2000               # bootstrap resamples
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+N_BOOT = 2000  # bootstrap resamples
 METHODS = ("wilson", "bootstrap")
 
 
@@ -43,8 +43,9 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     return lo, hi
 
 
-def bootstrap_mean(values: Sequence[float], level: float = 0.95, n_boot: int = N_BOOT,
-                   seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean(
+    values: Sequence[float], level: float = 0.95, n_boot: int = N_BOOT, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval (lo, hi) of the mean of `values` (finite floats); (nan, nan) when empty.
 
     Draws `n_boot` resamples of len(values) with replacement (torch generator seeded with `seed`), takes each
@@ -53,8 +54,9 @@ def bootstrap_mean(values: Sequence[float], level: float = 0.95, n_boot: int = N
     return bootstrap_pooled(values, [1.0] * len(values), level, n_boot, seed)
 
 
-def bootstrap_pooled(sums: Sequence[float], counts: Sequence[float], level: float = 0.95, n_boot: int = N_BOOT,
-                     seed: int = 0) -> tuple[float, float]:
+def bootstrap_pooled(
+    sums: Sequence[float], counts: Sequence[float], level: float = 0.95, n_boot: int = N_BOOT, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap over documents of a pooled mean sum(sums) / sum(counts) (document i contributes
     sums[i] over counts[i] > 0 items, e.g. cycles): documents are resampled whole, as in `bootstrap_mean`
     (which is this with every count 1). (nan, nan) without documents."""

@@ -14,8 +14,8 @@ All methods share the page budget (KMAX) and the Level-1 cadence; only what they
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -68,7 +68,7 @@ class RandomPolicy:
         tail0 = max(0, n_hist - self.last_keep) // self.page_chunks if self.last_keep > 0 else n_pages
         tail = torch.arange(tail0, n_pages)[-budget_pages:] if budget_pages > 0 else torch.arange(0)
         room = budget_pages - tail.numel()
-        others = torch.randperm(tail0, generator=self.gen)[:max(room, 0)]
+        others = torch.randperm(tail0, generator=self.gen)[: max(room, 0)]
         return torch.cat((others, tail)).sort().values
 
 
@@ -101,18 +101,22 @@ def _counts(n_hist: int, chunks: torch.Tensor) -> torch.Tensor:
 
 def oracle_scorer(view: DocView) -> Scorer:
     """Per chunk: how many steps of the coming window have it golden."""
+
     def score(row: int, n_hist: int, hidden, position: torch.Tensor) -> torch.Tensor:
         t = min(max(view.step_of(position), 0), view.labels.n_tokens - 1)
         a = int(view.labels.pointers[t])
         b = int(view.labels.pointers[min(t + view.tau, view.labels.n_tokens)])
         return _counts(n_hist, view.labels.indices[a:b])
+
     return score
 
 
 def reactive_scorer(view: DocView) -> Scorer:
     """Per chunk: how many c4 layers picked it at the latest step."""
+
     def score(row: int, n_hist: int, hidden, position: torch.Tensor) -> torch.Tensor:
         return _counts(n_hist, torch.cat([tk[int(position)] for tk in view.topk.values()]))
+
     return score
 
 
@@ -120,15 +124,18 @@ def zero_scorer(row: int, n_hist: int, hidden, position: torch.Tensor) -> torch.
     return torch.zeros(n_hist)
 
 
-def make_method(name: str, view: DocView, sel: SelectionConfig, engine, retriever=None,
-                seed: int = 0) -> tuple[Scorer, PagePolicy]:
+def make_method(
+    name: str, view: DocView, sel: SelectionConfig, engine, retriever=None, seed: int = 0
+) -> tuple[Scorer, PagePolicy]:
     """(scorer, policy) of a method for one document on `engine` (an `OffloadEngine`)."""
     threshold = ThresholdPagePolicy(sel)
     makers: dict[str, Callable[[], tuple[Scorer, PagePolicy]]] = {
         "FlashMemory": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
         "FlashMemory+monitor": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
-        "FlashMemory-fill": lambda: (retriever_scorer(retriever, engine, sel.ensemble),
-                                     MassPagePolicy(sel.page_chunks, sel.last_keep)),
+        "FlashMemory-fill": lambda: (
+            retriever_scorer(retriever, engine, sel.ensemble),
+            MassPagePolicy(sel.page_chunks, sel.last_keep),
+        ),
         "Recency": lambda: (zero_scorer, RecencyPolicy(sel.page_chunks)),
         "Random": lambda: (zero_scorer, RandomPolicy(sel.page_chunks, sel.last_keep, seed)),
         "Oracle": lambda: (oracle_scorer(view), MassPagePolicy(sel.page_chunks, sel.last_keep)),

@@ -17,8 +17,8 @@ False in the result.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -31,10 +31,10 @@ METHOD = "FlashMemory+monitor"
 
 @dataclass(frozen=True)
 class MonitorEvalConfig:
-    threshold: float = 0.2        # miss mass that escalates (the SGLANG_RETRIEVER_MISS_THRESHOLD default)
+    threshold: float = 0.2  # miss mass that escalates (the SGLANG_RETRIEVER_MISS_THRESHOLD default)
     low_threshold: float = 0.05
-    cap_factor: float = 2.0       # cap = ceil(cap_factor * KMAX) pages
-    shrink_after: int = 1         # short replays have few cycles: react within one
+    cap_factor: float = 2.0  # cap = ceil(cap_factor * KMAX) pages
+    shrink_after: int = 1  # short replays have few cycles: react within one
     fallback_after: int = 2
     # Start the equal-budget search at ceil(FlashMemory's mean pages) instead of KMAX: the same match without the
     # descent through every base above it (at large budgets FlashMemory's threshold keeps far fewer than KMAX pages)
@@ -48,6 +48,7 @@ def captured_native_scorer(index_logits: Mapping[int, torch.Tensor], first_posit
     the full history: no decode step has attended a resident set yet, so the scorer returns None and the
     monitor takes no reading (measuring then would compare the native top-k with the empty set the replay
     admits: a miss mass of 1.0 by construction)."""
+
     def score(row: int, layer: int, n_hist: int, hidden, position: torch.Tensor) -> torch.Tensor | None:
         if int(position) < first_position:
             return None
@@ -57,21 +58,38 @@ def captured_native_scorer(index_logits: Mapping[int, torch.Tensor], first_posit
         m = min(n_hist, lg.shape[1])
         out[:m] = lg[pos, :m].float()
         return out
+
     return score
 
 
-def monitor_factory(index_logits: Mapping[int, torch.Tensor], layers: tuple[int, ...], base: int, cap: int,
-                    topk: int, mc: MonitorEvalConfig) -> Callable:
+def monitor_factory(
+    index_logits: Mapping[int, torch.Tensor],
+    layers: tuple[int, ...],
+    base: int,
+    cap: int,
+    topk: int,
+    mc: MonitorEvalConfig,
+) -> Callable:
     """(engine, first decode position P) -> MissMonitor with base budget `base` and cap `cap` (one request: the
     shared pool is cap - base); no reading before position P (`captured_native_scorer`)."""
-    cfg = EscalationConfig(threshold=mc.threshold, low_threshold=mc.low_threshold, base=base, cap=cap,
-                           step=max(1, -(-(cap - base) // 2)), shrink_after=mc.shrink_after,
-                           fallback_after=mc.fallback_after, extra_pool=cap - base, topk=topk,
-                           fallback_history=len(layers))
+    cfg = EscalationConfig(
+        threshold=mc.threshold,
+        low_threshold=mc.low_threshold,
+        base=base,
+        cap=cap,
+        step=max(1, -(-(cap - base) // 2)),
+        shrink_after=mc.shrink_after,
+        fallback_after=mc.fallback_after,
+        extra_pool=cap - base,
+        topk=topk,
+        fallback_history=len(layers),
+    )
 
     def make(engine, first_position: int) -> MissMonitor:
-        return MissMonitor(engine, captured_native_scorer(index_logits, first_position), EscalationController(cfg),
-                           layers)
+        return MissMonitor(
+            engine, captured_native_scorer(index_logits, first_position), EscalationController(cfg), layers
+        )
+
     return make
 
 
@@ -88,10 +106,15 @@ def cap_pages(kmax: int, mc: MonitorEvalConfig) -> int:
     return max(kmax, math.ceil(mc.cap_factor * kmax - 1e-9))
 
 
-def equal_budget_replay(replay: Callable[[int, Callable | None, int], object], target_pages: float, kmax: int,
-                        cap: int, page_chunks: int,
-                        make_monitor: Callable[[int, int], Callable],
-                        max_base: int | None = None) -> tuple[object, dict]:
+def equal_budget_replay(
+    replay: Callable[[int, Callable | None, int], object],
+    target_pages: float,
+    kmax: int,
+    cap: int,
+    page_chunks: int,
+    make_monitor: Callable[[int, int], Callable],
+    max_base: int | None = None,
+) -> tuple[object, dict]:
     """Replay the monitored method at the largest base budget (<= max_base, default kmax) whose mean resident pages
     <= target_pages.
 
@@ -103,7 +126,17 @@ def equal_budget_replay(replay: Callable[[int, Callable | None, int], object], t
             rep = replay(base, make_monitor(base, c), c)
             pages = mean_resident_pages(rep.resident, page_chunks)
             if pages <= target_pages + 1e-9:
-                return rep, {"base_pages": base, "cap_pages": c, "mean_pages": pages, "target_pages": target_pages,
-                             "budget_matched": True}
-    return rep, {"base_pages": 1, "cap_pages": c, "mean_pages": pages, "target_pages": target_pages,
-                 "budget_matched": False}
+                return rep, {
+                    "base_pages": base,
+                    "cap_pages": c,
+                    "mean_pages": pages,
+                    "target_pages": target_pages,
+                    "budget_matched": True,
+                }
+    return rep, {
+        "base_pages": 1,
+        "cap_pages": c,
+        "mean_pages": pages,
+        "target_pages": target_pages,
+        "budget_matched": False,
+    }

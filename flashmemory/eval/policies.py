@@ -14,7 +14,7 @@ created after t are not in it (at serving time the recency tail holds them).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,7 +44,7 @@ def recency(doc, t: int, budget: int | None) -> torch.Tensor:
     n = n_at(doc, t)
     mask = torch.zeros(n, dtype=torch.bool)
     if budget:
-        mask[max(0, n - int(budget)):] = True
+        mask[max(0, n - int(budget)) :] = True
     return mask
 
 
@@ -84,6 +84,8 @@ def flashmemory_mask(scores: torch.Tensor, budget: int | None, threshold: float 
 
 def make_flashmemory(score_fn: Callable[[object, int], torch.Tensor], threshold: float = 0.5) -> Policy:
     """Wrap `score_fn(doc, t) -> scores [n_t]` (e.g. a retriever's ensemble) as a policy."""
+
     def policy(doc, t: int, budget: int | None) -> torch.Tensor:
         return flashmemory_mask(score_fn(doc, t), budget, threshold)
+
     return policy

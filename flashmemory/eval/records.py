@@ -26,8 +26,10 @@ def read_record(path: Path, fp: str, fmt: str, run: str, out_flag: str) -> dict 
     if not isinstance(rec, dict) or rec.get("format") != fmt or "budgets" not in rec:
         return None
     if rec.get("fingerprint") != fp:
-        raise UserError(f"{path}: written by {run} with another configuration (fingerprint "
-                        f"{rec.get('fingerprint')}, this run {fp}); use another {out_flag}")
+        raise UserError(
+            f"{path}: written by {run} with another configuration (fingerprint "
+            f"{rec.get('fingerprint')}, this run {fp}); use another {out_flag}"
+        )
     return rec
 
 

@@ -18,8 +18,8 @@ Payload bytes: index-K rows are the real fp8 chunks; c4 KV rows are a determinis
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -38,12 +38,12 @@ KV_ALIGN = 576
 
 @dataclass
 class ReplayResult:
-    resident: torch.Tensor     # [T, N_c] bool: chunk j resident at decode step t (False past n_t)
-    n_visible: torch.Tensor    # [T] int64: chunks visible at step t
-    level1_s: float            # wall time spent in Level-1 calls (cycles included)
-    metrics: dict              # engine.metrics()["total"] at the end of the replay, plus the monitor's readings:
-                               # "miss_values" (floats, cycle order) and "miss_steps" (the decode step t of each:
-                               # measured on position P + t - 1 against resident[t - 1])
+    resident: torch.Tensor  # [T, N_c] bool: chunk j resident at decode step t (False past n_t)
+    n_visible: torch.Tensor  # [T] int64: chunks visible at step t
+    level1_s: float  # wall time spent in Level-1 calls (cycles included)
+    metrics: dict  # engine.metrics()["total"] at the end of the replay, plus the monitor's readings:
+    # "miss_values" (floats, cycle order) and "miss_steps" (the decode step t of each:
+    # measured on position P + t - 1 against resident[t - 1])
     layout: OffloadLayout
 
 
@@ -55,11 +55,23 @@ def kv_pattern(n_layers: int, n_chunks: int, width: int = sum(KV_WIDTHS)) -> tor
     return ((l * 131 + j * 7 + b) % 251).to(torch.uint8)
 
 
-def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prompt_len: int, n_steps: int,
-               method: Callable[[OffloadEngine], tuple[Scorer, PagePolicy]], *, page_chunks: int, kmax: int,
-               tau: int, last_keep: int, target_layers: tuple[int, ...], ratio: int = 4,
-               device: str | torch.device = "cpu", monitor: MonitorFactory | None = None,
-               page_cap: int | None = None) -> ReplayResult:
+def replay_doc(
+    index_chunks: torch.Tensor,
+    hidden: dict[int, torch.Tensor],
+    prompt_len: int,
+    n_steps: int,
+    method: Callable[[OffloadEngine], tuple[Scorer, PagePolicy]],
+    *,
+    page_chunks: int,
+    kmax: int,
+    tau: int,
+    last_keep: int,
+    target_layers: tuple[int, ...],
+    ratio: int = 4,
+    device: str | torch.device = "cpu",
+    monitor: MonitorFactory | None = None,
+    page_cap: int | None = None,
+) -> ReplayResult:
     """Replay `n_steps` decode steps of one document.
 
     index_chunks: uint8 [n_c4, N_c, D+4] stored index keys of every c4 layer over prompt + response.
@@ -70,19 +82,37 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
     engine's per-request page cap (escalation's cap; default kmax).
     """
     n_layers, n_total, cb = index_chunks.shape
-    layout = OffloadLayout(n_layers=n_layers, page_chunks=page_chunks, kv_widths=KV_WIDTHS, kv_align=KV_ALIGN,
-                           index_head_dim=cb - 4, target_layers=tuple(target_layers), index_offload=True)
+    layout = OffloadLayout(
+        n_layers=n_layers,
+        page_chunks=page_chunks,
+        kv_widths=KV_WIDTHS,
+        kv_align=KV_ALIGN,
+        index_head_dim=cb - 4,
+        target_layers=tuple(target_layers),
+        index_offload=True,
+    )
     n_pages = -(-n_total // page_chunks)
     decode_pages = -(-n_steps // (ratio * page_chunks)) + 2
     cap = max(kmax, page_cap or kmax)
-    cfg = EngineConfig(max_rows=1, max_chunks=n_total, mirror_pages=n_pages + 1, recall_blocks=cap + 1,
-                       decode_pages=decode_pages, max_resident_pages=cap, pin_memory=False)
+    cfg = EngineConfig(
+        max_rows=1,
+        max_chunks=n_total,
+        mirror_pages=n_pages + 1,
+        recall_blocks=cap + 1,
+        decode_pages=decode_pages,
+        max_resident_pages=cap,
+        pin_memory=False,
+    )
     engine = OffloadEngine(layout, cfg, device)
     scorer, policy = method(engine)
     kv = kv_pattern(n_layers, n_total)
-    level1 = Level1(engine, scorer, policy, Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep,
-                                                         async_recall=False),
-                    monitor=monitor(engine, prompt_len) if monitor is not None else None)
+    level1 = Level1(
+        engine,
+        scorer,
+        policy,
+        Level1Config(tau=tau, max_resident_pages=kmax, last_keep=last_keep, async_recall=False),
+        monitor=monitor(engine, prompt_len) if monitor is not None else None,
+    )
     n0 = prompt_len // ratio
     engine.admit(0, kv[:, :n0], index_chunks[:, :n0], rid="doc")
     resident = torch.zeros(n_steps, n_total, dtype=torch.bool)
@@ -96,20 +126,20 @@ def replay_doc(index_chunks: torch.Tensor, hidden: dict[int, torch.Tensor], prom
             pos = prompt_len + t - 1
             n_read = engine.stats.miss_n
             t0 = time.perf_counter()
-            level1.on_step([0], {lid: hidden[lid][pos:pos + 1] for lid in target_layers}, torch.tensor([pos]))
+            level1.on_step([0], {lid: hidden[lid][pos : pos + 1] for lid in target_layers}, torch.tensor([pos]))
             spent += time.perf_counter() - t0
-            if engine.stats.miss_n > n_read:   # one row: at most one reading per step
+            if engine.stats.miss_n > n_read:  # one row: at most one reading per step
                 values.append(engine.stats.miss_recent[-1])
                 steps.append(t)
             n_t = min((prompt_len + t + 1) // ratio, n_total)
             while engine.n_chunks(0) < n_t:
                 j = engine.n_chunks(0)
-                engine.decode_append(rows, kv[:, j:j + 1], index_chunks[:, j:j + 1])
+                engine.decode_append(rows, kv[:, j : j + 1], index_chunks[:, j : j + 1])
             cells = engine.cells(rows, torch.arange(n_t).view(1, -1))[0]
             resident[t, :n_t] = (cells >= 0).cpu()
             n_vis[t] = n_t
         metrics = engine.metrics()["total"]
-        metrics["miss_values"], metrics["miss_steps"] = values, steps   # the monitor's readings, in cycle order
+        metrics["miss_values"], metrics["miss_steps"] = values, steps  # the monitor's readings, in cycle order
     finally:
         level1.close()
         engine.finish(0)

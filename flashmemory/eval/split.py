@@ -36,24 +36,30 @@ def doc_index(path: Path) -> int:
     return int(path.stem.split("_")[1])
 
 
-def heldout_paths(paths: list[Path], meta: dict[str, str], dump_dir: str | Path,
-                  all_docs: bool) -> tuple[list[Path], str]:
+def heldout_paths(
+    paths: list[Path], meta: dict[str, str], dump_dir: str | Path, all_docs: bool
+) -> tuple[list[Path], str]:
     """(paths to score, the split line) for `eval --dump`."""
     seen = seen_doc_ids(meta, dump_dir)
     if all_docs:
         return paths, f"split: all {len(paths)} docs of {dump_dir} (--all-docs; training documents included)"
     if seen is None:
-        return paths, (f"split: all {len(paths)} docs of {dump_dir} (the checkpoint records no training documents; "
-                       "a checkpoint from `flashmemory train` does)")
+        return paths, (
+            f"split: all {len(paths)} docs of {dump_dir} (the checkpoint records no training documents; "
+            "a checkpoint from `flashmemory train` does)"
+        )
     keep = [] if -1 in seen else [p for p in paths if doc_index(p) not in seen]
-    return keep, (f"split: held-out, {len(keep)} of {len(paths)} docs of {dump_dir} "
-                  f"(doc ids {[doc_index(p) for p in keep]}; the checkpoint trained/selected on the others)")
+    return keep, (
+        f"split: held-out, {len(keep)} of {len(paths)} docs of {dump_dir} "
+        f"(doc ids {[doc_index(p) for p in keep]}; the checkpoint trained/selected on the others)"
+    )
 
 
 def config_split_paths(config_path: str, split: str) -> tuple[list[Path], str]:
     """(paths, split line) of one split of a data config."""
     from flashmemory.train.data_config import load_data_config
     from flashmemory.train.dataset import resolve_docs
+
     cfg = load_data_config(config_path, require=())
     specs = cfg.split(split)
     if not specs:

@@ -10,9 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"ForwardCapture": "engine", "HFEngine": "engine", "stored_index_keys": "engine",
-          "unstored_index_keys": "engine", "c4_layer_ids": "layers", "load_model": "models",
-          "shipped_configs": "models"}
+_WHERE = {
+    "ForwardCapture": "engine",
+    "HFEngine": "engine",
+    "stored_index_keys": "engine",
+    "unstored_index_keys": "engine",
+    "c4_layer_ids": "layers",
+    "load_model": "models",
+    "shipped_configs": "models",
+}
 __all__ = sorted(_WHERE)
 
 

@@ -65,13 +65,16 @@ def not_resident(resident: torch.Tensor, positions: torch.Tensor, n_entries: int
     `resident` is [N] (one mask for every query) or [R, N] (row = absolute query position).
     """
     if resident.shape[-1] < n_entries:
-        raise ValueError(f"resident mask covers {resident.shape[-1]} compressed entries but the indexer "
-                         f"scores {n_entries}; give at least {n_entries} columns")
+        raise ValueError(
+            f"resident mask covers {resident.shape[-1]} compressed entries but the indexer "
+            f"scores {n_entries}; give at least {n_entries} columns"
+        )
     if resident.dim() == 1:
         return ~resident[:n_entries].unsqueeze(0)
     if int(positions.max()) >= resident.shape[0]:
-        raise ValueError(f"resident mask has {resident.shape[0]} rows but a query sits at position "
-                         f"{int(positions.max())}")
+        raise ValueError(
+            f"resident mask has {resident.shape[0]} rows but a query sits at position {int(positions.max())}"
+        )
     return ~resident[positions, :n_entries]
 
 
@@ -84,8 +87,14 @@ class IndexerHooks:
     Batch size must be 1.
     """
 
-    def __init__(self, model: nn.Module, config, resident: torch.Tensor | None = None,
-                 capture: list[int] | tuple[int, ...] = (), record: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        config,
+        resident: torch.Tensor | None = None,
+        capture: list[int] | tuple[int, ...] = (),
+        record: bool = True,
+    ):
         self.indexers = indexer_modules(model, config)
         self.ratio = c4_ratio(config)
         self.topk_width = int(config.index_topk)
@@ -121,6 +130,7 @@ class IndexerHooks:
             if pos.shape[0] != 1:
                 raise ValueError(f"IndexerHooks supports batch size 1, got position_ids {tuple(pos.shape)}")
             self._positions[cid] = pos[0]
+
         return hook
 
     def _scorer_hook(self, cid: int):
@@ -139,6 +149,7 @@ class IndexerHooks:
                 scores = scores.masked_fill(not_resident(self.resident, pos, n).unsqueeze(0), NEG_INF)
             self._masked[cid] = scores.masked_fill(future.unsqueeze(0), NEG_INF)
             return scores
+
         return hook
 
     def _indexer_hook(self, cid: int):
@@ -155,4 +166,5 @@ class IndexerHooks:
                     out = torch.cat([out, out.new_full((out.shape[0], pad), -1)], dim=-1)
                 self.record.topk[cid] = out.long()
             return picks
+
         return hook

@@ -109,10 +109,10 @@ class HFEngine:
         self.device = next(model.parameters()).device
 
     @classmethod
-    def from_name(cls, name_or_path: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  **kwargs) -> "HFEngine":
+    def from_name(cls, name_or_path: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> "HFEngine":
         """`HFEngine(*load_model(name_or_path, seed, dtype), **kwargs)`."""
         from flashmemory.hf.models import load_model
+
         return cls(*load_model(name_or_path, seed, dtype), **kwargs)
 
     def n_compressed(self, seq_len: int) -> int:
@@ -147,14 +147,16 @@ class HFEngine:
         else:
             ok = False
         if not ok:
-            raise ValueError(f"resident: expected bool [N_c>={n_entries}] or [{n_rows}, N_c>={n_entries}], "
-                             f"got {tuple(r.shape)}")
+            raise ValueError(
+                f"resident: expected bool [N_c>={n_entries}] or [{n_rows}, N_c>={n_entries}], got {tuple(r.shape)}"
+            )
         return r.to(self.device)
 
     # ---- teacher-forced capture ---------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, input_ids: Tensor | list[int], resident: Tensor | None = None,
-                capture_layers: Iterable[int] | None = None) -> ForwardCapture:
+    def forward(
+        self, input_ids: Tensor | list[int], resident: Tensor | None = None, capture_layers: Iterable[int] | None = None
+    ) -> ForwardCapture:
         """One full forward over input_ids [S] (no cache); see `ForwardCapture` for the outputs.
 
         resident: None, bool [N_c] (all queries) or [S, N_c] (per query), True = resident; extra
@@ -166,20 +168,28 @@ class HFEngine:
         res = self._resident(resident, s, self.n_compressed(s))
         n = self.n_c4_layers
         cap = list(range(n)) if capture_layers is None else check_c4_ids(capture_layers, n)
-        with torch_threads(self.num_threads), \
-                IndexerHooks(self.model, self.config, resident=res, capture=cap, record=True) as hooks:
+        with (
+            torch_threads(self.num_threads),
+            IndexerHooks(self.model, self.config, resident=res, capture=cap, record=True) as hooks,
+        ):
             out = self.model(input_ids=ids.unsqueeze(0), use_cache=False)
         rec = hooks.record
         missing = [c for c in range(self.n_c4_layers) if c not in rec.topk]
         if missing:
             raise RuntimeError(f"indexer hooks did not fire for c4 layers {missing}")
-        return ForwardCapture(logits=out.logits[0].float(), hidden=rec.hidden, index_logits=rec.index_logits,
-                              index_keys=rec.index_keys, topk=rec.topk)
+        return ForwardCapture(
+            logits=out.logits[0].float(),
+            hidden=rec.hidden,
+            index_logits=rec.index_logits,
+            index_keys=rec.index_keys,
+            topk=rec.topk,
+        )
 
     # ---- cached decode ------------------------------------------------------------------------
     @torch.no_grad()
-    def incremental_logits(self, input_ids: Tensor | list[int], prefill_len: int,
-                           resident: Tensor | None = None) -> Tensor:
+    def incremental_logits(
+        self, input_ids: Tensor | list[int], prefill_len: int, resident: Tensor | None = None
+    ) -> Tensor:
         """Logits [S, vocab] fp32 from a cached prefill of the first `prefill_len` tokens followed by
         one-token decode steps; equals `forward(...).logits` up to float error (the parity check)."""
         ids = self._ids(input_ids)
@@ -200,8 +210,14 @@ class HFEngine:
         return torch.cat(rows, dim=0)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, resident: Tensor | None = None,
-                 eos_token_id: int | None = None, step_times: list[float] | None = None) -> list[int]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        resident: Tensor | None = None,
+        eos_token_id: int | None = None,
+        step_times: list[float] | None = None,
+    ) -> list[int]:
         """Greedy decode: the new tokens only (at most `max_new_tokens`; stops after `eos_token_id`
         if given). resident: None or bool [N_c_max] with N_c_max >= (len(prompt)+max_new_tokens-1)//4
         (a [S_max, N_c_max] per-position mask also works). step_times: if given, the wall seconds of
@@ -222,8 +238,9 @@ class HFEngine:
         new: list[int] = []
         with IndexerHooks(self.model, self.config, resident=res, record=False):
             with torch_threads(self.num_threads):
-                logits = self.model(input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1).logits
+                logits = self.model(
+                    input_ids=ids.unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).logits
             with torch_threads(self.decode_threads):
                 while True:
                     tok = int(logits[0, -1].argmax())

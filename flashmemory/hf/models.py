@@ -78,8 +78,9 @@ def build_random(config: DeepseekV4Config, seed: int = 0, dtype: torch.dtype = t
     return model.to(dtype).eval()
 
 
-def load_model(name_or_path: str, seed: int = 0,
-               dtype: torch.dtype = torch.float32) -> tuple[DeepseekV4ForCausalLM, DeepseekV4Config]:
+def load_model(
+    name_or_path: str, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[DeepseekV4ForCausalLM, DeepseekV4Config]:
     """Return (model in eval mode, config).
 
     `name_or_path` is one of `shipped_configs()` (seeded random model), a local `.json` config file

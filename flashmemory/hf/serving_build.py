@@ -46,7 +46,7 @@ def build_tokenizer(vocab_size: int):
         vocab[s] = len(vocab)
     i = 0
     while len(vocab) < vocab_size:
-        vocab[f"ĠÂ{i}"] = len(vocab)   # spells " Â<i>" when decoded: visibly a filler id
+        vocab[f"ĠÂ{i}"] = len(vocab)  # spells " Â<i>" when decoded: visibly a filler id
         i += 1
     if len(vocab) != vocab_size:
         raise BuildError(f"tokenizer needs {len(vocab)} ids but vocab_size is {vocab_size}")
@@ -59,6 +59,7 @@ def build_tokenizer(vocab_size: int):
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
+
     save_file({k: tensors[k] for k in sorted(tensors)}, str(path), metadata={"format": "pt"})
 
 
@@ -92,9 +93,14 @@ def write_checkpoint(tmp: Path, seed: int, init_std: float | None = None) -> dic
     tok = build_tokenizer(int(raw["vocab_size"]))
     tok.save(str(tmp / "tokenizer.json"))
     tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1],
-        "pad_token": SPECIAL_TOKENS[2], "add_bos_token": False, "add_eos_token": False,
-        "model_max_length": int(raw["max_position_embeddings"]), "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[2],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": int(raw["max_position_embeddings"]),
+        "clean_up_tokenization_spaces": False,
     }
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}
@@ -133,17 +139,19 @@ def build_serving(out: str | os.PathLike, seed: int = 0, init_std: float | None 
             if intact(out, seed, init_std):
                 return out
             what = f"seed {seed}" + ("" if init_std is None else f" and init_std {float(init_std)}")
-            raise BuildError(f"{out}: exists and is not an intact serving-tiny build with {what}; "
-                             "choose another --out (nothing was deleted)")
+            raise BuildError(
+                f"{out}: exists and is not an intact serving-tiny build with {what}; "
+                "choose another --out (nothing was deleted)"
+            )
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
         try:
             write_checkpoint(tmp, seed, init_std)
             for f in tmp.iterdir():
-                os.chmod(f, 0o644)   # safetensors and mkdtemp create owner-only files
+                os.chmod(f, 0o644)  # safetensors and mkdtemp create owner-only files
             os.chmod(tmp, 0o755)
             os.rename(tmp, out)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)   # our own temp dir only
+            shutil.rmtree(tmp, ignore_errors=True)  # our own temp dir only
             raise
     return out
 
@@ -153,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         out = build_serving(args.out, args.seed, args.init_std)
     except BuildError as e:
         from flashmemory.errors import fail
+
         return fail("model build-serving", e)
     print(out)
     return 0
@@ -160,11 +169,18 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_build_serving(model_sub) -> None:
     """Add `build-serving` to the `flashmemory model` subparsers."""
-    p = model_sub.add_parser("build-serving", help="write the tiny DeepSeek-V4 checkpoint sglang serves on CPU",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = model_sub.add_parser(
+        "build-serving",
+        help="write the tiny DeepSeek-V4 checkpoint sglang serves on CPU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", required=True, help="output directory (must not exist, or be the same build)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    p.add_argument("--init-std", type=float, default=None,
-                   help="std of the random weights (default: the config's initializer_range, 0.1)")
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=None,
+        help="std of the random weights (default: the config's initializer_range, 0.1)",
+    )
     p.set_defaults(func=_run)
-

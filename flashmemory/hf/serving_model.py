@@ -61,8 +61,13 @@ SERVING_TINY_CONFIG: dict = {
     "compress_ratios": [0, 4, 128, 4, 128, 0],
     "compress_rope_theta": 40000,
     "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 65536,
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
@@ -80,11 +85,32 @@ SERVING_TINY_CONFIG: dict = {
 # The DeepSeek special tokens, in id order (bos = 0, eos = 1 as in the config). `<｜deepseek_image｜>` is the
 # checkpoint's image token (sglang's renderer); the six task tokens are looked up by `_attach_task`.
 SPECIAL_TOKENS: tuple[str, ...] = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<think>", "</think>",
-    "<｜System｜>", "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>", "｜DSML｜",
-    "<｜deepseek_image｜>", "<｜image｜>", "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>",
-    "<｜point｜>", "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>",
-    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜▁pad▁｜>",
+    "<think>",
+    "</think>",
+    "<｜System｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜latest_reminder｜>",
+    "｜DSML｜",
+    "<｜deepseek_image｜>",
+    "<｜image｜>",
+    "<｜ref｜>",
+    "<｜/ref｜>",
+    "<｜box｜>",
+    "<｜/box｜>",
+    "<｜point｜>",
+    "<｜/point｜>",
+    "<｜polygon｜>",
+    "<｜/polygon｜>",
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
 )
 
 
@@ -113,14 +139,23 @@ _LAYER_RENAMES: tuple[tuple[str, str], ...] = (
 )
 # Leaf renames inside attn / compressor (applied after the prefix rename above).
 _LEAF_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"\.q_a_proj\.", ".wq_a."), (r"\.q_a_norm\.", ".q_norm."), (r"attn\.q_b_proj\.", "attn.wq_b."),
-    (r"compressor\.kv_proj\.", "compressor.wkv."), (r"compressor\.gate_proj\.", "compressor.wgate."),
-    (r"compressor\.kv_norm\.", "compressor.norm."), (r"compressor\.position_bias$", "compressor.ape"),
-    (r"attn\.kv_proj\.", "attn.wkv."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"attn\.q_b_proj\.", "attn.wq_b."),
+    (r"compressor\.kv_proj\.", "compressor.wkv."),
+    (r"compressor\.gate_proj\.", "compressor.wgate."),
+    (r"compressor\.kv_norm\.", "compressor.norm."),
+    (r"compressor\.position_bias$", "compressor.ape"),
+    (r"attn\.kv_proj\.", "attn.wkv."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
 )
 _TOP = {
-    "model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight",
-    "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+    "model.embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
     "model.hc_head.hc_scale": "hc_head_scale",
 }
 

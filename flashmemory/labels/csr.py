@@ -19,9 +19,9 @@ class LabelsError(ValueError):
 
 @dataclass(frozen=True)
 class LabelsCSR:
-    indices: torch.Tensor    # [E] int32 chunk ids
-    scores: torch.Tensor     # [E] int32
-    pointers: torch.Tensor   # [T+1] int32
+    indices: torch.Tensor  # [E] int32 chunk ids
+    scores: torch.Tensor  # [E] int32
+    pointers: torch.Tensor  # [T+1] int32
 
     def __post_init__(self) -> None:
         self.validate()
@@ -30,18 +30,20 @@ class LabelsCSR:
         for name in ("indices", "scores", "pointers"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
-                raise LabelsError(f"{what}: {name} must be a 1-D tensor, got "
-                                  f"{getattr(t, 'shape', type(t).__name__)}")
+                raise LabelsError(f"{what}: {name} must be a 1-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
             if t.dtype != torch.int32:
                 raise LabelsError(f"{what}: {name} must be int32, got {t.dtype}")
         if self.indices.numel() != self.scores.numel():
-            raise LabelsError(f"{what}: indices has {self.indices.numel()} entries but scores has "
-                              f"{self.scores.numel()}")
+            raise LabelsError(
+                f"{what}: indices has {self.indices.numel()} entries but scores has {self.scores.numel()}"
+            )
         p = self.pointers
         if p.numel() < 1 or int(p[0]) != 0 or int(p[-1]) != self.indices.numel():
-            raise LabelsError(f"{what}: pointers must start at 0 and end at {self.indices.numel()} "
-                              f"(got {p.numel()} pointers, first/last "
-                              f"{p[:1].tolist()}/{p[-1:].tolist()})")
+            raise LabelsError(
+                f"{what}: pointers must start at 0 and end at {self.indices.numel()} "
+                f"(got {p.numel()} pointers, first/last "
+                f"{p[:1].tolist()}/{p[-1:].tolist()})"
+            )
         if p.numel() > 1 and bool((p[1:] < p[:-1]).any()):
             raise LabelsError(f"{what}: pointers decrease at row {int((p[1:] < p[:-1]).nonzero()[0])}")
         if self.indices.numel() and int(self.indices.min()) < 0:
@@ -70,7 +72,7 @@ class LabelsCSR:
     def to_rows(self) -> list[list[tuple[int, int]]]:
         """Plain Python form: per token a list of (chunk, score). For tests and debugging, not hot paths."""
         idx, sc, p = self.indices.tolist(), self.scores.tolist(), self.pointers.tolist()
-        return [list(zip(idx[p[t]:p[t + 1]], sc[p[t]:p[t + 1]])) for t in range(self.n_tokens)]
+        return [list(zip(idx[p[t] : p[t + 1]], sc[p[t] : p[t + 1]])) for t in range(self.n_tokens)]
 
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]]) -> "LabelsCSR":
@@ -78,15 +80,18 @@ class LabelsCSR:
         ptr = [0]
         for r in rows:
             ptr.append(ptr[-1] + len(r))
-        return cls(torch.tensor([c for c, _ in flat], dtype=torch.int32),
-                   torch.tensor([s for _, s in flat], dtype=torch.int32),
-                   torch.tensor(ptr, dtype=torch.int32))
+        return cls(
+            torch.tensor([c for c, _ in flat], dtype=torch.int32),
+            torch.tensor([s for _, s in flat], dtype=torch.int32),
+            torch.tensor(ptr, dtype=torch.int32),
+        )
 
     @classmethod
     def from_entries(cls, row: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, n_tokens: int) -> "LabelsCSR":
         """Build from entries already grouped by row (row ascending): row/idx/score [E] integer tensors."""
-        counts = (torch.bincount(row.long(), minlength=n_tokens) if row.numel()
-                  else torch.zeros(n_tokens, dtype=torch.long))
+        counts = (
+            torch.bincount(row.long(), minlength=n_tokens) if row.numel() else torch.zeros(n_tokens, dtype=torch.long)
+        )
         if counts.numel() != n_tokens:
             raise LabelsError(f"entry row ids reach {counts.numel() - 1} but n_tokens is {n_tokens}")
         ptr = torch.zeros(n_tokens + 1, dtype=torch.int64)

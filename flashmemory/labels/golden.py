@@ -29,8 +29,9 @@ def _mask_visible(logits: torch.Tensor, n_visible: torch.Tensor | None) -> torch
     return logits.masked_fill(cols.unsqueeze(0) >= n_visible.unsqueeze(1), float("-inf"))
 
 
-def layer_nucleus(logits: torch.Tensor, topk: int, topp: float,
-                  n_visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_nucleus(
+    logits: torch.Tensor, topk: int, topp: float, n_visible: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's per-token nucleus.
 
     logits: [T, N] float (any float dtype; computed in float32), -inf where a chunk is not visible.
@@ -61,8 +62,9 @@ def layer_nucleus(logits: torch.Tensor, topk: int, topp: float,
     return idx, keep
 
 
-def vote_labels(layer_idx: Sequence[torch.Tensor], layer_keep: Sequence[torch.Tensor], n_tokens: int,
-                min_layers: int) -> LabelsCSR:
+def vote_labels(
+    layer_idx: Sequence[torch.Tensor], layer_keep: Sequence[torch.Tensor], n_tokens: int, min_layers: int
+) -> LabelsCSR:
     """Count per-token votes over layers. layer_idx[l], layer_keep[l]: [T, k_l]. Returns the golden CSR."""
     if min_layers < 1:
         raise LabelsError(f"min_layers={min_layers} must be >= 1")
@@ -89,8 +91,13 @@ def vote_labels(layer_idx: Sequence[torch.Tensor], layer_keep: Sequence[torch.Te
     return LabelsCSR.from_entries(r[order], c[order], votes[order], n_tokens)
 
 
-def golden_labels(layer_logits: Sequence[torch.Tensor] | torch.Tensor, topk: int = 512, topp: float = 0.6,
-                  min_layers: int = 3, n_visible: torch.Tensor | None = None) -> LabelsCSR:
+def golden_labels(
+    layer_logits: Sequence[torch.Tensor] | torch.Tensor,
+    topk: int = 512,
+    topp: float = 0.6,
+    min_layers: int = 3,
+    n_visible: torch.Tensor | None = None,
+) -> LabelsCSR:
     """Golden labels for T tokens.
 
     layer_logits: one [T, N] float tensor per CSA layer (or a [L, T, N] tensor); -inf = not visible.

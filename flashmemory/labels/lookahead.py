@@ -23,8 +23,9 @@ def _limit(n_chunks: int | torch.Tensor | None, rows: torch.Tensor) -> torch.Ten
     return torch.as_tensor(n_chunks).long()[rows]
 
 
-def lookahead_union(labels: LabelsCSR, t: int, tau: int = 64,
-                    n_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def lookahead_union(
+    labels: LabelsCSR, t: int, tau: int = 64, n_chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Union for one token: (chunk ids [U] int64 ascending, max votes [U] int32). Chunks >= n_chunks dropped."""
     if tau < 1:
         raise LabelsError(f"tau={tau} must be >= 1")
@@ -42,8 +43,7 @@ def lookahead_union(labels: LabelsCSR, t: int, tau: int = 64,
     return uniq, best
 
 
-def lookahead_union_all(labels: LabelsCSR, tau: int = 64,
-                        n_chunks: int | torch.Tensor | None = None) -> LabelsCSR:
+def lookahead_union_all(labels: LabelsCSR, tau: int = 64, n_chunks: int | torch.Tensor | None = None) -> LabelsCSR:
     """Unions for every token at once, as a CSR with T rows (chunk ids ascending, score = max votes).
 
     n_chunks: an int, or a [T] tensor giving row t's limit, drops chunk ids >= the limit (e.g. the
@@ -67,7 +67,7 @@ def lookahead_union_all(labels: LabelsCSR, tau: int = 64,
         t1 = min(T, t0 + block)
         a, b = int(ptr[t0]), int(ptr[min(T, t1 + tau - 1)])
         s, c, v = src_row[a:b], col[a:b], score[a:b]
-        tgt = s.unsqueeze(1) - offs.unsqueeze(0)                      # [e, tau] target rows
+        tgt = s.unsqueeze(1) - offs.unsqueeze(0)  # [e, tau] target rows
         ok = (tgt >= t0) & (tgt < t1)
         tgt_f = tgt[ok]
         c_f = c.unsqueeze(1).expand_as(tgt)[ok]

@@ -32,12 +32,40 @@ from flashmemory.offload.check import check_invariants
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.layout import OffloadLayout, PageFormat
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
-from flashmemory.offload.recall import (RecallPlan, Recaller, RecallRequest, execute_recall, gather_copy,
-                                        plan_recall, publish_recall, recall_now)
+from flashmemory.offload.recall import (
+    Recaller,
+    RecallPlan,
+    RecallRequest,
+    execute_recall,
+    gather_copy,
+    plan_recall,
+    publish_recall,
+    recall_now,
+)
 from flashmemory.offload.reserve import DeviceReserve, TargetIndexPool
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync, SyncResult
 
-__all__ = ["check_invariants", "EngineConfig", "OffloadEngine", "OffloadLayout", "PageFormat", "HostMirror", "OffloadCapacityError",
-           "RecallPlan", "Recaller", "RecallRequest", "execute_recall", "gather_copy", "plan_recall",
-           "publish_recall", "recall_now", "DeviceReserve", "TargetIndexPool", "Admission", "AppendRound",
-           "BatchSync", "RowSync", "SyncResult"]
+__all__ = [
+    "check_invariants",
+    "EngineConfig",
+    "OffloadEngine",
+    "OffloadLayout",
+    "PageFormat",
+    "HostMirror",
+    "OffloadCapacityError",
+    "RecallPlan",
+    "Recaller",
+    "RecallRequest",
+    "execute_recall",
+    "gather_copy",
+    "plan_recall",
+    "publish_recall",
+    "recall_now",
+    "DeviceReserve",
+    "TargetIndexPool",
+    "Admission",
+    "AppendRound",
+    "BatchSync",
+    "RowSync",
+    "SyncResult",
+]

@@ -42,11 +42,11 @@ if TYPE_CHECKING:
 class ReserveSlots:
     """The reserve's block layout (see `offload.reserve`): fixed at construction."""
 
-    n_blocks: int          # all blocks: recall | decode regions | sink | landing
+    n_blocks: int  # all blocks: recall | decode regions | sink | landing
     recall_blocks: int
-    sink_block: int        # padding rows and unknown stores write here; never read as a pick
-    sink_cell: int         # sink_block * page_chunks
-    landing_base: int      # first landing block (scratch for prefill stores)
+    sink_block: int  # padding rows and unknown stores write here; never read as a pick
+    sink_cell: int  # sink_block * page_chunks
+    landing_base: int  # first landing block (scratch for prefill stores)
     landing_blocks: int
 
 
@@ -82,10 +82,10 @@ class CoreAccess:
     tables: ResidentTables
     lock: Any
 
-    def _live(self, row: int) -> RowState:   # engine.py
+    def _live(self, row: int) -> RowState:  # engine.py
         raise NotImplementedError
 
-    def _mchunks(self, st: RowState, start: int, stop: int) -> torch.Tensor:   # engine.py
+    def _mchunks(self, st: RowState, start: int, stop: int) -> torch.Tensor:  # engine.py
         raise NotImplementedError
 
     # ---- forward order ---------------------------------------------------------------------------------
@@ -129,8 +129,13 @@ class CoreAccess:
         return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
 
     # ---- stores of bytes the caller holds -------------------------------------------------------------
-    def store_chunks(self, m: torch.Tensor, layers: Sequence[int], kv: torch.Tensor | None = None,
-                     index: Sequence[torch.Tensor | None] | None = None) -> None:
+    def store_chunks(
+        self,
+        m: torch.Tensor,
+        layers: Sequence[int],
+        kv: torch.Tensor | None = None,
+        index: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         """Chunk rows the caller's storage holds for admitted mirror chunks m [n] (on the core's device), for
         c4 `layers`: kv uint8 [len(layers), n, kv_chunk_bytes] into the mirror and into each chunk's reserve
         cell where it is resident now; index[j] uint8 [n, index_chunk_bytes] of layer `layers[j]` into the target
@@ -144,34 +149,35 @@ class CoreAccess:
             res = cells >= 0
             hit = bool(res.any())
             if kv is not None:
-                mr, mo = self.mirror.rows((m // pc).cpu(), write=True), (m % pc).cpu()   # pages -> DRAM rows
+                mr, mo = self.mirror.rows((m // pc).cpu(), write=True), (m % pc).cpu()  # pages -> DRAM rows
                 if hit:
                     rc, rr, rrows = cells[res] // pc, cells[res] % pc, kv[:, res.cpu()].to(self.device)
                 for j, l in enumerate(layers if not every else [None]):
                     sel = slice(None) if every else slice(j, j + 1)
-                    lay.kv.write_chunks(self.mirror.kv if every else self.mirror.kv[l:l + 1], mr, mo, kv[sel])
+                    lay.kv.write_chunks(self.mirror.kv if every else self.mirror.kv[l : l + 1], mr, mo, kv[sel])
                     if hit:
-                        dst = self.reserve.kv if every else self.reserve.kv[l:l + 1]
+                        dst = self.reserve.kv if every else self.reserve.kv[l : l + 1]
                         lay.kv.write_chunks(dst, rc, rr, rrows[sel])
             for l, rows in zip(layers, index or ()):
                 if rows is not None:
                     self._store_index(l, m, rows, cells, res)
 
-    def _store_index(self, l: int, m: torch.Tensor, rows: torch.Tensor, cells: torch.Tensor,
-                     res: torch.Tensor) -> None:
+    def _store_index(self, l: int, m: torch.Tensor, rows: torch.Tensor, cells: torch.Tensor, res: torch.Tensor) -> None:
         lay, pc = self.layout, self.layout.page_chunks
         if l in lay.target_layers:
             buf = self.target.pages[self.target.layers.index(l)]
             lay.index.write_chunks(buf, (m // pc).to(buf.device), (m % pc).to(buf.device), rows.to(buf.device))
         elif l in lay.offload_index_layers:
-            i, mr = lay.offload_index_layers.index(l), self.mirror.rows((m // pc).cpu(), True)   # -> DRAM rows
+            i, mr = lay.offload_index_layers.index(l), self.mirror.rows((m // pc).cpu(), True)  # -> DRAM rows
             lay.index.write_chunks(self.mirror.index[i], mr, (m % pc).cpu(), rows)
             if bool(res.any()):
-                lay.index.write_chunks(self.reserve.index[i], cells[res] // pc, cells[res] % pc,
-                                       rows[res.cpu()].to(self.device))
+                lay.index.write_chunks(
+                    self.reserve.index[i], cells[res] // pc, cells[res] % pc, rows[res.cpu()].to(self.device)
+                )
 
-    def refresh_cells(self, layer: int, m: torch.Tensor, src: torch.Tensor, src_bytes: torch.Tensor,
-                      byte_map: torch.Tensor) -> None:
+    def refresh_cells(
+        self, layer: int, m: torch.Tensor, src: torch.Tensor, src_bytes: torch.Tensor, byte_map: torch.Tensor
+    ) -> None:
         """Graph safe (static shapes, device index math, no host sync): for mirror chunks m [T] (`no_chunk` where
         none), copy the kv chunk bytes at flat byte offsets src_bytes [T, kv_chunk_bytes] of the caller's buffer
         `src` into their reserve cells of c4 layer `layer`; chunks not resident write the sink cell.
@@ -191,17 +197,20 @@ class CoreAccess:
         lay, pc = self.layout, self.layout.page_chunks
         m, cells = m.long(), cells.long().to(self.device)
         with self.lock:
-            rows = lay.kv.read_chunks(self.reserve.kv, cells // pc, cells % pc)     # [L, n, kv] on the device
+            rows = lay.kv.read_chunks(self.reserve.kv, cells // pc, cells % pc)  # [L, n, kv] on the device
             mr = self.mirror.rows((m // pc).cpu(), write=True)
-            lay.kv.write_chunks(self.mirror.kv, mr, (m % pc).cpu(), rows.cpu())     # a D2H read
+            lay.kv.write_chunks(self.mirror.kv, mr, (m % pc).cpu(), rows.cpu())  # a D2H read
             now = self.lut.table[m.to(self.lut.table.device)].long().to(self.device)
             # Every other chunk writes the sink cell (scratch), so no mask is read by the host.
             sink = torch.full_like(now, self.reserve.sink_cell)
             dst = torch.where((now >= 0) & (now != cells), now, sink)
             lay.kv.write_chunks(self.reserve.kv, dst // pc, dst % pc, rows)
             if lay.offload_index_layers:
-                ix = index if index is not None else lay.index.read_chunks(self.reserve.index, cells // pc,
-                                                                           cells % pc).cpu()
+                ix = (
+                    index
+                    if index is not None
+                    else lay.index.read_chunks(self.reserve.index, cells // pc, cells % pc).cpu()
+                )
                 lay.index.write_chunks(self.mirror.index, mr, (m % pc).cpu(), ix)
                 dst = torch.where(now >= 0, now, sink)
                 lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, ix.to(self.device))
@@ -237,6 +246,7 @@ class CoreAccess:
     def target_keys(self, row: int, layer: int) -> torch.Tensor:
         """Dequantized index keys [n_chunks, D] fp32 of a target layer for a row's whole history."""
         from flashmemory.retriever.fp8 import dequantize_chunks
+
         with self.lock:
             st = self._live(row)
             m = self._mchunks(st, 0, st.n_chunks)
@@ -255,10 +265,13 @@ class CoreAccess:
         host_mirror_bytes_in_use, host_mirror_bytes, host_mirror_slots_in_use (DRAM slots)."""
         with self.lock:
             mirror = self.mirror
-            return {"free_reserve_blocks": float(len(self.blocks)), "reserve_blocks": float(self.cfg.recall_blocks),
-                    "host_mirror_bytes_in_use": float(mirror.slots_in_use * mirror.page_bytes),
-                    "host_mirror_bytes": float(mirror.physical_bytes),
-                    "host_mirror_slots_in_use": float(mirror.slots_in_use)}
+            return {
+                "free_reserve_blocks": float(len(self.blocks)),
+                "reserve_blocks": float(self.cfg.recall_blocks),
+                "host_mirror_bytes_in_use": float(mirror.slots_in_use * mirror.page_bytes),
+                "host_mirror_bytes": float(mirror.physical_bytes),
+                "host_mirror_slots_in_use": float(mirror.slots_in_use),
+            }
 
     def recent_misses(self) -> list[float]:
         """The miss monitor's most recent miss-mass values (oldest first), read under the lock."""
@@ -272,8 +285,9 @@ class CoreAccess:
             if st is not None:
                 self.stats.add(st.rid, name, n)
 
-    def record(self, row: int, gen: int, counts: dict[str, int], gauges: dict[str, float],
-               miss: float | None = None) -> None:
+    def record(
+        self, row: int, gen: int, counts: dict[str, int], gauges: dict[str, float], miss: float | None = None
+    ) -> None:
         """If `row` still holds generation `gen`: add `counts` to its per-request counters, set `gauges`, and
         observe one miss-mass value (the miss monitor's cycle result). Otherwise nothing."""
         with self.lock:
@@ -296,6 +310,9 @@ class CoreAccess:
                     held = self.lut.cells(torch.tensor([r]), torch.arange(st.n_chunks).unsqueeze(0)) >= 0
                     res[st.rid] = (pages, int(held.sum()))
             snap = self.stats.snapshot(res)
-            snap["total"].update(free_blocks=len(self.blocks), inflight_blocks=len(self.inflight),
-                                 free_mirror_pages=self.mirror.free_pages)
+            snap["total"].update(
+                free_blocks=len(self.blocks),
+                inflight_blocks=len(self.inflight),
+                free_mirror_pages=self.mirror.free_pages,
+            )
             return snap

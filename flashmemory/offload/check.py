@@ -17,8 +17,9 @@ from flashmemory.offload.engine import OffloadEngine
 from flashmemory.offload.mirror import RELEASED
 
 
-def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]], m_chunks: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _host_pages(
+    eng: OffloadEngine, keys: list[tuple[int, int, int]], m_chunks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The host copy of the pages holding mirror chunks m_chunks [n]: (kv uint8 [L, P, W], Path-I index
     [Li, P, Wi], page rows int64 [n] into them). A full-size mirror is its own copy; with a window, pages
     keys [(row, logical page, mirror page)] are gathered from their slots, or from the disk tier's bytes for a
@@ -27,6 +28,7 @@ def _host_pages(eng: OffloadEngine, keys: list[tuple[int, int, int]], m_chunks: 
     if m.slot_of is None:
         return m.kv, m.index, m_chunks // pc
     from flashmemory.offload.disk.format import unpack_rows
+
     kv = torch.empty((m.kv.shape[0], len(keys), m.kv.shape[2]), dtype=torch.uint8)
     ix = torch.empty((m.index.shape[0], len(keys), m.index.shape[2]), dtype=torch.uint8)
     for i, (row, page, mp) in enumerate(keys):
@@ -47,8 +49,9 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
         if int(table[-1]) != -1:
             bad.append("sentinel entry is not -1")
         ms, cells, keys = [], [], []
-        own = torch.tensor([o if o is not None else (-1, -1, -1) for o in eng.owner] + [(-1, -1, -1)],
-                           dtype=torch.int64)
+        own = torch.tensor(
+            [o if o is not None else (-1, -1, -1) for o in eng.owner] + [(-1, -1, -1)], dtype=torch.int64
+        )
         row_pages, res_count = eng.lut.row_pages.cpu(), eng.res_count.cpu()
         for r, st in enumerate(eng.rows):
             rp = row_pages[r]
@@ -58,7 +61,7 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
                 if int(res_count[r]) != 0:
                     bad.append(f"row {r} is free but has {int(res_count[r])} resident pages in its table")
                 continue
-            if rp[:len(st.mpages)].tolist() != st.mpages or (rp[len(st.mpages):] != -1).any():
+            if rp[: len(st.mpages)].tolist() != st.mpages or (rp[len(st.mpages) :] != -1).any():
                 bad.append(f"row {r}: page table {rp.tolist()} != mirror pages {st.mpages}")
             if len(st.recall) > eng.cfg.max_resident_pages:
                 bad.append(f"row {r}: {len(st.recall)} recalled pages > cap {eng.cfg.max_resident_pages}")
@@ -83,17 +86,21 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
             o = own[blk.clamp(max=res.recall_blocks)]
             mine = (o[:, 0] == r) & (o[:, 1] == st.gen) & (o[:, 2] == j[live] // pc)
             if not (mine | ((blk >= lo) & (blk <= hi))).all():
-                bad.append(f"row {r}: a chunk's cell is neither in its page's recall block nor in the row's decode region")
+                bad.append(
+                    f"row {r}: a chunk's cell is neither in its page's recall block nor in the row's decode region"
+                )
         m = torch.cat(ms) if ms else torch.zeros(0, dtype=torch.int64)
         c = torch.cat(cells) if cells else torch.zeros(0, dtype=torch.int64)
         if int((table[:-1] >= 0).sum()) != m.numel():
-            bad.append(f"{int((table[:-1] >= 0).sum())} table entries are set but only {m.numel()} belong to live history")
+            bad.append(
+                f"{int((table[:-1] >= 0).sum())} table entries are set but only {m.numel()} belong to live history"
+            )
         if c.numel() != c.unique().numel():
             bad.append("a reserve cell is mapped by two chunks")
         if c.numel() and (c.max() >= res.sink_cell or c.min() < 0):
             bad.append(f"a cell lies outside [0, sink_cell={res.sink_cell})")
         if c.numel():
-            kv_h, ix_h, hp = _host_pages(eng, keys, m)   # the resident chunks' host pages
+            kv_h, ix_h, hp = _host_pages(eng, keys, m)  # the resident chunks' host pages
             kv_r = lay.kv.read_chunks(res.kv.cpu(), c // pc, c % pc)
             kv_m = lay.kv.read_chunks(kv_h.contiguous(), hp, m % pc)
             if not torch.equal(kv_r, kv_m):
@@ -107,7 +114,9 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
         owned = [b for b, o in enumerate(eng.owner) if o is not None]
         free = eng.blocks.free_blocks()
         if len(set(free)) != len(free) or set(free) & set(owned) or len(free) + len(owned) != res.recall_blocks:
-            bad.append(f"recall blocks leak or double-book: {len(free)} free + {len(owned)} owned != {res.recall_blocks}")
+            bad.append(
+                f"recall blocks leak or double-book: {len(free)} free + {len(owned)} owned != {res.recall_blocks}"
+            )
         for b in owned:
             row, gen, page = eng.owner[b]
             st = eng.rows[row]

@@ -3,33 +3,34 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 # Counters kept per request and summed in "total".
 COUNTERS = (
-    "recall_pages",      # pages copied mirror -> reserve
-    "recall_bytes",      # bytes copied mirror -> reserve (c4 KV + Path-I index-K)
+    "recall_pages",  # pages copied mirror -> reserve
+    "recall_bytes",  # bytes copied mirror -> reserve (c4 KV + Path-I index-K)
     "warm_start_pages",  # ... of the recall_pages, those recalled at admission (not by a Level-1 cycle)
-    "evictions",         # resident pages of this request evicted to make room
-    "budget_hits",       # selected pages dropped: per-request cap or reserve exhausted
-    "tail_drops",        # ... of which recency-tail pages (reserve exhausted even for the tail)
-    "cycles",            # Level-1 cycles planned
-    "cycles_skipped",    # due cycles skipped because the previous one was still in flight
-    "cycles_late",       # cycles queued behind a busy worker
-    "cancelled_pages",   # recalled pages discarded at publish (request finished, row reused, page remapped)
-    "decode_chunks",     # chunks appended during decode
-    "decode_spills",     # full decode pages that left the decode region without a recall block
-    "decode_promotions", # full decode pages moved into a recall block
-    "decode_page_opens", # pages opened in the decode region (partial page copied from the mirror)
+    "evictions",  # resident pages of this request evicted to make room
+    "budget_hits",  # selected pages dropped: per-request cap or reserve exhausted
+    "tail_drops",  # ... of which recency-tail pages (reserve exhausted even for the tail)
+    "cycles",  # Level-1 cycles planned
+    "cycles_skipped",  # due cycles skipped because the previous one was still in flight
+    "cycles_late",  # cycles queued behind a busy worker
+    "cancelled_pages",  # recalled pages discarded at publish (request finished, row reused, page remapped)
+    "decode_chunks",  # chunks appended during decode
+    "decode_spills",  # full decode pages that left the decode region without a recall block
+    "decode_promotions",  # full decode pages moved into a recall block
+    "decode_page_opens",  # pages opened in the decode region (partial page copied from the mirror)
     # Miss monitor and escalation (flashmemory.residency.escalation); zero while the monitor is off.
-    "monitor_cycles",    # cycles whose native miss mass was measured
-    "escalations",       # cycles whose miss mass passed SGLANG_RETRIEVER_MISS_THRESHOLD
+    "monitor_cycles",  # cycles whose native miss mass was measured
+    "escalations",  # cycles whose miss mass passed SGLANG_RETRIEVER_MISS_THRESHOLD
     "escalations_denied",  # ... whose budget could not widen as asked (cap, shared pool or reserve pressure)
     "missing_pages_added",  # pages the monitor saw missing, added beside the policy's picks
-    "shrinks",           # budget steps given back after low-miss cycles
-    "fallbacks",         # switches to the exact-recall fallback (latest native top-k pages held)
-    "fallback_exits",    # ... and back
-    "fallback_cycles",   # cycles spent in the fallback
+    "shrinks",  # budget steps given back after low-miss cycles
+    "fallbacks",  # switches to the exact-recall fallback (latest native top-k pages held)
+    "fallback_exits",  # ... and back
+    "fallback_cycles",  # cycles spent in the fallback
 )
 # Upper bucket edges of the miss-mass histogram (Prometheus style: value <= edge; the last is 1.0).
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -46,9 +47,9 @@ class OffloadMetrics:
         self.latency_s: list[float] = []
         self.last_cycle = {"pages": 0, "bytes": 0, "latency_s": 0.0}
         self.gauges: dict[Hashable, dict[str, float]] = {}  # per request: budget_pages, fallback, miss_mass_last
-        self.miss_counts = [0] * len(MISS_BUCKETS)           # non-cumulative bucket counts
+        self.miss_counts = [0] * len(MISS_BUCKETS)  # non-cumulative bucket counts
         self.miss_sum, self.miss_n = 0.0, 0
-        self.miss_recent: list[float] = []                   # the last <= MISS_RECENT values, oldest first
+        self.miss_recent: list[float] = []  # the last <= MISS_RECENT values, oldest first
 
     def observe_miss(self, value: float) -> None:
         """One miss-mass measurement (a float in [0, 1]; non-finite values are rejected here, where they enter)."""
@@ -59,7 +60,7 @@ class OffloadMetrics:
         self.miss_n += 1
         self.miss_recent.append(value)
         if len(self.miss_recent) > MISS_RECENT:
-            del self.miss_recent[:MISS_RECENT // 2]
+            del self.miss_recent[: MISS_RECENT // 2]
 
     def gauge(self, rid: Hashable, **values: float) -> None:
         self.gauges.setdefault(rid, {}).update(values)
@@ -97,6 +98,10 @@ class OffloadMetrics:
         total["budget_pages_mean"] = sum(budgets) / len(budgets) if budgets else 0.0
         total["budget_pages_max"] = max(budgets) if budgets else 0
         total["in_fallback"] = sum(int(g.get("fallback", 0)) for rid, g in self.gauges.items() if rid in self.per_req)
-        total["miss_mass"] = {"buckets": list(MISS_BUCKETS), "counts": list(self.miss_counts), "sum": self.miss_sum,
-                              "n": self.miss_n}
+        total["miss_mass"] = {
+            "buckets": list(MISS_BUCKETS),
+            "counts": list(self.miss_counts),
+            "sum": self.miss_sum,
+            "n": self.miss_n,
+        }
         return {"total": total, "requests": reqs}

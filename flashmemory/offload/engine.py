@@ -37,15 +37,15 @@ from flashmemory.offload.sync import BatchSync, SyncResult
 class EngineConfig:
     """Capacities, fixed at construction (never taken from a batch seen at run time)."""
 
-    max_rows: int = 128              # request rows; each owns one decode region
-    max_chunks: int = 65536          # history cap per request, in chunks (65,536 = 256K tokens)
-    mirror_pages: int = 0            # host mirror pages per layer; 0 = max_rows * pages(max_chunks)
-    recall_blocks: int = 8192        # reserve page blocks per layer for recalled pages
-    decode_pages: int = 8            # decode-region pages per row (512 chunks at 64-chunk pages)
-    max_resident_pages: int = 96     # per-request cap on recalled pages (KMAX)
-    landing_blocks: int = 0          # reserve scratch blocks for prefill stores (sglang shrink mode)
-    mirror_slots: int = 0            # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
-    pin_memory: bool | None = None   # None = pin when CUDA is present
+    max_rows: int = 128  # request rows; each owns one decode region
+    max_chunks: int = 65536  # history cap per request, in chunks (65,536 = 256K tokens)
+    mirror_pages: int = 0  # host mirror pages per layer; 0 = max_rows * pages(max_chunks)
+    recall_blocks: int = 8192  # reserve page blocks per layer for recalled pages
+    decode_pages: int = 8  # decode-region pages per row (512 chunks at 64-chunk pages)
+    max_resident_pages: int = 96  # per-request cap on recalled pages (KMAX)
+    landing_blocks: int = 0  # reserve scratch blocks for prefill stores (sglang shrink mode)
+    mirror_slots: int = 0  # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
+    pin_memory: bool | None = None  # None = pin when CUDA is present
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages"):
@@ -60,8 +60,13 @@ class OffloadEngine(CoreAccess):
     kv [n_layers, n, kv_chunk_bytes] (584 B), index [n_layers, n, index_chunk_bytes] (D+4 B).
     """
 
-    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str = "cpu",
-                 target_buffers: list[torch.Tensor] | None = None):
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        cfg: EngineConfig,
+        device: torch.device | str = "cpu",
+        target_buffers: list[torch.Tensor] | None = None,
+    ):
         """target_buffers: per target layer, uint8 [mirror pages, index_page_bytes] device storage to use as the
         target index pool (the caller keeps it current; see `TargetIndexPool`)."""
         self.layout, self.cfg = layout, cfg
@@ -69,8 +74,9 @@ class OffloadEngine(CoreAccess):
         self.max_pages = layout.pages_for(cfg.max_chunks)
         n_mirror = cfg.mirror_pages or cfg.max_rows * self.max_pages
         self.mirror = self.make_mirror(n_mirror)
-        self.reserve = DeviceReserve(layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device,
-                                     cfg.landing_blocks)
+        self.reserve = DeviceReserve(
+            layout, cfg.recall_blocks, cfg.max_rows, cfg.decode_pages, self.device, cfg.landing_blocks
+        )
         self.target = TargetIndexPool(layout, n_mirror, self.device, target_buffers)
         self.lut = ChunkLUT(n_mirror, layout.page_chunks, cfg.max_rows, self.max_pages, self.device)
         self.blocks, self.lru = BlockAllocator(cfg.recall_blocks), PageLRU()
@@ -86,11 +92,23 @@ class OffloadEngine(CoreAccess):
         self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.order)
         self.res_pages, self.res_blocks = self.tables.pages, self.tables.blocks
         self.res_mpages, self.res_count = self.tables.mpages, self.tables.count
-        self.recaller = Recaller(layout=layout, max_resident_pages=cfg.max_resident_pages, rows=self.rows,
-                                 owner=self.owner, inflight=self.inflight, blocks=self.blocks, lru=self.lru,
-                                 lut=self.lut, mirror=self.mirror, reserve=self.reserve, tables=self.tables,
-                                 stats=self.stats, lock=self._lock, order=self.order)
-        self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock   # the recaller's
+        self.recaller = Recaller(
+            layout=layout,
+            max_resident_pages=cfg.max_resident_pages,
+            rows=self.rows,
+            owner=self.owner,
+            inflight=self.inflight,
+            blocks=self.blocks,
+            lru=self.lru,
+            lut=self.lut,
+            mirror=self.mirror,
+            reserve=self.reserve,
+            tables=self.tables,
+            stats=self.stats,
+            lock=self._lock,
+            order=self.order,
+        )
+        self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock  # the recaller's
 
     def make_mirror(self, n_pages: int) -> HostMirror:
         """The host mirror of `n_pages` page ids (built once, in the constructor, before anything reads it): a
@@ -139,8 +157,15 @@ class OffloadEngine(CoreAccess):
         return torch.tensor(st.mpages, dtype=torch.int64)[j // pc] * pc + j % pc
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    def admit(self, row: int, kv: torch.Tensor | None, index: torch.Tensor | None, rid: Hashable | None = None,
-              mpages: Sequence[int] | None = None, n_chunks: int | None = None) -> int:
+    def admit(
+        self,
+        row: int,
+        kv: torch.Tensor | None,
+        index: torch.Tensor | None,
+        rid: Hashable | None = None,
+        mpages: Sequence[int] | None = None,
+        n_chunks: int | None = None,
+    ) -> int:
         """Admit a request into a free row with its prefill chunks (written to the mirror; nothing resident yet).
 
         kv: uint8 [n_layers, n, kv_chunk_bytes]; index: uint8 [n_layers, n, index_chunk_bytes]. Returns the
@@ -157,8 +182,9 @@ class OffloadEngine(CoreAccess):
         if index is not None:
             self._check_chunks("admit index", index, n, self.layout.index.chunk_bytes)
         if mpages is not None and len(mpages) != self.layout.pages_for(max(n, 1)):
-            raise ValueError(f"admit: {len(mpages)} mirror pages given for {n} chunks "
-                             f"(expected {self.layout.pages_for(max(n, 1))})")
+            raise ValueError(
+                f"admit: {len(mpages)} mirror pages given for {n} chunks (expected {self.layout.pages_for(max(n, 1))})"
+            )
         if not 1 <= n <= self.cfg.max_chunks:
             raise OffloadCapacityError(f"admit: {n} prefill chunks outside [1, max_chunks={self.cfg.max_chunks}]")
         if not 0 <= row < self.cfg.max_rows:
@@ -168,8 +194,13 @@ class OffloadEngine(CoreAccess):
                 raise RuntimeError(f"admit: row {row} is busy with request {self.rows[row].rid!r}; finish it first")
             mpages = self.mirror.alloc(self.layout.pages_for(n)) if mpages is None else self.mirror.claim(list(mpages))
             self._gen += 1
-            st = RowState(rid=rid if rid is not None else f"row{row}/gen{self._gen}", gen=self._gen, mpages=mpages,
-                      n_chunks=n, ring=[-1] * self.cfg.decode_pages)
+            st = RowState(
+                rid=rid if rid is not None else f"row{row}/gen{self._gen}",
+                gen=self._gen,
+                mpages=mpages,
+                n_chunks=n,
+                ring=[-1] * self.cfg.decode_pages,
+            )
             m = self._mchunks(st, 0, n)
             if kv is not None:
                 self.land(row, st, m, kv, index)
@@ -181,14 +212,19 @@ class OffloadEngine(CoreAccess):
                 for mp in mpages:  # freed pages are already clear; this keeps a reused page clean by construction
                     self.lut.clear_page(mp)
                 self.lut.row_pages[row].fill_(-1)
-                self.lut.row_pages[row, :len(mpages)] = torch.tensor(mpages, dtype=torch.int32)
+                self.lut.row_pages[row, : len(mpages)] = torch.tensor(mpages, dtype=torch.int32)
             self.rows[row] = st
             self.stats.per_req[st.rid]  # register the request in the metrics
             self.tables.rebuild([row])
             return st.gen
 
-    def decode_append(self, rows: Sequence[int] | torch.Tensor, kv: torch.Tensor | None, index: torch.Tensor | None,
-                      valid: Sequence[bool] | torch.Tensor | None = None) -> torch.Tensor:
+    def decode_append(
+        self,
+        rows: Sequence[int] | torch.Tensor,
+        kv: torch.Tensor | None,
+        index: torch.Tensor | None,
+        valid: Sequence[bool] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append one decode chunk per valid batch row. rows: [B] (-1 = padding); kv/index: [n_layers, B, bytes].
 
         The chunk goes to the mirror and to its page's reserve block: the page's recall block if it is resident,
@@ -218,8 +254,10 @@ class OffloadEngine(CoreAccess):
                     with self.on_main_stream():
                         self.lut.row_pages[r, len(st.mpages) - 1] = st.mpages[-1]
             idx = [i for i in range(b) if ok[i]]
-            m = torch.tensor([sts[rows_l[i]].mpages[sts[rows_l[i]].n_chunks // pc] * pc
-                              + sts[rows_l[i]].n_chunks % pc for i in idx], dtype=torch.int64)
+            m = torch.tensor(
+                [sts[rows_l[i]].mpages[sts[rows_l[i]].n_chunks // pc] * pc + sts[rows_l[i]].n_chunks % pc for i in idx],
+                dtype=torch.int64,
+            )
             if idx and kv is not None:  # the mirror first: opening a decode page copies the page, new chunk included
                 self.mirror.write(m, kv[:, idx], None if index is None else index[:, idx])
             elif idx and index is not None:
@@ -255,11 +293,14 @@ class OffloadEngine(CoreAccess):
         with self.lock:
             st = self._live(row)
             if len(st.mpages) + len(mpages) > self.max_pages:
-                raise OffloadCapacityError(f"row {row}: {len(st.mpages) + len(mpages)} pages exceed max_chunks="
-                                           f"{self.cfg.max_chunks}")
+                raise OffloadCapacityError(
+                    f"row {row}: {len(st.mpages) + len(mpages)} pages exceed max_chunks={self.cfg.max_chunks}"
+                )
             got = self.mirror.claim(list(mpages))
             with self.on_main_stream():
-                self.lut.row_pages[row, len(st.mpages):len(st.mpages) + len(got)] = torch.tensor(got, dtype=torch.int32)
+                self.lut.row_pages[row, len(st.mpages) : len(st.mpages) + len(got)] = torch.tensor(
+                    got, dtype=torch.int32
+                )
             st.mpages += got
 
     def open_tail_page(self, row: int) -> None:
@@ -282,15 +323,16 @@ class OffloadEngine(CoreAccess):
             self._retire(row, st, slot)
         blk = self.reserve.decode_block(row, slot)
         mp = st.mpages[page]
-        src = self.mirror.rows(torch.tensor([mp]))   # the page's DRAM row (its id without a window)
+        src = self.mirror.rows(torch.tensor([mp]))  # the page's DRAM row (its id without a window)
         self.reserve.kv[:, blk] = self.mirror.kv[:, src].to(self.device)[:, 0]
         if self.reserve.index.shape[0]:
             self.reserve.index[:, blk] = self.mirror.index[:, src].to(self.device)[:, 0]
         st.ring[slot] = page
         st.ring_next = (slot + 1) % len(st.ring)
         upto = st.n_chunks + 1 if upto is None else upto
-        self.lut.set_range(mp, 0, min(self.layout.page_chunks, upto - page * self.layout.page_chunks),
-                           blk * self.layout.page_chunks)
+        self.lut.set_range(
+            mp, 0, min(self.layout.page_chunks, upto - page * self.layout.page_chunks), blk * self.layout.page_chunks
+        )
         self.stats.add(st.rid, "decode_page_opens")
         self.tables.rebuild([row])
         return blk
@@ -342,14 +384,15 @@ class OffloadEngine(CoreAccess):
             a = rs.admit
             if a is not None:
                 self.admit(a.row, a.kv, a.index, rid=a.rid, mpages=a.mpages, n_chunks=a.n_chunks)
-                self.open_tail_page(a.row)       # the newest page is readable from the first step on
+                self.open_tail_page(a.row)  # the newest page is readable from the first step on
                 if a.warm_pages > 0:
-                    self.recaller.warm_start(a.row, a.warm_pages)   # older pages until the first cycle
+                    self.recaller.warm_start(a.row, a.warm_pages)  # older pages until the first cycle
             if rs.add_pages:
                 self.add_pages(rs.row, rs.add_pages)
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
         with self.lock:
             sts = {rs.row: self._live(rs.row) for rs in sync.rows}
             res = None if sync.batch is None else self.resident_pages(torch.tensor(sync.batch, dtype=torch.int64))
-            return SyncResult(cells, {r: tuple(st.mpages) for r, st in sts.items()},
-                              {r: st.n_chunks for r, st in sts.items()}, res)
+            return SyncResult(
+                cells, {r: tuple(st.mpages) for r, st in sts.items()}, {r: st.n_chunks for r, st in sts.items()}, res
+            )

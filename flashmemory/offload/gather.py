@@ -16,8 +16,13 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def gather_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                stage: torch.Tensor | None = None) -> torch.Tensor:
+def gather_copy(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    stage: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dst[:, dst_idx] = src[:, src_idx] with one gather and one copy. src: [L, P, W] host; dst: [L, NB, W].
 
     stage: optional reusable buffer with at least L*K*W bytes (pinned for an async H2D copy). Returns the

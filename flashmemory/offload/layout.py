@@ -50,7 +50,8 @@ class PageFormat:
         return torch.cat(parts, dim=1)
 
     def flat_index(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """Int64 [n, chunk_bytes] flat byte index into a contiguous [P, page_bytes] tensor for chunks (rows[n], offs[n])."""
+        """Int64 [n, chunk_bytes] flat byte index into a contiguous [P, page_bytes] tensor for chunks
+        (rows[n], offs[n])."""
         bm = self.byte_map.to(rows.device)
         return rows.long().unsqueeze(1) * self.page_bytes + bm[offs.long()]
 
@@ -83,7 +84,7 @@ class OffloadLayout:
 
     n_layers: int = 21
     page_chunks: int = 64
-    kv_widths: tuple[int, ...] = (576, 8)   # 448 fp8 nope + 128 bf16 rope | 7 ue8m0 scales + 1 pad
+    kv_widths: tuple[int, ...] = (576, 8)  # 448 fp8 nope + 128 bf16 rope | 7 ue8m0 scales + 1 pad
     kv_align: int = 576
     index_head_dim: int = 128
     target_layers: tuple[int, ...] = (10, 12, 20)
@@ -94,15 +95,23 @@ class OffloadLayout:
             raise ValueError(f"OffloadLayout.n_layers must be >= 1, got {self.n_layers}")
         bad = [t for t in self.target_layers if not 0 <= t < self.n_layers]
         if bad or not self.target_layers:
-            raise ValueError(f"OffloadLayout.target_layers {self.target_layers} must be non-empty ids in [0, {self.n_layers})")
+            raise ValueError(
+                f"OffloadLayout.target_layers {self.target_layers} must be non-empty ids in [0, {self.n_layers})"
+            )
         if self.index_head_dim < 1:
             raise ValueError("OffloadLayout.index_head_dim must be >= 1")
 
     @classmethod
     def tiny(cls, n_layers: int = 3, page_chunks: int = 4, target_layers: tuple[int, ...] = (1,)) -> "OffloadLayout":
         """A few-byte layout for tests: 8-B KV chunks, 4-dim index keys, same structure as the real one."""
-        return cls(n_layers=n_layers, page_chunks=page_chunks, kv_widths=(6, 2), kv_align=4, index_head_dim=4,
-                   target_layers=target_layers)
+        return cls(
+            n_layers=n_layers,
+            page_chunks=page_chunks,
+            kv_widths=(6, 2),
+            kv_align=4,
+            index_head_dim=4,
+            target_layers=target_layers,
+        )
 
     @cached_property
     def kv(self) -> PageFormat:

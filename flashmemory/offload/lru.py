@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-
-PAGE_SCAN_PAUSE = 128   # blocks a victim scan examines between two `PAUSE` marks (the recaller's use)
-PAUSE = -1               # what `victims` yields at a pause (block ids are >= 0)
+PAGE_SCAN_PAUSE = 128  # blocks a victim scan examines between two `PAUSE` marks (the recaller's use)
+PAUSE = -1  # what `victims` yields at a pause (block ids are >= 0)
 
 
 class PageLRU:

@@ -12,9 +12,12 @@ import torch
 
 
 class ChunkLUT:
-    """table: int32 [n_pages * page_chunks + 1]; row_pages: int32 [max_rows, max_pages] (logical page -> mirror page)."""
+    """table: int32 [n_pages * page_chunks + 1]; row_pages: int32 [max_rows, max_pages] (logical page -> mirror
+    page)."""
 
-    def __init__(self, n_pages: int, page_chunks: int, max_rows: int, max_pages: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self, n_pages: int, page_chunks: int, max_rows: int, max_pages: int, device: torch.device | str = "cpu"
+    ):
         self.pc = page_chunks
         self.sentinel = n_pages * page_chunks
         self.table = torch.full((self.sentinel + 1,), -1, dtype=torch.int32, device=device)
@@ -23,14 +26,15 @@ class ChunkLUT:
     def set_range(self, mpage: int, start: int, stop: int, first_cell: int) -> None:
         """Entries [start, stop) of mirror page `mpage` -> cells first_cell + off (a page mapped to one block)."""
         base = mpage * self.pc
-        self.table[base + start: base + stop] = torch.arange(first_cell + start, first_cell + stop,
-                                                             dtype=torch.int32, device=self.table.device)
+        self.table[base + start : base + stop] = torch.arange(
+            first_cell + start, first_cell + stop, dtype=torch.int32, device=self.table.device
+        )
 
     def set(self, mchunks: torch.Tensor, cells: torch.Tensor) -> None:
         self.table[mchunks.to(self.table.device).long()] = cells.to(self.table.device, torch.int32)
 
     def clear_page(self, mpage: int) -> None:
-        self.table[mpage * self.pc: (mpage + 1) * self.pc] = -1
+        self.table[mpage * self.pc : (mpage + 1) * self.pc] = -1
 
     def _rows(self, mpages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The table without its sentinel as [n_pages, pc] (a view), and mirror pages [n] as an int64 index."""

@@ -21,7 +21,7 @@ import torch
 
 from flashmemory.offload.layout import OffloadLayout
 
-FRESH, RELEASED = -1, -2   # slot_of values of a page that has no DRAM row
+FRESH, RELEASED = -1, -2  # slot_of values of a page that has no DRAM row
 
 
 class OffloadCapacityError(RuntimeError):
@@ -50,12 +50,14 @@ def check_host_memory(n_bytes: int, processes: int = 1, meminfo: str = "/proc/me
     avail = host_available_bytes(meminfo)
     need = n_bytes * max(1, processes)
     if avail is not None and need > headroom * avail:
-        gib = 2 ** 30
+        gib = 2**30
         raise OffloadCapacityError(
-            f"host mirror needs {n_bytes / gib:.1f} GiB x {processes} local rank(s) = {need / gib:.1f} GiB of pinned host "
-            f"memory, but only {avail / gib:.1f} GiB is available ({headroom:.0%} usable). Lower --max-total-tokens / "
+            f"host mirror needs {n_bytes / gib:.1f} GiB x {processes} local rank(s) = {need / gib:.1f} GiB of "
+            f"pinned host memory, but only {avail / gib:.1f} GiB is available ({headroom:.0%} usable). "
+            "Lower --max-total-tokens / "
             "--context-length (the c4 pool size sets the mirror size), set SGLANG_PATHP_HOST_MIRROR_GB with the disk "
-            "tier, or add host memory")
+            "tier, or add host memory"
+        )
 
 
 def pinned_alloc_bytes(n_bytes: int, pinned: bool) -> int:
@@ -107,7 +109,7 @@ class HostMirror:
         self._free_set = set(self._free)
         self.slot_of: torch.Tensor | None = None if slots is None else torch.full((n_pages,), FRESH, dtype=torch.int64)
         self._free_slots = list(range(self.n_slots - 1, -1, -1)) if slots is not None else []
-        self.peak_slots = 0   # most slots in use at once (windowed), for tests and the bench
+        self.peak_slots = 0  # most slots in use at once (windowed), for tests and the bench
 
     @property
     def free_pages(self) -> int:
@@ -141,8 +143,10 @@ class HostMirror:
     def alloc(self, n: int) -> list[int]:
         """n free page ids (low ids first). Windowed: no slot yet, a page takes one at its first write."""
         if n > len(self._free_set):
-            raise OffloadCapacityError(f"host mirror: need {n} pages, {len(self._free_set)} of {self.n_pages} free "
-                                       f"(raise EngineConfig.mirror_pages)")
+            raise OffloadCapacityError(
+                f"host mirror: need {n} pages, {len(self._free_set)} of {self.n_pages} free "
+                f"(raise EngineConfig.mirror_pages)"
+            )
         out: list[int] = []
         while len(out) < n:
             p = self._free.pop()
@@ -201,7 +205,8 @@ class HostMirror:
         if len(pages) > len(self._free_slots):
             raise OffloadCapacityError(
                 f"host mirror landing window: need {len(pages)} page slots, {len(self._free_slots)} of {self.n_slots} "
-                "free (raise SGLANG_PATHP_HOST_MIRROR_GB)")
+                "free (raise SGLANG_PATHP_HOST_MIRROR_GB)"
+            )
         for p in pages:
             self.slot_of[p] = self._free_slots.pop()
         self.peak_slots = max(self.peak_slots, self.slots_in_use)
@@ -221,8 +226,9 @@ class HostMirror:
         if bool((s < 0).any()):
             p = int(pages[s < 0][0])
             why = "was released to the disk tier" if int(self.slot_of[p]) == RELEASED else "holds no bytes yet"
-            raise ReleasedPageError(f"host mirror: page {p} {why}: it has no DRAM slot to "
-                                    f"{'write' if write else 'read'}")
+            raise ReleasedPageError(
+                f"host mirror: page {p} {why}: it has no DRAM slot to {'write' if write else 'read'}"
+            )
         return s
 
     def row(self, page: int, write: bool = False) -> int:
@@ -247,5 +253,6 @@ class HostMirror:
         if ol:
             pc = self.layout.page_chunks
             mchunks = mchunks.cpu().long()
-            self.layout.index.write_chunks(self.index, self.rows(mchunks // pc, write=True), mchunks % pc,
-                                           index.cpu()[list(ol)])
+            self.layout.index.write_chunks(
+                self.index, self.rows(mchunks // pc, write=True), mchunks % pc, index.cpu()[list(ol)]
+            )

@@ -57,7 +57,9 @@ class RecallRequest:
 
     def __post_init__(self) -> None:
         if len(self.pages) != len(self.priority):
-            raise ValueError(f"RecallRequest(row={self.row}): {len(self.pages)} pages but {len(self.priority)} priorities")
+            raise ValueError(
+                f"RecallRequest(row={self.row}): {len(self.pages)} pages but {len(self.priority)} priorities"
+            )
         if self.budget is not None and self.budget < 1:
             raise ValueError(f"RecallRequest(row={self.row}): budget must be >= 1, got {self.budget}")
 
@@ -70,10 +72,10 @@ class RecallPlan:
     t0: float = 0.0
     nbytes: int = 0
     staging: list[torch.Tensor] = field(default_factory=list)
-    error: BaseException | None = None   # a request's failure found by the copy, raised by `recall` after publish
+    error: BaseException | None = None  # a request's failure found by the copy, raised by `recall` after publish
 
 
-SLICE_PAGES = 512   # default `Recaller.slice_pages`
+SLICE_PAGES = 512  # default `Recaller.slice_pages`
 
 
 class Recaller:
@@ -83,17 +85,31 @@ class Recaller:
     place, never rebound). `lock` guards all of them; `copy_lock` serialises copies (they own `staging`).
     """
 
-    def __init__(self, *, layout: OffloadLayout, max_resident_pages: int, rows: list[RowState | None],
-                 owner: list[tuple[int, int, int] | None], inflight: set[int], blocks: BlockAllocator, lru: PageLRU,
-                 lut: ChunkLUT, mirror: HostMirror, reserve: DeviceReserve, tables: ResidentTables,
-                 stats: OffloadMetrics, lock: threading.RLock, order: ForwardOrder):
+    def __init__(
+        self,
+        *,
+        layout: OffloadLayout,
+        max_resident_pages: int,
+        rows: list[RowState | None],
+        owner: list[tuple[int, int, int] | None],
+        inflight: set[int],
+        blocks: BlockAllocator,
+        lru: PageLRU,
+        lut: ChunkLUT,
+        mirror: HostMirror,
+        reserve: DeviceReserve,
+        tables: ResidentTables,
+        stats: OffloadMetrics,
+        lock: threading.RLock,
+        order: ForwardOrder,
+    ):
         self.layout, self.max_resident_pages = layout, max_resident_pages
         self.rows, self.owner, self.inflight, self.blocks, self.lru = rows, owner, inflight, blocks, lru
         self.lut, self.mirror, self.reserve, self.tables, self.stats = lut, mirror, reserve, tables, stats
         self.lock, self.order = lock, order
-        self.copy_lock = threading.Lock()                  # one recall copy at a time: it owns the staging buffers
-        self.staging: dict[str, torch.Tensor] = {}         # reusable (pinned on CUDA) staging, grown on demand
-        self.copy_hook: Callable[[], None] | None = None   # called between the KV and index copies (tests)
+        self.copy_lock = threading.Lock()  # one recall copy at a time: it owns the staging buffers
+        self.staging: dict[str, torch.Tensor] = {}  # reusable (pinned on CUDA) staging, grown on demand
+        self.copy_hook: Callable[[], None] | None = None  # called between the KV and index copies (tests)
         # Copies plans itself when set (the disk tier: sealed pages come from its host cache / disk, not the mirror).
         self.source: PageSource | None = None
         # Pages handled per engine-lock hold by plan and publish: bounds how long decode can wait for a cycle.
@@ -135,8 +151,10 @@ class Recaller:
         plan = RecallPlan(t0=time.perf_counter())
         need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
         # Order: (priority desc, page desc), duplicates merged; pages past the history are dropped under the lock.
-        ranks = [sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
-                 for rq in requests]
+        ranks = [
+            sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
+            for rq in requests
+        ]
         width = self.tables.res_cap
         i = 0
         while i < len(requests):
@@ -172,14 +190,21 @@ class Recaller:
                 self.lut.clear_pages(cleared)
             self.tables.rebuild(touched)
 
-    def _select(self, rq: RecallRequest, ranked: list[tuple[int, float]], count_cycle: bool,
-                need: list[tuple[int, int, int, float]], touched: set[int], cleared: list[int]) -> None:
+    def _select(
+        self,
+        rq: RecallRequest,
+        ranked: list[tuple[int, float]],
+        count_cycle: bool,
+        need: list[tuple[int, int, int, float]],
+        touched: set[int],
+        cleared: list[int],
+    ) -> None:
         """Pass 1 for one request (under the lock): set its selection, evict its own stale pages down to its cap,
         append its missing pages to `need` in priority order (dropping, and counting, those over the cap)."""
         st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
         if st is None or st.gen != rq.gen:
             return  # finished or replaced before its cycle was planned
-        if count_cycle:   # an admission warm start (`warm_start`) is not a cycle
+        if count_cycle:  # an admission warm start (`warm_start`) is not a cycle
             self.stats.add(st.rid, "cycles")
         pc = self.layout.page_chunks
         cap = min(self.max_resident_pages, rq.budget or self.max_resident_pages)
@@ -213,11 +238,22 @@ class Recaller:
         """A published block whose page no live selection holds and which is not its request's newest page."""
         row, gen, page = self.owner[blk]
         st = self.rows[row]
-        return (st is not None and st.gen == gen and page not in st.selection
-                and page != (st.n_chunks - 1) // self.layout.page_chunks)
+        return (
+            st is not None
+            and st.gen == gen
+            and page not in st.selection
+            and page != (st.n_chunks - 1) // self.layout.page_chunks
+        )
 
-    def _assign(self, need: list[tuple[int, int, int, float]], k: int, victims: Iterator[int], plan: RecallPlan,
-                touched: set[int], cleared: list[int]) -> int:
+    def _assign(
+        self,
+        need: list[tuple[int, int, int, float]],
+        k: int,
+        victims: Iterator[int],
+        plan: RecallPlan,
+        touched: set[int],
+        cleared: list[int],
+    ) -> int:
         """Pass 2 from need[k] on, while this slice's budget lasts (under the lock): each page takes a free block,
         else the next LRU victim, else it is dropped (counted). Returns the next index. `victims` is
         `lru.victims(self._evictable, PAGE_SCAN_PAUSE)`, shared by the pass's slices: within one hold
@@ -226,7 +262,7 @@ class Recaller:
         blocks (counted as a quarter unit each): a long search for a victim ends the slice and resumes in the
         next hold with the same page."""
         work = 0
-        while k < len(need) and self._budget_left(work, len(touched) + 1):   # + a victim's row
+        while k < len(need) and self._budget_left(work, len(touched) + 1):  # + a victim's row
             row, gen, page, prio = need[k]
             st = self.rows[row]
             if st is None or st.gen != gen or page in st.recall or page in st.ring:
@@ -237,11 +273,11 @@ class Recaller:
             while blk is None:
                 nxt = next(victims, None)
                 if nxt is None:
-                    break   # no block left to reclaim
+                    break  # no block left to reclaim
                 if nxt == PAUSE:
                     work += PAGE_SCAN_PAUSE // 4
                     if not self._budget_left(work, len(touched) + 1):
-                        return k   # this page searches on in the next hold
+                        return k  # this page searches on in the next hold
                     continue
                 blk = nxt
             k, work = k + 1, work + 1
@@ -273,14 +309,16 @@ class Recaller:
             self.source.copy_plan(plan)
         else:
             self._copy_from_mirror(plan)
-        plan.nbytes = len(plan.entries) * (self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
-                                           + self.reserve.index.shape[0] * self.reserve.index.shape[2])
+        plan.nbytes = len(plan.entries) * (
+            self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
+            + self.reserve.index.shape[0] * self.reserve.index.shape[2]
+        )
 
     def _copy_from_mirror(self, plan: RecallPlan) -> None:
-        src = self.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))   # ids -> DRAM rows
+        src = self.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))  # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
-        with self.copy_lock, self.order.copy_context():   # forwards that read the victims' old bytes finish first
+        with self.copy_lock, self.order.copy_context():  # forwards that read the victims' old bytes finish first
             stage = gather_copy(self.mirror.kv, self.reserve.kv, src, dst, self.staging.get("kv"))
             keep_staging(self.staging, "kv", stage)
             if self.copy_hook is not None:
@@ -307,8 +345,9 @@ class Recaller:
         plan.staging.clear()
         return done
 
-    def _publish_slice(self, entries: list[tuple[int, int, int, int, int]], k: int, per_page: int,
-                       also_count: str | None) -> tuple[int, int]:
+    def _publish_slice(
+        self, entries: list[tuple[int, int, int, int, int]], k: int, per_page: int, also_count: str | None
+    ) -> tuple[int, int]:
         """`publish` from entries[k] on while the slice's budget lasts (caller holds the gate and the lock);
         returns (next index, pages published)."""
         pc = self.layout.page_chunks
@@ -349,7 +388,7 @@ class Recaller:
     def cancel(self, plan: RecallPlan) -> None:
         """Give back a plan's in-flight blocks without publishing anything (the copy failed)."""
         with self.lock:
-            for row, gen, page, mp, blk in plan.entries:
+            for *_, blk in plan.entries:
                 self.inflight.discard(blk)
                 self.owner[blk] = None
                 self.blocks.push(blk)
@@ -357,8 +396,7 @@ class Recaller:
         plan.entries.clear()
         plan.staging.clear()
 
-    def recall(self, requests: Sequence[RecallRequest], count_cycle: bool = True,
-               also_count: str | None = None) -> int:
+    def recall(self, requests: Sequence[RecallRequest], count_cycle: bool = True, also_count: str | None = None) -> int:
         """Plan, copy (cancelled if it fails, then re-raised) and publish; returns the pages published."""
         plan = self.plan(requests, count_cycle=count_cycle)
         try:
@@ -367,7 +405,7 @@ class Recaller:
             self.cancel(plan)  # blocks back to the free list, nothing published
             raise
         done = self.publish(plan, also_count=also_count)
-        if plan.error is not None:   # the other requests' pages are published; this one's failure goes up now
+        if plan.error is not None:  # the other requests' pages are published; this one's failure goes up now
             raise plan.error
         return done
 

@@ -20,16 +20,26 @@ from flashmemory.offload.layout import OffloadLayout
 
 
 class DeviceReserve:
-    """kv: uint8 [n_layers, n_blocks, kv_page_bytes]; index: uint8 [len(offload_index_layers), n_blocks, index_page_bytes].
+    """kv: uint8 [n_layers, n_blocks, kv_page_bytes];
+    index: uint8 [len(offload_index_layers), n_blocks, index_page_bytes].
 
     Path-I index blocks use the same block ids as the c4 KV blocks.
     """
 
-    def __init__(self, layout: OffloadLayout, recall_blocks: int, max_rows: int, decode_pages: int,
-                 device: torch.device | str = "cpu", landing_blocks: int = 0):
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        recall_blocks: int,
+        max_rows: int,
+        decode_pages: int,
+        device: torch.device | str = "cpu",
+        landing_blocks: int = 0,
+    ):
         if recall_blocks < 1 or max_rows < 1 or decode_pages < 1 or landing_blocks < 0:
-            raise ValueError(f"DeviceReserve needs recall_blocks, max_rows, decode_pages >= 1 and landing_blocks >= 0, "
-                             f"got {recall_blocks}, {max_rows}, {decode_pages}, {landing_blocks}")
+            raise ValueError(
+                f"DeviceReserve needs recall_blocks, max_rows, decode_pages >= 1 and landing_blocks >= 0, "
+                f"got {recall_blocks}, {max_rows}, {decode_pages}, {landing_blocks}"
+            )
         self.layout = layout
         self.recall_blocks = recall_blocks
         self.max_rows = max_rows
@@ -41,13 +51,22 @@ class DeviceReserve:
         self.n_blocks = self.landing_base + landing_blocks
         self.sink_cell = self.sink_block * layout.page_chunks
         self.device = torch.device(device)
-        self.kv = torch.zeros(layout.n_layers, self.n_blocks, layout.kv_page_bytes, dtype=torch.uint8, device=self.device)
-        self.index = torch.zeros(len(layout.offload_index_layers), self.n_blocks, layout.index_page_bytes,
-                                 dtype=torch.uint8, device=self.device)
+        self.kv = torch.zeros(
+            layout.n_layers, self.n_blocks, layout.kv_page_bytes, dtype=torch.uint8, device=self.device
+        )
+        self.index = torch.zeros(
+            len(layout.offload_index_layers),
+            self.n_blocks,
+            layout.index_page_bytes,
+            dtype=torch.uint8,
+            device=self.device,
+        )
 
     def decode_block(self, row: int, slot: int) -> int:
         if not (0 <= row < self.max_rows and 0 <= slot < self.decode_pages):
-            raise IndexError(f"decode block (row {row}, slot {slot}) outside {self.max_rows} rows x {self.decode_pages}")
+            raise IndexError(
+                f"decode block (row {row}, slot {slot}) outside {self.max_rows} rows x {self.decode_pages}"
+            )
         return self.decode_base + row * self.decode_pages + slot
 
     def write_cells(self, cells: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
@@ -98,18 +117,26 @@ class TargetIndexPool:
     when mirror pages are pool pages; `write` then still writes through.
     """
 
-    def __init__(self, layout: OffloadLayout, n_pages: int, device: torch.device | str = "cpu",
-                 buffers: list[torch.Tensor] | None = None):
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        n_pages: int,
+        device: torch.device | str = "cpu",
+        buffers: list[torch.Tensor] | None = None,
+    ):
         self.layout = layout
         self.layers = tuple(layout.target_layers)
         if buffers is None:
             self.pages: torch.Tensor | list[torch.Tensor] = torch.zeros(
-                len(self.layers), n_pages, layout.index_page_bytes, dtype=torch.uint8, device=device)
+                len(self.layers), n_pages, layout.index_page_bytes, dtype=torch.uint8, device=device
+            )
             return
         want = (n_pages, layout.index_page_bytes)
         if len(buffers) != len(self.layers) or any(b.dtype != torch.uint8 or tuple(b.shape) != want for b in buffers):
-            raise ValueError(f"TargetIndexPool: expected {len(self.layers)} uint8 {want} buffers, got "
-                             f"{[(b.dtype, tuple(b.shape)) for b in buffers]}")
+            raise ValueError(
+                f"TargetIndexPool: expected {len(self.layers)} uint8 {want} buffers, got "
+                f"{[(b.dtype, tuple(b.shape)) for b in buffers]}"
+            )
         self.pages = list(buffers)
 
     def write(self, mchunks: torch.Tensor, index: torch.Tensor) -> None:

@@ -6,8 +6,8 @@ Both `OffloadEngine` and `flashmemory.offload.recall.Recaller` are handed the sa
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
 
 import torch
 
@@ -23,12 +23,12 @@ class RowState:
 
     rid: Hashable
     gen: int
-    mpages: list[int]                      # logical page -> mirror page
+    mpages: list[int]  # logical page -> mirror page
     n_chunks: int
-    recall: dict[int, int] = field(default_factory=dict)   # logical page -> recall block (published)
-    ring: list[int] = field(default_factory=list)          # decode slot -> logical page, -1 = empty
+    recall: dict[int, int] = field(default_factory=dict)  # logical page -> recall block (published)
+    ring: list[int] = field(default_factory=list)  # decode slot -> logical page, -1 = empty
     ring_next: int = 0
-    selection: frozenset[int] = frozenset()                # latest Level-1 selection: protected from eviction
+    selection: frozenset[int] = frozenset()  # latest Level-1 selection: protected from eviction
 
 
 class ResidentTables:
@@ -57,13 +57,20 @@ class ResidentTables:
         counts: list[int] = []
         for row in rows:
             st = self.rows[row]
-            items = [] if st is None else sorted(list(st.recall.items()) + [
-                (p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0])
+            items = (
+                []
+                if st is None
+                else sorted(
+                    list(st.recall.items())
+                    + [(p, self.reserve.decode_block(row, s)) for s, p in enumerate(st.ring) if p >= 0]
+                )
+            )
             if len(items) > self.res_cap:
                 raise RuntimeError(f"row {row}: {len(items)} resident pages exceed the compact table ({self.res_cap})")
             pad = [-1] * (self.res_cap - len(items))
-            table.append([[p for p, _ in items] + pad, [b for _, b in items] + pad,
-                          [st.mpages[p] for p, _ in items] + pad])
+            table.append(
+                [[p for p, _ in items] + pad, [b for _, b in items] + pad, [st.mpages[p] for p, _ in items] + pad]
+            )
             counts.append(len(items))
         dev = self.reserve.device
         with self.order.on_stream():  # the uploads too: on the stream decode reads the tables from

@@ -17,8 +17,9 @@ Lock order: the gate before the engine lock, everywhere.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -57,13 +57,25 @@ from flashmemory.offload.rows import RowState
 from flashmemory.offload.sync import BatchSync, SyncResult
 
 log = logging.getLogger("flashmemory.offload.disk")
-LANDED_PAGES = 1   # pages an admission lands in the window (its tail; complete pages go straight to the tier)
-LAND_BATCH = 16    # complete pages packed per batch at admission (bounds the staging memory)
+LANDED_PAGES = 1  # pages an admission lands in the window (its tail; complete pages go straight to the tier)
+LAND_BATCH = 16  # complete pages packed per batch at admission (bounds the staging memory)
 
 # stat key of `TieredEngine.tier_stats` -> what it counts (the sglang layer's /metrics reuses these keys)
-TIER_STATS = ("disk_bytes_read", "disk_bytes_written", "disk_cache_hits", "disk_cache_misses", "disk_cache_hit_rate",
-              "disk_recalls_waited", "disk_readahead_late", "disk_write_errors", "disk_pages_in_dram_pinned",
-              "disk_corrupt_pages", "disk_decode_waits", "disk_write_waits", "disk_readahead_pages")
+TIER_STATS = (
+    "disk_bytes_read",
+    "disk_bytes_written",
+    "disk_cache_hits",
+    "disk_cache_misses",
+    "disk_cache_hit_rate",
+    "disk_recalls_waited",
+    "disk_readahead_late",
+    "disk_write_errors",
+    "disk_pages_in_dram_pinned",
+    "disk_corrupt_pages",
+    "disk_decode_waits",
+    "disk_write_waits",
+    "disk_readahead_pages",
+)
 
 
 class TieredEngine(OffloadEngine):
@@ -74,20 +86,27 @@ class TieredEngine(OffloadEngine):
     addressed: the mirror is written by page id from outside (shrink mode's PD landing): a `SparseMirror`.
     """
 
-    def __init__(self, layout: OffloadLayout, cfg: EngineConfig, tier: HostPageCache,
-                 device: torch.device | str = "cpu", target_buffers: list[torch.Tensor] | None = None,
-                 addressed: bool = False):
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        cfg: EngineConfig,
+        tier: HostPageCache,
+        device: torch.device | str = "cpu",
+        target_buffers: list[torch.Tensor] | None = None,
+        addressed: bool = False,
+    ):
         if tier.page_bytes != disk_page_bytes(layout):
-            raise ValueError(f"TieredEngine: the tier's pages hold {tier.page_bytes} B, a mirror page "
-                             f"{disk_page_bytes(layout)} B")
+            raise ValueError(
+                f"TieredEngine: the tier's pages hold {tier.page_bytes} B, a mirror page {disk_page_bytes(layout)} B"
+            )
         if addressed and cfg.mirror_slots:
             raise ValueError("TieredEngine: an addressed mirror keeps one slot per page id (mirror_slots must be 0)")
         self.addressed = addressed
         super().__init__(layout, cfg, device, target_buffers)
         self.tier = tier
-        self.sealed: dict[int, tuple[int, int]] = {}   # row -> (gen, logical pages [0, n) put into the tier)
-        self.recalls_waited = 0                         # recall copies that waited for at least one disk read
-        self.readahead_pages = 0                        # reads queued when a cycle's selection named cold pages
+        self.sealed: dict[int, tuple[int, int]] = {}  # row -> (gen, logical pages [0, n) put into the tier)
+        self.recalls_waited = 0  # recall copies that waited for at least one disk read
+        self.readahead_pages = 0  # reads queued when a cycle's selection named cold pages
         self.recaller.source = self
 
     def make_mirror(self, n_pages: int) -> HostMirror:
@@ -105,11 +124,11 @@ class TieredEngine(OffloadEngine):
                     continue
                 gen, done = self.sealed.get(row, (st.gen, 0))
                 done = done if gen == st.gen else 0
-                upto = (st.n_chunks - 1) // pc      # pages before the newest chunk's page are complete
+                upto = (st.n_chunks - 1) // pc  # pages before the newest chunk's page are complete
                 rid = str(st.rid)
                 for p in range(done, upto):
                     self.tier.put(rid, p, pack_page(self.mirror, st.mpages[p]))
-                    self.mirror.release([st.mpages[p]])   # the cache holds the bytes now (no-op at full size)
+                    self.mirror.release([st.mpages[p]])  # the cache holds the bytes now (no-op at full size)
                     n += 1
                 self.sealed[row] = (st.gen, max(done, upto))
         return n
@@ -129,11 +148,12 @@ class TieredEngine(OffloadEngine):
             super().land(row, st, m[t:], kv[:, t:], None if index is None else index[:, t:])
             for p0 in range(0, head, LAND_BATCH):
                 c0, c1 = p0 * pc, min(head, p0 + LAND_BATCH) * pc
-                for i, data in enumerate(pages_from_chunks(self.layout, kv[:, c0:c1],
-                                                           None if index is None else index[:, c0:c1])):
+                for i, data in enumerate(
+                    pages_from_chunks(self.layout, kv[:, c0:c1], None if index is None else index[:, c0:c1])
+                ):
                     self.tier.put(rid, p0 + i, data)
-            self.mirror.release(st.mpages[:head])   # never had a slot: marked as the tier's (reading them raises)
-        except BaseException:   # the admission fails whole: its pages, slots and tier pages go back
+            self.mirror.release(st.mpages[:head])  # never had a slot: marked as the tier's (reading them raises)
+        except BaseException:  # the admission fails whole: its pages, slots and tier pages go back
             self.mirror.free(st.mpages)
             self.tier.free_request(rid)
             raise
@@ -179,7 +199,6 @@ class TieredEngine(OffloadEngine):
         self.readahead_pages += n
         return n
 
-
     def _tier_keys(self, plan: RecallPlan) -> tuple[list[str | None], list[bool]]:
         """Per plan entry: the rid whose tier holds that page (sealed) or None (read it from the mirror), and whether
         its request is still the one planned (a stale entry's bytes are discarded at publish). Caller holds the lock."""
@@ -213,10 +232,10 @@ class TieredEngine(OffloadEngine):
         for (_r, _g, page, _m, _b), rid in zip(plan.entries, keys):
             if rid is not None:
                 wanted.setdefault(rid, []).append(page)
-        for rid, pages in wanted.items():   # read-ahead: the readers fetch while earlier pages are copied
+        for rid, pages in wanted.items():  # read-ahead: the readers fetch while earlier pages are copied
             self.tier.prefetch(rid, pages)
         nkv = lay.n_layers * lay.kv_page_bytes
-        bad: dict[int, BaseException] = {}          # row -> its first read failure
+        bad: dict[int, BaseException] = {}  # row -> its first read failure
         waited = False
         for j, ((row, _g, page, _mp, _b), rid) in enumerate(zip(plan.entries, keys)):
             if row in bad or rid is None:
@@ -234,7 +253,7 @@ class TieredEngine(OffloadEngine):
                 err.__cause__ = e
                 bad[row] = err
                 continue
-            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)   # a copy: the view is read-only
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a copy: the view is read-only
             kv[:, j] = flat[:nkv].view(lay.n_layers, lay.kv_page_bytes)
             if n_ix:
                 ix[:, j] = flat[nkv:].view(n_ix, lay.index_page_bytes)
@@ -264,7 +283,7 @@ class TieredEngine(OffloadEngine):
         side = rec.side_stream
         if side is not None:
             side.wait_stream(rec.main_stream)
-        with rec.copy_lock, (torch.cuda.stream(side) if side is not None else nullcontext()):
+        with rec.copy_lock, torch.cuda.stream(side) if side is not None else nullcontext():
             src = torch.arange(len(plan.entries))
             gather_copy(kv, self.reserve.kv, src, dst)
             if rec.copy_hook is not None:
@@ -278,13 +297,21 @@ class TieredEngine(OffloadEngine):
     def tier_stats(self) -> dict[str, float]:
         """The `TIER_STATS` (running totals, plus the hit-rate and pinned-page gauges)."""
         c = self.tier.counters
-        return {"disk_bytes_read": float(c.disk_bytes_read), "disk_bytes_written": float(c.disk_bytes_written),
-                "disk_cache_hits": float(c.cache_hits), "disk_cache_misses": float(c.cache_misses),
-                "disk_cache_hit_rate": c.hit_rate, "disk_recalls_waited": float(self.recalls_waited),
-                "disk_readahead_late": float(c.readahead_late), "disk_write_errors": float(c.write_errors),
-                "disk_pages_in_dram_pinned": float(self.tier.pinned_pages),
-                "disk_corrupt_pages": float(c.corrupt_pages), "disk_decode_waits": float(c.decode_disk_waits),
-                "disk_write_waits": float(c.write_waits), "disk_readahead_pages": float(self.readahead_pages)}
+        return {
+            "disk_bytes_read": float(c.disk_bytes_read),
+            "disk_bytes_written": float(c.disk_bytes_written),
+            "disk_cache_hits": float(c.cache_hits),
+            "disk_cache_misses": float(c.cache_misses),
+            "disk_cache_hit_rate": c.hit_rate,
+            "disk_recalls_waited": float(self.recalls_waited),
+            "disk_readahead_late": float(c.readahead_late),
+            "disk_write_errors": float(c.write_errors),
+            "disk_pages_in_dram_pinned": float(self.tier.pinned_pages),
+            "disk_corrupt_pages": float(c.corrupt_pages),
+            "disk_decode_waits": float(c.decode_disk_waits),
+            "disk_write_waits": float(c.write_waits),
+            "disk_readahead_pages": float(self.readahead_pages),
+        }
 
 
 def window_slots(disk: DiskTierConfig, layout: OffloadLayout, cfg: EngineConfig) -> int | None:
@@ -308,9 +335,15 @@ def mirror_slot_count(layout: OffloadLayout, cfg: EngineConfig, disk: DiskTierCo
     return cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg)) or n_pages
 
 
-def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device | str, disk: DiskTierConfig,
-                 target_buffers: list[torch.Tensor] | None = None, rank: int = 0,
-                 full_mirror: bool = False) -> OffloadEngine:
+def build_engine(
+    layout: OffloadLayout,
+    cfg: EngineConfig,
+    device: torch.device | str,
+    disk: DiskTierConfig,
+    target_buffers: list[torch.Tensor] | None = None,
+    rank: int = 0,
+    full_mirror: bool = False,
+) -> OffloadEngine:
     """The plain `OffloadEngine` when the disk tier is off; else a `TieredEngine` over `open_tier(disk, ...)`
     (which logs the tier's size and place, and the mirror's window). full_mirror: the caller addresses the
     mirror by page id from outside (shrink mode: PD lands there), so it keeps one slot per page whatever
@@ -318,15 +351,23 @@ def build_engine(layout: OffloadLayout, cfg: EngineConfig, device: torch.device 
     if not disk.enabled:
         return OffloadEngine(layout, cfg, device, target_buffers)
     if full_mirror and disk.host_mirror_bytes is not None:
-        log.warning("disk tier: SGLANG_PATHP_HOST_MIRROR_GB is ignored in shrink mode: PD lands P's KV in the host "
-                    "mirror by pool page id (NIXL registration), so the mirror spans every page id; it is sparse "
-                    "(DRAM only for pages not yet sealed into the tier)")
+        log.warning(
+            "disk tier: SGLANG_PATHP_HOST_MIRROR_GB is ignored in shrink mode: PD lands P's KV in the host "
+            "mirror by pool page id (NIXL registration), so the mirror spans every page id; it is sparse "
+            "(DRAM only for pages not yet sealed into the tier)"
+        )
     slots = cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg))
     n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
     tier = open_tier(disk, disk_page_bytes(layout), rank, window=(slots or n_pages, n_pages))
     try:
-        return TieredEngine(layout, replace(cfg, mirror_slots=slots or 0), tier, device, target_buffers,
-                            addressed=full_mirror and not slots)
+        return TieredEngine(
+            layout,
+            replace(cfg, mirror_slots=slots or 0),
+            tier,
+            device,
+            target_buffers,
+            addressed=full_mirror and not slots,
+        )
     except BaseException:
         tier.close()
         tier.store.close()

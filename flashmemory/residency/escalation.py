@@ -31,22 +31,22 @@ from flashmemory.residency.monitor import MissReport
 
 # Priorities handed to the recall planner (higher = kept first; the recency tail is +inf). Retriever page
 # priorities are chunk scores (sigmoids, or small counts for the replay baselines), so these rank above them.
-MISSING_PRIORITY = 1e9    # + the page's missed mass
+MISSING_PRIORITY = 1e9  # + the page's missed mass
 FALLBACK_PRIORITY = 1e8
 
 
 @dataclass(frozen=True)
 class EscalationConfig:
-    threshold: float = 0.2          # miss mass above this escalates (SGLANG_RETRIEVER_MISS_THRESHOLD)
-    low_threshold: float = 0.05     # at or below this counts towards shrinking back (SGLANG_RETRIEVER_MISS_LOW)
-    base: int = 96                  # pages without escalation (KMAX)
-    cap: int = 192                  # most pages a request may be widened to (SGLANG_RETRIEVER_MISS_KMAX_CAP)
-    step: int = 32                  # pages added per escalation / returned per shrink
-    shrink_after: int = 2           # low cycles in a row before giving pages back (SGLANG_RETRIEVER_MISS_SHRINK_AFTER)
-    fallback_after: int = 2         # high cycles in a row before the exact-recall fallback
-    extra_pool: int = 1 << 30       # pages above base, summed over live requests (reserve pressure)
-    topk: int = 512                 # the native indexer's top-k the miss mass is measured on
-    fallback_history: int = 3       # monitor cycles whose top-k pages the fallback holds (one per rotated layer)
+    threshold: float = 0.2  # miss mass above this escalates (SGLANG_RETRIEVER_MISS_THRESHOLD)
+    low_threshold: float = 0.05  # at or below this counts towards shrinking back (SGLANG_RETRIEVER_MISS_LOW)
+    base: int = 96  # pages without escalation (KMAX)
+    cap: int = 192  # most pages a request may be widened to (SGLANG_RETRIEVER_MISS_KMAX_CAP)
+    step: int = 32  # pages added per escalation / returned per shrink
+    shrink_after: int = 2  # low cycles in a row before giving pages back (SGLANG_RETRIEVER_MISS_SHRINK_AFTER)
+    fallback_after: int = 2  # high cycles in a row before the exact-recall fallback
+    extra_pool: int = 1 << 30  # pages above base, summed over live requests (reserve pressure)
+    topk: int = 512  # the native indexer's top-k the miss mass is measured on
+    fallback_history: int = 3  # monitor cycles whose top-k pages the fallback holds (one per rotated layer)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low_threshold <= self.threshold <= 1.0:
@@ -113,7 +113,7 @@ class EscalationController:
         with self._mu:
             st = self._get(row, gen)
             st.cycles += 1
-            st.topk_history = (st.topk_history + [rep.topk_pages])[-cfg.fallback_history:]
+            st.topk_history = (st.topk_history + [rep.topk_pages])[-cfg.fallback_history :]
             attended = set(rep.topk_pages.tolist())
             st.held = {p: m for p, m in st.held.items() if p in attended}
             if rep.miss_mass > cfg.threshold:

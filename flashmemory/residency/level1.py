@@ -30,12 +30,16 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashmemory.offload.engine import OffloadEngine
 from flashmemory.offload.recall import RecallRequest
 from flashmemory.residency.policy import PagePolicy, ensemble_scores
+
+if TYPE_CHECKING:
+    from flashmemory.residency.monitored import MissMonitor
 
 # (row, n_hist, hidden {target layer: [hidden]}, position [] int) -> scores [n_hist] fp32
 Scorer = Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor], torch.Tensor]
@@ -49,17 +53,18 @@ def warm_start(engine: OffloadEngine, row: int, kmax: int) -> int:
 
 @dataclass(frozen=True)
 class Level1Config:
-    tau: int = 64                   # decode steps between cycles of one request
-    stagger: bool = False           # spread requests over the tau phases (the first step is always due)
-    max_resident_pages: int = 96    # per-request page budget handed to the policy
-    last_keep: int = 2048           # recency tail in chunks: +inf priority, dropped last when degrading
-    async_recall: bool = True       # run cycles on a worker thread
-    publish_lag: int = 0            # 0: publish when the worker is done; k > 0: exactly k on_step calls later
+    tau: int = 64  # decode steps between cycles of one request
+    stagger: bool = False  # spread requests over the tau phases (the first step is always due)
+    max_resident_pages: int = 96  # per-request page budget handed to the policy
+    last_keep: int = 2048  # recency tail in chunks: +inf priority, dropped last when degrading
+    async_recall: bool = True  # run cycles on a worker thread
+    publish_lag: int = 0  # 0: publish when the worker is done; k > 0: exactly k on_step calls later
 
     def __post_init__(self) -> None:
         if self.tau < 1 or self.max_resident_pages < 1 or self.last_keep < 0 or self.publish_lag < 0:
-            raise ValueError(f"Level1Config: tau and max_resident_pages must be >= 1, last_keep and publish_lag "
-                             f">= 0: {self}")
+            raise ValueError(
+                f"Level1Config: tau and max_resident_pages must be >= 1, last_keep and publish_lag >= 0: {self}"
+            )
 
 
 @dataclass
@@ -68,7 +73,7 @@ class _LockstepJob:
     items: [(row, gen, n_hist, hidden {layer: [hidden]}, position [])]; the worker fills `reqs` or `error`."""
 
     due: int
-    ready: object                                   # CUDA event the inputs are ready on, or None
+    ready: object  # CUDA event the inputs are ready on, or None
     items: list
     done: threading.Event = field(default_factory=threading.Event)
     reqs: list = field(default_factory=list)
@@ -88,6 +93,7 @@ def retriever_scorer(retriever, engine: OffloadEngine, ensemble: str = "or") -> 
             keys = engine.target_keys(row, lid)[:n_hist]
             per.append(retriever.layer(lid)(hidden[lid].reshape(1, -1), position.reshape(1), keys)[0])
         return ensemble_scores(per, ensemble)
+
     return score
 
 
@@ -113,20 +119,26 @@ def page_priority(
 class Level1:
     """Cadence + pipeline. Call `on_step` after every decode forward; `wait` joins pending cycles; `close` stops."""
 
-    def __init__(self, engine: OffloadEngine, scorer: Scorer, policy: PagePolicy, cfg: Level1Config = Level1Config(),
-                 monitor: "MissMonitor | None" = None):  # noqa: F821 (flashmemory.residency.monitored)
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        scorer: Scorer,
+        policy: PagePolicy,
+        cfg: Level1Config = Level1Config(),
+        monitor: MissMonitor | None = None,
+    ):  # noqa: F821 (flashmemory.residency.monitored)
         self.engine, self.scorer, self.policy, self.cfg, self.monitor = engine, scorer, policy, cfg, monitor
         pc = getattr(getattr(policy, "cfg", None), "page_chunks", engine.layout.page_chunks)
         if pc != engine.layout.page_chunks:
             raise ValueError(f"policy pages hold {pc} chunks but the offload layout uses {engine.layout.page_chunks}")
         self._state: dict[int, tuple[int, int, int]] = {}  # row -> (gen, step, phase)
-        self._pending: set[tuple[int, int]] = set()        # (row, gen) submitted, not yet published
+        self._pending: set[tuple[int, int]] = set()  # (row, gen) submitted, not yet published
         self._next_phase = 0
         self._mu = threading.Lock()
         self._error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()
-        self._tick = 0                                   # on_step calls so far (the lockstep clock)
-        self._lockstep: deque[_LockstepJob] = deque()    # submitted, not yet published, in due order
+        self._tick = 0  # on_step calls so far (the lockstep clock)
+        self._lockstep: deque[_LockstepJob] = deque()  # submitted, not yet published, in due order
         self._worker: threading.Thread | None = None
         if cfg.async_recall:
             self._worker = threading.Thread(target=self._loop, name="flashmemory-level1", daemon=True)
@@ -160,7 +172,7 @@ class Level1:
         """Advance each row's cadence and queue the due rows' cycle (see `on_step`)."""
         due: list[tuple[int, int, int, int]] = []  # (batch index, row, gen, n_hist)
         eng = self.engine
-        live = eng.snapshot_rows()   # {row: (gen, n_chunks)}; decode (this thread) is what changes it
+        live = eng.snapshot_rows()  # {row: (gen, n_chunks)}; decode (this thread) is what changes it
         with self._mu:
             for i, row in enumerate(int(r) for r in rows):
                 if row < 0 or row not in live:
@@ -184,8 +196,16 @@ class Level1:
         if not due:
             return []
         idx = torch.tensor([d[0] for d in due])
-        job = [(row, gen, n, {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
-                positions.reshape(-1)[idx[j]].clone()) for j, (_, row, gen, n) in enumerate(due)]
+        job = [
+            (
+                row,
+                gen,
+                n,
+                {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
+                positions.reshape(-1)[idx[j]].clone(),
+            )
+            for j, (_, row, gen, n) in enumerate(due)
+        ]
         if self.cfg.publish_lag:
             ready = None
             if self._worker is not None and any(h.is_cuda for h in hidden.values()):
@@ -231,9 +251,17 @@ class Level1:
             prio = page_priority(scores, n, pages, self.engine.layout.page_chunks, self.cfg.last_keep)
             if self.monitor is not None:
                 from flashmemory.residency.monitored import merge_selection
+
                 pages, prio = merge_selection(pages.tolist(), prio, extra, extra_prio, budget)
-            reqs.append(RecallRequest(row, gen, tuple(int(p) for p in pages), tuple(prio),
-                                      budget=budget if self.monitor is not None else None))
+            reqs.append(
+                RecallRequest(
+                    row,
+                    gen,
+                    tuple(int(p) for p in pages),
+                    tuple(prio),
+                    budget=budget if self.monitor is not None else None,
+                )
+            )
         return reqs
 
     def _run(self, item: tuple) -> None:
@@ -243,8 +271,8 @@ class Level1:
             torch.cuda.current_stream().wait_event(ready)
         try:
             reqs = self._requests(job)
-            self.engine.recaller.prefetch(reqs)   # cold pages start reading from disk before the plan
-            self.engine.recaller.recall(reqs)     # a failed copy is cancelled: nothing published
+            self.engine.recaller.prefetch(reqs)  # cold pages start reading from disk before the plan
+            self.engine.recaller.recall(reqs)  # a failed copy is cancelled: nothing published
         finally:
             with self._mu:
                 for row, gen, *_ in job:
@@ -256,7 +284,7 @@ class Level1:
             if lj.ready is not None:
                 torch.cuda.current_stream().wait_event(lj.ready)
             lj.reqs = self._requests(lj.items)
-            self.engine.recaller.prefetch(lj.reqs)   # disk reads run now, not at the publish on the decode thread
+            self.engine.recaller.prefetch(lj.reqs)  # disk reads run now, not at the publish on the decode thread
         except BaseException as e:  # raised on the decode thread at the job's publish call
             lj.error = e
         finally:
@@ -285,7 +313,7 @@ class Level1:
         return first
 
     def _loop(self) -> None:
-        self.engine.order.set_device()   # before any CUDA call: a new thread's current device is GPU 0 on every rank
+        self.engine.order.set_device()  # before any CUDA call: a new thread's current device is GPU 0 on every rank
         while True:
             job = self._q.get()
             try:

@@ -23,12 +23,13 @@ NEG_INF = float("-inf")
 
 class Level2Out(NamedTuple):
     chunks: torch.Tensor  # int64 [B, k] logical chunk ids, -1 invalid
-    cells: torch.Tensor   # int32 [B, k] reserve cells, -1 invalid
+    cells: torch.Tensor  # int32 [B, k] reserve cells, -1 invalid
     values: torch.Tensor  # fp32 [B, k] logits of the picks (-inf where invalid)
 
 
-def paged_index_logits(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor,
-                       page_chunks: int = 64) -> torch.Tensor:
+def paged_index_logits(
+    q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, page_chunks: int = 64
+) -> torch.Tensor:
     """Reference scorer over paged fp8 index-K: logits[b, t*pc + c] = sum_h relu(q[b,h] . k) * w[b,h], where
     k = fp8 * scale of chunk c of page table[b, t].
 
@@ -41,10 +42,10 @@ def paged_index_logits(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, ta
     if table.dim() != 2 or table.shape[0] != b:
         raise ValueError(f"table must be [B={b}, K], got {tuple(table.shape)}")
     k = table.shape[1]
-    g = pages[table.clamp_min(0).long().to(pages.device)]                        # [B, K, W]
+    g = pages[table.clamp_min(0).long().to(pages.device)]  # [B, K, W]
     vals = g[..., : page_chunks * d].contiguous().view(FP8).reshape(b, k * page_chunks, d)
-    scale = g[..., page_chunks * d:].contiguous().view(torch.float32).reshape(b, k * page_chunks)
-    keys = vals.float() * scale.unsqueeze(-1)                                     # [B, K*pc, D]
+    scale = g[..., page_chunks * d :].contiguous().view(torch.float32).reshape(b, k * page_chunks)
+    keys = vals.float() * scale.unsqueeze(-1)  # [B, K*pc, D]
     out = relu_head_scores(q.float(), w.float(), keys)
     empty = (table < 0).to(out.device).repeat_interleave(page_chunks, dim=1)
     return out.masked_fill(empty, NEG_INF)
@@ -92,8 +93,10 @@ class Level2:
         rows = self._rows(rows)
         b, n = logits.shape
         if b != rows.shape[0] or n > self.cols.shape[0] or k > self.topk:
-            raise ValueError(f"mask_topk: logits {tuple(logits.shape)}, rows [{rows.shape[0]}], k={k}; "
-                             f"need B to match, N <= {self.cols.shape[0]}, k <= {self.topk}")
+            raise ValueError(
+                f"mask_topk: logits {tuple(logits.shape)}, rows [{rows.shape[0]}], k={k}; "
+                f"need B to match, N <= {self.cols.shape[0]}, k <= {self.topk}"
+            )
         chunks = self.cols[:n].unsqueeze(0).expand(b, n)
         with self.engine.lock:
             cells = self.engine.lut.cells(rows, chunks)
@@ -101,8 +104,9 @@ class Level2:
         out.copy_(logits.to(out.device, torch.float32).masked_fill(cells < 0, NEG_INF))
         return self._emit(out, chunks, cells, k)
 
-    def score_resident_topk(self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, layer: int,
-                            k: int | None = None) -> Level2Out:
+    def score_resident_topk(
+        self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, layer: int, k: int | None = None
+    ) -> Level2Out:
         """Score-resident mode for one c4 layer. q: [B, H, D] fp32, w: [B, H]. Target layers score the device
         index-K pool; Path-I layers score the index reserve (same block ids as the c4 KV)."""
         k = k or self.topk
@@ -118,12 +122,15 @@ class Level2:
             elif layer in eng.layout.offload_index_layers:
                 pages, table = eng.reserve.index[eng.layout.offload_index_layers.index(layer)], eng.res_blocks[r]
             else:
-                raise ValueError(f"layer {layer}: score-resident needs a target layer {eng.layout.target_layers} "
-                                 f"or Path-I (index_offload) for non-target layers")
+                raise ValueError(
+                    f"layer {layer}: score-resident needs a target layer {eng.layout.target_layers} "
+                    f"or Path-I (index_offload) for non-target layers"
+                )
             table = torch.where(rows.unsqueeze(1) >= 0, table, -1)
             lpage = torch.where(rows.unsqueeze(1) >= 0, eng.res_pages[r], -1).long()
-            chunk = torch.where(lpage.repeat_interleave(pc, 1) >= 0,
-                                lpage.repeat_interleave(pc, 1) * pc + self.res_off, -1)
+            chunk = torch.where(
+                lpage.repeat_interleave(pc, 1) >= 0, lpage.repeat_interleave(pc, 1) * pc + self.res_off, -1
+            )
             cells = eng.lut.cells(rows, chunk)
             logits = paged_index_logits(q, w, pages, table, pc)
         out = self.res_logits[:b]

@@ -72,8 +72,10 @@ def miss_mass(logits: torch.Tensor, resident: torch.Tensor, k: int) -> torch.Ten
 def miss_report(logits: torch.Tensor, resident: torch.Tensor, k: int, page_chunks: int, layer: int) -> MissReport:
     """`miss_mass` of one request plus the pages behind it. logits: fp32 [N]; resident: bool [N]."""
     if logits.dim() != 1 or resident.shape != logits.shape:
-        raise ValueError(f"miss_report takes one row: logits [N] and resident [N], got {tuple(logits.shape)}, "
-                         f"{tuple(resident.shape)}")
+        raise ValueError(
+            f"miss_report takes one row: logits [N] and resident [N], got {tuple(logits.shape)}, "
+            f"{tuple(resident.shape)}"
+        )
     idx, prob = topk_softmax(logits.unsqueeze(0), k)
     idx, prob = idx[0].cpu(), prob[0].cpu()
     valid = prob > 0
@@ -84,8 +86,9 @@ def miss_report(logits: torch.Tensor, resident: torch.Tensor, k: int, page_chunk
     per_page = torch.zeros(max(n_pages, 1)).index_add_(0, pages[miss], prob[miss])
     order = per_page.argsort(descending=True, stable=True)
     order = order[per_page[order] > 0]
-    return MissReport(float(prob[miss].sum().clamp(0.0, 1.0)), order, per_page[order],
-                      torch.unique(pages[valid]), layer)
+    return MissReport(
+        float(prob[miss].sum().clamp(0.0, 1.0)), order, per_page[order], torch.unique(pages[valid]), layer
+    )
 
 
 def rotate_layer(layers: Sequence[int], cycle: int) -> int:
@@ -101,8 +104,9 @@ def resident_mask(engine, row: int, n_hist: int) -> torch.Tensor:
     return (cells >= 0).cpu()
 
 
-def keys_native_scorer(engine, qw: Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor],
-                                            tuple[torch.Tensor, torch.Tensor]]) -> NativeScorer:
+def keys_native_scorer(
+    engine, qw: Callable[[int, int, Mapping[int, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+) -> NativeScorer:
     """A `NativeScorer` over the engine's device-resident target index-K: sum_h relu(q_h . k) w_h.
 
     qw(row, layer, hidden, position) -> (q fp32 [H, D], w fp32 [H]): the native indexer's query and head
@@ -118,4 +122,5 @@ def keys_native_scorer(engine, qw: Callable[[int, int, Mapping[int, torch.Tensor
         q, w = got
         keys = engine.target_keys(row, layer)[:n_hist]
         return relu_head_scores(q.float().unsqueeze(0), w.float().reshape(1, -1), keys.to(q.device))[0]
+
     return score

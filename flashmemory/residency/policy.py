@@ -18,14 +18,14 @@ import torch
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    threshold: float = 0.5        # keep if score > threshold (strict)
-    ensemble: str = "or"          # "or" = max over layers, "mean" = average
-    last_keep: int = 2048         # recency tail, chunks
-    first_keep: int = 0           # sink, chunks
-    max_resident: int = 0         # cap on resident chunks per request, 0 = none
-    page_chunks: int = 64         # chunks per page
-    kmax: int = 96                # resident pages per request
-    fill_zero_pages: bool = False # upstream behaviour: top-k always returns kmax pages
+    threshold: float = 0.5  # keep if score > threshold (strict)
+    ensemble: str = "or"  # "or" = max over layers, "mean" = average
+    last_keep: int = 2048  # recency tail, chunks
+    first_keep: int = 0  # sink, chunks
+    max_resident: int = 0  # cap on resident chunks per request, 0 = none
+    page_chunks: int = 64  # chunks per page
+    kmax: int = 96  # resident pages per request
+    fill_zero_pages: bool = False  # upstream behaviour: top-k always returns kmax pages
 
     def __post_init__(self) -> None:
         if self.ensemble not in ("or", "max", "mean"):
@@ -124,8 +124,9 @@ def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig)
     return torch.where(keep, key, torch.full_like(key, -1))
 
 
-def select_pages(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig,
-                 kmax: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_pages(
+    scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig, kmax: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Page-granular selection.
 
     scores: [B, N] ensemble scores; lengths: [B] chunks of history.
@@ -157,6 +158,10 @@ class ThresholdPagePolicy:
         self.cfg = cfg
 
     def __call__(self, scores: torch.Tensor, n_hist: int, budget_pages: int) -> torch.Tensor:
-        pages, count = select_pages(scores.unsqueeze(0), torch.tensor([n_hist], device=scores.device), self.cfg,
-                                    kmax=min(budget_pages, self.cfg.page_cap))
+        pages, count = select_pages(
+            scores.unsqueeze(0),
+            torch.tensor([n_hist], device=scores.device),
+            self.cfg,
+            kmax=min(budget_pages, self.cfg.page_cap),
+        )
         return pages[0, : int(count[0])]

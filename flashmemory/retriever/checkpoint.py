@@ -37,6 +37,7 @@ def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[s
         raise CheckpointError(f"{p}: no such file")
     if p.suffix == ".safetensors":
         from safetensors import safe_open
+
         try:
             with safe_open(str(p), framework="pt") as f:
                 meta = dict(f.metadata() or {})
@@ -48,8 +49,9 @@ def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[s
         try:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{p}: unreadable torch file ({type(e).__name__}: {e}); truncated or not a "
-                                  "plain tensor state dict?") from e
+            raise CheckpointError(
+                f"{p}: unreadable torch file ({type(e).__name__}: {e}); truncated or not a plain tensor state dict?"
+            ) from e
         if isinstance(obj, dict) and "model_state" in obj and isinstance(obj["model_state"], dict):
             obj = obj["model_state"]  # a training epoch checkpoint
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -84,6 +86,7 @@ def checkpoint_keys(path: str | os.PathLike) -> list[str]:
     try:
         if p.suffix == ".safetensors":
             from safetensors import safe_open
+
             with safe_open(str(p), framework="pt") as f:
                 return list(f.keys())
         obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
@@ -134,10 +137,15 @@ def expected_shapes(d: RetrieverDims) -> dict[str, tuple[int, ...]]:
     }
 
 
-def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] | None = None,
-                   single_layer_id: int | None = None, rope: RopeConfig | None = None,
-                   logit_offset: float = 0.0, expect_hidden: int | None = None,
-                   max_position: int | None = None) -> JointRetriever:
+def load_retriever(
+    path: str | os.PathLike,
+    layers: tuple[int, ...] | list[int] | None = None,
+    single_layer_id: int | None = None,
+    rope: RopeConfig | None = None,
+    logit_offset: float = 0.0,
+    expect_hidden: int | None = None,
+    max_position: int | None = None,
+) -> JointRetriever:
     """Build a `JointRetriever` from a checkpoint. Every weight is checked: keys, shapes, finite values.
 
     layers: c4-layer ids to load (default: all in the file); a missing one is an error.
@@ -180,17 +188,26 @@ def load_retriever(path: str | os.PathLike, layers: tuple[int, ...] | list[int] 
     return model
 
 
-def check_fits(model: JointRetriever, path: str | os.PathLike, hidden: int, index_head_dim: int,
-               layers: tuple[int, ...] | list[int]) -> None:
+def check_fits(
+    model: JointRetriever,
+    path: str | os.PathLike,
+    hidden: int,
+    index_head_dim: int,
+    layers: tuple[int, ...] | list[int],
+) -> None:
     """Refuse, naming the file, a retriever that cannot serve a model of this `hidden` size, indexer head dim and
     these c4 `layers` (a retriever trained for another model), before any document is run with it."""
     d = model.dims
     if d.hidden != hidden:
-        raise CheckpointError(f"{path}: retriever for hidden size {d.hidden}, the model's is {hidden} (a retriever "
-                              "trained for another model)")
+        raise CheckpointError(
+            f"{path}: retriever for hidden size {d.hidden}, the model's is {hidden} (a retriever "
+            "trained for another model)"
+        )
     if d.head_dim != index_head_dim:
-        raise CheckpointError(f"{path}: retriever head dim {d.head_dim}, the model's indexer head dim is "
-                              f"{index_head_dim} (a retriever trained for another model)")
+        raise CheckpointError(
+            f"{path}: retriever head dim {d.head_dim}, the model's indexer head dim is "
+            f"{index_head_dim} (a retriever trained for another model)"
+        )
     absent = sorted(set(layers) - set(model.layers))
     if absent:
         raise CheckpointError(f"{path}: no retriever for c4 layer(s) {absent} (it has {list(model.layers)})")
@@ -202,8 +219,10 @@ def check_finite(path: str | os.PathLike, by_layer: dict[int, dict[str, torch.Te
         for k, v in by_layer[lid].items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 bad = int((~torch.isfinite(v)).sum())
-                raise CheckpointError(f"{path}: retrievers.l{lid}.{k} holds {bad} non-finite value(s) (NaN/inf) "
-                                      f"of {v.numel()}; the checkpoint is unusable (a diverged training run?)")
+                raise CheckpointError(
+                    f"{path}: retrievers.l{lid}.{k} holds {bad} non-finite value(s) (NaN/inf) "
+                    f"of {v.numel()}; the checkpoint is unusable (a diverged training run?)"
+                )
 
 
 def rope_from_meta(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> RopeConfig:
@@ -230,11 +249,14 @@ def retriever_metadata(model: JointRetriever) -> dict[str, str]:
 def save_retriever(model: JointRetriever, path: str | os.PathLike, extra_meta: dict[str, str] | None = None) -> Path:
     """Write the joint state (fp32) to `path` as safetensors, atomically (temp file, then rename)."""
     from safetensors.torch import save_file
+
     p = Path(path)
     if p.is_dir():
         raise CheckpointError(f"{p}: is a directory, not a checkpoint file")
-    by_layer = {lid: {k: model.layer(lid).get_parameter(k).detach().float().contiguous().cpu() for k in PARAMS}
-                for lid in model.layers}
+    by_layer = {
+        lid: {k: model.layer(lid).get_parameter(k).detach().float().contiguous().cpu() for k in PARAMS}
+        for lid in model.layers
+    }
     check_finite(p, by_layer)  # never write a NaN checkpoint that a later load would refuse
     state = {f"retrievers.l{lid}.{k}": v for lid, sd in by_layer.items() for k, v in sd.items()}
     meta = retriever_metadata(model) | (extra_meta or {})
@@ -271,8 +293,9 @@ def inspect_checkpoint(path: str | os.PathLike, single_layer_id: int | None = No
     for lid, sd in sorted(by_layer.items()):  # layers are loaded together: one wrong shape breaks the load
         for k, shp in want.items():
             if tuple(sd[k].shape) != shp:
-                raise CheckpointError(f"{path}: retrievers.l{lid}.{k}: shape {tuple(sd[k].shape)} does not match "
-                                      f"{shp} of layer {first}")
+                raise CheckpointError(
+                    f"{path}: retrievers.l{lid}.{k}: shape {tuple(sd[k].shape)} does not match {shp} of layer {first}"
+                )
     check_finite(path, by_layer)
     return {
         "path": str(path),

@@ -26,25 +26,32 @@ DEFAULT_FILE = "top3_R930_joint.pt"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="inspect, convert or download retriever checkpoints",
-                       description="Retriever checkpoints: upstream joint .pt files and our .safetensors.")
+    p = sub.add_parser(
+        "checkpoint",
+        help="inspect, convert or download retriever checkpoints",
+        description="Retriever checkpoints: upstream joint .pt files and our .safetensors.",
+    )
     csub = p.add_subparsers(dest="checkpoint_cmd", metavar="ACTION")
 
     ip = csub.add_parser("inspect", help="print layers, dims, dtypes and parameter count")
     ip.add_argument("path", help=".pt/.pth or .safetensors file")
-    ip.add_argument("--layer", type=int, default=None,
-                    help="c4-layer id to report for a single-layer (unprefixed) checkpoint")
+    ip.add_argument(
+        "--layer", type=int, default=None, help="c4-layer id to report for a single-layer (unprefixed) checkpoint"
+    )
     ip.add_argument("--json", action="store_true", help="print the summary as JSON")
     ip.set_defaults(func=_inspect)
 
     cp = csub.add_parser("convert", help="convert a .pt checkpoint to .safetensors (weights only, fp32)")
     cp.add_argument("src", help="input .pt/.pth (or .safetensors) file")
     cp.add_argument("dst", help="output .safetensors file")
-    cp.add_argument("--layer", type=int, default=None,
-                    help="c4-layer id for a single-layer (unprefixed) checkpoint")
+    cp.add_argument("--layer", type=int, default=None, help="c4-layer id for a single-layer (unprefixed) checkpoint")
     cp.add_argument("--layers", default=None, help="only these c4-layer ids, e.g. 10,12,20 (default: all)")
-    cp.add_argument("--rope-dim", type=int, default=None,
-                    help="RoPE dims of each head (default 64, or head_dim // 2 for head_dim < 128)")
+    cp.add_argument(
+        "--rope-dim",
+        type=int,
+        default=None,
+        help="RoPE dims of each head (default 64, or head_dim // 2 for head_dim < 128)",
+    )
     cp.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     cp.set_defaults(func=_convert)
 
@@ -84,13 +91,17 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"layers      {', '.join(map(str, info['layers'])) or '(none)'}  (c4-layer ids)")
     for lid in info["layers"]:
         d = info["dims"][lid]
-        print(f"  l{lid:<3}     hidden {d['hidden']}  rank {d['rank']}  heads {d['n_heads']} x {d['head_dim']}"
-              f"  rope {d['rope_dim']}")
+        print(
+            f"  l{lid:<3}     hidden {d['hidden']}  rank {d['rank']}  heads {d['n_heads']} x {d['head_dim']}"
+            f"  rope {d['rope_dim']}"
+        )
     print(f"dtypes      {', '.join(info['dtypes'])}")
     print(f"parameters  {info['n_params']:,} ({_human(info['n_params'])})")
     if info["ignored_keys"]:
-        print(f"ignored     {len(info['ignored_keys'])} RoPE buffer(s) (recomputed at load): "
-              f"{', '.join(info['ignored_keys'])}")
+        print(
+            f"ignored     {len(info['ignored_keys'])} RoPE buffer(s) (recomputed at load): "
+            f"{', '.join(info['ignored_keys'])}"
+        )
     if info["unknown_keys"]:
         print(f"unknown     {_keys_line(info['unknown_keys'])}")
     if info["metadata"]:
@@ -101,12 +112,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _keys_line(keys: list[str], shown: int = 8) -> str:
     """'N key(s) the retriever does not use (not loaded, not converted): a, b, ... (+M more)'."""
     more = f" (+{len(keys) - shown} more)" if len(keys) > shown else ""
-    return (f"{len(keys)} key(s) the retriever does not use (not loaded, not converted): "
-            f"{', '.join(keys[:shown])}{more}")
+    return f"{len(keys)} key(s) the retriever does not use (not loaded, not converted): {', '.join(keys[:shown])}{more}"
 
 
 def _convert(args: argparse.Namespace) -> int:
     from flashmemory.retriever.rope import RopeConfig
+
     dst = Path(args.dst)
     if dst.suffix != ".safetensors":
         return _fail("convert", f"{dst}: output must end in .safetensors")
@@ -119,8 +130,7 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
-        return _fail("convert",
-                     f"--layers {args.layers!r}: expected comma-separated c4-layer ids like 10,12,20")
+        return _fail("convert", f"--layers {args.layers!r}: expected comma-separated c4-layer ids like 10,12,20")
     try:
         rope = RopeConfig(rope_dim=args.rope_dim) if args.rope_dim is not None else None
         model = load_retriever(args.src, layers=layers, single_layer_id=args.layer, rope=rope)
@@ -147,21 +157,26 @@ def _download(args: argparse.Namespace) -> int:
     if not _offline():
         err = _reachable(args.timeout)
         if err:  # fail in `timeout` seconds instead of the hub's ~25 s of retries with backoff
-            return _fail("download",
-                         f"could not download {args.repo}/{args.file}: {err} (no network? set HF_ENDPOINT for "
-                         "a mirror, or HF_HUB_OFFLINE=1 to use the local cache)")
+            return _fail(
+                "download",
+                f"could not download {args.repo}/{args.file}: {err} (no network? set HF_ENDPOINT for "
+                "a mirror, or HF_HUB_OFFLINE=1 to use the local cache)",
+            )
     print(f"downloading {args.repo}/{args.file} -> {dest}/ ...", file=sys.stderr)
     try:
-        path = hf_hub_download(repo_id=args.repo, filename=args.file, revision=args.revision, local_dir=dest,
-                               etag_timeout=args.timeout)
+        path = hf_hub_download(
+            repo_id=args.repo, filename=args.file, revision=args.revision, local_dir=dest, etag_timeout=args.timeout
+        )
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the hub raises many types (offline, HTTP, missing entry, network, disk)
-        hint = ("offline mode is on (HF_HUB_OFFLINE=1) and the file is not in the local cache"
-                if _offline() else "no network, a wrong --repo/--file, or a gated repo needing HF_TOKEN?")
+        hint = (
+            "offline mode is on (HF_HUB_OFFLINE=1) and the file is not in the local cache"
+            if _offline()
+            else "no network, a wrong --repo/--file, or a gated repo needing HF_TOKEN?"
+        )
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return _fail("download",
-                     f"could not download {args.repo}/{args.file}: {type(e).__name__}: {first} ({hint})")
+        return _fail("download", f"could not download {args.repo}/{args.file}: {type(e).__name__}: {first} ({hint})")
     print(path)
     print(f"check it with: flashmemory checkpoint inspect {path}", file=sys.stderr)
     return 0
@@ -174,6 +189,7 @@ def _reachable(timeout: float) -> str:
     import urllib.request
 
     from huggingface_hub import constants
+
     url = urllib.parse.urlsplit(constants.ENDPOINT)
     if urllib.request.getproxies().get(url.scheme):
         return ""  # the proxy decides; let the hub try
@@ -188,6 +204,7 @@ def _reachable(timeout: float) -> str:
 def _offline() -> bool:
     try:
         from huggingface_hub import constants
+
         return bool(constants.HF_HUB_OFFLINE)
     except Exception:
         return False

@@ -72,5 +72,5 @@ def pages_to_chunks(pages: torch.Tensor, n_chunks: int, head_dim: int, page_chun
     if n_chunks > p * page_chunks:
         raise ValueError(f"{n_chunks} chunks do not fit in {p} pages of {page_chunks}")
     vals = pages[:, : page_chunks * head_dim].reshape(p, page_chunks, head_dim)
-    scales = pages[:, page_chunks * head_dim:].reshape(p, page_chunks, 4)
+    scales = pages[:, page_chunks * head_dim :].reshape(p, page_chunks, 4)
     return torch.cat((vals, scales), dim=2).reshape(p * page_chunks, head_dim + 4)[:n_chunks].contiguous()

@@ -23,7 +23,7 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
         a, b = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(*lead, d) * d ** -0.5).to(x.dtype)
+    return (y.reshape(*lead, d) * d**-0.5).to(x.dtype)
 
 
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -50,13 +50,13 @@ def relu_head_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> to
     n = keys.shape[-2]
     out = q.new_empty(b, n)
     for s in range(0, max(n, 1), _SCORE_BLOCK):
-        k = keys[..., s:s + _SCORE_BLOCK, :].float()
+        k = keys[..., s : s + _SCORE_BLOCK, :].float()
         if k.dim() == 2:
             hs = torch.relu(k @ q.reshape(b * h, d).T).view(-1, b, h)  # [n', B, H]
-            out[:, s:s + k.shape[0]] = torch.einsum("nbh,bh->bn", hs, w)
+            out[:, s : s + k.shape[0]] = torch.einsum("nbh,bh->bn", hs, w)
         else:
             hs = torch.relu(torch.bmm(k, q.transpose(1, 2)))  # [B, n', H]
-            out[:, s:s + k.shape[1]] = torch.bmm(hs, w.unsqueeze(-1)).squeeze(-1)
+            out[:, s : s + k.shape[1]] = torch.bmm(hs, w.unsqueeze(-1)).squeeze(-1)
     return out
 
 
@@ -85,11 +85,12 @@ class RetrieverLayer(nn.Module):
         ql = ql * torch.rsqrt(ql.pow(2).mean(-1, keepdim=True) + 1e-6) * self.q_norm_weight
         q = self.wq_b(ql).view(-1, d.n_heads, d.head_dim)
         q = hadamard_transform(apply_rope(q, positions, self.rope))
-        w = self.weights_proj(x) * (d.head_dim ** -0.5 * d.n_heads ** -0.5)
+        w = self.weights_proj(x) * (d.head_dim**-0.5 * d.n_heads**-0.5)
         return q, w
 
-    def logits(self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [B, N] fp32 (offset included); columns n >= lengths[b] are -inf.
 
         keys: dequantized index keys, [N, D] shared or [B, N, D] per row (zero-padded past each length).
@@ -101,8 +102,9 @@ class RetrieverLayer(nn.Module):
             out = out.masked_fill(col.unsqueeze(0) >= lengths.to(out.device).unsqueeze(1), float("-inf"))
         return out
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Scores in [0, 1], shape [B, N]; columns past each row's length score 0."""
         return torch.sigmoid(self.logits(hidden, positions, keys, lengths))
 
@@ -110,8 +112,13 @@ class RetrieverLayer(nn.Module):
 class JointRetriever(nn.Module):
     """Retriever layers keyed by c4-layer id (10, 12, 20 at full size); state keys `retrievers.l{id}.*`."""
 
-    def __init__(self, layers: tuple[int, ...] | list[int], dims: RetrieverDims, rope: RopeConfig | None = None,
-                 logit_offset: float = 0.0):
+    def __init__(
+        self,
+        layers: tuple[int, ...] | list[int],
+        dims: RetrieverDims,
+        rope: RopeConfig | None = None,
+        logit_offset: float = 0.0,
+    ):
         super().__init__()
         if not layers:
             raise ValueError("JointRetriever needs at least one layer")
@@ -130,8 +137,13 @@ class JointRetriever(nn.Module):
         for m in self.retrievers.values():
             m.logit_offset = offset
 
-    def forward(self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, keys: dict[int, torch.Tensor],
-                lengths: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    def forward(
+        self,
+        hidden: dict[int, torch.Tensor],
+        positions: torch.Tensor,
+        keys: dict[int, torch.Tensor],
+        lengths: torch.Tensor | None = None,
+    ) -> dict[int, torch.Tensor]:
         """Per-layer scores {lid: [B, N]} from per-layer hidden [B, hidden] and keys ([N, D] or [B, N, D])."""
         missing = [i for i in self.layers if i not in hidden or i not in keys]
         if missing:

@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -> tor
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(-2)  # broadcast over heads
     cos, sin = ang.cos().to(torch.float32), ang.sin().to(torch.float32)
-    nope, rot = x[..., : -cfg.rope_dim], x[..., -cfg.rope_dim:].float()
+    nope, rot = x[..., : -cfg.rope_dim], x[..., -cfg.rope_dim :].float()
     pairs = rot.unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)

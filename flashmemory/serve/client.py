@@ -23,8 +23,11 @@ def greedy_params(max_new_tokens: int) -> dict:
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 900.0) -> list[int]:
     """Output token ids of one greedy request to `url`/generate."""
-    out = http_post_json(url + "/generate", {"input_ids": list(map(int, input_ids)),
-                                             "sampling_params": greedy_params(max_new_tokens)}, timeout=timeout)
+    out = http_post_json(
+        url + "/generate",
+        {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new_tokens)},
+        timeout=timeout,
+    )
     ids = out.get("output_ids")
     if not isinstance(ids, list):
         raise RuntimeError(f"{url}/generate returned no output_ids: {str(out)[:300]}")
@@ -48,12 +51,18 @@ class StreamResult:
         return self.token_times[-1]
 
 
-def generate_stream(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 1800.0,
-                    stop: Callable[[list[float]], bool] | None = None) -> StreamResult:
+def generate_stream(
+    url: str,
+    input_ids: list[int],
+    max_new_tokens: int,
+    timeout: float = 1800.0,
+    stop: Callable[[list[float]], bool] | None = None,
+) -> StreamResult:
     """A streamed greedy /generate: the arrival time of every chunk that brought new tokens. stop(token_times), if
     given, is asked after each new chunk; True closes the stream early (the server aborts the request)."""
-    body = json.dumps({"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new_tokens),
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"input_ids": list(map(int, input_ids)), "sampling_params": greedy_params(max_new_tokens), "stream": True}
+    ).encode()
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
     sent = time.monotonic()
     times: list[float] = []

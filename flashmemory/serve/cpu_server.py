@@ -34,9 +34,23 @@ MARKER = "FLASHMEMORY_CPU_SERVER_ID"
 # --sleep-on-idle: an idle scheduler otherwise polls at ~35% of a core, so four idle test servers took 1.4 of
 # this machine's 2 cores from the ones under test.
 CPU_SERVER_ARGS: tuple[str, ...] = (
-    "--device", "cpu", "--max-running-requests", "4", "--context-length", "4096",
-    "--chunked-prefill-size", "1024", "--max-prefill-tokens", "2048", "--max-total-tokens", "8192",
-    "--swa-full-tokens-ratio", "0.5", "--skip-server-warmup", "--enable-metrics", "--sleep-on-idle",
+    "--device",
+    "cpu",
+    "--max-running-requests",
+    "4",
+    "--context-length",
+    "4096",
+    "--chunked-prefill-size",
+    "1024",
+    "--max-prefill-tokens",
+    "2048",
+    "--max-total-tokens",
+    "8192",
+    "--swa-full-tokens-ratio",
+    "0.5",
+    "--skip-server-warmup",
+    "--enable-metrics",
+    "--sleep-on-idle",
 )
 
 
@@ -55,6 +69,7 @@ def _row_limit(env: dict[str, str]) -> int | None:
     """FlashMemory's row limit in this environment, or None (Path-P off, or an environment the server itself will
     refuse with its own one-line error)."""
     from flashmemory.env import EnvError
+
     try:
         return plugin_row_limit(env)
     except EnvError:
@@ -64,22 +79,42 @@ def _row_limit(env: dict[str, str]) -> int | None:
 class CpuServer:
     """One sglang server on 127.0.0.1 with the CPU layer on; env adds/overrides variables for it."""
 
-    def __init__(self, model: str | os.PathLike, log: str | os.PathLike, env: dict[str, str] | None = None,
-                 extra_args: tuple[str, ...] = (), python: str = sys.executable, pythonpath: str | None = None):
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        log: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+        python: str = sys.executable,
+        pythonpath: str | None = None,
+    ):
         self.model, self.log = str(model), Path(log)
-        self.port = free_ports(1)[0]   # below the ephemeral range: nothing takes it before sglang binds it
+        self.port = free_ports(1)[0]  # below the ephemeral range: nothing takes it before sglang binds it
         self.id = uuid.uuid4().hex
-        self.env = loopback_env({**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1",
-                                 MARKER: self.id, **(env or {})}, self.id)
+        self.env = loopback_env(
+            {**os.environ, "SGLANG_FLASHMEMORY_CPU": "1", "OMP_NUM_THREADS": "1", MARKER: self.id, **(env or {})},
+            self.id,
+        )
         if pythonpath:
             rest = os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else ""
             self.env["PYTHONPATH"] = pythonpath + rest
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
-                    "--port", str(self.port), *CPU_SERVER_ARGS, *extra_args]
+        self.cmd = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *CPU_SERVER_ARGS,
+            *extra_args,
+        ]
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
         limit = _row_limit(self.env)
-        if limit is not None:   # a request over FlashMemory's row limit would get HTTP 500: refuse to start
+        if limit is not None:  # a request over FlashMemory's row limit would get HTTP 500: refuse to start
             check_concurrency(max_running_requests(self.cmd), limit, "SGLANG_PATHP_DECODE_MAX_CONC")
 
     @property
@@ -95,8 +130,14 @@ class CpuServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return self
 
     def wait_ready(self, timeout_s: float = 300) -> "CpuServer":
@@ -107,8 +148,9 @@ class CpuServer:
         while True:
             if self.proc.poll() is not None:
                 when = "during startup" if self.startup_s is None else f"{self.startup_s:.0f} s after it was ready"
-                raise ServerError(f"server exited with {self.proc.returncode} {when}; log {self.log}:\n"
-                                  f"{_tail(self.log)}")
+                raise ServerError(
+                    f"server exited with {self.proc.returncode} {when}; log {self.log}:\n{_tail(self.log)}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -124,8 +166,9 @@ class CpuServer:
         raise ServerError(f"server not healthy after {timeout_s:.0f} s; log {self.log}:\n{_tail(self.log)}")
 
     def post(self, path: str, body: dict, timeout_s: float = 600) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return json.loads(r.read())
@@ -138,11 +181,14 @@ class CpuServer:
         with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
             return r.read().decode()
 
-    def generate(self, input_ids: list[int], max_new_tokens: int, top_logprobs: int = 0,
-                 timeout_s: float = 600) -> dict:
+    def generate(
+        self, input_ids: list[int], max_new_tokens: int, top_logprobs: int = 0, timeout_s: float = 600
+    ) -> dict:
         """Greedy generation from token ids: {'output_ids': [...], 'meta_info': {...}}."""
-        body: dict = {"input_ids": list(map(int, input_ids)),
-                      "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        body: dict = {
+            "input_ids": list(map(int, input_ids)),
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
         if top_logprobs:
             body.update(return_logprob=True, top_logprobs_num=top_logprobs, logprob_start_len=len(input_ids) - 1)
         return self.post("/generate", body, timeout_s)
@@ -168,7 +214,7 @@ class CpuServer:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for pid in self.leftovers():   # children that left the group (setsid) still carry the marker
+        for pid in self.leftovers():  # children that left the group (setsid) still carry the marker
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -215,7 +261,7 @@ def marked_processes(server_id: str) -> list[int]:
         try:
             if needle in (d / "environ").read_bytes().split(b"\0"):
                 stat = (d / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":     # zombies are dead, only not yet reaped
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies are dead, only not yet reaped
                     found.append(int(d.name))
         except OSError:
             continue

@@ -44,8 +44,14 @@ def loopback_env(env: Mapping[str, str], tag: str) -> dict[str, str]:
     (SGLANG_HOST_IP), gloo's and NCCL's socket interface, Mooncake's TCP transport, NIXL's UCX network devices, and
     the torch.distributed rendezvous, whose TCPStore listens on every interface whatever address it gets, so a file
     store (one node, created by torch) replaces it. Values already in `env` win."""
-    defaults = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-                "MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo", RENDEZVOUS_VAR: rendezvous_store(tag)}
+    defaults = {
+        "SGLANG_HOST_IP": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "UCX_NET_DEVICES": "lo",
+        RENDEZVOUS_VAR: rendezvous_store(tag),
+    }
     return {**defaults, **env}
 
 
@@ -54,8 +60,11 @@ def remove_rendezvous_store(env: Mapping[str, str]) -> bool:
     remove it); a store anywhere else is left alone. True when a file was removed."""
     method = env.get(RENDEZVOUS_VAR, "")
     path = Path(method.removeprefix("file://"))
-    if not method.startswith("file://") or path.parent != Path(tempfile.gettempdir()) or \
-            not path.name.startswith(STORE_PREFIX):
+    if (
+        not method.startswith("file://")
+        or path.parent != Path(tempfile.gettempdir())
+        or not path.name.startswith(STORE_PREFIX)
+    ):
         return False
     try:
         path.unlink()
@@ -75,11 +84,14 @@ def remove_stale_rendezvous_stores(tmp: Path | None = None) -> list[str]:
     named: set[bytes] = set()
     for pid in (d for d in os.listdir("/proc") if d.isdigit()):
         try:
-            named.update(v.split(b"=", 1)[1] for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                         if v.startswith(RENDEZVOUS_VAR.encode() + b"="))
+            named.update(
+                v.split(b"=", 1)[1]
+                for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if v.startswith(RENDEZVOUS_VAR.encode() + b"=")
+            )
         except (OSError, IndexError):
             if Path(f"/proc/{pid}").exists() and not os.access(f"/proc/{pid}/environ", os.R_OK):
-                return []   # a process whose environment cannot be read might use any store: keep them all
+                return []  # a process whose environment cannot be read might use any store: keep them all
     removed = []
     for p in sorted(stores):
         if f"file://{p}".encode() not in named:
@@ -97,6 +109,7 @@ def remove_server_stores(env: Mapping[str, str], pids: Collection[int]) -> list[
     (a live store holds it for its whole life). Returns the removed paths."""
     from flashmemory.env import DiskTierConfig, EnvError
     from flashmemory.offload.disk.store import remove_stale_stores
+
     try:
         d = DiskTierConfig.from_environ(env).dir
     except EnvError:
@@ -121,8 +134,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 PORT_RANGE = (12000, 21999)
 
 
-def free_ports(n: int, host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE,
-               rng: random.Random | None = None) -> list[int]:
+def free_ports(
+    n: int, host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE, rng: random.Random | None = None
+) -> list[int]:
     """`n` distinct ports in `port_range` that were free a moment ago (held open together while picking).
 
     Random within the range, so two stacks picking at once rarely meet; `start_pd` retries a start that still
@@ -186,7 +200,7 @@ def _threads_running(pid: str) -> bool:
                 stat = f.read().decode(errors="replace")
         except OSError:
             continue
-        if stat[stat.rfind(")") + 2:][:1] not in ("Z", "X"):
+        if stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X"):
             return True
     return False
 
@@ -203,7 +217,7 @@ def _pgid_members(pgids: set[int]) -> list[int]:
                 stat = f.read().decode(errors="replace")
         except OSError:
             continue
-        rest = stat[stat.rfind(")") + 2:].split()   # after "pid (comm) ": state ppid pgrp ...
+        rest = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
         if len(rest) > 2 and int(rest[2]) in pgids and (rest[0] != "Z" or _threads_running(d)):
             out.append(int(d))
     return out
@@ -215,8 +229,8 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     started: float
-    log_offset: int = 0      # the log's size when this process started (logs are appended across restarts)
-    env: Mapping[str, str] = field(default_factory=dict)   # the environment it was started with
+    log_offset: int = 0  # the log's size when this process started (logs are appended across restarts)
+    env: Mapping[str, str] = field(default_factory=dict)  # the environment it was started with
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -241,14 +255,22 @@ class Servers:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              cwd: str | None = None) -> Proc:
+    def start(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
+    ) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as f:
             offset = f.tell()
-            p = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd, stdout=f,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            p = subprocess.Popen(
+                list(argv),
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = Proc(name, p, log, time.monotonic(), offset, dict(env or {}))
         self.procs.append(proc)
         return proc
@@ -258,17 +280,20 @@ class Servers:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
-                raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode} before {url} answered; "
-                                       f"log {proc.log}:\n{proc.log_tail()}")
+                raise ServerStartError(
+                    f"{proc.name} exited with {proc.popen.returncode} before {url} answered; "
+                    f"log {proc.log}:\n{proc.log_tail()}"
+                )
             status, body = http_get(url, timeout=5.0)
             if ok(status, body):
                 return time.monotonic() - proc.started
             time.sleep(1.0)
-        raise ServerStartError(f"{proc.name}: {url} did not answer within {timeout:.0f} s; log {proc.log}:\n"
-                               f"{proc.log_tail()}")
+        raise ServerStartError(
+            f"{proc.name}: {url} did not answer within {timeout:.0f} s; log {proc.log}:\n{proc.log_tail()}"
+        )
 
     def pgids(self) -> set[int]:
-        return {p.popen.pid for p in self.procs}     # start_new_session: pgid == pid of the leader
+        return {p.popen.pid for p in self.procs}  # start_new_session: pgid == pid of the leader
 
     def stop(self, grace: float = 20.0, only: Sequence[Proc] | None = None) -> list[str]:
         """SIGTERM every group (or those of `only`), wait up to `grace` s for all members to go, then SIGKILL
@@ -276,7 +301,7 @@ class Servers:
         page stores named with their pids (`remove_server_stores`). Returns the page stores removed."""
         procs = self.procs if only is None else list(only)
         pgids = {p.popen.pid for p in procs}
-        members = pgids | set(_pgid_members(pgids))   # the schedulers' pids name their page stores
+        members = pgids | set(_pgid_members(pgids))  # the schedulers' pids name their page stores
         for g in pgids:
             try:
                 os.killpg(g, signal.SIGTERM)

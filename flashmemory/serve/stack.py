@@ -41,7 +41,7 @@ from flashmemory.serve.validate import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"   # FM_CPU_MODEL in scripts/launch_common.sh
+DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"  # FM_CPU_MODEL in scripts/launch_common.sh
 
 
 def ensure_model(path: Path) -> Path:
@@ -49,6 +49,7 @@ def ensure_model(path: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     from flashmemory.hf.serving_build import build_serving
+
     print(f"building the tiny serving model at {path} (once) ...", flush=True)
     return Path(build_serving(path))
 
@@ -76,7 +77,7 @@ def ensure_retriever(model: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ckpt.is_file():           # built by a concurrent start while this one waited
+        if ckpt.is_file():  # built by a concurrent start while this one waited
             return ckpt
         # our own temporaries only (this name, under this lock): left by a start that was killed mid-training
         for stale in final.parent.glob(f".{final.name}.tmp-*"):
@@ -101,16 +102,16 @@ class PDConfig:
     python: str = sys.executable
     host: str = "127.0.0.1"
     transfer_backend: str = "nixl"
-    flashmemory: bool = True                 # False: stock decode (FLASHMEMORY=0)
+    flashmemory: bool = True  # False: stock decode (FLASHMEMORY=0)
     decode_env: Mapping[str, str] = field(default_factory=dict)
     prefill_env: Mapping[str, str] = field(default_factory=dict)
-    base_env: Mapping[str, str] | None = None   # the environment the scripts inherit (default: os.environ)
+    base_env: Mapping[str, str] | None = None  # the environment the scripts inherit (default: os.environ)
     startup_timeout: float = 420.0
-    launch_dir: Path = REPO                  # where launch_{decode,prefill,router}.sh are (tests use stand-ins)
-    decode_args: tuple[str, ...] = ()        # extra sglang flags for D (after launch_decode.sh's own)
+    launch_dir: Path = REPO  # where launch_{decode,prefill,router}.sh are (tests use stand-ins)
+    decode_args: tuple[str, ...] = ()  # extra sglang flags for D (after launch_decode.sh's own)
 
 
-HISPARSE_HOT = 512   # hot-buffer slots per c4 layer per request: the model's index_topk, HiSparse's least
+HISPARSE_HOT = 512  # hot-buffer slots per c4 layer per request: the model's index_topk, HiSparse's least
 
 
 def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT, top_k: int = 512) -> PDConfig:
@@ -118,11 +119,20 @@ def hisparse_config(cfg: PDConfig, hot: int = HISPARSE_HOT, top_k: int = 512) ->
     per layer and request) and KV moved by Mooncake over TCP: HiSparse's DSv4 PD path accepts only Mooncake
     (sglang decode.py:1809). D loads only the CPU layer plugin (its torch swap-in), nothing of FlashMemory."""
     mooncake = {"MOONCAKE_PROTOCOL": "tcp"}
-    return replace(cfg, flashmemory=False, transfer_backend="mooncake",
-                   decode_env={**cfg.decode_env, **mooncake, "CKPT": "", "SGLANG_PLUGINS": "flashmemory_cpu"},
-                   prefill_env={**cfg.prefill_env, **mooncake},
-                   decode_args=(*cfg.decode_args, "--enable-hisparse", "--disable-radix-cache", "--hisparse-config",
-                                json.dumps({"top_k": top_k, "device_buffer_size": hot})))
+    return replace(
+        cfg,
+        flashmemory=False,
+        transfer_backend="mooncake",
+        decode_env={**cfg.decode_env, **mooncake, "CKPT": "", "SGLANG_PLUGINS": "flashmemory_cpu"},
+        prefill_env={**cfg.prefill_env, **mooncake},
+        decode_args=(
+            *cfg.decode_args,
+            "--enable-hisparse",
+            "--disable-radix-cache",
+            "--hisparse-config",
+            json.dumps({"top_k": top_k, "device_buffer_size": hot}),
+        ),
+    )
 
 
 @dataclass
@@ -136,12 +146,18 @@ class PDStack:
 def _env(cfg: PDConfig, **knobs: str) -> dict[str, str]:
     e = dict(os.environ if cfg.base_env is None else cfg.base_env)
     e.pop("DRY_RUN", None)
-    e.update(DEVICE="cpu", PYTHON=cfg.python, MODEL=str(cfg.model), HOST=cfg.host, OMP_NUM_THREADS="1",
-             no_proxy=f"127.0.0.1,localhost{',' + e['no_proxy'] if e.get('no_proxy') else ''}")
+    e.update(
+        DEVICE="cpu",
+        PYTHON=cfg.python,
+        MODEL=str(cfg.model),
+        HOST=cfg.host,
+        OMP_NUM_THREADS="1",
+        no_proxy=f"127.0.0.1,localhost{',' + e['no_proxy'] if e.get('no_proxy') else ''}",
+    )
     # children must import this checkout's flashmemory (a worktree, or a clone without `pip install -e`)
     e["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
     e.update(knobs)
-    if is_loopback_host(cfg.host):   # a named rendezvous store per server, removed when Servers stops it
+    if is_loopback_host(cfg.host):  # a named rendezvous store per server, removed when Servers stops it
         e.setdefault(RENDEZVOUS_VAR, rendezvous_store(uuid.uuid4().hex))
     return e
 
@@ -154,15 +170,17 @@ def router_ready(status: int, body: bytes, workers: int = 2) -> bool:
         r = json.loads(body)
     except ValueError:
         return False
-    return r.get("status") == "ready" and int(r.get("healthy_workers", 0)) >= workers \
+    return (
+        r.get("status") == "ready"
+        and int(r.get("healthy_workers", 0)) >= workers
         and r.get("healthy_workers") == r.get("total_workers")
+    )
 
 
 PORT_ATTEMPTS = 3
 
 
-def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
-             attempts: int = PORT_ATTEMPTS) -> PDStack:
+def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None, attempts: int = PORT_ATTEMPTS) -> PDStack:
     """Start D, P (together), then the router; wait until each answers. Raises `ServerStartError` with a log tail.
 
     Ports: the router's is `router_port` if given, every other one is picked free, all together. A start that
@@ -179,13 +197,18 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None,
             clashed = [p.name for p in mine if port_clash(p.log_text())]
             if router_port and "router" in clashed:
                 servers.stop(only=mine)
-                raise UserError(f"--port {router_port}: taken by another process while the stack started; choose "
-                                "another port, or 0 for any free one") from None
+                raise UserError(
+                    f"--port {router_port}: taken by another process while the stack started; choose "
+                    "another port, or 0 for any free one"
+                ) from None
             if not clashed or attempt == attempts:
                 raise
             servers.stop(only=mine)
-            print(f"port clash ({', '.join(clashed)}: address already in use); retrying with fresh ports "
-                  f"(attempt {attempt + 1}/{attempts}) ...", flush=True)
+            print(
+                f"port clash ({', '.join(clashed)}: address already in use); retrying with fresh ports "
+                f"(attempt {attempt + 1}/{attempts}) ...",
+                flush=True,
+            )
     raise AssertionError("unreachable")
 
 
@@ -208,19 +231,37 @@ def check_stack(cfg: PDConfig, router_port: int | None) -> None:
 def _start_pd_once(servers: Servers, cfg: PDConfig, ports: StackPorts) -> PDStack:
     p_port, d_port, boot_port = ports.prefill, ports.decode, ports.bootstrap
     common = dict(TRANSFER_BACKEND=cfg.transfer_backend, BOOTSTRAP_PORT=str(boot_port))
-    d = servers.start("decode", ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args],
-                      _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common,
-                           **dict(cfg.decode_env)))
-    p = servers.start("prefill", ["bash", str(cfg.launch_dir / "launch_prefill.sh")],
-                      _env(cfg, PORT=str(p_port), **common, **dict(cfg.prefill_env)))
+    d = servers.start(
+        "decode",
+        ["bash", str(cfg.launch_dir / "launch_decode.sh"), *cfg.decode_args],
+        _env(cfg, PORT=str(d_port), FLASHMEMORY="1" if cfg.flashmemory else "0", **common, **dict(cfg.decode_env)),
+    )
+    p = servers.start(
+        "prefill",
+        ["bash", str(cfg.launch_dir / "launch_prefill.sh")],
+        _env(cfg, PORT=str(p_port), **common, **dict(cfg.prefill_env)),
+    )
     d_url, p_url = f"http://{cfg.host}:{d_port}", f"http://{cfg.host}:{p_port}"
-    times = {"decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
-             "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout)}
+    times = {
+        "decode": servers.wait_http(d, d_url + "/health", cfg.startup_timeout),
+        "prefill": servers.wait_http(p, p_url + "/health", cfg.startup_timeout),
+    }
     t0 = time.monotonic()
     r_port, prom_port = ports.router, ports.prometheus
-    r = servers.start("router", ["bash", str(cfg.launch_dir / "launch_router.sh")],
-                      _env(cfg, PORT=str(r_port), PREFILL_IP=cfg.host, PREFILL_PORT=str(p_port), DECODE_IP=cfg.host,
-                           DECODE_PORT=str(d_port), BOOTSTRAP_PORT=str(boot_port), PROMETHEUS_PORT=str(prom_port)))
+    r = servers.start(
+        "router",
+        ["bash", str(cfg.launch_dir / "launch_router.sh")],
+        _env(
+            cfg,
+            PORT=str(r_port),
+            PREFILL_IP=cfg.host,
+            PREFILL_PORT=str(p_port),
+            DECODE_IP=cfg.host,
+            DECODE_PORT=str(d_port),
+            BOOTSTRAP_PORT=str(boot_port),
+            PROMETHEUS_PORT=str(prom_port),
+        ),
+    )
     r_url = f"http://{cfg.host}:{r_port}"
     # the router answers /health at once; /readiness says when it has found both workers healthy
     servers.wait_http(r, r_url + "/readiness", cfg.startup_timeout, ok=router_ready)

@@ -25,15 +25,24 @@ TARGETS = (0, 1)
 class TinyRetrieverConfig:
     n_train: int = 3
     n_val: int = 1
-    prompt_len: int = 640      # tokens per document
-    gen_tokens: int = 16       # greedy decode steps per document (the labelled queries)
+    prompt_len: int = 640  # tokens per document
+    gen_tokens: int = 16  # greedy decode steps per document (the labelled queries)
     epochs: int = 2
     seed: int = 0
-    progress: bool = True      # the training progress bar (the demo logs one line instead)
+    progress: bool = True  # the training progress bar (the demo logs one line instead)
 
 
-def dump_runs(runs: "list[DocRun]", out: Path, engine, targets: tuple[int, ...], start: int, *, topp: float,
-              min_layers: int, max_tokens: int) -> None:
+def dump_runs(
+    runs: "list[DocRun]",
+    out: Path,
+    engine,
+    targets: tuple[int, ...],
+    start: int,
+    *,
+    topp: float,
+    min_layers: int,
+    max_tokens: int,
+) -> None:
     """Commit `runs` (each with its capture `run.cap`) under `out` in the dump format, doc indices from `start`.
 
     topp / min_layers: the golden-label nucleus per layer and the layer votes a golden chunk needs; max_tokens: the
@@ -41,11 +50,20 @@ def dump_runs(runs: "list[DocRun]", out: Path, engine, targets: tuple[int, ...],
     from flashmemory.dump.backend import DumpConfig
     from flashmemory.dump.hf_backend import doc_from_capture
     from flashmemory.dump.writer import DumpWriter
+
     writer = DumpWriter(out)
     dcfg = DumpConfig(topp=topp, min_layers=min_layers, target_layers=targets, max_tokens=max_tokens)
     for i, run in enumerate(runs):
-        doc = doc_from_capture(run.cap, run.prompt_ids, run.response_ids, dcfg, doc_index=start + i, rid=run.name,
-                               index_topk=engine.index_topk, n_c4_layers=engine.n_c4_layers)
+        doc = doc_from_capture(
+            run.cap,
+            run.prompt_ids,
+            run.response_ids,
+            dcfg,
+            doc_index=start + i,
+            rid=run.name,
+            index_topk=engine.index_topk,
+            n_c4_layers=engine.n_c4_layers,
+        )
         writer.commit(doc, source="demo", item_index=start + i)
 
 
@@ -54,8 +72,12 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(26, 1024) for _ in range(n)]
 
 
-def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrieverConfig = TinyRetrieverConfig(),
-                         prompts: Sequence[Sequence[int]] | None = None) -> Path:
+def train_tiny_retriever(
+    model_dir: str | Path,
+    out: str | Path,
+    cfg: TinyRetrieverConfig = TinyRetrieverConfig(),
+    prompts: Sequence[Sequence[int]] | None = None,
+) -> Path:
     """Dump cfg.n_train + cfg.n_val documents from the checkpoint at model_dir under `out/dump`, train on them
     under `out/ckpt`; returns the best-F1 checkpoint path.
 
@@ -74,21 +96,39 @@ def train_tiny_retriever(model_dir: str | Path, out: str | Path, cfg: TinyRetrie
     out = Path(out)
     torch.manual_seed(cfg.seed)
     engine = HFEngine.from_name(str(model_dir), dtype=torch.float32)
-    docs = [list(map(int, p)) for p in prompts[:n]] if prompts is not None else \
-        [_prompt(cfg.prompt_len, cfg.seed * 100 + i) for i in range(n)]
-    runs = [full_run(engine, f"doc-{i}", ids, cfg.gen_tokens, TARGETS, topp=0.6, min_layers=1)
-            for i, ids in enumerate(docs)]
+    docs = (
+        [list(map(int, p)) for p in prompts[:n]]
+        if prompts is not None
+        else [_prompt(cfg.prompt_len, cfg.seed * 100 + i) for i in range(n)]
+    )
+    runs = [
+        full_run(engine, f"doc-{i}", ids, cfg.gen_tokens, TARGETS, topp=0.6, min_layers=1) for i, ids in enumerate(docs)
+    ]
 
     labels = dict(topp=0.6, min_layers=1, max_tokens=cfg.gen_tokens)
     dump_runs(runs[: cfg.n_train], out / "dump" / "train", engine, TARGETS, 0, **labels)
-    dump_runs(runs[cfg.n_train:], out / "dump" / "val", engine, TARGETS, cfg.n_train, **labels)
+    dump_runs(runs[cfg.n_train :], out / "dump" / "val", engine, TARGETS, cfg.n_train, **labels)
     # Relative to the config file's own directory (how data configs resolve), so the config reads the same
     # wherever it is read from; a cwd-relative `out` written verbatim once resolved to out/out/dump/train.
     data = {"train": [{"data_dir": "dump/train"}], "val": [{"data_dir": "dump/val"}], "test": []}
     (out / "data_config.json").write_text(json.dumps(data, indent=1))
-    tc = TrainConfig(data_config=str(out / "data_config.json"), output_dir=str(out / "ckpt"), no_pretrain=True,
-                     joint_layers=TARGETS, n_heads=16, q_lora_rank=64, lr=3e-3, epochs=cfg.epochs, batch_size=16,
-                     focal_loss=True, threshold=0.5, sample=SampleConfig(label_interval=8, max_pos=128, neg_ratio=3.0),
-                     seed=cfg.seed, device="cpu", log_interval=10**9, progress=cfg.progress)
+    tc = TrainConfig(
+        data_config=str(out / "data_config.json"),
+        output_dir=str(out / "ckpt"),
+        no_pretrain=True,
+        joint_layers=TARGETS,
+        n_heads=16,
+        q_lora_rank=64,
+        lr=3e-3,
+        epochs=cfg.epochs,
+        batch_size=16,
+        focal_loss=True,
+        threshold=0.5,
+        sample=SampleConfig(label_interval=8, max_pos=128, neg_ratio=3.0),
+        seed=cfg.seed,
+        device="cpu",
+        log_interval=10**9,
+        progress=cfg.progress,
+    )
     Trainer(tc).fit()
     return out / "ckpt" / BEST_F1

@@ -33,8 +33,10 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
         s.bind((host, port))
     except OSError as e:
         s.close()
-        raise UserError(f"{what} {port}: cannot bind {host}:{port} ({e.strerror or e}); another process holds it? "
-                        "choose another port, or 0 for any free one") from e
+        raise UserError(
+            f"{what} {port}: cannot bind {host}:{port} ({e.strerror or e}); another process holds it? "
+            "choose another port, or 0 for any free one"
+        ) from e
     return s
 
 
@@ -76,8 +78,9 @@ def max_running_requests(args: Sequence[str]) -> int | None:
     found: int | None = None
     flag = "--max-running-requests"
     for i, a in enumerate(args):
-        raw = a[len(flag) + 1:] if a.startswith(flag + "=") else args[i + 1] if a == flag and i + 1 < len(args) \
-            else None
+        raw = (
+            a[len(flag) + 1 :] if a.startswith(flag + "=") else args[i + 1] if a == flag and i + 1 < len(args) else None
+        )
         if raw is not None:
             try:
                 found = int(raw)
@@ -89,13 +92,16 @@ def max_running_requests(args: Sequence[str]) -> int | None:
 def check_concurrency(running: int | None, limit: int, limit_name: str) -> None:
     """Refuse `--max-running-requests` above FlashMemory's row limit (`limit_name` = `limit`)."""
     if running is not None and running > limit:
-        raise UserError(f"--max-running-requests {running} exceeds FlashMemory's concurrency limit {limit_name}="
-                        f"{limit}: request {limit + 1} would fail; raise {limit_name} or lower "
-                        "--max-running-requests")
+        raise UserError(
+            f"--max-running-requests {running} exceeds FlashMemory's concurrency limit {limit_name}="
+            f"{limit}: request {limit + 1} would fail; raise {limit_name} or lower "
+            "--max-running-requests"
+        )
 
 
 def plugin_row_limit(env: Mapping[str, str]) -> int | None:
     """SGLANG_PATHP_DECODE_MAX_CONC when the server's environment turns Path-P on, else None (no limit)."""
     from flashmemory.env import FlashMemoryEnv
+
     fm = FlashMemoryEnv.from_environ(env)
     return fm.decode_max_conc if fm.decode_swap_p else None

@@ -21,13 +21,18 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.mirror import check_host_memory, mirror_alloc_bytes
 from flashmemory.offload.tiered_mirror import mirror_slot_count
+from flashmemory.sglang import geometry
 from flashmemory.sglang.core_config import CoreConfig, core_config
 from flashmemory.sglang.engine_adapter import SGLangOffload
-from flashmemory.sglang.retriever_load import place_retriever
+from flashmemory.sglang.geometry import (
+    PoolGeometry,
+    PoolGeometryError,
+    check_reserve_memory,
+    pool_buffers,
+    read_geometry,
+)
 from flashmemory.sglang.offload_adapter import OffloadAdapter
-from flashmemory.sglang import geometry
-from flashmemory.sglang.geometry import (PoolGeometry, PoolGeometryError, check_reserve_memory, pool_buffers,
-                                         read_geometry)
+from flashmemory.sglang.retriever_load import place_retriever
 from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ class MemoryPlan:
 
     host: int
     device: int
-    reserve: int   # the device reserve alone (part of `device`)
+    reserve: int  # the device reserve alone (part of `device`)
 
 
 def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pinned: bool) -> MemoryPlan:
@@ -65,8 +70,9 @@ def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pi
     return MemoryPlan(host=host, device=reserve + target + lut + tables + loc2m + byte_map, reserve=reserve)
 
 
-def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None,
-          retriever: Any = None) -> OffloadAdapter:
+def build(
+    pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool | None = None, retriever: Any = None
+) -> OffloadAdapter:
     """Adapter for a DSv4 pool, with `retriever` (checked by the plugin at registration) or else
     SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`), moved to
     the pool's device.
@@ -75,21 +81,29 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
     on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
     if retriever is None and env.retriever_ckpt:
         from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
+
         retriever = load_serving_retriever(env, served_model_path(server_args, []))
     if shrink is None:
         blockers = shrink_blockers(server_args) if env.pd_c4_shrink else []
         shrink = env.pd_c4_shrink and not blockers
         if blockers:
-            logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device memory "
-                           "saved): SGLANG_PD_B_C4_SHRINK needs %s", "; ".join(f"not {b}" for b in blockers))
+            logger.warning(
+                "FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device memory "
+                "saved): SGLANG_PD_B_C4_SHRINK needs %s",
+                "; ".join(f"not {b}" for b in blockers),
+            )
     if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
-        logger.warning("FlashMemory Path-P with a decode radix cache: requests sharing prefix pages each keep their "
-                       "own mirror copy, and a page's residency follows the request that mapped it last")
+        logger.warning(
+            "FlashMemory Path-P with a decode radix cache: requests sharing prefix pages each keep their "
+            "own mirror copy, and a page's residency follows the request that mapped it last"
+        )
     geo = read_geometry(pool)
     bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
     if bad:
-        raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
-                                f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
+        raise PoolGeometryError(
+            f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
+            f"{geo.n_c4_layers} c4 layers; {bad} do not exist"
+        )
     device = pool_buffers(pool)[0][0].device
     n_landing = landing_chunks(server_args)
     core = core_config(env, geo, landing_blocks=math.ceil(n_landing / geo.page_chunks) if shrink else 0)
@@ -103,9 +117,18 @@ def build(pool: Any, env: FlashMemoryEnv, server_args: Any = None, shrink: bool 
         eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=n_landing)
     else:
         eng = SGLangOffload(pool, env, retriever)
-    logger.info("FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
-                "retriever %s on %s; host mirror %.2f GiB%s, device %.2f GiB", eng.mode, eng.geo.n_c4_layers,
-                eng.geo.n_pages, eng.cfg.recall_blocks, eng.cfg.max_resident_pages,
-                env.retriever_ckpt or "off (newest pages)", device, plan.host / 2**30, " pinned" if pinned else "",
-                plan.device / 2**30)
+    logger.info(
+        "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
+        "retriever %s on %s; host mirror %.2f GiB%s, device %.2f GiB",
+        eng.mode,
+        eng.geo.n_c4_layers,
+        eng.geo.n_pages,
+        eng.cfg.recall_blocks,
+        eng.cfg.max_resident_pages,
+        env.retriever_ckpt or "off (newest pages)",
+        device,
+        plan.host / 2**30,
+        " pinned" if pinned else "",
+        plan.device / 2**30,
+    )
     return eng

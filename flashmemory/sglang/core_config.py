@@ -28,8 +28,8 @@ class CoreConfig:
     engine: EngineConfig
     selection: SelectionConfig
     level1: Level1Config
-    escalation: EscalationConfig | None   # None with the miss monitor off
-    ensemble: str                         # the retriever scorer's layer ensemble ("or" | "mean")
+    escalation: EscalationConfig | None  # None with the miss monitor off
+    ensemble: str  # the retriever scorer's layer ensemble ("or" | "mean")
     kmax: int
 
 
@@ -39,10 +39,16 @@ def escalation_config(env: FlashMemoryEnv, base: int, reserve_blocks: int, rows:
     pages each, at least one step; step = a third of the way from base to cap."""
     cap = max(base, env.miss_kmax_cap_pages(base))
     pool = env.miss_extra_pages or max(reserve_blocks - rows * (base + 1), cap - base)
-    return EscalationConfig(threshold=env.miss_threshold, low_threshold=min(env.miss_low, env.miss_threshold),
-                            base=base, cap=cap, step=max(1, -(-(cap - base) // 3)) if cap > base else 1,
-                            shrink_after=env.miss_shrink_after, fallback_after=env.miss_fallback_after,
-                            extra_pool=pool)
+    return EscalationConfig(
+        threshold=env.miss_threshold,
+        low_threshold=min(env.miss_low, env.miss_threshold),
+        base=base,
+        cap=cap,
+        step=max(1, -(-(cap - base) // 3)) if cap > base else 1,
+        shrink_after=env.miss_shrink_after,
+        fallback_after=env.miss_fallback_after,
+        extra_pool=pool,
+    )
 
 
 # Lockstep publish lag under tensor parallelism (Level1Config.publish_lag): a cycle submitted after decode step t
@@ -54,7 +60,8 @@ TP_PUBLISH_LAG = 2
 def serving_tp_size() -> int:
     """sglang's tensor-parallel world size in this process (1 outside a server or before its groups exist)."""
     try:
-        from sglang.srt.distributed.parallel_state import get_tp_group   # the package does not re-export it
+        from sglang.srt.distributed.parallel_state import get_tp_group  # the package does not re-export it
+
         return int(get_tp_group().world_size)
     except (ImportError, AssertionError, AttributeError, RuntimeError, ValueError):
         return 1
@@ -67,19 +74,47 @@ def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0,
     landing_blocks: reserve scratch for extend stores (shrink mode). tp_size > 1: every rank runs Level 1 on
     replicated inputs, so cycles publish in lockstep (`TP_PUBLISH_LAG` decode steps after submission)."""
     pc = geo.page_chunks
-    layout = OffloadLayout(n_layers=geo.n_c4_layers, page_chunks=pc, index_head_dim=geo.index_head_dim,
-                           target_layers=tuple(env.retriever_layers), index_offload=env.index_k_offload)
+    layout = OffloadLayout(
+        n_layers=geo.n_c4_layers,
+        page_chunks=pc,
+        index_head_dim=geo.index_head_dim,
+        target_layers=tuple(env.retriever_layers),
+        index_offload=env.index_k_offload,
+    )
     kmax = env.kmax(pc)
-    cap = env.miss_kmax_cap_pages(kmax)   # KMAX, or the escalation cap with the miss monitor
-    engine = EngineConfig(max_rows=env.decode_max_conc, max_chunks=geo.n_locs, mirror_pages=geo.n_pages,
-                          recall_blocks=env.auto_reserve_pages(),
-                          decode_pages=math.ceil(env.decode_resident_chunks / pc), max_resident_pages=cap,
-                          landing_blocks=landing_blocks)
-    selection = SelectionConfig(threshold=env.threshold, ensemble=env.ensemble_mode, last_keep=env.last_keep,
-                                first_keep=env.first_keep, max_resident=env.max_resident, kmax=cap)
-    level1 = Level1Config(tau=env.interval, stagger=env.stagger_cycle, max_resident_pages=kmax,
-                          last_keep=env.last_keep, async_recall=env.async_recall,
-                          publish_lag=min(env.interval, TP_PUBLISH_LAG) if tp_size > 1 else 0)
+    cap = env.miss_kmax_cap_pages(kmax)  # KMAX, or the escalation cap with the miss monitor
+    engine = EngineConfig(
+        max_rows=env.decode_max_conc,
+        max_chunks=geo.n_locs,
+        mirror_pages=geo.n_pages,
+        recall_blocks=env.auto_reserve_pages(),
+        decode_pages=math.ceil(env.decode_resident_chunks / pc),
+        max_resident_pages=cap,
+        landing_blocks=landing_blocks,
+    )
+    selection = SelectionConfig(
+        threshold=env.threshold,
+        ensemble=env.ensemble_mode,
+        last_keep=env.last_keep,
+        first_keep=env.first_keep,
+        max_resident=env.max_resident,
+        kmax=cap,
+    )
+    level1 = Level1Config(
+        tau=env.interval,
+        stagger=env.stagger_cycle,
+        max_resident_pages=kmax,
+        last_keep=env.last_keep,
+        async_recall=env.async_recall,
+        publish_lag=min(env.interval, TP_PUBLISH_LAG) if tp_size > 1 else 0,
+    )
     esc = escalation_config(env, kmax, engine.recall_blocks, engine.max_rows) if env.miss_monitor else None
-    return CoreConfig(layout=layout, engine=engine, selection=selection, level1=level1, escalation=esc,
-                      ensemble=env.ensemble_mode, kmax=kmax)
+    return CoreConfig(
+        layout=layout,
+        engine=engine,
+        selection=selection,
+        level1=level1,
+        escalation=esc,
+        ensemble=env.ensemble_mode,
+        kmax=kmax,
+    )

@@ -39,8 +39,8 @@ class SGLangOffload(OffloadAdapter):
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         super().__init__(pool, env, retriever, device)
-        self._kv_byte_map = self.layout.kv.byte_map.to(self.device)   # device copy: no H2D copy under capture
-        self._unsettled: list[torch.Tensor] = []   # pool locs appended last step: re-read from the pool next step
+        self._kv_byte_map = self.layout.kv.byte_map.to(self.device)  # device copy: no H2D copy under capture
+        self._unsettled: list[torch.Tensor] = []  # pool locs appended last step: re-read from the pool next step
 
     def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
         """Copy the c4 entries at pool locs [T] (this step's `c4_out_loc`) from the pool into their reserve cells.
@@ -51,7 +51,7 @@ class SGLangOffload(OffloadAdapter):
         locs = locs.reshape(-1).long()
         ok = (locs >= 0) & (locs < n)
         src = torch.where(ok, locs, torch.zeros_like(locs))
-        m = self.loc2m[torch.where(ok, locs, torch.full_like(locs, n))]   # the core's no_chunk where unknown
+        m = self.loc2m[torch.where(ok, locs, torch.full_like(locs, n))]  # the core's no_chunk where unknown
         src_bytes = (src // pc).unsqueeze(1) * self.layout.kv.page_bytes + self._kv_byte_map[src % pc]
         self.engine.refresh_cells(layer, m, self.kv_bufs[layer], src_bytes, self._kv_byte_map)
 
@@ -86,4 +86,3 @@ class SGLangOffload(OffloadAdapter):
 
     def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
         self._unsettled.extend(locs)
-

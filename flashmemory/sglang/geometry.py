@@ -8,8 +8,9 @@ The layout (sglang 0.5.23, `mem_cache/deepseek_v4_memory_pool.py`): per c4 layer
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -25,11 +26,11 @@ class PoolGeometryError(RuntimeError):
 @dataclass(frozen=True)
 class PoolGeometry:
     n_c4_layers: int
-    n_pages: int            # physical c4 pages per layer (same count for KV and index-K)
-    page_chunks: int        # c4 entries per page (sglang page_size // 4 = 64)
-    kv_page_bytes: int      # 37440 for the V4 layout
-    index_head_dim: int     # 128
-    index_page_bytes: int   # 8448
+    n_pages: int  # physical c4 pages per layer (same count for KV and index-K)
+    page_chunks: int  # c4 entries per page (sglang page_size // 4 = 64)
+    kv_page_bytes: int  # 37440 for the V4 layout
+    index_head_dim: int  # 128
+    index_page_bytes: int  # 8448
 
     @property
     def n_locs(self) -> int:
@@ -41,12 +42,15 @@ def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     kv_pool = getattr(pool, "c4_kv_pool", None)
     ix_pool = getattr(pool, "c4_indexer_kv_pool", None)
     if kv_pool is None or ix_pool is None:
-        raise PoolGeometryError(f"{type(pool).__name__} has no c4_kv_pool / c4_indexer_kv_pool (not a DSv4 pool with "
-                                "c4 layers, or unified_kv is on; Path-P needs the paged fp8 c4 pools)")
+        raise PoolGeometryError(
+            f"{type(pool).__name__} has no c4_kv_pool / c4_indexer_kv_pool (not a DSv4 pool with "
+            "c4 layers, or unified_kv is on; Path-P needs the paged fp8 c4 pools)"
+        )
     ix = getattr(ix_pool, "index_k_with_scale_buffer", None)
     if ix is None:
-        raise PoolGeometryError("c4 index-K pool has no fused index_k_with_scale_buffer (fp4 split layout "
-                                "is not supported by Path-P)")
+        raise PoolGeometryError(
+            "c4 index-K pool has no fused index_k_with_scale_buffer (fp4 split layout is not supported by Path-P)"
+        )
     return list(kv_pool.kv_buffer), list(ix)
 
 
@@ -64,6 +68,7 @@ def shrunk_kv_pages(pool: Any) -> int | None:
     if config is None or not page or size != page:
         return None
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import _num_dsv4_physical_kv_pages
+
     return int(_num_dsv4_physical_kv_pages(config.kv_size, page, getattr(kv_pool, "global_page_size", page * RATIO)))
 
 
@@ -76,30 +81,44 @@ def read_geometry(pool: Any) -> PoolGeometry:
     pc = int(kv_pool.page_size)
     d = int(getattr(ix_pool, "index_head_dim", 128))
     want_kv = PageFormat((576, 8), pc, 576).page_bytes
-    kv_pages = shrunk_kv_pages(pool)   # shrink mode: the c4 KV buffer is a placeholder
+    kv_pages = shrunk_kv_pages(pool)  # shrink mode: the c4 KV buffer is a placeholder
     kv_rows = kv_pages if kv_pages is not None else (kv[0].shape[0] if kv[0].dim() == 2 else -1)
     ix_rows = ix[0].shape[0] if ix[0].dim() == 2 else -1
     # sglang sizes the two c4 pools from different counts (c4 tokens vs c128 tokens * 32), so they can differ by a
     # page or so; every c4 loc the allocator hands out lies below both.
     n_pages = min(kv_rows, ix_rows)
-    for name, bufs, width, rows in (("c4_kv_pool.kv_buffer", kv, want_kv, None if kv_pages is not None else kv_rows),
-                                    ("index_k_with_scale_buffer", ix, pc * (d + 4), ix_rows)):
+    for name, bufs, width, rows in (
+        ("c4_kv_pool.kv_buffer", kv, want_kv, None if kv_pages is not None else kv_rows),
+        ("index_k_with_scale_buffer", ix, pc * (d + 4), ix_rows),
+    ):
         for i, t in enumerate(bufs):
-            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != width or (rows is not None and t.shape[0] != rows):
-                raise PoolGeometryError(f"{name}[{i}]: {t.dtype} {tuple(t.shape)}, expected uint8 [{rows or 'n'}, {width}] "
-                                        f"(DSv4 V4 fp8 layout, {pc}-entry pages)")
+            if (
+                t.dtype != torch.uint8
+                or t.dim() != 2
+                or t.shape[1] != width
+                or (rows is not None and t.shape[0] != rows)
+            ):
+                raise PoolGeometryError(
+                    f"{name}[{i}]: {t.dtype} {tuple(t.shape)}, expected uint8 [{rows or 'n'}, {width}] "
+                    f"(DSv4 V4 fp8 layout, {pc}-entry pages)"
+                )
     if n_pages < 1:
         raise PoolGeometryError(f"c4 pools have {kv_rows} KV and {ix_rows} index-K pages")
     return PoolGeometry(len(kv), n_pages, pc, want_kv, d, pc * (d + 4))
 
 
-def read_chunk_rows(fmt: PageFormat, bufs: Sequence[torch.Tensor], locs: torch.Tensor,
-                    layers: Sequence[int] | None = None) -> torch.Tensor:
+def read_chunk_rows(
+    fmt: PageFormat, bufs: Sequence[torch.Tensor], locs: torch.Tensor, layers: Sequence[int] | None = None
+) -> torch.Tensor:
     """uint8 [len(layers), n, fmt.chunk_bytes]: chunk rows at pool locs [n] from per-layer page buffers."""
     layers = range(len(bufs)) if layers is None else layers
     locs = locs.long()
-    out = [fmt.read_chunks(bufs[i], (locs // fmt.page_chunks).to(bufs[i].device), (locs % fmt.page_chunks).to(bufs[i].device))
-           for i in layers]
+    out = [
+        fmt.read_chunks(
+            bufs[i], (locs // fmt.page_chunks).to(bufs[i].device), (locs % fmt.page_chunks).to(bufs[i].device)
+        )
+        for i in layers
+    ]
     return torch.stack(out).cpu() if out else torch.zeros(0, locs.numel(), fmt.chunk_bytes, dtype=torch.uint8)
 
 
@@ -129,11 +148,12 @@ def check_reserve_memory(need: int, free: int | None, headroom: float = 0.9) -> 
     the variables that size it, before anything is allocated."""
     if free is None or need <= headroom * free:
         return
-    gib = 2 ** 30
+    gib = 2**30
     raise PoolGeometryError(
         f"the device reserve needs {need / gib:.1f} GiB but the device has {free / gib:.1f} GiB free "
         f"({headroom:.0%} usable): lower SGLANG_PATHP_RESERVE_PAGES (0 = SGLANG_DSV4_TARGET_CONCURRENCY x "
-        "(SGLANG_PATHP_PAGE_KMAX + 1)), SGLANG_PATHP_DECODE_MAX_CONC or SGLANG_PATHP_DECODE_RESIDENT_CHUNKS")
+        "(SGLANG_PATHP_PAGE_KMAX + 1)), SGLANG_PATHP_DECODE_MAX_CONC or SGLANG_PATHP_DECODE_RESIDENT_CHUNKS"
+    )
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -142,5 +162,6 @@ def device_free_bytes(device: torch.device) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "cpu":
         from flashmemory.offload.mirror import host_available_bytes
+
         return host_available_bytes()
     return None

@@ -52,17 +52,18 @@ import logging
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from flashmemory.env import EnvError, fault_inject
 
-if TYPE_CHECKING:   # type only: the guard is imported before any adapter exists
+if TYPE_CHECKING:  # type only: the guard is imported before any adapter exists
     from flashmemory.sglang.offload_adapter import OffloadAdapter
 
-logger = logging.getLogger(f"sglang.{__name__}")   # under "sglang": its log handler prints it
-FAILED_PREFIX = "\x00flashmemory-failed:"          # renamed rid of a failed request inside the runtime's view
-FIRST_HOOK = "before_forward"                      # the first hook of every forward: it reads the batch's rids
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
+FAILED_PREFIX = "\x00flashmemory-failed:"  # renamed rid of a failed request inside the runtime's view
+FIRST_HOOK = "before_forward"  # the first hook of every forward: it reads the batch's rids
 SKIP_HOOKS = frozenset({"after_forward", "after_on_idle"})  # hooks skipped for this call after a request-local failure
 
 
@@ -78,7 +79,7 @@ class RequestFailure(RuntimeError):
 class _Failed:
     hook: str
     reason: str
-    aborted: bool = False        # sglang's to_finish was set
+    aborted: bool = False  # sglang's to_finish was set
 
 
 @dataclass
@@ -112,8 +113,10 @@ def _stop_server(message: str) -> None:
     inside an sglang server (its server args are set): elsewhere (tests, tools) the parent is a shell or a test
     runner, and the SystemExit alone stops the caller."""
     from flashmemory.sglang.runtime import server_args
+
     try:
         import psutil
+
         parent = psutil.Process().parent() if server_args() is not None else None
         if parent is not None and parent.pid != 1:
             parent.send_signal(signal.SIGQUIT)
@@ -126,22 +129,22 @@ def _stop_server(message: str) -> None:
 class Guard:
     """Process-wide guard state (one per scheduler process: `runtime.RUNTIME.guard`)."""
 
-    failed: dict[str, _Failed] = field(default_factory=dict)   # rid -> failure, until sglang has dropped it
-    batch_rids: list[str] = field(default_factory=list)        # rids of the forward in progress
-    inject: tuple[str, re.Pattern] | None = None               # (hook, rid pattern) from FLASHMEMORY_FAULT_INJECT
+    failed: dict[str, _Failed] = field(default_factory=dict)  # rid -> failure, until sglang has dropped it
+    batch_rids: list[str] = field(default_factory=list)  # rids of the forward in progress
+    inject: tuple[str, re.Pattern] | None = None  # (hook, rid pattern) from FLASHMEMORY_FAULT_INJECT
     stopping: bool = False
-    hook_names: tuple[str, ...] = ()                           # what FLASHMEMORY_FAULT_INJECT may name (hooks.py)
-    configured: bool = False                                   # `configure` ran (first guarded call)
+    hook_names: tuple[str, ...] = ()  # what FLASHMEMORY_FAULT_INJECT may name (hooks.py)
+    configured: bool = False  # `configure` ran (first guarded call)
     stop: Callable[[str], None] = _stop_server
-    counter: Any = None                                        # flashmemory_request_failures_total{hook}
+    counter: Any = None  # flashmemory_request_failures_total{hook}
     idle_published: bool = False
     # (args, kwargs) of the first hook -> [(rid, reason)]: requests to fail before the body runs (the adapter's
     # admission check: no free row, host mirror full), so nothing of them is half done when the body starts.
     precheck: Callable[[tuple, dict], list[tuple[str, str]]] | None = None
     # [(rid, hook, reason)] recorded here -> [(rank, rid, hook, reason)] of every TP rank; None on one rank.
     exchange: Callable[[list[tuple[str, str, str]]], list[tuple[int, str, str, str]]] | None = None
-    rank: int = 0                                              # this process's TP rank (the injector's rank=)
-    unshared: list[tuple[str, str, str]] = field(default_factory=list)   # local failures not exchanged yet
+    rank: int = 0  # this process's TP rank (the injector's rank=)
+    unshared: list[tuple[str, str, str]] = field(default_factory=list)  # local failures not exchanged yet
 
     def configure(self, env: dict[str, str] | None = None) -> None:
         """Read FLASHMEMORY_FAULT_INJECT (test only; an EnvError names the variable) and create the counter.
@@ -153,18 +156,26 @@ class Guard:
         on_rank = spec is not None and (spec.rank is None or spec.rank == self.rank)
         self.inject = (spec.hook, re.compile(spec.rid)) if on_rank else None
         if spec is not None:
-            logger.warning("FlashMemory: fault injector on (test only): %s fails requests matching %r",
-                           spec.hook, spec.rid)
+            logger.warning(
+                "FlashMemory: fault injector on (test only): %s fails requests matching %r", spec.hook, spec.rid
+            )
         if self.counter is None:
             from flashmemory.sglang.prometheus import failure_counter
+
             try:
                 self.counter = failure_counter()
-            except ValueError as e:   # another guard of this process registered it (tests build several)
+            except ValueError as e:  # another guard of this process registered it (tests build several)
                 logger.warning("FlashMemory: request-failure counter not exported by this guard (%s)", e)
 
     # --- running a hook ---------------------------------------------------------------------------
-    def run(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
-            rids_of: Callable[[tuple, dict], list[str] | None] | None = None) -> Any:
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        rids_of: Callable[[tuple, dict], list[str] | None] | None = None,
+    ) -> Any:
         """Call hook `fn` under the guard. rids_of(args, kwargs): the request ids of the hook's batch, read only
         where needed (the first hook of a forward, and the hook the injector names): per-layer hooks stay cheap."""
         if self.stopping:
@@ -172,7 +183,7 @@ class Guard:
         if not self.configured:
             try:
                 self.configure()
-            except EnvError as e:   # a bad FLASHMEMORY_FAULT_INJECT: one line naming it, and the server stops
+            except EnvError as e:  # a bad FLASHMEMORY_FAULT_INJECT: one line naming it, and the server stops
                 self.stopping = True
                 logger.error("FlashMemory: %s", e)
                 self.stop(f"FlashMemory: {e}")
@@ -183,7 +194,7 @@ class Guard:
             if rids is not None:
                 self.batch_rids = rids
         entered = False
-        for _ in range(len(self.batch_rids) + 2):   # each retry fails one more request: bounded by the batch
+        for _ in range(len(self.batch_rids) + 2):  # each retry fails one more request: bounded by the batch
             try:
                 if not entered:
                     entered = True
@@ -228,8 +239,9 @@ class Guard:
             return
         self.failed[rid] = _Failed(hook, reason)
         self.unshared.append((rid, hook, reason))
-        logger.error("FlashMemory: request %s failed in %s (%s); it is aborted, the server keeps serving",
-                     rid, hook, reason)
+        logger.error(
+            "FlashMemory: request %s failed in %s (%s); it is aborted, the server keeps serving", rid, hook, reason
+        )
         if self.counter is not None:
             self.counter.labels(hook=hook).inc()
 
@@ -238,7 +250,7 @@ class Guard:
         msg = f"FlashMemory: {name} failed ({type(e).__name__}: {e}); engine state in doubt, stopping the server"
         logger.error(msg)
         self.stop(msg)
-        raise SystemExit(msg)   # a stand-in `stop` that returns still stops the hook
+        raise SystemExit(msg)  # a stand-in `stop` that returns still stops the hook
 
     # --- what the runtime and the scheduler see ------------------------------------------------------
     def without_failed(self, batch: Any) -> Any:
@@ -266,13 +278,17 @@ class Guard:
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
         n = 0
         for req in reqs:
             f = self.failed.get(getattr(req, "rid", None))
             if f is None or f.aborted or req.finished():
                 continue
-            req.to_finish = FINISH_ABORT(f"FlashMemory: request failed in hook {f.hook}: {f.reason}",
-                                         HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            req.to_finish = FINISH_ABORT(
+                f"FlashMemory: request failed in hook {f.hook}: {f.reason}",
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+            )
             f.aborted, n = True, n + 1
         return n
 
@@ -284,13 +300,14 @@ class Guard:
         for rank, rid, hook, reason in self.exchange(mine):
             if rank != self.rank and rid not in self.failed:
                 self.fail(rid, hook, f"{reason} (on TP rank {rank})")
-        self.unshared = []   # what `fail` just recorded came from the others: nothing left to send
+        self.unshared = []  # what `fail` just recorded came from the others: nothing left to send
 
     def watch_scores(self, adapter: OffloadAdapter) -> None:
         """Non-finite Level-1 scores for a row raise `RequestFailure(rid, "level1", ...)` instead of steering its
         residency with NaN (through `OffloadAdapter.check_level1_scores`). Idempotent. With the test-only
         FLASHMEMORY_LEVEL1_DELAY the check first sleeps on the rank it names (a late Level-1 worker)."""
         from flashmemory.env import level1_delay
+
         delay = level1_delay()
         adapter.check_level1_scores(_refuse_non_finite if delay is None else functools.partial(_late, delay))
 
@@ -299,7 +316,6 @@ class Guard:
         self.failed.clear()
         self.batch_rids = []
         self.unshared = []
-
 
 
 def gloo_exchange(group: Any, world: int) -> Callable[[list[tuple[str, str, str]]], list[tuple[int, str, str, str]]]:
@@ -316,6 +332,7 @@ def gloo_exchange(group: Any, world: int) -> Callable[[list[tuple[str, str, str]
         rows: list[Any] = [None] * world
         dist.all_gather_object(rows, list(mine), group=group)
         return [(r, *f) for r, fs in enumerate(rows) for f in fs]
+
     return exchange
 
 
@@ -323,6 +340,7 @@ def tp_exchange() -> tuple[Any, int]:
     """(exchange over sglang's TP cpu group, this TP rank), or (None, 0) with one rank or outside a server."""
     try:
         from sglang.srt.distributed import get_tp_group
+
         tp = get_tp_group()
     except (ImportError, AssertionError, AttributeError, RuntimeError):
         return None, 0
@@ -334,14 +352,18 @@ def tp_exchange() -> tuple[Any, int]:
 def _refuse_non_finite(rid: str, scores: Any) -> None:
     """Level-1 scores [n_hist] of request `rid`: any non-finite value fails that request."""
     import torch
+
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
-        raise RequestFailure(rid, "level1", f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks")
+        raise RequestFailure(
+            rid, "level1", f"non-finite retriever score for {int(bad.sum())} of {scores.numel()} chunks"
+        )
 
 
 def _late(delay: Any, rid: str, scores: Any) -> None:
     """`_refuse_non_finite` after `delay.seconds` of sleep on rank `delay.rank` (every rank when None)."""
     from flashmemory.offload.tiered_mirror import dist_rank
+
     if delay.rank is None or delay.rank == dist_rank():
         time.sleep(delay.seconds)
     _refuse_non_finite(rid, scores)
@@ -355,7 +377,9 @@ def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None, s
         @functools.wraps(fn)
         def hook(*args: Any, **kwargs: Any) -> Any:
             return state.guard.run(name, fn, args, kwargs, rids)
+
         return hook
+
     return wrap
 
 
@@ -366,4 +390,5 @@ def batch_rids(pos: int, name: str = "forward_batch") -> Callable[[tuple, dict],
         fb = args[pos] if len(args) > pos else kwargs.get(name)
         r = getattr(fb, "rids", None)
         return [str(x) for x in r] if r is not None else None
+
     return get

@@ -42,15 +42,15 @@ logger = logging.getLogger(f"sglang.{__name__}")
 class HintLayout:
     """What Level 1 and the retriever scorer read of the offload layout."""
 
-    page_chunks: int                  # c4 entries per page (64)
-    target_layers: tuple[int, ...]    # c4 layers the retriever scores
+    page_chunks: int  # c4 entries per page (64)
+    target_layers: tuple[int, ...]  # c4 layers the retriever scores
 
 
 @dataclass
 class _Row:
     rid: str
-    n_chunks: int            # complete c4 entries after the step
-    pages: torch.Tensor      # int64 [P] c4 pool pages of the row's logical pages (device of the pool)
+    n_chunks: int  # complete c4 entries after the step
+    pages: torch.Tensor  # int64 [P] c4 pool pages of the row's logical pages (device of the pool)
 
 
 class _Order:
@@ -67,8 +67,9 @@ class _Order:
 class HintSource:
     """Level 1 over sglang's c4 index-K pool, publishing each cycle's resident set as a prefetch hint."""
 
-    def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any,
-                 publish: Callable[[str, torch.Tensor, int], int]) -> None:
+    def __init__(
+        self, pool: Any, env: FlashMemoryEnv, retriever: Any, publish: Callable[[str, torch.Tensor, int], int]
+    ) -> None:
         """pool: sglang's DSv4 token-to-KV pool; retriever: a JointRetriever on the pool's device;
         publish(rid, pages int64 [P] in priority order, c4 entries) -> positions now pending for the request."""
         geo = read_geometry(pool)
@@ -85,8 +86,9 @@ class HintSource:
         self.counts = {"cycles": 0, "hints": 0, "positions": 0}
         self.order = _Order(self.device)
         self.recaller = self
-        self.l1 = Level1(self, retriever_scorer(retriever, self, core.ensemble), ThresholdPagePolicy(core.selection),
-                         core.level1)
+        self.l1 = Level1(
+            self, retriever_scorer(retriever, self, core.ensemble), ThresholdPagePolicy(core.selection), core.level1
+        )
 
     # --- what Level 1 reads (OffloadEngine's names) -----------------------------------------------------------
     def snapshot_rows(self) -> dict[int, tuple[int, int]]:
@@ -131,8 +133,9 @@ class HintSource:
             self.note(rq.row, "positions", listed)
 
     # --- driven by the mode's hooks ----------------------------------------------------------------------------
-    def on_decode(self, rids: Sequence[str], table: torch.Tensor, seq_lens: torch.Tensor,
-                  snapshot: dict[str, torch.Tensor] | None) -> list[int]:
+    def on_decode(
+        self, rids: Sequence[str], table: torch.Tensor, seq_lens: torch.Tensor, snapshot: dict[str, torch.Tensor] | None
+    ) -> list[int]:
         """After a decode forward: rids [B] in batch order, table int64 [B, P] c4 pool pages (-1 past a row's
         length), seq_lens int64 [B] tokens incl. this step's. Rows of requests not in the batch are dropped; the
         due rows' cycles are submitted (None snapshot: the side band is stale, no cycle). Returns rows submitted."""

@@ -49,6 +49,7 @@ _IDX = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
 def streams_on(device: torch.device) -> bool:
     """Whether the prefetch runs on a side stream (CUDA); the test stand-in replaces this like `offload.streams`."""
     from flashmemory.offload.streams import streams_on as on
+
     return on(device)
 
 
@@ -75,9 +76,10 @@ class PrefetchCounter:
                 from prometheus_client import Counter
 
                 from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX
+
                 for k in self.KEYS:
                     self.prom[k] = Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, HISPARSE_PREFETCH[k])
-            except (ImportError, ValueError) as e:   # no prometheus_client, or registered twice in this process
+            except (ImportError, ValueError) as e:  # no prometheus_client, or registered twice in this process
                 logger.warning("FlashMemory HiSparse prefetch: counters not exported (%s)", e)
         for k, v in step.items():
             if v and k in self.prom:
@@ -92,29 +94,33 @@ class PrefetchState:
     """The mode's process state: hint queues, static buffers, the side stream and CPU attribution."""
 
     def __init__(self) -> None:
-        self.width = 0              # W: positions per request per step (<= H - K)
-        self.budget = 0             # positions per request per cycle (<= H - K)
-        self.pending: dict[str, torch.Tensor] = {}   # request id -> int64 positions not yet published
-        self.pf_pos: torch.Tensor | None = None      # int32 [rows, W], -1 = none (static)
-        self.pf_clean: torch.Tensor | None = None    # int32 [rows, W] sanitized copy (static, side stream)
-        self.pf_active: torch.Tensor | None = None   # int32 [1]: rows to prefetch this forward, 0 = none
-        self.scratch: torch.Tensor | None = None     # int32 [rows, W] the prefetch's output (never the step's)
-        self.active = 0                              # host copy of pf_active
+        self.width = 0  # W: positions per request per step (<= H - K)
+        self.budget = 0  # positions per request per cycle (<= H - K)
+        self.pending: dict[str, torch.Tensor] = {}  # request id -> int64 positions not yet published
+        self.pf_pos: torch.Tensor | None = None  # int32 [rows, W], -1 = none (static)
+        self.pf_clean: torch.Tensor | None = None  # int32 [rows, W] sanitized copy (static, side stream)
+        self.pf_active: torch.Tensor | None = None  # int32 [1]: rows to prefetch this forward, 0 = none
+        self.scratch: torch.Tensor | None = None  # int32 [rows, W] the prefetch's output (never the step's)
+        self.active = 0  # host copy of pf_active
         self.stream: Any = None
         self.provenance: Provenance | None = None
         self.counts = PrefetchCounter()
         self.lock = threading.Lock()
 
-    def configure(self, hot: int, top_k: int, rows: int, n_layers: int, device: torch.device, width: int,
-                  budget: int) -> None:
+    def configure(
+        self, hot: int, top_k: int, rows: int, n_layers: int, device: torch.device, width: int, budget: int
+    ) -> None:
         """Allocate every buffer once (before any CUDA-graph capture). hot = H, top_k = K, rows = request slots
         of the coordinator, n_layers = c4 layers; width / budget as set (0 budget = H - K), both capped at H-K."""
         room = hot - top_k
         if room < 1:
             from flashmemory.sglang.patching import StartupError
-            raise StartupError(f"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the hot buffer ({hot} slots) leaves no room "
-                               f"beside the top-{top_k} picks; raise --hisparse-config device_buffer_size above "
-                               f"{top_k}")
+
+            raise StartupError(
+                f"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the hot buffer ({hot} slots) leaves no room "
+                f"beside the top-{top_k} picks; raise --hisparse-config device_buffer_size above "
+                f"{top_k}"
+            )
         self.width = min(width, room)
         self.budget = min(budget or room, room)
         self.pf_pos = torch.full((rows, self.width), -1, dtype=torch.int32, device=device)
@@ -153,7 +159,7 @@ class PrefetchState:
                 q = self.pending.get(rid)
                 if q is None or q.numel() == 0:
                     continue
-                take, rest = q[: self.width], q[self.width:]
+                take, rest = q[: self.width], q[self.width :]
                 host[b, : take.numel()] = take.to(torch.int32)
                 if rest.numel():
                     self.pending[rid] = rest
@@ -199,23 +205,40 @@ def enabled() -> bool:
 
 # --- hooks ----------------------------------------------------------------------------------------------------
 
+
 def after_init_hisparse(result: Any, self: Any) -> None:
     """After `ModelRunner.maybe_init_hisparse_coordinator` (model_runner.py:1029): refuse without HiSparse on
     DeepSeek-V4, else allocate the mode's buffers and side stream (before any CUDA-graph capture)."""
     from flashmemory.sglang.patching import StartupError
+
     co = getattr(self, "hisparse_coordinator", None)
     if co is None or not getattr(co, "is_dsv4_hisparse", False):
-        raise StartupError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 needs sglang's HiSparse on DeepSeek-V4 "
-                           "(--enable-hisparse on the PD decode server); unset it or enable HiSparse")
+        raise StartupError(
+            "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 needs sglang's HiSparse on DeepSeek-V4 "
+            "(--enable-hisparse on the PD decode server); unset it or enable HiSparse"
+        )
     if getattr(co, "enable_prefetch", False):
-        raise StartupError("SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with sglang's shared-index prefetch on: one writer "
-                           "per layer's hot buffer; set SGLANG_DISABLE_HISPARSE_PREFETCH=1 or unset the first")
+        raise StartupError(
+            "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 with sglang's shared-index prefetch on: one writer "
+            "per layer's hot buffer; set SGLANG_DISABLE_HISPARSE_PREFETCH=1 or unset the first"
+        )
     env, st = _env(), state()
-    st.configure(int(co.device_buffer_size), int(co.top_k), int(co.req_device_buffer_tokens.shape[1]),
-                       int(co.req_device_buffer_tokens.shape[0]), co.req_device_buffer_tokens.device,
-                       env.hisparse_prefetch_width, env.hisparse_prefetch_budget)
-    logger.info("FlashMemory HiSparse prefetch: H=%d K=%d, %d positions per request per step, %d per cycle",
-                co.device_buffer_size, co.top_k, st.width, st.budget)
+    st.configure(
+        int(co.device_buffer_size),
+        int(co.top_k),
+        int(co.req_device_buffer_tokens.shape[1]),
+        int(co.req_device_buffer_tokens.shape[0]),
+        co.req_device_buffer_tokens.device,
+        env.hisparse_prefetch_width,
+        env.hisparse_prefetch_budget,
+    )
+    logger.info(
+        "FlashMemory HiSparse prefetch: H=%d K=%d, %d positions per request per step, %d per cycle",
+        co.device_buffer_size,
+        co.top_k,
+        st.width,
+        st.budget,
+    )
     if env.retriever_ckpt:
         _build_hint(self, env, int(co.top_k))
 
@@ -225,18 +248,24 @@ def _build_hint(runner: Any, env: Any, top_k: int) -> None:
     from flashmemory.sglang.hisparse_hint import HintSource
     from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever, served_model_path
     from flashmemory.sglang.runtime import server_args
+
     pool = runner.token_to_kv_pool
     retriever = RUNTIME.retriever or load_serving_retriever(env, served_model_path(server_args(), []))
     from flashmemory.sglang.geometry import pool_buffers
+
     retriever = place_retriever(retriever, pool_buffers(pool)[1][0].device)
     RUNTIME.sideband_rows_hint = max(RUNTIME.sideband_rows_hint, int(getattr(runner, "max_running_requests", 0) or 0))
     if RUNTIME.hisparse.hint is not None:
         RUNTIME.hisparse.hint.close()
     pc, st = int(pool.c4_kv_pool.page_size), state()
-    RUNTIME.hisparse.hint = HintSource(pool, env, retriever,
-                                       lambda rid, pages, n: st.set_hint(rid, resident_hint(pages, n, top_k, pc)))
-    logger.info("FlashMemory HiSparse prefetch: Level 1 is the hint source (c4 layers %s, every %d steps)",
-                list(env.retriever_layers), env.interval)
+    RUNTIME.hisparse.hint = HintSource(
+        pool, env, retriever, lambda rid, pages, n: st.set_hint(rid, resident_hint(pages, n, top_k, pc))
+    )
+    logger.info(
+        "FlashMemory HiSparse prefetch: Level 1 is the hint source (c4 layers %s, every %d steps)",
+        list(env.retriever_layers),
+        env.interval,
+    )
 
 
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -248,14 +277,22 @@ def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> 
     if forward_batch.forward_mode.is_decode():
         st.publish([str(r) for r in (getattr(forward_batch, "rids", None) or [])])
         if hint() is not None and RUNTIME.sideband is not None:
-            RUNTIME.sideband.begin_forward()   # a layer that does not write this forward reads as stale
+            RUNTIME.sideband.begin_forward()  # a layer that does not write this forward reads as stale
     elif st.pf_active is not None:
         st.active = 0
         st.pf_active.fill_(0)
 
 
-def around_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexer: Any,
-                   forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+def around_indexer(
+    original: Callable,
+    self: Any,
+    x: torch.Tensor,
+    q_lora: torch.Tensor,
+    c4_indexer: Any,
+    forward_batch: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """`C4IndexerBackendMixin.forward_c4_indexer` (indexer.py:774), unchanged; with Level 1 as the hint source,
     a decode step's retriever-layer input x [B, hidden] and positions [B] are first copied into the side band."""
     mode = forward_batch.forward_mode
@@ -274,36 +311,53 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
     if src is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
         return
     from flashmemory.sglang.runtime import c4_page_table, host_seq_lens
+
     rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
     seq = host_seq_lens(forward_batch, rids)
-    table = c4_page_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[: len(rids)], seq,
-                          self.token_to_kv_pool.page_size)
+    table = c4_page_table(
+        self.req_to_token_pool.req_to_token,
+        forward_batch.req_pool_indices[: len(rids)],
+        seq,
+        self.token_to_kv_pool.page_size,
+    )
     src.on_decode(rids, table, seq, RUNTIME.sideband_snapshot(len(rids)))
 
 
 def _gpu_swap_in(**kw: Any) -> None:
     """sglang's swap-in kernel (kernels/ops/kvcache/hisparse.py:522), called directly."""
     from sglang.kernels.ops.kvcache.hisparse import load_cache_to_device_buffer_dsv4_mla
+
     load_cache_to_device_buffer_dsv4_mla(**kw)
 
 
 def _prefetch_gpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, layer_id: int, bs: int) -> None:
     st = state()
-    st.stream.wait_stream(torch.cuda.current_stream())   # after this layer's own swap-in (I4)
+    st.stream.wait_stream(torch.cuda.current_stream())  # after this layer's own swap-in (I4)
     with torch.cuda.stream(st.stream):
         st.pf_clean[:bs].copy_(sanitize_hint(st.pf_pos[:bs], req_pool_indices, lens, co.req_to_host_pool))
-        _gpu_swap_in(top_k_tokens=st.pf_clean[:bs], device_buffer_tokens=co.req_device_buffer_tokens[layer_id],
-                     host_cache_locs=co.req_to_host_pool, device_buffer_locs=co.req_device_buffer_token_locs[layer_id],
-                     host_cache=co.mem_pool_host.kv_buffer[layer_id],
-                     device_buffer=co.mem_pool_device.kv_buffer[layer_id],
-                     top_k_device_locs=st.scratch[:bs], req_pool_indices=req_pool_indices, seq_lens=lens,
-                     lru_slots=co.lru_slots[layer_id], item_size_bytes=co.item_size_bytes, num_top_k=st.width,
-                     hot_buffer_size=co.device_buffer_size, page_size=1, block_size=co.swap_in_block_size,
-                     num_real_reqs=st.pf_active)
+        _gpu_swap_in(
+            top_k_tokens=st.pf_clean[:bs],
+            device_buffer_tokens=co.req_device_buffer_tokens[layer_id],
+            host_cache_locs=co.req_to_host_pool,
+            device_buffer_locs=co.req_device_buffer_token_locs[layer_id],
+            host_cache=co.mem_pool_host.kv_buffer[layer_id],
+            device_buffer=co.mem_pool_device.kv_buffer[layer_id],
+            top_k_device_locs=st.scratch[:bs],
+            req_pool_indices=req_pool_indices,
+            seq_lens=lens,
+            lru_slots=co.lru_slots[layer_id],
+            item_size_bytes=co.item_size_bytes,
+            num_top_k=st.width,
+            hot_buffer_size=co.device_buffer_size,
+            page_size=1,
+            block_size=co.swap_in_block_size,
+            num_real_reqs=st.pf_active,
+        )
 
 
-def _prefetch_cpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor,
-                  layer_id: int, bs: int) -> None:
+def _prefetch_cpu(
+    co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, picks: torch.Tensor, layer_id: int, bs: int
+) -> None:
     st = state()
     real = min(bs, int(co.num_real_reqs.reshape(-1)[0]))
     tokens = co.req_device_buffer_tokens[layer_id]
@@ -311,24 +365,47 @@ def _prefetch_cpu(co: Any, req_pool_indices: torch.Tensor, lens: torch.Tensor, p
     step = {"used": a.used, "wasted": a.wasted}
     if st.active:
         before = tokens[req_pool_indices[:real].long()].cpu().to(torch.int32)
-        c = prefetch_layer_cpu(st.pf_pos, tokens, co.req_to_host_pool, co.req_device_buffer_token_locs[layer_id],
-                               co.mem_pool_host.kv_buffer[layer_id], co.mem_pool_device.kv_buffer[layer_id],
-                               st.scratch, req_pool_indices, lens, co.lru_slots[layer_id], int(co.device_buffer_size),
-                               min(real, st.active))
+        c = prefetch_layer_cpu(
+            st.pf_pos,
+            tokens,
+            co.req_to_host_pool,
+            co.req_device_buffer_token_locs[layer_id],
+            co.mem_pool_host.kv_buffer[layer_id],
+            co.mem_pool_device.kv_buffer[layer_id],
+            st.scratch,
+            req_pool_indices,
+            lens,
+            co.lru_slots[layer_id],
+            int(co.device_buffer_size),
+            min(real, st.active),
+        )
         step["wasted"] += st.provenance.after_prefetch(layer_id, before, req_pool_indices, tokens, real)
-        step.update(calls=1, positions=c.listed, resident=c.resident, loaded=c.loaded, bytes_h2d=c.bytes_h2d,
-                    dropped=c.dropped)
+        step.update(
+            calls=1, positions=c.listed, resident=c.resident, loaded=c.loaded, bytes_h2d=c.bytes_h2d, dropped=c.dropped
+        )
     st.counts.add(**step)
 
 
-def around_swap_in(original: Callable, self: Any, req_pool_indices: torch.Tensor, compressed_seq_lens: torch.Tensor,
-                   top_k_result: torch.Tensor, layer_id: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+def around_swap_in(
+    original: Callable,
+    self: Any,
+    req_pool_indices: torch.Tensor,
+    compressed_seq_lens: torch.Tensor,
+    top_k_result: torch.Tensor,
+    layer_id: int,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
     """`HiSparseCoordinator.swap_in_selected_pages` (hisparse_coordinator.py:1587), then this layer's prefetch
     (decode, 2-D top-k, DSv4 HiSparse, sglang's shared-index prefetch off)."""
     out = original(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id, *args, **kwargs)
     st = state()
-    if (st.pf_pos is None or top_k_result.ndim != 2 or not getattr(self, "is_dsv4_hisparse", False)
-            or getattr(self, "enable_prefetch", False)):
+    if (
+        st.pf_pos is None
+        or top_k_result.ndim != 2
+        or not getattr(self, "is_dsv4_hisparse", False)
+        or getattr(self, "enable_prefetch", False)
+    ):
         return out
     bs = int(req_pool_indices.shape[0])
     if st.stream is not None:
@@ -367,30 +444,76 @@ def before_destroy(self: Any, *args: Any, **kwargs: Any) -> None:
     if st.stream is not None:
         st.stream.synchronize()
     if src is not None:
-        src.l1.wait()   # no cycle reads sglang's index-K pool past this point
+        src.l1.wait()  # no cycle reads sglang's index-K pool past this point
 
 
 WHY = "hisparse_coordinator.py"
 PREFETCH_PATCHES: tuple[Patch, ...] = (
-    Patch("hisparse_prefetch", f"{_MR}.maybe_init_hisparse_coordinator", "after", f"{_M}:after_init_hisparse",
-          ("self",), "model_runner.py:1029 the coordinator exists: refuse without DSv4 HiSparse, allocate the "
-          "prefetch buffers and side stream before capture"),
-    Patch("hisparse_prefetch", f"{_MR}.forward", "before", f"{_M}:before_forward", ("self", "forward_batch"),
-          "model_runner.py:1813 publish this decode batch's hint rows into the static buffer"),
-    Patch("hisparse_prefetch", f"{_MR}.forward", "after", f"{_M}:after_forward", ("self", "forward_batch"),
-          "model_runner.py:1813 a decode step goes to Level 1, the hint source"),
-    Patch("hisparse_prefetch", f"{_IDX}.forward_c4_indexer", "around", f"{_M}:around_indexer", C4_INDEXER,
-          "indexer.py:774 the retriever layers' indexer inputs into Level 1's side band"),
-    Patch("hisparse_prefetch", f"{_CO}.swap_in_selected_pages", "around", f"{_M}:around_swap_in",
-          ("self", "req_pool_indices", "compressed_seq_lens", "top_k_result", "layer_id"),
-          f"{WHY}:1587 after each c4 layer's own swap-in, the same op on the hint (side stream on a GPU)"),
-    Patch("hisparse_prefetch", "sglang.srt.models.deepseek_v4.DeepseekV4Model.forward", "around",
-          f"{_M}:around_model_forward", ("self", "input_ids", "positions", "forward_batch"),
-          "deepseek_v4.py:4399 join the prefetch stream before the forward returns"),
-    Patch("hisparse_prefetch", f"{_CO}.request_finished", "after", f"{_M}:after_request_finished", ("self", "req"),
-          f"{WHY}:1402 a finished request's hint and prefetch marks are dropped"),
+    Patch(
+        "hisparse_prefetch",
+        f"{_MR}.maybe_init_hisparse_coordinator",
+        "after",
+        f"{_M}:after_init_hisparse",
+        ("self",),
+        "model_runner.py:1029 the coordinator exists: refuse without DSv4 HiSparse, allocate the "
+        "prefetch buffers and side stream before capture",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        f"{_MR}.forward",
+        "before",
+        f"{_M}:before_forward",
+        ("self", "forward_batch"),
+        "model_runner.py:1813 publish this decode batch's hint rows into the static buffer",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        f"{_MR}.forward",
+        "after",
+        f"{_M}:after_forward",
+        ("self", "forward_batch"),
+        "model_runner.py:1813 a decode step goes to Level 1, the hint source",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        f"{_IDX}.forward_c4_indexer",
+        "around",
+        f"{_M}:around_indexer",
+        C4_INDEXER,
+        "indexer.py:774 the retriever layers' indexer inputs into Level 1's side band",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        f"{_CO}.swap_in_selected_pages",
+        "around",
+        f"{_M}:around_swap_in",
+        ("self", "req_pool_indices", "compressed_seq_lens", "top_k_result", "layer_id"),
+        f"{WHY}:1587 after each c4 layer's own swap-in, the same op on the hint (side stream on a GPU)",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        "sglang.srt.models.deepseek_v4.DeepseekV4Model.forward",
+        "around",
+        f"{_M}:around_model_forward",
+        ("self", "input_ids", "positions", "forward_batch"),
+        "deepseek_v4.py:4399 join the prefetch stream before the forward returns",
+    ),
+    Patch(
+        "hisparse_prefetch",
+        f"{_CO}.request_finished",
+        "after",
+        f"{_M}:after_request_finished",
+        ("self", "req"),
+        f"{WHY}:1402 a finished request's hint and prefetch marks are dropped",
+    ),
     # Not on CPU (SGLANG_FLASHMEMORY_CPU=1): the CPU layer hooks destroy first, and sglang's HookRegistry applies
     # a target once; there the prefetch runs inline (no stream to drain) and Level 1's worker is a daemon thread.
-    Patch("hisparse_prefetch_sync", f"{_CO}.destroy", "before", f"{_M}:before_destroy", ("self",),
-          f"{WHY}:811 the prefetch stream is drained before the host pool goes"),
+    Patch(
+        "hisparse_prefetch_sync",
+        f"{_CO}.destroy",
+        "before",
+        f"{_M}:before_destroy",
+        ("self",),
+        f"{WHY}:811 the prefetch stream is drained before the host pool goes",
+    ),
 )

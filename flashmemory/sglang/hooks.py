@@ -36,7 +36,7 @@ def _resident_metadata(md: Any, layer: int) -> Any:
     if cache is not None and cache[0] is md and layer > cache[1]:
         return cache[2]
     bs = md.page_table.shape[0]
-    RUNTIME.level2_buffers(bs, md.page_table.device)   # allocated once, before capture; never reallocated
+    RUNTIME.level2_buffers(bs, md.page_table.device)  # allocated once, before capture; never reallocated
     table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
@@ -56,8 +56,16 @@ def _resident_block_metadata(md: Any, layer: int) -> Any:
     return blocks
 
 
-def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_lora: torch.Tensor,
-                              c4_indexer: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+def around_forward_c4_indexer(
+    original: Callable,
+    self: Any,
+    x: torch.Tensor,
+    q_lora: torch.Tensor,
+    c4_indexer: Any,
+    forward_batch: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     mode = forward_batch.forward_mode
     if mode.is_idle() or not mode.is_decode():
         RUNTIME.fwd.decode_active = False
@@ -71,8 +79,15 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
     RUNTIME.count("indexer_calls_captured" if capturing else "indexer_calls_eager")
     if RUNTIME.on("level1") and layer in RUNTIME.env.retriever_layers:
         # In-place copy into the static side band: recorded into the graph, so it replays every step.
-        RUNTIME.capture_sideband_input(layer, x, meta.core_metadata.positions, capturing, q_lora, c4_indexer,
-                                       kwargs.get("q_lora_ready", args[2] if len(args) > 2 else None))
+        RUNTIME.capture_sideband_input(
+            layer,
+            x,
+            meta.core_metadata.positions,
+            capturing,
+            q_lora,
+            c4_indexer,
+            kwargs.get("q_lora_ready", args[2] if len(args) > 2 else None),
+        )
     engine = RUNTIME.engine
     picks_are_cells = engine is not None and engine.index_in_reserve(layer)
     if picks_are_cells:  # Path-I in the reserve (implies score-resident): the table holds reserve blocks
@@ -105,8 +120,16 @@ def around_forward_c4_indexer(original: Callable, self: Any, x: torch.Tensor, q_
     return out
 
 
-def _dump_observe(backend: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexer: Any, forward_batch: Any,
-                  layer: int, md: Any, meta: Any) -> None:
+def _dump_observe(
+    backend: Any,
+    x: torch.Tensor,
+    q_lora: torch.Tensor,
+    c4_indexer: Any,
+    forward_batch: Any,
+    layer: int,
+    md: Any,
+    meta: Any,
+) -> None:
     """Recompute this layer's native logits (q, weights are locals of the indexer) and hand them to the recorder."""
     from flashmemory.retriever.fp8 import pages_to_chunks
     from flashmemory.sglang.resident_topk import paged_index_scores
@@ -135,8 +158,16 @@ def _dump_observe(backend: Any, x: torch.Tensor, q_lora: torch.Tensor, c4_indexe
     rec.observe_layer(layer, rids, logits, seq, positions, hidden=x[:bs], new_chunks=new_chunks)
 
 
-def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor, page_tables: torch.Tensor,
-                out_page_indices: torch.Tensor, page_size: int, *args: Any, **kwargs: Any) -> Any:
+def around_topk(
+    original: Callable,
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    out_page_indices: torch.Tensor,
+    page_size: int,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     resident = RUNTIME.fwd.mask_resident
     if resident is not None and scores.dtype == torch.float32:
         apply_resident_mask(scores, page_tables, resident, page_size)
@@ -146,12 +177,21 @@ def around_topk(original: Callable, scores: torch.Tensor, seq_lens: torch.Tensor
 def after_pool_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     RUNTIME.attach_pool(self)
     if RUNTIME.engine is not None:
-        RUNTIME.guard.watch_scores(RUNTIME.engine)   # a non-finite retriever score fails its request, not the server
-        RUNTIME.engine.make_failure = RequestFailure   # so does a disk-tier page failing verification in a recall
+        RUNTIME.guard.watch_scores(RUNTIME.engine)  # a non-finite retriever score fails its request, not the server
+        RUNTIME.engine.make_failure = RequestFailure  # so does a disk-tier page failing verification in a recall
 
 
-def around_attention(original: Callable, self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
-                     forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+def around_attention(
+    original: Callable,
+    self: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: Any,
+    forward_batch: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """DeepseekV4AttnBackend.forward: the only scope in which the c4 cache is read through the reserve.
 
     On CUDA the core compressor writes the new c4 entry straight into `get_extra_key_buffer(layer)` (compressor_v2
@@ -232,19 +272,19 @@ def before_init_cuda_graphs(self: Any, *args: Any, **kwargs: Any) -> None:
         return
     sa = self.server_args
     running = int(getattr(self, "max_running_requests", None) or getattr(sa, "max_running_requests", None) or 0)
-    RUNTIME.check_refusals(running)   # the model runner's resolved --max-running-requests against the core's rows
+    RUNTIME.check_refusals(running)  # the model runner's resolved --max-running-requests against the core's rows
     max_bs = max(int(getattr(sa, "cuda_graph_max_bs_decode", None) or 0), running) or 256
     if RUNTIME.on("level1"):
         RUNTIME.sideband_rows_hint = max_bs
     if not RUNTIME.on("cudagraph"):
         return
-    RUNTIME.level2_buffers(max_bs, self.device)   # the same buffers the pool attach sized, or sized here once
+    RUNTIME.level2_buffers(max_bs, self.device)  # the same buffers the pool attach sized, or sized here once
 
 
 def before_forward(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
     if not getattr(self, "is_draft_worker", False):
         r2t = getattr(getattr(self, "req_to_token_pool", None), "req_to_token", None)
-        RUNTIME.before_forward(RUNTIME.guard.without_failed(forward_batch), r2t)   # failed requests: rows released
+        RUNTIME.before_forward(RUNTIME.guard.without_failed(forward_batch), r2t)  # failed requests: rows released
 
 
 def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -254,7 +294,7 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
     if mode.is_decode():
         RUNTIME.after_decode_forward(forward_batch)
         if RUNTIME.metrics is not None and RUNTIME.engine is not None:
-            RUNTIME.metrics.refresh(RUNTIME.engine)   # all stats when a request joined or left, else the gauges
+            RUNTIME.metrics.refresh(RUNTIME.engine)  # all stats when a request joined or left, else the gauges
             RUNTIME.guard.idle_published = False
     elif not mode.is_idle():
         RUNTIME.after_extend_forward()
@@ -281,8 +321,11 @@ def before_process_batch_result(self: Any, batch: Any, result: Any, *args: Any, 
 def _scheduler_idle(sched: Any) -> bool:
     """No request runs or has a forward whose result is still to be processed (so none holds an engine row)."""
     running, last = getattr(sched, "running_batch", None), getattr(sched, "last_batch", None)
-    return ((running is None or running.is_empty()) and (last is None or last.is_empty())
-            and not getattr(sched, "result_queue", None))
+    return (
+        (running is None or running.is_empty())
+        and (last is None or last.is_empty())
+        and not getattr(sched, "result_queue", None)
+    )
 
 
 def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -295,8 +338,8 @@ def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     if engine is None or not _scheduler_idle(self):
         return
     if engine.rows:
-        engine.close_forward()   # a forward that raised never released the gate the worker waits for
-        engine.l1.wait()   # a Level-1 cycle in flight publishes (or is discarded) first
+        engine.close_forward()  # a forward that raised never released the gate the worker waits for
+        engine.l1.wait()  # a Level-1 cycle in flight publishes (or is discarded) first
         engine.begin_step([], torch.empty((0, 1), dtype=torch.int64), torch.empty(0, dtype=torch.int64))
         RUNTIME.guard.idle_published = False
     RUNTIME.guard.forget_all()
@@ -322,9 +365,12 @@ def around_make_kv_pool(original: Callable, self: Any, *args: Any, **kwargs: Any
     if not (RUNTIME.in_compressed_pools and page and glob and page * 4 == glob and size and RUNTIME.shrink_planned()):
         return original(self, *args, **kwargs)
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import _num_dsv4_physical_kv_pages
+
     pool = original(self, *args, **{**kwargs, "size": page})
-    logger.info("FlashMemory shrink: c4 KV pool of %d pages per layer not allocated on the device",
-                _num_dsv4_physical_kv_pages(size, page, glob))
+    logger.info(
+        "FlashMemory shrink: c4 KV pool of %d pages per layer not allocated on the device",
+        _num_dsv4_physical_kv_pages(size, page, glob),
+    )
     return pool
 
 
@@ -351,15 +397,27 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
     logger.info("FlashMemory shrink: %d c4 KV regions registered with NIXL as host DRAM", sum(p in hp for p in ptrs))
 
 
-def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any,
-                    *args: Any, **kwargs: Any) -> Any:
+def around_compress(
+    original: Callable,
+    self: Any,
+    x: torch.Tensor,
+    forward_batch: Any,
+    layer_id: int,
+    compressor: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """CompressorBackendMixin.forward_indexer_compressor: the indexer compressor of a layer whose index-K lives in
     the Path-I reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one
     call the locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
     engine = RUNTIME.engine
-    if (engine is None or not getattr(compressor, "is_in_indexer", False) or getattr(compressor, "ratio", None) != 4
-            or forward_batch.forward_mode.is_idle()
-            or not engine.index_in_reserve(RUNTIME.c4_layer(self.token_to_kv_pool, layer_id))):
+    if (
+        engine is None
+        or not getattr(compressor, "is_in_indexer", False)
+        or getattr(compressor, "ratio", None) != 4
+        or forward_batch.forward_mode.is_idle()
+        or not engine.index_in_reserve(RUNTIME.c4_layer(self.token_to_kv_pool, layer_id))
+    ):
         return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
     cm = self.forward_metadata.core_metadata
     locs = cm.c4_out_loc
@@ -376,13 +434,25 @@ def around_compress(original: Callable, self: Any, x: torch.Tensor, forward_batc
 # Where each hook's forward batch sits (HookRegistry passes (original, *args) to around hooks, (result, *args) to
 # after hooks), so the injector and the guard know the batch's request ids.
 _GUARDED: dict[str, Any] = {
-    "around_forward_c4_indexer": batch_rids(5), "around_topk": None, "after_pool_init": None,
-    "around_attention": batch_rids(6), "around_get_extra_key_buffer": None, "after_set_extra_key": None,
-    "around_contiguous_buf_infos": None, "around_get_index_k": None, "after_set_index_k": None,
-    "before_init_cuda_graphs": None, "before_forward": batch_rids(1), "after_forward": batch_rids(2),
+    "around_forward_c4_indexer": batch_rids(5),
+    "around_topk": None,
+    "after_pool_init": None,
+    "around_attention": batch_rids(6),
+    "around_get_extra_key_buffer": None,
+    "after_set_extra_key": None,
+    "around_contiguous_buf_infos": None,
+    "around_get_index_k": None,
+    "after_set_index_k": None,
+    "before_init_cuda_graphs": None,
+    "before_forward": batch_rids(1),
+    "after_forward": batch_rids(2),
     "before_add_request": lambda a, k: [str(getattr(a[1] if len(a) > 1 else k.get("req"), "rid", ""))],
-    "before_process_batch_result": None, "after_on_idle": None, "around_init_compressed_pools": None,
-    "around_make_kv_pool": None, "around_c4_bytes_per_token": None, "before_nixl_manager_init": None,
+    "before_process_batch_result": None,
+    "after_on_idle": None,
+    "around_init_compressed_pools": None,
+    "around_make_kv_pool": None,
+    "around_c4_bytes_per_token": None,
+    "before_nixl_manager_init": None,
     "around_compress": batch_rids(3),
 }
 HOOK_NAMES = tuple(_GUARDED)

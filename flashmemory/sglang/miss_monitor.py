@@ -21,8 +21,9 @@ from flashmemory.residency.monitor import keys_native_scorer
 from flashmemory.residency.monitored import MissMonitor
 
 
-def indexer_query(indexers: Mapping[int, Any], layer: int, hidden: Mapping[Any, torch.Tensor],
-                  position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def indexer_query(
+    indexers: Mapping[int, Any], layer: int, hidden: Mapping[Any, torch.Tensor], position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q fp32 [H, D], w fp32 [H]) of one request at c4 layer `layer`, or None when the inputs are not there.
     hidden: Level 1's per-request inputs ({layer: x [hidden], ("q_lora", layer): q_lora [rank]})."""
     ind, x, ql = indexers.get(layer), hidden.get(layer), hidden.get(("q_lora", layer))
@@ -35,16 +36,18 @@ def indexer_query(indexers: Mapping[int, Any], layer: int, hidden: Mapping[Any, 
     return q.reshape(-1, q.shape[-1]).float(), w.reshape(-1).float()
 
 
-def build_monitor(cfg: EscalationConfig | None, eng: OffloadEngine,
-                  indexers: Callable[[], Mapping[int, Any]]) -> MissMonitor | None:
+def build_monitor(
+    cfg: EscalationConfig | None, eng: OffloadEngine, indexers: Callable[[], Mapping[int, Any]]
+) -> MissMonitor | None:
     """The adapter's MissMonitor (None with the gate off, cfg None; `core_config.escalation_config` makes cfg).
     indexers: returns the current map target c4 layer -> sglang's C4Indexer (the runtime shares its own map,
     filled by the indexer hook as layers run), read at each measurement."""
     if cfg is None:
         return None
     if cfg.cap > eng.cfg.max_resident_pages:
-        raise ValueError(f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap "
-                         f"{eng.cfg.max_resident_pages}")
+        raise ValueError(
+            f"miss monitor cap {cfg.cap} pages exceeds the engine's per-request cap {eng.cfg.max_resident_pages}"
+        )
     ctl = EscalationController(cfg, free_blocks=eng.free_blocks)
     native = keys_native_scorer(eng, lambda row, layer, hidden, pos: indexer_query(indexers(), layer, hidden, pos))
     return MissMonitor(eng, native, ctl, eng.layout.target_layers)
@@ -53,8 +56,11 @@ def build_monitor(cfg: EscalationConfig | None, eng: OffloadEngine,
 def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:
     """The monitor's keys of `flashmemory.sglang.prometheus.METRICS` from `engine.metrics()["total"]`."""
     hist = snap_total.get("miss_mass", {})
-    return {k: float(snap_total.get(k, 0)) for k in ("monitor_cycles", "escalations", "escalations_denied",
-                                                      "fallbacks", "missing_pages_added")} | {
+    return {
+        k: float(snap_total.get(k, 0))
+        for k in ("monitor_cycles", "escalations", "escalations_denied", "fallbacks", "missing_pages_added")
+    } | {
         "budget_pages_mean": float(snap_total.get("budget_pages_mean", 0.0)),
         "requests_in_fallback": float(snap_total.get("in_fallback", 0)),
-        "miss_mass": (int(hist.get("n", 0)), list(recent))}
+        "miss_mass": (int(hist.get("n", 0)), list(recent)),
+    }

@@ -46,7 +46,7 @@ class OffloadAdapter:
     `_appended`, and override the no-op defaults their mode needs."""
 
     mode = "base"
-    device_bytes_saved = 0   # stock c4 KV bytes minus what the mode keeps on the device (default: nothing saved)
+    device_bytes_saved = 0  # stock c4 KV bytes minus what the mode keeps on the device (default: nothing saved)
     # An extend forward's c4 attention reads the reserve (shrink mode): the runtime counts such forwards.
     extend_reads_reserve = False
 
@@ -56,35 +56,45 @@ class OffloadAdapter:
         self.kv_bufs, self.ix_bufs = pool_buffers(pool)
         bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
         if bad:
-            raise PoolGeometryError(f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
-                                    f"{geo.n_c4_layers} c4 layers; {bad} do not exist")
+            raise PoolGeometryError(
+                f"SGLANG_RETRIEVER_INLINE_LAYERS {list(env.retriever_layers)}: the pool has "
+                f"{geo.n_c4_layers} c4 layers; {bad} do not exist"
+            )
         self.device = torch.device(device) if device is not None else self.kv_bufs[0].device
         # The env stops here: the core takes the typed configs made from it in one function.
         self.core = core_config(env, geo, landing_blocks=self.landing_blocks(), tp_size=serving_tp_size())
         self.layout, self.cfg, self.level1_cfg = self.core.layout, self.core.engine, self.core.level1
         # The disk tier (SGLANG_PATHP_DISK_DIR), else the plain engine; shrink keeps a full mirror (PD lands by page).
-        self.engine = build_engine(self.layout, self.cfg, self.device, env.disk, self.target_buffers(), dist_rank(),
-                                   full_mirror=self.mode == "shrink")
+        self.engine = build_engine(
+            self.layout,
+            self.cfg,
+            self.device,
+            env.disk,
+            self.target_buffers(),
+            dist_rank(),
+            full_mirror=self.mode == "shrink",
+        )
         self.tier = engine_tier(self.engine)
         # How a request-local core error (a disk page failing verification) is raised: the guard's RequestFailure,
         # set by the hooks (this module cannot import the guard); None: it propagates as it is.
         self.make_failure: Callable[[str, str, str], BaseException] | None = None
         scorer = retriever_scorer(retriever, self.engine, self.core.ensemble) if retriever is not None else AllPass()
-        self.indexers: dict[int, Any] = {}   # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
+        self.indexers: dict[int, Any] = {}  # target c4 layer -> sglang's C4Indexer (filled by the runtime's hook)
         self.monitor = build_monitor(self.core.escalation, self.engine, lambda: self.indexers)
-        self.l1 = Level1(self.engine, scorer, ThresholdPagePolicy(self.core.selection), self.level1_cfg,
-                         monitor=self.monitor)
+        self.l1 = Level1(
+            self.engine, scorer, ThresholdPagePolicy(self.core.selection), self.level1_cfg, monitor=self.monitor
+        )
         # What Level 2 reads, lent once by the core (the same storage for its lifetime): the lookup table (mirror
         # chunk -> reserve cell) and the reserve.
         self._cells, self._storage = self.engine.cell_table(), self.engine.storage()
         self.loc2m = torch.full((geo.n_locs + 1,), self.engine.no_chunk, dtype=torch.int64, device=self.device)
-        self.rows: dict[str, int] = {}             # rid -> engine row
-        self.pages: dict[int, list[int]] = {}      # engine row -> pool pages (logical page order)
+        self.rows: dict[str, int] = {}  # rid -> engine row
+        self.pages: dict[int, list[int]] = {}  # engine row -> pool pages (logical page order)
         self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
-        self.hist: dict[int, int] = {}             # engine row -> history chunks, as the core last reported them
-        self._mapped: dict[int, list[int]] = {}    # engine row -> pool pages whose loc2m entries are written
+        self.hist: dict[int, int] = {}  # engine row -> history chunks, as the core last reported them
+        self._mapped: dict[int, list[int]] = {}  # engine row -> pool pages whose loc2m entries are written
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
-        self._step_pages: torch.Tensor | None = None   # resident pages of step_rows, read by the step's sync
+        self._step_pages: torch.Tensor | None = None  # resident pages of step_rows, read by the step's sync
 
     def landing_blocks(self) -> int:
         """Reserve scratch blocks for extend stores (none unless the mode lands extends in the reserve)."""
@@ -187,14 +197,14 @@ class OffloadAdapter:
         pools, mirrors = self.pages[row], self.mpages.get(row, ())
         done = self._mapped.get(row, [])
         n = min(len(pools), len(mirrors))
-        if pools[:len(done)] != done:   # the pool pages moved under the request: map everything again
+        if pools[: len(done)] != done:  # the pool pages moved under the request: map everything again
             self._unmap_pages(done)
             done = []
         if n > len(done):
             pc = self.geo.page_chunks
             off = torch.arange(pc)
-            src = (torch.tensor(pools[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
-            dst = (torch.tensor(mirrors[len(done):n]).unsqueeze(1) * pc + off).reshape(-1)
+            src = (torch.tensor(pools[len(done) : n]).unsqueeze(1) * pc + off).reshape(-1)
+            dst = (torch.tensor(mirrors[len(done) : n]).unsqueeze(1) * pc + off).reshape(-1)
             self.loc2m[src.to(self.device)] = dst.to(self.device)
             done = pools[:n]
         self._mapped[row] = list(done)
@@ -232,7 +242,7 @@ class OffloadAdapter:
         live = set(rids)
         leaving = [row for rid, row in self.rows.items() if rid not in live]
         free_rows = self.cfg.max_rows - (len(self.rows) - len(leaving))
-        free_pages: int | None = None   # asked of the core only when a new request needs mirror pages
+        free_pages: int | None = None  # asked of the core only when a new request needs mirror pages
         out = []
         for rid, n in zip(rids, before.tolist()):
             if rid in self.rows or n < 1:
@@ -266,10 +276,13 @@ class OffloadAdapter:
         pc, rows, syncs = self.geo.page_chunks, [], []
         # D2H only when a row is new or opens a page: else its known pages (sglang never moves a running request's)
         known = [self.pages.get(self.rows[r], []) if r in self.rows else None for r in rids]
-        pt = page_table.cpu().long().tolist() if any(
-            k is None or -(-int(a) // pc) > len(k) for k, a in zip(known, after.tolist())) else None
+        pt = (
+            page_table.cpu().long().tolist()
+            if any(k is None or -(-int(a) // pc) > len(k) for k, a in zip(known, after.tolist()))
+            else None
+        )
         for b, rid in enumerate(rids):
-            pages = (pt[b] if pt is not None else known[b])[:-(-int(after[b]) // pc)]
+            pages = (pt[b] if pt is not None else known[b])[: -(-int(after[b]) // pc)]
             row, adm = self.rows.get(rid), None
             if row is None and int(before[b]) >= 1:
                 row = self._free_row()
@@ -286,7 +299,7 @@ class OffloadAdapter:
             locs = torch.tensor([self.pages[r][n // pc] * pc + n % pc for _, r, n in lag], dtype=torch.int64)
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
-        self._step_pages = None   # unknown if the sync raises
+        self._step_pages = None  # unknown if the sync raises
         res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows)))
         self._step_pages = res.resident
         self.mpages.update(res.mpages)
@@ -308,10 +321,13 @@ class OffloadAdapter:
             return
         locs, m = locs[ok], m[ok]
         layers, lay = list(layers), self.layout
-        rows = read_chunk_rows(lay.kv, self.kv_bufs, locs, layers) if kv else None   # [len(layers), n, 584]
-        kept = set(lay.target_layers) | set(lay.offload_index_layers)   # the index-K the core keeps
-        ix = [read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None
-              for l in layers] if index else None
+        rows = read_chunk_rows(lay.kv, self.kv_bufs, locs, layers) if kv else None  # [len(layers), n, 584]
+        kept = set(lay.target_layers) | set(lay.offload_index_layers)  # the index-K the core keeps
+        ix = (
+            [read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None for l in layers]
+            if index
+            else None
+        )
         self.engine.store_chunks(m, layers, rows, ix)
 
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
@@ -333,19 +349,25 @@ class OffloadAdapter:
             n = min(n, snapshot["positions"].shape[0])
         try:
             if n and bool((rows[:n] >= 0).any()):
-                hidden: dict[Any, torch.Tensor] = {l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers
-                                                   if f"hidden_{l}" in snapshot}
-                hidden.update({("q_lora", l): snapshot[f"q_lora_{l}"][:n] for l in self.layout.target_layers
-                               if f"q_lora_{l}" in snapshot})   # the miss monitor's native query input
+                hidden: dict[Any, torch.Tensor] = {
+                    l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers if f"hidden_{l}" in snapshot
+                }
+                hidden.update(
+                    {
+                        ("q_lora", l): snapshot[f"q_lora_{l}"][:n]
+                        for l in self.layout.target_layers
+                        if f"q_lora_{l}" in snapshot
+                    }
+                )  # the miss monitor's native query input
                 positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
                 self.l1.on_step(rows[:n].tolist(), hidden, positions)
             else:
-                self.l1.tick()   # lockstep (TP): this step counts on every rank, rows or not
+                self.l1.tick()  # lockstep (TP): this step counts on every rank, rows or not
         except Exception as e:
             bad = corrupt_page_in(e)
             if bad is None or self.make_failure is None:
                 raise
-            raise self.make_failure(bad.rid, "level1", str(bad)) from e   # the guard fails that request alone
+            raise self.make_failure(bad.rid, "level1", str(bad)) from e  # the guard fails that request alone
 
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
         """Int64 [B, kmax + decode_pages] resident logical pages per row, ascending, -1 padded (-1 rows: all -1)."""
@@ -364,14 +386,18 @@ class OffloadAdapter:
         snap = eng.metrics()["total"]
         hist = sum(n for _, n in eng.snapshot_rows().values())
         rb = self.cfg.recall_blocks
-        return {"recall_bytes": float(snap["recall_bytes"]), "recall_pages": float(snap["recall_pages"]),
-                "warm_start_pages": float(snap["warm_start_pages"]),
-                "level1_cycles": float(snap["cycles"]),
-                "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
-                "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
-                "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
-                "device_bytes_saved": float(self.device_bytes_saved), **self._monitor_stats(snap),
-                **(self.tier.tier_stats() if self.tier is not None else {})}
+        return {
+            "recall_bytes": float(snap["recall_bytes"]),
+            "recall_pages": float(snap["recall_pages"]),
+            "warm_start_pages": float(snap["warm_start_pages"]),
+            "level1_cycles": float(snap["cycles"]),
+            "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
+            "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
+            "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
+            "device_bytes_saved": float(self.device_bytes_saved),
+            **self._monitor_stats(snap),
+            **(self.tier.tier_stats() if self.tier is not None else {}),
+        }
 
     def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
         if self.monitor is None:
@@ -389,6 +415,7 @@ class OffloadAdapter:
             scores = inner(row, n_hist, hidden, position)
             check(next((rid for rid, r in self.rows.items() if r == row), f"row {row}"), scores)
             return scores
+
         scorer.flashmemory_checked = True
         self.l1.scorer = scorer
 
@@ -403,7 +430,7 @@ class OffloadAdapter:
         self.engine.end_forward()
 
     def close(self) -> None:
-        self.engine.end_forward()   # the worker may wait for the forward gate this thread holds
+        self.engine.end_forward()  # the worker may wait for the forward gate this thread holds
         self.l1.close()
         if self.tier is not None:
             self.tier.close()

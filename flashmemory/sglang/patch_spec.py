@@ -27,7 +27,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
-HOOK_KINDS = ("before", "after", "around", "replace")   # applied through sglang's HookRegistry
+HOOK_KINDS = ("before", "after", "around", "replace")  # applied through sglang's HookRegistry
 # Applied when a plugin registers; the target must resolve (a function's leading parameters are checked too).
 CODE_KINDS = HOOK_KINDS + ("step", "attr")
 KINDS = CODE_KINDS + ("env", "import_stub")
@@ -115,8 +115,10 @@ def check_signature(spec: Patch) -> Any:
         names = leading_params(fn, spec.target)
         want = list(spec.params)
         if names[: len(want)] != want:
-            raise TargetError(f"patch target {spec.target}: expected leading parameters {want}, "
-                              f"found {names[: len(want) + 2]} (sglang signature drift)")
+            raise TargetError(
+                f"patch target {spec.target}: expected leading parameters {want}, "
+                f"found {names[: len(want) + 2]} (sglang signature drift)"
+            )
     return fn
 
 
@@ -125,6 +127,7 @@ def target_present(spec: Patch) -> bool:
     if not spec.optional:
         return True
     import importlib.util
+
     top = spec.target.split(".", 1)[0]
     try:
         return importlib.util.find_spec(top) is not None

@@ -24,6 +24,7 @@ _PREFIX = "flashmemory.sglang."
 def rows(features: list[str] | None = None) -> list[Patch]:
     """Every patch in table order, or those of `features` (UserError naming --features for an unknown one)."""
     from flashmemory.sglang.patching import all_patches
+
     allp = list(all_patches())
     if not features:
         return allp
@@ -35,7 +36,7 @@ def rows(features: list[str] | None = None) -> list[Patch]:
 
 
 def _impl(p: Patch) -> str:
-    return p.impl[len(_PREFIX):] if p.impl.startswith(_PREFIX) else p.impl
+    return p.impl[len(_PREFIX) :] if p.impl.startswith(_PREFIX) else p.impl
 
 
 def as_text(ps: list[Patch]) -> str:
@@ -46,14 +47,28 @@ def as_text(ps: list[Patch]) -> str:
         opt = " (optional)" if p.optional else ""
         lines.append(f"{p.feature:<10} {p.kind:<11} {p.target} {arrow} {_impl(p)}{opt}")
         lines.append(f"{'':<22} {p.why}")
-    lines.append(f"{len(ps)} patches, {len({p.target for p in ps})} targets, "
-                 f"kinds: {', '.join(sorted({p.kind for p in ps}))}")
+    lines.append(
+        f"{len(ps)} patches, {len({p.target for p in ps})} targets, kinds: {', '.join(sorted({p.kind for p in ps}))}"
+    )
     return "\n".join(lines)
 
 
 def as_json(ps: list[Patch]) -> str:
-    return json.dumps([{"feature": p.feature, "kind": p.kind, "target": p.target, "impl": p.impl,
-                        "params": list(p.params), "why": p.why, "optional": p.optional} for p in ps], indent=1)
+    return json.dumps(
+        [
+            {
+                "feature": p.feature,
+                "kind": p.kind,
+                "target": p.target,
+                "impl": p.impl,
+                "params": list(p.params),
+                "why": p.why,
+                "optional": p.optional,
+            }
+            for p in ps
+        ],
+        indent=1,
+    )
 
 
 def as_markdown(ps: list[Patch]) -> str:
@@ -82,6 +97,7 @@ def check(ps: list[Patch]) -> tuple[int, int]:
     """Resolve every code target and check its leading parameters, in table order; UserError naming the first
     that drifted. Returns (checked, optional skipped)."""
     from flashmemory.sglang.patch_spec import TargetError, check_signature, target_present
+
     done = skipped = 0
     for p in ps:
         if p.kind not in CODE_KINDS:
@@ -101,15 +117,17 @@ def run(args: argparse.Namespace) -> int:
     features = [f.strip() for f in args.features.split(",") if f.strip()] if args.features else None
     ps = rows(features)
     if args.write:
-        block = as_markdown(rows())   # the README block always lists every patch
+        block = as_markdown(rows())  # the README block always lists every patch
         for path in args.write:
             write_block(path, block)
             print(f"wrote the patch table ({len(rows())} rows) into {path}")
         return 0
     if args.check:
         done, skipped = check(ps)
-        print(f"ok: {done} code targets resolve with their leading parameters in the installed sglang"
-              + (f" ({skipped} optional skipped: package not installed)" if skipped else ""))
+        print(
+            f"ok: {done} code targets resolve with their leading parameters in the installed sglang"
+            + (f" ({skipped} optional skipped: package not installed)" if skipped else "")
+        )
         return 0
     print(as_json(ps) if args.json else as_markdown(ps) if args.markdown else as_text(ps))
     return 0
@@ -117,21 +135,33 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
-        "patches", help="list every patch FlashMemory applies to sglang (--check: against the installed sglang)",
+        "patches",
+        help="list every patch FlashMemory applies to sglang (--check: against the installed sglang)",
         description="Every change FlashMemory makes to sglang, one row per patch: the feature (gate) that needs it, "
-                    "the kind (before/after/around/replace: a function through sglang's HookRegistry; step: a "
-                    "server-argument resolution step; env: an environment switch set unless the user set it; "
-                    "import_stub: a CUDA-only package stubbed when it cannot import), the target, our "
-                    "implementation and why (the sglang file:line it covers).",
+        "the kind (before/after/around/replace: a function through sglang's HookRegistry; step: a "
+        "server-argument resolution step; env: an environment switch set unless the user set it; "
+        "import_stub: a CUDA-only package stubbed when it cannot import), the target, our "
+        "implementation and why (the sglang file:line it covers).",
     )
-    p.add_argument("--features", default="", metavar="F1,F2",
-                   help="only these features (e.g. path_p,level1,cpu; the default table lists them all)")
+    p.add_argument(
+        "--features",
+        default="",
+        metavar="F1,F2",
+        help="only these features (e.g. path_p,level1,cpu; the default table lists them all)",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON")
     fmt.add_argument("--markdown", action="store_true", help="print the README block (with its markers)")
-    fmt.add_argument("--check", action="store_true",
-                     help="import sglang and check every target exists with its leading parameters; exit 2 naming "
-                          "the first drifted target")
-    fmt.add_argument("--write", nargs="+", metavar="FILE",
-                     help="replace the patch table block of each FILE (e.g. flashmemory/sglang/README.md) in place")
+    fmt.add_argument(
+        "--check",
+        action="store_true",
+        help="import sglang and check every target exists with its leading parameters; exit 2 naming "
+        "the first drifted target",
+    )
+    fmt.add_argument(
+        "--write",
+        nargs="+",
+        metavar="FILE",
+        help="replace the patch table block of each FILE (e.g. flashmemory/sglang/README.md) in place",
+    )
     p.set_defaults(func=run)

@@ -24,27 +24,36 @@ from __future__ import annotations
 
 import logging
 import pkgutil
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from flashmemory.sglang.patch_spec import (CODE_KINDS, HOOK_KINDS, Patch, StartupError, TargetError, check_signature,
-                                           resolve, target_present, unwrap)
+from flashmemory.sglang.patch_spec import (
+    CODE_KINDS,
+    HOOK_KINDS,
+    Patch,
+    StartupError,
+    TargetError,
+    check_signature,
+    resolve,
+    target_present,
+    unwrap,
+)
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 
 # Every table of patches, in apply order. A new table module adds its "module:NAME" here (and nothing else).
 TABLES: tuple[str, ...] = (
-    "flashmemory.sglang.cpu.platform:PLATFORM_PATCHES",      # env switches + import stubs (platform activation)
+    "flashmemory.sglang.cpu.platform:PLATFORM_PATCHES",  # env switches + import stubs (platform activation)
     "flashmemory.sglang.cpu.patches_kernels:KERNEL_PATCHES",  # CUDA-only kernels -> pure-torch drop-ins
     "flashmemory.sglang.cpu.patches_runtime:RUNTIME_PATCHES",  # CPU seams outside the kernels
-    "flashmemory.sglang.cpu.patches_tp:TP_PATCHES",            # --tp N on CPU: thread groups, gloo, DSv4's KV head
+    "flashmemory.sglang.cpu.patches_tp:TP_PATCHES",  # --tp N on CPU: thread groups, gloo, DSv4's KV head
     "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
-    "flashmemory.sglang.cpu.pd:PD_PATCHES",                  # PD on CPU: NIXL over DRAM, the `fake` backend
-    "flashmemory.sglang.targets:SPECS",                      # FlashMemory's own hooks
+    "flashmemory.sglang.cpu.pd:PD_PATCHES",  # PD on CPU: NIXL over DRAM, the `fake` backend
+    "flashmemory.sglang.targets:SPECS",  # FlashMemory's own hooks
     "flashmemory.sglang.hisparse_prefetch:PREFETCH_PATCHES",  # prefetch into sglang's HiSparse hot buffer
 )
-CPU_FEATURES = ("cpu", "cpu_pd")   # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
-PLATFORM_KINDS = ("env", "import_stub")   # applied at platform activation, before sglang imports its kernels
-
+CPU_FEATURES = ("cpu", "cpu_pd")  # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
+PLATFORM_KINDS = ("env", "import_stub")  # applied at platform activation, before sglang imports its kernels
 
 
 def all_patches() -> tuple[Patch, ...]:
@@ -58,11 +67,13 @@ def all_patches() -> tuple[Patch, ...]:
 def active_features(env: Any) -> tuple[str, ...]:
     """Features a `FlashMemoryEnv` turns on: the CPU layer's (SGLANG_FLASHMEMORY_CPU) and the hook features."""
     from flashmemory.sglang.targets import features_for
+
     return (CPU_FEATURES if env.cpu else ()) + features_for(env)
 
 
-def select(features: Iterable[str], kinds: Iterable[str] | None = None,
-           patches: tuple[Patch, ...] | None = None) -> list[Patch]:
+def select(
+    features: Iterable[str], kinds: Iterable[str] | None = None, patches: tuple[Patch, ...] | None = None
+) -> list[Patch]:
     """Rows of the given features (and kinds), in table order, one per (target, kind, impl): a hook that two
     features share is applied once."""
     feats, kind_set = set(features), set(kinds) if kinds is not None else None
@@ -114,6 +125,7 @@ def verify(patches: list[Patch], originals: dict[str, Any]) -> list[str]:
 
 def _apply_env(rows: list[Patch], environ: Any) -> None:
     from flashmemory.env import set_defaults
+
     differ = set_defaults({p.target: p.impl for p in rows}, environ)
     if differ:
         logger.warning("FlashMemory CPU: user-set switches kept: %s", differ)
@@ -128,19 +140,21 @@ def _apply_stubs(rows: list[Patch]) -> None:
 
 
 def _apply_steps(rows: list[Patch]) -> None:
-    if not rows:   # importing sglang here, from the platform plugin's activate(), would run sglang's platform
-        return     # discovery again inside it (a first import of sglang does that)
+    if not rows:  # importing sglang here, from the platform plugin's activate(), would run sglang's platform
+        return  # discovery again inside it (a first import of sglang does that)
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
     for p in rows:
         try:
             register_resolution_hook(p.target.rsplit(".", 1)[1])(load_impl(p))
-        except ValueError as e:   # not an overridable step in this sglang
+        except ValueError as e:  # not an overridable step in this sglang
             raise StartupError(f"{p.target}: {e}") from None
 
 
 def _apply_hooks(rows: list[Patch], originals: dict[str, Any]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    impls = [(p, load_impl(p)) for p in rows]   # all load before any registers
+
+    impls = [(p, load_impl(p)) for p in rows]  # all load before any registers
     for p, fn in impls:
         HookRegistry.register(p.target, fn, HookType(p.kind))
     HookRegistry.apply_hooks()
@@ -154,7 +168,7 @@ def _apply_attrs(rows: list[Patch], originals: dict[str, Any]) -> None:
         owner, attr, _ = resolve(p.target)
         try:
             built = load_impl(p)(originals[p.target])
-        except Exception as e:   # a builder refuses what it found (e.g. a package release it does not support)
+        except Exception as e:  # a builder refuses what it found (e.g. a package release it does not support)
             raise StartupError(f"{p.target}: {e}") from None
         setattr(owner, attr, built)
         if resolve(p.target)[2] is not built:
@@ -167,6 +181,7 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
     `env` rows (default the process environment); `context` is appended to a target error. What was applied is
     recorded in the process state (`runtime.RUNTIME.applied_patches`)."""
     from flashmemory.sglang.runtime import RUNTIME
+
     done = RUNTIME.applied_patches
     todo = [p for p in patches if (p.target, p.kind, p.impl) not in done and target_present(p)]
     # env and import_stub rows are idempotent by themselves and re-run each time (a test may reset the env).
@@ -188,12 +203,14 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
         if p.kind in CODE_KINDS:
             done[(p.target, p.kind, p.impl)] = p.target
     if todo:
-        logger.info("FlashMemory: %d sglang patches applied (%s)", len(todo),
-                    ", ".join(sorted({p.feature for p in todo})))
+        logger.info(
+            "FlashMemory: %d sglang patches applied (%s)", len(todo), ", ".join(sorted({p.feature for p in todo}))
+        )
     return sorted({p.target for p in patches if target_present(p)})
 
 
 def applied() -> list[str]:
     """Targets patched in this process so far (sorted)."""
     from flashmemory.sglang.runtime import RUNTIME
+
     return sorted(set(RUNTIME.applied_patches.values()))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from flashmemory.retriever.model import JointRetriever
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
-PluginStartupError = StartupError   # "FlashMemory startup error: ..." (a SystemExit)
+PluginStartupError = StartupError  # "FlashMemory startup error: ..." (a SystemExit)
 
 
 def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
@@ -33,6 +33,7 @@ def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
     from flashmemory.retriever.checkpoint import CheckpointError
     from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
     from flashmemory.sglang.runtime import server_args
+
     try:
         return load_serving_retriever(env, served_model_path(server_args(), sys.argv))
     except CheckpointError as e:
@@ -54,6 +55,7 @@ def register() -> None:
     """Idempotent: read the gates, apply and verify the patches of the active features. What it did is kept in
     the process state, `RUNTIME.registration`: {"features": ..., "targets": [...], "cpu_targets": [...]}."""
     from flashmemory.sglang.runtime import RUNTIME
+
     if RUNTIME.registration is not None:
         return
     try:
@@ -62,8 +64,9 @@ def register() -> None:
         raise PluginStartupError(str(e)) from None
     cpu_targets: list[str] = []
     if env.cpu:  # independent of the FlashMemory gates: CPU + all gates off = stock sglang on CPU
-        cpu_targets = apply(select(CPU_FEATURES, CODE_KINDS),
-                            context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it")
+        cpu_targets = apply(
+            select(CPU_FEATURES, CODE_KINDS), context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it"
+        )
     features = features_for(env)
     retriever = None
     if not features:
@@ -80,18 +83,20 @@ def register() -> None:
     specs = select(features, CODE_KINDS)
     context = f"; active features {list(features)} need it"
     try:
-        check_all(specs)   # every target before the runtime is configured
+        check_all(specs)  # every target before the runtime is configured
     except TargetError as e:
         raise PluginStartupError(f"{e}{context}") from None
 
     RUNTIME.configure(env, features, retriever)
     targets = apply(specs, context=context)
     RUNTIME.registration = {"features": features, "targets": targets, "cpu_targets": cpu_targets}
-    announce(f"FlashMemory: active features: {', '.join(env.active_features() or features)} "
-             f"({len(targets)} hook targets)")
+    announce(
+        f"FlashMemory: active features: {', '.join(env.active_features() or features)} ({len(targets)} hook targets)"
+    )
 
 
 def state() -> dict | None:
     """What `register()` did in this process (None before it ran)."""
     from flashmemory.sglang.runtime import RUNTIME
+
     return RUNTIME.registration

@@ -6,8 +6,9 @@ plain prometheus_client metrics made here (gauges in "mostrecent" mode) show up 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 PREFIX = "flashmemory_"
 # stat key -> (kind, help); keys the offload core's `stats()` may report. Counters take running totals.
@@ -28,28 +29,43 @@ METRICS: dict[str, tuple[str, str]] = {
     "fallbacks": ("counter", "Requests switched to the exact-recall fallback (latest native top-k pages held)"),
     "budget_pages_mean": ("gauge", "Mean Level-1 page budget of the live requests (KMAX unless escalated)"),
     "requests_in_fallback": ("gauge", "Live requests in the exact-recall fallback"),
-    "miss_mass": ("histogram", "Share of the native top-k softmax mass outside the resident set, per request, "
-                               "per cycle"),
+    "miss_mass": (
+        "histogram",
+        "Share of the native top-k softmax mass outside the resident set, per request, per cycle",
+    ),
     # Disk tier (SGLANG_PATHP_DISK_DIR); absent from stats() while it is off.
     "disk_bytes_read": ("counter", "Disk tier: page bytes read from the page store (verified)"),
     "disk_bytes_written": ("counter", "Disk tier: page bytes written behind to the page store"),
     "disk_cache_hits": ("counter", "Disk tier: recall page reads served from the host page cache"),
     "disk_cache_misses": ("counter", "Disk tier: recall page reads that were not in the host page cache"),
     "disk_cache_hit_rate": ("gauge", "Disk tier: host page cache hits / (hits + misses) so far"),
-    "disk_recalls_waited": ("counter", "Disk tier: recalls whose copy waited for at least one disk read (missed "
-                                       "the host cache)"),
-    "disk_readahead_late": ("counter", "Disk tier: page reads whose read-ahead had not arrived when the recall "
-                                       "needed it (missed its window; the recall waited)"),
+    "disk_recalls_waited": (
+        "counter",
+        "Disk tier: recalls whose copy waited for at least one disk read (missed the host cache)",
+    ),
+    "disk_readahead_late": (
+        "counter",
+        "Disk tier: page reads whose read-ahead had not arrived when the recall "
+        "needed it (missed its window; the recall waited)",
+    ),
     "disk_write_errors": ("counter", "Disk tier: write-behind failures (disk full, EIO); the page stayed in DRAM"),
     "disk_pages_in_dram_pinned": ("gauge", "Disk tier: pages kept in host DRAM after a failed write-behind"),
     "disk_corrupt_pages": ("counter", "Disk tier: pages that failed verification on read (their request failed)"),
-    "disk_decode_waits": ("counter", "Disk tier: times the decode thread waited on disk I/O (a read its recall "
-                                     "needed, a back-pressured write queue); 0 when read-ahead and write-behind "
-                                     "keep up"),
-    "disk_write_waits": ("counter", "Disk tier: page admissions that waited for the write-behind thread (its "
-                                    "queue was full: back-pressure, host memory stays bounded)"),
-    "disk_readahead_pages": ("counter", "Disk tier: page reads queued when a Level-1 selection named pages only "
-                                        "on disk (before the plan)"),
+    "disk_decode_waits": (
+        "counter",
+        "Disk tier: times the decode thread waited on disk I/O (a read its recall "
+        "needed, a back-pressured write queue); 0 when read-ahead and write-behind "
+        "keep up",
+    ),
+    "disk_write_waits": (
+        "counter",
+        "Disk tier: page admissions that waited for the write-behind thread (its "
+        "queue was full: back-pressure, host memory stays bounded)",
+    ),
+    "disk_readahead_pages": (
+        "counter",
+        "Disk tier: page reads queued when a Level-1 selection named pages only on disk (before the plan)",
+    ),
 }
 # Live state for an operator spotting a leak (`serving_gauges`): at idle live_requests is 0, free_reserve_blocks equals
 # reserve_blocks and host_mirror_bytes_in_use is 0. Published with `stats()` when a request joins or leaves and at
@@ -59,8 +75,11 @@ SERVING_METRICS: dict[str, tuple[str, str]] = {
     "free_reserve_blocks": ("gauge", "Free recall blocks in the device reserve (equals reserve_blocks when idle)"),
     "reserve_blocks": ("gauge", "Recall blocks in the device reserve, free or not"),
     "host_mirror_bytes_in_use": ("gauge", "Host-mirror bytes held by live requests (0 when idle)"),
-    "host_mirror_bytes": ("gauge", "Host-mirror DRAM: its page slots x page bytes (smaller than the pages' bytes "
-                                   "with the disk tier's landing window, SGLANG_PATHP_HOST_MIRROR_GB)"),
+    "host_mirror_bytes": (
+        "gauge",
+        "Host-mirror DRAM: its page slots x page bytes (smaller than the pages' bytes "
+        "with the disk tier's landing window, SGLANG_PATHP_HOST_MIRROR_GB)",
+    ),
     "host_mirror_slots_in_use": ("gauge", "Host-mirror page slots holding a live page (0 when idle)"),
 }
 # sglang's own HiSparse on CPU (`flashmemory.sglang.cpu.patches_hisparse.SwapInCounter`, keys in this order): counters
@@ -81,15 +100,24 @@ HISPARSE_PREFETCH: dict[str, str] = {
     "positions": "Hinted c4 positions handed to the prefetch after sanitizing (real, non-fast-path rows)",
     "resident": "Hinted positions already in the hot buffer (made most recent, nothing copied)",
     "loaded": "Hinted positions copied host -> device into the hot buffer ahead of need",
-    "bytes_h2d": "HiSparse prefetch bytes copied host -> device (loaded x 584 B), off the step's critical path on a GPU",
+    "bytes_h2d": "HiSparse prefetch bytes copied host -> device (loaded x 584 B), off the step's critical path "
+    "on a GPU",
     "dropped": "Hinted positions removed by sanitizing (at or past L-1, or without a host copy)",
     "used": "Prefetched entries a later top-k pick found in the hot buffer (prefetch hits; CPU attribution)",
     "wasted": "Prefetched entries evicted, or left at the request's end, before any pick used them (CPU attribution)",
 }
 FAILURES = ("request_failures", "Requests failed alone by the FlashMemory guard, by hook (the server kept serving)")
-MONITOR_KEYS = ("monitor_cycles", "escalations", "escalations_denied", "missing_pages_added", "fallbacks",
-                "budget_pages_mean", "requests_in_fallback", "miss_mass")
-DISK_KEYS = tuple(k for k in METRICS if k.startswith("disk_"))   # in stats() only with the disk tier on
+MONITOR_KEYS = (
+    "monitor_cycles",
+    "escalations",
+    "escalations_denied",
+    "missing_pages_added",
+    "fallbacks",
+    "budget_pages_mean",
+    "requests_in_fallback",
+    "miss_mass",
+)
+DISK_KEYS = tuple(k for k in METRICS if k.startswith("disk_"))  # in stats() only with the disk tier on
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
 
 
@@ -128,11 +156,12 @@ def metrics_table() -> str:
 class FlashMemoryMetrics:
     metrics: dict[str, Any]
     last: dict[str, float]
-    live_seen: float = -1.0      # live_requests at the last full publish
+    live_seen: float = -1.0  # live_requests at the last full publish
 
     @classmethod
     def create(cls, registry: Any = None) -> "FlashMemoryMetrics":
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
         reg = registry if registry is not None else REGISTRY
         m: dict[str, Any] = {}
         for key, (kind, doc) in {**METRICS, **SERVING_METRICS}.items():
@@ -155,7 +184,7 @@ class FlashMemoryMetrics:
             if kind == "histogram":
                 total, recent = value
                 new = int(total) - int(self.last.get(key, 0))
-                for v in list(recent)[len(recent) - min(max(new, 0), len(recent)):]:
+                for v in list(recent)[len(recent) - min(max(new, 0), len(recent)) :]:
                     metric.observe(float(v))
                 self.last[key] = float(total)
             elif kind == "counter":

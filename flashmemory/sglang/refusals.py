@@ -20,7 +20,8 @@ What is refused and why:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.sglang.patch_spec import StartupError
@@ -34,9 +35,11 @@ def max_running(server_args: Any) -> int:
 def rows_refusal(max_running_requests: int, env: FlashMemoryEnv) -> str | None:
     """One line when more requests may run than the core has rows, else None."""
     if max_running_requests > env.decode_max_conc:
-        return (f"--max-running-requests {max_running_requests} exceeds SGLANG_PATHP_DECODE_MAX_CONC="
-                f"{env.decode_max_conc} (the offload core's request rows, and the rows of the Level-2 buffers sized "
-                "before CUDA-graph capture): set them equal, or lower --max-running-requests")
+        return (
+            f"--max-running-requests {max_running_requests} exceeds SGLANG_PATHP_DECODE_MAX_CONC="
+            f"{env.decode_max_conc} (the offload core's request rows, and the rows of the Level-2 buffers sized "
+            "before CUDA-graph capture): set them equal, or lower --max-running-requests"
+        )
     return None
 
 
@@ -48,17 +51,23 @@ def refusals(server_args: Any, env: FlashMemoryEnv, features: Sequence[str], shr
     out: list[str] = []
     serving = {"level2", "path_p", "level1"} & set(features)
     if serving and getattr(server_args, "enable_two_batch_overlap", False):
-        out.append("--enable-two-batch-overlap: FlashMemory's Level-2 buffers, side band and row map describe one "
-                   "batch per forward, not two micro-batches; drop the flag or turn FlashMemory off")
+        out.append(
+            "--enable-two-batch-overlap: FlashMemory's Level-2 buffers, side band and row map describe one "
+            "batch per forward, not two micro-batches; drop the flag or turn FlashMemory off"
+        )
     if "mask" in features and str(getattr(server_args, "dsa_topk_backend", "") or "") == "flashinfer":
-        out.append("--dsa-topk-backend flashinfer: mask-mode Level 2 (SGLANG_PATHP_SCORE_RESIDENT=0) restricts the "
-                   "sgl-kernel and torch top-k only, so the mask would never apply; use --dsa-topk-backend sgl-kernel "
-                   "or SGLANG_PATHP_SCORE_RESIDENT=1")
+        out.append(
+            "--dsa-topk-backend flashinfer: mask-mode Level 2 (SGLANG_PATHP_SCORE_RESIDENT=0) restricts the "
+            "sgl-kernel and torch top-k only, so the mask would never apply; use --dsa-topk-backend sgl-kernel "
+            "or SGLANG_PATHP_SCORE_RESIDENT=1"
+        )
     spec = getattr(server_args, "speculative_algorithm", None)
     if "path_p" in features and not shrink and spec:
-        out.append(f"--speculative-algorithm {spec}: MTP target-verify and draft forwards read sglang's full c4 "
-                   "pool, bypassing the resident set (Path-P copy mode cannot serve them); drop speculative decoding "
-                   "or SGLANG_DECODE_SWAP_P")
+        out.append(
+            f"--speculative-algorithm {spec}: MTP target-verify and draft forwards read sglang's full c4 "
+            "pool, bypassing the resident set (Path-P copy mode cannot serve them); drop speculative decoding "
+            "or SGLANG_DECODE_SWAP_P"
+        )
     if "path_p" in features:
         line = rows_refusal(max_running(server_args), env)
         if line:

@@ -26,8 +26,9 @@ def pool_locs(page_table: torch.Tensor, n_cols: int, page_chunks: int = PAGE_CHU
     return phys * page_chunks + (j % page_chunks)
 
 
-def apply_resident_mask(logits: torch.Tensor, page_table: torch.Tensor, resident: torch.Tensor,
-                        page_chunks: int = PAGE_CHUNKS) -> torch.Tensor:
+def apply_resident_mask(
+    logits: torch.Tensor, page_table: torch.Tensor, resident: torch.Tensor, page_chunks: int = PAGE_CHUNKS
+) -> torch.Tensor:
     """Mask mode, in place: logits[b, j] = -inf where chunk j of row b is not resident.
 
     logits: [B, N] float (the native indexer logits, before top-k); resident: Bool [n_locs] indexed by pool loc.
@@ -39,8 +40,13 @@ def apply_resident_mask(logits: torch.Tensor, page_table: torch.Tensor, resident
     return logits
 
 
-def resident_view(page_table: torch.Tensor, seq_lens: torch.Tensor, sel_pages: torch.Tensor,
-                  tail_pages: int = 1, page_chunks: int = PAGE_CHUNKS) -> tuple[torch.Tensor, torch.Tensor]:
+def resident_view(
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel_pages: torch.Tensor,
+    tail_pages: int = 1,
+    page_chunks: int = PAGE_CHUNKS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Score-resident mode: the page table and lengths the native scorer sees instead of the full history.
 
     sel_pages: [B, K] int64 logical pages chosen by Level 1, ascending, -1 padded. The newest `tail_pages`
@@ -60,7 +66,7 @@ def resident_view(page_table: torch.Tensor, seq_lens: torch.Tensor, sel_pages: t
     b, p = page_table.shape
     k_out = p
     dev = page_table.device
-    n_pages = (seq_lens.long() + page_chunks - 1) // page_chunks            # [B]
+    n_pages = (seq_lens.long() + page_chunks - 1) // page_chunks  # [B]
     big = torch.iinfo(torch.int64).max
     tail = n_pages.unsqueeze(1) - 1 - torch.arange(tail_pages, device=dev).unsqueeze(0)  # [B, tail]
     cand = torch.cat((sel_pages.long(), tail), dim=1)
@@ -74,7 +80,7 @@ def resident_view(page_table: torch.Tensor, seq_lens: torch.Tensor, sel_pages: t
     valid = cand != big
     logical = torch.where(valid, cand, torch.zeros_like(cand))
     view_table = torch.gather(page_table.long(), 1, logical.clamp_max(p - 1)).to(torch.int32)
-    count = valid.sum(1)                                                        # [B]
+    count = valid.sum(1)  # [B]
     last = torch.gather(logical, 1, (count - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     last_fill = (seq_lens.long() - last * page_chunks).clamp(0, page_chunks)
     view_lens = torch.where(count > 0, (count - 1) * page_chunks + last_fill, torch.zeros_like(count))
@@ -88,8 +94,15 @@ def remap_to_cells(locs: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     return lut[idx].to(torch.int32)
 
 
-def paged_index_scores(q: torch.Tensor, w: torch.Tensor, kv_pages: torch.Tensor, page_table: torch.Tensor,
-                       seq_lens: torch.Tensor, head_dim: int = 128, page_chunks: int = PAGE_CHUNKS) -> torch.Tensor:
+def paged_index_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    kv_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_dim: int = 128,
+    page_chunks: int = PAGE_CHUNKS,
+) -> torch.Tensor:
     """Index scores on sglang's paged index-K buffer: sum_h relu(q_h . k_j) * w_h * scale_j.
 
     q: [B, H, D] float; w: [B, H] float; kv_pages: [n_pages, 64 * (D + 4)] uint8 ([64*D fp8 | 64 x fp32 scale]);
@@ -99,7 +112,7 @@ def paged_index_scores(q: torch.Tensor, w: torch.Tensor, kv_pages: torch.Tensor,
     sb = page_chunks * head_dim
     if kv_pages.dim() != 2 or kv_pages.shape[1] != page_chunks * (head_dim + 4):
         raise ValueError(f"kv_pages {tuple(kv_pages.shape)} is not [n_pages, {page_chunks} x {head_dim + 4}]")
-    rows = kv_pages[page_table.long().clamp_min(0)]                           # [B, P, page_bytes]
+    rows = kv_pages[page_table.long().clamp_min(0)]  # [B, P, page_bytes]
     vals = rows[..., :sb].contiguous().view(FP8).float().view(b, p * page_chunks, head_dim)
     scale = rows[..., sb:].contiguous().view(torch.float32).reshape(b, p * page_chunks)
     out = relu_head_scores(q.float(), w.float(), vals) * scale

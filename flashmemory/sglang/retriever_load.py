@@ -53,17 +53,24 @@ def load_serving_retriever(env: FlashMemoryEnv, model_path: str | os.PathLike | 
     hidden, source = model_hidden_size(model_path)
     where = f"SGLANG_RETRIEVER_INLINE_CKPT={env.retriever_ckpt}"
     try:
-        model = load_retriever(env.retriever_ckpt, layers=env.retriever_layers, logit_offset=env.logit_offset,
-                               max_position=env.max_position)
+        model = load_retriever(
+            env.retriever_ckpt,
+            layers=env.retriever_layers,
+            logit_offset=env.logit_offset,
+            max_position=env.max_position,
+        )
     except CheckpointError as e:
         hint = " (SGLANG_RETRIEVER_INLINE_LAYERS names c4-layer ids)" if "not in checkpoint" in str(e) else ""
         raise CheckpointError(f"{where}: {e}{hint}") from None
     if hidden is not None and model.dims.hidden != hidden:
-        raise CheckpointError(f"{where}: retriever hidden size {model.dims.hidden} does not match the served model's "
-                              f"hidden_size {hidden} ({source}); it is a checkpoint for another model")
+        raise CheckpointError(
+            f"{where}: retriever hidden size {model.dims.hidden} does not match the served model's "
+            f"hidden_size {hidden} ({source}); it is a checkpoint for another model"
+        )
     if hidden is None:
-        logger.info("FlashMemory: retriever hidden size %d not checked against the model (%s)", model.dims.hidden,
-                    source)
+        logger.info(
+            "FlashMemory: retriever hidden size %d not checked against the model (%s)", model.dims.hidden, source
+        )
     return model.eval()
 
 

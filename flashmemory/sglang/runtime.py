@@ -33,6 +33,7 @@ def server_args() -> Any:
     """sglang's global server args in this process, or None where they are not set (tests, tools)."""
     try:
         from sglang.srt.runtime_context import get_server_args
+
         return get_server_args()
     except (ImportError, ValueError, AttributeError, RuntimeError):
         return None
@@ -42,6 +43,7 @@ def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever
     """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.adapter_factory.build`), with the
     retriever the plugin checked at registration."""
     from flashmemory.sglang import adapter_factory
+
     return adapter_factory.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
 
 
@@ -61,8 +63,9 @@ def host_seq_lens(forward_batch: Any, rids: list[str]) -> torch.Tensor:
     return cpu[: len(rids)].long()
 
 
-def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                  page_size: int) -> torch.Tensor:
+def c4_page_table(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> torch.Tensor:
     """Int64 [B, P] c4 pool pages of each row: c4 page k holds the c4 entries of full-KV page k (slot = loc // 4,
     page_size // 4 slots per page), so logical page p of a row is req_to_token[row, p * page_size] // page_size.
     Columns past a row's length are -1. req_to_token: [max_reqs, max_ctx] full locs; seq_lens: [B] tokens."""
@@ -74,8 +77,9 @@ def c4_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, se
     return torch.where(live, torch.div(locs, page_size, rounding_mode="floor"), torch.full_like(locs, -1))
 
 
-def substitute_buf_infos(infos: tuple[list[int], list[int], list[int]],
-                         mirror: dict[int, tuple[int, int, int]]) -> tuple[list[int], list[int], list[int]]:
+def substitute_buf_infos(
+    infos: tuple[list[int], list[int], list[int]], mirror: dict[int, tuple[int, int, int]]
+) -> tuple[list[int], list[int], list[int]]:
     """PD receive into the host mirror: replace (ptr, len, item_len) entries whose device ptr is a key of `mirror`."""
     ptrs, lens, items = (list(x) for x in infos)
     for i, p in enumerate(ptrs):
@@ -88,7 +92,7 @@ def substitute_buf_infos(infos: tuple[list[int], list[int], list[int]],
 class Level2Buffers:
     """Static per-row residency for score-resident mode: front (read by the graph) and back (side band)."""
 
-    sel_pages: torch.Tensor      # [max_bs, K] int64 ascending, -1 padded
+    sel_pages: torch.Tensor  # [max_bs, K] int64 ascending, -1 padded
     back_pages: torch.Tensor
     rids: list[str | None]
 
@@ -122,27 +126,27 @@ class Runtime:
         self.env = FlashMemoryEnv()
         self.features: tuple[str, ...] = ()
         self.pool: Any = None
-        self.engine: OffloadAdapter | None = None         # copy or shrink mode: one base, no capability probes
-        self.retriever: Any = None                        # JointRetriever checked at registration (Level 1 on)
+        self.engine: OffloadAdapter | None = None  # copy or shrink mode: one base, no capability probes
+        self.retriever: Any = None  # JointRetriever checked at registration (Level 1 on)
         self.bufs: Level2Buffers | None = None
         self.dump = None
         self.metrics = None
-        self.sideband: SidebandBuffers | None = None     # Level-1 inputs, written in place by the indexer hook
-        self.sideband_rows_hint = 0                       # largest decode batch the server may run (init_cuda_graphs)
-        self.indexers: dict[int, Any] = {}                # target c4 layer -> sglang's C4Indexer (miss monitor)
-        self._sideband_frozen = False                     # a graph has recorded the buffers: never reallocate
-        self._sideband_checked: set[int] = set()          # batch sizes whose side band was verified fresh
-        self.fwd = ForwardContext()                        # the current forward's scratch (built per forward)
-        self.in_compressed_pools = False                  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
-        self._shrink: bool | None = None                  # shrink decision, made once per process
+        self.sideband: SidebandBuffers | None = None  # Level-1 inputs, written in place by the indexer hook
+        self.sideband_rows_hint = 0  # largest decode batch the server may run (init_cuda_graphs)
+        self.indexers: dict[int, Any] = {}  # target c4 layer -> sglang's C4Indexer (miss monitor)
+        self._sideband_frozen = False  # a graph has recorded the buffers: never reallocate
+        self._sideband_checked: set[int] = set()  # batch sizes whose side band was verified fresh
+        self.fwd = ForwardContext()  # the current forward's scratch (built per forward)
+        self.in_compressed_pools = False  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
+        self._shrink: bool | None = None  # shrink decision, made once per process
         self.steps = 0
         self.counters: dict[str, int] = {}
-        self.diag_path = stats_file()                     # diagnostics for scripts/gpu_check.py
+        self.diag_path = stats_file()  # diagnostics for scripts/gpu_check.py
         # (target, kind, impl) -> target of every Patch row applied in this process (`patching.apply`: once each)
         self.applied_patches: dict[tuple[str, str, str], str] = {}
-        self.registration: dict | None = None            # what `plugin.register` did here (None before it ran)
-        self.guard: Any = None   # the per-request failure guard (`guard.Guard`) the hooks run under (hooks.py)
-        self.hisparse = HiSparseState()                   # the HiSparse CPU swap-in and prefetch modes' state
+        self.registration: dict | None = None  # what `plugin.register` did here (None before it ran)
+        self.guard: Any = None  # the per-request failure guard (`guard.Guard`) the hooks run under (hooks.py)
+        self.hisparse = HiSparseState()  # the HiSparse CPU swap-in and prefetch modes' state
 
     def count(self, name: str) -> None:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""
@@ -154,10 +158,15 @@ class Runtime:
         if not self.diag_path:
             return
         from flashmemory.offload.tiered_mirror import dist_rank
+
         rank = dist_rank()
         path = self.diag_path + (f".rank{rank}" if rank else "")
-        d: dict[str, Any] = {"features": list(self.features), "decode_forwards": self.steps, **self.counters,
-                             "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None}
+        d: dict[str, Any] = {
+            "features": list(self.features),
+            "decode_forwards": self.steps,
+            **self.counters,
+            "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None,
+        }
         if self.engine is not None:
             d.update(self.engine.stats())
             d["mode"] = self.engine.mode
@@ -172,6 +181,7 @@ class Runtime:
         self.env, self.features, self.retriever = env, features, retriever
         if "dump" in features:
             from flashmemory.sglang.dump_mode import DumpRecorder
+
             self.dump = DumpRecorder(root=env.dump_root or None)
 
     def on(self, feature: str) -> bool:
@@ -181,9 +191,13 @@ class Runtime:
         """Rows the Level-2 buffers need for this server: its largest decode batch (--max-running-requests, the
         CUDA-graph batch sizes) and the core's request rows (SGLANG_PATHP_DECODE_MAX_CONC)."""
         sa = server_args()
-        return max(self.env.decode_max_conc, int(max_running_requests or 0), int(graph_max_bs or 0),
-                   int(getattr(sa, "max_running_requests", None) or 0),
-                   int(getattr(sa, "cuda_graph_max_bs_decode", None) or 0))
+        return max(
+            self.env.decode_max_conc,
+            int(max_running_requests or 0),
+            int(graph_max_bs or 0),
+            int(getattr(sa, "max_running_requests", None) or 0),
+            int(getattr(sa, "cuda_graph_max_bs_decode", None) or 0),
+        )
 
     def level2_buffers(self, rows: int, device: torch.device | str) -> Level2Buffers:
         """The static Level-2 buffers: allocated by the first call, on `device`, for `serving_rows(rows)` rows;
@@ -191,18 +205,22 @@ class Runtime:
         larger than they hold raises Level2CapacityError (the start-up refusals keep batches within them)."""
         if self.bufs is None:
             self.bufs = Level2Buffers.allocate(self.serving_rows(rows), self.level2_width(), device)
-            logger.info("FlashMemory: Level-2 buffers [%d, %d] allocated on %s", self.bufs.rows, self.level2_width(),
-                        device)
+            logger.info(
+                "FlashMemory: Level-2 buffers [%d, %d] allocated on %s", self.bufs.rows, self.level2_width(), device
+            )
         elif rows > self.bufs.rows:
-            raise Level2CapacityError(f"FlashMemory: a decode batch of {rows} rows exceeds the Level-2 buffers' "
-                                      f"{self.bufs.rows} rows (sized from --max-running-requests and "
-                                      "SGLANG_PATHP_DECODE_MAX_CONC before capture)")
+            raise Level2CapacityError(
+                f"FlashMemory: a decode batch of {rows} rows exceeds the Level-2 buffers' "
+                f"{self.bufs.rows} rows (sized from --max-running-requests and "
+                "SGLANG_PATHP_DECODE_MAX_CONC before capture)"
+            )
         return self.bufs
 
     def check_refusals(self, max_running_requests: int = 0) -> None:
         """Stop start-up (StartupError, one line naming the flag) on a configuration the active features cannot
         serve (`refusals.refusals`); max_running_requests: the model runner's resolved value, when known."""
         from flashmemory.sglang.refusals import refusals, refuse, rows_refusal
+
         lines = refusals(server_args(), self.env, self.features, self.shrink_planned())
         if self.on("path_p") and max_running_requests:
             line = rows_refusal(int(max_running_requests), self.env)
@@ -223,12 +241,15 @@ class Runtime:
                 self._shrink = False
             else:
                 from flashmemory.sglang.shrink import shrink_blockers
+
                 blockers = shrink_blockers(server_args())
                 self._shrink = not blockers
                 if blockers:
-                    logger.warning("FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device "
-                                   "memory saved): SGLANG_PD_B_C4_SHRINK needs %s",
-                                   "; ".join(f"not {b}" for b in blockers))
+                    logger.warning(
+                        "FlashMemory Path-P in copy mode (the device c4 pool stays full size, no device "
+                        "memory saved): SGLANG_PD_B_C4_SHRINK needs %s",
+                        "; ".join(f"not {b}" for b in blockers),
+                    )
         return self._shrink
 
     def attach_pool(self, pool: Any) -> None:
@@ -238,10 +259,11 @@ class Runtime:
         if self.on("path_p"):
             self.check_refusals()
             self.engine = build_engine(pool, self.env, self.shrink_planned(), self.retriever)
-            self.engine.indexers = self.indexers   # shared: the hook fills it, the miss monitor reads it
-            self.level2_buffers(0, self.engine.device)   # once, sized for the server, before any capture
+            self.engine.indexers = self.indexers  # shared: the hook fills it, the miss monitor reads it
+            self.level2_buffers(0, self.engine.device)  # once, sized for the server, before any capture
             try:
                 from flashmemory.sglang.prometheus import FlashMemoryMetrics
+
                 self.metrics = FlashMemoryMetrics.create()
             except (ImportError, ValueError) as e:  # no prometheus_client, or already registered in this process
                 logger.warning("FlashMemory: metrics not exported (%s)", e)
@@ -253,9 +275,16 @@ class Runtime:
         return compress_layer_id if ratio == 4 else None
 
     # --- side band (Level 1) -----------------------------------------------------------------------
-    def capture_sideband_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, capturing: bool,
-                               q_lora: torch.Tensor | None = None, indexer: Any = None,
-                               q_lora_ready: Any = None) -> None:
+    def capture_sideband_input(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        capturing: bool,
+        q_lora: torch.Tensor | None = None,
+        indexer: Any = None,
+        q_lora_ready: Any = None,
+    ) -> None:
         """Target c4 layer `layer`'s indexer hook: copy x [B, hidden] and positions [B] into the static side band.
 
         The buffers are allocated on the first (eager) call, which precedes capture (sglang warms every bucket up
@@ -270,15 +299,24 @@ class Runtime:
         sb = self.sideband
         if sb is None or not sb.accepts(layer, x) or not sb.accepts_q_lora(layer, q_lora if monitor else None):
             if capturing or self._sideband_frozen:
-                raise SidebandError(f"FlashMemory side band: no static buffer for c4 layer {layer} input "
-                                    f"{x.dtype} {tuple(x.shape)} {x.device} and it cannot be (re)allocated "
-                                    "under / after CUDA-graph capture")
+                raise SidebandError(
+                    f"FlashMemory side band: no static buffer for c4 layer {layer} input "
+                    f"{x.dtype} {tuple(x.shape)} {x.device} and it cannot be (re)allocated "
+                    "under / after CUDA-graph capture"
+                )
             rows = max(x.shape[0], self.env.decode_max_conc, self.sideband_rows_hint)
             sb = self.sideband = SidebandBuffers.allocate(
-                tuple(self.env.retriever_layers), rows, x.shape[1], x.dtype, x.device,
-                q_lora_rank=q_lora.shape[1] if monitor else 0, q_lora_dtype=q_lora.dtype if monitor else None)
-            logger.info("FlashMemory: Level-1 side band [%d, %d] x %d layers allocated", rows, x.shape[1],
-                        len(sb.layers))
+                tuple(self.env.retriever_layers),
+                rows,
+                x.shape[1],
+                x.dtype,
+                x.device,
+                q_lora_rank=q_lora.shape[1] if monitor else 0,
+                q_lora_dtype=q_lora.dtype if monitor else None,
+            )
+            logger.info(
+                "FlashMemory: Level-1 side band [%d, %d] x %d layers allocated", rows, x.shape[1], len(sb.layers)
+            )
         if capturing:
             self._sideband_frozen = True
         sb.write(layer, x.detach(), positions, q_lora.detach() if monitor else None, q_lora_ready if monitor else None)
@@ -295,8 +333,12 @@ class Runtime:
             stale = sb.stale_layers(n_rows)
             if stale:
                 self.count("sideband_stale")
-                logger.error("FlashMemory side band: c4 layers %s did not write their inputs this forward "
-                             "(batch %d); Level 1 skips the step", stale, n_rows)
+                logger.error(
+                    "FlashMemory side band: c4 layers %s did not write their inputs this forward "
+                    "(batch %d); Level 1 skips the step",
+                    stale,
+                    n_rows,
+                )
                 return None
             self._sideband_checked.add(n_rows)
         return sb.read(n_rows)
@@ -311,22 +353,25 @@ class Runtime:
         if self.engine is not None and not forward_batch.forward_mode.is_idle():
             # The stream this forward is enqueued on (sglang's current one here: forward_stream under overlap,
             # schedule_stream without) goes to the core, whose gate holds Level-1 table writes until after it.
-            self.engine.open_forward(decode)   # then (shrink mode) where this forward's c4 stores land
+            self.engine.open_forward(decode)  # then (shrink mode) where this forward's c4 stores land
             if not decode and self.engine.extend_reads_reserve and getattr(forward_batch, "rids", None):
                 # Its stores are kept (landing -> mirror), but its c4 attention reads the reserve by pool loc.
                 # sglang 0.5.23 re-bootstraps retracted DSv4 requests through P, so a PD decode server should
                 # never get here; say so loudly if it does.
                 self.count("shrink_extend_forwards")
                 if self.counters["shrink_extend_forwards"] == 1:
-                    logger.error("FlashMemory shrink: an extend forward with requests %s ran on this decode server; "
-                                 "its c4 attention reads the reserve and may be wrong. Set SGLANG_PD_B_C4_SHRINK=0 "
-                                 "if this repeats (counter shrink_extend_forwards)", list(forward_batch.rids)[:4])
+                    logger.error(
+                        "FlashMemory shrink: an extend forward with requests %s ran on this decode server; "
+                        "its c4 attention reads the reserve and may be wrong. Set SGLANG_PD_B_C4_SHRINK=0 "
+                        "if this repeats (counter shrink_extend_forwards)",
+                        list(forward_batch.rids)[:4],
+                    )
         if self.engine is None or not decode or req_to_token is None:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])
         seq = host_seq_lens(forward_batch, rids)
         table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
-        rows = self.engine.begin_step(rids, table, seq)
+        self.engine.begin_step(rids, table, seq)
         if rids:
             # Before the publish below (allocated at pool attach; never reallocated). Left to the indexer hook's
             # lazy allocation (after the publish), the server's first decode step scored every row's newest page
@@ -355,7 +400,7 @@ class Runtime:
         self.steps += 1
         if self.engine is None:
             return
-        self.engine.close_forward()   # the forward is enqueued: Level-1 table writes may land now
+        self.engine.close_forward()  # the forward is enqueued: Level-1 table writes may land now
         # Shrink mode: this step's new c4 entries, reserve -> mirror, now: a finished request's pages are freed
         # when sglang processes this batch's result, and a PD transfer may land in those mirror pages next.
         self.engine.settle()

@@ -78,8 +78,13 @@ def landing_chunks(server_args: Any) -> int:
     """Landing cells for one extend forward: every c4 entry it can close (tokens / 4, plus one per request)."""
     if server_args is None:
         return DEFAULT_EXTEND_TOKENS // 4 + 128
-    tokens = max(int(getattr(server_args, "chunked_prefill_size", None) or 0),
-                 int(getattr(server_args, "max_prefill_tokens", None) or 0)) or DEFAULT_EXTEND_TOKENS
+    tokens = (
+        max(
+            int(getattr(server_args, "chunked_prefill_size", None) or 0),
+            int(getattr(server_args, "max_prefill_tokens", None) or 0),
+        )
+        or DEFAULT_EXTEND_TOKENS
+    )
     reqs = int(getattr(server_args, "max_running_requests", None) or 0) or 1024
     return -(-tokens // 4) + reqs
 
@@ -90,17 +95,25 @@ class ShrunkOffload(OffloadAdapter):
     mode = "shrink"
     extend_reads_reserve = True
 
-    def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None,
-                 n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128):
+    def __init__(
+        self,
+        pool: Any,
+        env: FlashMemoryEnv,
+        retriever: Any = None,
+        device: torch.device | str | None = None,
+        n_landing: int = DEFAULT_EXTEND_TOKENS // 4 + 128,
+    ):
         self.n_landing = n_landing
         super().__init__(pool, env, retriever, device)
-        self.slots = self.engine.slots()   # the reserve's fixed block layout (sink, landing)
+        self.slots = self.engine.slots()  # the reserve's fixed block layout (sink, landing)
         # Path-I in the reserve needs score-resident Level 2: mask mode scores every page of the history.
         self.index_shrink = bool(self.layout.offload_index_layers) and env.score_resident
         if self.layout.offload_index_layers and not env.score_resident:
-            logger.warning("FlashMemory shrink: Path-I keeps the non-target index-K on the device (it needs "
-                           "SGLANG_PATHP_SCORE_RESIDENT=1 to be read from the reserve)")
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (pool locs, cells the kernel writes) [n]
+            logger.warning(
+                "FlashMemory shrink: Path-I keeps the non-target index-K on the device (it needs "
+                "SGLANG_PATHP_SCORE_RESIDENT=1 to be read from the reserve)"
+            )
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool locs, cells the kernel writes) [n]
         self._landing: tuple[torch.Tensor, torch.Tensor] | None = None  # (pool locs, landing cells) of this extend
         self.phase = "decode"
         self.device_bytes_saved = 0
@@ -114,7 +127,7 @@ class ShrunkOffload(OffloadAdapter):
 
     def _shrink(self) -> None:
         kv_pool, res, sl = self.pool.c4_kv_pool, self.engine.storage(), self.slots
-        full = self.geo.n_c4_layers * self.geo.n_pages * self.geo.kv_page_bytes   # what stock sglang allocates
+        full = self.geo.n_c4_layers * self.geo.n_pages * self.geo.kv_page_bytes  # what stock sglang allocates
         for l in range(self.geo.n_c4_layers):
             kv_pool.kv_buffer[l] = res.reserve_kv[l]
         self.kv_bufs = list(kv_pool.kv_buffer)
@@ -130,17 +143,28 @@ class ShrunkOffload(OffloadAdapter):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.env.pd_credit_c4:
-            logger.warning("FlashMemory shrink with SGLANG_PD_CREDIT_OFFLOADED_C4: sglang's token pool was sized "
-                           "without c4 KV bytes, so the reserve (%.2f GiB) comes out of the non-static headroom; "
-                           "lower --mem-fraction-static by that much if activations or CUDA graphs run short",
-                           res.reserve_kv.numel() / 2**30)
+            logger.warning(
+                "FlashMemory shrink with SGLANG_PD_CREDIT_OFFLOADED_C4: sglang's token pool was sized "
+                "without c4 KV bytes, so the reserve (%.2f GiB) comes out of the non-static headroom; "
+                "lower --mem-fraction-static by that much if activations or CUDA graphs run short",
+                res.reserve_kv.numel() / 2**30,
+            )
         if self.device_bytes_saved <= 0:
-            logger.warning("FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool "
-                           "(%d pages): it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",
-                           sl.n_blocks, self.geo.n_pages)
-        logger.info("FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. "
-                    "%d landing); PD lands c4 KV in the host mirror (%.2f GiB)", full / 2**30,
-                    res.reserve_kv.numel() / 2**30, sl.n_blocks, sl.landing_blocks, res.mirror_kv.numel() / 2**30)
+            logger.warning(
+                "FlashMemory shrink: the reserve (%d blocks/layer) is not smaller than the c4 pool "
+                "(%d pages): it saves no device memory; lower SGLANG_PATHP_RESERVE_PAGES / DECODE_MAX_CONC",
+                sl.n_blocks,
+                self.geo.n_pages,
+            )
+        logger.info(
+            "FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. "
+            "%d landing); PD lands c4 KV in the host mirror (%.2f GiB)",
+            full / 2**30,
+            res.reserve_kv.numel() / 2**30,
+            sl.n_blocks,
+            sl.landing_blocks,
+            res.mirror_kv.numel() / 2**30,
+        )
 
     # --- the store seam ---------------------------------------------------------------------------
     def store_cells(self, out_loc: torch.Tensor) -> torch.Tensor:
@@ -162,10 +186,12 @@ class ShrunkOffload(OffloadAdapter):
         ok = (loc > 0) & (loc < self.geo.n_locs)
         k = int(ok.sum())
         if k > res.landing_blocks * pc:
-            raise LandingOverflowError(f"FlashMemory shrink: an extend forward stores {k} c4 entries, the landing "
-                                       f"region holds {res.landing_blocks * pc} (sized from --max-prefill-tokens / "
-                                       "--chunked-prefill-size; raise those consistently or turn "
-                                       "SGLANG_PD_B_C4_SHRINK off)")
+            raise LandingOverflowError(
+                f"FlashMemory shrink: an extend forward stores {k} c4 entries, the landing "
+                f"region holds {res.landing_blocks * pc} (sized from --max-prefill-tokens / "
+                "--chunked-prefill-size; raise those consistently or turn "
+                "SGLANG_PD_B_C4_SHRINK off)"
+            )
         cells = torch.where(ok, res.landing_base * pc + ok.long().cumsum(0) - 1, torch.full_like(loc, res.sink_cell))
         if self._landing is None:  # every c4 layer of one forward passes the same out_loc
             self._landing = (loc[ok].clone(), cells[ok].clone())
@@ -187,8 +213,9 @@ class ShrunkOffload(OffloadAdapter):
     def drop_sink(self, cells: torch.Tensor) -> torch.Tensor:
         """Top-k picks that are reserve cells [B, K]: those in the sink block become -1."""
         sink = self.slots.sink_block
-        return torch.where(torch.div(cells, self.geo.page_chunks, rounding_mode="floor") == sink,
-                           torch.full_like(cells, -1), cells)
+        return torch.where(
+            torch.div(cells, self.geo.page_chunks, rounding_mode="floor") == sink, torch.full_like(cells, -1), cells
+        )
 
     def begin_forward(self, is_decode: bool) -> None:
         self.phase = "decode" if is_decode else "extend"
@@ -209,8 +236,8 @@ class ShrunkOffload(OffloadAdapter):
         return super().begin_step(rids, page_table, seq_lens)
 
     def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
-        hist = pages[:-(-n // self.geo.page_chunks)]
-        if not self.index_shrink:   # else PD landed the Path-I index-K in the mirror too
+        hist = pages[: -(-n // self.geo.page_chunks)]
+        if not self.index_shrink:  # else PD landed the Path-I index-K in the mirror too
             # Before the core call: the admission's tail page and warm start copy these mirror pages to the
             # reserve. The pages are this request's pool pages, so no live request's mirror bytes change.
             self._index_to_mirror(torch.tensor(hist, dtype=torch.int64))
@@ -218,13 +245,14 @@ class ShrunkOffload(OffloadAdapter):
 
     def _added_pages(self, row: int, rid: str, pages: list[int], own: Sequence[int]) -> tuple[int, ...]:
         own = list(own)
-        if pages[:len(own)] != own:
-            raise RuntimeError(f"FlashMemory shrink: request {rid}'s c4 pages changed under it "
-                               f"({own[:4]}... -> {pages[:4]}...)")
-        return tuple(pages[len(own):])
+        if pages[: len(own)] != own:
+            raise RuntimeError(
+                f"FlashMemory shrink: request {rid}'s c4 pages changed under it ({own[:4]}... -> {pages[:4]}...)"
+            )
+        return tuple(pages[len(own) :])
 
     def _append_round(self, rows: list[int], locs: torch.Tensor) -> AppendRound:
-        return AppendRound(tuple(rows))   # cells only: sglang's store kernel writes the bytes
+        return AppendRound(tuple(rows))  # cells only: sglang's store kernel writes the bytes
 
     def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
         self._pending.extend(zip(locs, cells))
@@ -244,9 +272,14 @@ class ShrunkOffload(OffloadAdapter):
         pc, ol = self.geo.page_chunks, self.layout.offload_index_layers
         index = None
         if ol and not self.index_shrink:
-            index = torch.stack([self.layout.index.read_chunks(self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device),
-                                                               (locs % pc).to(self.ix_bufs[l].device)).cpu()
-                                 for l in ol])
+            index = torch.stack(
+                [
+                    self.layout.index.read_chunks(
+                        self.ix_bufs[l], (locs // pc).to(self.ix_bufs[l].device), (locs % pc).to(self.ix_bufs[l].device)
+                    ).cpu()
+                    for l in ol
+                ]
+            )
         self.engine.settle_cells(locs.long(), cells, index)
 
     def _index_to_mirror(self, pages: torch.Tensor) -> None:

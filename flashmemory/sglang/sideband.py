@@ -30,23 +30,36 @@ class SidebandError(RuntimeError):
 
 @dataclass
 class SidebandBuffers:
-    layers: tuple[int, ...]              # target c4 layers, in the order of `written`
-    hidden: dict[int, torch.Tensor]      # layer -> [capacity, hidden]
-    positions: torch.Tensor              # [capacity] int64
-    written: torch.Tensor                # [len(layers)] int64
-    q_lora: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [capacity, rank] (miss monitor only)
+    layers: tuple[int, ...]  # target c4 layers, in the order of `written`
+    hidden: dict[int, torch.Tensor]  # layer -> [capacity, hidden]
+    positions: torch.Tensor  # [capacity] int64
+    written: torch.Tensor  # [len(layers)] int64
+    q_lora: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [capacity, rank] (miss monitor only)
 
     @classmethod
-    def allocate(cls, layers: tuple[int, ...], capacity: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device | str, q_lora_rank: int = 0,
-                 q_lora_dtype: torch.dtype | None = None) -> "SidebandBuffers":
+    def allocate(
+        cls,
+        layers: tuple[int, ...],
+        capacity: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        q_lora_rank: int = 0,
+        q_lora_dtype: torch.dtype | None = None,
+    ) -> "SidebandBuffers":
         """Zero-filled buffers for `capacity` rows (q_lora ones only when q_lora_rank > 0). Call outside capture."""
-        ql = {l: torch.zeros(capacity, q_lora_rank, dtype=q_lora_dtype or dtype, device=device) for l in layers} \
-            if q_lora_rank > 0 else {}
-        return cls(tuple(layers),
-                   {l: torch.zeros(capacity, hidden, dtype=dtype, device=device) for l in layers},
-                   torch.zeros(capacity, dtype=torch.int64, device=device),
-                   torch.zeros(len(layers), dtype=torch.int64, device=device), ql)
+        ql = (
+            {l: torch.zeros(capacity, q_lora_rank, dtype=q_lora_dtype or dtype, device=device) for l in layers}
+            if q_lora_rank > 0
+            else {}
+        )
+        return cls(
+            tuple(layers),
+            {l: torch.zeros(capacity, hidden, dtype=dtype, device=device) for l in layers},
+            torch.zeros(capacity, dtype=torch.int64, device=device),
+            torch.zeros(len(layers), dtype=torch.int64, device=device),
+            ql,
+        )
 
     @property
     def capacity(self) -> int:
@@ -55,8 +68,13 @@ class SidebandBuffers:
     def accepts(self, layer: int, x: torch.Tensor) -> bool:
         """Whether `write(layer, x, ...)` can run without reallocation (shape / dtype / device only, no sync)."""
         buf = self.hidden.get(layer)
-        return (buf is not None and x.dim() == 2 and x.shape[1] == buf.shape[1] and x.dtype == buf.dtype
-                and x.device == buf.device)
+        return (
+            buf is not None
+            and x.dim() == 2
+            and x.shape[1] == buf.shape[1]
+            and x.dtype == buf.dtype
+            and x.device == buf.device
+        )
 
     def accepts_q_lora(self, layer: int, q_lora: torch.Tensor | None) -> bool:
         """q_lora [B, rank] fits this layer's q_lora buffer (True when none is kept and none is given)."""
@@ -65,8 +83,14 @@ class SidebandBuffers:
             return buf is None
         return q_lora.dim() == 2 and q_lora.shape[1] == buf.shape[1] and q_lora.dtype == buf.dtype
 
-    def write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, q_lora: torch.Tensor | None = None,
-              q_lora_ready: Any = None) -> None:
+    def write(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        q_lora: torch.Tensor | None = None,
+        q_lora_ready: Any = None,
+    ) -> None:
         """Record this layer's inputs: x [B, hidden], positions [>= B] (any int dtype). CUDA-graph safe.
 
         Only static-shape in-place device ops (`copy_`, `fill_` with a Python int taken from shapes): no host

@@ -21,33 +21,59 @@ depth (requested), needle_depth (measured token fraction) and random_string_to_p
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tasks", help="long-context task suite: generate JSONL, score outputs",
-                       description="RULER-style NIAH / variable tracking / cwe / fwe and an MRCR-like chat task, "
-                                   "sized in tokens of the tiny tokenizer or a local HF tokenizer.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "tasks",
+        help="long-context task suite: generate JSONL, score outputs",
+        description="RULER-style NIAH / variable tracking / cwe / fwe and an MRCR-like chat task, "
+        "sized in tokens of the tiny tokenizer or a local HF tokenizer.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tsub = p.add_subparsers(dest="tasks_cmd", metavar="ACTION")
 
-    g = tsub.add_parser("generate", help="write task items as JSONL", epilog=EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("--task", required=True, choices=[*TASKS, "all"], metavar="TASK",
-                   help="one of: " + ", ".join(f"{k} ({v.help})" for k, v in TASKS.items()) + "; or all")
+    g = tsub.add_parser(
+        "generate",
+        help="write task items as JSONL",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument(
+        "--task",
+        required=True,
+        choices=[*TASKS, "all"],
+        metavar="TASK",
+        help="one of: " + ", ".join(f"{k} ({v.help})" for k, v in TASKS.items()) + "; or all",
+    )
     g.add_argument("--length", type=int, required=True, help="prompt length in tokens (upper bound, filled to it)")
     g.add_argument("--n", type=int, default=1, help="items per task (default 1)")
     g.add_argument("--seed", type=int, default=0, help="base seed; item i uses (task, seed, i) (default 0)")
-    g.add_argument("--depth", type=float, default=None,
-                   help="needle depth in [0, 1] as a token fraction of the context (default: items sweep 0..1)")
-    g.add_argument("--count", type=int, default=None,
-                   help="needles / values / chain length / words / identical requests (default per task: "
-                        + ", ".join(f"{k} {v.default_count}" for k, v in TASKS.items()) + ")")
-    g.add_argument("--tokenizer", default="tiny",
-                   help="'tiny' (shipped word-level, ids < 1024) or a local HF tokenizer directory (default tiny)")
+    g.add_argument(
+        "--depth",
+        type=float,
+        default=None,
+        help="needle depth in [0, 1] as a token fraction of the context (default: items sweep 0..1)",
+    )
+    g.add_argument(
+        "--count",
+        type=int,
+        default=None,
+        help="needles / values / chain length / words / identical requests (default per task: "
+        + ", ".join(f"{k} {v.default_count}" for k, v in TASKS.items())
+        + ")",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default="tiny",
+        help="'tiny' (shipped word-level, ids < 1024) or a local HF tokenizer directory (default tiny)",
+    )
     g.add_argument("--out", required=True, help="output JSONL path (written atomically)")
     g.set_defaults(func=_generate)
 
     s = tsub.add_parser("score", help="score model outputs against task JSONL")
     s.add_argument("--items", required=True, help="task JSONL from `tasks generate`")
-    s.add_argument("--outputs", required=True,
-                   help="JSONL with one {\"output\": text} per line, in the same order as --items")
+    s.add_argument(
+        "--outputs", required=True, help='JSONL with one {"output": text} per line, in the same order as --items'
+    )
     s.set_defaults(func=_score)
 
     ls = tsub.add_parser("list", help="list the tasks")
@@ -64,8 +90,9 @@ def _generate(args: argparse.Namespace) -> int:
     items = []
     try:
         for name in tqdm(names, desc="tasks", disable=len(names) == 1):
-            items += generate(name, args.length, n=args.n, seed=args.seed, depth=args.depth, count=args.count,
-                              tokenizer=tok)
+            items += generate(
+                name, args.length, n=args.n, seed=args.seed, depth=args.depth, count=args.count, tokenizer=tok
+            )
     except ValueError as e:
         return fail("tasks generate", e)
     n = write_jsonl(items, args.out)
@@ -83,7 +110,7 @@ def _score(args: argparse.Namespace) -> int:
                     try:
                         outs.append(str(json.loads(line)["output"]))
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise ValueError(f"{args.outputs} line {ln}: expected {{\"output\": ...}} ({e})") from None
+                        raise ValueError(f'{args.outputs} line {ln}: expected {{"output": ...}} ({e})') from None
     except (OSError, ValueError) as e:
         return fail("tasks score", e)
     if len(outs) != len(items):

@@ -36,15 +36,27 @@ hot cool wet dry big small tall short wide narrow heavy fast slow young ancient 
 clever kind proud shy lazy busy rich poor clean dirty fresh sweet bitter sour salty smooth rough sharp round square
 empty full strange lucky shiny dusty frozen sleepy hungry curious famous humble noble silent eager patient honest
 fierce graceful tiny huge distant nearby simple""".split()
-PAST = "walked ran sang saw looked found kept held carried gave took made built opened closed watched waited moved " \
-       "rested slept danced painted cooked grew flew swam climbed followed visited brought sat stood played spoke " \
-       "heard knew thought felt shone fell rose turned went came said told left stayed showed".split()
-PRES = "walks runs sings sees looks finds keeps holds carries gives takes makes builds opens closes watches waits " \
-       "moves rests sleeps dances paints cooks grows flies swims climbs follows visits brings sits stands plays " \
-       "speaks hears knows thinks feels shines falls rises turns goes comes says tells leaves stays shows".split()
+PAST = (
+    "walked ran sang saw looked found kept held carried gave took made built opened closed watched waited moved "
+    "rested slept danced painted cooked grew flew swam climbed followed visited brought sat stood played spoke "
+    "heard knew thought felt shone fell rose turned went came said told left stayed showed".split()
+)
+PRES = (
+    "walks runs sings sees looks finds keeps holds carries gives takes makes builds opens closes watches waits "
+    "moves rests sleeps dances paints cooks grows flies swims climbs follows visits brings sits stands plays "
+    "speaks hears knows thinks feels shines falls rises turns goes comes says tells leaves stays shows".split()
+)
 PREPS = "near under over through above below into from".split()
-TIMES = ["every morning", "every evening", "each spring", "each winter", "in the summer", "in the autumn",
-         "at night", "once a week"]
+TIMES = [
+    "every morning",
+    "every evening",
+    "each spring",
+    "each winter",
+    "in the summer",
+    "in the autumn",
+    "at night",
+    "once a week",
+]
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
 
 
@@ -77,7 +89,7 @@ class SentenceStream:
 
 
 def number(rng: random.Random, digits: int = 7) -> str:
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
 def distinct_keys(rng: random.Random, k: int) -> list[str]:
@@ -135,6 +147,7 @@ class Built:
 def fit_size(make: Callable[[int], Built], tok: Tokenizer, length: int, lo: int, task: str) -> tuple[Built, int]:
     """Largest size >= lo whose prompt fits `length` tokens. make(size) must be deterministic and (roughly)
     grow with size; a size that stops growing the prompt ends the search (the task's pool is exhausted)."""
+
     def count(b: Built) -> int:
         return len(tok.encode_chat(b.messages))
 
@@ -142,8 +155,10 @@ def fit_size(make: Callable[[int], Built], tok: Tokenizer, length: int, lo: int,
     n_lo = n_first = count(best)
     first = lo
     if n_lo > length:
-        raise ValueError(f"length {length} is too short for task {task!r} with these arguments: the smallest "
-                         f"prompt (question, needles, {lo} filler unit(s)) already takes {n_lo} tokens")
+        raise ValueError(
+            f"length {length} is too short for task {task!r} with these arguments: the smallest "
+            f"prompt (question, needles, {lo} filler unit(s)) already takes {n_lo} tokens"
+        )
     hi, stalls = lo + 1, 0
     while True:  # jump ahead by the measured tokens per unit (+5%) until the prompt no longer fits
         b = make(hi)

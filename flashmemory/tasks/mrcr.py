@@ -16,8 +16,10 @@ KINDS = ["poem", "story", "song", "riddle", "letter", "essay", "joke"]
 
 def _response(rng: random.Random, kind: str, topic: str) -> str:
     verb = rng.choice(["sang", "walked", "slept", "waited"])
-    lines = [f"here is a {kind} about the {topic}.",
-             f"the {rng.choice(ADJS)} {topic} {verb} near the {rng.choice(NOUNS)}."]
+    lines = [
+        f"here is a {kind} about the {topic}.",
+        f"the {rng.choice(ADJS)} {topic} {verb} near the {rng.choice(NOUNS)}.",
+    ]
     lines += [sentence(rng) for _ in range(rng.randrange(2, 6))]
     return "\n".join(lines)
 
@@ -44,8 +46,10 @@ def mrcr(seed: str, tok: Tokenizer, depth: float, count: int):
             fillers.append((f"write a {k} about the {t}.", _response(stream_rng, k, t)))
         return fillers[i]
 
-    question = (f"prepend {prefix} to the {ORDINALS[nth - 1]} {kind} about the {topic}. "
-                f"do not include any other text in your response.")
+    question = (
+        f"prepend {prefix} to the {ORDINALS[nth - 1]} {kind} about the {topic}. "
+        f"do not include any other text in your response."
+    )
 
     def make(size: int) -> Built:
         turns = size + count
@@ -70,6 +74,18 @@ def mrcr(seed: str, tok: Tokenizer, depth: float, count: int):
         answer = prefix + copies[nth - 1]
         history = "".join(m["content"] for m in msgs[:-1])
         depth_m = len(tok.encode(history[:target_at])) / max(1, len(tok.encode(history)))
-        return Built(msgs, [answer], depth_m, {"prefix": prefix, "nth": nth, "turns": turns, "target_turn": t_pos,
-                                            "target_char": target_at, "needle": copies[nth - 1]})
+        return Built(
+            msgs,
+            [answer],
+            depth_m,
+            {
+                "prefix": prefix,
+                "nth": nth,
+                "turns": turns,
+                "target_turn": t_pos,
+                "target_char": target_at,
+                "needle": copies[nth - 1],
+            },
+        )
+
     return make

@@ -18,8 +18,10 @@ from flashmemory.tasks.haystack import (
 )
 from flashmemory.tasks.tokenizer import Tokenizer
 
-INTRO = "some special magic numbers are hidden inside the following text. memorize them. i will quiz you " \
-        "about the numbers later."
+INTRO = (
+    "some special magic numbers are hidden inside the following text. memorize them. i will quiz you "
+    "about the numbers later."
+)
 VT_INTRO = "memorize and track the chain of variable assignments hidden in the following text."
 
 
@@ -51,6 +53,7 @@ def niah_single(seed: str, tok: Tokenizer, depth: float, count: int):
 
     def make(size: int) -> Built:
         return _built(tok, stream.take(size), [(depth, _needle(key, value))], INTRO, question, [value], {"key": key})
+
     return make
 
 
@@ -60,13 +63,15 @@ def niah_multikey(seed: str, tok: Tokenizer, depth: float, count: int):
     rng = random.Random(seed)
     keys = distinct_keys(rng, count)
     values = [number(rng) for _ in keys]
-    needles = [(depth, _needle(keys[0], values[0]))] + [(rng.random(), _needle(k, v)) for k, v in
-                                                        zip(keys[1:], values[1:])]
+    needles = [(depth, _needle(keys[0], values[0]))] + [
+        (rng.random(), _needle(k, v)) for k, v in zip(keys[1:], values[1:])
+    ]
     question = f"what is the special magic number for {keys[0]} mentioned in the text above?"
     stream = SentenceStream(seed + ":filler", tok)
 
     def make(size: int) -> Built:
         return _built(tok, stream.take(size), needles, INTRO, question, [values[0]], {"key": keys[0]})
+
     return make
 
 
@@ -82,8 +87,9 @@ def niah_multiquery(seed: str, tok: Tokenizer, depth: float, count: int):
         v = number(rng)
         if v not in values:
             values.append(v)
-    needles = [(depth, _needle(keys[0], values[0]))] + [(rng.random(), _needle(k, v)) for k, v in
-                                                        zip(keys[1:], values[1:])]
+    needles = [(depth, _needle(keys[0], values[0]))] + [
+        (rng.random(), _needle(k, v)) for k, v in zip(keys[1:], values[1:])
+    ]
     asked = [0] + rng.sample(range(1, count), min(3, count) - 1)
     names = [keys[i] for i in asked]
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -91,8 +97,8 @@ def niah_multiquery(seed: str, tok: Tokenizer, depth: float, count: int):
     stream = SentenceStream(seed + ":filler", tok)
 
     def make(size: int) -> Built:
-        return _built(tok, stream.take(size), needles, INTRO, question, [values[i] for i in asked],
-                      {"keys": names})
+        return _built(tok, stream.take(size), needles, INTRO, question, [values[i] for i in asked], {"keys": names})
+
     return make
 
 
@@ -112,6 +118,7 @@ def niah_multivalue(seed: str, tok: Tokenizer, depth: float, count: int):
 
     def make(size: int) -> Built:
         return _built(tok, stream.take(size), needles, INTRO, question, list(values), {"key": key})
+
     return make
 
 
@@ -138,4 +145,5 @@ def variable_tracking(seed: str, tok: Tokenizer, depth: float, count: int):
 
     def make(size: int) -> Built:
         return _built(tok, stream.take(size), needles, VT_INTRO, question, list(chain), {"value": value})
+
     return make

@@ -31,24 +31,75 @@ class TaskSpec:
     help: str
 
 
-TASKS: dict[str, TaskSpec] = {t.name: t for t in [
-    TaskSpec("niah_single", 1, True, lambda s, tok, d, c, L: needles.niah_single(s, tok, d, c), "all",
-             "one needle (key -> 7-digit number) in filler text"),
-    TaskSpec("niah_multikey", 4, True, lambda s, tok, d, c, L: needles.niah_multikey(s, tok, d, c), "all",
-             "COUNT needles with different keys; one is asked"),
-    TaskSpec("mqar", 6, True, lambda s, tok, d, c, L: needles.niah_multiquery(s, tok, d, c), "all",
-             "multi-query associative recall: COUNT needles, three of them asked at once"),
-    TaskSpec("niah_multivalue", 4, True, lambda s, tok, d, c, L: needles.niah_multivalue(s, tok, d, c), "all",
-             "COUNT values under one key; all are asked"),
-    TaskSpec("vt", 5, True, lambda s, tok, d, c, L: needles.variable_tracking(s, tok, d, c), "all",
-             "variable tracking: a chain of COUNT assignments plus a distractor chain"),
-    TaskSpec("cwe", 10, False, lambda s, tok, d, c, L: words.common_words(s, L, c), "all",
-             "common-word extraction: the COUNT words repeated most in a numbered list"),
-    TaskSpec("fwe", 3, False, lambda s, tok, d, c, L: words.frequent_words(s, L, c), "all",
-             "frequent-word extraction: the COUNT most frequent words of a Zipf text"),
-    TaskSpec("mrcr", 4, True, lambda s, tok, d, c, L: mrcr.mrcr(s, tok, d, c), "mrcr",
-             "multi-round coreference: COUNT identical requests in a long chat; reproduce the n-th"),
-]}
+TASKS: dict[str, TaskSpec] = {
+    t.name: t
+    for t in [
+        TaskSpec(
+            "niah_single",
+            1,
+            True,
+            lambda s, tok, d, c, L: needles.niah_single(s, tok, d, c),
+            "all",
+            "one needle (key -> 7-digit number) in filler text",
+        ),
+        TaskSpec(
+            "niah_multikey",
+            4,
+            True,
+            lambda s, tok, d, c, L: needles.niah_multikey(s, tok, d, c),
+            "all",
+            "COUNT needles with different keys; one is asked",
+        ),
+        TaskSpec(
+            "mqar",
+            6,
+            True,
+            lambda s, tok, d, c, L: needles.niah_multiquery(s, tok, d, c),
+            "all",
+            "multi-query associative recall: COUNT needles, three of them asked at once",
+        ),
+        TaskSpec(
+            "niah_multivalue",
+            4,
+            True,
+            lambda s, tok, d, c, L: needles.niah_multivalue(s, tok, d, c),
+            "all",
+            "COUNT values under one key; all are asked",
+        ),
+        TaskSpec(
+            "vt",
+            5,
+            True,
+            lambda s, tok, d, c, L: needles.variable_tracking(s, tok, d, c),
+            "all",
+            "variable tracking: a chain of COUNT assignments plus a distractor chain",
+        ),
+        TaskSpec(
+            "cwe",
+            10,
+            False,
+            lambda s, tok, d, c, L: words.common_words(s, L, c),
+            "all",
+            "common-word extraction: the COUNT words repeated most in a numbered list",
+        ),
+        TaskSpec(
+            "fwe",
+            3,
+            False,
+            lambda s, tok, d, c, L: words.frequent_words(s, L, c),
+            "all",
+            "frequent-word extraction: the COUNT most frequent words of a Zipf text",
+        ),
+        TaskSpec(
+            "mrcr",
+            4,
+            True,
+            lambda s, tok, d, c, L: mrcr.mrcr(s, tok, d, c),
+            "mrcr",
+            "multi-round coreference: COUNT identical requests in a long chat; reproduce the n-th",
+        ),
+    ]
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +120,12 @@ class TaskItem:
         rec = asdict(self)
         msgs = rec.pop("messages")
         answer = self.answers[0] if TASKS[self.task].scorer == "mrcr" else ", ".join(self.answers)
-        return {"prompt": json.dumps(msgs, ensure_ascii=False), "answer": answer, **rec,
-                "random_string_to_prepend": self.meta.get("prefix", "")}
+        return {
+            "prompt": json.dumps(msgs, ensure_ascii=False),
+            "answer": answer,
+            **rec,
+            "random_string_to_prepend": self.meta.get("prefix", ""),
+        }
 
 
 def default_depth(index: int, n: int) -> float:
@@ -78,8 +133,15 @@ def default_depth(index: int, n: int) -> float:
     return 0.5 if n <= 1 else index / (n - 1)
 
 
-def generate(task: str, length: int, n: int = 1, seed: int = 0, depth: float | None = None,
-             count: int | None = None, tokenizer: Tokenizer | str | None = None) -> list[TaskItem]:
+def generate(
+    task: str,
+    length: int,
+    n: int = 1,
+    seed: int = 0,
+    depth: float | None = None,
+    count: int | None = None,
+    tokenizer: Tokenizer | str | None = None,
+) -> list[TaskItem]:
     """`n` items of `task`, each rendering to at most `length` tokens. Deterministic in (task, seed, index, args)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -95,8 +157,11 @@ def generate(task: str, length: int, n: int = 1, seed: int = 0, depth: float | N
         d = (default_depth(i, n) if depth is None else depth) if spec.uses_depth else None
         make = spec.builder(f"{task}:{seed}:{i}:{c}", tok, 0.5 if d is None else d, c, length)
         built, n_tok = fit_size(make, tok, length, 1, task)
-        items.append(TaskItem(task, built.messages, built.answers, length, n_tok, d, built.needle_depth, seed, i,
-                              tok.name, built.meta))
+        items.append(
+            TaskItem(
+                task, built.messages, built.answers, length, n_tok, d, built.needle_depth, seed, i, tok.name, built.meta
+            )
+        )
     return items
 
 
@@ -117,7 +182,7 @@ def score(item: TaskItem | Mapping[str, Any], output: str) -> float:
         out = output.strip()
         if not out.startswith(prefix):
             return 0.0
-        return SequenceMatcher(None, out[len(prefix):], answers[0][len(prefix):], autojunk=False).ratio()
+        return SequenceMatcher(None, out[len(prefix) :], answers[0][len(prefix) :], autojunk=False).ratio()
     if not answers:
         raise ValueError(f"item of task {task!r} has no answers")
     return sum(_found(a, output) for a in answers) / len(answers)
@@ -126,6 +191,7 @@ def score(item: TaskItem | Mapping[str, Any], output: str) -> float:
 def write_jsonl(items: Iterable[TaskItem], path: str) -> int:
     """Atomically write items as dump-input JSONL; returns the number of lines."""
     from flashmemory.atomic import atomic_write_text
+
     lines = [json.dumps(it.to_record(), ensure_ascii=False) + "\n" for it in items]
     atomic_write_text(path, "".join(lines))
     return len(lines)
@@ -146,5 +212,3 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
                 raise ValueError(f"{path} line {ln}: not a task record ({type(e).__name__}: {e})") from None
             out.append(rec)
     return out
-
-

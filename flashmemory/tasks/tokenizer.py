@@ -109,6 +109,7 @@ class HFTokenizer:
             raise TokenizerError(f"tokenizer directory {p} does not exist (or is not a directory)")
         try:
             from transformers import AutoTokenizer
+
             self.tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         except Exception as e:  # transformers raises many types for a bad directory
             raise TokenizerError(f"cannot load a tokenizer from {p}: {type(e).__name__}: {e}") from None

@@ -29,10 +29,11 @@ def common_words(seed: str, length: int, count: int):
     # at long lengths each rare word must repeat ~items/len(rare) times, so the common ones repeat twice that.
     items = length // 4
     freq_cw = max(5, min(30, items // 2 // count), 2 * math.ceil(items / len(rare)) + 2)
-    question = (f"what are the {count} most common words in the list above? answer with the words only, "
-                f"one per line.")
-    intro = "below is a numbered list of words. in these words, some appear more often than others. memorize the " \
-            "ones that appear most often."
+    question = f"what are the {count} most common words in the list above? answer with the words only, one per line."
+    intro = (
+        "below is a numbered list of words. in these words, some appear more often than others. memorize the "
+        "ones that appear most often."
+    )
 
     def make(size: int) -> Built:
         counts = rare_counts(len(rare), size, freq_cw - 1)
@@ -41,8 +42,13 @@ def common_words(seed: str, length: int, count: int):
         r.shuffle(items)
         listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
         content = f"{intro}\n{listing}\n{question}"
-        return Built([{"role": "user", "content": content}], list(common), None,
-                     {"freq_cw": freq_cw, "n_rare": sum(c > 0 for c in counts), "n_items": len(items)})
+        return Built(
+            [{"role": "user", "content": content}],
+            list(common),
+            None,
+            {"freq_cw": freq_cw, "n_rare": sum(c > 0 for c in counts), "n_items": len(items)},
+        )
+
     return make
 
 
@@ -58,8 +64,8 @@ def rare_counts(n_rare: int, size: int, cap: int) -> list[int]:
 
 def zipf_counts(n_words: int, total: int, top: int, alpha: float = 2.0) -> list[int]:
     """Counts per rank ~ total / r^alpha, >= 1, with the first top+1 ranks strictly decreasing."""
-    h = sum(1 / r ** alpha for r in range(1, n_words + 1))
-    counts = [max(1, round(total / (r ** alpha) / h)) for r in range(1, n_words + 1)]
+    h = sum(1 / r**alpha for r in range(1, n_words + 1))
+    counts = [max(1, round(total / (r**alpha) / h)) for r in range(1, n_words + 1)]
     for i in range(min(top + 1, n_words) - 1, 0, -1):
         if counts[i - 1] <= counts[i]:
             counts[i - 1] = counts[i] + 1
@@ -81,8 +87,13 @@ def frequent_words(seed: str, length: int, count: int):
         counts = zipf_counts(n_words, size, count)
         seq = [w for w, c in zip(vocab, counts) for _ in range(c)]
         random.Random(f"{seed}:{size}").shuffle(seq)
-        lines = "\n".join(" ".join(seq[i:i + 16]) + "." for i in range(0, len(seq), 16))
+        lines = "\n".join(" ".join(seq[i : i + 16]) + "." for i in range(0, len(seq), 16))
         content = f"{intro}\n{lines}\n{question}"
-        return Built([{"role": "user", "content": content}], vocab[:count], None,
-                     {"n_words": len(seq), "top_counts": counts[:count + 1]})
+        return Built(
+            [{"role": "user", "content": content}],
+            vocab[:count],
+            None,
+            {"n_words": len(seq), "top_counts": counts[: count + 1]},
+        )
+
     return make

@@ -29,6 +29,7 @@ BAND_ATTENTION = "fm_band"
 
 def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
     return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
@@ -39,8 +40,17 @@ def band_scores_layout(q_len: int, k_len: int, module) -> int | None:
     return n_c if k_len == q_len + n_c and q_len > 1 else None
 
 
-def band_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                   scaling: float, dropout: float = 0.0, sliding_window: int | None = None, **kwargs):
+def band_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+):
     """query [B, H, S, D]; key = value [B, 1, S + N_c, D] (raw tokens, then compressed entries);
     attention_mask float [B, 1, S, S + N_c] (0 / -inf; only its compressed columns are read: the raw part
     is the causal band of width W = sliding_window, recomputed here). Returns ([B, S, H, D], None).
@@ -69,7 +79,7 @@ def band_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     probs = torch.softmax(logits.float(), dim=-1).to(value.dtype)
     out = torch.einsum("bhsw,bsdw->bhsd", probs[..., :w], band)
     if n_c:
-        p_comp = probs[..., w:w + n_c]
+        p_comp = probs[..., w : w + n_c]
         out = out + torch.matmul(p_comp, comp.unsqueeze(1))
         if getattr(module, "_fm_record_comp", False):
             module._fm_comp_probs = p_comp.detach().float().sum(1)
@@ -80,6 +90,7 @@ def register_band_attention() -> str:
     """Register `band_attention` (and the eager mask builder) under `BAND_ATTENTION`; idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
     AttentionInterface.register(BAND_ATTENTION, band_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(BAND_ATTENTION, eager_mask)
     return BAND_ATTENTION

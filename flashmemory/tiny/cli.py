@@ -42,35 +42,47 @@ def _tuple(kind):
             return tuple(kind(x) for x in s.split(",") if x.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {s!r}") from None
+
     return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("model", help="train-tiny (a tiny DeepSeek-V4 that retrieves) | probe (how it retrieves) | "
-                                     "build-serving (the tiny checkpoint sglang serves on CPU)")
+    p = sub.add_parser(
+        "model",
+        help="train-tiny (a tiny DeepSeek-V4 that retrieves) | probe (how it retrieves) | "
+        "build-serving (the tiny checkpoint sglang serves on CPU)",
+    )
     msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
-    t = msub.add_parser("train-tiny", help="train DeepseekV4ForCausalLM on the long-context retrieval curriculum",
-                        description=__doc__)
+    t = msub.add_parser(
+        "train-tiny", help="train DeepseekV4ForCausalLM on the long-context retrieval curriculum", description=__doc__
+    )
     d = TrainTinyConfig()
     for f in fields(TrainTinyConfig):
         if f.name not in TRAIN_HELP:
             continue
         default = getattr(d, f.name)
         kind = _tuple(type(default[0])) if isinstance(default, tuple) else type(default)
-        t.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                       help=f"{TRAIN_HELP[f.name]} (default {default})")
+        t.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{TRAIN_HELP[f.name]} (default {default})",
+        )
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=run_train)
     from flashmemory.tiny.probe_cli import add_probe_parser
+
     add_probe_parser(msub)
     from flashmemory.hf.serving_build import add_build_serving
+
     add_build_serving(msub)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
 def run_train(a: argparse.Namespace) -> int:
     from flashmemory.tiny.train import train_tiny
+
     kw = {f.name: getattr(a, f.name) for f in fields(TrainTinyConfig) if f.name in TRAIN_HELP}
     try:
         cfg = TrainTinyConfig(**kw, progress=not a.no_progress)

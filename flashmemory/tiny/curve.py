@@ -24,22 +24,33 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
 def plot_curves(runs: dict[str, str | Path], out: str | Path) -> None:
     """One PNG: loss, KL and held-out exact-match accuracy against training time, one colour per run."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from flashmemory.atomic import atomic_path
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=110)
     for label, path in runs.items():
         train, evals = read_metrics(path)
         t = [r["elapsed_s"] for r in train]
-        line, = axes[0].plot(t, [r["loss"] for r in train], label=label, lw=1)
+        (line,) = axes[0].plot(t, [r["loss"] for r in train], label=label, lw=1)
         axes[1].plot(t, [r["kl"] for r in train], color=line.get_color(), lw=1)
-        axes[2].plot([r["elapsed_s"] for r in evals], [r["eval"]["acc"] for r in evals], marker="o",
-                     color=line.get_color(), label=f"{label}: all tasks")
+        axes[2].plot(
+            [r["elapsed_s"] for r in evals],
+            [r["eval"]["acc"] for r in evals],
+            marker="o",
+            color=line.get_color(),
+            label=f"{label}: all tasks",
+        )
         if evals and "acc/niah_single" in evals[-1]["eval"]:
-            axes[2].plot([r["elapsed_s"] for r in evals], [r["eval"].get("acc/niah_single", float("nan"))
-                                                           for r in evals], ls="--", color=line.get_color(),
-                         label=f"{label}: niah_single")
+            axes[2].plot(
+                [r["elapsed_s"] for r in evals],
+                [r["eval"].get("acc/niah_single", float("nan")) for r in evals],
+                ls="--",
+                color=line.get_color(),
+                label=f"{label}: niah_single",
+            )
     axes[0].set(title="answer cross-entropy", xlabel="training seconds (H200)", yscale="log")
     axes[1].set(title="indexer KL vs main attention", xlabel="training seconds (H200)", yscale="log")
     axes[2].set(title="held-out exact match, 1024 tokens", xlabel="training seconds (H200)", ylim=(-0.02, 1.02))

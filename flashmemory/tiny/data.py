@@ -37,10 +37,10 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "mqar")
 @dataclass(frozen=True)
 class Doc:
     task: str
-    ids: list[int]              # prompt + answer + <|end|>
-    n_prompt: int               # answer token i sits at position n_prompt + i
+    ids: list[int]  # prompt + answer + <|end|>
+    n_prompt: int  # answer token i sits at position n_prompt + i
     answers: list[str]
-    owner: list[int]            # per target token: answer index, or -1
+    owner: list[int]  # per target token: answer index, or -1
     spans: list[list[tuple[int, int]]]  # per answer: evidence token spans [start, end) in the prompt
     depth: float
     count: int
@@ -56,7 +56,7 @@ def _find(seq: list[int], pat: list[int], stop: int) -> list[tuple[int, int]]:
     if n == 0:
         return []
     first = pat[0]
-    return [(i, i + n) for i in range(0, stop - n + 1) if seq[i] == first and seq[i:i + n] == pat]
+    return [(i, i + n) for i in range(0, stop - n + 1) if seq[i] == first and seq[i : i + n] == pat]
 
 
 def _targets(task: str, answers: list[str], meta: dict, tok: TinyTokenizer) -> tuple[list[int], list[int]]:
@@ -78,8 +78,9 @@ def _targets(task: str, answers: list[str], meta: dict, tok: TinyTokenizer) -> t
     return ids + [end], owner + [-1]
 
 
-def _spans(task: str, prompt: list[int], answers: list[str], meta: dict, tok: TinyTokenizer,
-           context_end: int) -> list[list[tuple[int, int]]]:
+def _spans(
+    task: str, prompt: list[int], answers: list[str], meta: dict, tok: TinyTokenizer, context_end: int
+) -> list[list[tuple[int, int]]]:
     if task == "mrcr":
         return [_find(prompt, tok.encode(meta["needle"]), context_end)]
     if task == "vt":
@@ -88,8 +89,14 @@ def _spans(task: str, prompt: list[int], answers: list[str], meta: dict, tok: Ti
     return [_find(prompt, tok.encode(a), context_end) for a in answers]
 
 
-def make_doc(task: str, length: int, seed: str, count: int | None = None, depth: float | None = None,
-             tok: TinyTokenizer | None = None) -> Doc:
+def make_doc(
+    task: str,
+    length: int,
+    seed: str,
+    count: int | None = None,
+    depth: float | None = None,
+    tok: TinyTokenizer | None = None,
+) -> Doc:
     """One document of `task` with at most `length` tokens (prompt + answer), deterministic in its arguments.
 
     The filler size is guessed, then shrunk until the whole document fits (one encode per try), which
@@ -148,22 +155,31 @@ def collate(docs: list[Doc], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(docs), n), pad_id, dtype=torch.long)
     labels = torch.full((len(docs), n), -100, dtype=torch.long)
     for b, d in enumerate(docs):
-        ids[b, :len(d.ids)] = torch.tensor(d.ids)
-        labels[b, d.n_prompt - 1:len(d.ids) - 1] = torch.tensor(d.ids[d.n_prompt:])
+        ids[b, : len(d.ids)] = torch.tensor(d.ids)
+        labels[b, d.n_prompt - 1 : len(d.ids) - 1] = torch.tensor(d.ids[d.n_prompt :])
     return ids, labels
 
 
-def heldout_docs(task: str, n: int, length: int, seed: int = 0, count: int | None = None,
-                 depth_range: tuple[float, float] = (0.0, 0.9)) -> list[Doc]:
+def heldout_docs(
+    task: str,
+    n: int,
+    length: int,
+    seed: int = 0,
+    count: int | None = None,
+    depth_range: tuple[float, float] = (0.0, 0.9),
+) -> list[Doc]:
     """`n` held-out documents (seed namespace `heldout:`, never drawn in training; training seeds are
     `train:`), depths spread evenly over `depth_range` so the evidence sits beyond the window."""
     lo, hi = depth_range
-    return [make_doc(task, length, f"heldout:{seed}:{task}:{i}", count,
-                     lo + (hi - lo) * (i / max(n - 1, 1))) for i in range(n)]
+    return [
+        make_doc(task, length, f"heldout:{seed}:{task}:{i}", count, lo + (hi - lo) * (i / max(n - 1, 1)))
+        for i in range(n)
+    ]
 
 
-def heldout_mix(length: int, n_per_task: int, seed: int = 0, tasks: tuple[str, ...] = tuple(m[0] for m in MIX)
-                ) -> list[Doc]:
+def heldout_mix(
+    length: int, n_per_task: int, seed: int = 0, tasks: tuple[str, ...] = tuple(m[0] for m in MIX)
+) -> list[Doc]:
     """`heldout_docs` for every task of `tasks` that fits `length` (tasks that cannot fit are skipped)."""
     out: list[Doc] = []
     for t in tasks:

@@ -20,23 +20,25 @@ class DocResult:
     exact: bool
     n_tokens: int
     n_correct: int
-    correct: tuple[bool, ...]     # per answer token
-    argmax: tuple[int, ...]       # per answer token
+    correct: tuple[bool, ...]  # per answer token
+    argmax: tuple[int, ...]  # per answer token
 
 
 def pad_id() -> int:
     from flashmemory.tasks.tokenizer import load_tokenizer
+
     return load_tokenizer(None).ids["<|end|>"]
 
 
 @torch.no_grad()
-def score_docs(model, docs: list[Doc], batch_size: int = 16, device: str | torch.device = "cpu",
-               autocast: bool = False) -> list[DocResult]:
+def score_docs(
+    model, docs: list[Doc], batch_size: int = 16, device: str | torch.device = "cpu", autocast: bool = False
+) -> list[DocResult]:
     """Teacher-forced results for each document, in order."""
     out: list[DocResult] = []
     pid = pad_id()
     for i in range(0, len(docs), batch_size):
-        chunk = docs[i:i + batch_size]
+        chunk = docs[i : i + batch_size]
         ids, labels = collate(chunk, pid)
         ids, labels = ids.to(device), labels.to(device)
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
@@ -53,11 +55,12 @@ def score_docs(model, docs: list[Doc], batch_size: int = 16, device: str | torch
 def digit_accuracy(docs: list[Doc], results: list[DocResult]) -> float:
     """Share of answer digit tokens predicted correctly (nan when there are none)."""
     from flashmemory.tasks.tokenizer import load_tokenizer
+
     tok = load_tokenizer(None)
     digits = {tok.ids[c] for c in "0123456789"}
     n = k = 0
     for d, r in zip(docs, results):
-        for tgt, ok in zip(d.ids[d.n_prompt:], r.correct):
+        for tgt, ok in zip(d.ids[d.n_prompt :], r.correct):
             if tgt in digits:
                 n += 1
                 k += int(ok)
@@ -68,8 +71,10 @@ def summarize(results: list[DocResult]) -> dict[str, float]:
     """{'acc': exact-match share, 'tok_acc': answer-token share, 'acc/<task>': per task}."""
     if not results:
         return {}
-    s = {"acc": sum(r.exact for r in results) / len(results),
-         "tok_acc": sum(r.n_correct for r in results) / max(1, sum(r.n_tokens for r in results))}
+    s = {
+        "acc": sum(r.exact for r in results) / len(results),
+        "tok_acc": sum(r.n_correct for r in results) / max(1, sum(r.n_tokens for r in results)),
+    }
     for task in sorted({r.task for r in results}):
         rs = [r for r in results if r.task == task]
         s[f"acc/{task}"] = sum(r.exact for r in rs) / len(rs)

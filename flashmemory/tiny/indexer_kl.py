@@ -31,7 +31,7 @@ def indexer_kl(scores: Tensor, target: Tensor, ratio: int) -> Tensor:
     visible = torch.arange(n, device=scores.device).view(1, -1) < ((t + 1) // ratio).view(-1, 1)  # [S, N_c]
     target = target.float().masked_fill(~visible, 0.0)
     mass = target.sum(-1, keepdim=True)
-    rows = (mass.squeeze(-1) > 0)  # [B, S]
+    rows = mass.squeeze(-1) > 0  # [B, S]
     if not bool(rows.any()):
         return scores.sum() * 0.0
     p = target / mass.clamp_min(1e-30)
@@ -73,6 +73,7 @@ class IndexerKL:
     def _keep(self, k: int):
         def hook(module, args, out):
             self.scores[k] = out
+
         return hook
 
     def clear(self) -> None:
@@ -86,8 +87,10 @@ class IndexerKL:
         for k, attn in enumerate(self.attn):
             target = getattr(attn, "_fm_comp_probs", None)
             if target is None or k not in self.scores:
-                raise RuntimeError(f"c4 layer {self.ids[k]}: no indexer scores or attention probabilities "
-                                   "recorded (is the model on band attention, forward without cache?)")
+                raise RuntimeError(
+                    f"c4 layer {self.ids[k]}: no indexer scores or attention probabilities "
+                    "recorded (is the model on band attention, forward without cache?)"
+                )
             losses.append(indexer_kl(self.scores[k], target, self.ratio))
         return torch.stack(losses).mean()
 

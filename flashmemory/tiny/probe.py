@@ -41,17 +41,17 @@ class ProbeRow:
     tok_acc_full: float
     tok_acc_mask_answer: float
     tok_acc_mask_random: float
-    masked_entries: float      # mean c4 entries masked per document (both masking conditions)
-    recall_all: float          # share of (answer step, c4 layer) whose top-k holds all evidence entries
+    masked_entries: float  # mean c4 entries masked per document (both masking conditions)
+    recall_all: float  # share of (answer step, c4 layer) whose top-k holds all evidence entries
     recall_any: float
-    recall_token: float        # ... holds an entry pooling the very source token this step reproduces
+    recall_token: float  # ... holds an entry pooling the very source token this step reproduces
     recall_token_by_layer: tuple[float, ...]  # recall_token per c4 layer
-    n_answer_steps: int        # (answer step, c4 layer) pairs behind recall_all / recall_any
+    n_answer_steps: int  # (answer step, c4 layer) pairs behind recall_all / recall_any
 
 
 def _answer_ok(logits: torch.Tensor, doc: Doc) -> tuple[bool, int, int]:
-    pred = logits[doc.n_prompt - 1:len(doc.ids) - 1].argmax(-1).tolist()
-    ok = [p == t for p, t in zip(pred, doc.ids[doc.n_prompt:])]
+    pred = logits[doc.n_prompt - 1 : len(doc.ids) - 1].argmax(-1).tolist()
+    ok = [p == t for p, t in zip(pred, doc.ids[doc.n_prompt :])]
     return all(ok), sum(ok), len(ok)
 
 
@@ -107,16 +107,33 @@ def probe_docs(engine, docs: list[Doc], seed: int = 0) -> list[ProbeRow]:
         def acc(key):
             xs = cat(key)
             return sum(x[0] for x in xs) / len(xs), sum(x[1] for x in xs) / max(1, sum(x[2] for x in xs))
+
         (af, tf), (am, tm), (ar, tr) = acc("full"), acc("mask"), acc("rand")
         n, al, an, tk = cat("n"), cat("all"), cat("any"), cat("tok")
         nan = float("nan")
 
         def mean(xs):
             return sum(xs) / len(xs) if xs else nan
+
         layers = sorted({c for c, _ in tk})
         by_layer = tuple(mean([h for c, h in tk if c == lay]) for lay in layers)
-        return ProbeRow(task, len(cat("full")), af, am, ar, tf, tm, tr, sum(n) / len(n), mean(al), mean(an),
-                        mean([h for _, h in tk]), by_layer, len(al))
+        return ProbeRow(
+            task,
+            len(cat("full")),
+            af,
+            am,
+            ar,
+            tf,
+            tm,
+            tr,
+            sum(n) / len(n),
+            mean(al),
+            mean(an),
+            mean([h for _, h in tk]),
+            by_layer,
+            len(al),
+        )
+
     rows = [row(t, [d]) for t, d in per.items()]
     if len(rows) > 1:
         rows.append(row("all", list(per.values())))
@@ -125,16 +142,20 @@ def probe_docs(engine, docs: list[Doc], seed: int = 0) -> list[ProbeRow]:
 
 def probe_table(rows: list[ProbeRow], index_topk: int) -> str:
     """Markdown table of probe rows."""
-    head = ("| task | docs | acc Full | acc answer c4 masked | acc random c4 masked | answer-token acc Full / "
-            f"masked / random | entries masked | indexer top-{index_topk} recall all / any / copied token "
-            "(step x layer pairs) | copied-token recall per c4 layer |")
+    head = (
+        "| task | docs | acc Full | acc answer c4 masked | acc random c4 masked | answer-token acc Full / "
+        f"masked / random | entries masked | indexer top-{index_topk} recall all / any / copied token "
+        "(step x layer pairs) | copied-token recall per c4 layer |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.task} | {r.n_docs} | {r.acc_full:.3f} | {r.acc_mask_answer:.3f} | "
-                     f"{r.acc_mask_random:.3f} | "
-                     f"{r.tok_acc_full:.3f} / {r.tok_acc_mask_answer:.3f} / {r.tok_acc_mask_random:.3f} | "
-                     f"{r.masked_entries:.1f} | {r.recall_all:.3f} / {r.recall_any:.3f} / {r.recall_token:.3f} "
-                     f"({r.n_answer_steps}) | {' / '.join(f'{x:.2f}' for x in r.recall_token_by_layer)} |")
+        lines.append(
+            f"| {r.task} | {r.n_docs} | {r.acc_full:.3f} | {r.acc_mask_answer:.3f} | "
+            f"{r.acc_mask_random:.3f} | "
+            f"{r.tok_acc_full:.3f} / {r.tok_acc_mask_answer:.3f} / {r.tok_acc_mask_random:.3f} | "
+            f"{r.masked_entries:.1f} | {r.recall_all:.3f} / {r.recall_any:.3f} / {r.recall_token:.3f} "
+            f"({r.n_answer_steps}) | {' / '.join(f'{x:.2f}' for x in r.recall_token_by_layer)} |"
+        )
     return "\n".join(lines)
 
 

@@ -11,8 +11,9 @@ from flashmemory.tiny.shipped import TRAINED_NAME, trained_model_dir
 
 
 def add_probe_parser(msub) -> None:
-    p = msub.add_parser("probe", help="accuracy under Full / answer-masked / random-masked c4, indexer recall",
-                        description=__doc__)
+    p = msub.add_parser(
+        "probe", help="accuracy under Full / answer-masked / random-masked c4, indexer recall", description=__doc__
+    )
     p.add_argument("--model", default=None, help=f"checkpoint directory (default: the shipped {TRAINED_NAME})")
     p.add_argument("--tasks", default="niah_single,niah_multikey,mqar", help="comma-separated curriculum tasks")
     p.add_argument("--n-docs", type=int, default=12, help="held-out documents per task")
@@ -30,6 +31,7 @@ def run_probe(a: argparse.Namespace) -> int:
     from flashmemory.tiny.attention import use_band_attention
     from flashmemory.tiny.data import MIX, heldout_docs
     from flashmemory.tiny.probe import probe_docs, probe_table, rows_json
+
     try:
         tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
         bad = [t for t in tasks if t not in {m[0] for m in MIX}]
@@ -49,13 +51,18 @@ def run_probe(a: argparse.Namespace) -> int:
     torch.manual_seed(a.seed)
     rows = probe_docs(engine, docs, seed=a.seed)
     table = probe_table(rows, engine.index_topk)
-    head = (f"Model `{path}`; held-out documents (seed namespace `heldout:{a.seed}`), {a.length} tokens, evidence "
-            f"depth 0-0.9; index top-{engine.index_topk}, sliding window {engine.config.sliding_window}.")
+    head = (
+        f"Model `{path}`; held-out documents (seed namespace `heldout:{a.seed}`), {a.length} tokens, evidence "
+        f"depth 0-0.9; index top-{engine.index_topk}, sliding window {engine.config.sliding_window}."
+    )
     print(head + "\n\n" + table)
     if a.out_dir:
         from flashmemory.atomic import atomic_write_text
+
         out = Path(a.out_dir)
         atomic_write_text(out / "probe.md", head + "\n\n" + table + "\n")
-        atomic_write_text(out / "probe.json", json.dumps({"model": path, "length": a.length, "seed": a.seed,
-                                                          "rows": rows_json(rows)}, indent=1))
+        atomic_write_text(
+            out / "probe.json",
+            json.dumps({"model": path, "length": a.length, "seed": a.seed, "rows": rows_json(rows)}, indent=1),
+        )
     return 0

@@ -34,12 +34,12 @@ from flashmemory.tiny.data import MIX, collate, heldout_mix, sample_doc
 @dataclass(frozen=True)
 class TrainTinyConfig:
     out_dir: str = "tiny_out"
-    model: str = "dsv4-retrieval"       # shipped config name or .json (a fresh seeded model)
-    init_from: str = ""                 # a checkpoint dir whose weights start the run (fresh optimizer)
+    model: str = "dsv4-retrieval"  # shipped config name or .json (a fresh seeded model)
+    init_from: str = ""  # a checkpoint dir whose weights start the run (fresh optimizer)
     seed: int = 0
     steps: int = 20000
-    time_budget_s: float = 0.0          # 0 = no time limit
-    tokens_per_step: int = 32768        # batch size = tokens_per_step // length
+    time_budget_s: float = 0.0  # 0 = no time limit
+    tokens_per_step: int = 32768  # batch size = tokens_per_step // length
     lr: float = 1.5e-3
     min_lr_frac: float = 0.1
     warmup: int = 200
@@ -51,9 +51,9 @@ class TrainTinyConfig:
     length_until: tuple[float, ...] = (0.15, 0.35)  # progress at which each length (but the last) ends
     sparse_from: float = 0.8
     device: str = "auto"
-    workers: int = 2                    # document-generation processes (0 = in the training process)
+    workers: int = 2  # document-generation processes (0 = in the training process)
     eval_every: int = 250
-    eval_docs: int = 40                 # held-out documents at the last length, per eval
+    eval_docs: int = 40  # held-out documents at the last length, per eval
     ckpt_every_s: float = 60.0
     log_every: int = 10
     progress: bool = True
@@ -97,6 +97,7 @@ def make_batch(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """(seed, step, length, batch, tasks) -> collated (input_ids, labels); runs in worker processes."""
     seed, step, length, bsz, tasks = args
     from flashmemory.tiny.evaluate import pad_id
+
     mix = tuple(m for m in MIX if m[0] in tasks)
     return collate([sample_doc(length, f"train:{seed}:{step}:{b}", mix) for b in range(bsz)], pad_id())
 
@@ -116,6 +117,7 @@ class Batches:
         self.pool = None
         if workers > 0:
             import multiprocessing as mp
+
             self.pool = mp.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,))
         self.depth = depth
         self.queue: deque = deque()
@@ -162,6 +164,7 @@ def save_checkpoint(model, out: Path, opt, state: dict) -> None:
     """Atomically replace out/model (eager attention, config top-k) and out/trainer.pt."""
     from flashmemory.atomic import atomic_path
     from flashmemory.tiny.attention import use_band_attention
+
     use_band_attention(model, False)
     tmp = out / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -208,8 +211,10 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
             st = torch.load(out / "trainer.pt", map_location="cpu", weights_only=True)
             saved = json.loads((out / "train_config.json").read_text())
             if saved.get("seed") != cfg.seed or saved.get("model") != cfg.model:
-                raise ValueError(f"{out}: resuming needs the same --seed and --model as the saved run "
-                                 f"({saved.get('seed')}, {saved.get('model')})")
+                raise ValueError(
+                    f"{out}: resuming needs the same --seed and --model as the saved run "
+                    f"({saved.get('seed')}, {saved.get('model')})"
+                )
         else:
             model, config = load_model(cfg.init_from or cfg.model, seed=cfg.seed)
             st = None
@@ -218,6 +223,7 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
         model.to(device).train()
         use_band_attention(model, True)
         from flashmemory.hf.layers import HCA
+
         for layer, kind in zip(model.model.layers, config.layer_types):
             layer.self_attn._fm_drop_comp = cfg.hca_drop if kind == HCA else 0.0
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -232,11 +238,14 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        eval_docs = heldout_mix(cfg.lengths[-1], max(1, cfg.eval_docs // len(cfg.tasks)), seed=cfg.seed + 1000,
-                                tasks=cfg.tasks)
+        eval_docs = heldout_mix(
+            cfg.lengths[-1], max(1, cfg.eval_docs // len(cfg.tasks)), seed=cfg.seed + 1000, tasks=cfg.tasks
+        )
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"train-tiny: {n_params / 1e6:.2f} M params, {len(config.layer_types)} layers {config.layer_types}, "
-            f"device {device}, out {out}")
+        log(
+            f"train-tiny: {n_params / 1e6:.2f} M params, {len(config.layer_types)} layers {config.layer_types}, "
+            f"device {device}, out {out}"
+        )
         last_eval: dict = {}
         kl = IndexerKL(model, config)
         bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc="train-tiny", dynamic_ncols=True)
@@ -254,7 +263,7 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
                 if want_sparse != sparse:
                     set_index_topk(model, config, config.index_topk if want_sparse else 1 << 30)
                     sparse = want_sparse
-                upcoming = (lambda s=step, L=L, b=bsz: ((cfg.seed, s + 1 + i, L, b, cfg.tasks) for i in range(16)))
+                upcoming = lambda s=step, L=L, b=bsz: ((cfg.seed, s + 1 + i, L, b, cfg.tasks) for i in range(16))
                 ids, labels = batches.get((cfg.seed, step, L, bsz, cfg.tasks), upcoming)
                 ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                 lr = lr_at(step, p, cfg)
@@ -278,10 +287,19 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
                     with torch.no_grad():
                         m = labels != -100
                         tok_acc = float((logits.argmax(-1)[m] == labels[m]).float().mean())
-                    rec = {"step": step, "elapsed_s": round(elapsed, 2), "progress": round(p, 4), "length": L,
-                           "batch": bsz, "lr": lr, "loss": float(ce.detach()), "kl": float(kl_loss.detach()),
-                           "tok_acc": tok_acc,
-                           "grad_norm": float(gnorm), "sparse": sparse}
+                    rec = {
+                        "step": step,
+                        "elapsed_s": round(elapsed, 2),
+                        "progress": round(p, 4),
+                        "length": L,
+                        "batch": bsz,
+                        "lr": lr,
+                        "loss": float(ce.detach()),
+                        "kl": float(kl_loss.detach()),
+                        "tok_acc": tok_acc,
+                        "grad_norm": float(gnorm),
+                        "sparse": sparse,
+                    }
                     append_jsonl(out / "metrics.jsonl", rec)
                     bar.set_postfix(L=L, loss=f"{rec['loss']:.3f}", kl=f"{rec['kl']:.3f}", acc=f"{tok_acc:.2f}")
                 done = step >= cfg.steps or progress_at(step, elapsed, cfg) >= 1.0
@@ -293,10 +311,13 @@ def train_tiny(cfg: TrainTinyConfig, log=print) -> dict:
                     set_index_topk(model, config, config.index_topk if sparse else 1 << 30)
                     model.train()
                     last_eval = summarize(res)
-                    append_jsonl(out / "metrics.jsonl", {"step": step, "elapsed_s": round(elapsed, 2),
-                                                         "eval": last_eval})
-                    bar.write(f"step {step}: held-out {cfg.lengths[-1]}-token acc {last_eval['acc']:.3f} " +
-                              " ".join(f"{k[4:]}={v:.2f}" for k, v in last_eval.items() if k.startswith("acc/")))
+                    append_jsonl(
+                        out / "metrics.jsonl", {"step": step, "elapsed_s": round(elapsed, 2), "eval": last_eval}
+                    )
+                    bar.write(
+                        f"step {step}: held-out {cfg.lengths[-1]}-token acc {last_eval['acc']:.3f} "
+                        + " ".join(f"{k[4:]}={v:.2f}" for k, v in last_eval.items() if k.startswith("acc/"))
+                    )
                 if done or time.monotonic() - t_ckpt >= cfg.ckpt_every_s:
                     save_checkpoint(model, out, opt, {"step": step, "elapsed": elapsed, "rng": torch.get_rng_state()})
                     t_ckpt = time.monotonic()

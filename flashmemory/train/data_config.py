@@ -51,6 +51,7 @@ def _read(path: Path) -> object:
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
+
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -77,19 +78,23 @@ def _spec(path: Path, split: str, i: int, raw: object, check_exists: bool) -> Da
     if not data_dir.is_absolute():
         data_dir = (path.parent / data_dir).resolve()
     if check_exists and not data_dir.is_dir():
-        raise DataConfigError(f"{where}: data_dir {d!r} -> {data_dir} is not a directory "
-                              "(relative paths resolve against the config file's directory)")
+        raise DataConfigError(
+            f"{where}: data_dir {d!r} -> {data_dir} is not a directory "
+            "(relative paths resolve against the config file's directory)"
+        )
     ids = raw.get("doc_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                for x in ids):
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
             raise DataConfigError(f"{where}: 'doc_ids' must be null or a list of non-negative integers")
         ids = tuple(sorted(set(ids)))
     return DataSpec(data_dir, ids)
 
 
-def load_data_config(path: str | Path, check_exists: bool = True, require: tuple[str, ...] = ("train", "val"),
-                     ) -> DataConfig:
+def load_data_config(
+    path: str | Path,
+    check_exists: bool = True,
+    require: tuple[str, ...] = ("train", "val"),
+) -> DataConfig:
     """Parse and validate a data config. `require`: splits that must name at least one directory."""
     p = Path(path).expanduser().resolve()
     if not p.is_file():
@@ -115,6 +120,8 @@ def load_data_config(path: str | Path, check_exists: bool = True, require: tuple
 def trained_on_meta(train_specs, val_specs) -> str:
     """The `trained_on` checkpoint metadata (read by `flashmemory.eval.split`) for the DataSpecs of the train and val
     splits: {"train"|"val": [[absolute data_dir, doc ids or null], ...]} as JSON."""
+
     def enc(specs):
         return [[str(Path(s.data_dir).resolve()), None if s.doc_ids is None else list(s.doc_ids)] for s in specs]
+
     return json.dumps({"train": enc(train_specs), "val": enc(val_specs)})

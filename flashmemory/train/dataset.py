@@ -39,15 +39,19 @@ def resolve_docs(specs: tuple[DataSpec, ...] | list[DataSpec], what: str = "data
             if missing:
                 more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
                 shown = ", ".join(map(str, missing[:10])) + more
-                raise DataConfigError(f"{what}: {s.data_dir}: doc_ids {shown} have no complete document (no "
-                                      "server_metadata.jsonl line or no file); remove them from the data config "
-                                      "or finish the dump")
+                raise DataConfigError(
+                    f"{what}: {s.data_dir}: doc_ids {shown} have no complete document (no "
+                    "server_metadata.jsonl line or no file); remove them from the data config "
+                    "or finish the dump"
+                )
             docs = [have[i] for i in sorted(s.doc_ids)]
         out.extend(docs)
     if not out:
         dirs = ", ".join(str(s.data_dir) for s in specs) or "(none)"
-        raise DataConfigError(f"{what}: no complete dump documents in {dirs} (a doc counts once its line is in "
-                              "server_metadata.jsonl; check doc_ids)")
+        raise DataConfigError(
+            f"{what}: no complete dump documents in {dirs} (a doc counts once its line is in "
+            "server_metadata.jsonl; check doc_ids)"
+        )
     return out
 
 
@@ -77,12 +81,14 @@ class DocCache:
 def check_layers(doc: DumpDoc, layers: tuple[int, ...], source: str) -> None:
     missing = [L for L in layers if L not in doc.hidden]
     if missing:
-        raise DataConfigError(f"{source}: dump has target layers {doc.target_layers}, not the requested "
-                              f"--joint-layers {missing}")
+        raise DataConfigError(
+            f"{source}: dump has target layers {doc.target_layers}, not the requested --joint-layers {missing}"
+        )
 
 
-def check_sizes(doc: DumpDoc, layers: tuple[int, ...], source: str, want: tuple[int, int] | None,
-                want_source: str = "") -> tuple[int, int]:
+def check_sizes(
+    doc: DumpDoc, layers: tuple[int, ...], source: str, want: tuple[int, int] | None, want_source: str = ""
+) -> tuple[int, int]:
     """(hidden size, index-key dim) of `doc`'s `layers`, the same for every layer and equal to `want` when given.
 
     Documents of one run must come from one model: samples of different sizes cannot be batched (a
@@ -92,9 +98,11 @@ def check_sizes(doc: DumpDoc, layers: tuple[int, ...], source: str, want: tuple[
         if want is None:
             want, want_source = got, f"{source} layer {L}"
         elif got != want:
-            raise DataConfigError(f"{source}: layer {L} has hidden size {got[0]} and index-key dim {got[1]}, but "
-                                  f"{want_source} has {want[0]} and {want[1]}: every document of a run must be "
-                                  "dumped from the same model")
+            raise DataConfigError(
+                f"{source}: layer {L} has hidden size {got[0]} and index-key dim {got[1]}, but "
+                f"{want_source} has {want[0]} and {want[1]}: every document of a run must be "
+                "dumped from the same model"
+            )
     assert want is not None
     return want
 
@@ -106,8 +114,15 @@ class SampleDataset(Dataset):
     "ids": [n] int64, "target": [n] f32, "weight": [n] f32, "n_avail": int, "doc": int, "t": int}.
     """
 
-    def __init__(self, paths: list[Path], layers: tuple[int, ...], cfg: SampleConfig, seed: int = 0,
-                 cache_size: int = 64, allow_pickle: bool = False):
+    def __init__(
+        self,
+        paths: list[Path],
+        layers: tuple[int, ...],
+        cfg: SampleConfig,
+        seed: int = 0,
+        cache_size: int = 64,
+        allow_pickle: bool = False,
+    ):
         self.cache = DocCache(paths, cache_size, allow_pickle)
         self.layers = tuple(layers)
         self.cfg = cfg
@@ -116,7 +131,7 @@ class SampleDataset(Dataset):
         self.targets: list[DocTargets] = []
         index = []
         self.max_position = 0
-        self.sizes: tuple[int, int] | None = None   # (hidden size, index-key dim), one for all documents
+        self.sizes: tuple[int, int] | None = None  # (hidden size, index-key dim), one for all documents
         first = ""
         for i, p in enumerate(self.cache.paths):
             doc = self.cache.get(i)
@@ -141,15 +156,19 @@ class SampleDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         d, t = (int(x) for x in self.index[i])
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch * 7_919 + i) % (2 ** 63))
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch * 7_919 + i) % (2**63))
         ids, target, weight = draw_sample(self.targets[d], t, self.cfg, gen)
         doc = self.cache.get(d)
         return {
             "hidden": {L: doc.hidden[L][t].float() for L in self.layers},
             "position": doc.positions[self.layers[0]][t].long(),
             "keys": {L: dequantize_chunks(doc.compk[L][ids]) for L in self.layers},
-            "ids": ids, "target": target, "weight": weight,
-            "n_avail": int(self.targets[d].n_avail[t]), "doc": d, "t": t,
+            "ids": ids,
+            "target": target,
+            "weight": weight,
+            "n_avail": int(self.targets[d].n_avail[t]),
+            "doc": d,
+            "t": t,
         }
 
 
@@ -172,7 +191,12 @@ def collate(items: list[dict]) -> dict:
     return {
         "hidden": {L: torch.stack([it["hidden"][L] for it in items]) for L in layers},
         "positions": torch.stack([it["position"] for it in items]),
-        "keys": keys, "target": target, "weight": weight, "ids": ids, "mask": mask,
+        "keys": keys,
+        "target": target,
+        "weight": weight,
+        "ids": ids,
+        "mask": mask,
         "n_avail": torch.tensor([it["n_avail"] for it in items]),
-        "doc": torch.tensor([it["doc"] for it in items]), "t": torch.tensor([it["t"] for it in items]),
+        "doc": torch.tensor([it["doc"] for it in items]),
+        "t": torch.tensor([it["t"] for it in items]),
     }

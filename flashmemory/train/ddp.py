@@ -54,8 +54,7 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     """Rank 0's value of `flag` on every rank."""
     if not info.enabled:
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64,
-                     device=info.device if info.device.type == "cuda" else "cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=info.device if info.device.type == "cuda" else "cpu")
     dist.broadcast(t, src=0)
     return bool(t.item())
 

@@ -51,19 +51,19 @@ class TrainConfig:
     resume_from: str | None = None
     weight_dir: str | None = "./weights"
     no_pretrain: bool = False
-    max_position: int = 0                 # training-time RoPE clamp; 0 = DeepSeek-V4's 1,048,576 (serving clamps
-                                          # at SGLANG_RETRIEVER_MAX_POSITION whatever the file stores)
-    joint_layers: tuple[int, ...] = ()    # () = 10,12,20 if dumped, else every dumped target layer
+    max_position: int = 0  # training-time RoPE clamp; 0 = DeepSeek-V4's 1,048,576 (serving clamps
+    # at SGLANG_RETRIEVER_MAX_POSITION whatever the file stores)
+    joint_layers: tuple[int, ...] = ()  # () = 10,12,20 if dumped, else every dumped target layer
     n_heads: int = 64
     q_lora_rank: int = 1024
-    rope_dim: int = 0                     # 0 = 64 for head_dim >= 128, else head_dim // 2
+    rope_dim: int = 0  # 0 = 64 for head_dim >= 128, else head_dim // 2
     lr: float = 1e-4
     wd: float = 1e-2
     epochs: int = 3
     batch_size: int = 8
     bf16: bool = False
     focal_loss: bool = False
-    pairwise: float = 0.0                 # weight of the BPR term (0 = off)
+    pairwise: float = 0.0  # weight of the BPR term (0 = off)
     sample: SampleConfig = field(default_factory=SampleConfig)
     val_stride: int = 4
     threshold: float = 0.5
@@ -75,8 +75,8 @@ class TrainConfig:
     num_workers: int = 0
     log_interval: int = 50
     allow_pickle: bool = False
-    overwrite: bool = False               # move an earlier run's files in output_dir aside instead of refusing
-    progress: bool = True                 # the per-epoch progress bar (log lines are printed either way)
+    overwrite: bool = False  # move an earlier run's files in output_dir aside instead of refusing
+    progress: bool = True  # the per-epoch progress bar (log lines are printed either way)
 
 
 class LogitsHead(nn.Module):
@@ -86,8 +86,9 @@ class LogitsHead(nn.Module):
         super().__init__()
         self.retriever = retriever
 
-    def forward(self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, keys: dict[int, torch.Tensor]
-                ) -> dict[int, torch.Tensor]:
+    def forward(
+        self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, keys: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
         return {L: self.retriever.layer(L).logits(hidden[L], positions, keys[L]) for L in self.retriever.layers}
 
 
@@ -109,23 +110,31 @@ def default_rope_dim(head_dim: int) -> int:
     return 64 if head_dim >= 128 else max(2, head_dim // 2)
 
 
-def resolve_layers(requested: tuple[int, ...], first_doc: Path, allow_pickle: bool = False
-                   ) -> tuple[tuple[int, ...], str]:
+def resolve_layers(
+    requested: tuple[int, ...], first_doc: Path, allow_pickle: bool = False
+) -> tuple[tuple[int, ...], str]:
     """The c4 layers to train: as requested, or (when none) upstream's 10,12,20 if the dump has them,
     else every target layer of the dump (tiny models have fewer c4 layers). Returns (layers, note)."""
     if requested:
         return tuple(requested), ""
     from flashmemory.dump.format import load_doc
+
     have = tuple(load_doc(first_doc, allow_pickle=allow_pickle).target_layers)
     if all(L in have for L in (10, 12, 20)):
         return (10, 12, 20), ""
     return have, f"dump has target layers {list(have)} (not 10,12,20): training all of them"
 
 
-def build_model(cfg: TrainConfig, layers: tuple[int, ...], hidden: int, head_dim: int, max_position: int
-                ) -> JointRetriever:
-    dims = RetrieverDims(hidden=hidden, rank=cfg.q_lora_rank, n_heads=cfg.n_heads, head_dim=head_dim,
-                         rope_dim=cfg.rope_dim or default_rope_dim(head_dim))
+def build_model(
+    cfg: TrainConfig, layers: tuple[int, ...], hidden: int, head_dim: int, max_position: int
+) -> JointRetriever:
+    dims = RetrieverDims(
+        hidden=hidden,
+        rank=cfg.q_lora_rank,
+        n_heads=cfg.n_heads,
+        head_dim=head_dim,
+        rope_dim=cfg.rope_dim or default_rope_dim(head_dim),
+    )
     rope = RopeConfig(rope_dim=dims.rope_dim, max_position=max_position)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -135,11 +144,15 @@ def build_model(cfg: TrainConfig, layers: tuple[int, ...], hidden: int, head_dim
 def init_from_native(model: JointRetriever, weight_dir: str) -> dict[int, str]:
     """Native init from a checkpoint dir, or from a shipped HF model name (e.g. 'micro')."""
     from flashmemory.train.native_init import NativeWeights, copy_native
+
     if not Path(weight_dir).is_dir():
         from flashmemory.hf.models import load_model, shipped_configs
+
         if weight_dir not in shipped_configs():
-            raise FileNotFoundError(f"--weight-dir {weight_dir}: not a directory nor a shipped model "
-                                    f"{shipped_configs()} (use --no-pretrain for a random init)")
+            raise FileNotFoundError(
+                f"--weight-dir {weight_dir}: not a directory nor a shipped model "
+                f"{shipped_configs()} (use --no-pretrain for a random init)"
+            )
         hf, config = load_model(weight_dir)
         native = NativeWeights(hf.state_dict())
         native.cfg = {"layer_types": list(config.layer_types)}
@@ -161,7 +174,7 @@ def _atomic_torch_save(obj: dict, path: Path) -> None:
     with atomic_path(path) as tmp:  # the temp file is removed if the write fails (disk full)
         try:
             torch.save(obj, tmp)
-        except RuntimeError as e:   # torch reports a failed write (ENOSPC, EIO) as a RuntimeError
+        except RuntimeError as e:  # torch reports a failed write (ENOSPC, EIO) as a RuntimeError
             raise OSError(f"{path}: could not write the checkpoint ({e}); disk full?") from e
 
 
@@ -176,21 +189,33 @@ class Trainer:
         self.trained_on = trained_on_meta(data.train, data.val)
         train_paths = resolve_docs(data.train, "train split")
         self.layers, self.layer_note = resolve_layers(cfg.joint_layers, train_paths[0], cfg.allow_pickle)
-        self.train_ds = SampleDataset(train_paths, self.layers, cfg.sample, seed=cfg.seed,
-                                      allow_pickle=cfg.allow_pickle)
+        self.train_ds = SampleDataset(
+            train_paths, self.layers, cfg.sample, seed=cfg.seed, allow_pickle=cfg.allow_pickle
+        )
         if len(self.train_ds) == 0:
-            raise ValueError(f"{cfg.data_config}: the train split yields no samples (no decode step has a golden "
-                             "label among its existing chunks)")
-        self.validator = Validator(resolve_docs(data.val, "val split"), self.layers, cfg.sample,
-                                   cfg.val_stride, cfg.threshold, allow_pickle=cfg.allow_pickle,
-                                   sizes=self.train_ds.sizes)
+            raise ValueError(
+                f"{cfg.data_config}: the train split yields no samples (no decode step has a golden "
+                "label among its existing chunks)"
+            )
+        self.validator = Validator(
+            resolve_docs(data.val, "val split"),
+            self.layers,
+            cfg.sample,
+            cfg.val_stride,
+            cfg.threshold,
+            allow_pickle=cfg.allow_pickle,
+            sizes=self.train_ds.sizes,
+        )
         # Training never bakes a short table into what it ships: the clamp is DeepSeek-V4's 1M unless asked.
         max_pos = cfg.max_position or RopeConfig().max_position
         if max_pos <= self.train_ds.max_position:
-            raise UserError(f"--max-position {max_pos}: the dump has positions up to {self.train_ds.max_position}; "
-                            "they would all be clamped (use 0 for the default 1,048,576)")
-        self.model = build_model(cfg, self.layers, self.train_ds.hidden_size, self.train_ds.head_dim,
-                                 max_pos).to(self.device)
+            raise UserError(
+                f"--max-position {max_pos}: the dump has positions up to {self.train_ds.max_position}; "
+                "they would all be clamped (use 0 for the default 1,048,576)"
+            )
+        self.model = build_model(cfg, self.layers, self.train_ds.hidden_size, self.train_ds.head_dim, max_pos).to(
+            self.device
+        )
         self.init_notes = {}
         if not cfg.no_pretrain and not cfg.resume_from:
             if not cfg.weight_dir:
@@ -200,14 +225,27 @@ class Trainer:
         if self.info.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.head = nn.parallel.DistributedDataParallel(self.head, device_ids=ids)
-        self.sampler = DistributedSampler(self.train_ds, num_replicas=self.info.world, rank=self.info.rank,
-                                          shuffle=True, seed=cfg.seed, drop_last=self.info.enabled)
-        self.loader = DataLoader(self.train_ds, batch_size=cfg.batch_size, sampler=self.sampler, collate_fn=collate,
-                                 num_workers=cfg.num_workers, drop_last=False)
+        self.sampler = DistributedSampler(
+            self.train_ds,
+            num_replicas=self.info.world,
+            rank=self.info.rank,
+            shuffle=True,
+            seed=cfg.seed,
+            drop_last=self.info.enabled,
+        )
+        self.loader = DataLoader(
+            self.train_ds,
+            batch_size=cfg.batch_size,
+            sampler=self.sampler,
+            collate_fn=collate,
+            num_workers=cfg.num_workers,
+            drop_last=False,
+        )
         self.steps_per_epoch = len(self.loader)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.wd)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt,
-                                                                T_max=max(1, self.steps_per_epoch * cfg.epochs))
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.opt, T_max=max(1, self.steps_per_epoch * cfg.epochs)
+        )
         self.step, self.start_epoch = 0, 0
         self.best = {"f1": -1.0, "rk": -1.0, "stale": 0}
         self.out = Path(cfg.output_dir)
@@ -250,9 +288,11 @@ class Trainer:
             return None
         if not self.cfg.overwrite:
             shown = ", ".join(old[:4]) + (f", ... ({len(old)} files)" if len(old) > 4 else "")
-            raise UserError(f"--output-dir {self.out}: already holds a training run ({shown}); pass --resume-from "
-                            f"{self.out}/ckpt_joint_epochEEE.pt to continue it, --overwrite to move its files aside "
-                            "into a previous-<time>/ folder there, or choose another --output-dir")
+            raise UserError(
+                f"--output-dir {self.out}: already holds a training run ({shown}); pass --resume-from "
+                f"{self.out}/ckpt_joint_epochEEE.pt to continue it, --overwrite to move its files aside "
+                "into a previous-<time>/ folder there, or choose another --output-dir"
+            )
         return move_aside(self.out, old)
 
     def _resume_into_dir(self) -> Path | None:
@@ -260,14 +300,17 @@ class Trainer:
         dest = move_aside(self.out, list(plan.move)) if plan.move else None
         if plan.metrics is not None:
             atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in plan.metrics))
-            self.resume_notes.append(f"{self.metrics_path}: kept the records up to step {self.step}; the old file "
-                                     f"(with records after the resumed checkpoint) is in {dest}")
+            self.resume_notes.append(
+                f"{self.metrics_path}: kept the records up to step {self.step}; the old file "
+                f"(with records after the resumed checkpoint) is in {dest}"
+            )
         for key in plan.lost_best:
             if self.best[key] >= 0:
                 self.resume_notes.append(
                     f"{self.out / BEST_FILES[key]}: the best checkpoint of the resumed run (score "
                     f"{self.best[key]:.4f}) is not here or was chosen after step {self.step}; the next validation "
-                    "writes it, and later ones replace it when they score higher")
+                    "writes it, and later ones replace it when they score higher"
+                )
             self.best[key] = -1.0
         return dest
 
@@ -281,10 +324,17 @@ class Trainer:
         bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:  # the per-step check stops training first; this guards the file itself
             raise TrainingDivergedError(f"{self.epoch_checkpoint(epoch)}: not written: {bad[0]} holds NaN/inf")
-        obj = {"model_state": state,
-               "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-               "epoch": epoch, "step": self.step, "best": dict(self.best), "config": cfg_json,
-               "dims": json.dumps(self.model.dims.__dict__), "rope": json.dumps(self.model.rope.__dict__)}
+        obj = {
+            "model_state": state,
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "epoch": epoch,
+            "step": self.step,
+            "best": dict(self.best),
+            "config": cfg_json,
+            "dims": json.dumps(self.model.dims.__dict__),
+            "rope": json.dumps(self.model.rope.__dict__),
+        }
         p = self.epoch_checkpoint(epoch)
         _atomic_torch_save(obj, p)
         return p
@@ -309,9 +359,11 @@ class Trainer:
         self.step, epoch, self.best = read_progress(obj, path, self.best)
         self.start_epoch = epoch + 1
         if self.start_epoch >= self.cfg.epochs:
-            raise UserError(f"--resume-from {path}: that run already finished epoch {self.start_epoch} of "
-                            f"--epochs {self.cfg.epochs} (epochs count from 1); nothing is left to train. Pass "
-                            f"--epochs greater than {self.start_epoch} to train further")
+            raise UserError(
+                f"--resume-from {path}: that run already finished epoch {self.start_epoch} of "
+                f"--epochs {self.cfg.epochs} (epochs count from 1); nothing is left to train. Pass "
+                f"--epochs greater than {self.start_epoch} to train further"
+            )
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self, epoch: int) -> bool:
@@ -331,9 +383,11 @@ class Trainer:
                 save_retriever(self.model, self.out / BEST_RK, meta | {"ens_r@512": repr(rk)})
             self.best["stale"] = 0 if improved else self.best["stale"] + 1
             _write_jsonl(self.metrics_path, {"kind": "val", "step": self.step, "epoch": epoch, **res})
-            tqdm.write(f"[val] step {self.step} ens-{self.cfg.select_ensemble}: f1 {f1:.4f} {RK_KEY} {rk:.4f} "
-                       f"auc {ens['auc']:.4f} P {ens['precision']:.4f} R {ens['recall']:.4f} "
-                       f"resident {ens['resident_frac']:.3f}")
+            tqdm.write(
+                f"[val] step {self.step} ens-{self.cfg.select_ensemble}: f1 {f1:.4f} {RK_KEY} {rk:.4f} "
+                f"auc {ens['auc']:.4f} P {ens['precision']:.4f} R {ens['recall']:.4f} "
+                f"resident {ens['resident_frac']:.3f}"
+            )
             stop = self.cfg.patience_vals > 0 and self.best["stale"] >= self.cfg.patience_vals
         return broadcast_flag(stop, self.info)
 
@@ -351,7 +405,8 @@ class Trainer:
                 f"training diverged at step {self.step + 1}: loss {float(loss.detach()):.4g}, gradient norm "
                 f"{float(gnorm):.4g} "
                 f"(non-finite); stopped before the optimizer step, so the weights and the checkpoints in "
-                f"{self.out} are from before it. Check the dump for NaN/inf values or lower --lr")
+                f"{self.out} are from before it. Check the dump for NaN/inf values or lower --lr"
+            )
         self.opt.step()
         self.sched.step()
         self.step += 1
@@ -377,8 +432,9 @@ class Trainer:
                 break
             self.sampler.set_epoch(epoch)
             self.train_ds.set_epoch(epoch)
-            bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=not (self.info.is_main and cfg.progress),
-                       leave=False)
+            bar = tqdm(
+                self.loader, desc=f"epoch {epoch}", disable=not (self.info.is_main and cfg.progress), leave=False
+            )
             t0, window = time.perf_counter(), []
             for batch in bar:
                 loss = self.train_one(batch)
@@ -387,12 +443,19 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.sched.get_last_lr()[0]:.2e}")
                 if self.info.is_main and self.step % max(cfg.log_interval, 1) == 0:
                     dt = time.perf_counter() - t0
-                    rec = {"kind": "train", "step": self.step, "epoch": epoch, "loss": sum(window) / len(window),
-                           "lr": self.sched.get_last_lr()[0],
-                           "samples_per_s": len(window) * cfg.batch_size * self.info.world / max(dt, 1e-9)}
+                    rec = {
+                        "kind": "train",
+                        "step": self.step,
+                        "epoch": epoch,
+                        "loss": sum(window) / len(window),
+                        "lr": self.sched.get_last_lr()[0],
+                        "samples_per_s": len(window) * cfg.batch_size * self.info.world / max(dt, 1e-9),
+                    }
                     _write_jsonl(self.metrics_path, rec)
-                    tqdm.write(f"[train] epoch {epoch} step {self.step} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                               f"{rec['samples_per_s']:.1f} samples/s")
+                    tqdm.write(
+                        f"[train] epoch {epoch} step {self.step} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                        f"{rec['samples_per_s']:.1f} samples/s"
+                    )
                     t0, window = time.perf_counter(), []
                 if cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
                     stop = self.validate(epoch)
@@ -403,5 +466,10 @@ class Trainer:
             if self.info.is_main:
                 self.save_checkpoint(epoch)
             barrier(self.info)
-        return {"steps": self.step, "losses": losses, "best": dict(self.best), "early_stopped": stop,
-                "output_dir": str(self.out)}
+        return {
+            "steps": self.step,
+            "losses": losses,
+            "best": dict(self.best),
+            "early_stopped": stop,
+            "output_dir": str(self.out),
+        }

@@ -24,8 +24,9 @@ def bce_loss(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, m
     return _row_mean(F.binary_cross_entropy_with_logits(z, target, reduction="none") * weight, mask)
 
 
-def focal_loss(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
-               gamma: float = 2.0) -> torch.Tensor:
+def focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, gamma: float = 2.0
+) -> torch.Tensor:
     """Focal loss BCE * (1 - p_t)^gamma * weight, no alpha (as upstream). Shapes as `bce_loss`."""
     z = logits.float().masked_fill(~mask, 0.0)
     bce = F.binary_cross_entropy_with_logits(z, target, reduction="none")
@@ -45,16 +46,20 @@ def bpr_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> 
     neg = mask & (target <= 0.5)
     losses = []
     for s in range(0, z.shape[0], 64):
-        zs, ps, ns = z[s:s + 64], pos[s:s + 64], neg[s:s + 64]
-        diff = zs.unsqueeze(2) - zs.unsqueeze(1)                # [b, i(pos), j(neg)]
+        zs, ps, ns = z[s : s + 64], pos[s : s + 64], neg[s : s + 64]
+        diff = zs.unsqueeze(2) - zs.unsqueeze(1)  # [b, i(pos), j(neg)]
         pair = ps.unsqueeze(2) & ns.unsqueeze(1)
-        lp = F.softplus(-diff).masked_fill(~pair, 0.0)          # -log sigmoid(d) = softplus(-d)
+        lp = F.softplus(-diff).masked_fill(~pair, 0.0)  # -log sigmoid(d) = softplus(-d)
         losses.append(lp.sum((1, 2)) / pair.sum((1, 2)).clamp_min(1))
     return torch.cat(losses).sum() / max(z.shape[0], 1)
 
 
-def retrieval_loss(logits: dict[int, torch.Tensor], batch: dict, focal: bool = False, pairwise: float = 0.0,
-                   ) -> torch.Tensor:
+def retrieval_loss(
+    logits: dict[int, torch.Tensor],
+    batch: dict,
+    focal: bool = False,
+    pairwise: float = 0.0,
+) -> torch.Tensor:
     """Pointwise (focal or BCE) loss plus `pairwise` x BPR, averaged over layers. logits: {L: [B, n]}."""
     t, w, m = batch["target"], batch["weight"], batch["mask"]
     per_layer = []

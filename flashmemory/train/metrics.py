@@ -34,8 +34,8 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     order = torch.argsort(s)
     sorted_s = s[order]
     _, inv, counts = torch.unique_consecutive(sorted_s, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()                 # 1-based rank of each tie group's last item
-    avg_rank = ends - (counts.double() - 1) / 2              # average 1-based rank inside the group
+    ends = torch.cumsum(counts, 0).double()  # 1-based rank of each tie group's last item
+    avg_rank = ends - (counts.double() - 1) / 2  # average 1-based rank inside the group
     ranks = torch.empty_like(s)
     ranks[order] = avg_rank[inv]
     u = float(ranks[labels].sum()) - n_pos * (n_pos + 1) / 2
@@ -99,9 +99,14 @@ class RowMetrics:
     def result(self) -> dict[str, float]:
         p = self.tp / max(self.tp + self.fp, 1)
         r = self.tp / max(self.tp + self.fn, 1)
-        out = {"precision": p, "recall": r, "f1": 2 * p * r / max(p + r, 1e-12),
-               "auc": self.auc_sum / self.auc_rows if self.auc_rows else float("nan"),
-               "resident_frac": self.resident / max(self.rows, 1), "rows": self.rows}
+        out = {
+            "precision": p,
+            "recall": r,
+            "f1": 2 * p * r / max(p + r, 1e-12),
+            "auc": self.auc_sum / self.auc_rows if self.auc_rows else float("nan"),
+            "resident_frac": self.resident / max(self.rows, 1),
+            "rows": self.rows,
+        }
         for k in self.ks:
             out[f"r@{k}"] = self.rk_sum.get(k, 0.0) / self.rk_rows if self.rk_rows else float("nan")
         return out

@@ -33,11 +33,17 @@ NATIVE = {
     "wq_a.weight": r"(?:attn\.wq_a|self_attn\.q_a_proj)\.weight",
     "q_norm_weight": r"(?:attn\.q_norm|self_attn\.q_a_norm)\.weight",
     "wq_b.weight": r"(?:attn\.indexer\.wq_b|self_attn\.compressor\.indexer\.q_b_proj)\.weight",
-    "weights_proj.weight": (r"(?:attn\.indexer\.weights_proj"
-                            r"|self_attn\.compressor\.indexer\.scorer\.weights_proj)\.weight"),
+    "weights_proj.weight": (
+        r"(?:attn\.indexer\.weights_proj"
+        r"|self_attn\.compressor\.indexer\.scorer\.weights_proj)\.weight"
+    ),
 }
-EXTRACTED = {"wq_a.weight": "wq_a.weight", "q_norm_weight": "q_norm.weight",
-             "wq_b.weight": "indexer.wq_b.weight", "weights_proj.weight": "indexer.weights_proj.weight"}
+EXTRACTED = {
+    "wq_a.weight": "wq_a.weight",
+    "q_norm_weight": "q_norm.weight",
+    "wq_b.weight": "indexer.wq_b.weight",
+    "weights_proj.weight": "indexer.weights_proj.weight",
+}
 FP8_BLOCK = 128
 
 
@@ -63,6 +69,7 @@ def _tensor_index(weight_dir: Path) -> dict[str, Path]:
         wm = json.loads(idx_file.read_text()).get("weight_map", {})
         return {k: weight_dir / v for k, v in wm.items()}
     from safetensors import safe_open
+
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
@@ -99,6 +106,7 @@ class NativeWeights:
         if self.state is not None:
             return self.state[key]
         from safetensors import safe_open
+
         with safe_open(str(self.index[key]), framework="pt") as h:
             return h.get_tensor(key)
 
@@ -113,12 +121,17 @@ class NativeWeights:
         hits = [k for k in keys if pat.search(k)]
         if not hits:  # upstream's extracted per-layer files: bare keys in layer_{i:02d}.safetensors
             want = EXTRACTED[param]
-            hits = [k for k in keys if k == want and self.index is not None
-                    and self.index[k].name == f"layer_{model_layer:02d}.safetensors"]
+            hits = [
+                k
+                for k in keys
+                if k == want and self.index is not None and self.index[k].name == f"layer_{model_layer:02d}.safetensors"
+            ]
         if len(hits) != 1:
             what = "no key" if not hits else f"several keys {hits[:4]}"
-            raise NativeWeightError(f"{self.dir or 'state dict'}: {what} for {param} of model layer {model_layer} "
-                                    f"(pattern layers.{model_layer}.{NATIVE[param]})")
+            raise NativeWeightError(
+                f"{self.dir or 'state dict'}: {what} for {param} of model layer {model_layer} "
+                f"(pattern layers.{model_layer}.{NATIVE[param]})"
+            )
         return hits[0]
 
     def layer(self, model_layer: int) -> dict[str, torch.Tensor]:
@@ -129,11 +142,15 @@ class NativeWeights:
             w = self._get(key)
             if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 base = key[: -len(".weight")]
-                cands = [c for c in (base + ".scale", key + "_scale_inv", base + ".weight_scale_inv")
-                         if c in set(self.keys())]
+                cands = [
+                    c
+                    for c in (base + ".scale", key + "_scale_inv", base + ".weight_scale_inv")
+                    if c in set(self.keys())
+                ]
                 if not cands:
-                    raise NativeWeightError(f"{key} is {w.dtype} but has no block scale ({base}.scale or "
-                                            f"{key}_scale_inv)")
+                    raise NativeWeightError(
+                        f"{key} is {w.dtype} but has no block scale ({base}.scale or {key}_scale_inv)"
+                    )
                 w = dequantize_fp8(w, self._get(cands[0]))
             out[param] = w.float()
         return out
@@ -157,7 +174,8 @@ def copy_native(model: JointRetriever, native: NativeWeights) -> dict[int, str]:
             raise NativeWeightError(
                 f"model layer {c4[lid]}: native wq_a {tuple(w['wq_a.weight'].shape)}, wq_b "
                 f"{tuple(w['wq_b.weight'].shape)}, weights_proj {tuple(w['weights_proj.weight'].shape)} do not fit "
-                f"a retriever with hidden {d.hidden}, head_dim {d.head_dim}")
+                f"a retriever with hidden {d.hidden}, head_dim {d.head_dim}"
+            )
         r, h = min(rank_n, d.rank), min(heads_n, d.n_heads)
         layer = model.layer(lid)
         with torch.no_grad():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 BEST_F1 = "ckpt_joint_best_ens_f1.safetensors"
 BEST_RK = "ckpt_joint_best_ens_rk.safetensors"
-BEST_FILES = {"f1": BEST_F1, "rk": BEST_RK}   # key of `Trainer.best` -> file
+BEST_FILES = {"f1": BEST_F1, "rk": BEST_RK}  # key of `Trainer.best` -> file
 METRICS = "metrics.jsonl"
 
 
@@ -28,8 +28,12 @@ def run_files(out: Path) -> list[str]:
     """Names in `out` that a training run writes (and a new run would overwrite or mix with)."""
     if not out.is_dir():
         return []
-    return sorted(p.name for p in out.iterdir() if p.is_file() and
-                  (p.name == METRICS or (p.name.startswith("ckpt_joint_") and p.suffix in (".pt", ".safetensors"))))
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.is_file()
+        and (p.name == METRICS or (p.name.startswith("ckpt_joint_") and p.suffix in (".pt", ".safetensors")))
+    )
 
 
 def epoch_of(name: str) -> int | None:
@@ -42,6 +46,7 @@ def best_step(path: Path) -> int | None:
     """The training step a best checkpoint was chosen at (its `step` metadata); None if unreadable or absent."""
     try:
         from safetensors import safe_open
+
         with safe_open(str(path), framework="pt") as f:
             return int((f.metadata() or {})["step"])
     except Exception:  # a truncated file, a foreign one, no step: not provably part of the resumed run
@@ -61,9 +66,9 @@ def _kept(line: str, epoch: int, step: int) -> bool:
 class ResumePlan:
     """What resuming into `out` from (epoch, step) changes there; see the module docstring."""
 
-    move: tuple[str, ...]              # run files to move aside
-    metrics: tuple[str, ...] | None    # the metrics.jsonl lines to write back (None: leave metrics.jsonl as is)
-    lost_best: tuple[str, ...]         # keys of `BEST_FILES` whose file is absent once `move` is done
+    move: tuple[str, ...]  # run files to move aside
+    metrics: tuple[str, ...] | None  # the metrics.jsonl lines to write back (None: leave metrics.jsonl as is)
+    lost_best: tuple[str, ...]  # keys of `BEST_FILES` whose file is absent once `move` is done
 
 
 def plan_resume(out: Path, epoch: int, step: int) -> ResumePlan:
@@ -96,9 +101,12 @@ def read_progress(obj: dict, path: str | Path, best: dict) -> tuple[int, int, di
         ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
         if not ok or (integer and (x != int(x) or x < 0)):
             kind = "a non-negative integer" if integer else "a finite number"
-            raise CheckpointError(f"--resume-from {path}: '{key}' is {x!r}, not {kind}; not an epoch checkpoint "
-                                  "written by `flashmemory train`?")
+            raise CheckpointError(
+                f"--resume-from {path}: '{key}' is {x!r}, not {kind}; not an epoch checkpoint "
+                "written by `flashmemory train`?"
+            )
         return int(x) if integer else float(x)
+
     step, epoch = number("step", obj["step"], True), number("epoch", obj["epoch"], True)
     saved = obj.get("best", best)
     if not isinstance(saved, dict):

@@ -24,20 +24,20 @@ import torch
 
 from flashmemory.labels import LabelsCSR, lookahead_union_all
 
-MAX_NEG_RATIO = 1e6   # far above any useful ratio (negatives are capped by the chunks that exist anyway)
+MAX_NEG_RATIO = 1e6  # far above any useful ratio (negatives are capped by the chunks that exist anyway)
 
 
 @dataclass(frozen=True)
 class SampleConfig:
-    label_interval: int = 64      # tau: lookahead window [t, t + tau)
-    max_pos: int = 512            # positives per sample (drawn without replacement when more)
-    neg_ratio: float = 1.0        # negatives per positive
-    sample_interval: int = 1      # keep every k-th decode step
-    weighted: bool = False        # upstream vote weights for positives
-    causal: bool = True           # only chunks that exist at t (see module docstring)
-    vote_lo: int = 3              # votes mapped to weight 0.5 ...
-    vote_hi: int = 21             # ... and to weight 2.0 (linear between, clamped)
-    frequent_frac: float = 0.8    # positives golden for more than this share of a doc's tokens ...
+    label_interval: int = 64  # tau: lookahead window [t, t + tau)
+    max_pos: int = 512  # positives per sample (drawn without replacement when more)
+    neg_ratio: float = 1.0  # negatives per positive
+    sample_interval: int = 1  # keep every k-th decode step
+    weighted: bool = False  # upstream vote weights for positives
+    causal: bool = True  # only chunks that exist at t (see module docstring)
+    vote_lo: int = 3  # votes mapped to weight 0.5 ...
+    vote_hi: int = 21  # ... and to weight 2.0 (linear between, clamped)
+    frequent_frac: float = 0.8  # positives golden for more than this share of a doc's tokens ...
     frequent_weight: float = 0.5  # ... get this weight (always applied, as upstream)
 
     def __post_init__(self) -> None:
@@ -70,8 +70,9 @@ class DocTargets:
 
 
 def doc_labels(doc) -> LabelsCSR:
-    return LabelsCSR(doc.label_indices.to(torch.int32), doc.label_scores.to(torch.int32),
-                     doc.label_pointers.to(torch.int32))
+    return LabelsCSR(
+        doc.label_indices.to(torch.int32), doc.label_scores.to(torch.int32), doc.label_pointers.to(torch.int32)
+    )
 
 
 def n_chunks_total(doc) -> int:
@@ -99,8 +100,9 @@ def doc_targets(doc, cfg: SampleConfig) -> DocTargets:
     return DocTargets(union, n_avail, frequent, rows)
 
 
-def positive_weights(votes: torch.Tensor, chunk_ids: torch.Tensor, frequent: torch.Tensor,
-                     cfg: SampleConfig) -> torch.Tensor:
+def positive_weights(
+    votes: torch.Tensor, chunk_ids: torch.Tensor, frequent: torch.Tensor, cfg: SampleConfig
+) -> torch.Tensor:
     """[P] fp32 weights: 1, or with `weighted` 0.5 + 1.5 (v - lo) / (hi - lo) clamped to [0.5, 2];
     then chunks in `frequent` get `frequent_weight`."""
     if cfg.weighted:
@@ -110,8 +112,9 @@ def positive_weights(votes: torch.Tensor, chunk_ids: torch.Tensor, frequent: tor
     return torch.where(frequent[chunk_ids], torch.full_like(w, cfg.frequent_weight), w)
 
 
-def draw_sample(tg: DocTargets, t: int, cfg: SampleConfig, gen: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def draw_sample(
+    tg: DocTargets, t: int, cfg: SampleConfig, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chunk ids [n] int64, targets [n] fp32 in {0, 1}, weights [n] fp32), positives first.
 
     Every id is < n_avail[t]; negatives never include any chunk of the (uncapped) window union.

@@ -23,8 +23,9 @@ from flashmemory.retriever.model import JointRetriever, RetrieverDims
 TEACHER_DIMS = RetrieverDims(hidden=64, rank=32, n_heads=8, head_dim=32, rope_dim=16)
 
 
-def make_teacher(layers: tuple[int, ...] = (0, 1), dims: RetrieverDims = TEACHER_DIMS, seed: int = 0,
-                 sharpness: float = 8.0) -> JointRetriever:
+def make_teacher(
+    layers: tuple[int, ...] = (0, 1), dims: RetrieverDims = TEACHER_DIMS, seed: int = 0, sharpness: float = 8.0
+) -> JointRetriever:
     """A random joint retriever whose logits are peaky enough (weights_proj scaled up) to give labels."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -36,8 +37,17 @@ def make_teacher(layers: tuple[int, ...] = (0, 1), dims: RetrieverDims = TEACHER
 
 
 @torch.no_grad()
-def make_doc(teacher: JointRetriever, doc_index: int, prompt_len: int, n_tokens: int, seed: int,
-             topk: int = 4, topp: float = 0.5, min_layers: int = 1, ratio: int = 4) -> DumpDoc:
+def make_doc(
+    teacher: JointRetriever,
+    doc_index: int,
+    prompt_len: int,
+    n_tokens: int,
+    seed: int,
+    topk: int = 4,
+    topp: float = 0.5,
+    min_layers: int = 1,
+    ratio: int = 4,
+) -> DumpDoc:
     g = torch.Generator().manual_seed(seed)
     d = teacher.dims
     n_chunks = (prompt_len + n_tokens) // ratio
@@ -53,18 +63,35 @@ def make_doc(teacher: JointRetriever, doc_index: int, prompt_len: int, n_tokens:
         compk[L] = quantize_chunks(torch.randn(n_chunks, d.head_dim, generator=g))
         keys = dequantize_chunks(compk[L])
         logits[L] = teacher.layer(L).logits(hidden[L], positions, keys, n_vis)
-    labels = golden_labels([logits[L] for L in teacher.layers], topk=topk, topp=topp, min_layers=min_layers,
-                           n_visible=n_vis)
+    labels = golden_labels(
+        [logits[L] for L in teacher.layers], topk=topk, topp=topp, min_layers=min_layers, n_visible=n_vis
+    )
     native = {(L, t): logits[L][t, : int(n_vis[t])].clone() for L in teacher.layers for t in range(min(3, n_tokens))}
-    return DumpDoc(doc_index=doc_index, rid=f"synthetic-{doc_index}", hidden=hidden,
-                   positions={L: positions.clone() for L in teacher.layers}, compk=compk,
-                   label_indices=labels.indices, label_scores=labels.scores, label_pointers=labels.pointers,
-                   n_prompt_blocks=prompt_len // ratio, ratio=ratio, native_logits=native, topp=topp,
-                   min_layers=min_layers)
+    return DumpDoc(
+        doc_index=doc_index,
+        rid=f"synthetic-{doc_index}",
+        hidden=hidden,
+        positions={L: positions.clone() for L in teacher.layers},
+        compk=compk,
+        label_indices=labels.indices,
+        label_scores=labels.scores,
+        label_pointers=labels.pointers,
+        n_prompt_blocks=prompt_len // ratio,
+        ratio=ratio,
+        native_logits=native,
+        topp=topp,
+        min_layers=min_layers,
+    )
 
 
-def write_synthetic_dump(out_dir: str | Path, teacher: JointRetriever, n_docs: int = 4, prompt_len: int = 256,
-                         n_tokens: int = 48, seed: int = 0) -> list[Path]:
+def write_synthetic_dump(
+    out_dir: str | Path,
+    teacher: JointRetriever,
+    n_docs: int = 4,
+    prompt_len: int = 256,
+    n_tokens: int = 48,
+    seed: int = 0,
+) -> list[Path]:
     """Write `n_docs` documents (prompt lengths vary by doc) with the dump writer; returns their paths."""
     w = DumpWriter(out_dir)
     paths = []
@@ -80,13 +107,15 @@ def write_native_checkpoint(out_dir: str | Path, teacher: JointRetriever, fp8_wq
     and one shard with official names `layers.{i}.attn.{wq_a,q_norm,indexer.wq_b,indexer.weights_proj}`.
     fp8_wq_a stores wq_a as float8_e4m3fn with a 128x128 block `.scale`, like the released checkpoint."""
     from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_c4 = max(teacher.layers) + 1
     ratios = [0, 0] + [4, 128] * n_c4 + [0]
     c4 = [i for i, r in enumerate(ratios) if r == 4]
-    (out / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": len(ratios),
-                                                 "compress_ratios": ratios}))
+    (out / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": len(ratios), "compress_ratios": ratios})
+    )
     state = {}
     for lid in teacher.layers:
         layer, i = teacher.layer(lid), c4[lid]

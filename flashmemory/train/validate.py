@@ -22,8 +22,14 @@ ENSEMBLES = ("max", "mean")
 
 
 @torch.no_grad()
-def score_rows(model: JointRetriever, doc, rows: torch.Tensor, n_avail: torch.Tensor, device: torch.device | str,
-               chunk_rows: int = 256) -> dict[int, torch.Tensor]:
+def score_rows(
+    model: JointRetriever,
+    doc,
+    rows: torch.Tensor,
+    n_avail: torch.Tensor,
+    device: torch.device | str,
+    chunk_rows: int = 256,
+) -> dict[int, torch.Tensor]:
     """Sigmoid scores {L: [R, n_max]} of decode steps `rows` against chunks [0, n_max); columns
     >= n_avail[row] are 0. n_max = max(n_avail)."""
     n_max = int(n_avail.max()) if rows.numel() else 0
@@ -33,10 +39,10 @@ def score_rows(model: JointRetriever, doc, rows: torch.Tensor, n_avail: torch.Te
         keys = dequantize_chunks(doc.compk[L][:n_max]).to(device)
         parts = []
         for s in range(0, rows.numel(), chunk_rows):
-            r = rows[s:s + chunk_rows]
+            r = rows[s : s + chunk_rows]
             h = doc.hidden[L][r].to(device)
             pos = doc.positions[L][r].to(device)
-            parts.append(layer(h, pos, keys, n_avail[s:s + chunk_rows].to(device)).float().cpu())
+            parts.append(layer(h, pos, keys, n_avail[s : s + chunk_rows].to(device)).float().cpu())
         out[L] = torch.cat(parts) if parts else torch.zeros(0, n_max)
     return out
 
@@ -44,9 +50,18 @@ def score_rows(model: JointRetriever, doc, rows: torch.Tensor, n_avail: torch.Te
 class Validator:
     """Holds the val docs' targets; calling it scores a model and returns a metrics dict."""
 
-    def __init__(self, paths: list[Path], layers: tuple[int, ...], cfg: SampleConfig, stride: int = 4,
-                 threshold: float = 0.5, k_scale: float | None = None, allow_pickle: bool = False,
-                 cache_size: int = 64, sizes: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        paths: list[Path],
+        layers: tuple[int, ...],
+        cfg: SampleConfig,
+        stride: int = 4,
+        threshold: float = 0.5,
+        k_scale: float | None = None,
+        allow_pickle: bool = False,
+        cache_size: int = 64,
+        sizes: tuple[int, int] | None = None,
+    ):
         """sizes: (hidden size, index-key dim) every val doc must have (the train split's), if given."""
         if stride < 1:
             raise ValueError(f"val stride must be >= 1, got {stride}")
@@ -92,5 +107,10 @@ class Validator:
         if was_training:
             model.train()
         res = {name: a.result() for name, a in acc.items()}
-        return {"layers": {L: res[str(L)] for L in self.layers}, **{e: res[e] for e in ENSEMBLES},
-                "k_scale": self.k_scale, "k_eff": self.k_eff, "threshold": self.threshold}
+        return {
+            "layers": {L: res[str(L)] for L in self.layers},
+            **{e: res[e] for e in ENSEMBLES},
+            "k_scale": self.k_scale,
+            "k_eff": self.k_eff,
+            "threshold": self.threshold,
+        }

@@ -57,22 +57,28 @@ def rope_from_model_config(cfg: dict, head_dim: int) -> RopeConfig:
     """The compressed-layer YaRN RoPE of a DeepSeek-V4 config.json (official keys)."""
     rs = cfg.get("rope_scaling") or {}
     rope_dim = int(cfg.get("qk_rope_head_dim") or (64 if head_dim >= 128 else head_dim // 2))
-    return RopeConfig(rope_dim=rope_dim, theta=float(cfg.get("compress_rope_theta", 160000.0)),
-                      factor=float(rs.get("factor", 16.0)),
-                      original_len=int(rs.get("original_max_position_embeddings", 65536)),
-                      beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
-                      max_position=int(cfg.get("max_position_embeddings", 1048576)))
+    return RopeConfig(
+        rope_dim=rope_dim,
+        theta=float(cfg.get("compress_rope_theta", 160000.0)),
+        factor=float(rs.get("factor", 16.0)),
+        original_len=int(rs.get("original_max_position_embeddings", 65536)),
+        beta_fast=float(rs.get("beta_fast", 32.0)),
+        beta_slow=float(rs.get("beta_slow", 1.0)),
+        max_position=int(cfg.get("max_position_embeddings", 1048576)),
+    )
 
 
 def native_source(a: argparse.Namespace):
     """(NativeWeights, config dict) from --model (shipped name or HF dir) or --weight-dir."""
     from flashmemory.train.native_init import NativeWeights
+
     if a.weight_dir:
         nw = NativeWeights(a.weight_dir)
         if nw.cfg is None:
             raise FileNotFoundError(f"--weight-dir {a.weight_dir}: config.json needed for the RoPE parameters")
         return nw, nw.cfg
     from flashmemory.hf.models import config_dict, load_model, shipped_configs
+
     model, config = load_model(a.model, seed=a.seed)
     nw = NativeWeights(model.state_dict())
     nw.cfg = {"layer_types": list(config.layer_types)}
@@ -89,8 +95,13 @@ def native_layer(nw, raw_cfg: dict, c4_id: int, head_dim: int) -> RetrieverLayer
         raise ValueError(f"c4 layer {c4_id}: the model has {len(c4)} c4 layers")
     w = nw.layer(c4[c4_id])
     rank, hidden = w["wq_a.weight"].shape
-    dims = RetrieverDims(hidden=hidden, rank=rank, n_heads=w["weights_proj.weight"].shape[0], head_dim=head_dim,
-                         rope_dim=rope_from_model_config(raw_cfg, head_dim).rope_dim)
+    dims = RetrieverDims(
+        hidden=hidden,
+        rank=rank,
+        n_heads=w["weights_proj.weight"].shape[0],
+        head_dim=head_dim,
+        rope_dim=rope_from_model_config(raw_cfg, head_dim).rope_dim,
+    )
     layer = RetrieverLayer(dims, rope_from_model_config(raw_cfg, head_dim))
     with torch.no_grad():
         for k, v in w.items():
@@ -99,8 +110,9 @@ def native_layer(nw, raw_cfg: dict, c4_id: int, head_dim: int) -> RetrieverLayer
 
 
 @torch.no_grad()
-def native_logits(layer: RetrieverLayer, hidden: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-                  fp8_q: bool = False) -> torch.Tensor:
+def native_logits(
+    layer: RetrieverLayer, hidden: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, fp8_q: bool = False
+) -> torch.Tensor:
     """[B, n] native logits; fp8_q quantizes q per head (scale amax/448) as sglang's indexer does."""
     q, w = layer.query(hidden, pos)
     if fp8_q:
@@ -119,33 +131,49 @@ def verify_native(a: argparse.Namespace, docs: list) -> list[dict]:
                 layers[L] = native_layer(nw, raw, L, head_dim)
             n = ref.numel()
             keys = dequantize_chunks(doc.compk[L][:n])
-            got = native_logits(layers[L], doc.hidden[L][t:t + 1], doc.positions[L][t:t + 1], keys, a.fp8_q)[0]
-            rows.append({"doc": doc.doc_index, "layer": L, "t": t, "n": n, "r": pearson(got, ref),
-                         **{f"top{k}": topk_overlap(got, ref, k) for k in TOPK}})
+            got = native_logits(layers[L], doc.hidden[L][t : t + 1], doc.positions[L][t : t + 1], keys, a.fp8_q)[0]
+            rows.append(
+                {
+                    "doc": doc.doc_index,
+                    "layer": L,
+                    "t": t,
+                    "n": n,
+                    "r": pearson(got, ref),
+                    **{f"top{k}": topk_overlap(got, ref, k) for k in TOPK},
+                }
+            )
     return rows
 
 
 @torch.no_grad()
-def reference_logits(sd: dict[str, torch.Tensor], rope: RopeConfig, hidden: torch.Tensor, pos: torch.Tensor,
-                     keys: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+def reference_logits(
+    sd: dict[str, torch.Tensor],
+    rope: RopeConfig,
+    hidden: torch.Tensor,
+    pos: torch.Tensor,
+    keys: torch.Tensor,
+    n_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
     """Float64 retriever logits written out step by step: [B, n]."""
     x = hidden.double()
     ql = x @ sd["wq_a.weight"].double().T
     ql = ql / torch.sqrt((ql * ql).mean(-1, keepdim=True) + 1e-6) * sd["q_norm_weight"].double()
     q = (ql @ sd["wq_b.weight"].double().T).view(-1, n_heads, head_dim)
-    ang = rope_angles(pos, rope).unsqueeze(1)                              # [B, 1, rope/2] float64
-    rot = q[..., head_dim - rope.rope_dim:]
+    ang = rope_angles(pos, rope).unsqueeze(1)  # [B, 1, rope/2] float64
+    rot = q[..., head_dim - rope.rope_dim :]
     re, im = rot[..., 0::2], rot[..., 1::2]
     out = torch.empty_like(rot)
     out[..., 0::2] = re * ang.cos() - im * ang.sin()
     out[..., 1::2] = re * ang.sin() + im * ang.cos()
     q = torch.cat((q[..., : head_dim - rope.rope_dim], out), -1) @ (hadamard_matrix(head_dim) / math.sqrt(head_dim))
-    w = (x @ sd["weights_proj.weight"].double().T) * (head_dim ** -0.5 * n_heads ** -0.5)
+    w = (x @ sd["weights_proj.weight"].double().T) * (head_dim**-0.5 * n_heads**-0.5)
     return torch.einsum("bhd,nd->bhn", q, keys.double()).relu().mul(w.unsqueeze(-1)).sum(1)
 
 
 def verify_checkpoint(a: argparse.Namespace, docs: list) -> list[dict]:
     from flashmemory.retriever.checkpoint import PARAMS, load_retriever
+
     model = load_retriever(a.checkpoint).eval()
     rows = []
     for doc in docs:
@@ -156,22 +184,35 @@ def verify_checkpoint(a: argparse.Namespace, docs: list) -> list[dict]:
             for t in steps:
                 n = min(int(doc.n_chunks_at[t]), doc.n_chunks)
                 keys = dequantize_chunks(doc.compk[L][:n])
-                h, p = doc.hidden[L][t:t + 1], doc.positions[L][t:t + 1]
+                h, p = doc.hidden[L][t : t + 1], doc.positions[L][t : t + 1]
                 with torch.no_grad():
                     got = layer.logits(h, p, keys)[0] - layer.logit_offset
                 ref = reference_logits(sd, model.rope, h, p, keys, model.dims.n_heads, model.dims.head_dim)[0]
                 err = float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                rows.append({"doc": doc.doc_index, "layer": L, "t": t, "n": n, "r": pearson(got, ref),
-                             "max_rel_err": err, **{f"top{k}": topk_overlap(got, ref.float(), k) for k in TOPK}})
+                rows.append(
+                    {
+                        "doc": doc.doc_index,
+                        "layer": L,
+                        "t": t,
+                        "n": n,
+                        "r": pearson(got, ref),
+                        "max_rel_err": err,
+                        **{f"top{k}": topk_overlap(got, ref.float(), k) for k in TOPK},
+                    }
+                )
     return rows
 
 
 def dump_provenance(dump: str, paths: list[Path]) -> set[tuple[str, int]]:
     """(model, seed) pairs the metadata lines of `paths` record (hf dumps; empty for older or sglang dumps)."""
     from flashmemory.dump.format import read_metadata
+
     names = {p.name for p in paths}
-    return {(str(r["model"]), r["seed"]) for r in read_metadata(dump)
-            if r["filename"] in names and "model" in r and isinstance(r.get("seed"), int)}
+    return {
+        (str(r["model"]), r["seed"])
+        for r in read_metadata(dump)
+        if r["filename"] in names and "model" in r and isinstance(r.get("seed"), int)
+    }
 
 
 def seed_problem(a: argparse.Namespace, made: set[tuple[str, int]]) -> str | None:
@@ -181,9 +222,11 @@ def seed_problem(a: argparse.Namespace, made: set[tuple[str, int]]) -> str | Non
     seeds = sorted(s for m, s in made if m == a.model)
     seeded = not Path(a.model).is_dir()  # a checkpoint directory ignores the seed
     if seeded and seeds and a.seed not in seeds:
-        return (f"--seed {a.seed}: the dump {a.dump} was made with --model {a.model} --seed "
-                f"{' / '.join(map(str, seeds))} (server_metadata.jsonl); its native logits come from that random "
-                f"model, so pass --seed {seeds[0]}")
+        return (
+            f"--seed {a.seed}: the dump {a.dump} was made with --model {a.model} --seed "
+            f"{' / '.join(map(str, seeds))} (server_metadata.jsonl); its native logits come from that random "
+            f"model, so pass --seed {seeds[0]}"
+        )
     return None
 
 
@@ -192,8 +235,10 @@ def fail_reason(a: argparse.Namespace, made: set[tuple[str, int]]) -> str:
     if a.checkpoint or a.weight_dir:
         return ""
     if not made:
-        return ("; the dump records no model/seed (an older or sglang dump): check that --model and --seed are the "
-                "ones it was made with")
+        return (
+            "; the dump records no model/seed (an older or sglang dump): check that --model and --seed are the "
+            "ones it was made with"
+        )
     if (a.model, a.seed) in made or any(m == a.model and Path(a.model).is_dir() for m, _ in made):
         return ""  # the dump's own model and seed: the mismatch is real
     pairs = ", ".join(f"--model {m} --seed {s}" for m, s in sorted(made))
@@ -202,10 +247,13 @@ def fail_reason(a: argparse.Namespace, made: set[tuple[str, int]]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     from flashmemory.dump.format import DumpFormatError, list_docs, load_doc
+
     modes = [x for x in (a.model, a.weight_dir, a.checkpoint) if x]
     if len(modes) != 1:
-        print("flashmemory verify: error: give exactly one of --model, --weight-dir (native mode) or --checkpoint",
-              file=sys.stderr)
+        print(
+            "flashmemory verify: error: give exactly one of --model, --weight-dir (native mode) or --checkpoint",
+            file=sys.stderr,
+        )
         return 2
     if not 0 <= a.seed <= MAX_SEED:
         print(f"flashmemory verify: error: --seed {a.seed} must lie in [0, {MAX_SEED}] (2**63 - 1)", file=sys.stderr)
@@ -228,8 +276,10 @@ def run(a: argparse.Namespace) -> int:
         return 2
     print(f"{'doc':>5} {'layer':>5} {'t':>3} {'n':>6} {'r':>8} " + " ".join(f"{'top' + str(k):>7}" for k in TOPK))
     for r in rows:
-        print(f"{r['doc']:>5} {r['layer']:>5} {r['t']:>3} {r['n']:>6} {r['r']:8.5f} "
-              + " ".join(f"{r[f'top{k}']:7.3f}" for k in TOPK))
+        print(
+            f"{r['doc']:>5} {r['layer']:>5} {r['t']:>3} {r['n']:>6} {r['r']:8.5f} "
+            + " ".join(f"{r[f'top{k}']:7.3f}" for k in TOPK)
+        )
     min_r = min(r["r"] for r in rows)
     need = PASS_R if not a.checkpoint else 0.9999
     ok = not math.isnan(min_r) and min_r >= need
@@ -237,21 +287,31 @@ def run(a: argparse.Namespace) -> int:
         worst = max(r["max_rel_err"] for r in rows)
         ok = ok and worst < 1e-4
         print(f"max relative error vs float64: {worst:.2e}")
-    print(f"{'PASS' if ok else 'FAIL'}: min r = {min_r:.5f} over {len(rows)} rows (need >= {need})"
-          + ("" if ok else fail_reason(a, made)))
+    print(
+        f"{'PASS' if ok else 'FAIL'}: min r = {min_r:.5f} over {len(rows)} rows (need >= {need})"
+        + ("" if ok else fail_reason(a, made))
+    )
     return 0 if ok else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check native indexer logits or a retriever checkpoint against a dump",
-                       description=__doc__.split("\n\n")[0] + " Native mode needs --model or --weight-dir; "
-                                   "checkpoint mode needs --checkpoint.")
+    p = sub.add_parser(
+        "verify",
+        help="check native indexer logits or a retriever checkpoint against a dump",
+        description=__doc__.split("\n\n")[0] + " Native mode needs --model or --weight-dir; "
+        "checkpoint mode needs --checkpoint.",
+    )
     p.add_argument("--dump", required=True, help="dump directory")
     p.add_argument("--model", default=None, help="native mode: shipped model name (micro, tiny-flash) or HF model dir")
-    p.add_argument("--seed", type=int, default=0, help="seed of a shipped random model (must match the dump's; "
-                                                       "a dump records it, and a mismatch is refused)")
-    p.add_argument("--weight-dir", default=None,
-                   help="native mode: dir of DeepSeek-V4 safetensors shards + config.json")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of a shipped random model (must match the dump's; a dump records it, and a mismatch is refused)",
+    )
+    p.add_argument(
+        "--weight-dir", default=None, help="native mode: dir of DeepSeek-V4 safetensors shards + config.json"
+    )
     p.add_argument("--checkpoint", default=None, help="checkpoint mode: a retriever checkpoint")
     p.add_argument("--max-docs", type=int, default=4, help="documents to check (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="checkpoint mode: decode steps per doc (default %(default)s)")

@@ -45,10 +45,10 @@ from flashmemory.retriever import (  # noqa: F401
 )
 from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever  # imports no sglang
 
-N_C4_LAYERS = 21        # DeepSeek-V4-Flash c4 (CSA) layers: the native indexer runs on each, every step
+N_C4_LAYERS = 21  # DeepSeek-V4-Flash c4 (CSA) layers: the native indexer runs on each, every step
 TARGET_LAYERS = (10, 12, 20)
-NATIVE_HEADS = 64       # the native lightning indexer: 64 heads x 128
-TOPK = 512              # the native indexer's top-k
+NATIVE_HEADS = 64  # the native lightning indexer: 64 heads x 128
+TOPK = 512  # the native indexer's top-k
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,14 @@ class Sizes:
 
     quick: bool
     # (a) offload engine: churn trace at DeepSeek-V4 entry sizes (584-B c4 KV, 132-B index-K chunks)
-    trace_layers: tuple[int, tuple[int, ...]]   # (c4 layers, target layers): (21, (10, 12, 20)) at full size
+    trace_layers: tuple[int, tuple[int, ...]]  # (c4 layers, target layers): (21, (10, 12, 20)) at full size
     trace_rows: int
     trace_max_chunks: int
     trace_ops: int
-    trace_budget_s: float       # per layout: the trace stops early (and says so) to keep the run in its 8 minutes
+    trace_budget_s: float  # per layout: the trace stops early (and says so) to keep the run in its 8 minutes
     trace_recall_blocks: int
     trace_kmax: int
-    recall_kmax: int            # pages per bandwidth measurement (KMAX)
+    recall_kmax: int  # pages per bandwidth measurement (KMAX)
     # (b) Level 2 in a CUDA graph
     l2_batches: tuple[int, ...]
     l2_max_chunks: int
@@ -76,26 +76,61 @@ class Sizes:
     chunks: tuple[int, ...]
     dims: RetrieverDims
     native_heads: int
-    kmax: int                   # resident pages per request for the score-resident Level-2 cost
+    kmax: int  # resident pages per request for the score-resident Level-2 cost
     tau: int
     repeats: int
 
     @classmethod
     def full(cls) -> "Sizes":
-        return cls(quick=False, trace_layers=(N_C4_LAYERS, TARGET_LAYERS), trace_rows=8, trace_max_chunks=1024,
-                   trace_ops=400, trace_budget_s=75.0, trace_recall_blocks=40, trace_kmax=8, recall_kmax=96,
-                   l2_batches=(1, 64, 128), l2_max_chunks=4096, l2_kmax=8, l2_steps=100, l2_topk=TOPK,
-                   batches=(1, 64, 128), chunks=(65536, 262144), dims=RetrieverDims(),
-                   native_heads=NATIVE_HEADS, kmax=96, tau=64, repeats=3)
+        return cls(
+            quick=False,
+            trace_layers=(N_C4_LAYERS, TARGET_LAYERS),
+            trace_rows=8,
+            trace_max_chunks=1024,
+            trace_ops=400,
+            trace_budget_s=75.0,
+            trace_recall_blocks=40,
+            trace_kmax=8,
+            recall_kmax=96,
+            l2_batches=(1, 64, 128),
+            l2_max_chunks=4096,
+            l2_kmax=8,
+            l2_steps=100,
+            l2_topk=TOPK,
+            batches=(1, 64, 128),
+            chunks=(65536, 262144),
+            dims=RetrieverDims(),
+            native_heads=NATIVE_HEADS,
+            kmax=96,
+            tau=64,
+            repeats=3,
+        )
 
     @classmethod
     def tiny(cls) -> "Sizes":
-        return cls(quick=True, trace_layers=(4, (1, 3)), trace_rows=4, trace_max_chunks=512, trace_ops=120,
-                   trace_budget_s=600.0, trace_recall_blocks=5, trace_kmax=3, recall_kmax=2,
-                   l2_batches=(1, 3, 4), l2_max_chunks=256, l2_kmax=2, l2_steps=12, l2_topk=32,
-                   batches=(1, 2), chunks=(256, 512), dims=RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16,
-                                                                          rope_dim=8),
-                   native_heads=4, kmax=2, tau=64, repeats=1)
+        return cls(
+            quick=True,
+            trace_layers=(4, (1, 3)),
+            trace_rows=4,
+            trace_max_chunks=512,
+            trace_ops=120,
+            trace_budget_s=600.0,
+            trace_recall_blocks=5,
+            trace_kmax=3,
+            recall_kmax=2,
+            l2_batches=(1, 3, 4),
+            l2_max_chunks=256,
+            l2_kmax=2,
+            l2_steps=12,
+            l2_topk=32,
+            batches=(1, 2),
+            chunks=(256, 512),
+            dims=RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16, rope_dim=8),
+            native_heads=4,
+            kmax=2,
+            tau=64,
+            repeats=1,
+        )
 
 
 @dataclass
@@ -177,7 +212,7 @@ def score_fp8(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block: int =
     b, n = keys.shape[0], keys.shape[1]
     out = torch.empty(b, n, dtype=torch.float32, device=keys.device)
     for s in range(0, n, block):
-        out[:, s:s + block] = relu_head_scores(q, w, dequantize_chunks(keys[:, s:s + block]))
+        out[:, s : s + block] = relu_head_scores(q, w, dequantize_chunks(keys[:, s : s + block]))
     return out
 
 
@@ -202,8 +237,10 @@ def serving_retriever(res: CheckResult, dims: RetrieverDims, device: torch.devic
     with tempfile.TemporaryDirectory() as d:
         path = save_retriever(src, os.path.join(d, "retriever.safetensors"))
         model = load_serving_retriever(FlashMemoryEnv(retriever_ckpt=str(path), retriever_layers=TARGET_LAYERS))
-    res.expect(all(t.device.type == "cpu" for t in model.state_dict().values()),
-               "the serving loader did not return the retriever on the CPU (registration precedes the device)")
+    res.expect(
+        all(t.device.type == "cpu" for t in model.state_dict().values()),
+        "the serving loader did not return the retriever on the CPU (registration precedes the device)",
+    )
     model = place_retriever(model, device)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     off = [f"{n} on {t.device}" for n, t in tensors if t.device.type != device.type]

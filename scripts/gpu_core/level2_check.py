@@ -41,13 +41,25 @@ class _Bench:
     """The engine, its live requests and the per-step churn."""
 
     def __init__(self, sz: Sizes, device: torch.device, seed: int):
-        self.layout = OffloadLayout(n_layers=3, page_chunks=64, kv_widths=(8,), kv_align=1,
-                                    index_head_dim=sz.dims.head_dim, target_layers=(0,), index_offload=True)
+        self.layout = OffloadLayout(
+            n_layers=3,
+            page_chunks=64,
+            kv_widths=(8,),
+            kv_align=1,
+            index_head_dim=sz.dims.head_dim,
+            target_layers=(0,),
+            index_offload=True,
+        )
         self.rows = max(sz.l2_batches)
         pages = self.layout.pages_for(sz.l2_max_chunks)
-        self.cfg = EngineConfig(max_rows=self.rows, max_chunks=sz.l2_max_chunks, mirror_pages=self.rows * pages + 8,
-                                recall_blocks=max(1, self.rows * sz.l2_kmax * 3 // 4), decode_pages=2,
-                                max_resident_pages=sz.l2_kmax)
+        self.cfg = EngineConfig(
+            max_rows=self.rows,
+            max_chunks=sz.l2_max_chunks,
+            mirror_pages=self.rows * pages + 8,
+            recall_blocks=max(1, self.rows * sz.l2_kmax * 3 // 4),
+            decode_pages=2,
+            max_resident_pages=sz.l2_kmax,
+        )
         self.eng = OffloadEngine(self.layout, self.cfg, device)
         self.rng, self.g, self.sz, self.device = random.Random(seed), gen(seed), sz, device
         self.gens: dict[int, int] = {}
@@ -106,7 +118,7 @@ def _verify(res: CheckResult, bench: _Bench, rows: torch.Tensor, logits: torch.T
 def _one_batch(res: CheckResult, bench: _Bench, b: int, sz: Sizes, device: torch.device, use_graph: bool) -> dict:
     eng, hd, heads = bench.eng, sz.dims.head_dim, sz.native_heads
     n, k = sz.l2_max_chunks, sz.l2_topk
-    rows_l = list(range(b)) if b == 1 else list(range(b - 1)) + [-1]   # the last entry of a batch is padding
+    rows_l = list(range(b)) if b == 1 else list(range(b - 1)) + [-1]  # the last entry of a batch is padding
     rows = torch.tensor(rows_l, device=device)
     logits = torch.zeros(b, n, device=device)
     q = torch.zeros(b, heads, hd, device=device)
@@ -114,9 +126,11 @@ def _one_batch(res: CheckResult, bench: _Bench, b: int, sz: Sizes, device: torch
     path_i = eng.layout.offload_index_layers[0]
 
     def calls(l2s: list[Level2]) -> dict:
-        return {"mask": l2s[0].mask_topk(logits, rows, k),
-                "resident_target": l2s[1].score_resident_topk(q, w, rows, 0, k),
-                "resident_path_i": l2s[2].score_resident_topk(q, w, rows, path_i, k)}
+        return {
+            "mask": l2s[0].mask_topk(logits, rows, k),
+            "resident_target": l2s[1].score_resident_topk(q, w, rows, 0, k),
+            "resident_path_i": l2s[2].score_resident_topk(q, w, rows, path_i, k),
+        }
 
     eager = [Level2(eng, max_batch=bench.rows, topk=k) for _ in range(3)]
     graph, g_outs = None, None
@@ -131,7 +145,7 @@ def _one_batch(res: CheckResult, bench: _Bench, b: int, sz: Sizes, device: torch
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            torch.cuda.set_sync_debug_mode("error")   # inside: entering the capture synchronizes by design
+            torch.cuda.set_sync_debug_mode("error")  # inside: entering the capture synchronizes by design
             try:
                 g_outs = calls(cap)
             finally:
@@ -142,7 +156,7 @@ def _one_batch(res: CheckResult, bench: _Bench, b: int, sz: Sizes, device: torch
         bench.churn(rows_l)
         x = torch.randn(b, n, generator=cpu_g)
         n_hist = torch.tensor([eng.n_chunks(r) if r >= 0 else 0 for r in rows_l])
-        x[torch.arange(n).unsqueeze(0) >= n_hist.unsqueeze(1)] = float("-inf")   # native logits end at the history
+        x[torch.arange(n).unsqueeze(0) >= n_hist.unsqueeze(1)] = float("-inf")  # native logits end at the history
         logits.copy_(x)
         q.copy_(torch.randn(b, heads, hd, generator=cpu_g))
         w.copy_(torch.randn(b, heads, generator=cpu_g))
@@ -157,8 +171,15 @@ def _one_batch(res: CheckResult, bench: _Bench, b: int, sz: Sizes, device: torch
                 res.fail(f"batch {b} step {step}: graph replay differs from eager in {diff}")
                 break
         equal_steps += 1
-    return dict(batch=b, steps=sz.l2_steps, steps_equal=equal_steps, graph=graph is not None,
-                chunks=n, topk=k, resident_cap_pages=eng.res_cap)
+    return dict(
+        batch=b,
+        steps=sz.l2_steps,
+        steps_equal=equal_steps,
+        graph=graph is not None,
+        chunks=n,
+        topk=k,
+        resident_cap_pages=eng.res_cap,
+    )
 
 
 def run(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
@@ -174,6 +195,7 @@ def run(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
         if not res.ok:
             break
     what = "graph == eager" if use_graph else "eager == engine (no graph on CPU)"
-    res.summary = (f"{what} at batch {'/'.join(str(r['batch']) for r in rows)}: "
-                   + ", ".join(f"{r['steps_equal']}/{r['steps']} steps" for r in rows))
+    res.summary = f"{what} at batch {'/'.join(str(r['batch']) for r in rows)}: " + ", ".join(
+        f"{r['steps_equal']}/{r['steps']} steps" for r in rows
+    )
     return res

@@ -55,8 +55,14 @@ class _Twin:
         pc, rows = self.layout.page_chunks, sz.trace_rows
         self.max_pages = self.layout.pages_for(sz.trace_max_chunks)
         n_mirror = rows * self.max_pages + 4
-        kw = dict(max_rows=rows, max_chunks=sz.trace_max_chunks, mirror_pages=n_mirror,
-                  recall_blocks=sz.trace_recall_blocks, decode_pages=2, max_resident_pages=sz.trace_kmax)
+        kw = dict(
+            max_rows=rows,
+            max_chunks=sz.trace_max_chunks,
+            mirror_pages=n_mirror,
+            recall_blocks=sz.trace_recall_blocks,
+            decode_pages=2,
+            max_resident_pages=sz.trace_kmax,
+        )
         if mode == "shrink":
             kw["landing_blocks"] = 2
         cfg = EngineConfig(**kw)
@@ -64,17 +70,18 @@ class _Twin:
         for dev in (device, torch.device("cpu")):
             bufs = None
             if mode == "shrink":
-                bufs = [torch.zeros(n_mirror, self.layout.index_page_bytes, dtype=torch.uint8, device=dev)
-                        for _ in self.layout.target_layers]
+                bufs = [
+                    torch.zeros(n_mirror, self.layout.index_page_bytes, dtype=torch.uint8, device=dev)
+                    for _ in self.layout.target_layers
+                ]
             self.engines.append(OffloadEngine(self.layout, cfg, dev, target_buffers=bufs))
         self.rng = random.Random(seed)
         self.g = gen(seed)
         self.pc, self.rows, self.cfg = pc, rows, cfg
-        self.free_pool = list(range(n_mirror))   # shrink: page ids the caller owns
+        self.free_pool = list(range(n_mirror))  # shrink: page ids the caller owns
         self.rng.shuffle(self.free_pool)
-        self.live: dict[int, list] = {}           # row -> [gen, n_chunks, pages owned (shrink)]
-        self.counts = {k: 0 for k in ("admit", "decode", "burst", "recall", "recall_decode", "recall_finish",
-                                      "finish")}
+        self.live: dict[int, list] = {}  # row -> [gen, n_chunks, pages owned (shrink)]
+        self.counts = {k: 0 for k in ("admit", "decode", "burst", "recall", "recall_decode", "recall_finish", "finish")}
 
     def both(self, fn) -> list:
         return [fn(e) for e in self.engines]
@@ -93,7 +100,7 @@ class _Twin:
             owned = [self.free_pool.pop() for _ in range(self.layout.pages_for(n))]
             j = torch.arange(n)
             m = torch.tensor(owned, dtype=torch.int64)[j // self.pc] * self.pc + j % self.pc
-            for e in self.engines:   # the transfer lands the bytes in the mirror and the index-K pool first
+            for e in self.engines:  # the transfer lands the bytes in the mirror and the index-K pool first
                 e.mirror.write(m, kv, ix)
                 e.target.write(m, ix)
             gens = self.both(lambda e: e.admit(row, None, None, mpages=owned, n_chunks=n))
@@ -111,7 +118,7 @@ class _Twin:
         if self.mode == "shrink":
             for r in rows:
                 st = self.live[r]
-                if st[1] % self.pc == 0:   # crossing into a new page: the caller hands the engine its id
+                if st[1] % self.pc == 0:  # crossing into a new page: the caller hands the engine its id
                     p = self.free_pool.pop()
                     st[2].append(p)
                     self.both(lambda e, r=r, p=p: e.add_pages(r, [p]))
@@ -140,9 +147,9 @@ class _Twin:
         reqs = self.requests()
         kind = self.rng.choice(["recall", "recall", "recall_decode", "recall_finish"])
         plans = self.both(lambda e: plan_recall(e, reqs))
-        if kind == "recall_decode":      # decode maps pages between plan and publish: those are discarded
+        if kind == "recall_decode":  # decode maps pages between plan and publish: those are discarded
             self.decode()
-        elif kind == "recall_finish":    # the request finishes (and its row may be reused) while in flight
+        elif kind == "recall_finish":  # the request finishes (and its row may be reused) while in flight
             self.finish(reqs[0].row)
             if self.rng.random() < 0.5:
                 self.admit()
@@ -181,10 +188,14 @@ class _Twin:
         pairs = {
             "reserve.kv": (d.reserve.kv[:, keep.to(d.device)], c.reserve.kv[:, keep]),
             "reserve.index": (d.reserve.index[:, keep.to(d.device)], c.reserve.index[:, keep]),
-            "lut.table": (d.lut.table, c.lut.table), "lut.row_pages": (d.lut.row_pages, c.lut.row_pages),
-            "res_pages": (d.res_pages, c.res_pages), "res_blocks": (d.res_blocks, c.res_blocks),
-            "res_mpages": (d.res_mpages, c.res_mpages), "res_count": (d.res_count, c.res_count),
-            "mirror.kv": (d.mirror.kv, c.mirror.kv), "mirror.index": (d.mirror.index, c.mirror.index),
+            "lut.table": (d.lut.table, c.lut.table),
+            "lut.row_pages": (d.lut.row_pages, c.lut.row_pages),
+            "res_pages": (d.res_pages, c.res_pages),
+            "res_blocks": (d.res_blocks, c.res_blocks),
+            "res_mpages": (d.res_mpages, c.res_mpages),
+            "res_count": (d.res_count, c.res_count),
+            "mirror.kv": (d.mirror.kv, c.mirror.kv),
+            "mirror.index": (d.mirror.index, c.mirror.index),
         }
         tp_d, tp_c = d.target.pages, c.target.pages
         for i in range(len(self.layout.target_layers)):
@@ -206,18 +217,34 @@ def _trace(res: CheckResult, sz: Sizes, device: torch.device, seed: int) -> None
         while done < sz.trace_ops:
             tw.step()
             done += 1
-            late = time.perf_counter() - t0 > sz.trace_budget_s   # the run must fit its 8 minutes: stop early
+            late = time.perf_counter() - t0 > sz.trace_budget_s  # the run must fit its 8 minutes: stop early
             if done % COMPARE_EVERY == 0 or done == sz.trace_ops or late:
                 bad = [f"after op {done}: {b}" for b in tw.compare()]
                 if bad or late:
                     break
         for b in bad:
             res.fail(b)
-        tot = tw.engines[0].metrics()["total"]   # the engine paths the trace reached (device engine)
-        seen = {k: tot.get(k, 0) for k in ("recall_pages", "evictions", "budget_hits", "cancelled_pages",
-                                             "decode_promotions", "decode_spills", "decode_page_opens")}
-        res.figures[f"trace_{mode}"] = dict(ops=done, ops_planned=sz.trace_ops, **tw.counts, **seen, equal=not bad,
-                                            seconds=round(time.perf_counter() - t0, 2))
+        tot = tw.engines[0].metrics()["total"]  # the engine paths the trace reached (device engine)
+        seen = {
+            k: tot.get(k, 0)
+            for k in (
+                "recall_pages",
+                "evictions",
+                "budget_hits",
+                "cancelled_pages",
+                "decode_promotions",
+                "decode_spills",
+                "decode_page_opens",
+            )
+        }
+        res.figures[f"trace_{mode}"] = dict(
+            ops=done,
+            ops_planned=sz.trace_ops,
+            **tw.counts,
+            **seen,
+            equal=not bad,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
 
 
 def _bandwidth_engine(sz: Sizes, device: torch.device) -> tuple[OffloadEngine, int, int]:
@@ -225,8 +252,14 @@ def _bandwidth_engine(sz: Sizes, device: torch.device) -> tuple[OffloadEngine, i
     (engine, row generation, KMAX). Recalls alternate between the two halves, KMAX pages each."""
     lay, k = OffloadLayout(), sz.recall_kmax
     n_pages = 2 * k + 1
-    cfg = EngineConfig(max_rows=1, max_chunks=n_pages * lay.page_chunks, mirror_pages=n_pages, recall_blocks=k,
-                       decode_pages=1, max_resident_pages=k)
+    cfg = EngineConfig(
+        max_rows=1,
+        max_chunks=n_pages * lay.page_chunks,
+        mirror_pages=n_pages,
+        recall_blocks=k,
+        decode_pages=1,
+        max_resident_pages=k,
+    )
     eng = OffloadEngine(lay, cfg, device)
     g = torch.Generator().manual_seed(0)
     for t in (eng.mirror.kv, eng.mirror.index):
@@ -242,7 +275,7 @@ def _half(g_: int, k: int, i: int) -> list[RecallRequest]:
 
 def _bandwidth(res: CheckResult, sz: Sizes, device: torch.device) -> None:
     eng, g_, k = _bandwidth_engine(sz, device)
-    recall_sync(eng, _half(g_, k, 1))   # warm-up: staging buffers, kernels
+    recall_sync(eng, _half(g_, k, 1))  # warm-up: staging buffers, kernels
     t_exec, t_gather, nbytes = [], [], 0
     for i in range(2 * max(2, sz.repeats)):
         plan = plan_recall(eng, _half(g_, k, i))
@@ -255,12 +288,15 @@ def _bandwidth(res: CheckResult, sz: Sizes, device: torch.device) -> None:
         nbytes = plan.nbytes
         src = torch.tensor([e[3] for e in plan.entries], dtype=torch.int64)
         stage = eng.staging["kv"][: eng.mirror.kv.shape[0] * len(src) * eng.mirror.kv.shape[2]]
-        t0 = time.perf_counter()   # the host half alone: the gather of the c4 KV into pinned staging
+        t0 = time.perf_counter()  # the host half alone: the gather of the c4 KV into pinned staging
         torch.index_select(eng.mirror.kv, 1, src, out=stage.view(eng.mirror.kv.shape[0], len(src), -1))
         t_gather.append(time.perf_counter() - t0)
-    res.expect(nbytes == k * (eng.reserve.kv.shape[0] * eng.reserve.kv.shape[2]
-                              + eng.reserve.index.shape[0] * eng.reserve.index.shape[2]),
-               f"recall moved {nbytes} B for {k} pages")
+    res.expect(
+        nbytes
+        == k
+        * (eng.reserve.kv.shape[0] * eng.reserve.kv.shape[2] + eng.reserve.index.shape[0] * eng.reserve.index.shape[2]),
+        f"recall moved {nbytes} B for {k} pages",
+    )
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     t_raw = []
@@ -273,9 +309,17 @@ def _bandwidth(res: CheckResult, sz: Sizes, device: torch.device) -> None:
     t_raw = t_raw[1:]
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     bw, bw_raw = nbytes / med(t_exec) / 1e9, nbytes / med(t_raw) / 1e9
-    res.figures["recall"] = dict(pages=k, bytes=nbytes, recall_s=med(t_exec), recall_GBps=bw,
-                                 kv_host_gather_s=med(t_gather), raw_pinned_s=med(t_raw), raw_pinned_GBps=bw_raw,
-                                 recall_vs_raw=bw / bw_raw, goal=">= 0.8")
+    res.figures["recall"] = dict(
+        pages=k,
+        bytes=nbytes,
+        recall_s=med(t_exec),
+        recall_GBps=bw,
+        kv_host_gather_s=med(t_gather),
+        raw_pinned_s=med(t_raw),
+        raw_pinned_GBps=bw_raw,
+        recall_vs_raw=bw / bw_raw,
+        goal=">= 0.8",
+    )
     _overlap(res, eng, g_, k, device)
 
 
@@ -307,9 +351,14 @@ def _overlap(res: CheckResult, eng: OffloadEngine, g_: int, k: int, device: torc
     t_rec = time.perf_counter() - t0
     e1.synchronize()
     with_recall = e0.elapsed_time(e1) / 1e3
-    res.figures["overlap"] = dict(compute=f"{n_mm} x bf16 mm 8192^3 on its own stream", compute_alone_s=alone,
-                                  compute_with_recall_s=with_recall, slowdown=with_recall / alone,
-                                  recalls_during=n_rec, recall_GBps_during=moved / t_rec / 1e9)
+    res.figures["overlap"] = dict(
+        compute=f"{n_mm} x bf16 mm 8192^3 on its own stream",
+        compute_alone_s=alone,
+        compute_with_recall_s=with_recall,
+        slowdown=with_recall / alone,
+        recalls_during=n_rec,
+        recall_GBps_during=moved / t_rec / 1e9,
+    )
     res.expect(not check_invariants(eng), "bandwidth engine: invariants violated after the recalls")
 
 
@@ -325,8 +374,10 @@ def run(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
     parts = [f"copy/shrink traces ({ops} ops) " + ("bitwise equal" if all(t.get("equal") for t in tr) else "DIFFER")]
     if "recall" in res.figures:
         r = res.figures["recall"]
-        parts.append(f"recall {r['recall_GBps']:.1f} GB/s = {r['recall_vs_raw']:.2f}x raw pinned "
-                     f"{r['raw_pinned_GBps']:.1f} GB/s (goal >= 0.8)")
+        parts.append(
+            f"recall {r['recall_GBps']:.1f} GB/s = {r['recall_vs_raw']:.2f}x raw pinned "
+            f"{r['raw_pinned_GBps']:.1f} GB/s (goal >= 0.8)"
+        )
     if "overlap" in res.figures:
         parts.append(f"compute slowdown {res.figures['overlap']['slowdown']:.3f}x while recalling")
     res.summary = "; ".join(parts)

@@ -60,9 +60,19 @@ def _level2_engine(sz: Sizes, batch: int, device: torch.device) -> tuple[Level2,
     d, k, pc = sz.dims.head_dim, sz.kmax, 64
     lay = OffloadLayout(n_layers=2, page_chunks=pc, kv_widths=(8,), kv_align=1, index_head_dim=d, target_layers=(0,))
     per = k + 1
-    eng = OffloadEngine(lay, EngineConfig(max_rows=batch, max_chunks=per * pc, mirror_pages=batch * per,
-                                          recall_blocks=batch * k, decode_pages=1, max_resident_pages=k), device)
-    pages = chunks_to_pages(random_index_chunks(16 * pc, d, gen(3)), pc)            # 16 distinct valid pages
+    eng = OffloadEngine(
+        lay,
+        EngineConfig(
+            max_rows=batch,
+            max_chunks=per * pc,
+            mirror_pages=batch * per,
+            recall_blocks=batch * k,
+            decode_pages=1,
+            max_resident_pages=k,
+        ),
+        device,
+    )
+    pages = chunks_to_pages(random_index_chunks(16 * pc, d, gen(3)), pc)  # 16 distinct valid pages
     fill = pages.repeat(-(-eng.mirror.n_pages // pages.shape[0]), 1)[: eng.mirror.n_pages]
     eng.mirror.index[0].copy_(fill)
     eng.target.pages[0].copy_(fill.to(device))
@@ -77,8 +87,16 @@ def _level2_engine(sz: Sizes, batch: int, device: torch.device) -> tuple[Level2,
     return Level2(eng, max_batch=batch, topk=TOPK), torch.arange(batch, device=device), lay.offload_index_layers[0]
 
 
-def _level1_and_native_s(res: CheckResult, sz: Sizes, model: JointRetriever, b: int, n: int,
-                          g: torch.Generator, device: torch.device, first: bool) -> tuple[float, float]:
+def _level1_and_native_s(
+    res: CheckResult,
+    sz: Sizes,
+    model: JointRetriever,
+    b: int,
+    n: int,
+    g: torch.Generator,
+    device: torch.device,
+    first: bool,
+) -> tuple[float, float]:
     """Median seconds of Level 1 (every target layer) and of one native indexer layer, both over B rows of N fp8
     keys (uint8 [B, N, 132]); the keys, the largest tensor of a case, are freed on return."""
     d, reps = sz.dims, sz.repeats
@@ -99,7 +117,7 @@ def _level1_and_native_s(res: CheckResult, sz: Sizes, model: JointRetriever, b: 
     def native() -> torch.Tensor:
         return score_fp8(qn, wn, keys).topk(min(TOPK, n), dim=1).indices
 
-    if first:   # the timed path computes the retriever's real logits
+    if first:  # the timed path computes the retriever's real logits
         n0 = min(n, 4096)
         lid = model.layers[0]
         want = model.layer(lid).logits(x[lid][:1], pos[:1], dequantize_chunks(keys[0, :n0]))
@@ -107,8 +125,10 @@ def _level1_and_native_s(res: CheckResult, sz: Sizes, model: JointRetriever, b: 
         got = score_fp8(q, w, keys[:1, :n0])
         err = float((got - want).abs().max())
         res.figures["level1_vs_reference_max_abs_err"] = err
-        res.expect(err <= 1e-4 * float(want.abs().max()) + 1e-6,
-                   f"Level-1 timed path differs from RetrieverLayer.logits by {err:.3g}")
+        res.expect(
+            err <= 1e-4 * float(want.abs().max()) + 1e-6,
+            f"Level-1 timed path differs from RetrieverLayer.logits by {err:.3g}",
+        )
     res.expect(all(bool(torch.isfinite(s).all()) for s in level1()), f"B={b} N={n}: non-finite Level-1 scores")
     return time_fn(level1, device, reps), time_fn(native, device, reps)
 
@@ -120,8 +140,9 @@ def _gemm_s(m: int, kk: int, g: torch.Generator, device: torch.device, reps: int
     return time_fn(lambda: a @ bm, device, reps)
 
 
-def _scorer_case(res: CheckResult, sz: Sizes, model: JointRetriever, b: int, n: int, l2_s: float,
-                 device: torch.device, first: bool) -> dict:
+def _scorer_case(
+    res: CheckResult, sz: Sizes, model: JointRetriever, b: int, n: int, l2_s: float, device: torch.device, first: bool
+) -> dict:
     g = torch.Generator(device=device).manual_seed(n + b)
     with torch.no_grad():
         t_l1, t_nat = _level1_and_native_s(res, sz, model, b, n, g, device, first)
@@ -132,9 +153,21 @@ def _scorer_case(res: CheckResult, sz: Sizes, model: JointRetriever, b: int, n: 
     l1_tf, mm_tf = flops / t_l1 / 1e12, 2.0 * m * kk * kk / t_mm / 1e12
     native_step = N_C4_LAYERS * t_nat
     fm_step = t_l1 / sz.tau + N_C4_LAYERS * l2_s
-    return dict(batch=b, chunks=n, tokens=4 * n, level1_s=t_l1, level1_TFLOPs=l1_tf, gemm_s=t_mm, gemm_TFLOPs=mm_tf,
-                level1_vs_gemm=l1_tf / mm_tf, native_1layer_s=t_nat, native_step_s=native_step,
-                level2_1layer_s=l2_s, flashmemory_step_s=fm_step, flashmemory_vs_native=fm_step / native_step)
+    return dict(
+        batch=b,
+        chunks=n,
+        tokens=4 * n,
+        level1_s=t_l1,
+        level1_TFLOPs=l1_tf,
+        gemm_s=t_mm,
+        gemm_TFLOPs=mm_tf,
+        level1_vs_gemm=l1_tf / mm_tf,
+        native_1layer_s=t_nat,
+        native_step_s=native_step,
+        level2_1layer_s=l2_s,
+        flashmemory_step_s=fm_step,
+        flashmemory_vs_native=fm_step / native_step,
+    )
 
 
 def _level2_s(res: CheckResult, sz: Sizes, b: int, device: torch.device) -> float:
@@ -146,14 +179,16 @@ def _level2_s(res: CheckResult, sz: Sizes, b: int, device: torch.device) -> floa
     with torch.no_grad():
         out = l2.score_resident_topk(q, w, l2_rows, layer)
         picks = min(TOPK, l2.engine.res_cap * 64)
-        res.expect(bool((out.cells[:, :picks] >= 0).all()), f"B={b}: score-resident Level 2 left picks empty "
-                                                             f"with {l2.engine.res_cap} pages resident")
+        res.expect(
+            bool((out.cells[:, :picks] >= 0).all()),
+            f"B={b}: score-resident Level 2 left picks empty with {l2.engine.res_cap} pages resident",
+        )
         return time_fn(lambda: l2.score_resident_topk(q, w, l2_rows, layer), device, sz.repeats)
 
 
 def run_scorer(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
     res = CheckResult("c", "Level-1 scorer vs GEMM ceiling; native indexer x21 vs Level 1/tau + Level 2 x21")
-    model = serving_retriever(res, sz.dims, device, seed)   # loaded on the CPU and placed as the server does
+    model = serving_retriever(res, sz.dims, device, seed)  # loaded on the CPU and placed as the server does
     rows, first = [], True
     for b in sz.batches:
         l2_s = _level2_s(res, sz, b, device)
@@ -163,14 +198,20 @@ def run_scorer(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     res.figures["rows"] = rows
-    res.figures.update(tau=sz.tau, kmax_pages=sz.kmax, goals="level1_vs_gemm >= 0.6 at batch 64-128; "
-                       "flashmemory_vs_native <= 0.12 at 1M tokens")
+    res.figures.update(
+        tau=sz.tau,
+        kmax_pages=sz.kmax,
+        goals="level1_vs_gemm >= 0.6 at batch 64-128; flashmemory_vs_native <= 0.12 at 1M tokens",
+    )
     big = [r for r in rows if r["batch"] >= 64]
     top = max(rows, key=lambda r: (r["chunks"], r["batch"]))
-    res.summary = ("L1/GEMM " + ", ".join(f"B{r['batch']}@{r['tokens'] // 1024}K {r['level1_vs_gemm']:.2f}"
-                                          for r in (big or rows)) + " (goal >= 0.6 at B 64-128); "
-                   f"FM/native at B{top['batch']} {top['tokens'] // 1024}K tokens {top['flashmemory_vs_native']:.3f} "
-                   "(goal <= 0.12 at 1M)")
+    res.summary = (
+        "L1/GEMM "
+        + ", ".join(f"B{r['batch']}@{r['tokens'] // 1024}K {r['level1_vs_gemm']:.2f}" for r in (big or rows))
+        + " (goal >= 0.6 at B 64-128); "
+        f"FM/native at B{top['batch']} {top['tokens'] // 1024}K tokens {top['flashmemory_vs_native']:.3f} "
+        "(goal <= 0.12 at 1M)"
+    )
     if sz.quick:
         res.summary += " [cpu quick: figures are not measurements]"
     return res
@@ -193,24 +234,35 @@ def _monitor_row(res: CheckResult, sz: Sizes, n: int, seed: int, device: torch.d
     with torch.no_grad():
         mm, rep = monitor()
         mm = float(mm[0])
-        res.expect(0.0 <= mm <= 1.0 and abs(mm - rep.miss_mass) <= 1e-5
-                   and abs(float(rep.missing_mass.sum()) - rep.miss_mass) <= 1e-4,
-                   f"N={n}: miss_mass {mm} and miss_report {rep.miss_mass} (pages sum "
-                   f"{float(rep.missing_mass.sum())}) disagree")
+        res.expect(
+            0.0 <= mm <= 1.0
+            and abs(mm - rep.miss_mass) <= 1e-5
+            and abs(float(rep.missing_mass.sum()) - rep.miss_mass) <= 1e-4,
+            f"N={n}: miss_mass {mm} and miss_report {rep.miss_mass} (pages sum "
+            f"{float(rep.missing_mass.sum())}) disagree",
+        )
         t_mon = time_fn(monitor, device, sz.repeats)
         t_nat = time_fn(lambda: score_fp8(q, w, keys).topk(min(TOPK, n), dim=1), device, sz.repeats)
     per_step = t_mon / sz.tau
-    return dict(chunks=n, tokens=4 * n, monitor_cycle_s=t_mon, native_1layer_s=t_nat,
-                native_step_s=N_C4_LAYERS * t_nat, monitor_per_step_s=per_step,
-                monitor_vs_native=per_step / (N_C4_LAYERS * t_nat), miss_mass=mm)
+    return dict(
+        chunks=n,
+        tokens=4 * n,
+        monitor_cycle_s=t_mon,
+        native_1layer_s=t_nat,
+        native_step_s=N_C4_LAYERS * t_nat,
+        monitor_per_step_s=per_step,
+        monitor_vs_native=per_step / (N_C4_LAYERS * t_nat),
+        miss_mass=mm,
+    )
 
 
 def run_monitor(sz: Sizes, device: torch.device, seed: int) -> CheckResult:
     res = CheckResult("d", "miss monitor per cycle vs native indexer x21 per step")
     rows = [_monitor_row(res, sz, n, seed, device) for n in sz.chunks]
     res.figures.update(rows=rows, tau=sz.tau, batch=1)
-    res.summary = "monitor/native per step " + ", ".join(f"{r['tokens'] // 1024}K {r['monitor_vs_native']:.4f}"
-                                                         for r in rows)
+    res.summary = "monitor/native per step " + ", ".join(
+        f"{r['tokens'] // 1024}K {r['monitor_vs_native']:.4f}" for r in rows
+    )
     res.summary += f" (ideal 1/(21 x {sz.tau}) = {1 / (N_C4_LAYERS * sz.tau):.4f})"
     if sz.quick:
         res.summary += " [cpu quick: figures are not measurements]"

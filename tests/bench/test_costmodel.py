@@ -123,12 +123,15 @@ def test_estimate_orders_policies():
         fm = estimate(flashmemory_bytes(ctx, kmax, kn), flashmemory_flops(ctx, kmax).total, hw)
         assert fm.conc > base.conc and fm.tok_s > base.tok_s
     # more HBM -> higher baseline ceiling
-    assert estimate(baseline_bytes(524288), 1e11, Hardware(hbm_gb=141)).conc > \
-        estimate(baseline_bytes(524288), 1e11, Hardware()).conc
+    assert (
+        estimate(baseline_bytes(524288), 1e11, Hardware(hbm_gb=141)).conc
+        > estimate(baseline_bytes(524288), 1e11, Hardware()).conc
+    )
 
 
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     import argparse
+
     p = argparse.ArgumentParser()
     bench.add_args(p)
     out = tmp_path / "cm.json"
@@ -150,8 +153,12 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
 def test_hisparse_bytes_by_hand():
     # 128K: 32768 c4 entries; sglang's default hot buffer 4096 + one 64-entry page per c4 layer
     h = hisparse_bytes(131072)
-    assert h.device_parts == {"c4 hot buffer": 21 * 4160 * 584, "index keys": 21 * 32768 * 132,
-                              "c128 kv": 20 * 1024 * 584, "swa kv": 43 * 128 * 584}
+    assert h.device_parts == {
+        "c4 hot buffer": 21 * 4160 * 584,
+        "index keys": 21 * 32768 * 132,
+        "c128 kv": 20 * 1024 * 584,
+        "swa kv": 43 * 128 * 584,
+    }
     assert h.device == 51_018_240 + 90_832_896 + 11_960_320 + 3_214_336 == 157_025_792
     assert h.host == 21 * 32768 * 584 == 401_866_752
     # swap-in: 5% of 512 picks x 21 layers x 584 B; backup: one 584-B entry per layer every 4 steps

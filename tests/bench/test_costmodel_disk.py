@@ -72,9 +72,17 @@ def test_token_pool_cap_replaces_the_hbm_bound() -> None:
     assert max_conc_within(CTX, KMAX, HW, DiskKnobs(), 0.10, PK, pool_cap=41) <= 41
 
 
-@pytest.mark.parametrize("kw,field", [({"drives": 0}, "drives"), ({"read_gbps": float("nan")}, "read_gbps"),
-                                      ({"efficiency": 1.5}, "efficiency"), ({"copies": 0}, "copies"),
-                                      ({"hit_rate": -0.1}, "hit_rate"), ({"output_tokens": 0}, "output_tokens")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"drives": 0}, "drives"),
+        ({"read_gbps": float("nan")}, "read_gbps"),
+        ({"efficiency": 1.5}, "efficiency"),
+        ({"copies": 0}, "copies"),
+        ({"hit_rate": -0.1}, "hit_rate"),
+        ({"output_tokens": 0}, "output_tokens"),
+    ],
+)
 def test_bad_knobs_are_named(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"DiskKnobs.{field}"):
         DiskKnobs(**kw)
@@ -91,7 +99,7 @@ def test_bench_costmodel_prints_the_disk_table(tmp_path, capsys) -> None:
         assert [p["conc"] for p in v["points"]] == [32, 51, 64, 80, 96]
         verdict = "YES" if v["max_conc_within_10pct"] >= 64 else "NO"
         assert f"at <= 10% loss: {verdict} (up to {v['max_conc_within_10pct']};" in text
-    with pytest.raises(SystemExit) as e:          # a count flag: argparse's own line, before any work
+    with pytest.raises(SystemExit) as e:  # a count flag: argparse's own line, before any work
         main(["bench", "costmodel", "--disk-drives", "0"])
     assert e.value.code == 2
     assert "flashmemory bench costmodel: error: argument --disk-drives: 0: must be >= 1" in capsys.readouterr().err

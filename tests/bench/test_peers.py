@@ -13,10 +13,27 @@ from pathlib import Path
 import pytest
 
 from flashmemory.bench import peers, peers_report
-from flashmemory.bench.peers_costs import (HP, HS, Knobs, PeersArgError, Shape, arm_key, arm_label, arm_order,
-                                           decode_step_ms, delta, device_bytes, parse_arms, parse_buffers,
-                                           parse_contexts, per_token_costs, shape_from_config, split_arm,
-                                           steady_failures, tokens_equal)
+from flashmemory.bench.peers_costs import (
+    HP,
+    HS,
+    Knobs,
+    PeersArgError,
+    Shape,
+    arm_key,
+    arm_label,
+    arm_order,
+    decode_step_ms,
+    delta,
+    device_bytes,
+    parse_arms,
+    parse_buffers,
+    parse_contexts,
+    per_token_costs,
+    shape_from_config,
+    split_arm,
+    steady_failures,
+    tokens_equal,
+)
 from flashmemory.serve.client import parse_metrics
 
 SHAPE = Shape(n_c4=2, index_topk=512, index_entry_bytes=132)
@@ -40,16 +57,25 @@ def test_hisparse_costs_from_metrics_text():
     assert d == {HS + "calls_total": 32.0, HS + "misses_total": 2000.0, HS + "bytes_h2d_total": 1168000.0}
     c = per_token_costs("hisparse", d, tokens=16, ctx=4000, shape=SHAPE, knobs=KNOBS)
     assert c["h2d_bytes"] == 1168000 / 16 and c["moved_entries"] == 125.0 and c["transfer_ops"] == 2.0
-    assert c["scored_entries"] == 2 * 1000      # the native indexer: the whole history at both c4 layers
+    assert c["scored_entries"] == 2 * 1000  # the native indexer: the whole history at both c4 layers
 
 
 def test_stock_and_flashmemory_costs():
     s = per_token_costs("stock", {}, 10, 4000, SHAPE, KNOBS)
-    assert math.isnan(s.pop("hit_rate"))       # no hot buffer
-    assert s == {"h2d_bytes": 0.0, "prefetch_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0,
-                 "scored_entries": 2000.0}
-    d = {"flashmemory_recall_bytes_total": 2 * 64 * 2 * 584.0, "flashmemory_recall_pages_total": 2.0,
-         "flashmemory_level1_cycles_total": 4.0, "flashmemory_monitor_cycles_total": 2.0}
+    assert math.isnan(s.pop("hit_rate"))  # no hot buffer
+    assert s == {
+        "h2d_bytes": 0.0,
+        "prefetch_bytes": 0.0,
+        "transfer_ops": 0.0,
+        "moved_entries": 0.0,
+        "scored_entries": 2000.0,
+    }
+    d = {
+        "flashmemory_recall_bytes_total": 2 * 64 * 2 * 584.0,
+        "flashmemory_recall_pages_total": 2.0,
+        "flashmemory_level1_cycles_total": 4.0,
+        "flashmemory_monitor_cycles_total": 2.0,
+    }
     f = per_token_costs("fm_monitor", d, 32, 4000, SHAPE, KNOBS, resident_fraction=0.1)
     assert f["h2d_bytes"] == pytest.approx(2 * 64 * 2 * 584 / 32)
     assert f["transfer_ops"] == pytest.approx(2 / 32) and f["moved_entries"] == pytest.approx(2 * 64 * 2 / 32)
@@ -64,12 +90,15 @@ def test_stock_and_flashmemory_costs():
 
 
 def test_device_bytes_split():
-    assert device_bytes("stock", 4000, SHAPE, KNOBS) == {"c4_kv": 2 * 1000 * 584.0, "index_k": 2 * 1000 * 132.0,
-                                                         "reserve": 0.0}
+    assert device_bytes("stock", 4000, SHAPE, KNOBS) == {
+        "c4_kv": 2 * 1000 * 584.0,
+        "index_k": 2 * 1000 * 132.0,
+        "reserve": 0.0,
+    }
     assert device_bytes("hisparse", 4000, SHAPE, KNOBS)["reserve"] == 2 * 576 * 584
     assert device_bytes("flashmemory", 4000, SHAPE, KNOBS)["reserve"] == 2 * 128 * 584
     assert device_bytes("fm_monitor", 4000, SHAPE, KNOBS, budget_pages=3.0)["reserve"] == 2 * 192 * 584
-    assert device_bytes("flashmemory", 256, SHAPE, KNOBS)["reserve"] == 2 * 64 * 584   # capped by the history
+    assert device_bytes("flashmemory", 256, SHAPE, KNOBS)["reserve"] == 2 * 64 * 584  # capped by the history
 
 
 def test_shape_from_config():
@@ -80,10 +109,19 @@ def test_shape_from_config():
 
 
 def _rec(arm, rnd, steady, window, **kw):
-    base = {"arm": arm, "ctx": 4000, "round": rnd, "steady_tok_s": steady, "steady_window_s": window,
-            "itl_ms": 100.0, "step_ms": [50.0], "eq": 8, "cmp": 8,
-            "costs": {"h2d_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0, "scored_entries": 2000.0},
-            "device": {"c4_kv": 1.0, "index_k": 2.0, "reserve": 3.0}}
+    base = {
+        "arm": arm,
+        "ctx": 4000,
+        "round": rnd,
+        "steady_tok_s": steady,
+        "steady_window_s": window,
+        "itl_ms": 100.0,
+        "step_ms": [50.0],
+        "eq": 8,
+        "cmp": 8,
+        "costs": {"h2d_bytes": 0.0, "transfer_ops": 0.0, "moved_entries": 0.0, "scored_entries": 2000.0},
+        "device": {"c4_kv": 1.0, "index_k": 2.0, "reserve": 3.0},
+    }
     base.update(kw)
     return base
 
@@ -94,7 +132,7 @@ def test_steady_window_check_fails_when_a_window_does_not_open():
     bad = ok + [_rec("flashmemory", 0, float("nan"), 0.0)]
     lines = steady_failures(bad)
     assert len(lines) == 1 and "arm flashmemory" in lines[0] and "did not open" in lines[0]
-    assert steady_failures([_rec("stock", 1, 0.0, 3.0)])      # no tokens in an open window is a failure too
+    assert steady_failures([_rec("stock", 1, 0.0, 3.0)])  # no tokens in an open window is a failure too
 
 
 def test_tokens_equal_common_prefix():
@@ -107,23 +145,35 @@ def test_tokens_equal_common_prefix():
 
 
 def test_decode_step_ms_reads_only_full_batches():
-    log = ("[x] Decode batch, #running-req: 2, #token: 100, gen throughput (token/s): 20.00, #queue-req: 0\n"
-           "[x] Decode batch, #running-req: 1, #token: 50, gen throughput (token/s): 40.00, #queue-req: 0\n")
+    log = (
+        "[x] Decode batch, #running-req: 2, #token: 100, gen throughput (token/s): 20.00, #queue-req: 0\n"
+        "[x] Decode batch, #running-req: 1, #token: 50, gen throughput (token/s): 40.00, #queue-req: 0\n"
+    )
     assert decode_step_ms(log, 2) == [100.0]
     assert decode_step_ms(log, 3) == []
 
 
 def test_summary_and_table():
-    rounds = [_rec("stock", 0, 10.0, 2.0), _rec("stock", 1, 12.0, 2.0),
-              _rec("hisparse", 0, 8.0, 2.0, eq=7, cmp=8,
-                   costs={"h2d_bytes": 5000.0, "transfer_ops": 1.0, "moved_entries": 9.0, "scored_entries": 2000.0}),
-              _rec("hisparse", 1, 6.0, 2.0)]
+    rounds = [
+        _rec("stock", 0, 10.0, 2.0),
+        _rec("stock", 1, 12.0, 2.0),
+        _rec(
+            "hisparse",
+            0,
+            8.0,
+            2.0,
+            eq=7,
+            cmp=8,
+            costs={"h2d_bytes": 5000.0, "transfer_ops": 1.0, "moved_entries": 9.0, "scored_entries": 2000.0},
+        ),
+        _rec("hisparse", 1, 6.0, 2.0),
+    ]
     rows = peers_report.summarize(rounds)
     assert [r["arm"] for r in rows] == ["stock", "hisparse"]
     hs = rows[1]
     assert hs["tokens_equal"] == 15 / 16 and hs["tokens_compared"] == 16
     assert hs["vs_stock"]["min"] == pytest.approx(0.5) and hs["vs_stock"]["max"] == pytest.approx(0.8)
-    assert hs["costs"]["h2d_bytes"] == 2500.0       # median of 5000 and 0
+    assert hs["costs"]["h2d_bytes"] == 2500.0  # median of 5000 and 0
     md = peers_report.markdown(rows)
     assert md.splitlines()[0].startswith("| context | arm |") and len(md.splitlines()) == 4
     assert "| HiSparse | n/a | 2.5 | n/a |" in md and "0.938 of 16" in md and "0.65 (0.50-0.80)" in md
@@ -148,15 +198,22 @@ def test_bad_contexts(text):
     assert parse_contexts("2304, 4096") == [2304, 4096]
 
 
-@pytest.mark.parametrize("argv,flag", [(["--contexts", "9,x"], "--contexts"), (["--requests", "0"], "--requests"),
-                                       (["--repeats", "0"], "--repeats"), (["--kmax", "0"], "--kmax"),
-                                       (["--hisparse-buffer", "100"], "--hisparse-buffer"),
-                                       (["--hisparse-buffer", "512"], "--hisparse-buffer 512: the HiSparse+prefetch"),
-                                       (["--hisparse-buffer", "640,576"], "--hisparse-buffer"),
-                                       (["--hisparse-buffer", "576,640,768"], "--hisparse-buffer"),
-                                       (["--arms", "hisparse"], "--arms 'hisparse': must include stock"),
-                                       (["--arms", "stock,hs_prefech"], "--arms"),
-                                       (["--steady-tokens", "1"], "--steady-tokens")])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--contexts", "9,x"], "--contexts"),
+        (["--requests", "0"], "--requests"),
+        (["--repeats", "0"], "--repeats"),
+        (["--kmax", "0"], "--kmax"),
+        (["--hisparse-buffer", "100"], "--hisparse-buffer"),
+        (["--hisparse-buffer", "512"], "--hisparse-buffer 512: the HiSparse+prefetch"),
+        (["--hisparse-buffer", "640,576"], "--hisparse-buffer"),
+        (["--hisparse-buffer", "576,640,768"], "--hisparse-buffer"),
+        (["--arms", "hisparse"], "--arms 'hisparse': must include stock"),
+        (["--arms", "stock,hs_prefech"], "--arms"),
+        (["--steady-tokens", "1"], "--steady-tokens"),
+    ],
+)
 def test_run_bad_args_one_line_exit_2(argv, flag, capsys):
     p = argparse.ArgumentParser()
     peers.add_args(p)
@@ -187,27 +244,34 @@ def test_the_pool_admits_every_request_into_ds_swa_pool():
     """D admits a PD request only when max_new + its SWA tail fits the SWA pool (swa ratio 0.1 of the pool for
     DSv4); the first live run with --tokens 2048 got a 10,240-token pool, a 1,024-token SWA pool, and hung."""
     from flashmemory.bench.peers_costs import SWA_RATIO, SWA_SLACK, pool_tokens
+
     for ctx, max_new, n in [(2304, 2048, 2), (2304, 512, 2), (9216, 160, 2), (4608, 512, 4)]:
         pool = pool_tokens(ctx, max_new, n)
-        assert pool >= n * (ctx + max_new)                             # the full pool holds every request
-        assert int(pool * SWA_RATIO) >= n * (max_new + SWA_SLACK)      # and D's SWA pool admits them all
+        assert pool >= n * (ctx + max_new)  # the full pool holds every request
+        assert int(pool * SWA_RATIO) >= n * (max_new + SWA_SLACK)  # and D's SWA pool admits them all
     assert pool_tokens(2304, 2048, 2) > 10240
 
 
-PREFETCH_BEFORE = METRICS_BEFORE + """flashmemory_hisparse_swapin_lookups_total 2000.0
+PREFETCH_BEFORE = (
+    METRICS_BEFORE
+    + """flashmemory_hisparse_swapin_lookups_total 2000.0
 flashmemory_hisparse_swapin_hits_total 1000.0
 flashmemory_hisparse_prefetch_calls_total 2.0
 flashmemory_hisparse_prefetch_loaded_total 10.0
 flashmemory_hisparse_prefetch_bytes_h2d_total 5840.0
 flashmemory_hisparse_prefetch_used_total 3.0
 """
-PREFETCH_AFTER = METRICS_AFTER + """flashmemory_hisparse_swapin_lookups_total 10000.0
+)
+PREFETCH_AFTER = (
+    METRICS_AFTER
+    + """flashmemory_hisparse_swapin_lookups_total 10000.0
 flashmemory_hisparse_swapin_hits_total 7000.0
 flashmemory_hisparse_prefetch_calls_total 26.0
 flashmemory_hisparse_prefetch_loaded_total 410.0
 flashmemory_hisparse_prefetch_bytes_h2d_total 239440.0
 flashmemory_hisparse_prefetch_used_total 103.0
 """
+)
 
 
 def test_prefetch_costs_split_on_demand_from_prefetched_bytes():
@@ -216,16 +280,16 @@ def test_prefetch_costs_split_on_demand_from_prefetched_bytes():
     d = delta(parse_metrics(PREFETCH_BEFORE), parse_metrics(PREFETCH_AFTER))
     assert d[HP + "bytes_h2d_total"] == 400 * 584.0 and d[HS + "lookups_total"] == 8000.0
     c = per_token_costs("hs_prefetch@640", d, tokens=16, ctx=4000, shape=SHAPE, knobs=KNOBS)
-    assert c["h2d_bytes"] == 1168000 / 16                       # the demand misses only
-    assert c["prefetch_bytes"] == 400 * 584 / 16                # off the critical path
+    assert c["h2d_bytes"] == 1168000 / 16  # the demand misses only
+    assert c["prefetch_bytes"] == 400 * 584 / 16  # off the critical path
     assert c["hit_rate"] == 6000 / 8000
     assert c["transfer_ops"] == (32 + 24) / 16 and c["moved_entries"] == (2000 + 400) / 16
-    assert c["scored_entries"] == 2 * 1000 + 2 * 1000 / 16      # the native indexer + Level 1 every 16 steps
+    assert c["scored_entries"] == 2 * 1000 + 2 * 1000 / 16  # the native indexer + Level 1 every 16 steps
     # the plain HiSparse arm on the same counters: no prefetch share, same hit-rate rule
     h = per_token_costs("hisparse@640", d, tokens=16, ctx=4000, shape=SHAPE, knobs=KNOBS)
     assert h["prefetch_bytes"] == 0.0 and h["transfer_ops"] == 2.0 and h["hit_rate"] == 0.75
     assert h["scored_entries"] == 2000.0
-    assert math.isnan(per_token_costs("hisparse", {}, 16, 4000, SHAPE, KNOBS)["hit_rate"])   # nothing looked up
+    assert math.isnan(per_token_costs("hisparse", {}, 16, 4000, SHAPE, KNOBS)["hit_rate"])  # nothing looked up
 
 
 def test_arm_keys_per_buffer_size():
@@ -234,15 +298,21 @@ def test_arm_keys_per_buffer_size():
     assert split_arm("hs_prefetch@576") == ("hs_prefetch", 576) and split_arm("flashmemory") == ("flashmemory", None)
     assert arm_label("hs_prefetch@640") == "HiSparse+prefetch (640)" and arm_label("hisparse") == "HiSparse"
     keys = ["flashmemory", "hs_prefetch@640", "hisparse@640", "stock", "hs_prefetch@576", "hisparse@576"]
-    assert sorted(keys, key=arm_order) == ["stock", "hisparse@576", "hisparse@640", "hs_prefetch@576",
-                                           "hs_prefetch@640", "flashmemory"]
+    assert sorted(keys, key=arm_order) == [
+        "stock",
+        "hisparse@576",
+        "hisparse@640",
+        "hs_prefetch@576",
+        "hs_prefetch@640",
+        "flashmemory",
+    ]
     for bad in ("other", "stock@640"):
         with pytest.raises(ValueError, match="unknown arm"):
             split_arm(bad)
     # device bytes follow the key's buffer size; the prefetch arm holds HiSparse's buffer
     assert device_bytes("hisparse@640", 4000, SHAPE, KNOBS)["reserve"] == 2 * 704 * 584
     assert device_bytes("hs_prefetch@576", 4000, SHAPE, KNOBS) == device_bytes("hisparse@576", 4000, SHAPE, KNOBS)
-    assert device_bytes("hs_prefetch", 4000, SHAPE, KNOBS)["reserve"] == 2 * 576 * 584     # knobs.hot_buffer
+    assert device_bytes("hs_prefetch", 4000, SHAPE, KNOBS)["reserve"] == 2 * 576 * 584  # knobs.hot_buffer
 
 
 def test_parse_buffers_and_arms():
@@ -257,8 +327,10 @@ def test_prefetch_stacks_one_per_buffer_size():
     """Each hot-buffer arm runs once per size; the prefetch D loads the plugin with the gate and the checkpoint
     (Level 1 as the hint source), plain HiSparse's D loads neither."""
     from flashmemory.bench.peers_live import arm_setups
-    setups = arm_setups(Path("m"), 11000, 12000, 4, 2, "r.pt", [576, 640], 512, 16,
-                        ("stock", "hisparse", "hs_prefetch"))
+
+    setups = arm_setups(
+        Path("m"), 11000, 12000, 4, 2, "r.pt", [576, 640], 512, 16, ("stock", "hisparse", "hs_prefetch")
+    )
     by = {s.arm: s.cfg for s in setups}
     assert list(by) == ["stock", "hisparse@576", "hisparse@640", "hs_prefetch@576", "hs_prefetch@640"]
     for b in (576, 640):
@@ -269,16 +341,26 @@ def test_prefetch_stacks_one_per_buffer_size():
         assert hs.decode_env["CKPT"] == "" and "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH" not in hs.decode_env
         assert pf.transfer_backend == hs.transfer_backend == "mooncake"
     one = arm_setups(Path("m"), 11000, 12000, 4, 2, "r.pt", [640], 512, 16, ("stock", "hisparse"))
-    assert [s.arm for s in one] == ["stock", "hisparse"]      # one size: the bare key, as runs before the sizes
+    assert [s.arm for s in one] == ["stock", "hisparse"]  # one size: the bare key, as runs before the sizes
 
 
 def test_summary_orders_buffer_sizes_and_shows_prefetch_columns():
-    costs = {"h2d_bytes": 3000.0, "prefetch_bytes": 1500.0, "hit_rate": 0.8125, "transfer_ops": 3.0,
-             "moved_entries": 9.0, "scored_entries": 2100.0}
-    rounds = [_rec("hs_prefetch@640", 0, 8.0, 2.0, costs=costs), _rec("hisparse@640", 0, 8.0, 2.0),
-              _rec("stock", 0, 10.0, 2.0), _rec("hs_prefetch@576", 0, 8.0, 2.0)]
+    costs = {
+        "h2d_bytes": 3000.0,
+        "prefetch_bytes": 1500.0,
+        "hit_rate": 0.8125,
+        "transfer_ops": 3.0,
+        "moved_entries": 9.0,
+        "scored_entries": 2100.0,
+    }
+    rounds = [
+        _rec("hs_prefetch@640", 0, 8.0, 2.0, costs=costs),
+        _rec("hisparse@640", 0, 8.0, 2.0),
+        _rec("stock", 0, 10.0, 2.0),
+        _rec("hs_prefetch@576", 0, 8.0, 2.0),
+    ]
     rows = peers_report.summarize(rounds)
     assert [r["arm"] for r in rows] == ["stock", "hisparse@640", "hs_prefetch@576", "hs_prefetch@640"]
     md = peers_report.markdown(rows)
     assert "| 4,000 | HiSparse+prefetch (640) | 0.812 | 3.0 | 1.5 | 3.00 |" in md
-    assert "| 4,000 | HiSparse (640) | n/a | 0.0 | n/a |" in md      # a record without the new keys: n/a
+    assert "| 4,000 | HiSparse (640) | n/a | 0.0 | n/a |" in md  # a record without the new keys: n/a

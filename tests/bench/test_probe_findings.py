@@ -29,15 +29,22 @@ def no_servers(monkeypatch):
 
     def started(*_a):
         raise AssertionError("bench peers started work on bad arguments")
+
     monkeypatch.setattr(st, "ensure_model", started)
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["tier", "--pages", "1e9"], "--pages"), (["tier", "--pages", "99999999999999999999"], "--pages"),
-    (["tier", "--step-ms", "inf"], "--step-ms"), (["tier", "--turnover", "nan"], "--turnover"),
-    (["recall", "--chunks", "x"], "--chunks"), (["step", "--rows", "2.5"], "--rows"),
-    (["peers", "--requests", "1" + "0" * 30], "--requests"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["tier", "--pages", "1e9"], "--pages"),
+        (["tier", "--pages", "99999999999999999999"], "--pages"),
+        (["tier", "--step-ms", "inf"], "--step-ms"),
+        (["tier", "--turnover", "nan"], "--turnover"),
+        (["recall", "--chunks", "x"], "--chunks"),
+        (["step", "--rows", "2.5"], "--rows"),
+        (["peers", "--requests", "1" + "0" * 30], "--requests"),
+    ],
+)
 def test_malformed_or_huge_numbers_are_argparse_lines(argv, flag, capsys, no_servers) -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
@@ -62,7 +69,7 @@ def test_peers_huge_counts_are_refused(capsys, no_servers) -> None:
 
 
 def test_tier_memory_is_checked_before_allocating(capsys, monkeypatch) -> None:
-    monkeypatch.setattr(guard, "available_memory", lambda: 10**8)   # 100 MB available
+    monkeypatch.setattr(guard, "available_memory", lambda: 10**8)  # 100 MB available
     allocated = []
     monkeypatch.setattr(tier, "measure", lambda args: allocated.append(args))
     assert main(["bench", "tier", "--pages", "4096", "--conc", "8", "--device", "cpu"]) == 2
@@ -80,21 +87,27 @@ def test_tier_on_a_disk_that_fills_exits_non_zero_naming_dir(tmp_path, capsys, m
     def full_after_open(*a, **k):
         ops = FaultyFileOps(plan=FaultPlan())
         store = PageStore(*a, ops=ops, **k)
-        ops.plan.full = True            # the store opened; every page write now meets a full disk
+        ops.plan.full = True  # the store opened; every page write now meets a full disk
         return store
+
     monkeypatch.setattr(tier, "PageStore", full_after_open)
     assert main(["bench", "tier", *TINY, "--dir", str(tmp_path)]) == 2
-    err, out = _one_error_line(capsys, f"flashmemory bench tier: error: --dir {tmp_path}: 2 of 2 "
-                                       "pages")
+    err, out = _one_error_line(capsys, f"flashmemory bench tier: error: --dir {tmp_path}: 2 of 2 pages")
     assert "disk full" in err and "GB/s" not in out
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["step", "--rows", "0"], "--rows"), (["recall", "--chunks", "0"], "--chunks"),
-    (["train", "--batch-size", "0"], "--batch-size"), (["labels", "--tokens", "0"], "--tokens"),
-    (["serve", "--requests", "-1"], "--requests"), (["tier", "--reps", "-1"], "--reps"),
-    (["costmodel", "--disk-drives", "0"], "--disk-drives"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["step", "--rows", "0"], "--rows"),
+        (["recall", "--chunks", "0"], "--chunks"),
+        (["train", "--batch-size", "0"], "--batch-size"),
+        (["labels", "--tokens", "0"], "--tokens"),
+        (["serve", "--requests", "-1"], "--requests"),
+        (["tier", "--reps", "-1"], "--reps"),
+        (["costmodel", "--disk-drives", "0"], "--disk-drives"),
+    ],
+)
 def test_counts_below_one_are_argparse_lines(argv, flag, capsys) -> None:
     """Every int flag of a bench is a count: below 1 (below 0 where 0 is its default, "the run's default") it is
     refused by argparse before the bench starts (these ran with nonsense, or ended in a traceback)."""
@@ -116,16 +129,22 @@ def test_zero_keeps_meaning_the_runs_default_where_it_is_the_default() -> None:
         p.parse_args(["--rows", "0"])
 
 
-@pytest.mark.parametrize("argv,prefix", [
-    (["monitor", "--sizes", "a,b"], "flashmemory bench monitor: error: --sizes 'a,b'"),
-    (["scorer", "--sizes", "x"], "flashmemory bench scorer: error: --sizes 'x'"),
-    (["serve", "--contexts", "a,b"], "flashmemory bench serve: error: --contexts 'a,b'"),
-    (["serve", "--contexts", "4096"], "flashmemory bench serve: error: --contexts '4096'"),
-    (["serve", "--contexts", "4096,1024"], "flashmemory bench serve: error: --contexts '4096,1024'"),
-    (["recall", "--plan-chunks", "1"], "flashmemory bench recall: error: --plan-chunks 1: too short"),
-    (["recall", "--residency", "2"], "flashmemory bench recall: error: --residency 2.0: must lie in (0, 1]"),
-    (["recall", "--kmax", "99999999"], "flashmemory bench recall: error: --kmax 99999999 x --layers 21: needs about"),
-])
+@pytest.mark.parametrize(
+    "argv,prefix",
+    [
+        (["monitor", "--sizes", "a,b"], "flashmemory bench monitor: error: --sizes 'a,b'"),
+        (["scorer", "--sizes", "x"], "flashmemory bench scorer: error: --sizes 'x'"),
+        (["serve", "--contexts", "a,b"], "flashmemory bench serve: error: --contexts 'a,b'"),
+        (["serve", "--contexts", "4096"], "flashmemory bench serve: error: --contexts '4096'"),
+        (["serve", "--contexts", "4096,1024"], "flashmemory bench serve: error: --contexts '4096,1024'"),
+        (["recall", "--plan-chunks", "1"], "flashmemory bench recall: error: --plan-chunks 1: too short"),
+        (["recall", "--residency", "2"], "flashmemory bench recall: error: --residency 2.0: must lie in (0, 1]"),
+        (
+            ["recall", "--kmax", "99999999"],
+            "flashmemory bench recall: error: --kmax 99999999 x --layers 21: needs about",
+        ),
+    ],
+)
 def test_bad_values_are_one_named_line_before_any_work(argv, prefix, capsys, no_servers) -> None:
     """Malformed lists and impossible sizes: one line naming the bench and the flag (these printed an unprefixed
     line to stdout, or ended in a traceback; recall's only after minutes of timing)."""

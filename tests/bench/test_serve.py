@@ -1,4 +1,5 @@
 """bench serve's arithmetic: prompt lengths and the decode-rate summary of concurrent streamed requests."""
+
 import math
 import threading
 
@@ -12,13 +13,13 @@ def test_contexts_spread_over_the_range():
 
 
 def test_summary_counts_tokens_after_the_first_over_the_shared_window():
-    a = StreamResult(sent=0.0, token_times=[1.0, 2.0, 3.0], n_tokens=3)     # 2 decoded, ITL 1 s
+    a = StreamResult(sent=0.0, token_times=[1.0, 2.0, 3.0], n_tokens=3)  # 2 decoded, ITL 1 s
     b = StreamResult(sent=0.0, token_times=[2.0, 2.5, 3.0, 5.0], n_tokens=4)  # 3 decoded, ITL 1 s
     s = summarize([a, b])
-    assert math.isclose(s["decode_tok_s"], 5 / 4.0)        # window 1.0 .. 5.0
+    assert math.isclose(s["decode_tok_s"], 5 / 4.0)  # window 1.0 .. 5.0
     assert math.isclose(s["itl_ms"], 1000.0) and math.isclose(s["ttft_s"], 1.5) and s["wall_s"] == 5.0
     assert math.isclose(s["steady_tok_s"], 3 / 1.0) and s["steady_window_s"] == 1.0  # both decoding: (2.0, 3.0]
-    late = StreamResult(sent=0.0, token_times=[4.0, 6.0], n_tokens=2)        # starts after `a` ended
+    late = StreamResult(sent=0.0, token_times=[4.0, 6.0], n_tokens=2)  # starts after `a` ended
     assert math.isnan(summarize([a, late])["steady_tok_s"])
 
 
@@ -27,6 +28,7 @@ def test_concurrent_requests_report_progress_as_they_finish(monkeypatch):
     still run. The last request here returns only once the other two lines are out, so lines printed after the
     join of all requests leave it waiting (it gives up after 30 s and the test fails)."""
     import flashmemory.bench.serve as bs
+
     lines: list[str] = []
     two_reported = threading.Event()
 

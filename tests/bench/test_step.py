@@ -1,4 +1,5 @@
 """`flashmemory bench step` runs both adapters on the same pool and prints their ratio (no timing asserted)."""
+
 import argparse
 
 from flashmemory.bench import step

@@ -15,8 +15,28 @@ from flashmemory.cli import main
 def test_bench_tier_tiny(tmp_path, capsys) -> None:
     out = tmp_path / "tier.json"
     before = set(os.listdir(tempfile.gettempdir()))
-    assert main(["bench", "tier", "--pages", "3", "--conc", "1", "2", "--layers", "4", "--reps", "1",
-                 "--readers", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tier",
+                "--pages",
+                "3",
+                "--conc",
+                "1",
+                "2",
+                "--layers",
+                "4",
+                "--reps",
+                "1",
+                "--readers",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "disk/host" in text and "stops fitting" in text and "window: disk" in text
     r = json.loads(out.read_text())
@@ -43,7 +63,7 @@ def test_bench_tier_store_in_a_given_dir_is_removed(tmp_path, capsys) -> None:
 def test_bench_tier_bad_flags(tmp_path, capsys) -> None:
     assert main(["bench", "tier", "--dir", str(tmp_path / "nope")]) == 2
     assert "--dir" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:       # argparse's own one line: not a finite number
+    with pytest.raises(SystemExit) as e:  # argparse's own one line: not a finite number
         main(["bench", "tier", "--step-ms", "nan"])
     assert e.value.code == 2 and "--step-ms" in capsys.readouterr().err
     assert main(["bench", "tier", "--context", "2"]) == 2

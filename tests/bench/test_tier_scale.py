@@ -38,30 +38,34 @@ def _filled(tmp_path, a: argparse.Namespace, cache_pages: int) -> tuple[PageStor
 
 def test_read_ahead_that_lands_is_a_hit_and_nothing_waits(tmp_path) -> None:
     a = _args("--requests", "4", "--pages", "12", "--kmax", "3", "--cycles", "4", "--turnover", "0.5")
-    store, cache = _filled(tmp_path, a, cache_pages=4 * 3 * 2)   # a cycle's 12 picks fit, with last cycle's
+    store, cache = _filled(tmp_path, a, cache_pages=4 * 3 * 2)  # a cycle's 12 picks fit, with last cycle's
     try:
         t = ts.run_cycles(cache, a, 0.0, np.empty((a.kmax, store.page_bytes), dtype=np.uint8))
     finally:
         cache.close()
         store.close()
     assert (t.cycles, t.recalls, t.gets) == (4, 16, 48)
-    assert t.ahead >= 12 and t.ahead_hits == t.ahead      # the first cycle's picks were all cold, all landed
+    assert t.ahead >= 12 and t.ahead_hits == t.ahead  # the first cycle's picks were all cold, all landed
     assert t.hits == t.gets and t.recalls_waited == t.cycles_waited == 0
-    assert t.rates() == {"cache_hit_rate": 1.0, "readahead_hit_rate": 1.0, "recalls_waited_share": 0.0,
-                         "cycles_waited_share": 0.0}
+    assert t.rates() == {
+        "cache_hit_rate": 1.0,
+        "readahead_hit_rate": 1.0,
+        "recalls_waited_share": 0.0,
+        "cycles_waited_share": 0.0,
+    }
     assert cache.counters.disk_bytes_read == t.ahead * store.page_bytes
 
 
 def test_a_cache_smaller_than_a_cycle_makes_recalls_wait(tmp_path) -> None:
     a = _args("--requests", "4", "--pages", "12", "--kmax", "3", "--cycles", "3", "--turnover", "1")
-    store, cache = _filled(tmp_path, a, cache_pages=3)   # each request's read-ahead evicts the one before
+    store, cache = _filled(tmp_path, a, cache_pages=3)  # each request's read-ahead evicts the one before
     try:
         t = ts.run_cycles(cache, a, 0.0, np.empty((a.kmax, store.page_bytes), dtype=np.uint8))
     finally:
         cache.close()
         store.close()
     assert t.cycles_waited == t.cycles == 3
-    assert t.recalls_waited >= 3 * (a.requests - 1)   # only the last request's read-ahead survives until its copy
+    assert t.recalls_waited >= 3 * (a.requests - 1)  # only the last request's read-ahead survives until its copy
     assert t.hits < t.gets and t.ahead_hits < t.ahead
     assert t.rates()["cache_hit_rate"] == t.hits / t.gets and t.rates()["cycles_waited_share"] == 1.0
     assert cache.counters.cache_hits == t.hits and cache.counters.cache_misses == t.gets - t.hits
@@ -78,8 +82,23 @@ def test_picks_keep_the_share_not_turned_over() -> None:
 
 def test_threaded_run_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "scale.json"
-    a = _args("--requests", "3", "--pages", "6", "--kmax", "2", "--cycles", "2", "--lead-ms", "0", "5",
-              "--json", str(out), "--dir", str(tmp_path))
+    a = _args(
+        "--requests",
+        "3",
+        "--pages",
+        "6",
+        "--kmax",
+        "2",
+        "--cycles",
+        "2",
+        "--lead-ms",
+        "0",
+        "5",
+        "--json",
+        str(out),
+        "--dir",
+        str(tmp_path),
+    )
     assert ts.run(a) == 0
     assert "read-ahead hit" in capsys.readouterr().out
     r = json.loads(out.read_text())
@@ -87,15 +106,18 @@ def test_threaded_run_end_to_end(tmp_path, capsys) -> None:
     for x in r["runs"]:
         assert x["gets"] == 2 * 3 * 2 and x["counters"]["cache_hits"] == x["hits"]
         assert 0 <= x["readahead_hit_rate"] <= 1 and x["counters"]["corrupt_pages"] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["scale.json"]   # the store file is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scale.json"]  # the store file is gone
 
 
-@pytest.mark.parametrize("flags, msg", [
-    (["--kmax", "20", "--pages", "4"], "--kmax 20: must be <= --pages 4"),
-    (["--turnover", "1.5"], "--turnover 1.5: must lie in [0, 1]"),
-    (["--layers", "3"], "--layers 3: must be >= 4"),
-    (["--dir", "/nonexistent/x"], "--dir '/nonexistent/x' is not an existing directory"),
-])
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--kmax", "20", "--pages", "4"], "--kmax 20: must be <= --pages 4"),
+        (["--turnover", "1.5"], "--turnover 1.5: must lie in [0, 1]"),
+        (["--layers", "3"], "--layers 3: must be >= 4"),
+        (["--dir", "/nonexistent/x"], "--dir '/nonexistent/x' is not an existing directory"),
+    ],
+)
 def test_bad_flags_name_the_flag(flags: list[str], msg: str) -> None:
     with pytest.raises(UserError, match=msg.replace("[", r"\[").replace("]", r"\]")):
         ts._check(_args(*flags))
@@ -103,7 +125,9 @@ def test_bad_flags_name_the_flag(flags: list[str], msg: str) -> None:
 
 def test_registered_and_fails_in_one_line(capsys) -> None:
     from flashmemory.cli import main
+
     assert main(["bench", "tier-scale", "--kmax", "30", "--pages", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("flashmemory bench tier-scale: error: --kmax 30: must be <= --pages 4 (a request recalls pages "
-                   "it holds)")
+    assert err == (
+        "flashmemory bench tier-scale: error: --kmax 30: must be <= --pages 4 (a request recalls pages it holds)"
+    )

@@ -31,9 +31,14 @@ from flashmemory.costmodel.pools import Serving, bytes_per_full_token
 F = fit()
 M1 = 1048576
 # Held-out anchors the model does not reach, each for a stated reason (the paper's and the PR's stock launches)
-OUTSIDE = {"decode-only HiSparse / stock, 64 concurrent", "generation HiSparse / stock, 64 concurrent",
-           "stock generation tok/s", "HiSparse / stock at batch 8", "HiSparse / stock at batch 32",
-           "HiSparse / stock at batch 54"}
+OUTSIDE = {
+    "decode-only HiSparse / stock, 64 concurrent",
+    "generation HiSparse / stock, 64 concurrent",
+    "stock generation tok/s",
+    "HiSparse / stock at batch 8",
+    "HiSparse / stock at batch 32",
+    "HiSparse / stock at batch 54",
+}
 
 
 def test_each_constant_reproduces_the_anchor_it_was_fitted_on() -> None:
@@ -109,9 +114,14 @@ def test_projection_rows_by_hand() -> None:
     # launched without CREDIT_C4, FlashMemory's token pool is stock's: it admits what stock admits
     for ctx in (131072, 262144, M1):
         assert rows[ctx, "flashmemory-nocredit"]["conc"] == rows[ctx, "stock"]["conc"]
-    assert rows[131072, "flashmemory"] == {"ctx": 131072, "arm": "flashmemory", "kmax": 48, "conc": 128,
-                                           "bound": "max-running",
-                                           "tok_s": pytest.approx(tok_s(p, "flashmemory", 131072, 128, 48))}
+    assert rows[131072, "flashmemory"] == {
+        "ctx": 131072,
+        "arm": "flashmemory",
+        "kmax": 48,
+        "conc": 128,
+        "bound": "max-running",
+        "tok_s": pytest.approx(tok_s(p, "flashmemory", 131072, 128, 48)),
+    }
 
 
 def test_bench_anchors_prints_and_writes(tmp_path, capsys) -> None:
@@ -123,7 +133,7 @@ def test_bench_anchors_prints_and_writes(tmp_path, capsys) -> None:
     d = json.loads(out.read_text())
     assert set(d) == {"anchors", "projections"} and len(d["projections"]) == 15
     assert {a["name"] for a in d["anchors"]["anchors"] if not a["within"]} == OUTSIDE
-    with pytest.raises(SystemExit) as e:          # a count flag: argparse's own line, before any work
+    with pytest.raises(SystemExit) as e:  # a count flag: argparse's own line, before any work
         main(["bench", "costmodel", "--anchors", "--hisparse-ratio", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err

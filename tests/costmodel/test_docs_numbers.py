@@ -10,15 +10,23 @@ import pytest
 from flashmemory.costmodel.anchors import anchors, fit, projections
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "costmodel.md"
-ARM = {"stock": "stock", "HiSparse": "hisparse", "FlashMemory, `CREDIT_C4=0`": "flashmemory-nocredit",
-       "FlashMemory, `CREDIT_C4=1`": "flashmemory", "FlashMemory + disk tier": "disk"}
+ARM = {
+    "stock": "stock",
+    "HiSparse": "hisparse",
+    "FlashMemory, `CREDIT_C4=0`": "flashmemory-nocredit",
+    "FlashMemory, `CREDIT_C4=1`": "flashmemory",
+    "FlashMemory + disk tier": "disk",
+}
 CTX = {"128K": 131072, "256K": 262144, "1M": 1048576}
 
 
 def _rows(section: str) -> list[list[str]]:
     text = PAGE.read_text().split(section, 1)[1].split("\n## ", 1)[0]
-    return [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()
-            if ln.startswith("|") and not ln.startswith("|---")][1:]
+    return [
+        [c.strip() for c in ln.strip("|").split("|")]
+        for ln in text.splitlines()
+        if ln.startswith("|") and not ln.startswith("|---")
+    ][1:]
 
 
 def _num(cell: str) -> float:
@@ -49,8 +57,11 @@ def test_readme_projected_rows_are_the_model() -> None:
     """The README's HiSparse table quotes the 1M row of the projection: concurrency and tok/s per arm."""
     readme = (PAGE.parents[1] / "README.md").read_text()
     model = {r["arm"]: r for r in projections(fit()) if r["ctx"] == CTX["1M"]}
-    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip().strip("|").split("|")[1:4]]
-            for ln in readme.splitlines() if ln.startswith("| ") and "8xH20" in ln}
+    rows = {
+        ln.split("|")[1].strip(): [c.strip() for c in ln.strip().strip("|").split("|")[1:4]]
+        for ln in readme.splitlines()
+        if ln.startswith("| ") and "8xH20" in ln
+    }
     conc = rows["max concurrent 1M-token requests, 8xH20"]
     tok = rows["decode tok/s at that concurrency, 8xH20"]
     for cell_c, cell_t, arm in zip(conc, tok, ("stock", "hisparse", "flashmemory")):

@@ -33,7 +33,7 @@ def test_no_coverage_and_no_level1_is_hisparse_itself():
 def test_coverage_moves_demand_bytes_off_the_critical_path():
     hs = calibrated_hisparse(F, hit_rate=0.6)
     steps = [prefetch_step(P, 262144, 32, hs, PrefetchKnobs(c, 1.0, level1=False)) for c in (0.0, 0.5, 1.0)]
-    assert [s.demand_bytes for s in steps] == pytest.approx([steps[0].hisparse_demand_bytes * f for f in (1, .5, 0)])
+    assert [s.demand_bytes for s in steps] == pytest.approx([steps[0].hisparse_demand_bytes * f for f in (1, 0.5, 0)])
     assert steps[0].prefetch_ms > steps[1].prefetch_ms > steps[2].prefetch_ms
     assert steps[2].prefetch_bytes == pytest.approx(steps[0].demand_bytes)
 
@@ -65,11 +65,14 @@ def test_projection_table_has_one_row_per_case():
 def test_readme_paragraph_quotes_the_model():
     """The README's HiSparse + prefetch numbers are `projection()`'s (regenerate both together)."""
     from pathlib import Path
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    para = readme[readme.index("**HiSparse + prefetch, an exact mode.**"):]
-    para = " ".join(para[:para.index("\n\n")].split())
-    rows = {(r.ctx, h, c): r for r, (h, c) in zip(projection(), [(h, c) for _ in CONTEXTS for h in HIT_RATES
-                                                                   for c in COVERAGES])}
+    para = readme[readme.index("**HiSparse + prefetch, an exact mode.**") :]
+    para = " ".join(para[: para.index("\n\n")].split())
+    rows = {
+        (r.ctx, h, c): r
+        for r, (h, c) in zip(projection(), [(h, c) for _ in CONTEXTS for h in HIT_RATES for c in COVERAGES])
+    }
     k128, k1m = 131072, 1048576
     assert f"0.95 hit rate it gains {rows[(k128, 0.95, 0.5)].speedup:.2f}x at 128K" in para
     r = rows[(k128, 0.68, 0.9)]

@@ -78,8 +78,10 @@ def test_figures_are_the_cost_models(h20: Plan) -> None:
 
     def share(c: int) -> float:
         h = min(1.0, (usable - c * 3 * h20.req.host / 4096 * 8) / (c * 8 * h20.req.host))
-        return disk_point(M1, 384, c, node.hw, DiskKnobs(hit_rate=h), PolicyKnobs(path_i=True),
-                          pool_cap=41).window_share
+        return disk_point(
+            M1, 384, c, node.hw, DiskKnobs(hit_rate=h), PolicyKnobs(path_i=True), pool_cap=41
+        ).window_share
+
     assert 1 <= bw < 64 and share(bw) <= 1.0 < share(bw + 1)
     # at the 41 admitted the disk keeps up: tok/s is FlashMemory's from DRAM (the projection's disk row)
     assert h20.tok_s_admitted == pytest.approx(tok_s(node, "flashmemory", M1, 41, 384), rel=1e-12)
@@ -107,15 +109,22 @@ def test_settings_change_the_terms() -> None:
     assert shared.tiers[2].bytes_per_request == shared.req.host
 
 
-@pytest.mark.parametrize("flags, first, cap", [
-    (["--disks", "0", "--host-ram-gb", "1024"], "host DRAM (node, full mirrors)", 18),   # 562 GB / 30.7 GB
-    (["--disks", "1", "--disk-tb", "1.92", "--hit-rate", "0.99", "--mem-fraction", "sglang"],
-     "disk capacity (node)", 56),                                                          # 1.73 TB / 30.7 GB
-    (["--disks", "1", "--mem-fraction", "sglang"], "disk bandwidth", None),
-    (["--hbm-gb", "80"], TOKEN_POOL, None),
-])
-def test_smaller_node_names_what_runs_out_first(flags: list[str], first: str, cap: int | None,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flags, first, cap",
+    [
+        (["--disks", "0", "--host-ram-gb", "1024"], "host DRAM (node, full mirrors)", 18),  # 562 GB / 30.7 GB
+        (
+            ["--disks", "1", "--disk-tb", "1.92", "--hit-rate", "0.99", "--mem-fraction", "sglang"],
+            "disk capacity (node)",
+            56,
+        ),  # 1.73 TB / 30.7 GB
+        (["--disks", "1", "--mem-fraction", "sglang"], "disk bandwidth", None),
+        (["--hbm-gb", "80"], TOKEN_POOL, None),
+    ],
+)
+def test_smaller_node_names_what_runs_out_first(
+    flags: list[str], first: str, cap: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plan", "--json", *flags]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["projected"] is True and out["answer"] is False
@@ -130,25 +139,36 @@ def test_report_shows_inputs_and_the_answer(capsys: pytest.CaptureFixture[str]) 
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("PROJECTED by the cost model")
-    for text in ("8 GPUs x 102.6 GB", "4 x 7.68 TB", "KMAX 384", "CREDIT_C4=1", "tau 64", "holds      41",
-                 "does NOT keep up", "1M x 64 on 8xH20 with 4 NVMe: NO (projected). First to run out: "
-                 "HBM token pool (per GPU): holds 41 of 64", "at 41 (the most every resource allows): 1,428 tok/s"):
+    for text in (
+        "8 GPUs x 102.6 GB",
+        "4 x 7.68 TB",
+        "KMAX 384",
+        "CREDIT_C4=1",
+        "tau 64",
+        "holds      41",
+        "does NOT keep up",
+        "1M x 64 on 8xH20 with 4 NVMe: NO (projected). First to run out: HBM token pool (per GPU): holds 41 of 64",
+        "at 41 (the most every resource allows): 1,428 tok/s",
+    ):
         assert text in out, text
     assert main(["plan", "--context", "256K"]) == 0
     assert "256K x 64 on 8xH20 with 4 NVMe: YES" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, msg", [
-    (["--gpus", "0"], "--gpus 0: must be > 0"),
-    (["--budget-share", "1.5"], "--budget-share 1.5: must be in (0, 1]"),
-    (["--hit-rate", "-0.1"], "--hit-rate -0.1: must be in [0, 1]"),
-    (["--kmax", "4097"], "--kmax 4097: must be in [1, 4096]"),
-    (["--disks", "-2"], "--disks -2: must be >= 0"),
-    (["--mem-fraction", "0"], "--mem-fraction 0.0: must be in (0, 1]"),
-    (["--overhead-ms", "-1"], "--overhead-ms -1.0: must be >= 0"),
-    (["--concurrency", "0"], "--concurrency 0: must be > 0"),
-    (["--context", "2"], "--context 2: must be >= 4 tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--gpus", "0"], "--gpus 0: must be > 0"),
+        (["--budget-share", "1.5"], "--budget-share 1.5: must be in (0, 1]"),
+        (["--hit-rate", "-0.1"], "--hit-rate -0.1: must be in [0, 1]"),
+        (["--kmax", "4097"], "--kmax 4097: must be in [1, 4096]"),
+        (["--disks", "-2"], "--disks -2: must be >= 0"),
+        (["--mem-fraction", "0"], "--mem-fraction 0.0: must be in (0, 1]"),
+        (["--overhead-ms", "-1"], "--overhead-ms -1.0: must be >= 0"),
+        (["--concurrency", "0"], "--concurrency 0: must be > 0"),
+        (["--context", "2"], "--context 2: must be >= 4 tokens"),
+    ],
+)
 def test_bad_input_is_one_line(flags: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", *flags]) == 2
     err = capsys.readouterr().err.strip()

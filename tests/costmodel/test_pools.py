@@ -34,25 +34,57 @@ def _configurator(monkeypatch: pytest.MonkeyPatch, sv: Serving) -> object:
     monkeypatch.setattr(pc, "get_exec", exec_bag)
     monkeypatch.setattr(v4pool, "get_exec", exec_bag)
     monkeypatch.setattr(pc, "get_spec", lambda: ns(speculative_algorithm=None, speculative_num_draft_tokens=None))
-    monkeypatch.setattr(pc, "get_schedule", lambda: ns(max_running_requests=sv.max_running, swa_prefix_tails=None,
-                                                       chunked_prefill_size=8192, disable_overlap_schedule=False))
-    monkeypatch.setattr(pc, "get_disagg", lambda: ns(disaggregation_mode="decode",
-                                                     disaggregation_decode_extra_slots=sv.decode_extra_slots))
+    monkeypatch.setattr(
+        pc,
+        "get_schedule",
+        lambda: ns(
+            max_running_requests=sv.max_running,
+            swa_prefix_tails=None,
+            chunked_prefill_size=8192,
+            disable_overlap_schedule=False,
+        ),
+    )
+    monkeypatch.setattr(
+        pc,
+        "get_disagg",
+        lambda: ns(disaggregation_mode="decode", disaggregation_decode_extra_slots=sv.decode_extra_slots),
+    )
     monkeypatch.setattr(pc, "get_memory", lambda: ns(disable_radix_cache=not sv.radix_cache))
     c = object.__new__(pc.DSV4PoolConfigurator)
     owners = {r: [i for i, x in enumerate(RATIOS) if x == r] for r in (4, 128)}
     c.__dict__.update(
-        kv_cache_dtype_str="fp8_e4m3", qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
-        attn_head_dim=512, _unified=False, _unified_fp8=False, kv_bytes=448 + 64 * 2 + 8,
-        indexer_bytes_per_token=v4pool.get_dsv4_indexer_bytes_per_token(128, False), context_len=1048576,
-        stage_compress_ratios=RATIOS, stage_owner_layers=owners, operator_swa_ratio=None,
-        swa_ratio=pc.DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO, sliding_window_size=S.window, page_size=256,
-        is_speculative=False, online_c128_mtp_max_draft_tokens=0, attn_dp_size=1,
-        requested_max_running_requests_per_worker=sv.max_running, disaggregation_mode="decode",
-        disaggregation_decode_extra_slots=sv.decode_extra_slots, c4_shrink_factor=sv.hisparse_ratio,
-        ring_sizes={r: v4pool.get_compress_state_ring_size(r, 0) for r in (4, 128)}, num_layers_total=len(RATIOS),
-        low_ratio_index_bytes=v4pool.get_dsv4_indexer_bytes_per_token(128, True), _swa_ring_size=S.window,
-        _spec_infl=1.0, encoder_replay=False, paged_draft_layers=0, request_window_bytes=0)
+        kv_cache_dtype_str="fp8_e4m3",
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        attn_head_dim=512,
+        _unified=False,
+        _unified_fp8=False,
+        kv_bytes=448 + 64 * 2 + 8,
+        indexer_bytes_per_token=v4pool.get_dsv4_indexer_bytes_per_token(128, False),
+        context_len=1048576,
+        stage_compress_ratios=RATIOS,
+        stage_owner_layers=owners,
+        operator_swa_ratio=None,
+        swa_ratio=pc.DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO,
+        sliding_window_size=S.window,
+        page_size=256,
+        is_speculative=False,
+        online_c128_mtp_max_draft_tokens=0,
+        attn_dp_size=1,
+        requested_max_running_requests_per_worker=sv.max_running,
+        disaggregation_mode="decode",
+        disaggregation_decode_extra_slots=sv.decode_extra_slots,
+        c4_shrink_factor=sv.hisparse_ratio,
+        ring_sizes={r: v4pool.get_compress_state_ring_size(r, 0) for r in (4, 128)},
+        num_layers_total=len(RATIOS),
+        low_ratio_index_bytes=v4pool.get_dsv4_indexer_bytes_per_token(128, True),
+        _swa_ring_size=S.window,
+        _spec_infl=1.0,
+        encoder_replay=False,
+        paged_draft_layers=0,
+        request_window_bytes=0,
+    )
     c.swa_prefix_tails = c._resolve_swa_prefix_tails()
     c.swa_cap_tokens = c._resolve_swa_cap_tokens()
     c.bytes_per_swa_token = c._get_bytes_per_swa_token()
@@ -60,8 +92,13 @@ def _configurator(monkeypatch: pytest.MonkeyPatch, sv: Serving) -> object:
     return c
 
 
-SERVINGS = [Serving(), Serving(hisparse_ratio=2), Serving(hisparse_ratio=10), Serving(max_running=128),
-            Serving(max_running=64, radix_cache=True, decode_extra_slots=3)]
+SERVINGS = [
+    Serving(),
+    Serving(hisparse_ratio=2),
+    Serving(hisparse_ratio=10),
+    Serving(max_running=128),
+    Serving(max_running=64, radix_cache=True, decode_extra_slots=3),
+]
 
 
 @pytest.mark.parametrize("sv", SERVINGS, ids=lambda s: f"R{s.max_running}-h{s.hisparse_ratio}-rx{s.radix_cache}")
@@ -97,9 +134,14 @@ def test_default_mem_fraction_matches_sglang_formula() -> None:
     hook = pytest.importorskip("sglang.srt.arg_groups.memory_hook")
     src = open(hook.__file__).read()
     # the constants this function restates, read from the installed source
-    for needle in ("reserved_mem = 512", "activation_tokens * 1.5", "cfg.tp_size * cfg.pp_size / 8 * 1024",
-                   "reserved_mem = max(reserved_mem, 10 * 1024)", "decode_cuda_graph_config.max_bs * 2",
-                   "round((gpu_mem - reserved_mem) / gpu_mem, 3)"):
+    for needle in (
+        "reserved_mem = 512",
+        "activation_tokens * 1.5",
+        "cfg.tp_size * cfg.pp_size / 8 * 1024",
+        "reserved_mem = max(reserved_mem, 10 * 1024)",
+        "decode_cuda_graph_config.max_bs * 2",
+        "round((gpu_mem - reserved_mem) / gpu_mem, 3)",
+    ):
         assert needle in src, needle
     assert default_mem_fraction(97871, 8, 128) == round((97871 - 10240) / 97871, 3) == 0.895
     assert default_mem_fraction(40000, 1, 4096) == round((40000 - (512 + 1.5 * 4096 + 128 + 320)) / 40000, 3)

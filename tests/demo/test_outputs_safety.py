@@ -21,6 +21,7 @@ def no_work(monkeypatch):
 
     def stop(*a, **kw):
         raise WorkStarted
+
     monkeypatch.setattr(HFEngine, "from_name", classmethod(lambda cls, *a, **kw: stop()))
 
 
@@ -29,14 +30,25 @@ def test_doc_len_too_short_for_a_task_is_named_before_any_work(tmp_path, capsys,
     minutes, then stopped in stage 6. README "Errors and data safety": a bad flag is one line naming it, with a
     non-zero exit (checked where it is read, so before the work it would spoil)."""
     out = tmp_path / "o"
-    argv = ["demo", "--model", "micro", "--tasks", "niah_single", "--doc-len", "200", "--no-plot", "--no-progress",
-            "--out-dir", str(out)]
+    argv = [
+        "demo",
+        "--model",
+        "micro",
+        "--tasks",
+        "niah_single",
+        "--doc-len",
+        "200",
+        "--no-plot",
+        "--no-progress",
+        "--out-dir",
+        str(out),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("flashmemory demo: error: --doc-len 200: length 200 is too short for task 'mrcr'"), err
     assert len(err.splitlines()) == 1
     assert not (out / "tasks.jsonl").exists() and not (out / "work").exists()
-    assert main(argv[:4] + ["mqar", "--doc-len", "150"] + argv[7:]) == 2      # the run's own task, too
+    assert main(argv[:4] + ["mqar", "--doc-len", "150"] + argv[7:]) == 2  # the run's own task, too
     assert "--doc-len 150: length 150 is too short for task 'mqar'" in capsys.readouterr().err
 
 
@@ -53,13 +65,13 @@ def test_a_users_outputs_are_moved_aside_never_overwritten(tmp_path, monkeypatch
     lines: list[str] = []
     cfg = preset(DemoConfig(out_dir=str(out)), "test")
     with pytest.raises(WorkStarted):
-        pipeline.run_demo(cfg, log=lines.append, progress=False)   # the test preset has plot=False
+        pipeline.run_demo(cfg, log=lines.append, progress=False)  # the test preset has plot=False
     assert (out / "tasks.jsonl.bak-20260101-000000").read_text() == "an older backup"
     assert (out / "tasks.jsonl.bak-20260101-000000-2").read_text() == "user's tasks.jsonl"
     for name in ("results.json", "report.md"):
         assert (out / f"{name}.bak-20260101-000000").read_text() == f"user's {name}"
         assert not (out / name).exists()
-    assert (out / "coverage.png").read_text() == "user's coverage.png"   # no plot: the run does not write it
+    assert (out / "coverage.png").read_text() == "user's coverage.png"  # no plot: the run does not write it
     moved = [ln for ln in lines if "moved earlier files" in ln]
     assert len(moved) == 1 and "tasks.jsonl -> tasks.jsonl.bak-20260101-000000-2" in moved[0]
 
@@ -74,11 +86,11 @@ def test_the_demos_own_outputs_are_replaced_and_edited_ones_kept(tmp_path) -> No
     assert pipeline.move_aside_outputs(out, pipeline.OUTPUTS, log=lambda *a: None) == []
     (out / "report.md").write_text("demo's report.md, with my notes")
     (out / "results.json").unlink()
-    (out / "results.json").mkdir()                                    # whatever it is, it is not ours
+    (out / "results.json").mkdir()  # whatever it is, it is not ours
     moved = dict(pipeline.move_aside_outputs(out, pipeline.OUTPUTS, log=lambda *a: None))
     assert set(moved) == {"report.md", "results.json"}
     assert (out / moved["report.md"]).read_text().endswith("with my notes") and (out / moved["results.json"]).is_dir()
-    assert (out / "tasks.jsonl").read_text() == "demo's tasks.jsonl"   # left for the run to replace
+    assert (out / "tasks.jsonl").read_text() == "demo's tasks.jsonl"  # left for the run to replace
 
 
 def test_a_seed_out_of_range_names_the_flag(tmp_path, capsys, no_work) -> None:

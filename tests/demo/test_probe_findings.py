@@ -18,6 +18,7 @@ CFG = {"model": "/x/trained/dsv4-retrieval", "tau": 16}
 
 def _ckpt(path, hidden: int = 128, head_dim: int = 64, layers=(0, 1, 2), seed: int = 0):
     import torch
+
     torch.manual_seed(seed)
     dims = RetrieverDims(hidden=hidden, rank=32, n_heads=4, head_dim=head_dim, rope_dim=32)
     return save_retriever(JointRetriever(layers, dims), path)
@@ -29,8 +30,8 @@ def test_resume_keys_on_the_retriever_bytes_not_its_path(tmp_path) -> None:
     same.parent.mkdir()
     shutil.copyfile(a, same)
     fp = fingerprint(CFG, QualityConfig(retriever=str(a)), METHODS)
-    assert fingerprint(CFG, QualityConfig(retriever=str(same)), METHODS) == fp      # same file, another name
-    _ckpt(a, seed=1)                                                                 # another file, same name
+    assert fingerprint(CFG, QualityConfig(retriever=str(same)), METHODS) == fp  # same file, another name
+    _ckpt(a, seed=1)  # another file, same name
     assert fingerprint(CFG, QualityConfig(retriever=str(a)), METHODS) != fp
 
 
@@ -40,9 +41,14 @@ def test_a_missing_retriever_file_is_one_line_naming_it(tmp_path) -> None:
     assert "--retriever" in str(e.value) and "nope.safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kw,why", [({"hidden": 64}, "hidden size 64, the model's is 128"),
-                                    ({"head_dim": 32}, "head dim 32, the model's indexer head dim is 64"),
-                                    ({"layers": (0, 1)}, r"no retriever for c4 layer\(s\) \[2\]")])
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        ({"hidden": 64}, "hidden size 64, the model's is 128"),
+        ({"head_dim": 32}, "head dim 32, the model's indexer head dim is 64"),
+        ({"layers": (0, 1)}, r"no retriever for c4 layer\(s\) \[2\]"),
+    ],
+)
 def test_a_retriever_for_another_model_is_refused_at_load(tmp_path, kw, why) -> None:
     path = _ckpt(tmp_path / "other.safetensors", **kw)
     engine = SimpleNamespace(hidden_size=128, index_head_dim=64)

@@ -34,24 +34,46 @@ def test_plan_continues_the_demos_test_documents() -> None:
     big = doc_plan(8, TASKS, (), 48)
     assert len(big) == 144 and big[:9] == plan
     assert all(sum(t == task for _, t in big) == 48 for task in TASKS)
-    only = doc_plan(8, TASKS, ("mqar",), 5)   # a task filter keeps each document's index (same seed, same doc)
+    only = doc_plan(8, TASKS, ("mqar",), 5)  # a task filter keeps each document's index (same seed, same doc)
     assert only == [(i, "mqar") for i in range(8, 30) if i % 3 == 2][:5]
 
 
 def _metrics(score: float, mass: float, monitored: bool = False) -> dict:
-    m = {"task_score": score, "mass": mass, "golden_recall": mass, "agreement": 1.0, "resident_frac": 0.2,
-         "mean_pages": 3.0, "kmax": 4, "recall_bytes": 10.0, "level1_share": 0.01, "bytes_vs_full": 0.3}
+    m = {
+        "task_score": score,
+        "mass": mass,
+        "golden_recall": mass,
+        "agreement": 1.0,
+        "resident_frac": 0.2,
+        "mean_pages": 3.0,
+        "kmax": 4,
+        "recall_bytes": 10.0,
+        "level1_share": 0.01,
+        "bytes_vs_full": 0.3,
+    }
     if monitored:
-        m |= {"miss_values": [0.1, 0.3], "miss_mass_mean": 0.2, "escalations": 1.0, "fallbacks": 0.0,
-              "budget_matched": True, "target_pages": 3.0}
+        m |= {
+            "miss_values": [0.1, 0.3],
+            "miss_mass_mean": 0.2,
+            "escalations": 1.0,
+            "fallbacks": 0.0,
+            "budget_matched": True,
+            "target_pages": 3.0,
+        }
     return m
 
 
 def _rows(i: int) -> dict[str, dict]:
     s = float(i % 2)
-    return {b: {"Full": _metrics(1.0, 1.0), "FlashMemory": _metrics(s, 0.7),
-                "FlashMemory+monitor": _metrics(s, 0.6, True), "Oracle": _metrics(1.0 - s, 0.8)}
-            for b in ("0.1", "0.2")}
+    return {
+        b: {
+            "Full": _metrics(1.0, 1.0),
+            "FlashMemory": _metrics(s, 0.7),
+            "FlashMemory+monitor": _metrics(s, 0.6, True),
+            "Oracle": _metrics(1.0 - s, 0.8),
+        }
+        for b in ("0.1", "0.2")
+    }
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(tmp_path) -> None:
@@ -60,25 +82,28 @@ def test_an_interrupted_run_resumes_where_it_stopped(tmp_path) -> None:
 
     def flaky(i: int, task: str) -> dict:
         if len(calls) == 4:
-            raise KeyboardInterrupt   # killed while the fifth document runs
+            raise KeyboardInterrupt  # killed while the fifth document runs
         calls.append(i)
         return _rows(i)
+
     with pytest.raises(KeyboardInterrupt):
         run_pending(tmp_path, "fp", plan, flaky, {}, progress=False)
     done = load_done(tmp_path, "fp")
     assert sorted(done) == [i for i, _ in plan[:4]]
-    assert not [p for p in (tmp_path / "docs").iterdir() if not p.name.endswith(".json")]   # no temp file left
-    (tmp_path / "docs" / "00099.json").write_text('{"format": "flashmemory-quality/1", "budg')   # torn write
+    assert not [p for p in (tmp_path / "docs").iterdir() if not p.name.endswith(".json")]  # no temp file left
+    (tmp_path / "docs" / "00099.json").write_text('{"format": "flashmemory-quality/1", "budg')  # torn write
     again: list[int] = []
     todo = [(i, t) for i, t in plan if i not in load_done(tmp_path, "fp")]
     run_pending(tmp_path, "fp", todo, lambda i, t: again.append(i) or _rows(i), done, progress=False)
-    assert again == [i for i, _ in plan[4:]]   # the done documents are skipped, the rest computed once
+    assert again == [i for i, _ in plan[4:]]  # the done documents are skipped, the rest computed once
     assert sorted(load_done(tmp_path, "fp")) == [i for i, _ in plan]
 
 
 def test_a_record_from_another_configuration_is_named(tmp_path) -> None:
-    write_doc(tmp_path, {"format": FORMAT, "fingerprint": "aaaa", "index": 8, "task": "mqar", "seconds": 1.0,
-                         "budgets": _rows(8)})
+    write_doc(
+        tmp_path,
+        {"format": FORMAT, "fingerprint": "aaaa", "index": 8, "task": "mqar", "seconds": 1.0, "budgets": _rows(8)},
+    )
     with pytest.raises(UserError, match=r"00008\.json: written by a quality run with another configuration"):
         load_done(tmp_path, "bbbb")
 
@@ -86,12 +111,14 @@ def test_a_record_from_another_configuration_is_named(tmp_path) -> None:
 def test_fingerprint_ignores_the_size_and_the_checkout_path() -> None:
     qc = QualityConfig()
     a = fingerprint({"model": "/x/trained/dsv4-retrieval", "tau": 16, "out_dir": "a"}, qc, METHODS)
-    b = fingerprint({"model": "/y/trained/dsv4-retrieval", "tau": 16, "out_dir": "b"},
-                    QualityConfig(n_per_task=96, out_dir="b"), METHODS)
+    b = fingerprint(
+        {"model": "/y/trained/dsv4-retrieval", "tau": 16, "out_dir": "b"},
+        QualityConfig(n_per_task=96, out_dir="b"),
+        METHODS,
+    )
     assert a == b
     assert a != fingerprint({"model": "/x/trained/dsv4-retrieval", "tau": 8}, qc, METHODS)
-    assert a != fingerprint({"model": "/x/trained/dsv4-retrieval", "tau": 16}, QualityConfig(budgets=(0.1,)),
-                            METHODS)
+    assert a != fingerprint({"model": "/x/trained/dsv4-retrieval", "tau": 16}, QualityConfig(budgets=(0.1,)), METHODS)
 
 
 def test_a_second_writer_is_refused_before_any_work(tmp_path) -> None:
@@ -102,10 +129,28 @@ def test_a_second_writer_is_refused_before_any_work(tmp_path) -> None:
 
 def _results(n: int, planned: int) -> dict:
     recs = [{"index": i, "task": TASKS[i % 3], "seconds": 2.0, "budgets": _rows(i)} for i in range(8, 8 + n)]
-    cfg = {"model": "/x/dsv4-retrieval", "doc_len": 1024, "gen_tokens": 24, "n_train": 6, "n_val": 2,
-           "target_layers": [0, 1, 2], "tau": 16, "page_chunks": 8, "tail_chunks": 8, "fingerprint": "f",
-           "quality": {"out_dir": "q", "n_per_task": 48, "budgets": [0.1, 0.2], "methods": [], "tasks": ["mqar"],
-                       "tau": 8, "seed": 0, "retriever": ""}}
+    cfg = {
+        "model": "/x/dsv4-retrieval",
+        "doc_len": 1024,
+        "gen_tokens": 24,
+        "n_train": 6,
+        "n_val": 2,
+        "target_layers": [0, 1, 2],
+        "tau": 16,
+        "page_chunks": 8,
+        "tail_chunks": 8,
+        "fingerprint": "f",
+        "quality": {
+            "out_dir": "q",
+            "n_per_task": 48,
+            "budgets": [0.1, 0.2],
+            "methods": [],
+            "tasks": ["mqar"],
+            "tau": 8,
+            "seed": 0,
+            "retriever": "",
+        },
+    }
     return aggregate(recs, cfg, "model dsv4-retrieval: the shipped trained tiny DeepSeek-V4", planned)
 
 
@@ -123,10 +168,11 @@ def test_every_cell_has_n_and_an_interval_and_a_partial_run_says_so() -> None:
     assert mon["FlashMemory+monitor"]["miss_mass_mean_ci"]["n"] == 4
     md = report_markdown(res)
     assert "**12 of 144 planned documents are done**" in md
-    assert "| Full | 12 | 1.000 [0.758, 1.000] | 1.000 [0.758, 1.000] |" in md   # Wilson, 12 of 12
+    assert "| Full | 12 | 1.000 [0.758, 1.000] | 1.000 [0.758, 1.000] |" in md  # Wilson, 12 of 12
     assert "The monitor's case" in md and "| 10% | mqar | FlashMemory+monitor | 4 |" in md
-    assert ("Reproduce: `flashmemory eval quality --out-dir q --n-per-task 48 --budgets 0.1,0.2 --tasks mqar "
-            "--tau 8`") in md
+    assert (
+        "Reproduce: `flashmemory eval quality --out-dir q --n-per-task 48 --budgets 0.1,0.2 --tasks mqar --tau 8`"
+    ) in md
     assert "p10/p50/p90 0.100 / 0.300 / 0.300 over 24 readings" in md
     assert "All 144 planned documents are done." in report_markdown(_results(144, 144))
     assert json.loads(json.dumps(res, default=str))["docs_done"] == 12
@@ -154,5 +200,6 @@ def test_the_demo_report_points_to_the_quality_run() -> None:
     from flashmemory.demo.report import report_markdown as demo_markdown
     from tests.demo.test_report import _doc
     from tests.demo.test_report import _results as demo_results
+
     md = demo_markdown(demo_results([_doc(1.0, 0.8), _doc(0.0, 0.6), _doc(1.0, 0.7)]))
     assert "`flashmemory eval quality`" in md and "docs/quality/report.md" in md

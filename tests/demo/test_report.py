@@ -7,23 +7,56 @@ from flashmemory.demo.report import method_table, report_markdown, task_tables
 from flashmemory.eval.harness import budget_cells, mean_rows
 from flashmemory.eval.intervals import wilson
 
-CFG = {"model": "m", "n_train": 1, "n_val": 1, "n_test": 3, "doc_len": 64, "gen_tokens": 8, "target_layers": [1],
-       "tau": 4, "page_chunks": 4, "budget": 0.2, "tail_chunks": 4}
-RATES = {"mass": 0.8, "golden_recall": 0.5, "agreement": 0.9, "resident_frac": 0.2, "bytes_vs_full": 0.25,
-         "level1_share": 0.1, "recall_bytes": 2048.0, "kmax": 2}
+CFG = {
+    "model": "m",
+    "n_train": 1,
+    "n_val": 1,
+    "n_test": 3,
+    "doc_len": 64,
+    "gen_tokens": 8,
+    "target_layers": [1],
+    "tau": 4,
+    "page_chunks": 4,
+    "budget": 0.2,
+    "tail_chunks": 4,
+}
+RATES = {
+    "mass": 0.8,
+    "golden_recall": 0.5,
+    "agreement": 0.9,
+    "resident_frac": 0.2,
+    "bytes_vs_full": 0.25,
+    "level1_share": 0.1,
+    "recall_bytes": 2048.0,
+    "kmax": 2,
+}
 
 
 def _doc(score, mass, matched=True, pages=2.0, target=2.0):
     fm = dict(RATES, task_score=score, mass=mass, mean_pages=target)
-    mon = dict(fm, mean_pages=pages, target_pages=target, budget_matched=matched, miss_values=[0.1],
-               miss_mass_mean=0.1, escalations=0.0, fallbacks=0.0)
+    mon = dict(
+        fm,
+        mean_pages=pages,
+        target_pages=target,
+        budget_matched=matched,
+        miss_values=[0.1],
+        miss_mass_mean=0.1,
+        escalations=0.0,
+        fallbacks=0.0,
+    )
     return {"Full": dict(RATES, task_score=1.0, mass=1.0), "FlashMemory": fm, "FlashMemory+monitor": mon}
 
 
 def _results(docs):
-    tasks = ["a", "a", "b"][:len(docs)]
-    return {"config": CFG, "methods": mean_rows(docs), "task_by_budget": {"0.2": budget_cells(docs, tasks)},
-            "monitor_tasks": {"a": mean_rows(docs[:2])}, "stage_seconds": {"x": 1.0}, "model_note": ""}
+    tasks = ["a", "a", "b"][: len(docs)]
+    return {
+        "config": CFG,
+        "methods": mean_rows(docs),
+        "task_by_budget": {"0.2": budget_cells(docs, tasks)},
+        "monitor_tasks": {"a": mean_rows(docs[:2])},
+        "stage_seconds": {"x": 1.0},
+        "model_note": "",
+    }
 
 
 def _row(md: str, start: str) -> str:
@@ -42,7 +75,7 @@ def test_every_rate_cell_has_an_interval_and_n():
     assert "| FlashMemory+monitor | 3 |" in md and "matched |" in _row(md, "| FlashMemory+monitor |")
     assert "NOT matched" not in md and "Budget not matched" not in md
     assert "95% interval over documents" in md
-    task = _row(md, "| FlashMemory | 3 | 0.667 [")   # the task-accuracy table
+    task = _row(md, "| FlashMemory | 3 | 0.667 [")  # the task-accuracy table
     assert task.count("[") == 2
     per_task = _row(md, "| a | 2 |")
     assert per_task.count("[") == 3, per_task

@@ -27,42 +27,79 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Programs a page may name whose arguments are not the project's to check.
-FOREIGN = {"pip", "curl", "git", "cd", "sudo", "apt-get", "export", "hf", "nvidia-smi", "ps", "ss", "grep", "kill",
-           "echo", "cat", "ls", "tail", "sleep", "mkdir", "df", "free", "nproc", "watch", "jq", "diff", "head", "wc"}
+FOREIGN = {
+    "pip",
+    "curl",
+    "git",
+    "cd",
+    "sudo",
+    "apt-get",
+    "export",
+    "hf",
+    "nvidia-smi",
+    "ps",
+    "ss",
+    "grep",
+    "kill",
+    "echo",
+    "cat",
+    "ls",
+    "tail",
+    "sleep",
+    "mkdir",
+    "df",
+    "free",
+    "nproc",
+    "watch",
+    "jq",
+    "diff",
+    "head",
+    "wc",
+}
 TRACKED_TOP = ("docs", "scripts", "flashmemory", "tests", "training", "data_generation")
-GENERATED = ("docs/gpu/results.",)   # written by the GPU check the pages name, not in the tree before it runs
+GENERATED = ("docs/gpu/results.",)  # written by the GPU check the pages name, not in the tree before it runs
 ENV_RE = re.compile(r"\b((?:SGLANG|FLASHMEMORY)_[A-Z0-9_]*[A-Z0-9])\b")
 SEPARATORS = {"&&", "||", ";", "|"}
-PROCESS_ENV = {"CUDA_VISIBLE_DEVICES"}   # read by CUDA in every process the scripts start, not by the scripts
+PROCESS_ENV = {"CUDA_VISIBLE_DEVICES"}  # read by CUDA in every process the scripts start, not by the scripts
 
 
 @dataclass
 class Project:
     """What the pages are checked against. Fields are plain data so a test can take something away."""
+
     root: Path
     make_targets: set[str]
-    env_vars: set[str]                       # names flashmemory/env.py reads
-    mentioned: str                           # the project's sources and scripts, for names env.py does not read
+    env_vars: set[str]  # names flashmemory/env.py reads
+    mentioned: str  # the project's sources and scripts, for names env.py does not read
     parser: Callable[[], argparse.ArgumentParser]
     exists: Callable[[str], bool] = field(default=lambda p: False)
 
     @classmethod
     def load(cls, root: Path = ROOT) -> "Project":
         from flashmemory.cli import build_parser
+
         make = (root / "Makefile").read_text()
         targets = set(re.findall(r"^([A-Za-z][\w-]*):", make, flags=re.M))
         env_src = (root / "flashmemory" / "env.py").read_text()
         env_vars = set(re.findall(r'"((?:SGLANG|FLASHMEMORY)_[A-Z0-9_]+)"', env_src))
-        srcs = [*root.glob("*.sh"), *root.glob("scripts/*.sh"), *root.glob("data_generation/*.sh"),
-                *root.glob("flashmemory/**/*.py"), *root.glob("scripts/**/*.py")]
+        srcs = [
+            *root.glob("*.sh"),
+            *root.glob("scripts/*.sh"),
+            *root.glob("data_generation/*.sh"),
+            *root.glob("flashmemory/**/*.py"),
+            *root.glob("scripts/**/*.py"),
+        ]
         mentioned = "\n".join(p.read_text(errors="replace") for p in srcs)
         return cls(root, targets, env_vars, mentioned, build_parser, lambda p: (root / p).exists())
 
 
 def code_blocks(text: str) -> list[str]:
     """Bodies of the fenced shell blocks (```bash, ```sh, ```shell or unlabelled)."""
-    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S)
-            if m.group(1) in ("", "bash", "sh", "shell", "console")]
+    return [
+        m.group(2)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S)
+        if m.group(1) in ("", "bash", "sh", "shell", "console")
+    ]
 
 
 def commands(block: str) -> list[list[str]]:
@@ -105,8 +142,13 @@ def check_flashmemory(args: list[str], project: Project) -> list[str]:
         p = subs[rest[0]]
         chain.append(rest.pop(0))
     opts = _options(p)
-    return [f"`{' '.join(chain)}` has no flag {flag}" for a in rest if a.startswith("--")
-            for flag in [a.split("=", 1)[0]] if flag not in opts]
+    return [
+        f"`{' '.join(chain)}` has no flag {flag}"
+        for a in rest
+        if a.startswith("--")
+        for flag in [a.split("=", 1)[0]]
+        if flag not in opts
+    ]
 
 
 def _path_problem(path: str, project: Project, what: str) -> list[str]:
@@ -124,8 +166,11 @@ def check_command(toks: list[str], project: Project) -> list[str]:
     if base == "flashmemory":
         return check_flashmemory(args, project)
     if base == "make":
-        return [f"make target {t} is not in the Makefile" for t in args
-                if not t.startswith("-") and "=" not in t and t not in project.make_targets]
+        return [
+            f"make target {t} is not in the Makefile"
+            for t in args
+            if not t.startswith("-") and "=" not in t and t not in project.make_targets
+        ]
     if base in ("bash", "sh"):
         script = next((a for a in args if not a.startswith("-")), None)
         if script is None:
@@ -133,14 +178,19 @@ def check_command(toks: list[str], project: Project) -> list[str]:
         if not project.exists(script):
             return [f"script {script} does not exist"]
         text = (project.root / script).read_text() + (project.root / "scripts" / "launch_common.sh").read_text()
-        return [f"{script} does not read {k}" for k in knobs
-                if not re.search(r"\$\{?" + k + r"\b", text) and not ENV_RE.fullmatch(k) and k not in PROCESS_ENV]
+        return [
+            f"{script} does not read {k}"
+            for k in knobs
+            if not re.search(r"\$\{?" + k + r"\b", text) and not ENV_RE.fullmatch(k) and k not in PROCESS_ENV
+        ]
     if base.startswith("python"):
         if args[:1] == ["-c"]:
             return []
         if args[:1] == ["-m"] and len(args) > 1:
-            found = importlib.util.find_spec(args[1].split(".")[0]) is not None and \
-                importlib.util.find_spec(args[1]) is not None
+            found = (
+                importlib.util.find_spec(args[1].split(".")[0]) is not None
+                and importlib.util.find_spec(args[1]) is not None
+            )
             return [] if found else [f"python module {args[1]} cannot be found"]
         return _path_problem(args[0], project, "script") if args else []
     if prog.endswith(".sh"):

@@ -12,7 +12,7 @@ import os
 import socket
 import struct
 
-LISTEN = "0A"   # TCP state code in /proc/net/tcp
+LISTEN = "0A"  # TCP state code in /proc/net/tcp
 
 
 def _inodes(pid: int) -> set[str]:
@@ -33,7 +33,7 @@ def _inodes(pid: int) -> set[str]:
 def _address(hex_addr: str) -> str:
     """/proc/net/tcp{,6} local address (little-endian 32-bit words) -> dotted or colon text."""
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, len(raw), 4))
+    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0]) for i in range(0, len(raw), 4))
     addr = ipaddress.ip_address(words)
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
         return str(addr.ipv4_mapped)

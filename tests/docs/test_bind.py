@@ -18,9 +18,14 @@ SCRIPTS = ["launch_prefill.sh", "launch_decode.sh", "launch_router.sh", "data_ge
 HOST_FLAGS = ("--host", "--prometheus-host")
 
 
-BIND_VARS = {"SGLANG_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-             "MC_TCP_BIND_ADDRESS": "127.0.0.1", "UCX_NET_DEVICES": "lo",
-             "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "file://"}
+BIND_VARS = {
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": "file://",
+}
 SGLANG_SCRIPTS = ["launch_prefill.sh", "launch_decode.sh", "data_generation/start_dump_server.sh"]
 
 
@@ -28,9 +33,13 @@ def dry_run(script: str, device: str, *args: str, **env: str) -> tuple[list[str]
     """The script's DRY_RUN command (argv) and the environment it exports ({name: value})."""
     base = {k: v for k, v in os.environ.items() if k not in ("HOST", "DEVICE", "DRY_RUN", *BIND_VARS)}
     extra = {"DUMP_ROOT": "/tmp"} if "dump" in script else {}
-    p = subprocess.run(["bash", str(ROOT / script), *args],
-                       env={**base, **extra, "DRY_RUN": "1", "DEVICE": device, **env},
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        ["bash", str(ROOT / script), *args],
+        env={**base, **extra, "DRY_RUN": "1", "DEVICE": device, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     cmd = shlex.split(next(ln for ln in lines if ln.startswith("CMD "))[4:])
@@ -69,8 +78,10 @@ def test_internal_listeners_stay_on_loopback_by_default(script: str, device: str
     got = _bind_vars(dry_run(script, device)[1])
     assert got.keys() == BIND_VARS.keys(), got
     assert all(got[k].startswith(v) if k.endswith("OVERRIDE") else got[k] == v for k, v in BIND_VARS.items()), got
-    assert got["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"] != _bind_vars(dry_run(script, device)[1])[
-        "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+    assert (
+        got["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+        != _bind_vars(dry_run(script, device)[1])["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+    )
 
 
 @pytest.mark.parametrize("script", SGLANG_SCRIPTS)
@@ -88,11 +99,14 @@ def test_cpu_server_env_keeps_listeners_on_loopback(tmp_path) -> None:
     """CpuServer (one sglang server, no script) gets the same defaults; a caller's value wins."""
     from flashmemory.serve.cpu_server import CpuServer
     from flashmemory.serve.procs import loopback_env
+
     env = CpuServer(tmp_path / "m", tmp_path / "log", env={"GLOO_SOCKET_IFNAME": "eth9"}).env
     assert env["GLOO_SOCKET_IFNAME"] == "eth9" and env["SGLANG_HOST_IP"] == "127.0.0.1"
     assert env["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"].startswith("file://")
-    assert loopback_env({}, "a")["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"] != loopback_env({}, "b")[
-        "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+    assert (
+        loopback_env({}, "a")["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+        != loopback_env({}, "b")["SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"]
+    )
 
 
 RENDEZVOUS = """
@@ -109,8 +123,14 @@ def test_file_store_rendezvous_opens_no_wide_listener(tmp_path) -> None:
     from flashmemory.serve.procs import free_ports
 
     def addrs(method: str, **env: str) -> list[str]:
-        p = subprocess.run([sys.executable, "-c", RENDEZVOUS, method], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        p = subprocess.run(
+            [sys.executable, "-c", RENDEZVOUS, method],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        )
         assert p.returncode == 0, p.stderr
         return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -142,10 +162,20 @@ def test_mooncake_listens_on_every_interface_whatever_it_is_told() -> None:
     only set the address it advertises; MC_LEGACY_RPC_PORT_BINDING is overridden by the P2P handshake). Two ports,
     both in its RPC range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000). If this fails because they are now on
     loopback, set what did it in `fm_local_only` / `loopback_env` and drop the exception from the live test."""
-    loopback = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_RDMA_BIND_ADDRESS": "127.0.0.1", "MC_FORCE_TCP": "1",
-                "MC_LEGACY_RPC_PORT_BINDING": "1"}
-    p = subprocess.run([sys.executable, "-c", MOONCAKE], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **loopback})
+    loopback = {
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "MC_RDMA_BIND_ADDRESS": "127.0.0.1",
+        "MC_FORCE_TCP": "1",
+        "MC_LEGACY_RPC_PORT_BINDING": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", MOONCAKE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **loopback},
+    )
     if p.returncode == 3:
         pytest.skip(f"mooncake.engine does not import: {p.stdout.strip()}")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -157,6 +187,7 @@ def test_mooncake_listens_on_every_interface_whatever_it_is_told() -> None:
 
 def test_flashmemory_serve_binds_localhost() -> None:
     from flashmemory.serve.stack import PDConfig, _env
+
     cfg = PDConfig(base_env={"HOST": "0.0.0.0", "PATH": os.environ.get("PATH", "")})
     assert cfg.host == "127.0.0.1"
     assert _env(cfg)["HOST"] == "127.0.0.1"
@@ -165,6 +196,7 @@ def test_flashmemory_serve_binds_localhost() -> None:
 def test_listening_reads_the_bound_address_of_each_port() -> None:
     """The /proc reader the live stack check uses tells a loopback bind from an every-interface one."""
     from tests.docs.listening import bound_socket, is_loopback, listening
+
     local, every = bound_socket("127.0.0.1"), bound_socket("0.0.0.0")
     try:
         ports = listening({os.getpid()})
@@ -183,6 +215,7 @@ def test_serve_stack_names_a_store_per_server_and_removes_it(tmp_path) -> None:
 
     from flashmemory.serve.procs import RENDEZVOUS_VAR, Servers, remove_rendezvous_store
     from flashmemory.serve.stack import PDConfig, _env
+
     base = {"PATH": os.environ.get("PATH", "")}
     a, b = (_env(PDConfig(base_env=base))[RENDEZVOUS_VAR] for _ in range(2))
     assert a.startswith("file://") and a != b
@@ -201,6 +234,7 @@ def test_stale_stores_of_killed_servers_are_swept(tmp_path) -> None:
     """A store named by a live process's environment stays; one whose server was killed (no process names it)
     goes; a file without the project's prefix is never touched."""
     from flashmemory.serve.procs import RENDEZVOUS_VAR, STORE_PREFIX, remove_stale_rendezvous_stores
+
     live, dead, other = (tmp_path / n for n in (STORE_PREFIX + "live", STORE_PREFIX + "dead", "unrelated"))
     for f in (live, dead, other):
         f.write_bytes(b"")

@@ -28,16 +28,18 @@ def exported_samples() -> set[str]:
         FlashMemoryMetrics,
         failure_counter,
     )
+
     reg = prom.CollectorRegistry()
     FlashMemoryMetrics.create(registry=reg)
     failure_counter(registry=reg).labels(hook="before_forward").inc()
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
-    for k in HISPARSE_SWAPIN:   # the names SwapInCounter._export creates, in a registry of the test's own
+    for k in HISPARSE_SWAPIN:  # the names SwapInCounter._export creates, in a registry of the test's own
         prom.Counter(PREFIX + HISPARSE_SWAPIN_PREFIX + k, k, registry=reg)
     from flashmemory.sglang.hisparse_prefetch import PrefetchCounter
     from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
+
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
-    for k in HISPARSE_PREFETCH:   # the names PrefetchCounter._export creates
+    for k in HISPARSE_PREFETCH:  # the names PrefetchCounter._export creates
         prom.Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, k, registry=reg)
     text = prom.generate_latest(reg).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
@@ -82,8 +84,14 @@ def test_every_metric_family_is_charted() -> None:
         PREFIX,
         SERVING_METRICS,
     )
-    families = [*METRICS, *SERVING_METRICS, FAILURES[0], *(HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN),
-                *(HISPARSE_PREFETCH_PREFIX + k for k in HISPARSE_PREFETCH)]
+
+    families = [
+        *METRICS,
+        *SERVING_METRICS,
+        FAILURES[0],
+        *(HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN),
+        *(HISPARSE_PREFETCH_PREFIX + k for k in HISPARSE_PREFETCH),
+    ]
     names = charted(json.loads(DASHBOARD.read_text()))
     missing = [f for f in families if not any(n == PREFIX + f or n.startswith(PREFIX + f + "_") for n in names)]
     assert not missing, missing

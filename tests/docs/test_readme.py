@@ -12,8 +12,11 @@ import pytest
 from tests.docs.doccheck import ROOT, Project, check
 
 # Hand-written pages; docs/tiny-dsv4/ and docs/quality/ hold reports that commands write.
-PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
-         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "gpu").glob("*.md"))]
+PAGES = [
+    "README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "gpu").glob("*.md")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,14 @@ def test_page_describes_the_project_not_its_history(page: str) -> None:
 def test_code_describes_itself_not_its_history() -> None:
     """No project issue numbers in the package, the scripts or the tests: comments and docstrings say what the code
     is and why (upstream and sglang references such as PR or issue links keep their own form: `#<n>`)."""
-    found = [f"{f.relative_to(ROOT)}:{i}" for d in ("flashmemory", "scripts", "tests", "training", "data_generation")
-             for f in sorted((ROOT / d).rglob("*.py")) if f != Path(__file__).resolve()
-             for i, ln in enumerate(f.read_text().splitlines(), 1) if re.search(r"\b[Ii]ssues? \d+", ln)]
+    found = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for d in ("flashmemory", "scripts", "tests", "training", "data_generation")
+        for f in sorted((ROOT / d).rglob("*.py"))
+        if f != Path(__file__).resolve()
+        for i, ln in enumerate(f.read_text().splitlines(), 1)
+        if re.search(r"\b[Ii]ssues? \d+", ln)
+    ]
     assert not found, found
 
 
@@ -97,22 +105,32 @@ def test_a_knob_the_script_does_not_read_is_caught(readme: str, project: Project
 
 # (page, the startup-log line as the page quotes it, the format string the code logs it with, the file)
 LOG_LINES = [
-    ("docs/serving.md", "`FlashMemory Path-P (shrink mode): <n> c4 layers, <n> pool pages, reserve <n> blocks/layer, "
-     "KMAX <n>, retriever <path>`", "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d "
-     "blocks/layer, KMAX %d, ", "flashmemory/sglang/adapter_factory.py"),
-    ("docs/serving.md", "`FlashMemory Path-P shrink: device c4 KV <x> GiB -> reserve <y> GiB",
-     "FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. ",
-     "flashmemory/sglang/shrink.py"),
-    ("docs/disk-tier.md", "`disk tier (rank r): N pages of B B on disk at PATH (.. GB, O_DIRECT|buffered), host cache "
-     "M pages (.. GB)", "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages "
-     "(%.3g GB)%s", "flashmemory/offload/disk/__init__.py"),
+    (
+        "docs/serving.md",
+        "`FlashMemory Path-P (shrink mode): <n> c4 layers, <n> pool pages, reserve <n> blocks/layer, "
+        "KMAX <n>, retriever <path>`",
+        "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, ",
+        "flashmemory/sglang/adapter_factory.py",
+    ),
+    (
+        "docs/serving.md",
+        "`FlashMemory Path-P shrink: device c4 KV <x> GiB -> reserve <y> GiB",
+        "FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. ",
+        "flashmemory/sglang/shrink.py",
+    ),
+    (
+        "docs/disk-tier.md",
+        "`disk tier (rank r): N pages of B B on disk at PATH (.. GB, O_DIRECT|buffered), host cache M pages (.. GB)",
+        "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages (%.3g GB)%s",
+        "flashmemory/offload/disk/__init__.py",
+    ),
 ]
 
 
 @pytest.mark.parametrize("page,quoted,fmt,source", LOG_LINES)
 def test_quoted_startup_lines_are_the_ones_logged(page: str, quoted: str, fmt: str, source: str) -> None:
     assert " ".join(quoted.split()) in " ".join((ROOT / page).read_text().split()), (page, quoted)
-    joined = re.sub(r'"\s*\n\s*"', "", (ROOT / source).read_text())   # adjacent string literals, as Python joins them
+    joined = re.sub(r'"\s*\n\s*"', "", (ROOT / source).read_text())  # adjacent string literals, as Python joins them
     assert fmt in joined, (source, fmt)
 
 
@@ -121,19 +139,32 @@ def _decode_env(device: str) -> dict[str, str]:
     import os
     import shlex
     import subprocess
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY")) and k not in
-            ("KMAX", "CKPT", "INTERVAL", "SCORE_RESIDENT", "INDEX_K_OFFLOAD", "CUDA_GRAPH", "DEVICE", "MODEL")}
-    p = subprocess.run(["bash", str(ROOT / "launch_decode.sh")], env={**base, "DRY_RUN": "1", "DEVICE": device},
-                       capture_output=True, text=True, timeout=60)
+
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SGLANG_", "FLASHMEMORY"))
+        and k not in ("KMAX", "CKPT", "INTERVAL", "SCORE_RESIDENT", "INDEX_K_OFFLOAD", "CUDA_GRAPH", "DEVICE", "MODEL")
+    }
+    p = subprocess.run(
+        ["bash", str(ROOT / "launch_decode.sh")],
+        env={**base, "DRY_RUN": "1", "DEVICE": device},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
-    return {k: (shlex.split(v) or [""])[0] for k, v in
-            (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))}
+    return {
+        k: (shlex.split(v) or [""])[0]
+        for k, v in (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))
+    }
 
 
 def knob_mismatches(readme: str, envs: dict[str, dict[str, str]]) -> list[tuple[str, str, str, str]]:
     """(variable, device, value launch_decode.sh sets, value the README states) for each row of the README's knob
     table that disagrees; a variable the script does not set keeps flashmemory/env_doc.py's default."""
     from flashmemory.env_doc import ENV_DOC
+
     section = readme.split("## Knobs", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([A-Z0-9_]+)`[^|]*\| ([^|]+) \|", section, flags=re.M)
     assert len(rows) >= 8, rows

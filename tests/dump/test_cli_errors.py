@@ -21,25 +21,28 @@ def dump(*args):
 
 def err_line(capsys):
     prefix = "flashmemory dump: "  # the CLI's one error-line format (flashmemory.errors.fail)
-    lines = [ln[len(prefix):] for ln in capsys.readouterr().err.splitlines() if ln.startswith(prefix + "error:")]
+    lines = [ln[len(prefix) :] for ln in capsys.readouterr().err.splitlines() if ln.startswith(prefix + "error:")]
     assert len(lines) == 1, lines
     return lines[0]
 
 
-@pytest.mark.parametrize("flags,msg", [
-    (["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),
-    (["--n-samples", "-1"], "--n-samples -1 must be >= 1"),
-    (["--n-samples", "0"], "--n-samples 0 must be >= 1"),
-    (["--start-idx", "-2"], "--start-idx -2 must be >= 0"),
-    (["--start-idx", "3", "--end-idx", "2"], "--end-idx 2 must be greater than --start-idx 3"),
-    (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
-    (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be >= 1"),
-    (["--start-idx", "9"], "select no item (the file has 4 usable item(s)"),
-])
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),
+        (["--n-samples", "-1"], "--n-samples -1 must be >= 1"),
+        (["--n-samples", "0"], "--n-samples 0 must be >= 1"),
+        (["--start-idx", "-2"], "--start-idx -2 must be >= 0"),
+        (["--start-idx", "3", "--end-idx", "2"], "--end-idx 2 must be greater than --start-idx 3"),
+        (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be >= 1"),
+        (["--start-idx", "9"], "select no item (the file has 4 usable item(s)"),
+    ],
+)
 def test_bad_numbers_are_one_line_before_anything_runs(tmp_path, capsys, flags, msg):
     assert dump("--input", EX, "--output-dir", tmp_path / "o", *flags) == 2
     assert msg in err_line(capsys)
-    assert not (tmp_path / "o").exists()                                   # nothing generated, nothing created
+    assert not (tmp_path / "o").exists()  # nothing generated, nothing created
 
 
 def test_empty_or_all_malformed_input_exits_non_zero(tmp_path, capsys):
@@ -67,6 +70,7 @@ def test_unreadable_input_is_one_line(tmp_path, capsys, monkeypatch):
 
     def unreadable(p):
         raise PermissionError(13, "Permission denied", str(p))
+
     monkeypatch.setattr(inputs, "_parse", unreadable)
     assert dump("--input", EX, "--output-dir", tmp_path / "o") == 2
     assert "tiny_chat.jsonl: cannot read the input file (Permission denied)" in err_line(capsys)
@@ -105,11 +109,13 @@ def test_oversized_prompt_fails_alone_is_recorded_and_not_retried(tmp_path, caps
     assert dump("--input", inp, "--output-dir", out, "--max-tokens", "2", "--max-prompt-tokens", "2000") == 1
     cap = capsys.readouterr()
     assert "skipping 1 item(s) that failed in an earlier run" in cap.err and "dumped 0 document(s)" in cap.out
-    msgs[1] = "word " * 450                                                 # over the limit only after tokenizing
+    msgs[1] = "word " * 450  # over the limit only after tokenizing
     inp.write_text("".join(json.dumps({"prompt": json.dumps([{"role": "user", "content": m}])}) + "\n" for m in msgs))
-    assert dump("--input", inp, "--output-dir", out, "--max-tokens", "2", "--max-prompt-tokens", "2000",
-                "--retry-failed") == 1
-    assert "prompt of 2" in capsys.readouterr().err                         # tokens counted, still refused
+    assert (
+        dump("--input", inp, "--output-dir", out, "--max-tokens", "2", "--max-prompt-tokens", "2000", "--retry-failed")
+        == 1
+    )
+    assert "prompt of 2" in capsys.readouterr().err  # tokens counted, still refused
 
 
 @pytest.mark.slow
@@ -119,11 +125,25 @@ def test_two_dump_processes_on_one_dir_lose_nothing(tmp_path, capsys):
     refused shard every item is there exactly once."""
     out = tmp_path / "sh"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flashmemory.cli", "dump", "--model", "micro", "--no-progress", "--input", EX,
-           "--output-dir", str(out), "--max-tokens", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashmemory.cli",
+        "dump",
+        "--model",
+        "micro",
+        "--no-progress",
+        "--input",
+        EX,
+        "--output-dir",
+        str(out),
+        "--max-tokens",
+        "2",
+    ]
     shards = [["--start-idx", "0", "--end-idx", "1"], ["--start-idx", "1", "--end-idx", "2"]]
-    procs = [subprocess.Popen(cmd + s, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for s in shards]
+    procs = [
+        subprocess.Popen(cmd + s, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in shards
+    ]
     results = [(p.wait(timeout=300), p.stderr.read(), p.pid) for p in procs]
     for (rc, err, _), (_, _, other) in zip(results, results[::-1]):
         assert rc in (0, 2), err
@@ -132,12 +152,13 @@ def test_two_dump_processes_on_one_dir_lose_nothing(tmp_path, capsys):
     meta = read_metadata(out)
     assert len({r["doc_index"] for r in meta}) == len(meta) == len(list_docs(out))
     assert sorted(r["item_index"] for r in meta) == sorted(
-        i for (rc, _, _), s in zip(results, ((0,), (1,))) if rc == 0 for i in s)
+        i for (rc, _, _), s in zip(results, ((0,), (1,))) if rc == 0 for i in s
+    )
     for (rc, _, _), s in zip(results, shards):
-        if rc != 0:                                                        # the refused shard, rerun (in-process)
+        if rc != 0:  # the refused shard, rerun (in-process)
             assert dump("--input", EX, "--output-dir", out, "--max-tokens", "2", *s) == 0
     meta = read_metadata(out)
     assert sorted(r["item_index"] for r in meta) == [0, 1] and len({r["doc_index"] for r in meta}) == 2
     capsys.readouterr()
     assert dump("--input", EX, "--output-dir", out, "--max-tokens", "2", "--end-idx", "2") == 0
-    assert "2 already done" in capsys.readouterr().out                      # and that is true now
+    assert "2 already done" in capsys.readouterr().out  # and that is true now

@@ -9,6 +9,7 @@ from .synth import make_doc
 
 class FakeBackend:
     """Produces synthetic docs; raises (an interruption) or fails (a bad item) where told."""
+
     name = "fake"
     n_c4_layers = 4
 
@@ -30,9 +31,11 @@ class FakeBackend:
 
 def _input(tmp_path, n):
     import json
+
     p = tmp_path / "in.jsonl"
-    p.write_text("".join(json.dumps({"prompt": json.dumps([{"role": "user", "content": f"q{i}"}])}) + "\n"
-                         for i in range(n)))
+    p.write_text(
+        "".join(json.dumps({"prompt": json.dumps([{"role": "user", "content": f"q{i}"}])}) + "\n" for i in range(n))
+    )
     return p
 
 
@@ -45,8 +48,10 @@ def test_resume_after_interrupt(tmp_path):
     # Crash debris: a temp file and a doc that was renamed but never got its metadata line (it is complete:
     # adopted, not redone).
     from flashmemory.dump.outdir import tmp_name
+
     (out / tmp_name("doc_00003.safetensors", 99)).write_bytes(b"xx")
     from flashmemory.dump.writer import save_doc_file
+
     debris = make_doc(3, seed=3)
     debris.rid = "in.jsonl:3"
     save_doc_file(out / "doc_00003.safetensors", debris)
@@ -55,9 +60,9 @@ def test_resume_after_interrupt(tmp_path):
     assert fb.seen == [4, 5] and rep.skipped_done == 4 and len(rep.failed) == 1 and "in.jsonl:5" in rep.failed[0]
     assert len(rep.recovered) == 2 and "adopted doc_00003" in rep.recovered[1]
     meta = read_metadata(out)
-    assert sorted(r["item_index"] for r in meta) == [0, 1, 2, 3, 5]          # no duplicates, bad item skipped
+    assert sorted(r["item_index"] for r in meta) == [0, 1, 2, 3, 5]  # no duplicates, bad item skipped
     assert len({r["doc_index"] for r in meta}) == len(meta)
-    docs = [load_doc(p) for p in list_docs(out)]                            # every listed doc loads completely
+    docs = [load_doc(p) for p in list_docs(out)]  # every listed doc loads completely
     assert [d.rid for d in docs] == [f"in.jsonl:{i}" for i in (0, 1, 2, 3, 5)]
     assert sorted(p.name for p in out.glob("doc_*")) == [r["filename"] for r in meta]
     fb = FakeBackend()

@@ -56,12 +56,14 @@ def test_mismatched_shapes_named(tmp_path):
 def test_pickle_refused_unless_allowed(tmp_path):
     doc = make_doc(0)
     from flashmemory.dump.writer import doc_tensors
+
     tensors, _ = doc_tensors(doc)
     p = tmp_path / "doc_00000.pkl"
     with open(p, "wb") as f:
         pickle.dump(tensors, f)
-    (tmp_path / "server_metadata.jsonl").write_text(json.dumps(
-        {"doc_index": 0, "rid": "up", "filename": p.name, "n_prompt_blocks": 9}) + "\n")
+    (tmp_path / "server_metadata.jsonl").write_text(
+        json.dumps({"doc_index": 0, "rid": "up", "filename": p.name, "n_prompt_blocks": 9}) + "\n"
+    )
     with pytest.raises(DumpFormatError, match="allow_pickle"):
         load_doc(p)
     back = load_doc(p, allow_pickle=True)
@@ -75,7 +77,7 @@ def test_list_and_metadata(tmp_path):
         w.commit(make_doc(i), item_index=i, source="x.jsonl")
     save_doc_file(tmp_path / "doc_00002.safetensors", make_doc(2))  # on disk but never committed
     with open(tmp_path / "server_metadata.jsonl", "a") as f:
-        f.write('{"doc_index": 2, "filen')                             # torn last line
+        f.write('{"doc_index": 2, "filen')  # torn last line
     assert [p.name for p in list_docs(tmp_path)] == ["doc_00000.safetensors", "doc_00001.safetensors"]
     meta = read_metadata(tmp_path)
     assert [m["doc_index"] for m in meta] == [0, 1]
@@ -86,7 +88,8 @@ def test_list_and_metadata(tmp_path):
     assert m["target_csa_layers"] == [1, 3] and len(m["logits_shapes"]) == 6
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "server_metadata.jsonl").write_text('{"doc_index": 0, "filename": "a"}\nnot json\n'
-                                               '{"doc_index": 1, "filename": "b"}\n')
+    (bad / "server_metadata.jsonl").write_text(
+        '{"doc_index": 0, "filename": "a"}\nnot json\n{"doc_index": 1, "filename": "b"}\n'
+    )
     with pytest.raises(DumpFormatError, match="server_metadata.jsonl:2"):
         read_metadata(bad)

@@ -7,9 +7,14 @@ from flashmemory.dump.inputs import BOXED, ByteChatTokenizer, InputError, load_i
 
 def test_jsonl_bad_lines_reported_with_line_numbers(tmp_path):
     good = {"prompt": json.dumps([{"role": "user", "content": "hi"}]), "answer": "a"}
-    lines = [json.dumps(good), "{not json", "", json.dumps({"answer": "no prompt"}),
-             json.dumps({"prompt": json.dumps([{"role": "bot", "content": "x"}])}),
-             json.dumps({"prompt": "plain text prompt"})]
+    lines = [
+        json.dumps(good),
+        "{not json",
+        "",
+        json.dumps({"answer": "no prompt"}),
+        json.dumps({"prompt": json.dumps([{"role": "bot", "content": "x"}])}),
+        json.dumps({"prompt": "plain text prompt"}),
+    ]
     p = tmp_path / "in.jsonl"
     p.write_text("\n".join(lines) + "\n")
     items, errors = load_items(p)

@@ -35,7 +35,7 @@ def test_missing_metadata_deletes_nothing(tmp_path):
             _commit(w, i)
     before = {p.name: p.read_bytes() for p in tmp_path.glob("doc_*")}
     (tmp_path / "server_metadata.jsonl").unlink()
-    (tmp_path / "doc_00007.pkl").write_bytes(b"upstream bytes")          # an upstream file: never ours to touch
+    (tmp_path / "doc_00007.pkl").write_bytes(b"upstream bytes")  # an upstream file: never ours to touch
     with DumpWriter(tmp_path) as w:
         notes = " | ".join(w.recovered)
         assert notes.count("adopted") == 3 and "left doc_00007.pkl alone" in notes
@@ -51,7 +51,7 @@ def test_an_unloadable_unlisted_doc_is_moved_aside_not_deleted(tmp_path):
         _commit(w, 0)
     save_doc_file(tmp_path / "doc_00001.safetensors", make_doc(1))
     data = (tmp_path / "doc_00001.safetensors").read_bytes()
-    (tmp_path / "doc_00001.safetensors").write_bytes(data[:-10])        # cut: it cannot be adopted
+    (tmp_path / "doc_00001.safetensors").write_bytes(data[:-10])  # cut: it cannot be adopted
     with DumpWriter(tmp_path) as w:
         assert any("moved doc_00001.safetensors to .quarantine/" in n for n in w.recovered)
     assert (tmp_path / ".quarantine" / "doc_00001.safetensors").read_bytes() == data[:-10]
@@ -69,7 +69,7 @@ def test_a_truncated_committed_doc_is_detected_moved_aside_and_redone(tmp_path):
     p.write_bytes(whole[: len(whole) - 100])
     with DumpWriter(tmp_path) as w:
         assert any("doc 1" in n and "damaged" in n and "truncated" in n for n in w.recovered), w.recovered
-        assert w.done_items("a.jsonl") == {0}                               # item 1 will be redone
+        assert w.done_items("a.jsonl") == {0}  # item 1 will be redone
         _commit(w, 1)
     assert (tmp_path / ".quarantine" / "doc_00001.safetensors").stat().st_size == len(whole) - 100
     assert [load_doc(q).doc_index for q in list_docs(tmp_path)] == [0, 1]
@@ -89,16 +89,17 @@ def test_an_unlocked_runs_duplicates_are_repaired(tmp_path):
     with DumpWriter(tmp_path) as w:
         _commit(w, 0, "a.jsonl")
     good = read_metadata(tmp_path)[0]
-    ghost = {**good, "rid": "a.jsonl:5", "item_index": 5}                  # the other shard's line, file overwritten
+    ghost = {**good, "rid": "a.jsonl:5", "item_index": 5}  # the other shard's line, file overwritten
     meta = tmp_path / "server_metadata.jsonl"
     meta.write_text(json.dumps(ghost) + "\n" + json.dumps(good) + "\n" + json.dumps(good) + "\n")
     from flashmemory.dump import DumpFormatError
+
     with pytest.raises(DumpFormatError, match="lines 1 and 2 both claim doc_index 0"):
-        read_metadata(tmp_path)                                             # readers refuse, naming the lines
+        read_metadata(tmp_path)  # readers refuse, naming the lines
     with DumpWriter(tmp_path) as w:
         notes = " | ".join(w.recovered)
         assert "rid 'a.jsonl:5'" in notes and "repeated line" in notes
-        assert w.done_items("a.jsonl") == {0}                               # item 5 is not "done": it is redone
+        assert w.done_items("a.jsonl") == {0}  # item 5 is not "done": it is redone
     assert read_metadata(tmp_path) == [good]
 
 
@@ -113,7 +114,8 @@ def test_output_dir_that_is_a_file_or_unwritable(tmp_path, monkeypatch):
         if "-probe." in str(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *a, **k)
-    monkeypatch.setattr("builtins.open", refuse)                          # root ignores mode bits: refuse here
+
+    monkeypatch.setattr("builtins.open", refuse)  # root ignores mode bits: refuse here
     with pytest.raises(DumpOutputError, match="out: output directory is not writable \\(Permission denied\\)"):
         DumpWriter(tmp_path / "out")
 
@@ -127,6 +129,7 @@ def test_full_disk_is_an_oserror_naming_the_file_and_leaves_no_temp(tmp_path, mo
     def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"part")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
     monkeypatch.setattr(sst, "save_file", full)
     with DumpWriter(tmp_path) as w:
         with pytest.raises(OSError) as e:
@@ -137,8 +140,10 @@ def test_full_disk_is_an_oserror_naming_the_file_and_leaves_no_temp(tmp_path, mo
 
 def test_second_writer_in_another_process_is_refused_with_the_holders_pid(tmp_path):
     """#3: a second process gets one line naming the directory and the holder's pid."""
-    code = ("import sys, time; from flashmemory.dump import DumpWriter; w = DumpWriter(sys.argv[1]); "
-            "print('held', flush=True); time.sleep(30)")
+    code = (
+        "import sys, time; from flashmemory.dump import DumpWriter; w = DumpWriter(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(30)"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -148,7 +153,7 @@ def test_second_writer_in_another_process_is_refused_with_the_holders_pid(tmp_pa
     finally:
         holder.kill()
         holder.wait()
-    DumpWriter(tmp_path).close()                                           # the lock died with its process
+    DumpWriter(tmp_path).close()  # the lock died with its process
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -178,6 +183,7 @@ def test_two_concurrent_writers_lose_nothing(tmp_path_factory, n_a, n_b, pause):
                         time.sleep(pause)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
+
     ts = [threading.Thread(target=shard, args=("a.jsonl", n_a)), threading.Thread(target=shard, args=("b.jsonl", n_b))]
     for t in ts:
         t.start()
@@ -186,6 +192,7 @@ def test_two_concurrent_writers_lose_nothing(tmp_path_factory, n_a, n_b, pause):
     assert not errors, errors
     meta = read_metadata(d)
     assert sorted((r["source"], r["item_index"]) for r in meta) == sorted(
-        [("a.jsonl", i) for i in range(n_a)] + [("b.jsonl", i) for i in range(n_b)])
+        [("a.jsonl", i) for i in range(n_a)] + [("b.jsonl", i) for i in range(n_b)]
+    )
     assert len({r["doc_index"] for r in meta}) == len(meta) == n_a + n_b
     assert [load_doc(p).rid for p in list_docs(d)] == [r["rid"] for r in meta]

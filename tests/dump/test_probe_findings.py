@@ -18,12 +18,13 @@ from . import test_sglang_backend
 from .synth import make_doc
 from .test_client import FakeBackend
 
-server = test_sglang_backend.server   # the stand-in dump server fixture, found by pytest under this name
+server = test_sglang_backend.server  # the stand-in dump server fixture, found by pytest under this name
 
 
 def _lines(path, prompts):
-    path.write_text("".join(json.dumps({"prompt": json.dumps([{"role": "user", "content": q}])}) + "\n"
-                            for q in prompts))
+    path.write_text(
+        "".join(json.dumps({"prompt": json.dumps([{"role": "user", "content": q}])}) + "\n" for q in prompts)
+    )
     return path
 
 
@@ -34,8 +35,11 @@ def test_resume_never_deletes_a_users_tmp_file(tmp_path):
     verifies (`tmp_name`), so a user's file survives and the project's own crash debris is still cleaned."""
     with DumpWriter(tmp_path) as w:
         w.commit(make_doc(0))
-    user = {".tmp-notes.txt": b"my notes", ".tmp-doc_00009.safetensors.77": b"mine too",
-            tmp_name("doc_00001.safetensors", 123).replace("fm", "fmx", 1): b"forged tag"}
+    user = {
+        ".tmp-notes.txt": b"my notes",
+        ".tmp-doc_00009.safetensors.77": b"mine too",
+        tmp_name("doc_00001.safetensors", 123).replace("fm", "fmx", 1): b"forged tag",
+    }
     for name, data in user.items():
         (tmp_path / name).write_bytes(data)
     own = tmp_name("doc_00001.safetensors", 123)
@@ -43,7 +47,7 @@ def test_resume_never_deletes_a_users_tmp_file(tmp_path):
     with DumpWriter(tmp_path) as w:
         notes = " | ".join(w.recovered)
     for name, data in user.items():
-        assert (tmp_path / name).read_bytes() == data, name                # untouched
+        assert (tmp_path / name).read_bytes() == data, name  # untouched
     assert not (tmp_path / own).exists() and f"removed stray temp file {own}" in notes
     assert ".tmp-notes.txt" not in notes and "left .tmp-doc_00009.safetensors.77 alone" in notes
     assert is_own_tmp(own) and not any(is_own_tmp(n) for n in user)
@@ -61,12 +65,12 @@ def test_resume_with_another_file_of_the_same_name_dumps_it(tmp_path, capsys):
     other = _lines(tmp_path / "b" / "in.jsonl", ["other 0", "q1", "other 2"])
     assert len(run_dump(FakeBackend(), first, out, cfg, progress=False).committed) == 2
     fb = FakeBackend()
-    rep = run_dump(fb, first, out, cfg, progress=False)                     # the same file: nothing to do
+    rep = run_dump(fb, first, out, cfg, progress=False)  # the same file: nothing to do
     assert fb.seen == [] and rep.skipped_done == 2
     fb = FakeBackend()
     rep = run_dump(fb, other, out, cfg, progress=False)
     err = capsys.readouterr().err
-    assert fb.seen == [0, 2] and rep.skipped_done == 1 and rep.changed == [0]     # item 1 is the same prompt
+    assert fb.seen == [0, 2] and rep.skipped_done == 1 and rep.changed == [0]  # item 1 is the same prompt
     assert "1 item(s) of in.jsonl (items 0) differ from the documents dumped for them" in err
     assert "the earlier documents stay" in err
     meta = read_metadata(out)
@@ -97,7 +101,7 @@ def test_a_failure_of_changed_content_is_not_skipped(tmp_path):
     rep = run_dump(FakeBackend(bad={1}), inp, out, cfg, progress=False)
     assert len(rep.failed) == 1
     rep = run_dump(FakeBackend(), inp, out, cfg, progress=False)
-    assert rep.skipped_failed == [1]                                       # same content: skipped as before
+    assert rep.skipped_failed == [1]  # same content: skipped as before
     _lines(inp, ["q0", "fixed"])
     fb = FakeBackend()
     rep = run_dump(fb, inp, out, cfg, progress=False)
@@ -111,12 +115,13 @@ def test_a_document_adopted_after_a_crash_keeps_its_content_hash(tmp_path):
     inp = _lines(tmp_path / "in.jsonl", ["q0", "q1"])
     run_dump(FakeBackend(), inp, out, cfg, progress=False)
     meta = out / "server_metadata.jsonl"
-    meta.write_text(meta.read_text().splitlines()[0] + "\n")               # item 1's line was never appended
+    meta.write_text(meta.read_text().splitlines()[0] + "\n")  # item 1's line was never appended
     fb = FakeBackend()
     rep = run_dump(fb, inp, out, cfg, progress=False)
     assert any("adopted doc_00001" in n for n in rep.recovered)
     assert fb.seen == [] and rep.skipped_done == 2 and not rep.legacy_done
     from flashmemory.dump.inputs import load_items
+
     assert read_metadata(out)[1]["item_sha256"] == load_items(inp)[0][1].content_sha256()
 
 
@@ -126,8 +131,23 @@ def test_dump_seed_out_of_range_names_the_flag(tmp_path, capsys, seed):
     """Promise: "Every numeric input is range-checked where it is read" and "One line, non-zero exit" naming
     the flag. `--seed 2**70` used to fail in torch with "Overflow when unpacking long long"."""
     inp = _lines(tmp_path / "in.jsonl", ["q0"])
-    assert main(["dump", "--model", "micro", "--no-progress", "--input", str(inp), "--output-dir",
-                 str(tmp_path / "o"), "--seed", seed]) == 2
+    assert (
+        main(
+            [
+                "dump",
+                "--model",
+                "micro",
+                "--no-progress",
+                "--input",
+                str(inp),
+                "--output-dir",
+                str(tmp_path / "o"),
+                "--seed",
+                seed,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"flashmemory dump: error: --seed {seed} must lie in [0, {2**63 - 1}] (2**63 - 1)"]
     assert not (tmp_path / "o").exists()
@@ -136,6 +156,7 @@ def test_dump_seed_out_of_range_names_the_flag(tmp_path, capsys, seed):
 # --- 7. index keys and their fp8 scales: non-finite values caught where documents load ----------------------
 def _raw_save(path, doc):
     from safetensors.torch import save_file
+
     tensors, meta = doc_tensors(doc)
     save_file(tensors, str(path), metadata=meta)
     return path
@@ -152,9 +173,14 @@ def _poison(compk, what, chunk=2):
     return c
 
 
-@pytest.mark.parametrize("what,msg", [("nan", "1 non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk 2"),
-                                      ("inf", "1 non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk 2"),
-                                      ("fp8", "1 chunk(s) with a NaN fp8 key byte (0x7f/0xff), first in chunk 2")])
+@pytest.mark.parametrize(
+    "what,msg",
+    [
+        ("nan", "1 non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk 2"),
+        ("inf", "1 non-finite fp8 chunk scale(s) (NaN/Inf), first in chunk 2"),
+        ("fp8", "1 chunk(s) with a NaN fp8 key byte (0x7f/0xff), first in chunk 2"),
+    ],
+)
 def test_non_finite_index_keys_are_caught_at_load(tmp_path, what, msg):
     """Promise: "Non-finite values are caught where they enter." Hidden states and logits were checked at
     load, index keys and their fp8 scales were not (a NaN scale scored NaN and silently gave F1 0.0)."""
@@ -168,6 +194,7 @@ def test_non_finite_index_keys_are_caught_at_load(tmp_path, what, msg):
 
 def _poisoned_synth(tmp_path, teacher, what, doc=0):
     from flashmemory.train.synthetic import write_synthetic_dump
+
     d = tmp_path / "dump"
     paths = write_synthetic_dump(d, teacher, n_docs=2, seed=0)
     bad = load_doc(paths[doc])
@@ -181,6 +208,7 @@ def test_eval_refuses_a_dump_with_nan_key_scales(tmp_path, teacher, capsys):
     """Promise: "Non-finite values are caught where they enter" and "One line, non-zero exit" naming the
     file and field. `eval` used to score such a dump as 0.000 and exit 0."""
     from flashmemory.retriever.checkpoint import save_retriever
+
     d, bad, L = _poisoned_synth(tmp_path, teacher, "nan", doc=1)
     ck = save_retriever(teacher, tmp_path / "t.safetensors")
     assert main(["eval", "--checkpoint", str(ck), "--dump", str(d), "--all-docs"]) == 2
@@ -195,14 +223,33 @@ def test_train_names_the_document_with_non_finite_key_scales(tmp_path, teacher, 
     d, bad, L = _poisoned_synth(tmp_path, teacher, "inf" if split == "train" else "nan")
     good = tmp_path / "good"
     from flashmemory.train.synthetic import write_synthetic_dump
+
     write_synthetic_dump(good, teacher, n_docs=1, seed=3)
     specs = {"train": [{"data_dir": str(d)}], "val": [{"data_dir": str(good)}]}
     if split == "val":
         specs = {"train": [{"data_dir": str(good)}], "val": [{"data_dir": str(d)}]}
     cfg = tmp_path / "data.json"
     cfg.write_text(json.dumps(specs))
-    rc = main(["train", "--data-config", str(cfg), "--no-pretrain", "--output-dir", str(tmp_path / "o"),
-               "--n-heads", "4", "--q-lora-rank", "16", "--epochs", "1", "--batch-size", "2", "--device", "cpu"])
+    rc = main(
+        [
+            "train",
+            "--data-config",
+            str(cfg),
+            "--no-pretrain",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--n-heads",
+            "4",
+            "--q-lora-rank",
+            "16",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"{bad}: compk_layer_{L}: 1 non-finite fp8 chunk scale(s)" in err and "diverged" not in err, err
@@ -214,13 +261,20 @@ def test_invalid_utf8_input_is_refused_naming_the_line(tmp_path):
     their line number and skipped", and README "One line ... naming the file". A line with an invalid
     byte used to be dumped with U+FFFD in place of the byte, without a word."""
     from flashmemory.dump.inputs import InputError, load_items
+
     p = tmp_path / "in.jsonl"
-    p.write_bytes(json.dumps({"prompt": "fine"}).encode() + b"\n\n" + b'{"prompt": "caf\xe9 au lait"}\n'
-                  + b'{"prompt": "half a pair \\ud800 here"}\n')
+    p.write_bytes(
+        json.dumps({"prompt": "fine"}).encode()
+        + b"\n\n"
+        + b'{"prompt": "caf\xe9 au lait"}\n'
+        + b'{"prompt": "half a pair \\ud800 here"}\n'
+    )
     items, bad = load_items(p)
     assert [it.item_index for it in items] == [0]
-    assert bad[0] == ("in.jsonl:3: not valid UTF-8 (byte 0xe9 at byte 16 of the line); item skipped, never dumped "
-                      "with a replacement character")
+    assert bad[0] == (
+        "in.jsonl:3: not valid UTF-8 (byte 0xe9 at byte 16 of the line); item skipped, never dumped "
+        "with a replacement character"
+    )
     assert bad[1].startswith("in.jsonl:4: message 0 content holds a lone surrogate (U+D800")
     lst = tmp_path / "in.json"
     lst.write_bytes(b'[\n {"prompt": "ok"},\n {"prompt": "\xff"}\n]')
@@ -245,11 +299,12 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
     from flashmemory.dump.backend import DumpBackendError
     from flashmemory.dump.sglang_backend import SGLangBackend, clear_staging
     from flashmemory.dump.writer import save_doc_file
+
     out = tmp_path / "out"
     p1 = out / ".staging" / "pass1"
     p1.mkdir(parents=True)
-    save_doc_file(p1 / "doc_00003.safetensors", make_doc(3))               # the server's, from a killed run
-    (p1 / tmp_name("doc_00004.safetensors", 9)).write_bytes(b"torn")       # the server's temp file
+    save_doc_file(p1 / "doc_00003.safetensors", make_doc(3))  # the server's, from a killed run
+    (p1 / tmp_name("doc_00004.safetensors", 9)).write_bytes(b"torn")  # the server's temp file
     keep = {p1 / "notes.txt": b"mine", out / ".staging" / "README": b"mine", p1 / ".tmp-x": b"mine"}
     for f, data in keep.items():
         f.write_bytes(data)
@@ -257,8 +312,11 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
     assert sorted(p.name for p in p1.iterdir()) == [".tmp-x", "notes.txt"]
     assert all(f.read_bytes() == data for f, data in keep.items())
     (p1 / "doc_00005.safetensors").write_bytes(b"not the server's")
-    with pytest.raises(DumpBackendError, match=r"pass1/doc_00005.safetensors: in the dump staging area, but not a "
-                                               r"file the dump server wrote \(never deleted\)"):
+    with pytest.raises(
+        DumpBackendError,
+        match=r"pass1/doc_00005.safetensors: in the dump staging area, but not a "
+        r"file the dump server wrote \(never deleted\)",
+    ):
         clear_staging(out / ".staging")
     assert (p1 / "doc_00005.safetensors").read_bytes() == b"not the server's"
 
@@ -266,10 +324,12 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
 # -- dump mode: an output directory unusable only at finalize is one line (server log and client), never a raw
 #    exception or a timeout ----------------------------------------------------------------------------------
 
+
 def _recorder_with_open_doc(tmp_path):
     from flashmemory.sglang.dump_mode import DumpRecorder
 
     from .test_server_confinement import _feed, _req
+
     root = tmp_path / "root"
     root.mkdir()
     rec = DumpRecorder(index_topk=8, root=root)
@@ -281,10 +341,11 @@ def _recorder_with_open_doc(tmp_path):
 
 def test_finalize_into_a_folder_at_the_documents_name_is_one_log_line(tmp_path, caplog):
     import logging
+
     rec, req = _recorder_with_open_doc(tmp_path)
     doc = req.doc_path()
     doc.mkdir(parents=True)
-    (doc / "keep.txt").write_text("user data")       # the document's name, taken by a non-empty folder
+    (doc / "keep.txt").write_text("user data")  # the document's name, taken by a non-empty folder
     with caplog.at_level(logging.ERROR):
         rec.begin_step([])
     lines = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
@@ -293,17 +354,21 @@ def test_finalize_into_a_folder_at_the_documents_name_is_one_log_line(tmp_path, 
     assert (doc / "keep.txt").read_text() == "user data" and rec.failed == ["r1"]
 
 
-@pytest.mark.parametrize("damage,why", [
-    ("file", "is a file where a folder should be"),
-    ("symlink", "is a symlink"),
-    ("folder", "is a folder where the document file should be"),
-])
+@pytest.mark.parametrize(
+    "damage,why",
+    [
+        ("file", "is a file where a folder should be"),
+        ("symlink", "is a symlink"),
+        ("folder", "is a folder where the document file should be"),
+    ],
+)
 def test_the_client_names_an_unusable_directory_at_once(tmp_path, damage, why):
     import time
 
     from flashmemory.dump.backend import DumpItemError
     from flashmemory.dump.sglang_backend import SGLangBackend
-    be = object.__new__(SGLangBackend)              # no server: only the wait for its file is under test
+
+    be = object.__new__(SGLangBackend)  # no server: only the wait for its file is under test
     be.staging, be.flush_timeout = (tmp_path / "out" / "staging").resolve(), 5.0
     doc = be.staging / "pass1" / "doc_00000.safetensors"
     be.staging.mkdir(parents=True)
@@ -322,6 +387,7 @@ def test_the_client_names_an_unusable_directory_at_once(tmp_path, damage, why):
 
 def test_a_name_too_long_for_the_filesystem_is_named(tmp_path):
     from flashmemory.dump.confine import unusable
+
     long = tmp_path / ("x" * 300) / "pass1" / "doc_00000.safetensors"
     assert "name too long for the filesystem" in unusable(long, tmp_path)
     assert unusable(tmp_path / "fine" / "pass1" / "doc_00000.safetensors", tmp_path) is None

@@ -27,10 +27,17 @@ def _feed(rec, rid, steps=3, prompt=40, n_layers=2, finish=True):
         for L in range(n_layers):
             lg = torch.randn(1, 32, generator=g)
             lg[:, n:] = float("-inf")
-            rec.observe_layer(L, [rid], lg, torch.tensor([n]), torch.tensor([pos]),
-                              hidden=torch.randn(1, 8, generator=g), new_chunks=lambda b, s, e: kv[s:e])
+            rec.observe_layer(
+                L,
+                [rid],
+                lg,
+                torch.tensor([n]),
+                torch.tensor([pos]),
+                hidden=torch.randn(1, 8, generator=g),
+                new_chunks=lambda b, s, e: kv[s:e],
+            )
     if finish:
-        rec.begin_step([])                                              # the request is gone: finalized
+        rec.begin_step([])  # the request is gone: finalized
 
 
 def _req(out, doc_index=0, pass_=1):
@@ -68,8 +75,10 @@ def test_a_pass_subdirectory_that_is_a_symlink_out_is_refused_at_admission(tmp_p
         _feed(rec, "r1")
     assert _all_files(outside) == []
     assert not admitted and not rec.pending
-    assert why == (f"request r1: flashmemory_dump.output_dir='{root / 'run'}': {root.resolve() / 'run' / 'pass1'}: "
-                   "is a symlink (dump writes never follow symlinks below the root)")
+    assert why == (
+        f"request r1: flashmemory_dump.output_dir='{root / 'run'}': {root.resolve() / 'run' / 'pass1'}: "
+        "is a symlink (dump writes never follow symlinks below the root)"
+    )
 
 
 @pytest.mark.parametrize("swap", ["output_dir", "pass1"])
@@ -84,12 +93,12 @@ def test_a_directory_swapped_for_a_symlink_after_admission_is_not_followed(tmp_p
     _feed(rec, "r1", finish=False)
     victim = run if swap == "output_dir" else run / "pass1"
     victim.mkdir(parents=True, exist_ok=True)
-    victim.rename(victim.with_name(victim.name + ".moved"))            # swapped while the request decodes
+    victim.rename(victim.with_name(victim.name + ".moved"))  # swapped while the request decodes
     victim.symlink_to(outside, target_is_directory=True)
     if swap == "output_dir":
         (outside / "pass1").mkdir()
     with caplog.at_level(logging.ERROR):
-        rec.begin_step([])                                              # finalized now
+        rec.begin_step([])  # finalized now
     assert _all_files(outside) == []
     assert rec.failed == ["r1"] and rec.written == []
     assert "request r1: document not written" in caplog.text and "is a symlink" in caplog.text
@@ -109,8 +118,9 @@ def test_a_directory_replaced_by_another_after_admission_is_refused(tmp_path, ca
     assert _all_files(root) == []
 
 
-@pytest.mark.parametrize("case", ["name too long", "file for output_dir", "file for pass1", "dir for the doc",
-                                  "symlink for the doc"])
+@pytest.mark.parametrize(
+    "case", ["name too long", "file for output_dir", "file for pass1", "dir for the doc", "symlink for the doc"]
+)
 def test_a_document_that_cannot_be_written_is_refused_at_admission_with_the_reason(tmp_path, case):
     """Promise (README "Errors and data safety"): an expected failure is one clear line naming the file or
     field, here the client's HTTP 400. Such a document used to be admitted, run, and only logged at
@@ -118,7 +128,7 @@ def test_a_document_that_cannot_be_written_is_refused_at_admission_with_the_reas
     root, outside = _tree(tmp_path)
     run, doc_index = root / "run", 0
     if case == "name too long":
-        doc_index = 10 ** 250
+        doc_index = 10**250
     elif case == "file for output_dir":
         run.write_text("a user's file")
     elif case == "file for pass1":
@@ -134,10 +144,13 @@ def test_a_document_that_cannot_be_written_is_refused_at_admission_with_the_reas
     if admitted:
         _feed(rec, "r3")
     assert not admitted and not rec.pending and why.startswith("request r3: flashmemory_dump.")
-    want = {"name too long": "file name too long", "file for output_dir": "run: is a file where a directory should be",
-            "file for pass1": "pass1: is a file where a directory should be",
-            "dir for the doc": "doc_00000.safetensors: exists and is a directory",
-            "symlink for the doc": "doc_00000.safetensors: exists and is a symlink"}[case]
+    want = {
+        "name too long": "file name too long",
+        "file for output_dir": "run: is a file where a directory should be",
+        "file for pass1": "pass1: is a file where a directory should be",
+        "dir for the doc": "doc_00000.safetensors: exists and is a directory",
+        "symlink for the doc": "doc_00000.safetensors: exists and is a symlink",
+    }[case]
     assert want in why, why
     assert _all_files(outside) == [] and len(why.splitlines()) == 1
 
@@ -148,13 +161,17 @@ def test_the_refusal_reaches_the_client_as_the_abort_reason(tmp_path, monkeypatc
     from types import SimpleNamespace
 
     from flashmemory.sglang import hooks
+
     root, _ = _tree(tmp_path)
     (root / "run").write_text("x")
     rec = DumpRecorder(index_topk=8, root=root)
     monkeypatch.setattr(hooks.RUNTIME, "dump", rec)
     aborted = []
-    req = SimpleNamespace(rid="r5", set_finish_with_abort=aborted.append,
-                          sampling_params=SimpleNamespace(custom_params=_req(root / "run").to_custom_params()))
+    req = SimpleNamespace(
+        rid="r5",
+        set_finish_with_abort=aborted.append,
+        sampling_params=SimpleNamespace(custom_params=_req(root / "run").to_custom_params()),
+    )
     hooks.before_add_request(None, req)
     assert len(aborted) == 1 and "request r5" in aborted[0] and "is a file where a directory should be" in aborted[0]
     assert not rec.pending

@@ -76,9 +76,34 @@ def server():
 
 def test_two_pass_dump_via_stand_in(server, tmp_path):
     out = tmp_path / "out"
-    rc = main(["--backend", "sglang", "--url", server, "--input", EX, "--output-dir", str(out), "--n-samples", "3",
-               "--target-csa-layers", "10", "12", "--topp", "0.5", "--min-layers", "2", "--batch-size", "2",
-               "--concurrency", "2", "--no-progress", "--flush-timeout", "5"])
+    rc = main(
+        [
+            "--backend",
+            "sglang",
+            "--url",
+            server,
+            "--input",
+            EX,
+            "--output-dir",
+            str(out),
+            "--n-samples",
+            "3",
+            "--target-csa-layers",
+            "10",
+            "12",
+            "--topp",
+            "0.5",
+            "--min-layers",
+            "2",
+            "--batch-size",
+            "2",
+            "--concurrency",
+            "2",
+            "--no-progress",
+            "--flush-timeout",
+            "5",
+        ]
+    )
     assert rc == 0
     passes = [b["custom_params"]["flashmemory_dump"] for b in StandIn.bodies]
     assert sorted(p["pass"] for p in passes) == [1, 1, 1, 2, 2, 2]
@@ -102,14 +127,34 @@ def test_two_pass_dump_via_stand_in(server, tmp_path):
 @pytest.mark.parametrize("mode,interval,want", [("all", 64, list(range(9))), ("cycle", 4, [0, 4, 8]), ("none", 64, [])])
 def test_store_topk_reaches_the_server_and_the_committed_doc(server, tmp_path, capfd, mode, interval, want):
     out = tmp_path / "out"
-    rc = main(["--backend", "sglang", "--url", server, "--input", EX, "--output-dir", str(out), "--n-samples", "2",
-               "--target-csa-layers", "10", "--no-progress", "--flush-timeout", "5",
-               "--store-topk", mode, "--topk-interval", str(interval)])
-    assert rc == 0 and "top-k" not in capfd.readouterr().err   # the old "does not store native top-k" note is gone
+    rc = main(
+        [
+            "--backend",
+            "sglang",
+            "--url",
+            server,
+            "--input",
+            EX,
+            "--output-dir",
+            str(out),
+            "--n-samples",
+            "2",
+            "--target-csa-layers",
+            "10",
+            "--no-progress",
+            "--flush-timeout",
+            "5",
+            "--store-topk",
+            mode,
+            "--topk-interval",
+            str(interval),
+        ]
+    )
+    assert rc == 0 and "top-k" not in capfd.readouterr().err  # the old "does not store native top-k" note is gone
     blocks = [b["custom_params"]["flashmemory_dump"] for b in StandIn.bodies]
     assert all(b["version"] == 2 and b["topk_interval"] == interval for b in blocks)
     assert sorted((b["pass"], b["store_topk"]) for b in blocks) == [(1, mode)] * 2 + [(2, "none")] * 2
-    for d in [load_doc(p) for p in list_docs(out)]:                          # make_doc: T = 9 decode steps
+    for d in [load_doc(p) for p in list_docs(out)]:  # make_doc: T = 9 decode steps
         assert d.native_topk_steps.tolist() == want
         assert sorted(d.native_topk) == ([0, 1, 2, 3] if want else [])
         assert all(i.shape == (len(want), 6) for i, _ in d.native_topk.values())
@@ -121,10 +166,18 @@ def test_a_server_that_drops_the_topk_fails_the_item_clearly(server, tmp_path):
     from flashmemory.dump.backend import DumpConfig
     from flashmemory.dump.client import run_dump
     from flashmemory.dump.sglang_backend import SGLangBackend
+
     StandIn.old_server = True
     out, log = tmp_path / "out", io.StringIO()
-    rep = run_dump(SGLangBackend(server, out, flush_timeout=5), EX, out,
-                   DumpConfig(target_layers=(10,), store_topk="cycle"), n_samples=1, progress=False, log=log)
+    rep = run_dump(
+        SGLangBackend(server, out, flush_timeout=5),
+        EX,
+        out,
+        DumpConfig(target_layers=(10,), store_topk="cycle"),
+        n_samples=1,
+        progress=False,
+        log=log,
+    )
     assert not rep.committed and len(rep.failed) == 1 and not list_docs(out)
     assert "native top-k at steps []" in rep.failed[0] and "asks for [0]" in rep.failed[0]
 
@@ -134,8 +187,19 @@ def test_unreachable_server(tmp_path, capsys):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    rc = main(["--backend", "sglang", "--url", f"http://127.0.0.1:{port}/v1", "--input", EX,
-               "--output-dir", str(tmp_path), "--no-progress"])
+    rc = main(
+        [
+            "--backend",
+            "sglang",
+            "--url",
+            f"http://127.0.0.1:{port}/v1",
+            "--input",
+            EX,
+            "--output-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert rc == 2 and "cannot reach the sglang server" in capsys.readouterr().err
 
 
@@ -155,25 +219,36 @@ def test_protocol_validation():
 
 def test_protocol_old_blocks_parse_with_topk_defaults():
     """A version-1 block (no store_topk / topk_interval) and a block without a version still parse."""
-    old = {"version": 1, "pass": 1, "doc_index": 3, "output_dir": "/s", "topp": 0.5, "min_layers": 2,
-           "target_csa_layers": [10, 12], "n_logit_tokens": 3}
+    old = {
+        "version": 1,
+        "pass": 1,
+        "doc_index": 3,
+        "output_dir": "/s",
+        "topp": 0.5,
+        "min_layers": 2,
+        "target_csa_layers": [10, 12],
+        "n_logit_tokens": 3,
+    }
     r = DumpRequest.from_custom_params({"flashmemory_dump": old})
     assert (r.store_topk, r.topk_interval, r.version, r.topp, r.target_csa_layers) == ("cycle", 64, 1, 0.5, (10, 12))
     r = DumpRequest.from_custom_params({"flashmemory_dump": {"pass": 2, "doc_index": 0, "output_dir": "/s"}})
     assert (r.store_topk, r.topk_interval, r.version) == ("cycle", 64, 2)
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("store_topk", "x", r"store_topk='x': expected one of none, cycle, all"),
-    ("store_topk", None, r"store_topk=None"),
-    ("store_topk", 1, r"store_topk=1"),
-    ("topk_interval", 0, r"topk_interval=0: must be an integer >= 1"),
-    ("topk_interval", -3, r"topk_interval=-3"),
-    ("topk_interval", "often", r"topk_interval='often': bad field value"),
-    ("topk_interval", 1.5, r"topk_interval=1.5: bad field value"),
-    ("topk_interval", True, r"topk_interval=True: bad field value"),
-    ("version", 3, r"version=3: this side speaks version\(s\) 1, 2"),
-])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("store_topk", "x", r"store_topk='x': expected one of none, cycle, all"),
+        ("store_topk", None, r"store_topk=None"),
+        ("store_topk", 1, r"store_topk=1"),
+        ("topk_interval", 0, r"topk_interval=0: must be an integer >= 1"),
+        ("topk_interval", -3, r"topk_interval=-3"),
+        ("topk_interval", "often", r"topk_interval='often': bad field value"),
+        ("topk_interval", 1.5, r"topk_interval=1.5: bad field value"),
+        ("topk_interval", True, r"topk_interval=True: bad field value"),
+        ("version", 3, r"version=3: this side speaks version\(s\) 1, 2"),
+    ],
+)
 def test_protocol_rejects_bad_topk_fields(field, value, msg):
     block = {"pass": 1, "doc_index": 0, "output_dir": "/s", field: value}
     with pytest.raises(DumpProtocolError, match=msg):

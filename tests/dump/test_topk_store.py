@@ -16,8 +16,9 @@ def add_topk(doc, steps, k=6, n_layers=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     st = torch.tensor(steps, dtype=torch.int32)
     n_vis = doc.n_chunks_at[st.long()]
-    doc.native_topk = {C: native_topk_rows(torch.randn(len(steps), doc.n_chunks, generator=g), n_vis, k)
-                       for C in range(n_layers)}
+    doc.native_topk = {
+        C: native_topk_rows(torch.randn(len(steps), doc.n_chunks, generator=g), n_vis, k) for C in range(n_layers)
+    }
     doc.native_topk_steps = st
     return doc
 
@@ -103,6 +104,7 @@ def test_bad_shapes_give_clear_errors(tmp_path):
         doc.validate()
     # On load: one half of a layer's pair missing names the missing key.
     from safetensors.torch import save_file
+
     tensors, meta = doc_tensors(add_topk(make_doc(), [0, 4]))
     del tensors["native_topk_val_layer_2"]
     p = tmp_path / "doc_00000.safetensors"

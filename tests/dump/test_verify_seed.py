@@ -16,8 +16,27 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "data_generation" / "example_dat
 @pytest.fixture(scope="module")
 def seeded_dump(tmp_path_factory):
     d = tmp_path_factory.mktemp("seeded") / "dump"
-    assert main(["dump", "--input", str(EXAMPLE), "--output-dir", str(d), "--model", "micro", "--seed", "3",
-                 "--max-tokens", "6", "--n-samples", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "dump",
+                "--input",
+                str(EXAMPLE),
+                "--output-dir",
+                str(d),
+                "--model",
+                "micro",
+                "--seed",
+                "3",
+                "--max-tokens",
+                "6",
+                "--n-samples",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return d
 
 
@@ -35,7 +54,8 @@ def test_verify_with_another_seed_says_why(seeded_dump, capsys):
     out = capsys.readouterr()
     assert out.err.strip().splitlines() == [
         f"flashmemory verify: error: --seed 0: the dump {seeded_dump} was made with --model micro --seed 3 "
-        "(server_metadata.jsonl); its native logits come from that random model, so pass --seed 3"]
+        "(server_metadata.jsonl); its native logits come from that random model, so pass --seed 3"
+    ]
     assert "FAIL" not in out.out
     assert main(["verify", "--dump", str(seeded_dump), "--model", "micro", "--seed", "3"]) == 0
     assert "PASS" in capsys.readouterr().out
@@ -45,12 +65,14 @@ def test_a_fail_on_a_dump_without_a_recorded_seed_says_what_to_check(seeded_dump
     """Promise as above, for older dumps (no `seed` in the metadata): verify still runs (backward compatible),
     and its FAIL line says the dump records no seed."""
     import shutil
+
     old = tmp_path / "old"
     shutil.copytree(seeded_dump, old)
     meta = old / "server_metadata.jsonl"
     recs = [json.loads(x) for x in meta.read_text().splitlines()]
-    meta.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("model", "seed")}) + "\n"
-                            for r in recs))
+    meta.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k not in ("model", "seed")}) + "\n" for r in recs)
+    )
     assert main(["verify", "--dump", str(old), "--model", "micro"]) == 1
     fail = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("FAIL")]
     assert len(fail) == 1 and "the dump records no model/seed" in fail[0] and "--seed" in fail[0]

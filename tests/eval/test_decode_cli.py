@@ -5,17 +5,23 @@ import pytest
 from flashmemory.cli import main
 
 
-@pytest.mark.parametrize("extra, msg", [
-    ([], "--tasks"),
-    (["--tasks", "TASKS", "--budget", "0"], "budget"),
-    (["--tasks", "TASKS", "--budget", "2"], "budget"),
-    (["--tasks", "TASKS", "--methods", "FlashMemory,Bogus"], "unknown method"),
-])
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        ([], "--tasks"),
+        (["--tasks", "TASKS", "--budget", "0"], "budget"),
+        (["--tasks", "TASKS", "--budget", "2"], "budget"),
+        (["--tasks", "TASKS", "--methods", "FlashMemory,Bogus"], "unknown method"),
+    ],
+)
 def test_bad_decode_arguments(tmp_path, capsys, extra, msg):
     from flashmemory.retriever import JointRetriever, RetrieverDims, save_retriever
     from flashmemory.tasks.suite import generate, write_jsonl
-    ckpt = save_retriever(JointRetriever((1, 2, 3), RetrieverDims(hidden=64, rank=8, n_heads=2, head_dim=32,
-                                                                    rope_dim=16)), tmp_path / "r.safetensors")
+
+    ckpt = save_retriever(
+        JointRetriever((1, 2, 3), RetrieverDims(hidden=64, rank=8, n_heads=2, head_dim=32, rope_dim=16)),
+        tmp_path / "r.safetensors",
+    )
     tasks = tmp_path / "t.jsonl"
     write_jsonl(generate("niah_single", 128, n=1), str(tasks))
     argv = ["eval", "--decode", "--model", "micro", "--checkpoint", str(ckpt)]

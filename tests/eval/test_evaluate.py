@@ -11,8 +11,21 @@ from flashmemory.retriever.checkpoint import save_retriever
 def test_eval_cli_prints_table_and_json(synth, teacher, tmp_path, capsys) -> None:
     ck = save_retriever(teacher, tmp_path / "teacher.safetensors")
     out_json = tmp_path / "r.json"
-    rc = main(["eval", "--checkpoint", str(ck), "--dump", str(synth / "train"), "--stride", "8",
-               "--budgets", "0.1,0.25", "--json", str(out_json)])
+    rc = main(
+        [
+            "eval",
+            "--checkpoint",
+            str(ck),
+            "--dump",
+            str(synth / "train"),
+            "--stride",
+            "8",
+            "--budgets",
+            "0.1,0.25",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     for p in ("flashmemory", "recency", "random", "reactive", "oracle"):
@@ -32,6 +45,7 @@ def test_eval_cli_prints_table_and_json(synth, teacher, tmp_path, capsys) -> Non
 def test_eval_rejects_missing_layers(synth, tmp_path, capsys) -> None:
     from flashmemory.retriever.model import JointRetriever
     from flashmemory.train.synthetic import TEACHER_DIMS
+
     ck = save_retriever(JointRetriever((5,), TEACHER_DIMS), tmp_path / "x.safetensors")
     assert main(["eval", "--checkpoint", str(ck), "--dump", str(synth / "train")]) == 2
     assert "layers [5]" in capsys.readouterr().err
@@ -39,6 +53,7 @@ def test_eval_rejects_missing_layers(synth, tmp_path, capsys) -> None:
 
 def test_eval_refuses_a_nan_checkpoint(synth, teacher, tmp_path, capsys) -> None:
     from safetensors.torch import load_file, save_file
+
     ck = save_retriever(teacher, tmp_path / "t.safetensors")
     sd = load_file(str(ck))
     key = sorted(sd)[0]

@@ -16,21 +16,44 @@ from flashmemory.eval import frontier as fr
 from flashmemory.eval.frontier_cost import KV_BYTES, method_costs
 from flashmemory.eval.frontier_report import iso_quality
 
-METHODS = ("Full", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency", "HiSparse")   # the default sweep
+METHODS = ("Full", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency", "HiSparse")  # the default sweep
 
 
 def _row(acc: float, budget: float, name: str) -> dict:
     kmax = max(1, math.ceil(budget * 10))
-    m = {"task_score": acc, "agreement": acc, "mass": min(1.0, budget * 2), "resident_frac": budget,
-         "golden_recall": acc, "kmax": kmax, "recall_bytes": 100.0 * kmax, "cost_pending": False,
-         "resident_per_topk": kmax * 8 / 16, "hit_rate": 0.5 + budget / 2 if name == "HiSparse" else float("nan")}
-    m |= method_costs(name, m, n_c4=3, n_target=3, n_final=80, n_vis_mean=78.0, n_steps=4, index_bytes=68,
-                      page_chunks=8, tau=4, l1_flops=1000.0, hot_slots=kmax * 8, swap_misses=10 * (1 - budget))
+    m = {
+        "task_score": acc,
+        "agreement": acc,
+        "mass": min(1.0, budget * 2),
+        "resident_frac": budget,
+        "golden_recall": acc,
+        "kmax": kmax,
+        "recall_bytes": 100.0 * kmax,
+        "cost_pending": False,
+        "resident_per_topk": kmax * 8 / 16,
+        "hit_rate": 0.5 + budget / 2 if name == "HiSparse" else float("nan"),
+    }
+    m |= method_costs(
+        name,
+        m,
+        n_c4=3,
+        n_target=3,
+        n_final=80,
+        n_vis_mean=78.0,
+        n_steps=4,
+        index_bytes=68,
+        page_chunks=8,
+        tau=4,
+        l1_flops=1000.0,
+        hot_slots=kmax * 8,
+        swap_misses=10 * (1 - budget),
+    )
     return m
 
 
 class FakeSweep:
     """Stands in for the model pass: FlashMemory's accuracy grows with the budget, Full and HiSparse score 1."""
+
     calls: list[int] = []
 
     def __init__(self, fc):
@@ -40,8 +63,12 @@ class FakeSweep:
         FakeSweep.calls.append(i)
         budgets = {}
         for b in self.fc.budgets:
-            budgets[f"{b:g}"] = {name: _row(1.0 if name in ("Full", "HiSparse", "FlashMemory-fill") else (
-                1.0 if b >= 0.5 else 0.0), b, name) for name in ("Full", "HiSparse") + self.fc.methods}
+            budgets[f"{b:g}"] = {
+                name: _row(
+                    1.0 if name in ("Full", "HiSparse", "FlashMemory-fill") else (1.0 if b >= 0.5 else 0.0), b, name
+                )
+                for name in ("Full", "HiSparse") + self.fc.methods
+            }
         return {"budgets": budgets, "n_chunks": 80, "prompt_len": 316, "index_topk": 16, "forced_forwards": 0}
 
 
@@ -49,15 +76,20 @@ class FakeSweep:
 def cfg(tmp_path):
     ck = tmp_path / "r.safetensors"
     ck.write_bytes(b"weights")
-    return fr.FrontierConfig(out_dir=str(tmp_path / "out"), retriever=str(ck), n_per_task=2,
-                             budgets=(0.1, 0.25, 0.5, 1.0), tasks=("niah_single", "mqar"))
+    return fr.FrontierConfig(
+        out_dir=str(tmp_path / "out"),
+        retriever=str(ck),
+        n_per_task=2,
+        budgets=(0.1, 0.25, 0.5, 1.0),
+        tasks=("niah_single", "mqar"),
+    )
 
 
 def test_sweep_shape_and_resume(cfg, monkeypatch):
     monkeypatch.setattr(fr, "Sweep", FakeSweep)
     FakeSweep.calls = []
     res = fr.run_frontier(cfg, log=lambda s: None, progress=False, max_docs=3)
-    assert FakeSweep.calls == [8, 9, 10]               # tasks cycle from --first-doc; the 4th is left for later
+    assert FakeSweep.calls == [8, 9, 10]  # tasks cycle from --first-doc; the 4th is left for later
     assert res["docs_done"] == 3 and res["docs_planned"] == 4
     assert list(res["methods"]) == ["0.1", "0.25", "0.5", "1"]
     assert set(res["methods"]["0.1"]) == set(METHODS)
@@ -86,9 +118,16 @@ def test_record_of_another_configuration_stops_the_run(cfg, monkeypatch):
 def _res(accs: dict[str, float], full: float = 0.8) -> dict:
     methods = {}
     for b, a in accs.items():
-        rows = {"Full": {"task_score": full}, "HiSparse": {"task_score": full, "device_bytes": 2.0},
-                "FlashMemory": {"task_score": a, "task_score_ci": {"lo": a - 0.1, "hi": a + 0.1},
-                                "resident_per_topk": float(b) * 64, "device_bytes": 1.0}}
+        rows = {
+            "Full": {"task_score": full},
+            "HiSparse": {"task_score": full, "device_bytes": 2.0},
+            "FlashMemory": {
+                "task_score": a,
+                "task_score_ci": {"lo": a - 0.1, "hi": a + 0.1},
+                "resident_per_topk": float(b) * 64,
+                "device_bytes": 1.0,
+            },
+        }
         methods[b] = rows
     return {"methods": methods, "tasks": {b: {} for b in accs}}
 
@@ -96,8 +135,8 @@ def _res(accs: dict[str, float], full: float = 0.8) -> dict:
 def test_iso_quality_picks_the_smallest_budget_reaching_each_ratio():
     res = _res({"0.4": 0.79, "0.05": 0.5, "0.2": 0.77, "0.1": 0.7, "0.8": 0.8})
     iso = iso_quality(res, ["overall"])["overall"]
-    assert iso["0.95"]["budget"] == "0.2"            # 0.77 >= 0.95 x 0.8 = 0.76; 0.1 gives 0.70
-    assert iso["0.99"]["budget"] == "0.8"            # 0.99 x 0.8 = 0.792: 0.79 at 0.4 falls short
+    assert iso["0.95"]["budget"] == "0.2"  # 0.77 >= 0.95 x 0.8 = 0.76; 0.1 gives 0.70
+    assert iso["0.99"]["budget"] == "0.8"  # 0.99 x 0.8 = 0.792: 0.79 at 0.4 falls short
     assert iso["0.95"]["costs"]["HiSparse"]["device_bytes"] == 2.0
 
 
@@ -109,39 +148,52 @@ def test_iso_quality_not_reached():
 
 
 def test_method_costs_hand_worked():
-    shape = dict(n_c4=3, n_target=3, n_final=100, n_vis_mean=98.0, n_steps=4, index_bytes=68, page_chunks=8,
-                 tau=4, l1_flops=500.0)
+    shape = dict(
+        n_c4=3,
+        n_target=3,
+        n_final=100,
+        n_vis_mean=98.0,
+        n_steps=4,
+        index_bytes=68,
+        page_chunks=8,
+        tau=4,
+        l1_flops=500.0,
+    )
     full = method_costs("Full", {}, **shape)
     assert full["device_bytes"] == 3 * 100 * (KV_BYTES + 68) and full["h2d_per_token"] == 0.0
     assert full["scored_per_token"] == 3 * 98.0
     hs = method_costs("HiSparse", {}, hot_slots=40, swap_misses=6.0, **shape)
-    assert hs["device_parts"]["c4 kv"] == 3 * 41 * KV_BYTES          # H slots + the newest-entry slot per c4 layer
+    assert hs["device_parts"]["c4 kv"] == 3 * 41 * KV_BYTES  # H slots + the newest-entry slot per c4 layer
     assert hs["h2d_per_token"] == 6.0 * KV_BYTES / 4
     fm = method_costs("FlashMemory", {"kmax": 5, "recall_bytes": 800.0, "resident_frac": 0.25}, **shape)
-    assert fm["device_parts"]["c4 kv"] == 3 * 40 * KV_BYTES          # the KMAX reserve: 5 pages of 8 chunks
+    assert fm["device_parts"]["c4 kv"] == 3 * 40 * KV_BYTES  # the KMAX reserve: 5 pages of 8 chunks
     assert fm["h2d_per_token"] == 200.0 and fm["l1_flops_per_token"] == 500.0
-    assert fm["scored_per_token"] == 3 * 0.25 * 98.0 + 3 * 98.0 / 4   # Level 2 resident + Level 1 over tau
+    assert fm["scored_per_token"] == 3 * 0.25 * 98.0 + 3 * 98.0 / 4  # Level 2 resident + Level 1 over tau
     mon = method_costs("FlashMemory+monitor", {"kmax": 5, "cap_pages": 10}, **shape)
-    assert mon["device_parts"]["c4 kv"] == 3 * 80 * KV_BYTES         # the escalation cap is reserved
+    assert mon["device_parts"]["c4 kv"] == 3 * 80 * KV_BYTES  # the escalation cap is reserved
     assert method_costs("Recency", {"kmax": 5}, **shape)["l1_flops_per_token"] == 0.0
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--budgets", "0"], "--budgets"),
-    (["--budgets", "0.1,1.5"], "--budgets"),
-    (["--budgets", "x"], "--budgets"),
-    (["--methods", "FlashMemory,Bogus"], "--methods"),
-    (["--tasks", "nope"], "--tasks"),
-    (["--n-per-task", "0"], "--n-per-task"),
-    (["--doc-len", "8"], "--doc-len"),
-    (["--max-docs", "-1"], "--max-docs"),
-    (["--retriever", "MISSING"], "MISSING"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--budgets", "0"], "--budgets"),
+        (["--budgets", "0.1,1.5"], "--budgets"),
+        (["--budgets", "x"], "--budgets"),
+        (["--methods", "FlashMemory,Bogus"], "--methods"),
+        (["--tasks", "nope"], "--tasks"),
+        (["--n-per-task", "0"], "--n-per-task"),
+        (["--doc-len", "8"], "--doc-len"),
+        (["--max-docs", "-1"], "--max-docs"),
+        (["--retriever", "MISSING"], "MISSING"),
+    ],
+)
 def test_bad_arguments_one_line(tmp_path, capsys, extra, needle):
     ck = tmp_path / "r.safetensors"
     ck.write_bytes(b"x")
     argv = ["eval", "frontier", "--out", str(tmp_path / "o"), "--retriever", str(ck)] + [
-        str(tmp_path / "missing.safetensors") if x == "MISSING" else x for x in extra]
+        str(tmp_path / "missing.safetensors") if x == "MISSING" else x for x in extra
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flashmemory eval frontier: error:")
@@ -155,13 +207,15 @@ def test_equal_budget_search_can_start_at_the_target():
     import torch
 
     from flashmemory.eval.monitored import equal_budget_replay
+
     tried: list[int] = []
 
     def replay(base: int, monitor=None, cap=None):
         tried.append(base)
         res = torch.zeros(4, 64 * 4, dtype=torch.bool)
-        res[:, :(base + 1) * 4] = True            # the monitored method holds base + 1 pages of 4 chunks
+        res[:, : (base + 1) * 4] = True  # the monitored method holds base + 1 pages of 4 chunks
         return SimpleNamespace(resident=res)
+
     _, info = equal_budget_replay(replay, 6.0, 40, 40, 4, lambda b, c: None)
     assert info["base_pages"] == 5 and tried[0] == 40 and len(tried) > 35 * 1
     tried.clear()
@@ -175,6 +229,7 @@ def _picks_run():
     from types import SimpleNamespace
 
     import torch
+
     P, T = 64, 8
     topk = torch.full((P + T, 4), -1, dtype=torch.long)
     for t in range(T):
@@ -184,13 +239,14 @@ def _picks_run():
 
 def test_hisparse_arm_replays_the_runs_picks_and_the_prefetch_hint():
     import torch
+
     run = _picks_run()
-    big = fr.hisparse_stats(run, 64)                 # the whole history fits: sglang's fast path, nothing moves
+    big = fr.hisparse_stats(run, 64)  # the whole history fits: sglang's fast path, nothing moves
     assert big["misses"] == 0 and big["hit_rate"] == 1.0
-    small = fr.hisparse_stats(run, 8)                # PD admission: empty buffer, each needle missed once
+    small = fr.hisparse_stats(run, 8)  # PD admission: empty buffer, each needle missed once
     assert small["misses"] == 8 and small["hits"] == 3 * 4 + 3 * 4
     resident = torch.zeros(8, 18, dtype=torch.bool)
-    resident[:, 8:12] = True                         # FlashMemory already holds the second needle at step 0
+    resident[:, 8:12] = True  # FlashMemory already holds the second needle at step 0
     hint = fr.prefetch_hint(resident, 4)
     assert sorted(hint) == [0, 4] and hint[0].tolist() == [8, 9, 10, 11]
     pre = fr.hisparse_stats(run, 8, hint)
@@ -218,10 +274,12 @@ def test_fill_method_fills_the_budget_by_score_where_the_threshold_keeps_less():
     from flashmemory.eval.harness import HarnessConfig
     from flashmemory.eval.methods import METHODS, MassPagePolicy, make_method
     from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
-    assert "FlashMemory-fill" not in METHODS            # never in a default method list (eval quality's stays)
-    HarnessConfig(methods=("FlashMemory-fill",))        # but the harness runs it when asked
+
+    assert "FlashMemory-fill" not in METHODS  # never in a default method list (eval quality's stays)
+    HarnessConfig(methods=("FlashMemory-fill",))  # but the harness runs it when asked
     sel = SelectionConfig(threshold=0.5, last_keep=4, page_chunks=4, kmax=6)
     from types import SimpleNamespace
+
     eng = SimpleNamespace(layout=SimpleNamespace(target_layers=()))
     _, pol = make_method("FlashMemory-fill", None, sel, eng, retriever=SimpleNamespace(layers=()))
     assert isinstance(pol, MassPagePolicy)
@@ -231,5 +289,5 @@ def test_fill_method_fills_the_budget_by_score_where_the_threshold_keeps_less():
     scores[[1, 9, 21]] = torch.tensor([0.9, 0.3, 0.2])  # one chunk above the threshold, two below it
     kept_fill = pol(scores, 40, 6).tolist()
     kept_thr = ThresholdPagePolicy(sel)(scores, 40, 6).tolist()
-    assert len(kept_fill) == 6 and {0, 2, 5, 9}.issubset(kept_fill)   # scored pages + the tail, then the newest
+    assert len(kept_fill) == 6 and {0, 2, 5, 9}.issubset(kept_fill)  # scored pages + the tail, then the newest
     assert len(kept_thr) < 6 and 2 not in kept_thr

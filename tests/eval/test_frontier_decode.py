@@ -12,6 +12,7 @@ from flashmemory.eval.frontier_decode import PrefixDecoder, cached_full_run
 @pytest.fixture(scope="module")
 def engine():
     from flashmemory.hf import HFEngine
+
     return HFEngine.from_name("micro", seed=0)
 
 
@@ -21,7 +22,7 @@ def test_decoder_matches_the_full_forward_per_resident_set(engine):
     ids = torch.randint(2, engine.vocab_size, (P + T,), generator=g).tolist()
     dec = PrefixDecoder(engine, ids[:P])
     n = engine.n_compressed(P + T)
-    for trial in range(3):            # the same decoder reused: each forward starts from the clean prompt cache
+    for trial in range(3):  # the same decoder reused: each forward starts from the clean prompt cache
         res = torch.ones(P + T, n, dtype=torch.bool)
         res[P:] = torch.rand(T, n, generator=g) < (0.3 + 0.3 * trial)
         got = dec.forward(ids, resident=res).logits[P:]
@@ -60,18 +61,19 @@ def test_batched_decode_matches_one_forward_per_set_and_decodes_equal_sets_once(
         r = torch.ones(P + T, n, dtype=torch.bool)
         r[P:] = torch.rand(T, n, generator=g) < p
         sets.append(r)
-    sets.append(sets[0].clone())                       # an equal set, given again
-    got = dec.forward_many(ids, sets, batch=2)          # two batches: the distinct sets do not fit in one
+    sets.append(sets[0].clone())  # an equal set, given again
+    got = dec.forward_many(ids, sets, batch=2)  # two batches: the distinct sets do not fit in one
     assert dec.forced_forwards == 4 and len(got) == 4
     assert torch.equal(got[0], got[3])
     for r, rows in zip(sets, got):
         want = dec.forward(ids, resident=r).logits[P:]
         assert torch.allclose(rows, want, atol=1e-4, rtol=1e-4), float((rows - want).abs().max())
-    assert not torch.allclose(got[0], got[2], atol=1e-3)   # the sets differ, and so do their logits
+    assert not torch.allclose(got[0], got[2], atol=1e-3)  # the sets differ, and so do their logits
 
 
 def test_served_logits_are_looked_up_by_the_sets_content():
     from flashmemory.eval.frontier_decode import ServedLogits
+
     a = torch.ones(6, 2, dtype=torch.bool)
     b = a.clone()
     b[5, 1] = False
@@ -90,11 +92,11 @@ def test_sweep_record_batched_equals_the_plain_harness_path(tmp_path):
     record equals the one-forward-per-method path's (wall-time shares aside)."""
     from flashmemory.eval.frontier import FrontierConfig, Sweep
     from flashmemory.tiny.shipped import trained_model_available
+
     ck = "docs/quality/frontier_retriever.safetensors"
     if not trained_model_available():
         pytest.skip("the shipped trained model is not installed")
-    fc = FrontierConfig(out_dir=str(tmp_path), retriever=ck, doc_len=512, gen_tokens=6, tau=2,
-                        budgets=(0.1, 0.3, 1.0))
+    fc = FrontierConfig(out_dir=str(tmp_path), retriever=ck, doc_len=512, gen_tokens=6, tau=2, budgets=(0.1, 0.3, 1.0))
     sw = Sweep(fc)
     plain, batched = sw.doc(9, "niah_single", batched=False), sw.doc(9, "niah_single", batched=True)
     assert plain.keys() == batched.keys() and plain["forced_forwards"] == batched["forced_forwards"] == 12
@@ -103,10 +105,10 @@ def test_sweep_record_batched_equals_the_plain_harness_path(tmp_path):
         assert list(rows) == list(batched["budgets"][b])
         for name, m in rows.items():
             got = batched["budgets"][b][name]
-            assert list(m) == list(got), (b, name)          # same keys in the same order: the record format
+            assert list(m) == list(got), (b, name)  # same keys in the same order: the record format
             for k, v in m.items():
                 if k == "level1_share":
-                    continue                                # wall-time shares differ run to run
+                    continue  # wall-time shares differ run to run
                 if isinstance(v, float):
                     assert v == pytest.approx(got[k], rel=1e-6, abs=1e-9, nan_ok=True), (b, name, k)
                 else:

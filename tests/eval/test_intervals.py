@@ -26,7 +26,7 @@ def test_bootstrap_hand_computed():
     # [0, 0, 0, 1]: a resample's mean is k/4, k ~ Binomial(4, 1/4): P(k=0) = 0.316 > 2.5%, so lo = 0;
     # P(k <= 2) = 0.949 < 97.5% <= P(k <= 3) = 0.996, so hi = 0.75
     assert bootstrap_mean([0, 0, 0, 1]) == (0.0, 0.75)
-    assert bootstrap_mean([0.0, 1.0]) == (0.0, 1.0)          # P(mean 0) = P(mean 1) = 1/4
+    assert bootstrap_mean([0.0, 1.0]) == (0.0, 1.0)  # P(mean 0) = P(mean 1) = 1/4
     assert bootstrap_mean([0.4]) == (0.4, 0.4) and bootstrap_mean([0.3] * 5) == (0.3, 0.3)
     assert all(math.isnan(v) for v in bootstrap_mean([]))
     assert bootstrap_mean([0.1, 0.5, 0.2, 0.9]) == bootstrap_mean([0.1, 0.5, 0.2, 0.9]), "seeded"
@@ -48,18 +48,29 @@ def test_interval_cells_skip_nan_and_refuse_inf():
 
 
 def _doc(score, mass, matched=True, pages=2.0, target=2.0):
-    mon = {"task_score": score, "mass": mass, "kmax": 3, "resident_frac": 0.2, "mean_pages": pages,
-           "target_pages": target, "budget_matched": matched, "miss_values": [0.1]}
-    return {"FlashMemory": {"task_score": score, "mass": mass, "kmax": 3, "resident_frac": 0.2, "mean_pages": target},
-            "FlashMemory+monitor": mon}
+    mon = {
+        "task_score": score,
+        "mass": mass,
+        "kmax": 3,
+        "resident_frac": 0.2,
+        "mean_pages": pages,
+        "target_pages": target,
+        "budget_matched": matched,
+        "miss_values": [0.1],
+    }
+    return {
+        "FlashMemory": {"task_score": score, "mass": mass, "kmax": 3, "resident_frac": 0.2, "mean_pages": target},
+        "FlashMemory+monitor": mon,
+    }
 
 
 def test_mean_rows_carry_intervals_and_the_budget_mismatch_with_both_means():
     docs = [_doc(1.0, 0.8), _doc(0.0, 0.6, False, 3.5, 3.0), _doc(1.0, 0.7, False, 2.5, 2.0)]
     rows = mean_rows(docs)
     fm, mon = rows["FlashMemory"], rows["FlashMemory+monitor"]
-    assert fm["task_score_ci"]["n"] == 3 and (fm["task_score_ci"]["lo"], fm["task_score_ci"]["hi"]) == \
-        pytest.approx(wilson(2, 3))
+    assert fm["task_score_ci"]["n"] == 3 and (fm["task_score_ci"]["lo"], fm["task_score_ci"]["hi"]) == pytest.approx(
+        wilson(2, 3)
+    )
     assert fm["mass"] == pytest.approx(0.7) and fm["mass_ci"]["method"] == "bootstrap"
     assert "budget_unmatched" not in fm
     assert mon["budget_unmatched"] == {"docs": 2, "of": 3, "mean_pages": 3.0, "target_pages": 2.5}
@@ -80,6 +91,7 @@ def test_budget_cells_keep_the_old_keys_and_add_intervals():
 
 def test_bootstrap_pooled_resamples_whole_documents():
     from flashmemory.eval.intervals import bootstrap_pooled
+
     # doc 0: 0 of 1 cycle, doc 1: 3 of 3: a resample is {0,0} (p 1/4) -> 0, {1,1} (1/4) -> 1, mixed -> 3/4
     assert bootstrap_pooled([0.0, 3.0], [1, 3]) == (0.0, 1.0)
     assert bootstrap_pooled([2.0, 1.0], [4, 2]) == (0.5, 0.5)
@@ -91,12 +103,13 @@ def test_policy_eval_cells_carry_per_document_intervals():
     import torch
 
     from flashmemory.eval.evaluate import Acc, format_table
+
     acc = Acc()
     gold = torch.tensor([True, True, False, False])
-    acc.add(torch.tensor([True, False, False, False]), gold, [0.2, 0.4])   # doc 0: recall 0.5, mass 0.2 + 0.4
-    acc.add(torch.tensor([True, True, False, False]), gold, [])            # doc 0: recall 1.0
+    acc.add(torch.tensor([True, False, False, False]), gold, [0.2, 0.4])  # doc 0: recall 0.5, mass 0.2 + 0.4
+    acc.add(torch.tensor([True, True, False, False]), gold, [])  # doc 0: recall 1.0
     acc.end_doc()
-    acc.add(torch.tensor([False, False, True, True]), gold, [0.9])         # doc 1: recall 0.0, mass 0.9
+    acc.add(torch.tensor([False, False, True, True]), gold, [0.9])  # doc 1: recall 0.0, mass 0.9
     acc.end_doc()
     assert acc.doc_recall == [(1.5, 2), (0.0, 1)]
     assert acc.doc_mass == [(pytest.approx(0.6), 2), (0.9, 1)]

@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from flashmemory.eval.methods import RandomPolicy, RecencyPolicy, zero_scorer
-from flashmemory.eval.monitored import (MonitorEvalConfig, captured_native_scorer, equal_budget_replay,
-                                        mean_resident_pages, monitor_factory)
+from flashmemory.eval.monitored import (
+    MonitorEvalConfig,
+    captured_native_scorer,
+    equal_budget_replay,
+    mean_resident_pages,
+    monitor_factory,
+)
 from flashmemory.eval.replay import replay_doc
 from flashmemory.retriever.fp8 import quantize_chunks
 
@@ -44,8 +49,20 @@ def _far_doc():
 
 
 def _replay(chunks, hid, kmax, monitor=None, cap=None, policy=None, tau=TAU, last_keep=4):
-    return replay_doc(chunks, hid, P, T, lambda e: (zero_scorer, policy or RecencyPolicy(PC)), page_chunks=PC,
-                      kmax=kmax, tau=tau, last_keep=last_keep, target_layers=(1, 2), monitor=monitor, page_cap=cap)
+    return replay_doc(
+        chunks,
+        hid,
+        P,
+        T,
+        lambda e: (zero_scorer, policy or RecencyPolicy(PC)),
+        page_chunks=PC,
+        kmax=kmax,
+        tau=tau,
+        last_keep=last_keep,
+        target_layers=(1, 2),
+        monitor=monitor,
+        page_cap=cap,
+    )
 
 
 def test_native_on_the_newest_chunks_reads_no_miss():
@@ -55,8 +72,9 @@ def test_native_on_the_newest_chunks_reads_no_miss():
     vis = _visible(P + T, n)
     newest = vis & (torch.arange(n).unsqueeze(0) >= ((torch.arange(P + T) + 1) // 4 - 4).unsqueeze(1))
     logits = torch.where(newest, 4.0, -4.0).masked_fill(~vis, -math.inf)
-    mon = _replay(chunks, hid, 3, monitor_factory({1: logits, 2: logits}, (1, 2), 3, 6, topk=4,
-                                                  mc=MonitorEvalConfig()), cap=6)
+    mon = _replay(
+        chunks, hid, 3, monitor_factory({1: logits, 2: logits}, (1, 2), 3, 6, topk=4, mc=MonitorEvalConfig()), cap=6
+    )
     m = mon.metrics
     assert len(m["miss_values"]) == T // TAU - 1, "one reading per cycle after the first decode step"
     assert max(m["miss_values"]) < 0.05, m["miss_values"]
@@ -82,10 +100,19 @@ def test_every_reading_is_one_minus_the_attended_mass(seed):
     kmax, topk = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(2, 12, (1,), generator=g))
     vis = _visible(P + T, n)
     # distinct logits (no top-k ties), a random few chunks favoured
-    logits = {l: (torch.randn(P + T, n, generator=g) + 6.0 * (torch.rand(n, generator=g) < 0.15)).masked_fill(~vis, -math.inf)
-              for l in (1, 2)}
-    rep = _replay(chunks, hid, kmax, monitor_factory(logits, (1, 2), kmax, 2 * kmax, topk, MonitorEvalConfig()),
-                  cap=2 * kmax, policy=RandomPolicy(PC, 4, seed), tau=tau)
+    logits = {
+        l: (torch.randn(P + T, n, generator=g) + 6.0 * (torch.rand(n, generator=g) < 0.15)).masked_fill(~vis, -math.inf)
+        for l in (1, 2)
+    }
+    rep = _replay(
+        chunks,
+        hid,
+        kmax,
+        monitor_factory(logits, (1, 2), kmax, 2 * kmax, topk, MonitorEvalConfig()),
+        cap=2 * kmax,
+        policy=RandomPolicy(PC, 4, seed),
+        tau=tau,
+    )
     due = [t for t in range(tau, T, tau)]
     got = rep.metrics["miss_values"]
     assert len(got) == len(due), f"readings {got} against cycles at steps {due}"
@@ -113,8 +140,14 @@ def test_monitor_recovers_the_missed_page_and_counts():
 def test_equal_budget_search_matches_the_average():
     chunks, hid, logits, n = _far_doc()
     target = mean_resident_pages(_replay(chunks, hid, 4).resident, PC)
-    rep, info = equal_budget_replay(lambda k, mon=None, cap=None: _replay(chunks, hid, k, mon, cap), target, 4, 8,
-                                    PC, lambda b, c: monitor_factory(logits, (1, 2), b, c, 4, MonitorEvalConfig()))
+    rep, info = equal_budget_replay(
+        lambda k, mon=None, cap=None: _replay(chunks, hid, k, mon, cap),
+        target,
+        4,
+        8,
+        PC,
+        lambda b, c: monitor_factory(logits, (1, 2), b, c, 4, MonitorEvalConfig()),
+    )
     assert info["budget_matched"] and info["mean_pages"] <= target + 1e-9
     assert info["mean_pages"] == mean_resident_pages(rep.resident, PC) and 1 <= info["base_pages"] <= 4
     assert rep.resident[TAU:, 4:8].all(), "at the matched budget the monitored method still holds the attended page"
@@ -130,5 +163,6 @@ def test_captured_scorer_pads_clamps_and_skips_the_prompt():
 
 def test_residency_cli_names_bad_lengths(capsys):
     from flashmemory.cli import main
+
     assert main(["eval", "--residency", "--checkpoint", "none.safetensors", "--lengths", "10"]) == 2
     assert "--lengths" in capsys.readouterr().err

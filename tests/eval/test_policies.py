@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashmemory.dump.format import list_docs, load_doc
-from flashmemory.eval.policies import (flashmemory_mask, oracle, random_policy, reactive, recency, top_budget)
+from flashmemory.eval.policies import flashmemory_mask, oracle, random_policy, reactive, recency, top_budget
 from flashmemory.labels import lookahead_union
 
 
@@ -40,6 +40,7 @@ def test_mass_policy_fills_the_budget() -> None:
     import torch
 
     from flashmemory.eval.methods import MassPagePolicy
+
     pol = MassPagePolicy(page_chunks=4, last_keep=4)
     scores = torch.zeros(40)
     scores[5] = 3.0  # one scored chunk, in page 1

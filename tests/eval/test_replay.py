@@ -19,8 +19,18 @@ def _doc(n_layers=3, prompt=64, steps=24, d=8, hidden=16):
 def test_full_budget_makes_everything_resident_and_bytes_match_pages():
     chunks, hid, P, T, n = _doc()
     pc = 4
-    rep = replay_doc(chunks, hid, P, T, lambda e: (zero_scorer, RecencyPolicy(pc)), page_chunks=pc, kmax=64, tau=8,
-                     last_keep=4, target_layers=(1,))
+    rep = replay_doc(
+        chunks,
+        hid,
+        P,
+        T,
+        lambda e: (zero_scorer, RecencyPolicy(pc)),
+        page_chunks=pc,
+        kmax=64,
+        tau=8,
+        last_keep=4,
+        target_layers=(1,),
+    )
     for t in range(T):
         n_t = (P + t + 1) // 4
         assert rep.n_visible[t] == n_t
@@ -34,8 +44,18 @@ def test_full_budget_makes_everything_resident_and_bytes_match_pages():
 def test_small_budget_keeps_the_newest_pages_only():
     chunks, hid, P, T, n = _doc()
     pc, kmax = 4, 2
-    rep = replay_doc(chunks, hid, P, T, lambda e: (zero_scorer, RecencyPolicy(pc)), page_chunks=pc, kmax=kmax, tau=8,
-                     last_keep=4, target_layers=(1,))
+    rep = replay_doc(
+        chunks,
+        hid,
+        P,
+        T,
+        lambda e: (zero_scorer, RecencyPolicy(pc)),
+        page_chunks=pc,
+        kmax=kmax,
+        tau=8,
+        last_keep=4,
+        target_layers=(1,),
+    )
     n0 = (P + 1) // 4  # step 0: the cycle recalled the newest kmax pages of the prompt
     res0 = rep.resident[0, :n0].nonzero().flatten()
     assert res0.min() >= (-(-(P // 4) // pc) - kmax) * pc

@@ -33,12 +33,15 @@ def test_eval_cli_default_is_heldout(synth, teacher, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(ck), "--dump", str(dump), "--stride", "8", "--budgets", "0.25"]) == 0
     out = capsys.readouterr().out
     assert "split: held-out, 1 of 4 docs" in out and "doc ids [3]" in out
-    assert main(["eval", "--checkpoint", str(ck), "--dump", str(dump), "--stride", "8", "--budgets", "0.25",
-                 "--all-docs"]) == 0
+    assert (
+        main(["eval", "--checkpoint", str(ck), "--dump", str(dump), "--stride", "8", "--budgets", "0.25", "--all-docs"])
+        == 0
+    )
     assert "split: all 4 docs" in capsys.readouterr().out
     # every doc seen: a clear error, not an empty table
-    ck2 = save_retriever(teacher, tmp_path / "t2.safetensors",
-                         {"trained_on": trained_on_meta([DataSpec(dump, None)], [])})
+    ck2 = save_retriever(
+        teacher, tmp_path / "t2.safetensors", {"trained_on": trained_on_meta([DataSpec(dump, None)], [])}
+    )
     assert main(["eval", "--checkpoint", str(ck2), "--dump", str(dump)]) == 2
     assert "no documents to score" in capsys.readouterr().err
 
@@ -46,9 +49,15 @@ def test_eval_cli_default_is_heldout(synth, teacher, tmp_path, capsys):
 def test_eval_cli_data_config_split(synth, teacher, tmp_path, capsys):
     ck = save_retriever(teacher, tmp_path / "t.safetensors")
     cfg = tmp_path / "d.json"
-    cfg.write_text(json.dumps({"train": [{"data_dir": str(synth / "train"), "doc_ids": [0, 1]}],
-                               "val": [{"data_dir": str(synth / "val")}],
-                               "test": [{"data_dir": str(synth / "train"), "doc_ids": [2, 3]}]}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "train": [{"data_dir": str(synth / "train"), "doc_ids": [0, 1]}],
+                "val": [{"data_dir": str(synth / "val")}],
+                "test": [{"data_dir": str(synth / "train"), "doc_ids": [2, 3]}],
+            }
+        )
+    )
     assert main(["eval", "--checkpoint", str(ck), "--data-config", str(cfg), "--stride", "8", "--budgets", "0.25"]) == 0
     assert f"split: test of {cfg}, 2 docs" in capsys.readouterr().out
     assert main(["eval", "--checkpoint", str(ck), "--data-config", str(cfg), "--dump", str(synth / "train")]) == 2

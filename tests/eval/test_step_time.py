@@ -25,6 +25,7 @@ def test_full_run_step_time_survives_a_slow_prefill(monkeypatch):
         if step_times is not None:
             step_times.extend([0.002] * (len(out) - 1))
         return out
+
     monkeypatch.setattr(eng, "generate", slow_prefill)
     run = full_run(eng, "d", list(range(5, 45)), 5, (0, 1, 2), min_layers=1)
     assert abs(run.decode_step_s - 0.002) < 1e-12

@@ -20,8 +20,11 @@ def brute_mass(doc, t: int, mask: list[bool], tau: int, topk: int) -> list[float
             continue
         per_layer = []
         for C in sorted(doc.native_topk):
-            picks = [(float(v), int(i)) for i, v in zip(doc.native_topk[C][0][r].tolist(),
-                                                          doc.native_topk[C][1][r].tolist()) if i >= 0]
+            picks = [
+                (float(v), int(i))
+                for i, v in zip(doc.native_topk[C][0][r].tolist(), doc.native_topk[C][1][r].tolist())
+                if i >= 0
+            ]
             picks = sorted(picks, reverse=True)[:topk]
             if not picks:
                 continue

@@ -55,9 +55,12 @@ def test_topk_is_top_of_index_logits(micro, micro_ids):
 def test_hidden_is_attention_input(micro, micro_ids):
     model, config, engine = micro
     seen = {}
-    handles = [model.model.layers[li].self_attn.register_forward_pre_hook(
-        lambda m, a, kw, li=li: seen.__setitem__(li, kw.get("hidden_states", a[0] if a else None)), with_kwargs=True)
-        for li in engine.c4_layers]
+    handles = [
+        model.model.layers[li].self_attn.register_forward_pre_hook(
+            lambda m, a, kw, li=li: seen.__setitem__(li, kw.get("hidden_states", a[0] if a else None)), with_kwargs=True
+        )
+        for li in engine.c4_layers
+    ]
     try:
         cap = engine.forward(micro_ids, capture_layers=[1, 3])
     finally:

@@ -78,6 +78,7 @@ def test_non_resident_entries_do_not_influence_logits(micro, micro_ids):
             kv = kv.clone()
             kv[:, :, which[: kv.shape[2]]] += 50.0
             return kv, bias
+
         return [model.model.layers[li].self_attn.compressor.register_forward_hook(hook) for li in engine.c4_layers]
 
     base = engine.forward(micro_ids, resident=res).logits
@@ -110,6 +111,7 @@ def _tie_at(engine, pos: int, side: str):
     (`side` "below": the 16th stays picked), one ulp above it ("above": the pick flips, a near-tie) or 1e-3 above
     it ("far": the pick flips, a real difference). Works on full forwards and on cached decode steps."""
     from tests.topk_ties import flip_boundary
+
     indexer = engine.model.model.layers[engine.c4_layers[0]].self_attn.compressor.indexer
     seen = {}
 
@@ -129,6 +131,7 @@ def _tie_at(engine, pos: int, side: str):
             flipped[up] = flipped[down] + 1e-3
         out[0, row, :n] = flipped
         return out
+
     return [indexer.register_forward_pre_hook(pre, with_kwargs=True), indexer.scorer.register_forward_hook(hook)]
 
 
@@ -184,7 +187,7 @@ def _generate_vs_full_forwards(engine, prompt: list[int], n_new: int, resident, 
     with pin.record():
         gen = engine.generate(prompt, n_new, resident=resident)
     with pin.replay():
-        logits = engine.forward(prompt + gen[:-1], resident=resident).logits[len(prompt) - 1:]  # [n_new, V]
+        logits = engine.forward(prompt + gen[:-1], resident=resident).logits[len(prompt) - 1 :]  # [n_new, V]
     if nudge is not None:
         logits = nudge(logits)
     n, why = greedy_agreement(logits, gen, rtol=RTOL, atol=ATOL)
@@ -196,6 +199,7 @@ def test_generate_comparison_stops_at_a_near_tie_and_fails_beyond_it(micro, micr
     """A one-ulp flip of step 3's top two logits on the full-forward side is a near-tie (comparison stops there);
     moving the runner-up 1.0 above the top is a real difference and fails."""
     from tests.topk_ties import flip_boundary
+
     _, _, engine = micro
     prompt = micro_ids[:90].tolist()
 
@@ -205,6 +209,7 @@ def test_generate_comparison_stops_at_a_near_tie_and_fails_beyond_it(micro, micr
             logits[3], up, _, _ = flip_boundary(logits[3], 1)
             logits[3, up] += delta
             return logits
+
         return nudge
 
     _, agreed = _generate_vs_full_forwards(engine, prompt, 6, None, nudge=flip(0.0))
@@ -266,6 +271,7 @@ def test_stored_index_keys_round_trip(micro, micro_ids):
 
 def test_thread_count_is_restored(micro, micro_ids):
     from flashmemory.hf.engine import HFEngine, torch_threads
+
     model, config, _ = micro
     old = torch.get_num_threads()
     torch.set_num_threads(2)

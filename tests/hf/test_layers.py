@@ -30,5 +30,6 @@ def test_check_c4_ids():
 def test_c4_layer_ids_rejects_non_v4():
     class NotV4:
         layer_types = None
+
     with pytest.raises(ValueError, match="layer_types"):
         c4_layer_ids(NotV4())

@@ -56,6 +56,7 @@ def test_unknown_name_and_missing_dir(tmp_path):
 
 def test_json_config_path_and_bad_model_type(tmp_path):
     from flashmemory.hf.models import config_dict
+
     p = tmp_path / "m.json"
     p.write_text(json.dumps(config_dict("micro")))
     a, _ = load_model(str(p), seed=0)

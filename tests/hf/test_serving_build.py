@@ -31,10 +31,20 @@ def test_transformers_loads_the_exact_weights(built):
 
 def test_official_names():
     names = set(official_state_dict(build_random(make_config(serving_config()), 0, torch.bfloat16)))
-    for n in ("embed.weight", "head.weight", "norm.weight", "hc_head_fn", "layers.0.attn.attn_sink",
-              "layers.1.attn.indexer.compressor.wkv.weight", "layers.1.attn.indexer.wq_b.weight",
-              "layers.1.attn.compressor.ape", "layers.2.ffn.experts.7.w3.weight", "layers.0.ffn.gate.tid2eid",
-              "layers.3.hc_attn_fn", "layers.3.ffn.gate.bias"):
+    for n in (
+        "embed.weight",
+        "head.weight",
+        "norm.weight",
+        "hc_head_fn",
+        "layers.0.attn.attn_sink",
+        "layers.1.attn.indexer.compressor.wkv.weight",
+        "layers.1.attn.indexer.wq_b.weight",
+        "layers.1.attn.compressor.ape",
+        "layers.2.ffn.experts.7.w3.weight",
+        "layers.0.ffn.gate.tid2eid",
+        "layers.3.hc_attn_fn",
+        "layers.3.ffn.gate.bias",
+    ):
         assert n in names, n
     assert not any(".self_attn." in n or ".mlp." in n or n.startswith("model.") for n in names)
 
@@ -43,9 +53,9 @@ def test_deterministic_and_idempotent(built, tmp_path):
     again = build_serving(tmp_path / "x", seed=0)
     for f in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (again / f).read_bytes() == (built / f).read_bytes()
-    assert build_serving(again, seed=0) == again                     # an intact build is kept
+    assert build_serving(again, seed=0) == again  # an intact build is kept
     with pytest.raises(BuildError, match="seed 1"):
-        build_serving(again, seed=1)                                   # ... and never overwritten
+        build_serving(again, seed=1)  # ... and never overwritten
     (tmp_path / "other").mkdir()
     with pytest.raises(BuildError):
         build_serving(tmp_path / "other", seed=0)
@@ -70,12 +80,12 @@ def test_init_std_is_recorded_and_checked(built, tmp_path):
     assert json.loads((small / "config.json").read_text())["initializer_range"] == 0.02
     a = load_model(str(small), dtype=torch.float32)[0].model.layers[1].self_attn.kv_proj.weight
     b = load_model(str(built), dtype=torch.float32)[0].model.layers[1].self_attn.kv_proj.weight
-    assert 3 < float(b.detach().std() / a.detach().std()) < 7         # 0.1 vs 0.02
-    assert build_serving(small, seed=0, init_std=0.02) == small        # kept
+    assert 3 < float(b.detach().std() / a.detach().std()) < 7  # 0.1 vs 0.02
+    assert build_serving(small, seed=0, init_std=0.02) == small  # kept
     with pytest.raises(BuildError, match="init_std 0.05"):
         build_serving(small, seed=0, init_std=0.05)
     with pytest.raises(BuildError, match="seed 0;"):
-        build_serving(small, seed=0)                                   # the default build is another model
+        build_serving(small, seed=0)  # the default build is another model
     with pytest.raises(BuildError, match="init_std must be"):
         build_serving(tmp_path / "bad", seed=0, init_std=float("nan"))
     assert not (tmp_path / "bad").exists()

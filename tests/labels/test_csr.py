@@ -17,17 +17,23 @@ def test_round_trip_rows():
     assert LabelsCSR.empty(3).to_rows() == [[], [], []]
 
 
-@pytest.mark.parametrize("ind,sc,ptr,msg", [
-    ([1, 2], [1], [0, 2], "scores"),
-    ([1, 2], [1, 1], [0, 3], "end at 2"),
-    ([1, 2], [1, 1], [1, 2], "start at 0"),
-    ([1, 2, 3], [1, 1, 1], [0, 2, 1, 3], "decrease"),
-    ([-1], [1], [0, 1], "negative"),
-])
+@pytest.mark.parametrize(
+    "ind,sc,ptr,msg",
+    [
+        ([1, 2], [1], [0, 2], "scores"),
+        ([1, 2], [1, 1], [0, 3], "end at 2"),
+        ([1, 2], [1, 1], [1, 2], "start at 0"),
+        ([1, 2, 3], [1, 1, 1], [0, 2, 1, 3], "decrease"),
+        ([-1], [1], [0, 1], "negative"),
+    ],
+)
 def test_validation(ind, sc, ptr, msg):
     with pytest.raises(LabelsError, match=msg):
-        LabelsCSR(torch.tensor(ind, dtype=torch.int32), torch.tensor(sc, dtype=torch.int32),
-                  torch.tensor(ptr, dtype=torch.int32))
+        LabelsCSR(
+            torch.tensor(ind, dtype=torch.int32),
+            torch.tensor(sc, dtype=torch.int32),
+            torch.tensor(ptr, dtype=torch.int32),
+        )
 
 
 def test_dtype_checked():

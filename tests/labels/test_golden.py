@@ -15,8 +15,9 @@ def _masked_logits(n_layers, positions, n_total, scale, seed):
     return lg.masked_fill(torch.arange(n_total)[None, None, :] >= vis[None, :, None], float("-inf"))
 
 
-@pytest.mark.parametrize("topk,topp,min_layers,scale", [(8, 0.6, 3, 2.0), (16, 0.3, 2, 4.0), (5, 0.9, 1, 0.5),
-                                                        (64, 0.6, 4, 3.0)])
+@pytest.mark.parametrize(
+    "topk,topp,min_layers,scale", [(8, 0.6, 3, 2.0), (16, 0.3, 2, 4.0), (5, 0.9, 1, 0.5), (64, 0.6, 4, 3.0)]
+)
 def test_matches_brute_force(topk, topp, min_layers, scale):
     positions = list(range(0, 70))  # early rows see 0..few chunks: exercises k = min(k, visible) and empty rows
     lg = _masked_logits(6, positions, 18, scale, seed=topk)
@@ -34,7 +35,7 @@ def test_label_comparison_accepts_a_near_tie_only():
     """A row whose cumulative mass sits one ulp from topp may differ; a row far from every boundary may not."""
     lg = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
     p = torch.softmax(lg[0, 0].double(), 0)
-    tie_topp = float(p[0] + p[1])                          # the 2nd entry's cumulative mass is exactly topp
+    tie_topp = float(p[0] + p[1])  # the 2nd entry's cumulative mass is exactly topp
     tie = brute_margins(list(lg), 4, math.nextafter(tie_topp, 1.0))
     assert tie[0] <= 1e-5
     assert_rows_agree([[(0, 1)]], [[(0, 1), (1, 1)]], tie)

@@ -27,12 +27,19 @@ def mchunks(eng: OffloadEngine, row: int, n: int) -> torch.Tensor:
 
 def test_sync_result_carries_the_batchs_resident_pages() -> None:
     eng = OffloadEngine(LAYOUT, CFG)
-    res = eng.sync_batch(BatchSync(rows=(RowSync(0, Admission(0, "a", 13, *chunks(13, 1), warm_pages=4)),
-                                         RowSync(2, Admission(2, "b", 6, *chunks(6, 2)))),
-                                   appends=(AppendRound((0, 2), *chunks(2, 3)),), batch=(2, -1, 0)))
+    res = eng.sync_batch(
+        BatchSync(
+            rows=(
+                RowSync(0, Admission(0, "a", 13, *chunks(13, 1), warm_pages=4)),
+                RowSync(2, Admission(2, "b", 6, *chunks(6, 2))),
+            ),
+            appends=(AppendRound((0, 2), *chunks(2, 3)),),
+            batch=(2, -1, 0),
+        )
+    )
     want = eng.resident_pages(torch.tensor([2, -1, 0]))
     assert res.resident is not None and torch.equal(res.resident, want)
-    assert (res.resident[1] == -1).all() and (res.resident[2] >= 0).sum() > 1   # warm start made pages resident
+    assert (res.resident[1] == -1).all() and (res.resident[2] >= 0).sum() > 1  # warm start made pages resident
     assert eng.free_mirror_pages() < eng.cfg.max_rows * eng.max_pages
     assert eng.sync_batch(BatchSync(finished=(0, 2))).resident is None
     assert eng.free_mirror_pages() == eng.cfg.max_rows * eng.max_pages
@@ -41,7 +48,7 @@ def test_sync_result_carries_the_batchs_resident_pages() -> None:
 def test_store_chunks_writes_the_mirror_and_only_resident_cells() -> None:
     eng = OffloadEngine(LAYOUT, CFG)
     eng.admit(0, *chunks(13, 1), rid="a")
-    eng.open_tail_page(0)                     # page 3 (chunk 12) resident, pages 0-2 only in the mirror
+    eng.open_tail_page(0)  # page 3 (chunk 12) resident, pages 0-2 only in the mirror
     m = mchunks(eng, 0, 13)
     kv, ix = chunks(13, 9)
     eng.store_chunks(m, [0, 1, 2], kv, [ix[0], ix[1], ix[2]])
@@ -52,7 +59,7 @@ def test_store_chunks_writes_the_mirror_and_only_resident_cells() -> None:
     assert torch.equal(got, kv[:, 12:])
     mirror = LAYOUT.kv.read_chunks(eng.storage().mirror_kv, m // pc, m % pc)
     assert torch.equal(mirror, kv)
-    assert torch.equal(eng.target.chunks(1, m), ix[1])   # target layer 1's index-K
+    assert torch.equal(eng.target.chunks(1, m), ix[1])  # target layer 1's index-K
     assert not check_invariants(eng)
 
 
@@ -73,12 +80,12 @@ def test_settle_cells_moves_cell_bytes_to_the_mirror_and_the_current_cell() -> N
     resident in another cell now: the bytes reach the mirror and that cell."""
     eng = OffloadEngine(LAYOUT, CFG)
     eng.admit(0, *chunks(6, 1), rid="a")
-    now = eng.decode_append([0], None, None)               # chunk 6's cell; its bytes not written yet
+    now = eng.decode_append([0], None, None)  # chunk 6's cell; its bytes not written yet
     m = mchunks(eng, 0, 7)[6:]
     slots, pc = eng.slots(), LAYOUT.page_chunks
     handed = torch.tensor([slots.sink_cell])
     kv, _ = chunks(1, 5)
-    LAYOUT.kv.write_chunks(eng.storage().reserve_kv, handed // pc, handed % pc, kv)   # the caller's kernel
+    LAYOUT.kv.write_chunks(eng.storage().reserve_kv, handed // pc, handed % pc, kv)  # the caller's kernel
     eng.settle_cells(m, handed)
     assert torch.equal(LAYOUT.kv.read_chunks(eng.storage().mirror_kv, m // pc, m % pc), kv)
     assert torch.equal(LAYOUT.kv.read_chunks(eng.storage().reserve_kv, now // pc, now % pc), kv)

@@ -7,8 +7,18 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flashmemory.offload import (EngineConfig, OffloadCapacityError, OffloadEngine, OffloadLayout, RecallRequest,
-                                 check_invariants, execute_recall, plan_recall, publish_recall, recall_now)
+from flashmemory.offload import (
+    EngineConfig,
+    OffloadCapacityError,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    check_invariants,
+    execute_recall,
+    plan_recall,
+    publish_recall,
+    recall_now,
+)
 from flashmemory.residency.level2 import Level2
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
@@ -30,7 +40,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.eng = OffloadEngine(LAYOUT, self.cfg)
         self.l2 = Level2(self.eng, max_batch=ROWS, topk=8)
         self.g = torch.Generator().manual_seed(0)
-        self.live: dict[int, int] = {}   # row -> gen
+        self.live: dict[int, int] = {}  # row -> gen
 
     def _admit(self, row: int, n: int) -> None:
         kv, ix = rand_chunks(n, self.g)
@@ -58,8 +68,8 @@ class EngineMachine(RuleBasedStateMachine):
             return
         kv, ix = rand_chunks(len(batch), self.g)
         cells = self.eng.decode_append(batch, kv, ix)
-        assert (cells[len(rows):] == self.eng.reserve.sink_cell).all()
-        assert (cells[:len(rows)] < self.eng.reserve.sink_cell).all(), "a valid decode chunk went to the sink"
+        assert (cells[len(rows) :] == self.eng.reserve.sink_cell).all()
+        assert (cells[: len(rows)] < self.eng.reserve.sink_cell).all(), "a valid decode chunk went to the sink"
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -103,8 +113,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.eng.finish(row)
         del self.live[row]
         assert int((self.eng.lut.row_pages[row] != -1).sum()) == 0
-        assert not any(o is not None and o[0] == row and o[1] != self.live.get(row) and b not in self.eng.inflight
-                       for b, o in enumerate(self.eng.owner))
+        assert not any(
+            o is not None and o[0] == row and o[1] != self.live.get(row) and b not in self.eng.inflight
+            for b, o in enumerate(self.eng.owner)
+        )
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -126,13 +138,15 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(self.eng.inflight) == 0
         if not self.live:
             return
-        rows = torch.tensor(sorted(self.live)[:ROWS - 1] + [-1])
+        rows = torch.tensor(sorted(self.live)[: ROWS - 1] + [-1])
         n = self.cfg.max_chunks
         logits = torch.randn(rows.numel(), n, generator=self.g)
         out = self.l2.mask_topk(logits, rows)
         ok = out.chunks >= 0
         truth = self.eng.cells(rows, out.chunks.clamp_min(0))
-        assert (out.cells[ok] >= 0).all() and torch.equal(out.cells[ok], truth[ok]), "mask mode returned a non-resident chunk"
+        assert (out.cells[ok] >= 0).all() and torch.equal(out.cells[ok], truth[ok]), (
+            "mask mode returned a non-resident chunk"
+        )
         assert (out.cells[~ok] == -1).all()
         for layer in (0, 1):
             q = torch.randn(rows.numel(), 2, LAYOUT.index_head_dim, generator=self.g)
@@ -144,15 +158,22 @@ class EngineMachine(RuleBasedStateMachine):
 
 # derandomize + no example database: the same examples on every machine, so the step count below is stable
 # (a local .hypothesis database would replay shrunk, shorter examples first).
-EngineMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=70, deadline=None,
-                                           suppress_health_check=list(HealthCheck), derandomize=True,
-                                           database=None, phases=[Phase.explicit, Phase.generate])
+EngineMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=70,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+)
 TestEngineMachine = EngineMachine.TestCase
 
 
 def test_machine_ran_enough_steps():
     if STEPS[0] == 0:
         import pytest
+
         pytest.skip("state machine not run in this session")
     assert STEPS[0] >= 2000, f"only {STEPS[0]} checked steps"
     print(f"state machine: {STEPS[0]} checked steps")
@@ -192,8 +213,9 @@ def test_decode_region_wrap_promotes_or_spills():
 
 
 def test_bad_input_is_named():
-    eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=2, max_chunks=8, recall_blocks=2, decode_pages=1,
-                                             max_resident_pages=1))
+    eng = OffloadEngine(
+        LAYOUT, EngineConfig(max_rows=2, max_chunks=8, recall_blocks=2, decode_pages=1, max_resident_pages=1)
+    )
     g = torch.Generator().manual_seed(3)
     try:
         eng.admit(0, *rand_chunks(9, g))

@@ -28,6 +28,6 @@ def test_kv_segments_land_where_sglang_puts_them():
     row = torch.zeros(1, f.page_bytes, dtype=torch.uint8)
     chunk = torch.arange(584).remainder(251).add(1).to(torch.uint8).view(1, 584)
     f.write_chunks(row, torch.tensor([0]), torch.tensor([5]), chunk)
-    assert torch.equal(row[0, 5 * 576: 6 * 576], chunk[0, :576])
-    assert torch.equal(row[0, 36864 + 5 * 8: 36864 + 6 * 8], chunk[0, 576:])
+    assert torch.equal(row[0, 5 * 576 : 6 * 576], chunk[0, :576])
+    assert torch.equal(row[0, 36864 + 5 * 8 : 36864 + 6 * 8], chunk[0, 576:])
     assert int((row != 0).sum()) == int((chunk != 0).sum())

@@ -39,7 +39,7 @@ def test_slot_accounting() -> None:
     mir = HostMirror(LAYOUT, n_pages=10, pin=False, slots=3)
     assert mir.kv.shape[1] == 3 and mir.index.shape[1] == 3 and mir.n_pages == 10
     assert mir.physical_bytes == 3 * mir.page_bytes == mir.kv.nbytes + mir.index.nbytes
-    a = mir.alloc(5)                         # ids only: no slot is taken before a page's first bytes
+    a = mir.alloc(5)  # ids only: no slot is taken before a page's first bytes
     assert a == [0, 1, 2, 3, 4] and mir.free_pages == 5 and mir.slots_in_use == 0 and mir.free_slots == 3
     assert (mir.slot_of[a] == FRESH).all()
     for p in a[:3]:
@@ -50,16 +50,16 @@ def test_slot_accounting() -> None:
         mir.write(*page_rows(a[3]))
     assert "\n" not in str(e.value)
     assert mir.release([a[0], a[1]]) == 2 and mir.free_slots == 2
-    assert mir.slot_of[a[0]] == RELEASED and mir.free_pages == 5   # the ids stay with their request
+    assert mir.slot_of[a[0]] == RELEASED and mir.free_pages == 5  # the ids stay with their request
     mir.write(*page_rows(a[3]))
     mir.write(*page_rows(a[4]))
     assert mir.slots_in_use == 3
     with pytest.raises(OffloadCapacityError, match="need 2 page slots, 0 of 3 free"):
-        mir.claim([7, 8])                    # all or none: neither id was taken
+        mir.claim([7, 8])  # all or none: neither id was taken
     assert mir.free_pages == 5 and 7 in mir._free_set and 8 in mir._free_set
-    mir.free(a)                              # ids and slots back, released or not
+    mir.free(a)  # ids and slots back, released or not
     assert mir.free_pages == 10 and mir.free_slots == 3 and (mir.slot_of == FRESH).all()
-    got = mir.claim([7, 8])                  # a claim's bytes arrive from outside: slots at once
+    got = mir.claim([7, 8])  # a claim's bytes arrive from outside: slots at once
     assert got == [7, 8] and mir.slots_in_use == 2 and (mir.slot_of[[7, 8]] >= 0).all()
     with pytest.raises(RuntimeError, match="no request owns"):
         mir.release([0])
@@ -76,27 +76,27 @@ def test_translation_keeps_every_page_bytes_and_a_released_page_raises() -> None
     for k, p in enumerate(pages):
         m, kv, ix = page_rows(p)
         mir.write(m, kv, ix)
-        ref = HostMirror(LAYOUT, n_pages=12, pin=False)   # the page as a full-size mirror holds it
+        ref = HostMirror(LAYOUT, n_pages=12, pin=False)  # the page as a full-size mirror holds it
         ref.write(m, kv, ix)
         want[p] = read_page(ref, p)
-        if k % 2 == 1:     # keep two pages in DRAM at most, as a seal would: release the older of each pair
+        if k % 2 == 1:  # keep two pages in DRAM at most, as a seal would: release the older of each pair
             assert torch.equal(read_page(mir, pages[k - 1])[0], want[pages[k - 1]][0])
             mir.release([pages[k - 1]])
-        blob = pack_page(mir, p)             # the tier's packing reads through the translation too
+        blob = pack_page(mir, p)  # the tier's packing reads through the translation too
         assert torch.equal(read_page(mir, p)[0], want[p][0]) and torch.equal(read_page(mir, p)[1], want[p][1])
         back = HostMirror(LAYOUT, n_pages=12, pin=False, slots=2)
         back.alloc(12)
-        unpack_page(blob, back, p)           # unpacking into a window page gives it a slot
+        unpack_page(blob, back, p)  # unpacking into a window page gives it a slot
         assert torch.equal(read_page(back, p)[0], want[p][0]) and torch.equal(read_page(back, p)[1], want[p][1])
         if k % 2 == 1:
             mir.release([p])
     assert mir.peak_slots <= 2 and mir.slots_in_use == 0
-    for p in pages:                          # every page is released now: reading any of them is a bug
+    for p in pages:  # every page is released now: reading any of them is a bug
         with pytest.raises(ReleasedPageError, match=f"page {p} was released to the disk tier"):
             read_page(mir, p)
         with pytest.raises(ReleasedPageError):
             pack_page(mir, p)
-    with pytest.raises(ReleasedPageError, match="write"):     # a released page is never written again either
+    with pytest.raises(ReleasedPageError, match="write"):  # a released page is never written again either
         mir.write(*page_rows(pages[0]))
     fresh = HostMirror(LAYOUT, n_pages=3, pin=False, slots=2)
     fresh.alloc(1)
@@ -123,10 +123,10 @@ def test_slots_none_is_the_full_size_mirror() -> None:
     mir, win = HostMirror(LAYOUT, n_pages=5, pin=False), HostMirror(LAYOUT, n_pages=5, pin=False, slots=5)
     assert mir.slot_of is None and mir.kv.shape[1] == 5 and mir.n_slots == 5
     ids = torch.tensor([4, 0, 3])
-    assert mir.rows(ids) is ids                       # no translation at all: the ids are the rows
-    assert mir.release([0, 1]) == 0                   # nothing to release on a full-size mirror
+    assert mir.rows(ids) is ids  # no translation at all: the ids are the rows
+    assert mir.release([0, 1]) == 0  # nothing to release on a full-size mirror
     assert mir.alloc(5) == win.alloc(5) == [0, 1, 2, 3, 4]
-    assert mir.slots_in_use == 5 and mir.free_slots == 0   # slots = pages in use
+    assert mir.slots_in_use == 5 and mir.free_slots == 0  # slots = pages in use
     for p in (3, 0, 4):
         m, kv, ix = page_rows(p, 3)
         mir.write(m, kv, ix)

@@ -68,7 +68,7 @@ def test_sliced_plans_equal_one_hold_plans(monkeypatch, pause: int) -> None:
     monkeypatch.setattr(recall_mod, "PAGE_SCAN_PAUSE", pause)
     sliced, plans_sliced, holds_sliced = drive(3)
     assert plans_sliced == plans_one
-    assert sum(map(len, plans_one)) > 24   # the reserve ran out: victims and drops happened
+    assert sum(map(len, plans_one)) > 24  # the reserve ran out: victims and drops happened
     drops = one.metrics()["total"]["budget_hits"]
     assert drops > 0 and one.metrics()["total"]["evictions"] > 0
     a, b = state(one), state(sliced)

@@ -20,21 +20,33 @@ def chunks(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def state(eng: OffloadEngine) -> dict:
     """Everything sync_batch may change, as plain values."""
-    return {"lut": eng.lut.table.clone(), "row_pages": eng.lut.row_pages.clone(), "res": eng.res_pages.clone(),
-            "blocks": eng.res_blocks.clone(), "mp": eng.res_mpages.clone(), "count": eng.res_count.clone(),
-            "reserve": eng.reserve.kv.clone(), "mirror": eng.mirror.kv.clone(), "owner": list(eng.owner),
-            "free": len(eng.blocks), "rows": [None if st is None else (st.gen, st.n_chunks, list(st.mpages),
-                                                                     dict(st.recall), list(st.ring))
-                                              for st in eng.rows],
-            "metrics": untimed(eng.metrics())}
+    return {
+        "lut": eng.lut.table.clone(),
+        "row_pages": eng.lut.row_pages.clone(),
+        "res": eng.res_pages.clone(),
+        "blocks": eng.res_blocks.clone(),
+        "mp": eng.res_mpages.clone(),
+        "count": eng.res_count.clone(),
+        "reserve": eng.reserve.kv.clone(),
+        "mirror": eng.mirror.kv.clone(),
+        "owner": list(eng.owner),
+        "free": len(eng.blocks),
+        "rows": [
+            None if st is None else (st.gen, st.n_chunks, list(st.mpages), dict(st.recall), list(st.ring))
+            for st in eng.rows
+        ],
+        "metrics": untimed(eng.metrics()),
+    }
 
 
 def untimed(m: dict) -> dict:
     """Counters without the wall-clock latencies (they differ run to run)."""
     t = {k: v for k, v in m["total"].items() if "latency" not in k}
     t["last_cycle"] = {k: v for k, v in t["last_cycle"].items() if k != "latency_s"}
-    return {"total": t, "requests": {rid: {k: v for k, v in r.items() if "latency" not in k}
-                                     for rid, r in m["requests"].items()}}
+    return {
+        "total": t,
+        "requests": {rid: {k: v for k, v in r.items() if "latency" not in k} for rid, r in m["requests"].items()},
+    }
 
 
 def prepare(eng: OffloadEngine) -> None:
@@ -60,11 +72,17 @@ def test_sync_batch_equals_the_separate_calls() -> None:
     old.open_tail_page(2)
     old.recaller.warm_start(2, 4)
     c_old = [old.decode_append([0, 1], *r1), old.decode_append([1], *r2)]
-    res = new.sync_batch(BatchSync(
-        finished=(0,),
-        rows=(RowSync(0, Admission(0, "c", 17, kv=kv2, index=ix2, warm_pages=4)), RowSync(1),
-              RowSync(2, Admission(2, "d", 5, *chunks(5, 6), warm_pages=4))),
-        appends=(AppendRound((0, 1), *r1), AppendRound((1,), *r2))))
+    res = new.sync_batch(
+        BatchSync(
+            finished=(0,),
+            rows=(
+                RowSync(0, Admission(0, "c", 17, kv=kv2, index=ix2, warm_pages=4)),
+                RowSync(1),
+                RowSync(2, Admission(2, "d", 5, *chunks(5, 6), warm_pages=4)),
+            ),
+            appends=(AppendRound((0, 1), *r1), AppendRound((1,), *r2)),
+        )
+    )
     a, b = state(old), state(new)
     for k in a:
         if isinstance(a[k], torch.Tensor):

@@ -53,23 +53,23 @@ def test_decode_thread_waits_are_zero_normally_and_counted_when_forced(tmp_path)
     try:
         admit_step((eng,), [(0, "a", 30), (1, "b", 26)], g)
         for _ in range(3):
-            decode_step((eng,), [0, 1], g)          # seals 7 + 6 pages into a 4-page cache: written behind
+            decode_step((eng,), [0, 1], g)  # seals 7 + 6 pages into a 4-page cache: written behind
         assert eng.tier.settle() and eng.tier_stats()["disk_bytes_written"] > 0
         assert eng.tier_stats()["disk_decode_waits"] == 0
-        eng.tier.drop_clean()                       # a cold cache: every sealed page is on disk only
-        on_worker(eng.recaller.recall, requests(eng, {0: [0, 1], 1: [0, 1]}))   # the async worker's cycle
+        eng.tier.drop_clean()  # a cold cache: every sealed page is on disk only
+        on_worker(eng.recaller.recall, requests(eng, {0: [0, 1], 1: [0, 1]}))  # the async worker's cycle
         st = eng.tier_stats()
         assert st["disk_bytes_read"] > 0 and st["disk_decode_waits"] == 0
-        picks = {0: [2, 3], 1: [2, 3]}              # lockstep: selection known on the worker, copy on decode
+        picks = {0: [2, 3], 1: [2, 3]}  # lockstep: selection known on the worker, copy on decode
         eng.tier.drop_clean()
         on_worker(eng.recaller.prefetch, requests(eng, picks))
         landed(eng, picks)
         hits = eng.tier_stats()["disk_cache_hits"]
         assert eng.tier_stats()["disk_readahead_pages"] >= 4
-        eng.recaller.recall(requests(eng, picks))   # this (decode) thread copies: all in host memory
+        eng.recaller.recall(requests(eng, picks))  # this (decode) thread copies: all in host memory
         st = eng.tier_stats()
         assert st["disk_decode_waits"] == 0 and st["disk_cache_hits"] == hits + 4
-        eng.tier.drop_clean()                       # forced: cold pages, reads held back, copy on decode
+        eng.tier.drop_clean()  # forced: cold pages, reads held back, copy on decode
         gate = threading.Event()
         ops.plan.read_gate = gate
         threading.Timer(0.2, gate.set).start()
@@ -82,7 +82,7 @@ def test_decode_thread_waits_are_zero_normally_and_counted_when_forced(tmp_path)
 
 def test_lockstep_level1_reads_ahead_on_its_worker() -> None:
     eng = OffloadEngine(LAYOUT, CFG)
-    calls: list[tuple[int, int]] = []               # (thread ident, requests)
+    calls: list[tuple[int, int]] = []  # (thread ident, requests)
     eng.recaller.prefetch = lambda reqs: calls.append((threading.get_ident(), len(reqs))) or 0
     g = torch.Generator().manual_seed(5)
     admit_step((eng,), [(0, "a", 30)], g)

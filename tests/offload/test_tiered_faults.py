@@ -26,7 +26,7 @@ def test_a_read_error_fails_its_request_only(tmp_path) -> None:
         assert eng.tier.settle() and eng.tier_stats()["disk_bytes_written"] > 0
         eng.tier.drop_clean()
         recall((plain,), {1: [0, 1]})
-        ops.plan.read_errors = [errno.EIO]      # the first disk read fails: request "ra"'s page 0
+        ops.plan.read_errors = [errno.EIO]  # the first disk read fails: request "ra"'s page 0
         with pytest.raises(CorruptPageError, match=r"page 0 of request 'ra'.*read failed") as err:
             recall((eng,), {0: [0], 1: [0, 1]})
         assert err.value.rid == "ra"
@@ -49,8 +49,8 @@ def test_a_deleted_store_loses_nothing(tmp_path) -> None:
         admit_step((eng, plain), [(0, "da", 28), (1, "db", 20)], g)
         decode_step((eng, plain), [0, 1], g)
         assert eng.tier.settle()
-        os.unlink(eng.tier.store.path)          # an operator removes the store file under the running server
-        for _ in range(6):                      # more pages sealed and written behind after the deletion
+        os.unlink(eng.tier.store.path)  # an operator removes the store file under the running server
+        for _ in range(6):  # more pages sealed and written behind after the deletion
             decode_step((eng, plain), [0, 1], g)
         assert eng.tier.settle()
         eng.tier.drop_clean()
@@ -59,5 +59,5 @@ def test_a_deleted_store_loses_nothing(tmp_path) -> None:
         st = eng.tier_stats()
         assert st["disk_bytes_read"] > 0 and st["disk_corrupt_pages"] == 0 and st["disk_write_errors"] == 0
     finally:
-        eng.close()                             # the file is already gone: close still succeeds
+        eng.close()  # the file is already gone: close still succeeds
     assert not list(tmp_path.iterdir())

@@ -18,9 +18,18 @@ import pytest
 import torch
 
 from flashmemory.env import DiskTierConfig
-from flashmemory.offload import (Admission, AppendRound, BatchSync, EngineConfig, OffloadEngine, OffloadLayout,
-                                 RecallRequest, RowSync, check_invariants)
-from flashmemory.offload.disk import (CorruptPageError, FaultyFileOps, HostPageCache, PageStore, disk_page_bytes)
+from flashmemory.offload import (
+    Admission,
+    AppendRound,
+    BatchSync,
+    EngineConfig,
+    OffloadEngine,
+    OffloadLayout,
+    RecallRequest,
+    RowSync,
+    check_invariants,
+)
+from flashmemory.offload.disk import CorruptPageError, FaultyFileOps, HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.tiered_mirror import TieredEngine, build_engine, corrupt_page_in
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
@@ -78,11 +87,11 @@ def test_tier_on_equals_tier_off_with_a_cache_smaller_than_the_working_set(tmp_p
         admit_step(engines, [(0, "a", 30), (1, "b", 21), (2, "c", 9)], g)
         for step in range(40):
             decode_step(engines, [0, 1, 2], g)
-            if step % 4 == 3:   # a Level-1 cycle: random page picks over each history
+            if step % 4 == 3:  # a Level-1 cycle: random page picks over each history
                 picks = {r: rng.sample(range(LAYOUT.pages_for(plain.n_chunks(r))), 3) for r in (0, 1, 2)}
                 recall(engines, picks)
                 same_device_state(plain, tier)
-            if step == 20:      # a finish and a new request in its row mid-run
+            if step == 20:  # a finish and a new request in its row mid-run
                 for e in engines:
                     e.sync_batch(BatchSync(finished=(1,)))
                 admit_step(engines, [(1, "d", 26)], g)
@@ -107,11 +116,11 @@ def test_a_corrupt_page_fails_its_request_only(tmp_path):
     g = torch.Generator().manual_seed(2)
     try:
         admit_step((eng, plain), [(0, "req-A", 20), (1, "req-B", 20)], g)
-        ops.plan.corrupt = 1000        # every write while A's pages are sealed (and written behind) is damaged
+        ops.plan.corrupt = 1000  # every write while A's pages are sealed (and written behind) is damaged
         eng.seal(skip={1})
-        assert eng.tier.settle()       # written behind by the writer thread
+        assert eng.tier.settle()  # written behind by the writer thread
         ops.plan.corrupt = 0
-        eng.seal()                     # B's pages push A's last one out: all of A's sealed pages are on disk, bad
+        eng.seal()  # B's pages push A's last one out: all of A's sealed pages are on disk, bad
         assert eng.tier.settle()
         with pytest.raises(CorruptPageError) as err:
             recall((eng,), {0: [0, 1], 1: [0, 1]})
@@ -123,12 +132,12 @@ def test_a_corrupt_page_fails_its_request_only(tmp_path):
         want = plain.cells(torch.tensor([1]), torch.arange(8).unsqueeze(0))[0]
         assert (cells[1] >= 0).all() and (want >= 0).all(), "the other request's pages were not published"
         pc = LAYOUT.page_chunks
-        for p in (0, 1):   # same bytes, whatever block each engine gave the page
+        for p in (0, 1):  # same bytes, whatever block each engine gave the page
             a, b = int(cells[1][p * pc]) // pc, int(want[p * pc]) // pc
             assert torch.equal(eng.reserve.kv[:, a], plain.reserve.kv[:, b]), f"page {p} of req-B differs"
             assert torch.equal(eng.reserve.index[:, a], plain.reserve.index[:, b])
         assert not check_invariants(eng) and not eng.inflight
-        with pytest.raises(CorruptPageError):   # the next cycle of the same request fails again, no wrong bytes
+        with pytest.raises(CorruptPageError):  # the next cycle of the same request fails again, no wrong bytes
             recall((eng,), {0: [1]})
         assert eng.tier_stats()["disk_corrupt_pages"] >= 1
         # what the sglang adapter looks for in the Level-1 worker's error: the tier's error, naming the request
@@ -153,20 +162,20 @@ def test_disk_full_keeps_pages_in_dram_and_loses_nothing(tmp_path):
     try:
         admit_step((eng, plain), [(0, "x", 28), (1, "y", 24), (2, "z", 8)], g)
         ops.plan.full = True
-        eng.sync_batch(BatchSync())   # seals 6 + 5 + 1 pages into a 2-page cache: write-behind hits ENOSPC
+        eng.sync_batch(BatchSync())  # seals 6 + 5 + 1 pages into a 2-page cache: write-behind hits ENOSPC
         plain.sync_batch(BatchSync())
         assert eng.tier.settle()
         st = eng.tier_stats()
         assert st["disk_write_errors"] > 0 and st["disk_pages_in_dram_pinned"] > 0
         recall((eng, plain), {0: [0, 1, 2, 3], 1: [0, 1, 2]})
-        same_device_state(plain, eng)   # nothing lost: every page came back exact from DRAM
+        same_device_state(plain, eng)  # nothing lost: every page came back exact from DRAM
         eng.tier.check()
         ops.plan.full = False
         for e in (eng, plain):
-            e.sync_batch(BatchSync(finished=(2,)))   # a finish: space returns, pinned pages are written now
-        assert eng.tier.settle()                     # ... by the writer thread
+            e.sync_batch(BatchSync(finished=(2,)))  # a finish: space returns, pinned pages are written now
+        assert eng.tier.settle()  # ... by the writer thread
         assert eng.tier.pinned_pages == 0 and eng.tier_stats()["disk_bytes_written"] > 0
-        eng.tier.drop_clean()           # a cold cache: the next recall reads from disk
+        eng.tier.drop_clean()  # a cold cache: the next recall reads from disk
         recall((eng, plain), {0: [4, 5], 1: [3, 4]})
         same_device_state(plain, eng)
         assert eng.tier_stats()["disk_bytes_read"] > 0

@@ -60,7 +60,7 @@ def pages_in_use(e: OffloadEngine) -> int:
 
 
 def test_window_equals_the_plain_engine_with_few_slots(tmp_path):
-    slots = 12   # = max_rows x (1 landed + 2): the floor; the mirror has 128 page ids
+    slots = 12  # = max_rows x (1 landed + 2): the floor; the mirror has 128 page ids
     plain, win = OffloadEngine(LAYOUT, CFG), windowed(tmp_path, slots)
     engines = (plain, win)
     g, rng = torch.Generator().manual_seed(1), random.Random(1)
@@ -69,7 +69,7 @@ def test_window_equals_the_plain_engine_with_few_slots(tmp_path):
     try:
         admit_step(engines, [(0, "a", 30), (1, "b", 21), (2, "c", 9)], g)
         assert win.mirror.slots_in_use == 3, "an admission lands more than its tail page in the window"
-        same_readable_state(plain, win)     # the warm start read the landed pages from the tier
+        same_readable_state(plain, win)  # the warm start read the landed pages from the tier
         for step in range(40):
             decode_step(engines, [0, 1, 2], g)
             peak_pages = max(peak_pages, pages_in_use(win))
@@ -82,13 +82,15 @@ def test_window_equals_the_plain_engine_with_few_slots(tmp_path):
                     e.sync_batch(BatchSync(finished=(1,)))
                 admit_step(engines, [(1, "d", 26)], g)
                 same_readable_state(plain, win)
-            assert not check_invariants(win)   # resident bytes equal the mirror's, or the tier's once released
+            assert not check_invariants(win)  # resident bytes equal the mirror's, or the tier's once released
             win.tier.check()
             # after a step's seal every row holds at most its tail page and the page its append opened
             assert win.mirror.slots_in_use <= 2 * 3
         m = win.mirror
-        print(f"window: peak slots in use {m.peak_slots} of {m.n_slots}, peak pages in use {peak_pages}, "
-              f"mirror {m.physical_bytes} B vs {m.n_pages * m.page_bytes} B full size; {win.tier_stats()}")
+        print(
+            f"window: peak slots in use {m.peak_slots} of {m.n_slots}, peak pages in use {peak_pages}, "
+            f"mirror {m.physical_bytes} B vs {m.n_pages * m.page_bytes} B full size; {win.tier_stats()}"
+        )
         assert m.peak_slots < peak_pages and m.peak_slots <= slots
         assert peak_pages > win.tier.capacity_pages
         st = win.tier_stats()
@@ -105,17 +107,17 @@ def test_seal_releases_sealed_pages_and_a_released_page_is_never_read(tmp_path):
     win = windowed(tmp_path, 12, cache_pages=2)
     g = torch.Generator().manual_seed(5)
     try:
-        admit_step((win,), [(0, "x", 6)], g)            # 2 pages: page 0 lands in the tier, page 1 in the window
+        admit_step((win,), [(0, "x", 6)], g)  # 2 pages: page 0 lands in the tier, page 1 in the window
         st = win.rows[0]
         assert int(win.mirror.slot_of[st.mpages[0]]) < 0 <= int(win.mirror.slot_of[st.mpages[1]])
-        for _ in range(7):                             # chunks 6..12: pages 1 and 2 fill, page 3 opens
+        for _ in range(7):  # chunks 6..12: pages 1 and 2 fill, page 3 opens
             decode_step((win,), [0], g)
         # each step seals the pages before the newest chunk's: page 1 went at the step appending chunk 9
         assert [int(win.mirror.slot_of[mp]) >= 0 for mp in st.mpages] == [False, False, True, True]
-        win.sync_batch(BatchSync())                    # the next step's seal releases pages 1 and 2
+        win.sync_batch(BatchSync())  # the next step's seal releases pages 1 and 2
         assert [int(win.mirror.slot_of[mp]) >= 0 for mp in st.mpages] == [False, False, False, True]
         assert win.mirror.slots_in_use == 1 and win.sealed[0][1] == 3
-        recall((win,), {0: [0, 1, 2]})                 # released pages come back through the tier, exact
+        recall((win,), {0: [0, 1, 2]})  # released pages come back through the tier, exact
         assert not check_invariants(win)
         assert (win.cells(torch.tensor([0]), torch.arange(12).unsqueeze(0)) >= 0).all(), "a page was not recalled"
     finally:
@@ -142,9 +144,9 @@ def test_build_engine_sizes_and_logs_the_window(tmp_path, caplog):
     pb = disk_page_bytes(LAYOUT)
     disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.001, host_cache_gb=0.0001, host_mirror_gb=(20 * pb + 0.5) / 1e9)
     assert window_slots(disk, LAYOUT, CFG) == 20
-    assert window_slots(replace(disk, host_mirror_gb=pb / 1e9), LAYOUT, CFG) == 12      # the floor: 4 rows x 3
-    assert window_slots(replace(disk, host_mirror_gb=1.0), LAYOUT, CFG) is None        # holds every page anyway
-    assert window_slots(replace(disk, host_mirror_gb=0.0), LAYOUT, CFG) is None        # unset: full size
+    assert window_slots(replace(disk, host_mirror_gb=pb / 1e9), LAYOUT, CFG) == 12  # the floor: 4 rows x 3
+    assert window_slots(replace(disk, host_mirror_gb=1.0), LAYOUT, CFG) is None  # holds every page anyway
+    assert window_slots(replace(disk, host_mirror_gb=0.0), LAYOUT, CFG) is None  # unset: full size
     caplog.set_level("INFO", logger="flashmemory.offload.disk")
     eng = build_engine(LAYOUT, CFG, "cpu", disk)
     try:
@@ -153,9 +155,9 @@ def test_build_engine_sizes_and_logs_the_window(tmp_path, caplog):
     finally:
         eng.close()
     caplog.clear()
-    eng = build_engine(LAYOUT, CFG, "cpu", disk, full_mirror=True)   # shrink mode: PD lands by pool page id
+    eng = build_engine(LAYOUT, CFG, "cpu", disk, full_mirror=True)  # shrink mode: PD lands by pool page id
     try:
-        assert isinstance(eng.mirror, SparseMirror) and eng.mirror.n_slots == 128   # DRAM only where it holds bytes
+        assert isinstance(eng.mirror, SparseMirror) and eng.mirror.n_slots == 128  # DRAM only where it holds bytes
         assert any("ignored in shrink mode" in r.getMessage() for r in caplog.records)
         assert any("host mirror full size (128 pages" in r.getMessage() for r in caplog.records)
     finally:
@@ -168,6 +170,7 @@ def test_serving_gauges_report_the_window(tmp_path):
     from types import SimpleNamespace
 
     from flashmemory.sglang.prometheus import SERVING_METRICS, serving_gauges
+
     assert {"host_mirror_bytes", "host_mirror_slots_in_use"} <= set(SERVING_METRICS)
     win = windowed(tmp_path, 12)
     g = torch.Generator().manual_seed(9)
@@ -184,5 +187,5 @@ def test_serving_gauges_report_the_window(tmp_path):
         win.close()
     plain = OffloadEngine(LAYOUT, CFG)
     plain.admit(0, *chunks(9, g))
-    gauges = serving_gauges(SimpleNamespace(engine=plain, rows={"a": 0}))   # full size: slots = pages in use
+    gauges = serving_gauges(SimpleNamespace(engine=plain, rows={"a": 0}))  # full size: slots = pages in use
     assert gauges["host_mirror_slots_in_use"] == 3 and gauges["host_mirror_bytes"] == 128 * disk_page_bytes(LAYOUT)

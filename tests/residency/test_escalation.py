@@ -44,17 +44,33 @@ class ControllerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         # recall_blocks below ROWS * CAP: reserve pressure is real, widening and recall both degrade.
-        self.eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=ROWS, max_chunks=40, recall_blocks=14, decode_pages=1,
-                                                      max_resident_pages=CAP))
-        self.ctl = EscalationController(EscalationConfig(threshold=0.3, low_threshold=0.1, base=BASE, cap=CAP, step=2,
-                                                         shrink_after=1, fallback_after=2, extra_pool=POOL, topk=6),
-                                        free_blocks=lambda: len(self.eng.blocks))
-        self.hot: dict[int, int] = {}   # row -> the page native attention sits on (absent: attention on the tail)
+        self.eng = OffloadEngine(
+            LAYOUT, EngineConfig(max_rows=ROWS, max_chunks=40, recall_blocks=14, decode_pages=1, max_resident_pages=CAP)
+        )
+        self.ctl = EscalationController(
+            EscalationConfig(
+                threshold=0.3,
+                low_threshold=0.1,
+                base=BASE,
+                cap=CAP,
+                step=2,
+                shrink_after=1,
+                fallback_after=2,
+                extra_pool=POOL,
+                topk=6,
+            ),
+            free_blocks=lambda: len(self.eng.blocks),
+        )
+        self.hot: dict[int, int] = {}  # row -> the page native attention sits on (absent: attention on the tail)
         self.mon = MissMonitor(self.eng, self.native, self.ctl, layers=(0, 2))
         recency = lambda s, n, b: torch.arange(max(0, -(-n // 4) - b), -(-n // 4))  # noqa: E731
-        self.l1 = Level1(self.eng, lambda r, n, h, p: torch.zeros(n), recency,
-                         Level1Config(tau=1, max_resident_pages=BASE, last_keep=4, async_recall=False),
-                         monitor=self.mon)
+        self.l1 = Level1(
+            self.eng,
+            lambda r, n, h, p: torch.zeros(n),
+            recency,
+            Level1Config(tau=1, max_resident_pages=BASE, last_keep=4, async_recall=False),
+            monitor=self.mon,
+        )
         self.g = torch.Generator().manual_seed(0)
         self.live: dict[int, int] = {}
 
@@ -63,9 +79,10 @@ class ControllerMachine(RuleBasedStateMachine):
         p = self.hot.get(row)
         if p == -1:  # adversarial: attention always on non-resident chunks (a request that keeps missing -> fallback)
             from flashmemory.residency.monitor import resident_mask
+
             return x + 10.0 * (~resident_mask(self.eng, row, n)).float()
         if p is not None and p * 4 < n:
-            x[p * 4:min(n, p * 4 + 4)] = 4.0
+            x[p * 4 : min(n, p * 4 + 4)] = 4.0
         return x
 
     def teardown(self) -> None:
@@ -155,7 +172,7 @@ class ControllerMachine(RuleBasedStateMachine):
         live_grants = sum(b - BASE for _, b, _ in snap.values())
         assert self.ctl.granted == live_grants, f"granted {self.ctl.granted} != tracked grants {live_grants}"
         assert 0 <= self.ctl.granted <= POOL
-        self.l1.on_step([-1], {}, torch.zeros(1, dtype=torch.long))   # sync: only live requests stay tracked
+        self.l1.on_step([-1], {}, torch.zeros(1, dtype=torch.long))  # sync: only live requests stay tracked
         snap = self.ctl.snapshot()
         assert all(self.live.get(r) == g for r, (g, _, _) in snap.items()), (snap, self.live)
         assert self.ctl.granted == sum(b - BASE for _, b, _ in snap.values())
@@ -165,15 +182,22 @@ class ControllerMachine(RuleBasedStateMachine):
             assert self.ctl.granted == 0
 
 
-ControllerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
-                                               suppress_health_check=list(HealthCheck), derandomize=True,
-                                               database=None, phases=[Phase.explicit, Phase.generate])
+ControllerMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+)
 TestControllerMachine = ControllerMachine.TestCase
 
 
 def test_machine_ran_enough_steps():
     if STEPS[0] == 0:
         import pytest
+
         pytest.skip("state machine not run in this session")
     assert STEPS[0] >= 800, f"only {STEPS[0]} checked steps"
     assert all(v > 0 for v in EVENTS.values()) and len(EVENTS) == 6, str(EVENTS)

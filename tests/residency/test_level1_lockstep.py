@@ -47,13 +47,17 @@ class GatedScorer:
 
 
 def rank(cfg: Level1Config, gated: bool) -> tuple[OffloadEngine, Level1, GatedScorer]:
-    torch.manual_seed(0)   # both ranks hold the same bytes (replicated KV and index-K)
-    eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=2, max_chunks=64, recall_blocks=8, decode_pages=1,
-                                             max_resident_pages=3))
+    torch.manual_seed(0)  # both ranks hold the same bytes (replicated KV and index-K)
+    eng = OffloadEngine(
+        LAYOUT, EngineConfig(max_rows=2, max_chunks=64, recall_blocks=8, decode_pages=1, max_resident_pages=3)
+    )
     for row in ROWS:
         n = 30
-        eng.admit(row, torch.randint(0, 256, (3, n, 8), dtype=torch.uint8),
-                  torch.stack([quantize_chunks(torch.randn(n, 4)) for _ in range(3)]))
+        eng.admit(
+            row,
+            torch.randint(0, 256, (3, n, 8), dtype=torch.uint8),
+            torch.stack([quantize_chunks(torch.randn(n, 4)) for _ in range(3)]),
+        )
     scorer = GatedScorer(gated)
     return eng, Level1(eng, scorer, TopPages(), cfg), scorer
 
@@ -84,7 +88,7 @@ def drive(cfg: Level1Config) -> tuple[list, list]:
             seen0.append(resident(e0))
             new = l1.on_step(list(ROWS), hid, pos)
             seen1.append(resident(e1))
-            for g in s1.gates[:step]:   # the earlier steps' cycles may finish now, this step's stays late
+            for g in s1.gates[:step]:  # the earlier steps' cycles may finish now, this step's stays late
                 g.set()
             settle(l1, 1 if new else 0)
         l0.wait()
@@ -101,7 +105,7 @@ def drive(cfg: Level1Config) -> tuple[list, list]:
 def test_lockstep_ranks_publish_the_same_set_at_the_same_step():
     seen0, seen1 = drive(Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2))
     assert seen0 == seen1  # exact: both ranks score with one integer-valued function on the same bytes (same bits)
-    assert len({tuple(s.items()) for s in seen0}) > 2   # the set did change over the run
+    assert len({tuple(s.items()) for s in seen0}) > 2  # the set did change over the run
 
 
 def test_async_publishing_diverges_under_skew():
@@ -111,17 +115,19 @@ def test_async_publishing_diverges_under_skew():
 
 
 def test_a_cycle_failure_surfaces_at_its_publish_step():
-    eng, l1, scorer = rank(Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2,
-                                        async_recall=False), gated=False)
+    eng, l1, scorer = rank(
+        Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2, async_recall=False), gated=False
+    )
 
     def bad(row, n, hidden, pos):
         raise ValueError("scores")
+
     l1.scorer = bad
     hid, pos = {1: torch.zeros(2, 8)}, torch.tensor([30, 30])
-    l1.on_step(list(ROWS), hid, pos)        # tick 1: submitted (scored inline, failed)
-    l1.on_step(list(ROWS), hid, pos)        # tick 2: nothing due yet
+    l1.on_step(list(ROWS), hid, pos)  # tick 1: submitted (scored inline, failed)
+    l1.on_step(list(ROWS), hid, pos)  # tick 2: nothing due yet
     with pytest.raises(RuntimeError) as err:
-        l1.on_step(list(ROWS), hid, pos)    # tick 3 = 1 + lag: the failure is raised here, on every rank alike
+        l1.on_step(list(ROWS), hid, pos)  # tick 3 = 1 + lag: the failure is raised here, on every rank alike
     assert isinstance(err.value.__cause__, ValueError)
     l1.close()
 
@@ -131,26 +137,30 @@ def test_serving_config_publishes_in_lockstep_under_tensor_parallelism():
     from flashmemory.env import FlashMemoryEnv
     from flashmemory.sglang.core_config import TP_PUBLISH_LAG, core_config
     from flashmemory.sglang.geometry import PoolGeometry
-    geo = PoolGeometry(n_c4_layers=4, n_pages=50, page_chunks=64, kv_page_bytes=37440, index_head_dim=128,
-                       index_page_bytes=8448)
+
+    geo = PoolGeometry(
+        n_c4_layers=4, n_pages=50, page_chunks=64, kv_page_bytes=37440, index_head_dim=128, index_page_bytes=8448
+    )
     env = FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_INTERVAL": "7", "SGLANG_RETRIEVER_INLINE_LAYERS": "1"})
     assert core_config(env, geo).level1.publish_lag == 0
     assert core_config(env, geo, tp_size=2).level1.publish_lag == TP_PUBLISH_LAG == 2
     one = FlashMemoryEnv.from_environ({"SGLANG_RETRIEVER_INTERVAL": "1", "SGLANG_RETRIEVER_INLINE_LAYERS": "1"})
-    assert core_config(one, geo, tp_size=8).level1.publish_lag == 1   # never beyond tau: no cycle is skipped
+    assert core_config(one, geo, tp_size=8).level1.publish_lag == 1  # never beyond tau: no cycle is skipped
 
 
 def test_a_step_without_rows_still_counts():
     """A rank whose batch has no Level-1 row at some step (its request failed there first) keeps the same clock."""
-    (e0, l0, _), (e1, l1, _) = (rank(Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2,
-                                                  async_recall=False), gated=False) for _ in range(2))
+    (e0, l0, _), (e1, l1, _) = (
+        rank(Level1Config(tau=TAU, max_resident_pages=3, last_keep=0, publish_lag=2, async_recall=False), gated=False)
+        for _ in range(2)
+    )
     hid, pos = {1: torch.full((2, 8), 3.0)}, torch.tensor([30, 30])
     seen = []
     for step in range(4):
         l0.on_step(list(ROWS), hid, pos) if step == 0 else l0.on_step([-1, -1], hid, pos)
         l1.on_step(list(ROWS), hid, pos) if step == 0 else l1.tick()
         seen.append((resident(e0), resident(e1)))
-    assert all(a == b for a, b in seen) and seen[1] != seen[2]   # published at the third call on both
+    assert all(a == b for a, b in seen) and seen[1] != seen[2]  # published at the third call on both
     l0.close()
     l1.close()
 
@@ -158,12 +168,15 @@ def test_a_step_without_rows_still_counts():
 def test_the_serving_edge_reads_sglangs_tp_size(monkeypatch):
     """`serving_tp_size` asks sglang's TP group (1 outside a server), the size the adapter hands `core_config`."""
     import types
+
     ps = pytest.importorskip("sglang.srt.distributed.parallel_state")
     from flashmemory.sglang.core_config import serving_tp_size
+
     monkeypatch.setattr(ps, "get_tp_group", lambda: types.SimpleNamespace(world_size=2))
     assert serving_tp_size() == 2
 
     def no_group():
         raise AssertionError("tensor model parallel group is not initialized")
+
     monkeypatch.setattr(ps, "get_tp_group", no_group)
     assert serving_tp_size() == 1

@@ -30,8 +30,9 @@ class PublicOnly:
 
 
 def engine() -> OffloadEngine:
-    eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=4, max_chunks=64, recall_blocks=16, decode_pages=2,
-                                             max_resident_pages=6))
+    eng = OffloadEngine(
+        LAYOUT, EngineConfig(max_rows=4, max_chunks=64, recall_blocks=16, decode_pages=2, max_resident_pages=6)
+    )
     g = torch.Generator().manual_seed(0)
     for row, n in ((0, 30), (2, 21)):
         kv = torch.randint(0, 256, (3, n, 8), dtype=torch.uint8, generator=g)
@@ -45,8 +46,12 @@ def scores(row, n, hidden, pos):
 
 
 def run(view) -> None:
-    l1 = Level1(view, scores, ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4)),
-                Level1Config(tau=2, max_resident_pages=6, last_keep=4, async_recall=False))
+    l1 = Level1(
+        view,
+        scores,
+        ThresholdPagePolicy(SelectionConfig(threshold=0.5, last_keep=4, kmax=6, page_chunks=4)),
+        Level1Config(tau=2, max_resident_pages=6, last_keep=4, async_recall=False),
+    )
     hid, pos = {1: torch.zeros(3, 8)}, torch.zeros(3, dtype=torch.long)
     for _ in range(3):
         l1.on_step([0, -1, 2], hid, pos)
@@ -65,8 +70,14 @@ def test_level1_runs_on_the_public_snapshot_only() -> None:
 def test_no_serving_core_module_reaches_engine_rows_or_lock_from_outside() -> None:
     """Source check beside the behavioural one: planners read the snapshot, the recaller is handed its parts."""
     root = Path(__file__).resolve().parents[2] / "flashmemory"
-    for rel in ("residency/level1.py", "residency/monitored.py", "offload/recall.py", "sglang/offload_adapter.py",
-                "sglang/engine_adapter.py", "sglang/shrink.py"):
+    for rel in (
+        "residency/level1.py",
+        "residency/monitored.py",
+        "offload/recall.py",
+        "sglang/offload_adapter.py",
+        "sglang/engine_adapter.py",
+        "sglang/shrink.py",
+    ):
         text = (root / rel).read_text()
         assert "engine.rows" not in text and "eng.rows" not in text, rel
     text = (root / "residency" / "level1.py").read_text()

@@ -20,8 +20,9 @@ def exact_index_chunks(n: int, offset: int, d: int = 4) -> torch.Tensor:
 
 
 def make(n_rows: int = 3, n: int = 60) -> tuple[OffloadEngine, list[int]]:
-    eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=4, max_chunks=64, recall_blocks=32, decode_pages=1,
-                                             max_resident_pages=8))
+    eng = OffloadEngine(
+        LAYOUT, EngineConfig(max_rows=4, max_chunks=64, recall_blocks=32, decode_pages=1, max_resident_pages=8)
+    )
     gens = []
     for r in range(n_rows):
         kv = torch.randint(0, 256, (3, n, 8), dtype=torch.uint8)
@@ -35,7 +36,7 @@ def native_logits(eng: OffloadEngine, layer: int, q, w, rows: list[int]) -> torc
     if pages is None:  # non-target layers live in the mirror: build their full paged index-K
         pages = eng.mirror.index[eng.layout.offload_index_layers.index(layer)]
     table = eng.lut.row_pages[rows]
-    return paged_index_logits(q, w, pages, table, LAYOUT.page_chunks)[:, :eng.cfg.max_chunks]
+    return paged_index_logits(q, w, pages, table, LAYOUT.page_chunks)[:, : eng.cfg.max_chunks]
 
 
 def check(eng, gens, sel: dict[int, tuple[int, ...]], k: int = 12):
@@ -52,8 +53,11 @@ def check(eng, gens, sel: dict[int, tuple[int, ...]], k: int = 12):
         res = eng.cells(torch.tensor(rows), torch.arange(logits.shape[1]).expand(len(rows), -1)) >= 0
         want = logits.masked_fill(~res, float("-inf")).topk(k, dim=1)
         for mode in ("mask", "score"):
-            out = (l2.mask_topk(logits, torch.tensor(rows), k) if mode == "mask"
-                   else l2.score_resident_topk(q, w, torch.tensor(rows), layer, k))
+            out = (
+                l2.mask_topk(logits, torch.tensor(rows), k)
+                if mode == "mask"
+                else l2.score_resident_topk(q, w, torch.tensor(rows), layer, k)
+            )
             valid = want.values > float("-inf")
             exp = torch.where(valid, want.indices, -1)
             # Exact on any machine: the logits are distinct small integers (exact_index_chunks), no near-tie.

@@ -42,13 +42,18 @@ def brute_miss(logits: list[float], resident: list[bool], k: int) -> tuple[float
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
-@given(n=st.integers(1, 60), k=st.integers(1, 70), n_valid=st.integers(0, 60), seed=st.integers(0, 10**6),
-       frac=st.floats(0, 1))
+@given(
+    n=st.integers(1, 60),
+    k=st.integers(1, 70),
+    n_valid=st.integers(0, 60),
+    seed=st.integers(0, 10**6),
+    frac=st.floats(0, 1),
+)
 def test_miss_mass_equals_brute_force(n, k, n_valid, seed, frac):
     g = torch.Generator().manual_seed(seed)
     # distinct values: the top-k set is unambiguous, so brute force and torch.topk pick the same chunks
     logits = (torch.randperm(n, generator=g).float() * 0.37 + torch.rand(n, generator=g) * 0.01) - 5
-    logits[min(n_valid, n):] = -math.inf
+    logits[min(n_valid, n) :] = -math.inf
     resident = torch.rand(n, generator=g) < frac
     want, per_page, pages, _ = brute_miss(logits.tolist(), resident.tolist(), k)
     got = float(miss_mass(logits.unsqueeze(0), resident.unsqueeze(0), k)[0])
@@ -85,8 +90,9 @@ LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(0, 1))
 def _engine(kmax: int = 0):
     """An engine with one 40-chunk (10-page) row; kmax > 0 admits it as serving does (tail page open, newest
     kmax pages warm-started)."""
-    eng = OffloadEngine(LAYOUT, EngineConfig(max_rows=2, max_chunks=64, recall_blocks=16, decode_pages=1,
-                                             max_resident_pages=8))
+    eng = OffloadEngine(
+        LAYOUT, EngineConfig(max_rows=2, max_chunks=64, recall_blocks=16, decode_pages=1, max_resident_pages=8)
+    )
     n = 40
     kv = torch.randint(0, 256, (3, n, LAYOUT.kv.chunk_bytes), dtype=torch.uint8)
     ix = torch.stack([quantize_chunks(torch.randn(n, LAYOUT.index_head_dim)) for _ in range(3)])
@@ -103,14 +109,29 @@ def test_native_on_the_attended_tail_reads_no_miss_and_keeps_the_budget():
 
     def native(row, layer, n, hidden, pos):
         x = torch.full((n,), -5.0)
-        x[n - 4:] = 5.0
+        x[n - 4 :] = 5.0
         return x
 
-    ctl = EscalationController(EscalationConfig(threshold=0.2, low_threshold=0.05, base=2, cap=6, step=2,
-                                                shrink_after=1, fallback_after=2, extra_pool=3, topk=4))
-    l1 = Level1(eng, lambda r, n, h, p: torch.zeros(n), lambda s, n, b: torch.arange(-(-n // 4) - b, -(-n // 4)),
-                Level1Config(tau=1, max_resident_pages=2, last_keep=4, async_recall=False),
-                monitor=MissMonitor(eng, native, ctl, layers=(0, 1)))
+    ctl = EscalationController(
+        EscalationConfig(
+            threshold=0.2,
+            low_threshold=0.05,
+            base=2,
+            cap=6,
+            step=2,
+            shrink_after=1,
+            fallback_after=2,
+            extra_pool=3,
+            topk=4,
+        )
+    )
+    l1 = Level1(
+        eng,
+        lambda r, n, h, p: torch.zeros(n),
+        lambda s, n, b: torch.arange(-(-n // 4) - b, -(-n // 4)),
+        Level1Config(tau=1, max_resident_pages=2, last_keep=4, async_recall=False),
+        monitor=MissMonitor(eng, native, ctl, layers=(0, 1)),
+    )
     hid, pos = {0: torch.zeros(1, 8), 1: torch.zeros(1, 8)}, torch.zeros(1, dtype=torch.long)
     for _ in range(3):
         l1.on_step([0], hid, pos)
@@ -130,13 +151,29 @@ def test_monitor_in_level1_adds_missing_pages_widens_then_falls_back():
         x[8:12] = 5.0
         return x
 
-    ctl = EscalationController(EscalationConfig(threshold=0.2, low_threshold=0.05, base=2, cap=6, step=2,
-                                                shrink_after=1, fallback_after=2, extra_pool=3, topk=4),
-                               free_blocks=lambda: len(eng.blocks))
+    ctl = EscalationController(
+        EscalationConfig(
+            threshold=0.2,
+            low_threshold=0.05,
+            base=2,
+            cap=6,
+            step=2,
+            shrink_after=1,
+            fallback_after=2,
+            extra_pool=3,
+            topk=4,
+        ),
+        free_blocks=lambda: len(eng.blocks),
+    )
     mon = MissMonitor(eng, native, ctl, layers=(0, 1))
     recency = lambda scores, n, budget: torch.arange(max(0, -(-n // 4) - budget), -(-n // 4))  # noqa: E731
-    l1 = Level1(eng, lambda r, n, h, p: torch.zeros(n), recency,
-                Level1Config(tau=1, max_resident_pages=2, last_keep=4, async_recall=False), monitor=mon)
+    l1 = Level1(
+        eng,
+        lambda r, n, h, p: torch.zeros(n),
+        recency,
+        Level1Config(tau=1, max_resident_pages=2, last_keep=4, async_recall=False),
+        monitor=mon,
+    )
     hid, pos = {0: torch.zeros(1, 8), 1: torch.zeros(1, 8)}, torch.zeros(1, dtype=torch.long)
     l1.on_step([0], hid, pos)
     m = eng.metrics()
@@ -162,11 +199,19 @@ def test_fallback_holds_native_topk_and_pool_limits_widening():
         calls.append(layer)
         return torch.linspace(0, 1, n)
 
-    ctl = EscalationController(EscalationConfig(threshold=0.2, low_threshold=0.05, base=1, cap=8, step=4,
-                                                fallback_after=2, extra_pool=3, topk=40))
+    ctl = EscalationController(
+        EscalationConfig(
+            threshold=0.2, low_threshold=0.05, base=1, cap=8, step=4, fallback_after=2, extra_pool=3, topk=40
+        )
+    )
     mon = MissMonitor(eng, native, ctl, layers=(0, 1))
-    l1 = Level1(eng, lambda r, n, h, p: torch.zeros(n), lambda s, n, b: torch.arange(-(-n // 4) - 1, -(-n // 4)),
-                Level1Config(tau=1, max_resident_pages=1, last_keep=4, async_recall=False), monitor=mon)
+    l1 = Level1(
+        eng,
+        lambda r, n, h, p: torch.zeros(n),
+        lambda s, n, b: torch.arange(-(-n // 4) - 1, -(-n // 4)),
+        Level1Config(tau=1, max_resident_pages=1, last_keep=4, async_recall=False),
+        monitor=mon,
+    )
     hid, pos = {0: torch.zeros(1, 8), 1: torch.zeros(1, 8)}, torch.zeros(1, dtype=torch.long)
     for _ in range(3):
         l1.on_step([0], hid, pos)
@@ -193,11 +238,12 @@ def test_threshold_policy_takes_the_widened_budget():
 def test_keys_native_scorer_scores_the_device_target_keys():
     from flashmemory.residency.monitor import keys_native_scorer
     from flashmemory.retriever.fp8 import dequantize_chunks
+
     eng, _ = _engine()
     g = torch.Generator().manual_seed(5)
     q, w = torch.randn(3, LAYOUT.index_head_dim, generator=g), torch.randn(3, generator=g)
     score = keys_native_scorer(eng, lambda row, layer, hidden, pos: (q, w) if layer == 1 else None)
     got = score(0, 1, 40, {}, torch.tensor(0))
-    keys = dequantize_chunks(eng.target.chunks(1, torch.arange(40)))   # row 0 owns mirror pages 0.. in order
+    keys = dequantize_chunks(eng.target.chunks(1, torch.arange(40)))  # row 0 owns mirror pages 0.. in order
     want = torch.stack([sum(torch.relu(q[h] @ keys[j]) * w[h] for h in range(3)) for j in range(40)])
     assert torch.allclose(got, want, atol=1e-4) and score(0, 0, 40, {}, torch.tensor(0)) is None

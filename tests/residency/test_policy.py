@@ -27,7 +27,7 @@ def rows(pages: torch.Tensor, counts: torch.Tensor) -> list[list[int]]:
 
 def test_threshold_is_strict() -> None:
     s = torch.zeros(1, 10)
-    s[0, 2] = 0.5                    # equal: not kept
+    s[0, 2] = 0.5  # equal: not kept
     s[0, 3] = torch.nextafter(torch.tensor(0.5), torch.tensor(1.0))  # just above: kept
     s[0, 4] = 0.9
     cfg = SelectionConfig(**NO_FORCE)
@@ -78,7 +78,7 @@ def test_kmax_ranks_forced_then_count_then_recency() -> None:
     n = 64 * 8
     s = torch.zeros(1, n)
     for page, count in {1: 5, 2: 20, 3: 5, 5: 40, 6: 1}.items():
-        s[0, page * 64: page * 64 + count] = 0.9
+        s[0, page * 64 : page * 64 + count] = 0.9
     lengths = torch.tensor([n - 10])  # history ends inside page 7
     cfg = SelectionConfig(last_keep=4, first_keep=0, kmax=3)
     # Page 7 is forced (tail); then 40 (page 5), 20 (page 2).
@@ -165,15 +165,18 @@ def test_select_pages_matches_brute_force_on_random_inputs() -> None:
         b, n = 3, int(torch.randint(1, 700, (1,), generator=g))
         s = torch.rand(b, n, generator=g) ** 3
         lengths = torch.randint(0, n + 1, (b,), generator=g)
-        cfg = SelectionConfig(threshold=float(torch.rand(1, generator=g)) * 0.5,
-                              last_keep=int(torch.randint(0, 150, (1,), generator=g)),
-                              first_keep=int(torch.randint(0, 80, (1,), generator=g)),
-                              kmax=int(torch.randint(1, 8, (1,), generator=g)), fill_zero_pages=trial % 2 == 1)
+        cfg = SelectionConfig(
+            threshold=float(torch.rand(1, generator=g)) * 0.5,
+            last_keep=int(torch.randint(0, 150, (1,), generator=g)),
+            first_keep=int(torch.randint(0, 80, (1,), generator=g)),
+            kmax=int(torch.randint(1, 8, (1,), generator=g)),
+            fill_zero_pages=trial % 2 == 1,
+        )
         pages, counts = select_pages(s, lengths, cfg)
         for r in range(b):
             want = brute_pages(s[r].tolist(), int(lengths[r]), cfg, cfg.kmax)
             assert pages[r, : counts[r]].tolist() == want, (trial, r)
-            assert torch.all(pages[r, counts[r]:] == -1)
+            assert torch.all(pages[r, counts[r] :] == -1)
 
 
 def test_threshold_page_policy() -> None:

@@ -37,8 +37,9 @@ def upstream_state(layers=(10, 12, 20), dims: RetrieverDims = DIMS, seed: int = 
     return sd
 
 
-def assert_weights(model: JointRetriever, sd: dict[str, torch.Tensor],
-                   prefix=lambda lid: f"retrievers.l{lid}.") -> None:
+def assert_weights(
+    model: JointRetriever, sd: dict[str, torch.Tensor], prefix=lambda lid: f"retrievers.l{lid}."
+) -> None:
     for lid in model.layers:
         for k in PARAMS:
             assert torch.equal(model.layer(lid).get_parameter(k).detach(), sd[prefix(lid) + k].float()), (lid, k)
@@ -77,8 +78,10 @@ def test_safetensors_round_trip_keeps_metadata(tmp_path: Path) -> None:
     back = load_retriever(out)
     assert back.layers == model.layers and back.dims == model.dims
     assert back.rope == RopeConfig(rope_dim=8, max_position=4096)  # from the metadata, not the default
-    assert_weights(back, {f"retrievers.l{lid}.{k}": model.layer(lid).get_parameter(k).detach()
-                          for lid in model.layers for k in PARAMS})
+    assert_weights(
+        back,
+        {f"retrievers.l{lid}.{k}": model.layer(lid).get_parameter(k).detach() for lid in model.layers for k in PARAMS},
+    )
     state, meta = read_state(out)
     assert set(state) == {f"retrievers.l{i}.{k}" for i in (10, 12, 20) for k in PARAMS}
     assert meta["layers"] == "10,12,20" and json.loads(meta["dims"])["n_heads"] == 4
@@ -180,6 +183,7 @@ def test_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 def test_bad_rope_metadata(tmp_path: Path) -> None:
     from safetensors.torch import save_file
+
     sd = {k: v for k, v in upstream_state((10,)).items() if not k.endswith("freqs_cis")}
     save_file(sd, str(tmp_path / "m.safetensors"), metadata={"rope": '{"rope_dim": 7}'})
     with pytest.raises(CheckpointError, match="rope"):

@@ -67,8 +67,12 @@ def test_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # Refuses to overwrite without --force, and a non-safetensors output.
     assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 1
     assert "--force" in capsys.readouterr().err
-    assert main(["checkpoint", "convert", "--force", "--layers", "12", "--rope-dim", "4",
-                 str(tmp_path / "j.pt"), str(dst)]) == 0
+    assert (
+        main(
+            ["checkpoint", "convert", "--force", "--layers", "12", "--rope-dim", "4", str(tmp_path / "j.pt"), str(dst)]
+        )
+        == 0
+    )
     model = load_retriever(dst)
     assert model.layers == (12,) and model.rope.rope_dim == 4
     assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(tmp_path / "x.pt")]) == 1
@@ -102,10 +106,12 @@ def test_download_offline_subprocess(tmp_path: Path) -> None:
     assert not (tmp_path / "d" / "top3_R930_joint.pt").exists()
 
 
-def test_download_unreachable_endpoint_fails_before_the_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture) -> None:
+def test_download_unreachable_endpoint_fails_before_the_hub(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import huggingface_hub
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
@@ -117,18 +123,21 @@ def test_download_unreachable_endpoint_fails_before_the_hub(monkeypatch: pytest.
     assert "cannot reach 127.0.0.1:9" in err and not called
 
 
-def test_download_reports_hub_errors_and_success(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture) -> None:
+def test_download_reports_hub_errors_and_success(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     import flashmemory.retriever.cli as cli
+
     monkeypatch.setattr(cli, "_reachable", lambda timeout: "")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
     def boom(**kw):
         raise LocalEntryNotFoundError("cannot find the requested files")
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", boom)
     assert main(["checkpoint", "download", "--repo", "me/x", "--file", "w.pt", "--dest", str(tmp_path)]) == 1
     err = capsys.readouterr().err
@@ -138,6 +147,7 @@ def test_download_reports_hub_errors_and_success(monkeypatch: pytest.MonkeyPatch
     def ok(**kw):
         seen.update(kw)
         return str(Path(kw["local_dir"]) / kw["filename"])
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", ok)
     assert main(["checkpoint", "download", "--dest", str(tmp_path), "--timeout", "4"]) == 0
     assert seen["repo_id"] == "libertywing/FlashMemory-Deepseek-V4" and seen["filename"] == "top3_R930_joint.pt"
@@ -157,7 +167,7 @@ def _nan_and_misshapen(tmp_path: Path) -> tuple[Path, Path]:
     nan["retrievers.l12.q_norm_weight"][2] = float("nan")
     torch.save(nan, tmp_path / "nan.pt")
     bad = dict(sd)
-    bad["retrievers.l20.wq_b.weight"] = torch.randn(64, 23)   # rank 23 where the others have 24
+    bad["retrievers.l20.wq_b.weight"] = torch.randn(64, 23)  # rank 23 where the others have 24
     torch.save(bad, tmp_path / "shape.pt")
     return tmp_path / "nan.pt", tmp_path / "shape.pt"
 
@@ -177,11 +187,12 @@ def test_inspect_and_convert_refuse_nan_and_wrong_shapes(tmp_path: Path, capsys:
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     nan, _ = _nan_and_misshapen(tmp_path)
     from flashmemory.retriever.checkpoint import CheckpointError
+
     with pytest.raises(CheckpointError, match="non-finite"):
         main(["checkpoint", "inspect", str(nan), "--debug"])
     with pytest.raises(CheckpointError, match="non-finite"):
         main(["--debug", "checkpoint", "convert", str(nan), str(tmp_path / "o.safetensors")])
-    assert main(["checkpoint", "inspect", str(nan)]) == 1   # and without it, one line again
+    assert main(["checkpoint", "inspect", str(nan)]) == 1  # and without it, one line again
 
 
 def test_convert_force_onto_a_directory_leaves_nothing_behind(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -198,6 +209,7 @@ def test_convert_force_onto_a_directory_leaves_nothing_behind(tmp_path: Path, ca
 def test_save_never_writes_a_nan_checkpoint_nor_leaves_a_temp_file(tmp_path: Path) -> None:
     from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
+
     m = JointRetriever((3,), RetrieverDims(hidden=8, rank=4, n_heads=2, head_dim=8, rope_dim=4))
     with torch.no_grad():
         m.layer(3).wq_a.weight[0, 0] = float("inf")
@@ -206,8 +218,9 @@ def test_save_never_writes_a_nan_checkpoint_nor_leaves_a_temp_file(tmp_path: Pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed safetensors write was a `SafetensorError` traceback. README "Errors and data safety":
     one line naming the file and the cause (a full path included), non-zero exit; writes are atomic (the temp
     file is removed). The write really starts (bytes reach the temp file), then fails the way safetensors reports
@@ -218,13 +231,14 @@ def test_convert_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, c
     def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 4096)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     write_joint(tmp_path / "j.pt")
     dst = tmp_path / "j.safetensors"
     assert main(["checkpoint", "convert", str(tmp_path / "j.pt"), str(dst)]) == 1
     err = capsys.readouterr().err
     assert err == f"flashmemory checkpoint convert: error: {dst}: No space left on device (disk full)\n", err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.pt"]   # no temp file, no partial output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.pt"]  # no temp file, no partial output
 
 
 def test_inspect_and_convert_name_the_keys_they_ignore(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -236,12 +250,14 @@ def test_inspect_and_convert_name_the_keys_they_ignore(tmp_path: Path, capsys: p
     torch.save(sd, tmp_path / "extra.pt")
     assert main(["checkpoint", "inspect", str(tmp_path / "extra.pt")]) == 0
     out = capsys.readouterr().out
-    assert ("unknown     2 key(s) the retriever does not use (not loaded, not converted): optimizer_step, "
-            "retrievers.l10.bias_extra") in out, out
-    assert f"{24 * 48 + 64 * 24 + 24 + 4 * 48:,}" in out   # the parameter count counts retriever weights only
+    assert (
+        "unknown     2 key(s) the retriever does not use (not loaded, not converted): optimizer_step, "
+        "retrievers.l10.bias_extra"
+    ) in out, out
+    assert f"{24 * 48 + 64 * 24 + 24 + 4 * 48:,}" in out  # the parameter count counts retriever weights only
     assert main(["checkpoint", "inspect", "--json", str(tmp_path / "extra.pt")]) == 0
     assert json.loads(capsys.readouterr().out)["unknown_keys"] == ["optimizer_step", "retrievers.l10.bias_extra"]
     assert main(["checkpoint", "convert", str(tmp_path / "extra.pt"), str(tmp_path / "e.safetensors")]) == 0
     assert "2 key(s) the retriever does not use" in capsys.readouterr().err
     assert main(["checkpoint", "inspect", str(tmp_path / "j.pt")]) == 0
-    assert "unknown" not in capsys.readouterr().out      # freqs_cis is a known buffer, reported as such
+    assert "unknown" not in capsys.readouterr().out  # freqs_cis is a known buffer, reported as such

@@ -56,13 +56,13 @@ def test_page_layout_round_trip_and_offsets(n: int, d: int) -> None:
     for j in sorted({0, min(1, n - 1), min(63, n - 1), min(64, n - 1), n - 1}):
         p, r = divmod(j, 64)
         base = p * 64 * cb
-        assert torch.equal(flat[base + r * d: base + (r + 1) * d], c[j, :d])              # fp8 block
-        assert torch.equal(flat[base + 64 * d + 4 * r: base + 64 * d + 4 * r + 4], c[j, d:])  # scale block
+        assert torch.equal(flat[base + r * d : base + (r + 1) * d], c[j, :d])  # fp8 block
+        assert torch.equal(flat[base + 64 * d + 4 * r : base + 64 * d + 4 * r + 4], c[j, d:])  # scale block
     # The tail of the last page is zero bytes.
     pad = n_pages * 64 - n
     if pad:
         last = pages[-1]
-        assert torch.all(last[(64 - pad) * d: 64 * d] == 0) and torch.all(last[64 * d + (64 - pad) * 4:] == 0)
+        assert torch.all(last[(64 - pad) * d : 64 * d] == 0) and torch.all(last[64 * d + (64 - pad) * 4 :] == 0)
     back = pages_to_chunks(pages, n, d)
     assert back.dtype == torch.uint8 and torch.equal(back, c)
 

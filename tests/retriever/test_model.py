@@ -43,8 +43,8 @@ def ref_yarn_freqs(rope_dim: int, theta=160000.0, factor=16.0, orig=65536, beta_
 def ref_rope(q: torch.Tensor, pos: torch.Tensor, rope_dim: int, max_position: int = 1048576) -> torch.Tensor:
     """q [B, H, D] float64; rotate the last rope_dim dims as complex pairs (2i, 2i+1)."""
     p = pos.to(torch.float64).clamp(max=max_position - 1)
-    ang = p[:, None] * ref_yarn_freqs(rope_dim)[None, :]                      # [B, rope/2]
-    rot = torch.polar(torch.ones_like(ang), ang)[:, None, :]                  # [B, 1, rope/2]
+    ang = p[:, None] * ref_yarn_freqs(rope_dim)[None, :]  # [B, rope/2]
+    rot = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # [B, 1, rope/2]
     z = torch.view_as_complex(q[..., -rope_dim:].contiguous().reshape(*q.shape[:-1], rope_dim // 2, 2))
     out = torch.view_as_real(z * rot).reshape(*q.shape[:-1], rope_dim)
     return torch.cat((q[..., :-rope_dim], out), -1)
@@ -58,18 +58,19 @@ def ref_keys(chunks: torch.Tensor) -> torch.Tensor:
     return vals * scale
 
 
-def ref_logits(layer: RetrieverLayer, x: torch.Tensor, pos: torch.Tensor, keys64: torch.Tensor,
-               offset: float = 0.0) -> torch.Tensor:
+def ref_logits(
+    layer: RetrieverLayer, x: torch.Tensor, pos: torch.Tensor, keys64: torch.Tensor, offset: float = 0.0
+) -> torch.Tensor:
     d = layer.dims
     wa, wb = layer.wq_a.weight.detach().double(), layer.wq_b.weight.detach().double()
     g, wp = layer.q_norm_weight.detach().double(), layer.weights_proj.weight.detach().double()
     x = x.double()
     ql = x @ wa.T
-    ql = ql / torch.sqrt((ql ** 2).mean(-1, keepdim=True) + 1e-6) * g
+    ql = ql / torch.sqrt((ql**2).mean(-1, keepdim=True) + 1e-6) * g
     q = (ql @ wb.T).view(x.shape[0], d.n_heads, d.head_dim)
     q = ref_rope(q, pos, d.rope_dim, layer.rope.max_position)
     q = q @ (ref_sylvester(d.head_dim) / math.sqrt(d.head_dim))  # H symmetric: x H / sqrt(D)
-    w = (x @ wp.T) * d.head_dim ** -0.5 * d.n_heads ** -0.5
+    w = (x @ wp.T) * d.head_dim**-0.5 * d.n_heads**-0.5
     if keys64.dim() == 2:
         dots = torch.einsum("bhd,nd->bnh", q, keys64)
     else:
@@ -113,7 +114,7 @@ def test_logits_match_float64_reference(dims: RetrieverDims) -> None:
     layer = make_layer(dims, seed=dims.hidden, offset=0.25)
     b = 3
     x = torch.randn(b, dims.hidden, generator=torch.Generator().manual_seed(1))
-    pos = torch.tensor(POSITIONS[:b] if dims.hidden != 4096 else POSITIONS[2:2 + b])
+    pos = torch.tensor(POSITIONS[:b] if dims.hidden != 4096 else POSITIONS[2 : 2 + b])
     chunks = make_chunks(40 if dims.hidden == 4096 else 97, dims.head_dim, seed=2)
     with torch.no_grad():
         got = layer.logits(x, pos, dequantize_chunks(chunks))
@@ -155,6 +156,7 @@ def test_batched_lengths_mask_columns_and_per_row_keys() -> None:
 
 def test_relu_head_scores_blocks_over_n(monkeypatch: pytest.MonkeyPatch) -> None:
     import flashmemory.retriever.model as m
+
     q, w = torch.randn(2, 4, 16, dtype=torch.float32), torch.randn(2, 4)
     keys = torch.randn(37, 16)
     whole = relu_head_scores(q, w, keys)
@@ -172,8 +174,11 @@ def test_joint_retriever_keys_and_layers() -> None:
     model = JointRetriever([20, 10, 12], dims)
     assert model.layers == (10, 12, 20)
     keys = set(model.state_dict())
-    assert {f"retrievers.l{i}.{k}" for i in (10, 12, 20)
-            for k in ("wq_a.weight", "wq_b.weight", "q_norm_weight", "weights_proj.weight")} == keys
+    assert {
+        f"retrievers.l{i}.{k}"
+        for i in (10, 12, 20)
+        for k in ("wq_a.weight", "wq_b.weight", "q_norm_weight", "weights_proj.weight")
+    } == keys
     with pytest.raises(KeyError, match="13"):
         model.layer(13)
     x = {i: torch.randn(2, 32) for i in model.layers}

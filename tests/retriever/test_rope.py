@@ -39,8 +39,9 @@ def test_inv_freq_endpoints_and_clamp() -> None:
     assert torch.all(f[1:] < f[:-1])
     cfg = RopeConfig(max_position=1000)
     torch.testing.assert_close(rope_angles(torch.tensor([5000, 999]), cfg)[0], rope_angles(torch.tensor([999]), cfg)[0])
-    assert torch.equal(yarn_inv_freq(RopeConfig(factor=1.0)),
-                       1.0 / 160000.0 ** (2 * torch.arange(32, dtype=torch.float64) / 64))
+    assert torch.equal(
+        yarn_inv_freq(RopeConfig(factor=1.0)), 1.0 / 160000.0 ** (2 * torch.arange(32, dtype=torch.float64) / 64)
+    )
 
 
 def test_apply_rope_is_interleaved_complex_rotation_of_the_tail() -> None:
@@ -50,8 +51,15 @@ def test_apply_rope_is_interleaved_complex_rotation_of_the_tail() -> None:
     out = apply_rope(x, pos, cfg)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert torch.equal(out[..., :4], x[..., :4])  # the first head_dim - rope_dim dims pass through
-    ang = torch.tensor([[ref_angle(int(p), i, rope_dim=8, low=yarn_correction_range(cfg)[0],
-                                   high=yarn_correction_range(cfg)[1]) for i in range(4)] for p in pos])
+    ang = torch.tensor(
+        [
+            [
+                ref_angle(int(p), i, rope_dim=8, low=yarn_correction_range(cfg)[0], high=yarn_correction_range(cfg)[1])
+                for i in range(4)
+            ]
+            for p in pos
+        ]
+    )
     z = torch.view_as_complex(x[..., 4:].double().reshape(3, 2, 4, 2).contiguous())
     want = torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)[:, None, :]).reshape(3, 2, 8)
     torch.testing.assert_close(out[..., 4:].double(), want, rtol=1e-6, atol=1e-6)

@@ -33,21 +33,25 @@ def test_retriever_case_loads_like_the_server_at_a_tenth_of_the_pages(tmp_path):
     e = FlashMemoryEnv.from_environ(gc.case_env("ret10", "", ckpt))
     full = FlashMemoryEnv.from_environ(gc.case_env("full"))
     assert e.retriever_ckpt == ckpt and e.decode_swap_p and e.page_kmax == max(1, full.page_kmax // 10)
-    model = load_serving_retriever(e, str(tmp_path))          # the plugin's check: hidden size vs config.json
+    model = load_serving_retriever(e, str(tmp_path))  # the plugin's check: hidden size vs config.json
     assert model.layers == gc.RET_LAYERS and model.dims.hidden == gc.tiny_config()["hidden_size"]
     assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
-    place_retriever(model, "meta")                            # what the adapter does with the pool's device
+    place_retriever(model, "meta")  # what the adapter does with the pool's device
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
 
 
 def test_retriever_case_verdicts():
     gc = _gpu_check()
     ref = [[1, 2], [3, 4]]
-    good = {"indexer_calls_captured": 8, "reserve_reads_captured": 8, "decode_forwards": 10, "level1_cycles": 3,
-            "retriever_device": "cuda:0"}
-    assert gc.check_case("ret10", {"tokens": [[5]], "diag": good}, ref) == []      # tokens differ at 10%: reported
-    assert "not the GPU" in gc.check_case("ret10", {"tokens": ref, "diag": {**good, "retriever_device": "cpu"}},
-                                          ref)[0]
+    good = {
+        "indexer_calls_captured": 8,
+        "reserve_reads_captured": 8,
+        "decode_forwards": 10,
+        "level1_cycles": 3,
+        "retriever_device": "cuda:0",
+    }
+    assert gc.check_case("ret10", {"tokens": [[5]], "diag": good}, ref) == []  # tokens differ at 10%: reported
+    assert "not the GPU" in gc.check_case("ret10", {"tokens": ref, "diag": {**good, "retriever_device": "cpu"}}, ref)[0]
     assert "never scored" in gc.check_case("ret10", {"tokens": ref, "diag": {**good, "level1_cycles": 0}}, ref)[0]
     assert any("did not run" in f for f in gc.check_case("ret10", {"tokens": ref}, ref))
 
@@ -65,12 +69,22 @@ def test_tp2_cases_check_tokens_and_rank_agreement():
     Level-1 counters on both ranks; the cases run at tp_size 2 with the retriever and the 10% budget."""
     gc = _gpu_check()
     ref = [[1, 2], [3, 4]]
-    d0 = {"indexer_calls_captured": 8, "reserve_reads_captured": 8, "decode_forwards": 10, "level1_cycles": 3,
-          "retriever_device": "cuda:0", "recall_pages": 12, "recall_bytes": 4096, "resident_fraction": 0.1}
+    d0 = {
+        "indexer_calls_captured": 8,
+        "reserve_reads_captured": 8,
+        "decode_forwards": 10,
+        "level1_cycles": 3,
+        "retriever_device": "cuda:0",
+        "recall_pages": 12,
+        "recall_bytes": 4096,
+        "resident_fraction": 0.1,
+    }
     assert gc.check_case("tp2full", {"tokens": ref, "diag": d0, "diag_rank1": dict(d0)}, ref) == []
     assert gc.check_case("tp2ret10", {"tokens": [[9]], "diag": d0, "diag_rank1": dict(d0)}, ref) == []
-    assert any("differ from tp2stock" in f
-               for f in gc.check_case("tp2full", {"tokens": [[9]], "diag": d0, "diag_rank1": dict(d0)}, ref))
+    assert any(
+        "differ from tp2stock" in f
+        for f in gc.check_case("tp2full", {"tokens": [[9]], "diag": d0, "diag_rank1": dict(d0)}, ref)
+    )
     late = gc.check_case("tp2ret10", {"tokens": ref, "diag": d0, "diag_rank1": {**d0, "level1_cycles": 2}}, ref)
     assert any("disagree" in f and "level1_cycles" in f for f in late)
     assert any("rank 1" in f for f in gc.check_case("tp2full", {"tokens": ref, "diag": d0}, ref))

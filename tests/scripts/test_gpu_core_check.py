@@ -26,11 +26,29 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_core_check.py"
-REFUSED = ("sglang", "sglang_router", "nixl", "mooncake", "fastapi", "uvicorn", "openai", "pytest", "hypothesis",
-           "tqdm", "yaml", "matplotlib", "transformers", "requests", "aiohttp", "pandas", "scipy",
-           "dill", "pynvml")   # the last two: torch imports them when present, and runs without them
+REFUSED = (
+    "sglang",
+    "sglang_router",
+    "nixl",
+    "mooncake",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "pytest",
+    "hypothesis",
+    "tqdm",
+    "yaml",
+    "matplotlib",
+    "transformers",
+    "requests",
+    "aiohttp",
+    "pandas",
+    "scipy",
+    "dill",
+    "pynvml",
+)  # the last two: torch imports them when present, and runs without them
 IMAGE = ("torch", "numpy", "safetensors", "triton")
-GONE_IN_312 = {"distutils", "imp", "asynchat", "asyncore", "smtpd"}   # stdlib modules Python 3.12 removed
+GONE_IN_312 = {"distutils", "imp", "asynchat", "asyncore", "smtpd"}  # stdlib modules Python 3.12 removed
 
 # Runs in a fresh interpreter: the hook goes in before anything is imported, then the script runs as __main__.
 WRAPPER = r"""
@@ -78,15 +96,22 @@ def _stray(imported: list[str]) -> list[str]:
     """Imported top-level names that are neither allowed nor interpreter artefacts (Cython's runtime modules that
     compiled extensions register, the platform's _sysconfigdata)."""
     allowed = _allowed_modules()
-    return sorted(m for m in imported if m not in allowed
-                  and not m.startswith(("_cython_", "cython_runtime", "_sysconfigdata_")))
+    return sorted(
+        m for m in imported if m not in allowed and not m.startswith(("_cython_", "cython_runtime", "_sysconfigdata_"))
+    )
 
 
 def _run_wrapped(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     mods = tmp_path / "modules.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", WRAPPER, ",".join(REFUSED), str(mods), str(SCRIPT), *args], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", WRAPPER, ",".join(REFUSED), str(mods), str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return p, (json.loads(mods.read_text()) if mods.exists() else [])
 
 
@@ -101,11 +126,11 @@ def test_quick_cpu_run_passes_without_what_the_h200_image_lacks(tmp_path):
     assert doc["torch"] == torch.__version__ and doc["quick"] is True
     for line in ("[a] PASS", "[b] PASS", "[c] PASS", "[d] PASS"):
         assert line in p.stdout
-    assert "skipped: CUDA graph capture" in p.stdout          # the GPU-only parts say why they did not run
+    assert "skipped: CUDA graph capture" in p.stdout  # the GPU-only parts say why they did not run
     assert "## (b)" in (out / "results.md").read_text()
     stray = _stray(imported)
     assert not stray, f"the run imported modules the H200 image may lack: {stray}"
-    assert "flashmemory" in imported and "gpu_core" in imported   # the list is what the run imported
+    assert "flashmemory" in imported and "gpu_core" in imported  # the list is what the run imported
 
 
 def _load():
@@ -115,10 +140,13 @@ def _load():
     return mod
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--device", "cpu"], "--device cpu needs --quick"),
-    (["--device", "cpu", "--quick", "--only", "a,z"], "--only 'a,z'"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--device", "cpu"], "--device cpu needs --quick"),
+        (["--device", "cpu", "--quick", "--only", "a,z"], "--only 'a,z'"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(argv, msg, capsys):
     assert _load().main(argv) == 2
     err = capsys.readouterr().err
@@ -135,6 +163,7 @@ def test_a_byte_that_differs_fails_the_run_with_exit_1(monkeypatch, tmp_path, ca
     """One corrupted lookup-table entry on the 'device' engine must fail check (a) and the exit status."""
     mod = _load()
     from gpu_core import offload_check
+
     real = offload_check._Twin.compare
 
     def corrupt_then_compare(self):
@@ -154,6 +183,7 @@ def test_level2_verification_catches_a_wrong_cell():
     _load()
     from gpu_core import level2_check
     from gpu_core.core import CheckResult, Sizes
+
     sz = Sizes.tiny()
     bench = level2_check._Bench(sz, torch.device("cpu"), seed=0)
     rows = torch.tensor([0, 1, -1])
@@ -172,8 +202,23 @@ def test_level2_verification_catches_a_wrong_cell():
 def test_shell_wrapper_runs_the_script_and_copies_results(tmp_path):
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_core_check.sh")]).returncode == 0
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    p = subprocess.run(["bash", str(ROOT / "scripts/gpu_core_check.sh"), "--device", "cpu", "--quick", "--only", "d",
-                        "--out", str(tmp_path / "res")], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts/gpu_core_check.sh"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            "d",
+            "--out",
+            str(tmp_path / "res"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "[d] PASS" in (tmp_path / "gpu_core_check.log").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["checks"]["d"]["ok"]
@@ -182,26 +227,81 @@ def test_shell_wrapper_runs_the_script_and_copies_results(tmp_path):
 # torch APIs the script may name: each exists since torch 2.1 at the latest (the H200 image has 2.11, the project
 # pins 2.14.1). A new one must be checked against torch 2.11 before it is added here.
 STABLE_TORCH = {
-    "torch.Generator", "torch.Tensor", "torch.__version__", "torch.arange", "torch.bfloat16", "torch.bool",
-    "torch.cuda.CUDAGraph", "torch.cuda.Event", "torch.cuda.Stream", "torch.cuda.current_stream",
-    "torch.cuda.empty_cache", "torch.cuda.get_device_name", "torch.cuda.get_device_properties", "torch.cuda.graph",
-    "torch.cuda.is_available", "torch.cuda.set_sync_debug_mode", "torch.cuda.stream", "torch.cuda.synchronize",
-    "torch.device", "torch.empty", "torch.equal", "torch.float32", "torch.full", "torch.index_select", "torch.int64",
-    "torch.isfinite", "torch.manual_seed", "torch.mm", "torch.no_grad", "torch.ones", "torch.rand", "torch.randint",
-    "torch.randn", "torch.stack", "torch.tensor", "torch.uint8", "torch.version.cuda", "torch.where", "torch.zeros",
+    "torch.Generator",
+    "torch.Tensor",
+    "torch.__version__",
+    "torch.arange",
+    "torch.bfloat16",
+    "torch.bool",
+    "torch.cuda.CUDAGraph",
+    "torch.cuda.Event",
+    "torch.cuda.Stream",
+    "torch.cuda.current_stream",
+    "torch.cuda.empty_cache",
+    "torch.cuda.get_device_name",
+    "torch.cuda.get_device_properties",
+    "torch.cuda.graph",
+    "torch.cuda.is_available",
+    "torch.cuda.set_sync_debug_mode",
+    "torch.cuda.stream",
+    "torch.cuda.synchronize",
+    "torch.device",
+    "torch.empty",
+    "torch.equal",
+    "torch.float32",
+    "torch.full",
+    "torch.index_select",
+    "torch.int64",
+    "torch.isfinite",
+    "torch.manual_seed",
+    "torch.mm",
+    "torch.no_grad",
+    "torch.ones",
+    "torch.rand",
+    "torch.randint",
+    "torch.randn",
+    "torch.stack",
+    "torch.tensor",
+    "torch.uint8",
+    "torch.version.cuda",
+    "torch.where",
+    "torch.zeros",
 }
 
 
 # ... and those the package core the script imports may name besides (also present since torch 2.1).
 STABLE_TORCH_CORE = STABLE_TORCH | {
-    "nn.Linear", "nn.Module", "nn.ModuleDict", "nn.Parameter", "torch.as_tensor", "torch.bmm", "torch.cat",
+    "nn.Linear",
+    "nn.Module",
+    "nn.ModuleDict",
+    "nn.Parameter",
+    "torch.as_tensor",
+    "torch.bmm",
+    "torch.cat",
     "torch.cuda.set_device",
-    "torch.div", "torch.dtype", "torch.einsum", "torch.empty_like", "torch.float64", "torch.float8_e4m3fn",
-    "torch.full_like", "torch.iinfo", "torch.int16", "torch.int32", "torch.is_tensor", "torch.load",
-    "torch.nn.functional.pad", "torch.relu", "torch.rsqrt", "torch.sigmoid", "torch.softmax", "torch.sort",
-    "torch.unique", "torch.zeros_like",
+    "torch.div",
+    "torch.dtype",
+    "torch.einsum",
+    "torch.empty_like",
+    "torch.float64",
+    "torch.float8_e4m3fn",
+    "torch.full_like",
+    "torch.iinfo",
+    "torch.int16",
+    "torch.int32",
+    "torch.is_tensor",
+    "torch.load",
+    "torch.nn.functional.pad",
+    "torch.relu",
+    "torch.rsqrt",
+    "torch.sigmoid",
+    "torch.softmax",
+    "torch.sort",
+    "torch.unique",
+    "torch.zeros_like",
     # the disk tier: both exist unchanged since torch 1.10 / 1.0
-    "torch.distributed", "torch.frombuffer",
+    "torch.distributed",
+    "torch.frombuffer",
 }
 CORE = ("flashmemory/offload", "flashmemory/residency", "flashmemory/retriever")
 
@@ -223,7 +323,7 @@ def _torch_names(path: Path) -> set[str]:
 def test_script_names_only_long_stable_torch_apis():
     files = [SCRIPT, *sorted((ROOT / "scripts" / "gpu_core").glob("*.py"))]
     used = set().union(*(_torch_names(f) for f in files))
-    assert "torch.cuda.graph" in used       # the scan sees the script's names
+    assert "torch.cuda.graph" in used  # the scan sees the script's names
     assert not used - STABLE_TORCH, f"torch APIs not yet checked against torch 2.11: {sorted(used - STABLE_TORCH)}"
 
 
@@ -242,6 +342,7 @@ def test_trace_stops_at_its_time_budget_with_a_final_comparison():
     _load()
     from gpu_core import offload_check
     from gpu_core.core import CheckResult, Sizes
+
     res = CheckResult("a", "t")
     offload_check._trace(res, dataclasses.replace(Sizes.tiny(), trace_budget_s=0.0), torch.device("cpu"), seed=0)
     assert res.ok, res.failures

@@ -21,9 +21,13 @@ def test_sigint_stops_serve_even_when_inherited_as_ignored(tmp_path):
     """A background job of a non-interactive shell, or a pytest-xdist worker's child, starts with SIGINT ignored;
     Python then installs no KeyboardInterrupt handler. `flashmemory serve` installs its own (a live run under
     xdist once waited out its 120 s for a Ctrl-C that did nothing)."""
-    p = subprocess.Popen([sys.executable, "-c", _SERVE, str(tmp_path), str(tmp_path / "logs")],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, str(tmp_path), str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         seen = []
         for line in p.stdout:

@@ -1,4 +1,5 @@
 """The /metrics parser keeps the flashmemory_* samples, sums labelled series and drops non-finite values."""
+
 from flashmemory.serve.client import greedy_params, parse_metrics
 
 TEXT = """# HELP flashmemory_recall_bytes_total Bytes copied host -> device by recalls
@@ -14,8 +15,11 @@ sglang:num_running_reqs{model_name="x"} 4.0
 
 def test_parse_metrics():
     m = parse_metrics(TEXT)
-    assert m == {"flashmemory_recall_bytes_total": 73728.0, "flashmemory_resident_fraction": 0.125,
-                 "flashmemory_level1_cycles_total": 5.0}
+    assert m == {
+        "flashmemory_recall_bytes_total": 73728.0,
+        "flashmemory_resident_fraction": 0.125,
+        "flashmemory_level1_cycles_total": 5.0,
+    }
 
 
 def test_greedy_params_ignore_eos():
@@ -41,7 +45,7 @@ def test_generate_stream_stops_when_asked_and_times_every_token():
                     self.wfile.write(f"data: {json.dumps({'meta_info': {'completion_tokens': done}})}\n\n".encode())
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
-            except (BrokenPipeError, ConnectionResetError):   # the client stopped early
+            except (BrokenPipeError, ConnectionResetError):  # the client stopped early
                 pass
 
         def log_message(self, *a):

@@ -31,7 +31,7 @@ def test_a_server_ready_long_ago_answers_at_once(tmp_path):
     try:
         srv.wait_ready(60)
         first = srv.startup_s
-        srv._t0 -= 3600                      # as if launched an hour ago
+        srv._t0 -= 3600  # as if launched an hour ago
         assert srv.wait_ready(60) is srv and srv.startup_s == first
         assert srv.proc.poll() is None
     finally:

@@ -60,10 +60,11 @@ def test_more_running_requests_than_flashmemorys_rows_is_refused(tmp_path) -> No
 
 def test_a_cpu_server_over_the_row_limit_is_refused(tmp_path) -> None:
     from flashmemory.serve.cpu_server import CpuServer
+
     env = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DECODE_MAX_CONC": "2"}
     with pytest.raises(UserError, match="--max-running-requests 4 exceeds .*SGLANG_PATHP_DECODE_MAX_CONC=2"):
         CpuServer(tmp_path, tmp_path / "log", env=env)
-    CpuServer(tmp_path, tmp_path / "log", env={**env, "SGLANG_PATHP_DECODE_MAX_CONC": "4"})   # at the limit: fine
+    CpuServer(tmp_path, tmp_path / "log", env={**env, "SGLANG_PATHP_DECODE_MAX_CONC": "4"})  # at the limit: fine
     with pytest.raises(UserError, match="timeout"):
         CpuServer(tmp_path, tmp_path / "log").start(timeout_s=0)
 
@@ -91,8 +92,12 @@ _SERVE = textwrap.dedent("""
 
 
 def test_ctrl_c_while_the_retriever_trains_is_one_line_and_130(tmp_path) -> None:
-    p = subprocess.run([sys.executable, "-c", _SERVE, str(tmp_path), str(tmp_path / "logs")], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _SERVE, str(tmp_path), str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 130, p.stderr
     assert p.stderr.strip() == "flashmemory serve: interrupted" and "Traceback" not in p.stderr
 
@@ -103,6 +108,7 @@ def test_serve_refuses_a_zero_timeout_before_building_anything(tmp_path, capsys,
 
     def no_build(_p):
         raise AssertionError("the model was built before the flags were checked")
+
     monkeypatch.setattr(st, "ensure_model", no_build)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -114,7 +120,6 @@ def test_serve_refuses_a_zero_timeout_before_building_anything(tmp_path, capsys,
     assert rc == 2 and err.startswith("flashmemory serve: error: --startup-timeout 0") and "\n" not in err
 
 
-
 def test_a_stopped_servers_stores_are_removed_and_only_those(tmp_path) -> None:
     import json
     import os
@@ -123,17 +128,19 @@ def test_a_stopped_servers_stores_are_removed_and_only_those(tmp_path) -> None:
     from flashmemory.offload.disk.store import MARKER
     from flashmemory.serve.cpu_server import remove_server_stores
 
-    def fake(pid: int, token: str) -> str:      # a store its process could not remove (killed): no lock held
+    def fake(pid: int, token: str) -> str:  # a store its process could not remove (killed): no lock held
         path = tmp_path / f"fm-pagestore-r0-{pid}-{token}.fmps"
-        path.write_bytes(MARKER + json.dumps({"pid": pid, "host": socket.gethostname(), "token": token}).encode()
-                         + b"\n")
+        path.write_bytes(
+            MARKER + json.dumps({"pid": pid, "host": socket.gethostname(), "token": token}).encode() + b"\n"
+        )
         return str(path)
-    with PageStore(str(tmp_path), 4 * 8192, 5000) as held:       # a live store of this process: locked
+
+    with PageStore(str(tmp_path), 4 * 8192, 5000) as held:  # a live store of this process: locked
         ours, theirs = fake(4242, "a1" * 8), fake(4343, "b2" * 8)
         env = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DISK_DIR": str(tmp_path)}
         assert remove_server_stores(env, {4242, os.getpid()}) == [ours]
-        assert os.path.exists(theirs) and os.path.exists(held.path)     # another run's; a live one
-    assert remove_server_stores({}, {4343}) == []                        # no disk tier: nothing to do
+        assert os.path.exists(theirs) and os.path.exists(held.path)  # another run's; a live one
+    assert remove_server_stores({}, {4343}) == []  # no disk tier: nothing to do
 
 
 # A "server" whose leader starts a scheduler-like child in its process group; the child opens a page store in
@@ -170,9 +177,14 @@ def test_serve_stop_sweeps_the_stores_its_killed_schedulers_left_and_nothing_els
     script = tmp_path / "server.py"
     script.write_text(_STUBBORN_SERVER)
     (disk / "notes.txt").write_text("not a store")
-    env = {**os.environ, "SGLANG_PATHP_DISK_DIR": str(disk), "STORE_AT": str(tmp_path / "store_at"),
-           "PYTHONPATH": os.pathsep.join([str(__import__("flashmemory.serve.stack").serve.stack.REPO),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "SGLANG_PATHP_DISK_DIR": str(disk),
+        "STORE_AT": str(tmp_path / "store_at"),
+        "PYTHONPATH": os.pathsep.join(
+            [str(__import__("flashmemory.serve.stack").serve.stack.REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     with PageStore(str(disk), 4 * 8192, 5000) as live:
         servers = Servers(tmp_path / "logs")
         proc = servers.start("decode", [sys.executable, str(script), "leader"], env)
@@ -183,8 +195,9 @@ def test_serve_stop_sweeps_the_stores_its_killed_schedulers_left_and_nothing_els
         left = (tmp_path / "store_at").read_text()
         # a dead run that is not this stack's (written after the scheduler's store opened: opening one sweeps these)
         foreign = disk / f"fm-pagestore-r0-4343-{'b2' * 8}.fmps"
-        foreign.write_bytes(MARKER + json.dumps({"pid": 4343, "host": socket.gethostname(),
-                                                 "token": "b2" * 8}).encode() + b"\n")
+        foreign.write_bytes(
+            MARKER + json.dumps({"pid": 4343, "host": socket.gethostname(), "token": "b2" * 8}).encode() + b"\n"
+        )
         assert os.path.exists(left) and os.path.dirname(left) == str(disk)
         swept = servers.stop(grace=1.0)
         assert servers.leftovers() == []

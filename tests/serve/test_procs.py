@@ -1,4 +1,5 @@
 """Servers: process groups started, waited for over HTTP, and stopped with every member gone."""
+
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ def test_stop_kills_the_whole_group_including_grandchildren(tmp_path):
     # the leader ignores SIGTERM and leaves two background children: only the group kill + SIGKILL stops them
     p = s.start("g", ["bash", "-c", "trap '' TERM; sleep 300 & sleep 300 & wait"])
     import time
+
     deadline = time.monotonic() + 10
     while len(s.leftovers()) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -41,6 +43,7 @@ def test_free_ports_are_distinct():
 
 def test_router_ready_needs_every_worker_healthy():
     from flashmemory.serve.stack import router_ready
+
     assert router_ready(200, b'{"status":"ready","healthy_workers":2,"total_workers":2}')
     assert not router_ready(200, b'{"status":"ready","healthy_workers":1,"total_workers":2}')
     assert not router_ready(200, b'{"status":"not ready","healthy_workers":0,"total_workers":0}')
@@ -51,6 +54,7 @@ def test_free_ports_avoid_the_ephemeral_range_and_sglangs_own_pick():
     """Ports bound only tens of seconds later must not be ones bind(0) hands to anyone else (32768+), nor the
     range sglang picks its NCCL port from (22000-29999): two stacks side by side once stole each other's."""
     from flashmemory.serve.procs import PORT_RANGE
+
     lo, hi = PORT_RANGE
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         eph_low = int(f.read().split()[0])
@@ -63,6 +67,7 @@ def test_free_ports_skip_a_port_someone_holds():
     import socket
 
     from flashmemory.serve.procs import PORT_RANGE
+
     first = random.Random(7).sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), 1)[0]
     with socket.socket() as held:
         try:
@@ -84,13 +89,15 @@ def _fake_launch_scripts(d, clash_times: int):
         "        b = json.dumps({'status': 'ready', 'healthy_workers': 2, 'total_workers': 2}).encode()\n"
         "        self.send_response(200); self.end_headers(); self.wfile.write(b)\n"
         "    def log_message(self, *a): pass\n"
-        "http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n")
+        "http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), H).serve_forever()\n"
+    )
     count = d / "decode_starts"
     (d / "launch_decode.sh").write_text(
         f"echo x >> {count}\n"
         f"if [ $(wc -l < {count}) -le {clash_times} ]; then\n"
         "  echo 'OSError: [Errno 98] Address already in use' >&2; exit 1\nfi\n"
-        f"exec {sys.executable} {server}\n")
+        f"exec {sys.executable} {server}\n"
+    )
     for name in ("prefill", "router"):
         (d / f"launch_{name}.sh").write_text(f"exec {sys.executable} {server}\n")
     return count
@@ -98,18 +105,22 @@ def _fake_launch_scripts(d, clash_times: int):
 
 def test_start_pd_retries_a_port_clash_with_fresh_ports(tmp_path, capsys):
     from flashmemory.serve.stack import PDConfig, start_pd
+
     count = _fake_launch_scripts(tmp_path, clash_times=1)
     with Servers(tmp_path / "logs") as s:
         stack = start_pd(s, PDConfig(launch_dir=tmp_path, startup_timeout=60))
         assert http_get(stack.router_url + "/readiness")[0] == 200
     assert count.read_text().count("x") == 2
-    assert "port clash (decode: address already in use); retrying with fresh ports (attempt 2/3)" in \
-        capsys.readouterr().out
+    assert (
+        "port clash (decode: address already in use); retrying with fresh ports (attempt 2/3)"
+        in capsys.readouterr().out
+    )
     assert s.leftovers() == []
 
 
 def test_start_pd_gives_up_after_its_attempts_and_other_failures_are_not_retried(tmp_path):
     from flashmemory.serve.stack import PDConfig, start_pd
+
     count = _fake_launch_scripts(tmp_path, clash_times=5)
     with Servers(tmp_path / "logs") as s:
         with pytest.raises(ServerStartError, match="Address already in use"):
@@ -128,9 +139,12 @@ def test_a_process_whose_main_thread_exited_counts_until_its_last_thread_has(tmp
     import time
 
     from flashmemory.serve.procs import _pgid_members
-    code = ("import ctypes, threading, time\n"
-            "threading.Thread(target=time.sleep, args=(300,)).start()\n"
-            "ctypes.CDLL(None).pthread_exit(None)\n")     # the main thread exits; the sleeper goes on
+
+    code = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,)).start()\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )  # the main thread exits; the sleeper goes on
     s = Servers(tmp_path)
     p = s.start("half", [sys.executable, "-c", code])
     try:

@@ -1,4 +1,5 @@
 """`ensure_retriever`: `make serve` runs Level 1 by default with a retriever built once for the served model."""
+
 import pytest
 
 from flashmemory.serve import stack
@@ -13,11 +14,13 @@ def _fake_train(calls, fail=False):
             raise RuntimeError("interrupted")
         (out / "ckpt" / BEST_F1).write_bytes(b"weights")
         return out / "ckpt" / BEST_F1
+
     return train
 
 
 def test_built_once_beside_the_model_then_reused(tmp_path, monkeypatch):
     import flashmemory.serve.tiny_retriever as tr
+
     calls: list = []
     monkeypatch.setattr(tr, "train_tiny_retriever", _fake_train(calls))
     model = tmp_path / "tiny-dsv4-sglang"
@@ -29,6 +32,7 @@ def test_built_once_beside_the_model_then_reused(tmp_path, monkeypatch):
 
 def test_an_interrupted_build_leaves_no_checkpoint_to_mistake_for_a_whole_one(tmp_path, monkeypatch):
     import flashmemory.serve.tiny_retriever as tr
+
     calls: list = []
     monkeypatch.setattr(tr, "train_tiny_retriever", _fake_train(calls, fail=True))
     with pytest.raises(RuntimeError, match="interrupted"):

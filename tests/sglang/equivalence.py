@@ -24,18 +24,18 @@ Measured numbers and why the test model uses init_std 0.02: `flashmemory/sglang/
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 
 @dataclass(frozen=True)
 class StepDiff:
-    max_abs: float        # max |logprob a - logprob b| over the vocabulary
-    agree: bool           # same argmax
-    ref_margin: float     # top-1 minus top-2 logprob of b (the reference)
+    max_abs: float  # max |logprob a - logprob b| over the vocabulary
+    agree: bool  # same argmax
+    ref_margin: float  # top-1 minus top-2 logprob of b (the reference)
 
 
 def logprob_rows(meta_info: dict, vocab: int) -> torch.Tensor:
@@ -44,8 +44,9 @@ def logprob_rows(meta_info: dict, vocab: int) -> torch.Tensor:
     Every row must hold a finite log-prob for every id in [0, vocab) (request top_logprobs_num=vocab)."""
     rows = meta_info.get("output_top_logprobs") if isinstance(meta_info, dict) else None
     if not rows:
-        raise ValueError("meta_info.output_top_logprobs is missing or empty; request return_logprob=True and "
-                         "top_logprobs_num=vocab")
+        raise ValueError(
+            "meta_info.output_top_logprobs is missing or empty; request return_logprob=True and top_logprobs_num=vocab"
+        )
     out = torch.full((len(rows), vocab), float("-inf"))
     for i, row in enumerate(rows):
         for lp, tok, *_ in row:
@@ -56,8 +57,9 @@ def logprob_rows(meta_info: dict, vocab: int) -> torch.Tensor:
             out[i, int(tok)] = float(lp)
     missing = int((~torch.isfinite(out)).sum())
     if missing:
-        raise ValueError(f"meta_info.output_top_logprobs: {missing} (step, id) log-probs missing; request "
-                         "top_logprobs_num=vocab")
+        raise ValueError(
+            f"meta_info.output_top_logprobs: {missing} (step, id) log-probs missing; request top_logprobs_num=vocab"
+        )
     return out
 
 
@@ -73,8 +75,11 @@ def fp8_kv_simulation(model: torch.nn.Module) -> Iterator[int]:
         rope = flat[:, 448:].bfloat16().float()
         return torch.cat([deq[:, :448], rope], dim=1).to(out.dtype).reshape(out.shape)
 
-    handles = [m.register_forward_hook(hook) for name, m in model.named_modules()
-               if name.endswith("kv_norm") and getattr(m, "weight", None) is not None and m.weight.shape[0] == 512]
+    handles = [
+        m.register_forward_hook(hook)
+        for name, m in model.named_modules()
+        if name.endswith("kv_norm") and getattr(m, "weight", None) is not None and m.weight.shape[0] == 512
+    ]
     try:
         yield len(handles)
     finally:
@@ -82,8 +87,9 @@ def fp8_kv_simulation(model: torch.nn.Module) -> Iterator[int]:
             h.remove()
 
 
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int],
-                       fp8_kv: bool = False, bf16: bool = False) -> torch.Tensor:
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], generated: list[int], fp8_kv: bool = False, bf16: bool = False
+) -> torch.Tensor:
     """fp32 [len(generated), vocab] next-token log-probs of `model` teacher-forced on prompt + generated.
 
     fp8_kv: simulate sglang's fp8 KV stores (`fp8_kv_simulation`). bf16: run under CPU bf16 autocast (the
@@ -95,7 +101,7 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], generated: lis
     ctx = fp8_kv_simulation(model) if fp8_kv else _nothing()
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else _nothing()
     with torch.no_grad(), ctx, amp:
-        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -107,42 +113,57 @@ def _nothing() -> Iterator[None]:
 def compare(a: torch.Tensor, b: torch.Tensor) -> list[StepDiff]:
     """Per-step differences of log-prob rows a, b [steps, vocab] (b is the reference)."""
     if a.shape != b.shape or a.dim() != 2 or a.shape[0] == 0 or a.shape[1] < 2:
-        raise ValueError(f"compare needs two equal [steps >= 1, vocab >= 2] tensors, got {tuple(a.shape)} "
-                         f"and {tuple(b.shape)}")
+        raise ValueError(
+            f"compare needs two equal [steps >= 1, vocab >= 2] tensors, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     out = []
     top2 = b.topk(2, dim=-1).values
     for i in range(a.shape[0]):
-        out.append(StepDiff(float((a[i] - b[i]).abs().max()), bool(a[i].argmax() == b[i].argmax()),
-                            float(top2[i, 0] - top2[i, 1])))
+        out.append(
+            StepDiff(
+                float((a[i] - b[i]).abs().max()), bool(a[i].argmax() == b[i].argmax()), float(top2[i, 0] - top2[i, 1])
+            )
+        )
     return out
 
 
 def summary(diffs: list[StepDiff]) -> dict:
-    return {"max_abs": max(d.max_abs for d in diffs), "mean_max_abs": sum(d.max_abs for d in diffs) / len(diffs),
-            "agree": sum(d.agree for d in diffs), "steps": len(diffs)}
+    return {
+        "max_abs": max(d.max_abs for d in diffs),
+        "mean_max_abs": sum(d.max_abs for d in diffs) / len(diffs),
+        "agree": sum(d.agree for d in diffs),
+        "steps": len(diffs),
+    }
 
 
-MULTIPLE = 2.0   # sglang carries the fp8-KV and the bf16 error at once: to first order they add (module doc)
+MULTIPLE = 2.0  # sglang carries the fp8-KV and the bf16 error at once: to first order they add (module doc)
 
 
 @dataclass(frozen=True)
 class Verdict:
     """sglang [steps, vocab] log-probs and tokens judged against the fp32 reference and its measured noise."""
-    sglang: list[StepDiff]        # sglang vs fp32 reference, per step
-    fp8_kv: list[float]           # per step: max |delta| of the fp8-KV-simulated reference to the fp32 one
-    bf16: list[float]             # per step: the same for the bf16 reference
-    noise: list[float]            # per step: max(fp8_kv, bf16)
-    bound: float                  # multiple * max(noise): the allowed max |delta logprob|
-    greedy_checked: list[int]     # steps whose reference margin > 2 noise[step]
-    failures: list[str]           # empty = equivalent
+
+    sglang: list[StepDiff]  # sglang vs fp32 reference, per step
+    fp8_kv: list[float]  # per step: max |delta| of the fp8-KV-simulated reference to the fp32 one
+    bf16: list[float]  # per step: the same for the bf16 reference
+    noise: list[float]  # per step: max(fp8_kv, bf16)
+    bound: float  # multiple * max(noise): the allowed max |delta logprob|
+    greedy_checked: list[int]  # steps whose reference margin > 2 noise[step]
+    failures: list[str]  # empty = equivalent
 
     @property
     def max_abs(self) -> float:
         return max(d.max_abs for d in self.sglang)
 
 
-def judge(sg: torch.Tensor, tokens: list[int], ref: torch.Tensor, fp8: torch.Tensor, bf16: torch.Tensor,
-          multiple: float = MULTIPLE) -> Verdict:
+def judge(
+    sg: torch.Tensor,
+    tokens: list[int],
+    ref: torch.Tensor,
+    fp8: torch.Tensor,
+    bf16: torch.Tensor,
+    multiple: float = MULTIPLE,
+) -> Verdict:
     """Compare sglang's rows `sg` and emitted `tokens` with the fp32 reference `ref`; `fp8` and `bf16` are the
     reference re-run with fp8-KV simulation and in bf16 (all fp32 [steps, vocab] log-probs, same contexts)."""
     if len(tokens) != sg.shape[0]:
@@ -154,14 +175,18 @@ def judge(sg: torch.Tensor, tokens: list[int], ref: torch.Tensor, fp8: torch.Ten
     failures = []
     worst = max(range(len(diffs)), key=lambda i: diffs[i].max_abs)
     if diffs[worst].max_abs > bound:
-        failures.append(f"max |delta logprob| {diffs[worst].max_abs:.4g} at step {worst} exceeds {multiple:g} x "
-                        f"noise {max(noise):.4g} = {bound:.4g}")
+        failures.append(
+            f"max |delta logprob| {diffs[worst].max_abs:.4g} at step {worst} exceeds {multiple:g} x "
+            f"noise {max(noise):.4g} = {bound:.4g}"
+        )
     ref_top = ref.argmax(-1).tolist()
     checked = [i for i, d in enumerate(diffs) if d.ref_margin > 2 * noise[i]]
     for i in checked:
         if tokens[i] != ref_top[i]:
-            failures.append(f"step {i}: sglang emitted {tokens[i]}, reference argmax {ref_top[i]} with margin "
-                            f"{diffs[i].ref_margin:.4g} > 2 x noise {noise[i]:.4g}")
+            failures.append(
+                f"step {i}: sglang emitted {tokens[i]}, reference argmax {ref_top[i]} with margin "
+                f"{diffs[i].ref_margin:.4g} > 2 x noise {noise[i]:.4g}"
+            )
     for i, t in enumerate(tokens):
         if not 0 <= t < sg.shape[1] or sg[i, t] < sg[i].max():
             failures.append(f"step {i}: sglang emitted {t}, not a maximiser of its own log-probs")

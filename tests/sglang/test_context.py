@@ -26,10 +26,10 @@ def test_each_forward_gets_a_fresh_context_carrying_only_the_indexer_mode():
     first.attn_layer, first.mask_resident, first.decode_active = 2, torch.ones(1, 4, dtype=torch.bool), True
     rt.before_forward(_batch(decode=False))
     second = rt.fwd
-    assert second is not first and first.keep_alive and first.view_cache is not None   # the old one is untouched
+    assert second is not first and first.keep_alive and first.view_cache is not None  # the old one is untouched
     assert second.keep_alive == [] and second.view_cache is None and second.block_view_cache is None
     assert second.attn_layer is None and second.mask_resident is None
-    assert second.decode_active is True          # index-K reads before this forward's first indexer call
+    assert second.decode_active is True  # index-K reads before this forward's first indexer call
     second.decode_active = False
     rt.before_forward(_batch(decode=True))
     assert rt.fwd is not second and rt.fwd.decode_active is False

@@ -19,14 +19,35 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
 # The core's parts: what the adapter must not name on the core.
-PARTS = frozenset({"mirror", "reserve", "lut", "target", "recaller", "blocks", "lru", "owner", "inflight", "rows",
-                   "tables", "res_pages", "res_blocks", "res_mpages", "res_count", "order", "stats", "staging",
-                   "copy_lock", "lock", "copy_hook"})
+PARTS = frozenset(
+    {
+        "mirror",
+        "reserve",
+        "lut",
+        "target",
+        "recaller",
+        "blocks",
+        "lru",
+        "owner",
+        "inflight",
+        "rows",
+        "tables",
+        "res_pages",
+        "res_blocks",
+        "res_mpages",
+        "res_count",
+        "order",
+        "stats",
+        "staging",
+        "copy_lock",
+        "lock",
+        "copy_hook",
+    }
+)
 CORE_CLASSES = frozenset({"OffloadEngine", "TieredEngine"})
 ADAPTER_CLASSES = frozenset({"OffloadAdapter", "SGLangOffload", "ShrunkOffload"})
 # (file, function) -> reach-throughs still to convert.
-KNOWN: dict[tuple[str, str], int] = {
-}
+KNOWN: dict[tuple[str, str], int] = {}
 
 
 def _is_core(node: ast.AST, in_adapter: bool, names: set[str]) -> bool:
@@ -50,8 +71,9 @@ def reach_throughs(path: Path) -> list[tuple[str, int, str]]:
     tree = ast.parse(path.read_text())
     out: list[tuple[str, int, str]] = []
 
-    def scan_function(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, qual: str, in_adapter: bool,
-                      outer: set[str]) -> None:
+    def scan_function(
+        fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, qual: str, in_adapter: bool, outer: set[str]
+    ) -> None:
         names = set(outer) | {a.arg for a in fn.args.args + fn.args.kwonlyargs if _annotated_core(a)}
         body = fn.body if isinstance(fn.body, list) else [fn.body]
         # Local names bound to the core: `eng = self.engine`, `eng, lay = self.engine, self.layout`.
@@ -94,7 +116,8 @@ def test_no_file_under_sglang_reaches_into_the_core() -> None:
     sites = all_sites()
     new = {k: v for k, v in sites.items() if len(v) > KNOWN.get(k, 0)}
     assert not new, "reach-throughs into the offload core (use its verbs, see OffloadEngine):\n" + "\n".join(
-        f"  {f}:{line} {q}: {src}" for (f, q), v in new.items() for line, src in v)
+        f"  {f}:{line} {q}: {src}" for (f, q), v in new.items() for line, src in v
+    )
 
 
 def test_known_list_is_current() -> None:
@@ -104,14 +127,17 @@ def test_known_list_is_current() -> None:
     assert not stale, f"KNOWN lists more reach-throughs than remain (known, now): {stale}; lower or drop them"
 
 
-@pytest.mark.parametrize("src", [
-    "class A(OffloadAdapter):\n    def f(self):\n        return self.engine.mirror.kv\n",
-    "class A(OffloadAdapter):\n    def f(self):\n        with self.engine.lock:\n            pass\n",
-    "class A(OffloadAdapter):\n    def f(self):\n        eng, pc = self.engine, 64\n        return eng.reserve\n",
-    "def f(adapter):\n    return len(adapter.engine.blocks)\n",
-    "def f(eng: OffloadEngine):\n    return eng.lut.table\n",
-    "def f(rt):\n    rt.engine.engine.order.end_forward()\n",
-])
+@pytest.mark.parametrize(
+    "src",
+    [
+        "class A(OffloadAdapter):\n    def f(self):\n        return self.engine.mirror.kv\n",
+        "class A(OffloadAdapter):\n    def f(self):\n        with self.engine.lock:\n            pass\n",
+        "class A(OffloadAdapter):\n    def f(self):\n        eng, pc = self.engine, 64\n        return eng.reserve\n",
+        "def f(adapter):\n    return len(adapter.engine.blocks)\n",
+        "def f(eng: OffloadEngine):\n    return eng.lut.table\n",
+        "def f(rt):\n    rt.engine.engine.order.end_forward()\n",
+    ],
+)
 def test_scan_finds_a_reach_through(tmp_path: Path, src: str) -> None:
     p = tmp_path / "m.py"
     p.write_text(src)
@@ -120,6 +146,8 @@ def test_scan_finds_a_reach_through(tmp_path: Path, src: str) -> None:
 
 def test_scan_ignores_the_adapters_own_state_and_the_cores_verbs(tmp_path: Path) -> None:
     p = tmp_path / "m.py"
-    p.write_text("class R:\n    def f(self):\n        return self.engine.rows, self.engine.stats()\n"
-                 "class A(OffloadAdapter):\n    def g(self):\n        return self.rows, self.engine.cell_table()\n")
+    p.write_text(
+        "class R:\n    def f(self):\n        return self.engine.rows, self.engine.stats()\n"
+        "class A(OffloadAdapter):\n    def g(self):\n        return self.rows, self.engine.cell_table()\n"
+    )
     assert reach_throughs(p) == []

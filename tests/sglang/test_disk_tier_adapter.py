@@ -18,7 +18,7 @@ from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
 from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
-TABLE = torch.tensor([[3, 4, 8, 1], [5, 6, 7, 0]])   # two requests of 4 pool pages each
+TABLE = torch.tensor([[3, 4, 8, 1], [5, 6, 7, 0]])  # two requests of 4 pool pages each
 
 
 def tiered_adapter(tmp_path):
@@ -45,23 +45,23 @@ def test_a_corrupt_disk_page_fails_its_request_in_level1(tmp_path):
     ad = tiered_adapter(tmp_path)
     try:
         s = torch.tensor([4 * PAGE - 3] * 2)
-        ad.begin_step(["a", "b"], TABLE, s)           # admitted: nothing sealed yet; warm start: pages 2-3 resident
-        row = ad.rows["a"]   # hold page 0 instead of page 2 (read from the mirror: not sealed yet)
+        ad.begin_step(["a", "b"], TABLE, s)  # admitted: nothing sealed yet; warm start: pages 2-3 resident
+        row = ad.rows["a"]  # hold page 0 instead of page 2 (read from the mirror: not sealed yet)
         ad.engine.recaller.recall([RecallRequest(row, ad.engine.gen(row), (0,), (1.0,), budget=1)])
         assert ad.resident_pages(torch.tensor([row]))[0].tolist()[:2] == [0, 3]
         ops = FaultyFileOps()
         ad.tier.tier.store.ops = ops
-        ops.plan.corrupt = 1000                       # every page written behind from here on is damaged
-        ad.begin_step(["a", "b"], TABLE, s + 1)       # seals pages 0-2 of each; all but the last go to disk
-        assert ad.tier.tier.settle()                  # the writer thread has written them behind
+        ops.plan.corrupt = 1000  # every page written behind from here on is damaged
+        ad.begin_step(["a", "b"], TABLE, s + 1)  # seals pages 0-2 of each; all but the last go to disk
+        assert ad.tier.tier.settle()  # the writer thread has written them behind
         assert ad.stats()["disk_bytes_written"] > 0
-        ad.make_failure = RequestFailure              # what hooks.after_pool_init hands the adapter
-        with pytest.raises(RequestFailure) as err:    # Level 1 keeps the newest 2 pages: page 2 comes from disk
+        ad.make_failure = RequestFailure  # what hooks.after_pool_init hands the adapter
+        with pytest.raises(RequestFailure) as err:  # Level 1 keeps the newest 2 pages: page 2 comes from disk
             ad.level1({"positions": s})
         assert err.value.rid == "a" and "page 2" in err.value.reason and "corrupt" in err.value.reason
         assert isinstance(err.value.__cause__, CorruptPageError)
         assert ad.stats()["disk_corrupt_pages"] >= 1
-        ad.begin_step([], TABLE[:0], s[:0])           # both leave: their slots return
+        ad.begin_step([], TABLE[:0], s[:0])  # both leave: their slots return
         assert ad.tier.tier.store.used_slots == 0
     finally:
         ad.close()
@@ -85,10 +85,10 @@ def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
     pages = [5, 2, 9, 7, 3]
     r2t = torch.full((2, 5 * PAGE), -1, dtype=torch.int64)
     r2t[1] = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)])
-    seq = 4 * PAGE - 12                                  # 253 chunks: 3 complete pages land in the tier
+    seq = 4 * PAGE - 12  # 253 chunks: 3 complete pages land in the tier
     lay = ads[0].layout
     try:
-        for step in range(28):                           # 7 chunks more: page 3 fills and is sealed, page 4 opens
+        for step in range(28):  # 7 chunks more: page 3 fills and is sealed, page 4 opens
             s = torch.tensor([seq + 1 + step])
             table = c4_page_table(r2t, torch.tensor([1]), s, PAGE)
             before, after = c4_counts(s)
@@ -106,8 +106,10 @@ def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
             locs = pool_locs(table, n)[0]
             cells = ads[1].cells_of(locs.view(1, -1))[0].long()
             ok = cells >= 0
-            assert torch.equal(lay.kv.read_chunks(win.reserve.kv, cells[ok] // 64, cells[ok] % 64),
-                               read_chunk_rows(lay.kv, pools[1].c4_kv_pool.kv_buffer, locs[ok]))
+            assert torch.equal(
+                lay.kv.read_chunks(win.reserve.kv, cells[ok] // 64, cells[ok] % 64),
+                read_chunk_rows(lay.kv, pools[1].c4_kv_pool.kv_buffer, locs[ok]),
+            )
             assert check_invariants(win) == [] and win.mirror.slots_in_use <= 2
         assert win.n_chunks(0) == 260 and win.sealed[0][1] == 4 and win.tier.settle()
         assert win.tier_stats()["disk_bytes_written"] > 0

@@ -13,7 +13,7 @@ from flashmemory.sglang.guard import Guard, gloo_exchange
 
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang")
-INJECT = "hook=before_forward,rid=^bad,rank=1"    # the fault fires on rank 1 only
+INJECT = "hook=before_forward,rid=^bad,rank=1"  # the fault fires on rank 1 only
 
 
 class _Req:
@@ -27,25 +27,33 @@ class _Req:
 class _Batch:
     def __init__(self, rids: list[str]):
         import torch
+
         self.rids, self.seq_lens = rids, torch.full((len(rids),), 8)
 
 
 def rank_main(rank: int, init: str, out: "mp.Queue") -> None:
     try:
         import torch.distributed as dist
+
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
         stops: list[str] = []
-        g = Guard(stop=stops.append, hook_names=("before_forward",), exchange=gloo_exchange(dist.group.WORLD, 2),
-                  rank=rank)
+        g = Guard(
+            stop=stops.append, hook_names=("before_forward",), exchange=gloo_exchange(dist.group.WORLD, 2), rank=rank
+        )
         g.configure({"FLASHMEMORY_FAULT_INJECT": INJECT})
         seen = []
         steps = []
-        for step in range(3):            # three batches: ok-only, then "bad-1" joins, then it is gone
+        for step in range(3):  # three batches: ok-only, then "bad-1" joins, then it is gone
             rids = ["ok-1"] + (["bad-1"] if step == 1 else [])
             reqs = [_Req(r) for r in rids]
-            g.run("before_forward", lambda b: seen.append(list(g.without_failed(b).rids)), (_Batch(rids),), {},
-                  lambda a, k: a[0].rids)
-            g.abort_failed(reqs)         # before the batch's result: every rank, every batch (a collective)
+            g.run(
+                "before_forward",
+                lambda b: seen.append(list(g.without_failed(b).rids)),
+                (_Batch(rids),),
+                {},
+                lambda a, k: a[0].rids,
+            )
+            g.abort_failed(reqs)  # before the batch's result: every rank, every batch (a collective)
             steps.append({r.rid: r.to_finish is not None for r in reqs})
             if step == 1:
                 failed = {rid: f.reason for rid, f in g.failed.items()}
@@ -65,7 +73,7 @@ def test_a_failure_on_one_rank_fails_the_request_on_both(tmp_path) -> None:
     try:
         res = {}
         for _ in procs:
-            rank, steps, seen, stops, failed = out.get(timeout=120)   # a hung collective fails here
+            rank, steps, seen, stops, failed = out.get(timeout=120)  # a hung collective fails here
             assert steps != "error", seen
             res[rank] = (steps, seen, stops, failed)
     finally:
@@ -78,8 +86,8 @@ def test_a_failure_on_one_rank_fails_the_request_on_both(tmp_path) -> None:
         assert steps == [{"ok-1": False}, {"ok-1": False, "bad-1": True}, {"ok-1": False}], (rank, steps)
         assert not stops and list(failed) == ["bad-1"]
     assert "on TP rank 1" in res[0][3]["bad-1"] and "on TP rank" not in res[1][3]["bad-1"]
-    assert res[1][1][1] == ["ok-1", "\x00flashmemory-failed:bad-1"]   # rank 1 released it at once
-    assert res[0][1][1] == ["ok-1", "bad-1"]                           # rank 0 learned of it at the result
+    assert res[1][1][1] == ["ok-1", "\x00flashmemory-failed:bad-1"]  # rank 1 released it at once
+    assert res[0][1][1] == ["ok-1", "bad-1"]  # rank 0 learned of it at the result
 
 
 def test_one_rank_shares_nothing() -> None:
@@ -91,6 +99,7 @@ def test_one_rank_shares_nothing() -> None:
 
 def test_test_only_knobs_name_a_rank() -> None:
     from flashmemory.env import EnvError, fault_inject, level1_delay
+
     assert fault_inject({"FLASHMEMORY_FAULT_INJECT": INJECT}).rank == 1
     assert fault_inject({"FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=x"}).rank is None
     with pytest.raises(EnvError, match="FLASHMEMORY_FAULT_INJECT.*rank must be"):

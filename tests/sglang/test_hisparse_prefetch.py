@@ -26,30 +26,50 @@ def _coordinator(hot: int = HOT, seed: int = 0) -> types.SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     width = hot + 64
     dev_pages = -(-ROWS * width // 64)
-    host = [torch.randint(0, 256, (-(-ROWS * MAXLEN // 64), hs.PAGE_BYTES), dtype=torch.uint8, generator=g)
-            for _ in range(LAYERS)]
+    host = [
+        torch.randint(0, 256, (-(-ROWS * MAXLEN // 64), hs.PAGE_BYTES), dtype=torch.uint8, generator=g)
+        for _ in range(LAYERS)
+    ]
     return types.SimpleNamespace(
-        device_buffer_size=hot, top_k=K, is_dsv4_hisparse=True, enable_prefetch=False, item_size_bytes=hs.ITEM_BYTES,
-        swap_in_block_size=960, num_real_reqs=torch.zeros(1, dtype=torch.int32),
+        device_buffer_size=hot,
+        top_k=K,
+        is_dsv4_hisparse=True,
+        enable_prefetch=False,
+        item_size_bytes=hs.ITEM_BYTES,
+        swap_in_block_size=960,
+        num_real_reqs=torch.zeros(1, dtype=torch.int32),
         req_device_buffer_tokens=torch.full((LAYERS, ROWS, width), -1, dtype=torch.int32),
-        req_device_buffer_token_locs=torch.arange(LAYERS * ROWS * width, dtype=torch.int32).view(
-            LAYERS, ROWS, width) % (ROWS * width),
+        req_device_buffer_token_locs=torch.arange(LAYERS * ROWS * width, dtype=torch.int32).view(LAYERS, ROWS, width)
+        % (ROWS * width),
         lru_slots=torch.arange(hot, dtype=torch.int16).repeat(LAYERS, ROWS, 1),
         req_to_host_pool=torch.arange(ROWS * MAXLEN, dtype=torch.int64).view(ROWS, MAXLEN),
         mem_pool_host=types.SimpleNamespace(kv_buffer=host),
-        mem_pool_device=types.SimpleNamespace(kv_buffer=[torch.zeros(dev_pages, hs.PAGE_BYTES, dtype=torch.uint8)
-                                                         for _ in range(LAYERS)]),
-        top_k_device_locs_buffer=torch.zeros((ROWS, K), dtype=torch.int32))
+        mem_pool_device=types.SimpleNamespace(
+            kv_buffer=[torch.zeros(dev_pages, hs.PAGE_BYTES, dtype=torch.uint8) for _ in range(LAYERS)]
+        ),
+        top_k_device_locs_buffer=torch.zeros((ROWS, K), dtype=torch.int32),
+    )
 
 
 def swap_in(co, req_pool_indices, lens, picks, layer_id):
     """What `_run_swap_in_kernel` does, with the torch op as the kernel; returns the step's output rows."""
     bs = req_pool_indices.shape[0]
     out = co.top_k_device_locs_buffer[:bs, :K]
-    hs.load_cache_to_device_buffer_dsv4(picks, co.req_device_buffer_tokens[layer_id], co.req_to_host_pool,
-                                        co.req_device_buffer_token_locs[layer_id], co.mem_pool_host.kv_buffer[layer_id],
-                                        co.mem_pool_device.kv_buffer[layer_id], out, req_pool_indices, lens,
-                                        co.lru_slots[layer_id], K, co.device_buffer_size, co.num_real_reqs)
+    hs.load_cache_to_device_buffer_dsv4(
+        picks,
+        co.req_device_buffer_tokens[layer_id],
+        co.req_to_host_pool,
+        co.req_device_buffer_token_locs[layer_id],
+        co.mem_pool_host.kv_buffer[layer_id],
+        co.mem_pool_device.kv_buffer[layer_id],
+        out,
+        req_pool_indices,
+        lens,
+        co.lru_slots[layer_id],
+        K,
+        co.device_buffer_size,
+        co.num_real_reqs,
+    )
     return out
 
 
@@ -67,8 +87,9 @@ def mode(monkeypatch):
 
 
 def test_gate_env_refusal_features_and_rows():
-    env = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
-                                       "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH": "32"})
+    env = FlashMemoryEnv.from_environ(
+        {"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1", "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH_WIDTH": "32"}
+    )
     assert env.hisparse_prefetch and env.hisparse_prefetch_width == 32 and env.hisparse_prefetch_budget == 0
     assert features_for(env) == ("hisparse_prefetch", "hisparse_prefetch_sync")
     assert select(["hisparse_prefetch_sync"])[0].impl.endswith(":before_destroy")
@@ -76,19 +97,32 @@ def test_gate_env_refusal_features_and_rows():
     with pytest.raises(EnvError, match="SGLANG_DECODE_SWAP_P"):
         FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1", "SGLANG_DECODE_SWAP_P": "1"})
     rows = select(["hisparse_prefetch"])
-    assert {p.impl.rsplit(":", 1)[1] for p in rows} == {"after_init_hisparse", "before_forward", "around_swap_in",
-                                                         "around_model_forward", "after_request_finished",
-                                                         "after_forward", "around_indexer"}
-    assert not select(features_for(FlashMemoryEnv())) or all(p.feature != "hisparse_prefetch"
-                                                            for p in select(features_for(FlashMemoryEnv())))
+    assert {p.impl.rsplit(":", 1)[1] for p in rows} == {
+        "after_init_hisparse",
+        "before_forward",
+        "around_swap_in",
+        "around_model_forward",
+        "after_request_finished",
+        "after_forward",
+        "around_indexer",
+    }
+    assert not select(features_for(FlashMemoryEnv())) or all(
+        p.feature != "hisparse_prefetch" for p in select(features_for(FlashMemoryEnv()))
+    )
 
 
 def test_no_target_is_hooked_by_both_the_cpu_layer_and_the_mode():
     """sglang's HookRegistry applies each target once: a hook the CPU layer (applied first) already holds would
     not apply for the mode, and the server would refuse to start."""
     from flashmemory.sglang.patching import CPU_FEATURES, HOOK_KINDS
-    env = FlashMemoryEnv.from_environ({"SGLANG_FLASHMEMORY_CPU": "1", "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
-                                       "SGLANG_RETRIEVER_INLINE_CKPT": "/x.pt"})
+
+    env = FlashMemoryEnv.from_environ(
+        {
+            "SGLANG_FLASHMEMORY_CPU": "1",
+            "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": "1",
+            "SGLANG_RETRIEVER_INLINE_CKPT": "/x.pt",
+        }
+    )
     cpu = {p.target for p in select(CPU_FEATURES) if p.kind in HOOK_KINDS}
     mode_rows = {p.target for p in select(features_for(env)) if p.kind in HOOK_KINDS}
     assert mode_rows and not cpu & mode_rows, cpu & mode_rows
@@ -96,13 +130,16 @@ def test_no_target_is_hooked_by_both_the_cpu_layer_and_the_mode():
 
 def test_resident_hint_expands_pages_and_leaves_the_tail(mode):
     pos = hp.resident_hint(torch.tensor([3, -1, 0, 5]), n_entries=330, tail=40)
-    assert pos.tolist() == list(range(192, 256)) + list(range(0, 64))     # page 5 starts at 320 >= 330 - 40
-    assert hp.resident_hint(torch.tensor([0]), n_entries=10, tail=0).tolist() == list(range(9))   # never L-1
+    assert pos.tolist() == list(range(192, 256)) + list(range(0, 64))  # page 5 starts at 320 >= 330 - 40
+    assert hp.resident_hint(torch.tensor([0]), n_entries=10, tail=0).tolist() == list(range(9))  # never L-1
 
 
 def test_refused_without_dsv4_hisparse_with_sglang_prefetch_or_without_room(mode):
-    for co, what in ((None, "needs sglang's HiSparse"), (types.SimpleNamespace(is_dsv4_hisparse=False), "needs"),
-                     (types.SimpleNamespace(is_dsv4_hisparse=True, enable_prefetch=True), "shared-index")):
+    for co, what in (
+        (None, "needs sglang's HiSparse"),
+        (types.SimpleNamespace(is_dsv4_hisparse=False), "needs"),
+        (types.SimpleNamespace(is_dsv4_hisparse=True, enable_prefetch=True), "shared-index"),
+    ):
         with pytest.raises(StartupError, match=what):
             hp.after_init_hisparse(None, types.SimpleNamespace(hisparse_coordinator=co))
     with pytest.raises(StartupError, match="no room"):
@@ -113,7 +150,7 @@ def test_hint_is_capped_deduplicated_published_once_and_lands(mode):
     co = _coordinator()
     hp.after_init_hisparse(None, types.SimpleNamespace(hisparse_coordinator=co))
     assert (mode.width, mode.budget) == (16, HOT - K)
-    assert mode.set_hint("a", torch.arange(300, 300 + HOT)) == HOT - K      # capped at H-K per cycle
+    assert mode.set_hint("a", torch.arange(300, 300 + HOT)) == HOT - K  # capped at H-K per cycle
     assert mode.set_hint("b", torch.tensor([5, 5, 6, -1])) == 2
     rids, rows, lens = ["a", "b"], torch.tensor([0, 2]), torch.tensor([380, 200])
     picks = torch.stack([torch.arange(100, 100 + K), torch.arange(20, 20 + K)]).to(torch.int32)
@@ -123,7 +160,7 @@ def test_hint_is_capped_deduplicated_published_once_and_lands(mode):
         co.num_real_reqs.fill_(2)
         for layer in range(LAYERS):
             out = hp.around_swap_in(swap_in, co, rows, lens, picks, layer)
-            assert out.data_ptr() == co.top_k_device_locs_buffer.data_ptr()   # the step's own output rows
+            assert out.data_ptr() == co.top_k_device_locs_buffer.data_ptr()  # the step's own output rows
         loaded.append(mode.counts.snapshot()["loaded"])
     # a: 48 positions in slices of 16 over 3 steps, at both layers; b: 2 positions once; then nothing is left
     assert loaded == [2 * (16 + 2), 2 * (32 + 2), 2 * (48 + 2), 2 * (48 + 2)]
@@ -136,7 +173,7 @@ def test_hint_is_capped_deduplicated_published_once_and_lands(mode):
     c = mode.counts.snapshot()
     assert c["used"] == 2 * (K + 2) and c["calls"] == 3 * LAYERS
     hp.after_request_finished(None, co, types.SimpleNamespace(rid="a", kv=types.SimpleNamespace(req_pool_idx=0)))
-    assert mode.counts.snapshot()["wasted"] == 2 * (HOT - K - K)     # a's prefetched entries never picked
+    assert mode.counts.snapshot()["wasted"] == 2 * (HOT - K - K)  # a's prefetched entries never picked
 
 
 def test_an_extend_forward_or_a_sglang_prefetch_runs_no_prefetch(mode):
@@ -166,6 +203,7 @@ def test_gpu_path_forks_after_the_swap_in_and_joins_before_the_next_forward(mode
     def demand(co_, rows, lens, picks, layer):
         si.op("write", ("buffer", co_.lru_slots[layer].data_ptr()))
         return co_.top_k_device_locs_buffer[: rows.shape[0], :K]
+
     monkeypatch.setattr(hp, "_gpu_swap_in", kernel)
 
     def forward(step):
@@ -177,12 +215,20 @@ def test_gpu_path_forks_after_the_swap_in_and_joins_before_the_next_forward(mode
                 for layer in range(LAYERS):
                     idx.wait_stream(fwd)
                     with torch.cuda.stream(idx):
-                        hp.around_swap_in(demand, co, torch.tensor([0]), torch.tensor([380]),
-                                          torch.zeros((1, K), dtype=torch.int32), layer)
+                        hp.around_swap_in(
+                            demand,
+                            co,
+                            torch.tensor([0]),
+                            torch.tensor([380]),
+                            torch.zeros((1, K), dtype=torch.int32),
+                            layer,
+                        )
                     fwd.wait_stream(idx)
                     si.op("read", ("attention", step, layer))
+
             hp.around_model_forward(model, None)
-            si.op("write", ("recycle", step))        # what runs after the forward on its stream
+            si.op("write", ("recycle", step))  # what runs after the forward on its stream
+
     mode.set_hint("a", torch.arange(300, 340))
     for step in range(2):
         forward(step)
@@ -197,11 +243,11 @@ def test_gpu_path_forks_after_the_swap_in_and_joins_before_the_next_forward(mode
     assert pf and all(o.stream not in (fwd.id, idx.id) for o in pf)
     for o in pf:
         own = [d for d in log if d.resource == o.resource and d.stream == idx.id and d.index < o.index][-1]
-        assert o.after(own)                                            # after the layer's own swap-in
+        assert o.after(own)  # after the layer's own swap-in
         later = [r for r in log if r.index > o.index and r.resource[0] == "recycle"]
-        assert later and later[0].after(o)                            # joined before the forward ends
+        assert later and later[0].after(o)  # joined before the forward ends
         attention = [r for r in log if r.index > o.index and r.resource[0] == "attention"][0]
-        assert not attention.after(o)                                  # not on this layer's attention path
+        assert not attention.after(o)  # not on this layer's attention path
     hp.before_destroy(co)
     assert ("MainThread", f"stream {mode.stream.name}") in si.host_syncs
 
@@ -209,6 +255,7 @@ def test_gpu_path_forks_after_the_swap_in_and_joins_before_the_next_forward(mode
 def test_prefetch_patch_rows_match_the_installed_sglang():
     pytest.importorskip("sglang")
     from flashmemory.sglang.patch_spec import check_signature
+
     for p in hp.PREFETCH_PATCHES:
         check_signature(p)
 
@@ -224,6 +271,7 @@ def test_through_sglangs_own_swap_in_method(mode, monkeypatch):
     def kernel(*, page_size, block_size, skip_io=False, item_size_bytes, **kw):
         assert page_size == 1 and not skip_io and item_size_bytes == hs.ITEM_BYTES
         misses.append(hs.load_cache_to_device_buffer_dsv4(**kw).misses)
+
     monkeypatch.setattr(hc, "load_cache_to_device_buffer_dsv4_mla", kernel)
     co = _coordinator(seed=3)
     co.skip_io = False
@@ -234,16 +282,17 @@ def test_through_sglangs_own_swap_in_method(mode, monkeypatch):
     trace = [torch.randperm(389, generator=g)[:K].to(torch.int32) for _ in range(6)]
     for t, picks in enumerate(trace):
         if t + 1 < len(trace):
-            mode.set_hint("r", trace[t + 1])        # an oracle hint: the next step's picks
+            mode.set_hint("r", trace[t + 1])  # an oracle hint: the next step's picks
         hp.before_forward(types.SimpleNamespace(), _batch(["r"]))
         co.num_real_reqs.fill_(1)
         for layer in range(LAYERS):
             out = hp.around_swap_in(hc.HiSparseCoordinator.swap_in_selected_pages, co, rows, lens, picks[None], layer)
             for loc, p in zip(out[0].tolist(), picks.tolist()):
                 d = hs.token_byte_offsets(torch.tensor([loc]))
-                h = hs.token_byte_offsets(co.req_to_host_pool[1, p:p + 1])
-                assert torch.equal(co.mem_pool_device.kv_buffer[layer].view(-1)[d],
-                                   co.mem_pool_host.kv_buffer[layer].view(-1)[h])
+                h = hs.token_byte_offsets(co.req_to_host_pool[1, p : p + 1])
+                assert torch.equal(
+                    co.mem_pool_device.kv_buffer[layer].view(-1)[d], co.mem_pool_host.kv_buffer[layer].view(-1)[h]
+                )
     c = mode.counts.snapshot()
     # after the cold first step no pick misses: each was prefetched (a hit on a prefetched slot) or still resident
     assert misses[:LAYERS] == [K] * LAYERS and not any(misses[LAYERS:]), misses

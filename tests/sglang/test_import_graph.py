@@ -26,11 +26,22 @@ PKG = Path(__file__).resolve().parents[2] / "flashmemory"
 
 FLOORS: dict[str, int] = {
     "errors": 0,
-    "flashmemory": 1, "atomic": 1, "outdir": 1, "env": 1, "env_doc": 1,
-    "retriever": 2, "labels": 2, "tasks": 2, "costmodel": 2,
-    "hf": 3, "offload": 3,
-    "dump": 4, "residency": 4,
-    "sglang": 5, "train": 5, "tiny": 5,
+    "flashmemory": 1,
+    "atomic": 1,
+    "outdir": 1,
+    "env": 1,
+    "env_doc": 1,
+    "retriever": 2,
+    "labels": 2,
+    "tasks": 2,
+    "costmodel": 2,
+    "hf": 3,
+    "offload": 3,
+    "dump": 4,
+    "residency": 4,
+    "sglang": 5,
+    "train": 5,
+    "tiny": 5,
     "eval": 6,
     "serve": 7,
     "demo": 8,
@@ -159,9 +170,13 @@ def private_reaches(files: list[Path]) -> list[str]:
     bad = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and node.attr not in SGLANG_PRIVATE
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in SGLANG_PRIVATE
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
                 bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {ast.unparse(node)}")
     return bad
 
@@ -171,9 +186,13 @@ def environ_reads(files: list[Path]) -> list[str]:
     bad = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            hit = (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
-                   or isinstance(node, ast.ImportFrom) and node.module == "os"
-                   and any(a.name in ("environ", "getenv") for a in node.names))
+            hit = (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("environ", "getenv", "putenv")
+                or isinstance(node, ast.ImportFrom)
+                and node.module == "os"
+                and any(a.name in ("environ", "getenv") for a in node.names)
+            )
             if hit:
                 bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {ast.unparse(node)}")
     return bad
@@ -186,8 +205,13 @@ def capability_probes(files: list[Path]) -> list[str]:
     bad = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
-                    and node.args and ast.unparse(node.args[0]) in names):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and node.args
+                and ast.unparse(node.args[0]) in names
+            ):
                 bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {ast.unparse(node)}")
     return bad
 
@@ -199,8 +223,11 @@ def test_no_import_circles() -> None:
 
 def test_imports_go_down_the_floors() -> None:
     graph = import_graph(PKG)
-    known = {f"{a} (floor {FLOORS[folder(a)]}) -> {b} (floor {FLOORS[folder(b)]})"
-             for a, bs in KNOWN_UPWARD.items() for b in bs}
+    known = {
+        f"{a} (floor {FLOORS[folder(a)]}) -> {b} (floor {FLOORS[folder(b)]})"
+        for a, bs in KNOWN_UPWARD.items()
+        for b in bs
+    }
     found = set(floor_violations(graph, up_to=CHECKED_UP_TO))
     assert not found - known, "imports from a floor to one at or above it:\n" + "\n".join(sorted(found - known))
     assert not known - found, f"fixed, drop from KNOWN_UPWARD: {sorted(known - found)}"
@@ -211,8 +238,13 @@ def sglang_imports(files: list[Path]) -> list[str]:
     bad = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             if any(n == "sglang" or n.startswith("sglang.") for n in names):
                 bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return bad
@@ -230,8 +262,9 @@ def test_the_cpu_ops_import_no_sglang(tmp_path: Path) -> None:
 
 def test_the_plugin_imports_no_dev_tool() -> None:
     graph = import_graph(PKG)
-    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() if folder(a) == "sglang"
-                 for b in deps if folder(b) in DEV_TOOLS)
+    bad = sorted(
+        f"{a} -> {b}" for a, deps in graph.items() if folder(a) == "sglang" for b in deps if folder(b) in DEV_TOOLS
+    )
     assert not bad, "the sglang plugin imports dev tools:\n" + "\n".join(bad)
 
 
@@ -263,18 +296,26 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 def test_the_reader_sees_function_level_and_relative_circles(tmp_path: Path) -> None:
     """The checks can fail: a circle closed only inside a function body (the shape of the old
     offload.engine <-> offload.recall circle) and one through a relative import are both found."""
-    pkg = _write(tmp_path, {
-        "__init__.py": "", "offload/__init__.py": "", "sglang/__init__.py": "", "demo/__init__.py": "",
-        "offload/engine.py": "def recall():\n    from flashmemory.offload.recall import plan\n",
-        "offload/recall.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import E\n",
-        "sglang/a.py": "from flashmemory.sglang import b\n",
-        "sglang/b.py": "def f():\n    from . import a\n    from flashmemory.demo import x\n",
-        "demo/x.py": "import flashmemory.offload.engine\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "offload/__init__.py": "",
+            "sglang/__init__.py": "",
+            "demo/__init__.py": "",
+            "offload/engine.py": "def recall():\n    from flashmemory.offload.recall import plan\n",
+            "offload/recall.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import E\n",
+            "sglang/a.py": "from flashmemory.sglang import b\n",
+            "sglang/b.py": "def f():\n    from . import a\n    from flashmemory.demo import x\n",
+            "demo/x.py": "import flashmemory.offload.engine\n",
+        },
+    )
     graph = import_graph(pkg)
     assert graph["flashmemory.offload.recall"] == {"flashmemory.offload.engine"}
-    assert sorted(circles(graph)) == [["flashmemory.offload.engine", "flashmemory.offload.recall"],
-                                      ["flashmemory.sglang.a", "flashmemory.sglang.b"]]
+    assert sorted(circles(graph)) == [
+        ["flashmemory.offload.engine", "flashmemory.offload.recall"],
+        ["flashmemory.sglang.a", "flashmemory.sglang.b"],
+    ]
     assert floor_violations(graph) == ["flashmemory.sglang.b (floor 5) -> flashmemory.demo.x (floor 8)"]
 
 
@@ -282,9 +323,10 @@ def test_the_decode_step_walk_names_files_that_exist() -> None:
     """flashmemory/sglang/README.md walks one decode step call by call; every file it names must exist (a rename
     that leaves the walk behind fails here), and its crossings are numbered X1..Xn without gaps."""
     import re
+
     text = (PKG / "sglang" / "README.md").read_text()
-    walk = text[text.index("### One decode step, call by call"):]
-    walk = walk[:walk.index("\n### ", 1)]
+    walk = text[text.index("### One decode step, call by call") :]
+    walk = walk[: walk.index("\n### ", 1)]
     files = set(re.findall(r"`((?:sglang|offload|residency)/[a-z_/]+\.py)`", walk))
     assert files and not [f for f in sorted(files) if not (PKG / f).is_file()], sorted(files)
     marks = [int(n) for n in re.findall(r"\*\*\[X(\d+)\]\*\*", walk)]

@@ -1,4 +1,5 @@
 """DRY_RUN commands of the launch scripts parse with sglang's / sglang_router's own parsers; bad knobs fail."""
+
 import argparse
 import os
 import shlex
@@ -21,8 +22,10 @@ def command(script, **env):
     p = dry(script, **env)
     assert p.returncode == 0, p.stderr
     cmd = [ln for ln in p.stdout.splitlines() if ln.startswith("CMD ")]
-    envs = {k: (shlex.split(v) or [""])[0] for k, v in
-            (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))}  # values are %q-quoted
+    envs = {
+        k: (shlex.split(v) or [""])[0]
+        for k, v in (ln[4:].split("=", 1) for ln in p.stdout.splitlines() if ln.startswith("ENV "))
+    }  # values are %q-quoted
     return shlex.split(cmd[0][4:]), envs
 
 
@@ -52,16 +55,18 @@ def test_decode_knobs(sg):
     assert envs["SGLANG_PATHP_PAGE_KMAX"] == "192"
     from flashmemory.env import FlashMemoryEnv
     from flashmemory.sglang.shrink import shrink_blockers
-    assert any("nixl" in b for b in shrink_blockers(ns))          # mooncake: Path-P falls back to copy mode
+
+    assert any("nixl" in b for b in shrink_blockers(ns))  # mooncake: Path-P falls back to copy mode
     argv, envs = command("launch_decode.sh", CREDIT_C4="1")
     e = FlashMemoryEnv.from_environ(envs)
     assert e.decode_swap_p and e.pd_c4_shrink and e.pd_credit_c4
-    assert shrink_blockers(p.parse_args(argv[3:])) == []          # the default D command runs the shrink
+    assert shrink_blockers(p.parse_args(argv[3:])) == []  # the default D command runs the shrink
 
 
 @pytest.mark.parametrize("mini", ["0", "1"])
 def test_router_command_parses(mini):
     from sglang_router.launch_router import parse_router_args
+
     argv, _ = command("launch_router.sh", MINI_LB=mini, PREFILL_IP="10.0.0.1", DECODE_IP="10.0.0.2")
     assert argv[1:3] == ["-m", "sglang_router.launch_router"]
     ra = parse_router_args(argv[3:])
@@ -69,19 +74,26 @@ def test_router_command_parses(mini):
     assert ra.prefill_urls == [("http://10.0.0.1:31100", 8998)] and ra.decode_urls == ["http://10.0.0.2:31200"]
 
 
-@pytest.mark.parametrize("script,env,msg", [
-    ("launch_decode.sh", {"KMAX": "abc"}, "KMAX=abc"),
-    ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
-    ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
-    ("launch_decode.sh", {"C4_SHRINK": "yes"}, "C4_SHRINK"),
-    ("launch_decode.sh", {"DEVICE": "gpu"}, "DEVICE=gpu"),
-    ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
-    ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
-    # bash arithmetic wraps 2^64 + 1 to 1, so it passed the >= 1 check; now the string is checked first
-    ("launch_decode.sh", {"KMAX": "18446744073709551617"}, "KMAX=18446744073709551617 is too large (at most 9 digits"),
-    ("launch_prefill.sh", {"PORT": "99999999999999999999"}, "PORT=99999999999999999999 is too large"),
-    ("launch_router.sh", {"PROMETHEUS_PORT": "1000000000"}, "PROMETHEUS_PORT=1000000000 is too large"),
-])
+@pytest.mark.parametrize(
+    "script,env,msg",
+    [
+        ("launch_decode.sh", {"KMAX": "abc"}, "KMAX=abc"),
+        ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
+        ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
+        ("launch_decode.sh", {"C4_SHRINK": "yes"}, "C4_SHRINK"),
+        ("launch_decode.sh", {"DEVICE": "gpu"}, "DEVICE=gpu"),
+        ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
+        ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
+        # bash arithmetic wraps 2^64 + 1 to 1, so it passed the >= 1 check; now the string is checked first
+        (
+            "launch_decode.sh",
+            {"KMAX": "18446744073709551617"},
+            "KMAX=18446744073709551617 is too large (at most 9 digits",
+        ),
+        ("launch_prefill.sh", {"PORT": "99999999999999999999"}, "PORT=99999999999999999999 is too large"),
+        ("launch_router.sh", {"PROMETHEUS_PORT": "1000000000"}, "PROMETHEUS_PORT=1000000000 is too large"),
+    ],
+)
 def test_bad_knobs(script, env, msg):
     """README "Errors and data safety": every numeric input is range-checked where it is read, with one clear
     line naming the variable and a non-zero exit."""
@@ -97,6 +109,7 @@ def test_a_leading_zero_is_decimal_not_a_bash_error():
     assert p.returncode == 0 and "base" not in p.stderr and "line" not in p.stderr, p.stderr
     assert "ENV SGLANG_PATHP_PAGE_KMAX=08" in p.stdout
     from flashmemory.env import FlashMemoryEnv
+
     assert FlashMemoryEnv.from_environ({"SGLANG_PATHP_PAGE_KMAX": "08"}).page_kmax == 8
     p = dry("launch_decode.sh", KMAX="00")
     assert p.returncode != 0 and p.stderr.strip() == "error: KMAX=00 must be >= 1", p.stderr
@@ -116,7 +129,7 @@ def test_cpu_commands_parse(sg, script):
     assert envs["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] == "1" and envs["SGLANG_OPT_FLASHMLA_SPARSE_PREFILL"] == "0"
     assert ns.model_path.endswith("checkpoints/tiny-dsv4-sglang")
     if script != "data_generation/start_dump_server.sh":
-        assert envs["SGLANG_OPT_USE_ONLINE_COMPRESS"] == "0"     # the CUDA planner's path; 1 on GPUs
+        assert envs["SGLANG_OPT_USE_ONLINE_COMPRESS"] == "0"  # the CUDA planner's path; 1 on GPUs
     if script == "launch_decode.sh":
         assert envs["SGLANG_RETRIEVER_INLINE_CKPT"] == "" and envs["SGLANG_RETRIEVER_INLINE_LAYERS"] == "0,1"
         assert ns.max_running_requests == 4
@@ -126,6 +139,7 @@ def test_cpu_commands_parse(sg, script):
 
 def test_cpu_router_waits_for_slow_workers():
     from sglang_router.launch_router import parse_router_args
+
     argv, _ = command("launch_router.sh", DEVICE="cpu")
     ra = parse_router_args(argv[3:])
     assert ra.health_check_timeout_secs == 120 and ra.disable_circuit_breaker
@@ -147,24 +161,31 @@ def test_mooncake_tcp_is_a_backend_sglang_accepts(sg):
         assert p.parse_args(argv[3:]).disaggregation_transfer_backend == "mooncake_tcp"
 
 
-@pytest.mark.parametrize("backend,device,advice", [
-    ("nixl", "cuda", "pip install -e '.[serve-nixl]'"),
-    ("mooncake", "cuda", "pip install -e '.[serve-mooncake]'"),
-    ("mooncake_tcp", "cpu", "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1"),
-])
+@pytest.mark.parametrize(
+    "backend,device,advice",
+    [
+        ("nixl", "cuda", "pip install -e '.[serve-nixl]'"),
+        ("mooncake", "cuda", "pip install -e '.[serve-mooncake]'"),
+        ("mooncake_tcp", "cpu", "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1"),
+    ],
+)
 def test_transfer_backend_that_does_not_import_names_its_extra(tmp_path, backend, device, advice):
     """A backend whose import fails (here: a stand-in python that fails `import nixl._api` / `mooncake.engine`
     like a missing shared library) stops the script with the extra that installs it, before sglang starts."""
     import sys
+
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\ncase "$*" in *"import nixl"*|*"import mooncake"*) '
-                    'echo "ImportError: libibverbs.so.1: cannot open shared object file" >&2; exit 1;; esac\n'
-                    f'exec {sys.executable} "$@"\n')
+    fake.write_text(
+        '#!/bin/sh\ncase "$*" in *"import nixl"*|*"import mooncake"*) '
+        'echo "ImportError: libibverbs.so.1: cannot open shared object file" >&2; exit 1;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
     fake.chmod(0o755)
     e = {**os.environ, "PYTHON": str(fake), "MODEL": str(tmp_path), "TRANSFER_BACKEND": backend, "DEVICE": device}
     e.pop("DRY_RUN", None)
-    p = subprocess.run(["bash", os.path.join(ROOT, "launch_prefill.sh")], env=e, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch_prefill.sh")], env=e, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2, p.stderr
     assert advice in p.stderr and "libibverbs.so.1" in p.stderr and f"TRANSFER_BACKEND={backend}" in p.stderr
 
@@ -172,6 +193,7 @@ def test_transfer_backend_that_does_not_import_names_its_extra(tmp_path, backend
 def test_extras_name_every_transfer_backend():
     """The advice is true: pyproject has one extra per backend the scripts accept."""
     import tomllib
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert any(d.startswith("nixl") for d in extras["serve-nixl"])
@@ -197,13 +219,17 @@ def test_gpu_check_syntax_and_dry_run():
 def test_dump_server_writes_only_under_its_root_and_listens_locally():
     argv, envs = command("data_generation/start_dump_server.sh", DUMP_ROOT="/data/dumps")
     assert envs["SGLANG_FLASHMEMORY_DUMP_ROOT"] == "/data/dumps"
-    assert argv[argv.index("--host") + 1] == "127.0.0.1"                   # this machine only, unless told
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"  # this machine only, unless told
     from flashmemory.env import FlashMemoryEnv
+
     assert FlashMemoryEnv.from_environ(envs).dump_root == "/data/dumps"
     p = dry("data_generation/start_dump_server.sh", HOST="0.0.0.0")
     assert p.returncode == 0 and "accepts requests from the network" in p.stderr
-    for root, msg in [("", "DUMP_ROOT is not set"), ("rel/dir", "must be an absolute path"),
-                      ("/data/../etc", "must not contain '..'")]:
+    for root, msg in [
+        ("", "DUMP_ROOT is not set"),
+        ("rel/dir", "must be an absolute path"),
+        ("/data/../etc", "must not contain '..'"),
+    ]:
         p = dry("data_generation/start_dump_server.sh", DUMP_ROOT=root)
         assert p.returncode != 0 and msg in p.stderr and "CMD" not in p.stdout
 
@@ -215,13 +241,21 @@ def test_hisparse_decode_through_the_launch_script(sg, tmp_path):
 
     pytest.importorskip("mooncake.engine", reason="HiSparse's PD path moves KV with Mooncake")
     from flashmemory.serve.stack import PDConfig, _env, hisparse_config
+
     cfg = hisparse_config(PDConfig(model=tmp_path))
     assert not cfg.flashmemory and cfg.transfer_backend == "mooncake"
     assert cfg.decode_env["SGLANG_PLUGINS"] == "flashmemory_cpu" and cfg.prefill_env["MOONCAKE_PROTOCOL"] == "tcp"
-    env = {**_env(cfg, PORT="1", FLASHMEMORY="0", TRANSFER_BACKEND="mooncake", BOOTSTRAP_PORT="2",
-                  **dict(cfg.decode_env)), "DRY_RUN": "1"}
-    out = subprocess.run(["bash", os.path.join(ROOT, "launch_decode.sh"), *cfg.decode_args], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    env = {
+        **_env(cfg, PORT="1", FLASHMEMORY="0", TRANSFER_BACKEND="mooncake", BOOTSTRAP_PORT="2", **dict(cfg.decode_env)),
+        "DRY_RUN": "1",
+    }
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch_decode.sh"), *cfg.decode_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     argv = shlex.split([ln for ln in out.splitlines() if ln.startswith("CMD ")][0][4:])
     p = argparse.ArgumentParser()
     sg["server_args"].ServerArgs.add_cli_args(p)

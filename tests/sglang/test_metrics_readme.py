@@ -28,6 +28,7 @@ def test_readme_names_the_router_endpoint():
 def test_metrics_export():
     prom = pytest.importorskip("prometheus_client")
     from flashmemory.sglang.prometheus import FlashMemoryMetrics
+
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
     m.publish({"recall_bytes": 1000, "resident_fraction": 0.25, "unknown": 1})
@@ -40,8 +41,16 @@ def test_readme_metrics_table_is_generated_and_complete():
     """docs/metrics.md's metrics table is `metrics_table()` (regenerate it when a metric is added) and names every
     metric, the serving gauges an operator reads at idle, the guard's failure counter and HiSparse's swap-in
     counters included."""
-    from flashmemory.sglang.prometheus import (FAILURES, HISPARSE_SWAPIN, HISPARSE_SWAPIN_PREFIX, METRICS, PREFIX,
-                                               SERVING_METRICS, metrics_table)
+    from flashmemory.sglang.prometheus import (
+        FAILURES,
+        HISPARSE_SWAPIN,
+        HISPARSE_SWAPIN_PREFIX,
+        METRICS,
+        PREFIX,
+        SERVING_METRICS,
+        metrics_table,
+    )
+
     text = open(os.path.join(ROOT, "docs/metrics.md")).read()
     assert metrics_table() in text, "metrics table is stale: paste flashmemory.sglang.prometheus.metrics_table()"
     swapin = [HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN]
@@ -54,6 +63,7 @@ def test_readme_metrics_table_is_generated_and_complete():
 def test_serving_gauges_and_failure_counter_export():
     prom = pytest.importorskip("prometheus_client")
     from flashmemory.sglang.prometheus import FlashMemoryMetrics, failure_counter
+
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
     m.publish({"live_requests": 0, "free_reserve_blocks": 96, "reserve_blocks": 96, "host_mirror_bytes_in_use": 0})
@@ -67,6 +77,7 @@ def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
     """The metrics table's HiSparse rows name exactly the counters `SwapInCounter` creates, in its order."""
     from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
     from flashmemory.sglang.prometheus import HISPARSE_SWAPIN
+
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
 
 
@@ -74,6 +85,7 @@ def test_hisparse_prefetch_table_rows_are_the_counters_the_mode_exports():
     """The metrics table names every counter `PrefetchCounter` creates, in its order."""
     from flashmemory.sglang.hisparse_prefetch import PrefetchCounter
     from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX, metrics_table
+
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
     for k in HISPARSE_PREFETCH:
         assert f"`{PREFIX}{HISPARSE_PREFETCH_PREFIX}{k}_total`" in metrics_table()

@@ -15,13 +15,40 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
-PROCESS_STATE = {("runtime.py", "RUNTIME")}   # the one per-process object
+PROCESS_STATE = {("runtime.py", "RUNTIME")}  # the one per-process object
 # (file, name) -> why it is still a singleton of its own: none remain.
 KNOWN: dict[tuple[str, str], str] = {}
-IMMUTABLE_FACTORIES = {"frozenset", "tuple", "getLogger", "compile", "TypeVar", "namedtuple", "NewType", "object",
-                       "float", "int", "str", "bytes", "Patch", "MappingProxyType", "finfo"}
-MUTATORS = {"append", "extend", "update", "add", "pop", "popitem", "clear", "setdefault", "remove", "discard",
-            "insert", "__setitem__"}
+IMMUTABLE_FACTORIES = {
+    "frozenset",
+    "tuple",
+    "getLogger",
+    "compile",
+    "TypeVar",
+    "namedtuple",
+    "NewType",
+    "object",
+    "float",
+    "int",
+    "str",
+    "bytes",
+    "Patch",
+    "MappingProxyType",
+    "finfo",
+}
+MUTATORS = {
+    "append",
+    "extend",
+    "update",
+    "add",
+    "pop",
+    "popitem",
+    "clear",
+    "setdefault",
+    "remove",
+    "discard",
+    "insert",
+    "__setitem__",
+}
 
 
 def _call_name(v: ast.AST) -> str:
@@ -37,7 +64,7 @@ def module_state(files: list[Path], root: Path) -> set[tuple[str, str]]:
         names: dict[str, ast.AST] = {}
         for n in tree.body:
             if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
-                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
                     if isinstance(t, ast.Name):
                         names[t.id] = n.value
         bound[rel] = names
@@ -47,13 +74,20 @@ def module_state(files: list[Path], root: Path) -> set[tuple[str, str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Global):
                 rebound |= {(rel, n) for n in node.names}
-            targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else ([node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            )
             for t in targets:
                 if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name):
                     mutated.add(t.value.id)
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
-                    and isinstance(node.func.value, ast.Name)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+                and isinstance(node.func.value, ast.Name)
+            ):
                 mutated.add(node.func.value.id)
     out = set(rebound)
     for rel, names in bound.items():
@@ -68,21 +102,40 @@ def module_state(files: list[Path], root: Path) -> set[tuple[str, str]]:
 def test_the_scan_sees_instances_written_containers_and_global_rebinding(tmp_path):
     (tmp_path / "m.py").write_text(
         "import logging\nlogger = logging.getLogger(__name__)\nTABLE = {'a': 1}\nSEEN = {}\nLATER = None\n"
-        "STATE = Counter()\nKEYS = tuple(TABLE)\n\n\ndef f():\n    global LATER\n    LATER = 1\n    SEEN['x'] = 1\n")
+        "STATE = Counter()\nKEYS = tuple(TABLE)\n\n\ndef f():\n    global LATER\n    LATER = 1\n    SEEN['x'] = 1\n"
+    )
     assert module_state([tmp_path / "m.py"], tmp_path) == {("m.py", "SEEN"), ("m.py", "LATER"), ("m.py", "STATE")}
 
 
 def test_no_module_level_mutable_state_but_the_process_object():
     found = module_state(sorted(PKG.rglob("*.py")), PKG) - PROCESS_STATE
-    assert found == set(KNOWN), (f"module-level mutable state outside runtime.RUNTIME (fold it into the process "
-                                 f"state): {sorted(found - set(KNOWN))}; folded but still in KNOWN: "
-                                 f"{sorted(set(KNOWN) - found)}")
+    assert found == set(KNOWN), (
+        f"module-level mutable state outside runtime.RUNTIME (fold it into the process "
+        f"state): {sorted(found - set(KNOWN))}; folded but still in KNOWN: "
+        f"{sorted(set(KNOWN) - found)}"
+    )
 
 
-@pytest.mark.parametrize("name", ["_APPLIED", "_STATE", "guard_hook", "_VIEW_LOCK", "GUARD", "_FAILURE_COUNTER",
-                                  "SWAPIN", "_TRACE", "_TRACE_LOCK", "_NEWEST_PENDING", "PREFETCH", "HINT"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_APPLIED",
+        "_STATE",
+        "guard_hook",
+        "_VIEW_LOCK",
+        "GUARD",
+        "_FAILURE_COUNTER",
+        "SWAPIN",
+        "_TRACE",
+        "_TRACE_LOCK",
+        "_NEWEST_PENDING",
+        "PREFETCH",
+        "HINT",
+    ],
+)
 def test_folded_singletons_stay_gone(name):
     from flashmemory.sglang import guard, hisparse_prefetch, hooks, patching, plugin, prometheus
     from flashmemory.sglang.cpu import patches_hisparse, patches_runtime
+
     mods = (patching, plugin, patches_runtime, guard, hooks, prometheus, hisparse_prefetch, patches_hisparse)
     assert not any(hasattr(m, name) for m in mods)

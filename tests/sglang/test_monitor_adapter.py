@@ -1,6 +1,7 @@
 """The miss monitor behind sglang, copy mode (fake DSv4 pool with sglang's page layout) and shrink mode (sglang's
 real `DeepSeekV4TokenToKVPool`): the side band carries q_lora, the native query is recomputed through the indexer
 module the hook saw, escalation runs inside the engine's caps, and the counters reach the Prometheus export."""
+
 import pytest
 import torch
 
@@ -35,8 +36,11 @@ class StubIndexer:
 
 
 def _snap(s, g):
-    return {"hidden_1": torch.randn(1, HIDDEN, generator=g), "q_lora_1": torch.randn(1, RANK, generator=g),
-            "positions": s - 1}
+    return {
+        "hidden_1": torch.randn(1, HIDDEN, generator=g),
+        "q_lora_1": torch.randn(1, RANK, generator=g),
+        "positions": s - 1,
+    }
 
 
 def test_copy_mode_monitor_counts_and_exports():
@@ -48,7 +52,7 @@ def test_copy_mode_monitor_counts_and_exports():
     pages = [5, 2, 9, 7]
     table = torch.tensor([pages])
     seq = 3 * PAGE + 40
-    for step in range(3):          # no indexer seen yet: the monitor skips, Level 1 runs as before
+    for step in range(3):  # no indexer seen yet: the monitor skips, Level 1 runs as before
         s = torch.tensor([seq + 1 + step])
         eng.begin_step(["a"], table, s)
         eng.level1(_snap(s, g))
@@ -68,7 +72,7 @@ def test_copy_mode_monitor_counts_and_exports():
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
     m.publish(st)
-    m.publish(st)                  # no new observations: the histogram count stays
+    m.publish(st)  # no new observations: the histogram count stays
     out = prom.generate_latest(reg).decode()
     assert f"flashmemory_miss_mass_count {float(tot['monitor_cycles'])}" in out
     assert f"flashmemory_monitor_cycles_total {float(tot['monitor_cycles'])}" in out
@@ -91,7 +95,7 @@ def test_runtime_side_band_carries_q_lora_and_the_indexer():
     rt2 = Runtime()
     rt2.configure(env(), ("level2", "mask", "path_p", "level1"))
     rt2.capture_sideband_input(1, x, torch.arange(3), capturing=False, q_lora=ql, indexer=ind)
-    assert rt2.indexers == {} and "q_lora_1" not in rt2.sideband.read(3)   # monitor off: stock side band
+    assert rt2.indexers == {} and "q_lora_1" not in rt2.sideband.read(3)  # monitor off: stock side band
 
 
 def test_shrink_mode_monitor_on_sglang_pool(sa, monkeypatch):  # noqa: F811
@@ -103,7 +107,7 @@ def test_shrink_mode_monitor_on_sglang_pool(sa, monkeypatch):  # noqa: F811
     ix = pool.c4_indexer_kv_pool.index_k_with_scale_buffer
     pages = [9, 3, 40, 17, 22, 5]
     seq0 = 3 * PAGE + 40
-    for j in range(seq0 // 4):     # PD: index-K of the target layer in sglang's device pool (finite fp8 + scale)
+    for j in range(seq0 // 4):  # PD: index-K of the target layer in sglang's device pool (finite fp8 + scale)
         loc = pages[j // 64] * 64 + j % 64
         row = torch.randint(0, 0x77, (1, 132), dtype=torch.uint8, generator=g)
         row[0, 128:] = torch.tensor([0.01]).view(torch.uint8)
@@ -111,7 +115,7 @@ def test_shrink_mode_monitor_on_sglang_pool(sa, monkeypatch):  # noqa: F811
     for step in range(12):
         s = torch.tensor([seq0 + 1 + step])
         _, after = (int(x) for x in c4_counts(s))
-        eng.begin_step(["a"], torch.tensor([pages])[:, :-(-after // 64)], s)
+        eng.begin_step(["a"], torch.tensor([pages])[:, : -(-after // 64)], s)
         eng.settle()
         eng.level1(_snap(s, g))
     tot = eng.engine.metrics()["total"]

@@ -25,19 +25,23 @@ def called_on_adapter() -> set[str]:
     names = set()
     for f in ("hooks.py", "runtime.py", "prometheus.py"):
         for node in ast.walk(ast.parse((PKG / f).read_text())):
-            on = isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("engine", "RUNTIME.engine", "self.engine")
+            on = isinstance(node, ast.Attribute) and ast.unparse(node.value) in (
+                "engine",
+                "RUNTIME.engine",
+                "self.engine",
+            )
             if on:
                 names.add(node.attr)
     return names
 
 
 def test_the_base_declares_everything_its_callers_use() -> None:
-    base = OffloadAdapter(fake_pool(), env())   # instance attributes too (rows, l1, indexers)
+    base = OffloadAdapter(fake_pool(), env())  # instance attributes too (rows, l1, indexers)
     used = called_on_adapter()
     assert {"begin_step", "cells_of", "settle", "index_in_reserve", "level1", "rows", "l1"} <= used
     missing = sorted(n for n in used if not hasattr(base, n))
     assert not missing, f"called on the adapter but not defined by OffloadAdapter: {missing}"
-    for n in used:   # methods are the base's own, not left for a subclass to add
+    for n in used:  # methods are the base's own, not left for a subclass to add
         assert not callable(getattr(OffloadAdapter, n, None)) or n in vars(OffloadAdapter), n
     base.close()
 
@@ -83,6 +87,7 @@ def test_begin_step_crosses_into_the_core_once() -> None:
                 return fn(*a, **k)
             finally:
                 inside[0] = False
+
         setattr(core, name, wrapped)
 
     for name in ("sync_batch", "finish", "admit", "open_tail_page", "add_pages", "decode_append", "n_chunks", "gen"):
@@ -91,8 +96,11 @@ def test_begin_step_crosses_into_the_core_once() -> None:
     r2t[0] = torch.arange(4 * PAGE) + 4 * PAGE
     for step, rids in enumerate((["a"], ["a"], [])):
         seq = torch.tensor([2 * PAGE + 3 + step])[: len(rids)]
-        table = (c4_page_table(r2t, torch.tensor([0])[: len(rids)], seq, PAGE) if rids
-                 else torch.empty((0, 1), dtype=torch.int64))
+        table = (
+            c4_page_table(r2t, torch.tensor([0])[: len(rids)], seq, PAGE)
+            if rids
+            else torch.empty((0, 1), dtype=torch.int64)
+        )
         calls.clear()
         eng.begin_step(rids, table, seq)
         assert calls and calls.count("sync_batch") == 1 and not [c for c in calls if c.startswith("direct")], calls

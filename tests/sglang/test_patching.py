@@ -28,9 +28,11 @@ def target_module(monkeypatch):
     mod.f, mod.around_f = f, around_f
     monkeypatch.setitem(sys.modules, MOD, mod)
     from flashmemory.sglang.runtime import RUNTIME
+
     monkeypatch.setattr(RUNTIME, "applied_patches", {})
     yield mod
     from sglang.srt.plugins.hook_registry import HookRegistry
+
     HookRegistry._hooks.pop(f"{MOD}.f", None)
     HookRegistry._patched.discard(f"{MOD}.f")
 
@@ -39,8 +41,11 @@ def test_every_row_is_well_formed():
     rows = patching.all_patches()
     assert rows and all(isinstance(p, Patch) and p.kind in KINDS and p.why for p in rows)
     import re
+
     code = [p for p in rows if p.kind not in ("env", "import_stub")]
-    assert all(re.search(r"\.py:\d+", p.why) for p in code), [p.target for p in code if not re.search(r"\.py:\d+", p.why)]
+    assert all(re.search(r"\.py:\d+", p.why) for p in code), [
+        p.target for p in code if not re.search(r"\.py:\d+", p.why)
+    ]
     with pytest.raises(ValueError, match="kind"):
         Patch("x", "a.b", "monkey", "m:f", (), "why")
     with pytest.raises(ValueError, match="why"):
@@ -55,11 +60,12 @@ def test_select_dedups_a_shared_hook_and_filters_kinds():
 
 def test_apply_hands_sglang_the_impl_once_and_verifies(sg, target_module):
     from sglang.srt.plugins.hook_registry import HookRegistry
+
     row = Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1")
     assert patching.apply([row]) == [f"{MOD}.f"]
     assert target_module.f(1, 2) == 30
-    assert [h for _, h, _ in HookRegistry._hooks[f"{MOD}.f"]] == [target_module.around_f]   # the impl itself
-    assert patching.apply([row]) == [f"{MOD}.f"] and target_module.f(1, 2) == 30   # once per process
+    assert [h for _, h, _ in HookRegistry._hooks[f"{MOD}.f"]] == [target_module.around_f]  # the impl itself
+    assert patching.apply([row]) == [f"{MOD}.f"] and target_module.f(1, 2) == 30  # once per process
 
 
 def test_drift_and_a_missing_impl_are_one_startup_line(sg, target_module):
@@ -69,20 +75,22 @@ def test_drift_and_a_missing_impl_are_one_startup_line(sg, target_module):
     gone = Patch("t", f"{MOD}.f", "around", f"{MOD}:nope", ("x", "y"), "test.py:1")
     with pytest.raises(patching.StartupError, match="cannot load fm_patching_target:nope"):
         patching.apply([gone])
-    assert target_module.f(1, 2) == 3   # nothing applied
+    assert target_module.f(1, 2) == 3  # nothing applied
 
 
 def test_a_hook_that_does_not_apply_stops_startup(sg, target_module, monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry
-    monkeypatch.setattr(HookRegistry, "apply_hooks", classmethod(lambda cls: None))   # it only logs failures
+
+    monkeypatch.setattr(HookRegistry, "apply_hooks", classmethod(lambda cls: None))  # it only logs failures
     row = Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1")
     with pytest.raises(patching.StartupError, match="did not apply: fm_patching_target.f is not patched"):
         patching.apply([row])
 
 
 def test_optional_rows_of_absent_packages_are_skipped(target_module):
-    row = Patch("t", "fm_no_such_package.Agent.__init__", "after", f"{MOD}:around_f", ("self",), "x.py:1",
-                optional=True)
+    row = Patch(
+        "t", "fm_no_such_package.Agent.__init__", "after", f"{MOD}:around_f", ("self",), "x.py:1", optional=True
+    )
     assert patching.apply([row]) == []
 
 
@@ -99,8 +107,9 @@ def test_the_readme_table_is_the_generated_one():
     from pathlib import Path
 
     from flashmemory.sglang import patches_cli
+
     text = (Path(__file__).resolve().parents[2] / "flashmemory" / "sglang" / "README.md").read_text()
-    block = text[text.index(patches_cli.BEGIN):text.index(patches_cli.END) + len(patches_cli.END)]
+    block = text[text.index(patches_cli.BEGIN) : text.index(patches_cli.END) + len(patches_cli.END)]
     assert block == patches_cli.as_markdown(patches_cli.rows())
 
 
@@ -108,14 +117,16 @@ def test_patches_command(tmp_path, capsys, monkeypatch):
     import json
 
     from flashmemory.cli import main
+
     assert main(["patches", "--features", "cpu_pd,path_i", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert {r["feature"] for r in got} == {"cpu_pd", "path_i"} and all(r["why"] for r in got)
     assert main(["patches", "--features", "nope"]) == 2
     assert "--features: unknown feature(s) ['nope']" in capsys.readouterr().err
     readme = tmp_path / "R.md"
-    readme.write_text("head\n<!-- BEGIN PATCH TABLE (flashmemory patches --markdown) -->\nold\n"
-                      "<!-- END PATCH TABLE -->\ntail\n")
+    readme.write_text(
+        "head\n<!-- BEGIN PATCH TABLE (flashmemory patches --markdown) -->\nold\n<!-- END PATCH TABLE -->\ntail\n"
+    )
     assert main(["patches", "--write", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("head\n<!-- BEGIN") and text.endswith("-->\ntail\n") and "| shrink | around |" in text
@@ -126,9 +137,12 @@ def test_patches_command(tmp_path, capsys, monkeypatch):
 
 def test_check_names_the_first_drifted_target(sg, target_module, monkeypatch, capsys):
     from flashmemory.cli import main
-    rows = (Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1"),
-            Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "renamed"), "test.py:2"),
-            Patch("t", f"{MOD}.gone", "around", f"{MOD}:around_f", ("x",), "test.py:3"))
+
+    rows = (
+        Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "y"), "test.py:1"),
+        Patch("t", f"{MOD}.f", "around", f"{MOD}:around_f", ("x", "renamed"), "test.py:2"),
+        Patch("t", f"{MOD}.gone", "around", f"{MOD}:around_f", ("x",), "test.py:3"),
+    )
     monkeypatch.setattr(patching, "all_patches", lambda: rows)
     assert main(["patches", "--check"]) == 2
     err = capsys.readouterr().err
@@ -148,6 +162,7 @@ def test_an_attr_row_replaces_its_object_once_and_a_refusal_is_one_line(target_m
     assert target_module.platform == ("view", shipped)
     assert patching.apply([row]) == [f"{MOD}.platform"] and target_module.platform == ("view", shipped)  # once
     bad = Patch("t", f"{MOD}.platform", "attr", f"{MOD}:refuse", (), "test.py:2")
-    with pytest.raises(patching.StartupError,
-                       match=rf"^FlashMemory startup error: {MOD}.platform: this release is not supported$"):
+    with pytest.raises(
+        patching.StartupError, match=rf"^FlashMemory startup error: {MOD}.platform: this release is not supported$"
+    ):
         patching.apply([bad])

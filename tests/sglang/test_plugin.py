@@ -2,6 +2,7 @@
 
 Needs the entry point installed (`pip install -e .`); skipped otherwise.
 """
+
 import importlib.metadata as md
 import json
 import os
@@ -52,8 +53,14 @@ def installed():
 
 
 def test_gates_off_patch_nothing_and_on_patch_all(installed):
-    off, on = _run({"SGLANG_FLASHMEMORY_DUMP": "1", "SGLANG_FLASHMEMORY_DUMP_ROOT": "/tmp",
-                    "SGLANG_PATHP_SCORE_RESIDENT": "1", "SGLANG_PATHP_CUDAGRAPH": "1"})
+    off, on = _run(
+        {
+            "SGLANG_FLASHMEMORY_DUMP": "1",
+            "SGLANG_FLASHMEMORY_DUMP_ROOT": "/tmp",
+            "SGLANG_PATHP_SCORE_RESIDENT": "1",
+            "SGLANG_PATHP_CUDAGRAPH": "1",
+        }
+    )
     assert off["err"] is None and off["state"] == {"features": [], "targets": [], "cpu_targets": []}
     assert off["patched"] == []
     assert on["err"] is None, on["err"]
@@ -64,6 +71,7 @@ def test_gates_off_patch_nothing_and_on_patch_all(installed):
 def test_bad_gate_value_stops_startup(monkeypatch):
     from flashmemory.sglang import plugin
     from flashmemory.sglang.runtime import RUNTIME
+
     monkeypatch.setattr(RUNTIME, "registration", None)
     monkeypatch.setenv("SGLANG_PATHP_PAGE_KMAX", "lots")
     monkeypatch.setenv("SGLANG_FLASHMEMORY_DUMP", "1")
@@ -77,11 +85,13 @@ def test_register_is_idempotent_and_verifies(sg, monkeypatch):
     from flashmemory.sglang.patch_spec import resolve
     from flashmemory.sglang.patching import verify
     from flashmemory.sglang.targets import SPECS
+
     spec = SPECS[0]
     orig = {spec.target: resolve(spec.target)[2]}
-    bad = verify([spec], orig)   # nothing applied in this process
+    bad = verify([spec], orig)  # nothing applied in this process
     assert bad and "is not patched" in bad[0]
     from flashmemory.sglang.runtime import RUNTIME
+
     monkeypatch.setattr(RUNTIME, "registration", {"features": (), "targets": []})
     plugin.register()  # already ran: no-op, nothing imported or registered
     assert plugin.state() == {"features": (), "targets": []}
@@ -110,16 +120,28 @@ print("RESULT" + json.dumps(out))
 
 
 def test_path_p_startup_builds_the_adapter(installed, tmp_path):
-    import torch
     from flashmemory.retriever import save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
-    ck = save_retriever(JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
-                        tmp_path / "tiny.safetensors")
+
+    ck = save_retriever(
+        JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
+        tmp_path / "tiny.safetensors",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
-    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_TESTS": os.path.dirname(__file__),
-                "SGLANG_DECODE_SWAP_P": "1", "SGLANG_RETRIEVER_INLINE_CKPT": str(ck),
-                "SGLANG_RETRIEVER_INLINE_LAYERS": "1", "SGLANG_PATHP_DECODE_MAX_CONC": "2",
-                "SGLANG_PATHP_RESERVE_PAGES": "4", "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_DSV4_TARGET_CONTEXT": "4096"})
+    env.update(
+        {
+            "PYTHONPATH": ROOT,
+            "SGLANG_PLUGINS": "flashmemory",
+            "FM_TESTS": os.path.dirname(__file__),
+            "SGLANG_DECODE_SWAP_P": "1",
+            "SGLANG_RETRIEVER_INLINE_CKPT": str(ck),
+            "SGLANG_RETRIEVER_INLINE_LAYERS": "1",
+            "SGLANG_PATHP_DECODE_MAX_CONC": "2",
+            "SGLANG_PATHP_RESERVE_PAGES": "4",
+            "SGLANG_PATHP_PAGE_KMAX": "2",
+            "SGLANG_DSV4_TARGET_CONTEXT": "4096",
+        }
+    )
     p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
     lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, p.stderr[-3000:]
@@ -154,12 +176,15 @@ for case in json.loads(os.environ["FM_CASES"]):
 def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
     """Missing, truncated, NaN, wrong-layer and wrong-hidden-size checkpoints stop load_plugins() with one line, before
     any hook is applied (so before sglang builds the pool or loads the model)."""
-    import torch
     from safetensors.torch import load_file, save_file
+
     from flashmemory.retriever import save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
-    ck = save_retriever(JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
-                        tmp_path / "tiny.safetensors")
+
+    ck = save_retriever(
+        JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
+        tmp_path / "tiny.safetensors",
+    )
     sd = load_file(str(ck))
     sd["retrievers.l1.wq_a.weight"][0, 0] = float("inf")
     save_file(sd, str(tmp_path / "inf.safetensors"))
@@ -179,10 +204,15 @@ def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
     p = subprocess.run([sys.executable, "-c", BADCKPT], env=env, capture_output=True, text=True, timeout=240)
     res = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert len(res) == len(cases), p.stderr[-3000:]
-    want = [r"missing\.safetensors", r"cut\.safetensors: unreadable safetensors file",
-            r"inf\.safetensors: retrievers\.l1\.wq_a\.weight holds 1 non-finite", r"layer\(s\) \[2\] not in checkpoint",
-            r"hidden size 16 does not match the served model's hidden_size 4096"]
+    want = [
+        r"missing\.safetensors",
+        r"cut\.safetensors: unreadable safetensors file",
+        r"inf\.safetensors: retrievers\.l1\.wq_a\.weight holds 1 non-finite",
+        r"layer\(s\) \[2\] not in checkpoint",
+        r"hidden size 16 does not match the served model's hidden_size 4096",
+    ]
     import re
+
     for r, pat in zip(res, want):
         assert r["err"] and r["err"].startswith("FlashMemory startup error: SGLANG_RETRIEVER_INLINE_CKPT="), r
         assert re.search(pat, r["err"]) and "\n" not in r["err"], r["err"]
@@ -194,6 +224,7 @@ def test_announce_reaches_the_server_log_before_logging_is_configured(capsys, ca
     import logging
 
     from flashmemory.sglang import plugin
+
     monkeypatch.setattr(plugin.logger, "isEnabledFor", lambda level: level >= logging.WARNING)
     plugin.announce("FlashMemory: all gates off")
     assert capsys.readouterr().err == "FlashMemory: all gates off\n" and not caplog.records
@@ -201,4 +232,5 @@ def test_announce_reaches_the_server_log_before_logging_is_configured(capsys, ca
     with caplog.at_level(logging.INFO, logger=plugin.logger.name):
         plugin.announce("FlashMemory: active features: level2")
     assert capsys.readouterr().err == "" and [r.getMessage() for r in caplog.records] == [
-        "FlashMemory: active features: level2"]
+        "FlashMemory: active features: level2"
+    ]

@@ -19,8 +19,11 @@ FAR = torch.tensor([300_000, 700_000, 1_048_575])
 
 
 def _env(ckpt: Path, **kw) -> FlashMemoryEnv:
-    base = {"SGLANG_DECODE_SWAP_P": "1", "SGLANG_RETRIEVER_INLINE_CKPT": str(ckpt),
-            "SGLANG_RETRIEVER_INLINE_LAYERS": "10,12"}
+    base = {
+        "SGLANG_DECODE_SWAP_P": "1",
+        "SGLANG_RETRIEVER_INLINE_CKPT": str(ckpt),
+        "SGLANG_RETRIEVER_INLINE_LAYERS": "10,12",
+    }
     return FlashMemoryEnv.from_environ(base | kw)
 
 
@@ -53,8 +56,7 @@ def test_far_positions_get_distinct_exact_angles_and_scores(tmp_path: Path) -> N
 def test_max_position_env_overrides_an_upstream_pt_too(tmp_path: Path) -> None:
     model = JointRetriever((10, 12), DIMS)
     pt = tmp_path / "up.pt"
-    torch.save({f"retrievers.l{lid}.{k}": v for lid in (10, 12)
-                for k, v in model.layer(lid).state_dict().items()}, pt)
+    torch.save({f"retrievers.l{lid}.{k}": v for lid in (10, 12) for k, v in model.layer(lid).state_dict().items()}, pt)
     served = load_serving_retriever(_env(pt, SGLANG_RETRIEVER_MAX_POSITION="2097152"))
     assert served.rope.max_position == 2_097_152
     assert rope_angles(torch.tensor([2_000_000]), served.rope)[0, 0] == 2_000_000 * yarn_inv_freq(served.rope)[0]
@@ -69,13 +71,17 @@ def _model_dir(tmp_path: Path, hidden: int) -> Path:
 
 def test_bad_checkpoints_are_one_line_naming_variable_file_and_tensor(tmp_path: Path) -> None:
     ck, model = _short_table_ckpt(tmp_path / "r.safetensors")
-    with pytest.raises(CheckpointError, match=r"SGLANG_RETRIEVER_INLINE_CKPT=.*r\.safetensors.*hidden size 32 .*"
-                                              r"hidden_size 4096 .*config\.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"SGLANG_RETRIEVER_INLINE_CKPT=.*r\.safetensors.*hidden size 32 .*"
+        r"hidden_size 4096 .*config\.json",
+    ):
         load_serving_retriever(_env(ck), _model_dir(tmp_path, 4096))
     assert load_serving_retriever(_env(ck), _model_dir(tmp_path, 32)).dims.hidden == 32
     with pytest.raises(CheckpointError, match=r"layer\(s\) \[20\] not in checkpoint.*INLINE_LAYERS"):
         load_serving_retriever(_env(ck, SGLANG_RETRIEVER_INLINE_LAYERS="10,20"))
     from safetensors.torch import load_file, save_file
+
     sd = load_file(str(ck))
     sd["retrievers.l12.wq_b.weight"][3, 5] = float("nan")
     save_file(sd, str(tmp_path / "nan.safetensors"))
@@ -89,6 +95,7 @@ def test_bad_checkpoints_are_one_line_naming_variable_file_and_tensor(tmp_path: 
 def test_model_path_from_server_args_or_the_launch_command(tmp_path: Path) -> None:
     class Args:
         model_path = "/m/a"
+
     assert served_model_path(Args(), ["--model-path", "/m/b"]) == "/m/a"
     assert served_model_path(None, ["x", "--model-path", "/m/b", "--tp", "8"]) == "/m/b"
     assert served_model_path(None, ["--model=/m/c"]) == "/m/c"

@@ -46,10 +46,19 @@ def _flags(path: Path) -> list[tuple[str, str, str, bool]]:
     tree = ast.parse(path.read_text())
     ours = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     # Names of our own objects: imported from flashmemory, or module-level globals of this file.
-    own_objects = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
-                   and (n.module or "").startswith("flashmemory") for a in n.names}
-    own_objects |= {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    own_objects = {
+        a.asname or a.name
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("flashmemory")
+        for a in n.names
+    }
+    own_objects |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name)
+    }
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     out: list[tuple[str, str, str, bool]] = []
 
@@ -59,14 +68,19 @@ def _flags(path: Path) -> list[tuple[str, str, str, bool]]:
             name = ".".join(s.name for s in stack)  # type: ignore[attr-defined]
             cls = next((s for s in reversed(stack) if isinstance(s, ast.ClassDef)), None)
             methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls else set()
-            local_defs = {n.name for s in stack if isinstance(s, ast.FunctionDef) for n in ast.walk(s)
-                          if isinstance(n, ast.FunctionDef)}
+            local_defs = {
+                n.name
+                for s in stack
+                if isinstance(s, ast.FunctionDef)
+                for n in ast.walk(s)
+                if isinstance(n, ast.FunctionDef)
+            }
             if isinstance(ch, ast.Call) and isinstance(ch.func, ast.Name) and ch.func.id == "setattr":
                 if not (ch.args and isinstance(ch.args[0], ast.Name) and ch.args[0].id == "self" and cls):
                     out.append((name, ast.unparse(ch), "setattr", False))
             if isinstance(ch, (ast.Assign, ast.AnnAssign)):
                 targets = ch.targets if isinstance(ch, ast.Assign) else [ch.target]
-                for t in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                for t in (e for tg in targets for e in (tg.elts if isinstance(tg, ast.Tuple) else [tg])):
                     if not isinstance(t, ast.Attribute):
                         continue
                     root = t.value
@@ -75,10 +89,17 @@ def _flags(path: Path) -> list[tuple[str, str, str, bool]]:
                     base = root.id if isinstance(root, ast.Name) else None
                     own = (base == "self" and cls is not None) or base in own_objects
                     v = ch.value
-                    code = (isinstance(v, ast.Lambda) or (isinstance(v, ast.Name) and v.id in ours)
-                            or (isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name)
-                                and v.value.id == "self" and v.attr in methods)
-                            or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in classes))
+                    code = (
+                        isinstance(v, ast.Lambda)
+                        or (isinstance(v, ast.Name) and v.id in ours)
+                        or (
+                            isinstance(v, ast.Attribute)
+                            and isinstance(v.value, ast.Name)
+                            and v.value.id == "self"
+                            and v.attr in methods
+                        )
+                        or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in classes)
+                    )
                     tag = t.attr.startswith("flashmemory_") and base not in local_defs
                     if (code and not own) or tag:
                         out.append((name, ast.unparse(ch)[:90], "tag" if tag else "code", tag))
@@ -90,10 +111,12 @@ def _flags(path: Path) -> list[tuple[str, str, str, bool]]:
 
 def test_the_scan_sees_each_form_of_mutation(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("class View:\n    pass\n\n\ndef f(pool, mod):\n    pool.seam = pool.translate\n"
-                   "    mod.platform = View()\n    setattr(mod, 'x', 1)\n    pool.flashmemory_pages = 3\n"
-                   "    pool.size = 3\n\n\nclass C:\n    def m(self):\n        self.x = self.m\n"
-                   "    def n(self, pool):\n        pool.hook = self.m\n")
+    src.write_text(
+        "class View:\n    pass\n\n\ndef f(pool, mod):\n    pool.seam = pool.translate\n"
+        "    mod.platform = View()\n    setattr(mod, 'x', 1)\n    pool.flashmemory_pages = 3\n"
+        "    pool.size = 3\n\n\nclass C:\n    def m(self):\n        self.x = self.m\n"
+        "    def n(self, pool):\n        pool.hook = self.m\n"
+    )
     rules = [(fn, rule) for fn, _, rule, _ in _flags(src)]
     assert rules == [("f", "code"), ("f", "setattr"), ("f", "tag"), ("C.n", "code")], rules
 
@@ -109,5 +132,7 @@ def test_no_mutation_of_sglang_outside_the_patch_table(path):
             continue
         found.setdefault((rel, fn), []).append(f"{rule}: {src}")
     known = {k for k in KNOWN if k[0] == rel}
-    assert set(found) == known, (f"{rel}: changes to sglang objects outside the Patch table (make them rows of a "
-                                 f"table in patching.TABLES): {found}; still listed in KNOWN: {known - set(found)}")
+    assert set(found) == known, (
+        f"{rel}: changes to sglang objects outside the Patch table (make them rows of a "
+        f"table in patching.TABLES): {found}; still listed in KNOWN: {known - set(found)}"
+    )

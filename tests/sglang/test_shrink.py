@@ -1,5 +1,6 @@
 """Shrink mode on sglang's real `DeepSeekV4TokenToKVPool`, built on CPU: no full-size device c4 KV pool, PD
 transfer regions in the host mirror, stores through sglang's HiSparse translation seam, settle into the mirror."""
+
 import inspect
 import json
 import os
@@ -21,7 +22,7 @@ from flashmemory.sglang.shrink import LandingOverflowError, ShrunkOffload, landi
 pytestmark = pytest.mark.sglang
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = 256
-C4_TOKENS = 32768                       # c4 entries of the pool: 516 pages of 64 (64 MB of c4 KV per layer at most)
+C4_TOKENS = 32768  # c4 entries of the pool: 516 pages of 64 (64 MB of c4 KV per layer at most)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,11 @@ def sa(tmp_path_factory):
     import gpu_check
     from sglang.srt.runtime_context import get_context
     from sglang.srt.server_args import ServerArgs
+
     d = tmp_path_factory.mktemp("cfg")
     (d / "config.json").write_text(json.dumps(gpu_check.tiny_config()))
-    kw = gpu_check.engine_kwargs(str(d), 30000, pd=True)      # gpu_check's PD cases (fake transfer) ...
-    kw.update(device="cpu", disaggregation_transfer_backend="nixl")   # ... as a NIXL decode server
+    kw = gpu_check.engine_kwargs(str(d), 30000, pd=True)  # gpu_check's PD cases (fake transfer) ...
+    kw.update(device="cpu", disaggregation_transfer_backend="nixl")  # ... as a NIXL decode server
     ctx = get_context()
     saved = (ctx._server_args, ctx._config_bags)
     args = ServerArgs(**kw)
@@ -45,9 +47,19 @@ def sa(tmp_path_factory):
 
 
 def env(**kw):
-    base = dict(decode_swap_p=True, index_k_offload=True, retriever_layers=(1,), interval=2, page_kmax=2,
-                reserve_pages=4, decode_resident_chunks=64, decode_max_conc=2, last_keep=64, async_recall=False,
-                target_context=4 * C4_TOKENS)
+    base = dict(
+        decode_swap_p=True,
+        index_k_offload=True,
+        retriever_layers=(1,),
+        interval=2,
+        page_kmax=2,
+        reserve_pages=4,
+        decode_resident_chunks=64,
+        decode_max_conc=2,
+        last_keep=64,
+        async_recall=False,
+        target_context=4 * C4_TOKENS,
+    )
     base.update(kw)
     return FlashMemoryEnv(**base)
 
@@ -55,18 +67,36 @@ def env(**kw):
 def make_pool(sa, monkeypatch, shrink: bool):
     """sglang's pool, built with our allocation hooks wrapped around its own methods (as HookRegistry would)."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool as P
+
     monkeypatch.setattr(RUNTIME, "features", ("level2", "path_p", "shrink", "path_i"))
     monkeypatch.setattr(RUNTIME, "env", env())
     monkeypatch.setattr(RUNTIME, "_shrink", shrink)
-    for name, hook in (("_init_compressed_pools", hooks.around_init_compressed_pools),
-                       ("_make_kv_pool", hooks.around_make_kv_pool)):
+    for name, hook in (
+        ("_init_compressed_pools", hooks.around_init_compressed_pools),
+        ("_make_kv_pool", hooks.around_make_kv_pool),
+    ):
         orig = getattr(P, name)
         monkeypatch.setattr(P, name, lambda self, *a, _o=orig, _h=hook, **k: _h(_o, self, *a, **k))
-    return P(max_num_reqs=4, swa_size=4096, c4_size=C4_TOKENS, c128_size=C4_TOKENS // 32, c4_state_pool_size=64,
-             c128_state_pool_size=64, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
-             c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
-             indexer_head_dim=128, layer_num=len(sa.ratios), device="cpu", enable_memory_saver=False,
-             compression_ratios=sa.ratios)
+    return P(
+        max_num_reqs=4,
+        swa_size=4096,
+        c4_size=C4_TOKENS,
+        c128_size=C4_TOKENS // 32,
+        c4_state_pool_size=64,
+        c128_state_pool_size=64,
+        page_size=PAGE,
+        swa_page_size=PAGE,
+        dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32,
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=len(sa.ratios),
+        device="cpu",
+        enable_memory_saver=False,
+        compression_ratios=sa.ratios,
+    )
 
 
 def c4_layer_ids(pool):
@@ -77,12 +107,14 @@ def test_blockers_from_sglang_server_args(sa):
     assert shrink_blockers(sa.args) == []
     assert shrink_blockers(sa.cls(**{**sa.kw, "disaggregation_transfer_backend": "fake"})) == []  # gpu_check dshrink
     assert landing_chunks(sa.args) >= 16384 // 4
-    for over, why in ((dict(disaggregation_mode="null"), "not 'decode'"),
-                      (dict(disaggregation_transfer_backend="mooncake"), "needs 'nixl'"),
-                      (dict(enable_mixed_chunk=True), "mixed"),
-                      (dict(enable_hierarchical_cache=True), "hierarchical"),
-                      (dict(disaggregation_decode_enable_radix_cache=True), "radix")):
-        args = sa.cls(**{**sa.kw, **over})                # sglang's own parser, not a stand-in
+    for over, why in (
+        (dict(disaggregation_mode="null"), "not 'decode'"),
+        (dict(disaggregation_transfer_backend="mooncake"), "needs 'nixl'"),
+        (dict(enable_mixed_chunk=True), "mixed"),
+        (dict(enable_hierarchical_cache=True), "hierarchical"),
+        (dict(disaggregation_decode_enable_radix_cache=True), "radix"),
+    ):
+        args = sa.cls(**{**sa.kw, **over})  # sglang's own parser, not a stand-in
         assert any(why in b for b in shrink_blockers(args)), (over, shrink_blockers(args))
     assert shrink_blockers(None) == ["sglang server args are unknown"]
 
@@ -92,6 +124,7 @@ def test_compressor_still_has_the_translation_seam():
     translate_loc_to_hisparse_device: shrink mode relies on exactly that (upstream drift must fail here)."""
     pytest.importorskip("sglang")
     from sglang.srt.layers.attention.dsv4 import compressor_v2
+
     src = inspect.getsource(compressor_v2)
     assert 'hasattr(compress_kv_pool, "translate_loc_to_hisparse_device")' in src
     assert "out_loc = compress_kv_pool._translate_loc_to_hisparse_device(out_loc)" in src
@@ -102,7 +135,7 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
     kvp = pool.c4_kv_pool
     n_pages = pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0]
     assert shrunk_kv_pages(pool) == n_pages and all(t.shape[0] <= 5 for t in kvp.kv_buffer)
-    assert not [k for k in vars(kvp) if k.startswith("flashmemory")]     # nothing of ours stored on the pool
+    assert not [k for k in vars(kvp) if k.startswith("flashmemory")]  # nothing of ours stored on the pool
     stock_infos = pool.get_contiguous_buf_infos()
     eng = build(pool, env(), sa.args, shrink=True)
     assert isinstance(eng, ShrunkOffload) and eng.geo.n_pages == n_pages
@@ -115,8 +148,12 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
     monkeypatch.setattr(RUNTIME, "pool", pool)
     ptrs, lens, items = hooks.around_contiguous_buf_infos(type(pool).get_contiguous_buf_infos, pool)
     m = eng.engine.mirror.kv
-    assert ptrs[:2] == [m[0].data_ptr(), m[1].data_ptr()] and lens[:2] == [n_pages * 37440] * 2 and items[:2] == [37440] * 2
-    assert ptrs[2:] == stock_infos[0][2:] and lens[2:] == stock_infos[1][2:]     # index-K, c128 untouched
+    assert (
+        ptrs[:2] == [m[0].data_ptr(), m[1].data_ptr()]
+        and lens[:2] == [n_pages * 37440] * 2
+        and items[:2] == [37440] * 2
+    )
+    assert ptrs[2:] == stock_infos[0][2:] and lens[2:] == stock_infos[1][2:]  # index-K, c128 untouched
     args = types.SimpleNamespace(kv_data_ptrs=ptrs, kv_data_mem_kinds=None)
     hooks.before_nixl_manager_init(None, args, "decode")
     assert args.kv_data_mem_kinds == ["DRAM", "DRAM"] + ["VRAM"] * (len(ptrs) - 2)
@@ -127,7 +164,7 @@ def test_copy_mode_allocates_stock(sa, monkeypatch):
     assert shrunk_kv_pages(pool) is None
     n = pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0]
     assert all(t.shape[0] >= n for t in pool.c4_kv_pool.kv_buffer)
-    eng = build(pool, env(), None)          # no server args: copy mode, with a warning
+    eng = build(pool, env(), None)  # no server args: copy mode, with a warning
     assert eng.mode == "copy" and eng.mirror_buf_infos() == {}
     assert not hasattr(pool.c4_kv_pool, "_translate_loc_to_hisparse_device")
     # inside attention the reserve stands in for the pool, in the pool's own dtype view (fp8, not raw uint8)
@@ -154,12 +191,12 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
     lay, g = eng.layout, torch.Generator().manual_seed(0)
     ids = c4_layer_ids(pool)
     ix = pool.c4_indexer_kv_pool.index_k_with_scale_buffer
-    pages = [9, 3, 40, 17, 22, 5]                          # the request's c4 pool pages, logical order
-    seq0 = 3 * PAGE + 40                                   # tokens transferred by P
+    pages = [9, 3, 40, 17, 22, 5]  # the request's c4 pool pages, logical order
+    seq0 = 3 * PAGE + 40  # tokens transferred by P
     n0 = seq0 // 4
-    truth = {}                                             # pool loc -> [2, 584] KV bytes
+    truth = {}  # pool loc -> [2, 584] KV bytes
     m = eng.engine.mirror.kv
-    for j in range(n0):                                    # PD: KV into the mirror, index-K into the device pool
+    for j in range(n0):  # PD: KV into the mirror, index-K into the device pool
         loc = pages[j // 64] * 64 + j % 64
         truth[loc] = _rand(g, 2, 584)
         lay.kv.write_chunks(m, torch.tensor([loc // 64]), torch.tensor([loc % 64]), truth[loc].unsqueeze(1))
@@ -171,12 +208,12 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
         before, after = (int(x) for x in c4_counts(s))
         n_pages = -(-after // 64)
         table = table_full[:, :n_pages]
-        assert eng.admission_refusals(["a"], s) == []      # the guard's admission check passes in shrink mode
+        assert eng.admission_refusals(["a"], s) == []  # the guard's admission check passes in shrink mode
         rows = eng.begin_step(["a"], table, s)
         out_loc = torch.tensor([pages[before // 64] * 64 + before % 64 if after > before else 0])
-        for l in range(2):                                 # compressor_v2: kv_cache[translate(out_loc)] = entry
+        for l in range(2):  # compressor_v2: kv_cache[translate(out_loc)] = entry
             cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
-            buf = pool.get_extra_key_buffer(ids[l]).view(torch.uint8)   # as compressor_v2 does
+            buf = pool.get_extra_key_buffer(ids[l]).view(torch.uint8)  # as compressor_v2 does
             entry = _rand(g, 1, 584)
             lay.kv.write_chunks(buf, cells // 64, cells % 64, entry)
             lay.index.write_chunks(ix[l], out_loc // 64, out_loc % 64, _rand(g, 1, 132))
@@ -187,9 +224,11 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
         cells = eng.cells_of(locs.view(1, -1))[0].long()
         res = cells >= 0
         if after > before:
-            assert bool(res[locs == int(out_loc)].all())    # the newest entry is resident (its decode page)
+            assert bool(res[locs == int(out_loc)].all())  # the newest entry is resident (its decode page)
         for l in range(2 if bool(res.any()) else 0):
-            got = lay.kv.read_chunks(pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells[res] // 64, cells[res] % 64)
+            got = lay.kv.read_chunks(
+                pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells[res] // 64, cells[res] % 64
+            )
             want = torch.stack([truth[int(x)][l] for x in locs[res]])
             assert torch.equal(got, want), (step, l)
         RUNTIME_after(eng)
@@ -200,7 +239,7 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
     assert check_invariants(eng.engine) == []
     assert eng.stats()["level1_cycles"] > 0
     eng.begin_step([], torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-    assert eng.engine.mirror.free_pages == eng.engine.mirror.n_pages       # pages go back on finish
+    assert eng.engine.mirror.free_pages == eng.engine.mirror.n_pages  # pages go back on finish
     eng.close()
 
 
@@ -212,7 +251,7 @@ def test_unknown_locs_go_to_the_sink(sa, monkeypatch):
     pool = make_pool(sa, monkeypatch, shrink=True)
     eng = build(pool, env(), sa.args, shrink=True)
     sink = eng.engine.reserve.sink_cell
-    out = pool.c4_kv_pool._translate_loc_to_hisparse_device(torch.tensor([0, 5, 64 * 30 + 1, -1, 10 ** 6]))
+    out = pool.c4_kv_pool._translate_loc_to_hisparse_device(torch.tensor([0, 5, 64 * 30 + 1, -1, 10**6]))
     assert out.tolist() == [sink] * 5
 
 
@@ -231,7 +270,9 @@ def test_extend_lands_then_moves_to_the_mirror(sa, monkeypatch):
         cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
         assert ((cells == eng.engine.reserve.sink_cell) == (out_loc == 0)).all()
         rows = _rand(g, int((out_loc > 0).sum()), 584)
-        lay.kv.write_chunks(pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells[out_loc > 0] // 64, cells[out_loc > 0] % 64, rows)
+        lay.kv.write_chunks(
+            pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells[out_loc > 0] // 64, cells[out_loc > 0] % 64, rows
+        )
         want[l] = rows
     eng.end_extend()
     locs = out_loc[out_loc > 0]
@@ -258,6 +299,7 @@ def test_runtime_routes_forward_phases(sa, monkeypatch, caplog):
     """before_forward sets where stores land; a real extend on a shrink server is counted and logged once;
     after an extend forward the landing moves to the mirror."""
     from flashmemory.sglang.runtime import Runtime
+
     pool = make_pool(sa, monkeypatch, shrink=True)
     rt = Runtime()
     rt.engine = build(pool, env(), sa.args, shrink=True)
@@ -266,21 +308,22 @@ def test_runtime_routes_forward_phases(sa, monkeypatch, caplog):
         mode = types.SimpleNamespace(is_decode=lambda: decode, is_idle=lambda: False)
         return types.SimpleNamespace(forward_mode=mode, rids=rids)
 
-    rt.before_forward(batch(False, []))                  # a warmup-style extend without requests
+    rt.before_forward(batch(False, []))  # a warmup-style extend without requests
     assert rt.engine.phase == "extend" and "shrink_extend_forwards" not in rt.counters
     rt.after_extend_forward()
     assert rt.engine.phase == "decode"
     for _ in range(2):
         rt.before_forward(batch(False, ["r1"]))
     assert rt.counters["shrink_extend_forwards"] == 2 and caplog.text.count("may be wrong") == 1
-    rt.before_forward(batch(True, ["r1"]))               # decode without req_to_token: phase only
+    rt.before_forward(batch(True, ["r1"]))  # decode without req_to_token: phase only
     assert rt.engine.phase == "decode"
 
 
 def test_build_refuses_a_mirror_the_host_cannot_hold(sa, monkeypatch):
     from flashmemory.offload import mirror
+
     pool = make_pool(sa, monkeypatch, shrink=True)
-    need = 2 * pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0] * 37440   # 2 c4 layers, no Path-I
+    need = 2 * pool.c4_indexer_kv_pool.index_k_with_scale_buffer[0].shape[0] * 37440  # 2 c4 layers, no Path-I
     monkeypatch.setattr(mirror, "host_available_bytes", lambda meminfo="": int(need * 8 / 0.9) - 1)
     with pytest.raises(mirror.OffloadCapacityError, match="x 8 local rank"):
         build(pool, env(index_k_offload=False), types.SimpleNamespace(tp_size=8, nnodes=1), shrink=True)

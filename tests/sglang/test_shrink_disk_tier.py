@@ -31,8 +31,8 @@ from tests.sglang import test_shrink
 from tests.sglang.test_shrink import PAGE, _rand, c4_layer_ids, env, make_pool
 
 pytestmark = pytest.mark.sglang
-sa = test_shrink.sa   # the PD decode server's sglang args (a module fixture)
-CACHE_GB = 0.0001   # 100 KB: one disk page of this pool (2 c4 layers x 37,376 B + 1 Path-I layer x 8,448 B)
+sa = test_shrink.sa  # the PD decode server's sglang args (a module fixture)
+CACHE_GB = 0.0001  # 100 KB: one disk page of this pool (2 c4 layers x 37,376 B + 1 Path-I layer x 8,448 B)
 
 
 class PdDecode:
@@ -44,10 +44,10 @@ class PdDecode:
         self.pool = make_pool(sa, monkeypatch, shrink=True)
         disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=CACHE_GB)
         self.ad = build(self.pool, env(disk=disk, **kw), sa.args, shrink=True)
-        self.ad.make_failure = RequestFailure      # what hooks.after_pool_init hands the adapter
+        self.ad.make_failure = RequestFailure  # what hooks.after_pool_init hands the adapter
         self.lay, self.g, self.ids = self.ad.layout, torch.Generator().manual_seed(0), c4_layer_ids(self.pool)
-        self.truth: dict[int, torch.Tensor] = {}   # pool loc -> [2, 584] KV bytes of both c4 layers
-        self.reqs: dict[str, tuple[list[int], int]] = {}   # rid -> (pool pages, tokens)
+        self.truth: dict[int, torch.Tensor] = {}  # pool loc -> [2, 584] KV bytes of both c4 layers
+        self.reqs: dict[str, tuple[list[int], int]] = {}  # rid -> (pool pages, tokens)
 
     @property
     def engine(self) -> TieredEngine:
@@ -64,10 +64,12 @@ class PdDecode:
             for l in range(2):
                 base, _n, page_bytes = infos[kv[l].data_ptr()]
                 page = torch.frombuffer(_host_view(base + (loc // 64) * page_bytes, page_bytes), dtype=torch.uint8)
-                self.lay.kv.write_chunks(page.view(1, -1), torch.tensor([0]), torch.tensor([loc % 64]),
-                                         self.truth[loc][l].view(1, -1))   # at the raw address the transfer uses
-                self.lay.index.write_chunks(ix[l], torch.tensor([loc // 64]), torch.tensor([loc % 64]),
-                                            _rand(self.g, 1, 132))
+                self.lay.kv.write_chunks(
+                    page.view(1, -1), torch.tensor([0]), torch.tensor([loc % 64]), self.truth[loc][l].view(1, -1)
+                )  # at the raw address the transfer uses
+                self.lay.index.write_chunks(
+                    ix[l], torch.tensor([loc // 64]), torch.tensor([loc % 64]), _rand(self.g, 1, 132)
+                )
         self.reqs[rid] = (pages, tokens)
 
     def step(self, rids: list[str], level1: bool = True) -> None:
@@ -76,10 +78,11 @@ class PdDecode:
         width = max(-(-int(a) // 64) for a in after)
         table = torch.tensor([(self.reqs[r][0] + [0] * width)[:width] for r in rids])
         self.ad.begin_step(rids, table, seq)
-        out = torch.tensor([self.reqs[r][0][int(b) // 64] * 64 + int(b) % 64 if a > b else 0
-                            for r, b, a in zip(rids, before, after)])
+        out = torch.tensor(
+            [self.reqs[r][0][int(b) // 64] * 64 + int(b) % 64 if a > b else 0 for r, b, a in zip(rids, before, after)]
+        )
         ix = self.pool.c4_indexer_kv_pool.index_k_with_scale_buffer
-        for l in range(2):                        # compressor_v2: kv_cache[translate(out_loc)] = entry
+        for l in range(2):  # compressor_v2: kv_cache[translate(out_loc)] = entry
             cells = self.pool.c4_kv_pool._translate_loc_to_hisparse_device(out)
             buf = self.pool.get_extra_key_buffer(self.ids[l]).view(torch.uint8)
             entries = _rand(self.g, len(rids), 584)
@@ -114,8 +117,9 @@ class PdDecode:
         cells = self.ad.cells_of(locs.view(1, -1))[0].long()
         res = cells >= 0
         for l in range(2):
-            got = self.lay.kv.read_chunks(self.pool.get_extra_key_buffer(self.ids[l]).view(torch.uint8),
-                                          cells[res] // 64, cells[res] % 64)
+            got = self.lay.kv.read_chunks(
+                self.pool.get_extra_key_buffer(self.ids[l]).view(torch.uint8), cells[res] // 64, cells[res] % 64
+            )
             assert torch.equal(got, torch.stack([self.truth[int(x)][l] for x in locs[res]])), l
         return int(res.sum())
 
@@ -125,7 +129,7 @@ class PdDecode:
         pages, _ = self.reqs[rid]
         sealed = e.sealed[row][1]
         for p in range(sealed):
-            kv, _ix = unpack_rows(e.held_page(row, p), e.layout)          # [layers, page bytes]
+            kv, _ix = unpack_rows(e.held_page(row, p), e.layout)  # [layers, page bytes]
             got = e.layout.kv.read_chunks(kv.unsqueeze(1), torch.zeros(64, dtype=torch.int64), torch.arange(64))
             want = torch.stack([self.truth[pages[p] * 64 + c] for c in range(64)], 1)
             assert torch.equal(got, want), (rid, p)
@@ -143,14 +147,14 @@ def test_pd_history_beyond_the_host_cache_decodes_exact_from_disk(sa, monkeypatc
     try:
         assert isinstance(e, TieredEngine) and isinstance(e.mirror, SparseMirror)
         kv_ptr = pd.pool.c4_kv_pool.kv_buffer[0].data_ptr()
-        assert pd.ad.mirror_buf_infos()[kv_ptr][0] == e.mirror.kv[0].data_ptr()   # NIXL lands in the sparse mirror
+        assert pd.ad.mirror_buf_infos()[kv_ptr][0] == e.mirror.kv[0].data_ptr()  # NIXL lands in the sparse mirror
         idle = resident_bytes(e.mirror.kv)
-        pd.land("a", [9, 3, 40, 17, 22, 5, 30], 5 * PAGE + 200)     # 370 c4 entries: 6 pages, 5 complete
+        pd.land("a", [9, 3, 40, 17, 22, 5, 30], 5 * PAGE + 200)  # 370 c4 entries: 6 pages, 5 complete
         pd.land("b", [11, 2, 50, 7, 31, 6, 18], 4 * PAGE + 12)
         landed = resident_bytes(e.mirror.kv)
         page_kv = e.layout.n_layers * e.layout.kv_page_bytes
-        assert landed - idle >= 9 * page_kv, (idle, landed)       # P's bytes took DRAM
-        for k in range(70):                                         # a's page 5 fills (384) and is sealed
+        assert landed - idle >= 9 * page_kv, (idle, landed)  # P's bytes took DRAM
+        for k in range(70):  # a's page 5 fills (384) and is sealed
             if k % 3 == 2:
                 pd.recall("a", k % 4)
                 pd.recall("b", k % 3)
@@ -167,7 +171,7 @@ def test_pd_history_beyond_the_host_cache_decodes_exact_from_disk(sa, monkeypatc
         assert now <= 2 * lay.n_layers * (lay.kv_page_bytes + 2 * OS_PAGE) + 2 * OS_PAGE * lay.n_layers * released
         assert now < (landed - idle) / 2, (idle, landed, now)
         with pytest.raises(ReleasedPageError):
-            e.mirror.row(9)                                         # a's page 0 lives in the tier only
+            e.mirror.row(9)  # a's page 0 lives in the tier only
         assert check_invariants(e) == []
         pd.ad.begin_step([], torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
         assert e.tier.store.used_slots == 0 and e.mirror.free_pages == e.mirror.n_pages
@@ -198,20 +202,20 @@ def _serve_b_on(pd: PdDecode, steps: int = 24) -> None:
 def test_a_bad_disk_page_fails_only_its_request(sa, monkeypatch, tmp_path, fault):
     pd, ops = _two_sealed(sa, monkeypatch, tmp_path)
     try:
-        pd.step(["a", "b"], level1=False)             # admitted: the newest 2 pages resident (warm start)
-        pd.recall("a", 0)                             # from the mirror (not sealed yet): a's page 3 leaves
+        pd.step(["a", "b"], level1=False)  # admitted: the newest 2 pages resident (warm start)
+        pd.recall("a", 0)  # from the mirror (not sealed yet): a's page 3 leaves
         if fault == "checksum":
-            ops.plan.corrupt = 4          # a's 4 pages are written behind first (sealed first): they land damaged
-        pd.step(["a", "b"], level1=False)             # seals 4 pages each; all but one go to disk
+            ops.plan.corrupt = 4  # a's 4 pages are written behind first (sealed first): they land damaged
+        pd.step(["a", "b"], level1=False)  # seals 4 pages each; all but one go to disk
         assert pd.engine.tier.settle()
         assert pd.ad.stats()["disk_bytes_written"] > 0
         if fault == "read_error":
-            ops.plan.read_errors = [errno.EIO]        # the next disk read: a's page 3, the cycle's only one
-        with pytest.raises(RequestFailure) as err:    # Level 1 keeps a's newest 2 pages: page 3 comes from disk
+            ops.plan.read_errors = [errno.EIO]  # the next disk read: a's page 3, the cycle's only one
+        with pytest.raises(RequestFailure) as err:  # Level 1 keeps a's newest 2 pages: page 3 comes from disk
             pd.ad.level1({})
         assert err.value.rid == "a" and "page 3" in err.value.reason, err.value
         assert ("corrupt" if fault == "checksum" else "read failed") in err.value.reason
-        pd.check_resident(["b"])                      # b's recalls of that cycle were published, exact
+        pd.check_resident(["b"])  # b's recalls of that cycle were published, exact
         _serve_b_on(pd)
         assert pd.ad.stats()["disk_bytes_read"] > 0
     finally:
@@ -221,7 +225,7 @@ def test_a_bad_disk_page_fails_only_its_request(sa, monkeypatch, tmp_path, fault
 def test_a_full_disk_keeps_pages_in_dram_and_loses_nothing(sa, monkeypatch, tmp_path):
     pd, ops = _two_sealed(sa, monkeypatch, tmp_path)
     try:
-        ops.plan.full = True                          # every write behind fails with ENOSPC
+        ops.plan.full = True  # every write behind fails with ENOSPC
         for k in range(8):
             if k % 3 == 2:
                 pd.recall("a", k % 4)
@@ -229,7 +233,7 @@ def test_a_full_disk_keeps_pages_in_dram_and_loses_nothing(sa, monkeypatch, tmp_
         assert pd.engine.tier.settle() is not None
         st = pd.ad.stats()
         assert st["disk_write_errors"] > 0 and st["disk_pages_in_dram_pinned"] > 0, st
-        ops.plan.full = False                         # space returns: both decode on, exact
+        ops.plan.full = False  # space returns: both decode on, exact
         for k in range(16):
             if k % 3 == 2:
                 pd.recall("a", k % 4)
@@ -247,7 +251,7 @@ def test_a_deleted_store_loses_nothing(sa, monkeypatch, tmp_path):
         assert pd.engine.tier.settle()
         stores = list(tmp_path.glob("fm-pagestore-*"))
         assert len(stores) == 1
-        os.unlink(stores[0])                          # removed under the engine: the open file lives on
+        os.unlink(stores[0])  # removed under the engine: the open file lives on
         for k in range(24):
             if k % 3 == 2:
                 pd.recall("a", k % 4)

@@ -1,6 +1,7 @@
 """The Level-1 side band under CUDA-graph replay: the indexer hook copies the target layers' inputs in place into
 static buffers (recorded into the graph, so replay repeats it), with no host sync or allocation, and Level 1 reads
 those buffers after the forward, for the real rows only."""
+
 import dataclasses
 import types
 
@@ -16,7 +17,7 @@ from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
 HIDDEN = 16
-TARGET_MODEL_LAYER = 2                # fake_pool: model layer 2 = c4 layer 1 = the target layer of env()
+TARGET_MODEL_LAYER = 2  # fake_pool: model layer 2 = c4 layer 1 = the target layer of env()
 
 
 def test_write_is_in_place_and_leaves_rows_beyond_the_batch():
@@ -27,10 +28,10 @@ def test_write_is_in_place_and_leaves_rows_beyond_the_batch():
     x = torch.randn(2, HIDDEN, dtype=torch.bfloat16)
     sb.write(1, x, torch.tensor([100, 200], dtype=torch.int32))
     assert [sb.hidden[1].data_ptr(), sb.hidden[3].data_ptr(), sb.positions.data_ptr(), sb.written.data_ptr()] == ptrs
-    assert torch.equal(sb.hidden[1][:2], x) and (sb.hidden[1][2:] == 7.0).all()       # B=2 < capacity=4
+    assert torch.equal(sb.hidden[1][:2], x) and (sb.hidden[1][2:] == 7.0).all()  # B=2 < capacity=4
     assert sb.positions.tolist() == [100, 200, -5, -5] and sb.written.tolist() == [2, 0]
     assert sb.stale_layers(2) == [3]
-    sb.write(3, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.arange(6))         # padded beyond capacity
+    sb.write(3, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.arange(6))  # padded beyond capacity
     assert sb.written.tolist() == [2, 4] and sb.stale_layers(2) == [] and sb.stale_layers(4) == [1]
     view = sb.read(2)
     assert view["hidden_1"].data_ptr() == ptrs[0] and view["positions"].shape == (2,)
@@ -43,10 +44,13 @@ def _forward(pool, rids, seq, x, positions):
     mode = types.SimpleNamespace(is_idle=lambda: False, is_decode=lambda: True)
     fb = types.SimpleNamespace(forward_mode=mode, rids=rids, seq_lens=seq, req_pool_indices=torch.tensor([1]))
     core = types.SimpleNamespace(positions=positions, c4_sparse_page_indices=torch.full((x.shape[0], 4), -1))
-    md = types.SimpleNamespace(page_table=torch.zeros(x.shape[0], 4, dtype=torch.int32),
-                               compressed_seq_lens=torch.zeros(x.shape[0], dtype=torch.int32))
-    backend = types.SimpleNamespace(token_to_kv_pool=pool,
-                                    forward_metadata=types.SimpleNamespace(indexer_metadata=md, core_metadata=core))
+    md = types.SimpleNamespace(
+        page_table=torch.zeros(x.shape[0], 4, dtype=torch.int32),
+        compressed_seq_lens=torch.zeros(x.shape[0], dtype=torch.int32),
+    )
+    backend = types.SimpleNamespace(
+        token_to_kv_pool=pool, forward_metadata=types.SimpleNamespace(indexer_metadata=md, core_metadata=core)
+    )
     return fb, backend, types.SimpleNamespace(layer_id=TARGET_MODEL_LAYER)
 
 
@@ -54,10 +58,22 @@ def _forward(pool, rids, seq, x, positions):
 def live(monkeypatch):
     pool = fake_pool(6)
     eng = build(pool, env(""))
-    for name, val in (("engine", eng), ("pool", pool), ("env", eng.env), ("features", ("level2", "path_p", "level1")),
-                      ("bufs", None), ("dump", None), ("metrics", None), ("diag_path", ""), ("counters", {}),
-                      ("sideband", None), ("sideband_rows_hint", 4), ("_sideband_frozen", False),
-                      ("_sideband_checked", set()), ("fwd", ForwardContext())):
+    for name, val in (
+        ("engine", eng),
+        ("pool", pool),
+        ("env", eng.env),
+        ("features", ("level2", "path_p", "level1")),
+        ("bufs", None),
+        ("dump", None),
+        ("metrics", None),
+        ("diag_path", ""),
+        ("counters", {}),
+        ("sideband", None),
+        ("sideband_rows_hint", 4),
+        ("_sideband_frozen", False),
+        ("_sideband_checked", set()),
+        ("fwd", ForwardContext()),
+    ):
         monkeypatch.setattr(RUNTIME, name, val)
     pages = [5, 2, 9, 7]
     r2t = torch.full((2, 4 * PAGE), -1, dtype=torch.int64)
@@ -76,14 +92,14 @@ def live(monkeypatch):
 def test_level1_reads_the_copied_rows_not_the_forward_tensor(live):
     pool, eng, r2t, seen = live
     s = torch.tensor([2 * PAGE + 4])
-    x = torch.randn(2, HIDDEN)                                # graph-padded batch of 2, one real request
+    x = torch.randn(2, HIDDEN)  # graph-padded batch of 2, one real request
     want = x[0].clone()
     fb, backend, idx = _forward(pool, ["a"], s, x, torch.tensor([2 * PAGE + 3, 0], dtype=torch.int32))
     RUNTIME.before_forward(fb, r2t)
     out = hooks.around_forward_c4_indexer(lambda *a, **k: "ran", backend, x, None, idx, fb)
     assert out == "ran" and RUNTIME.sideband.capacity == 4
     ptr = RUNTIME.sideband.hidden[1].data_ptr()
-    x.fill_(float("nan"))                                     # the forward's memory is reused (graph pool)
+    x.fill_(float("nan"))  # the forward's memory is reused (graph pool)
     RUNTIME.after_decode_forward(fb)
     assert len(seen) == 1
     row, hidden, position = seen[0]
@@ -103,8 +119,8 @@ def test_stale_side_band_skips_level1(live):
     x = torch.randn(1, HIDDEN)
     fb, backend, idx = _forward(pool, ["a"], s, x, torch.tensor([2 * PAGE + 3]))
     RUNTIME.before_forward(fb, r2t)
-    hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)   # allocates the side band
-    RUNTIME.before_forward(fb, r2t)                           # a forward whose graph lacks the copy
+    hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)  # allocates the side band
+    RUNTIME.before_forward(fb, r2t)  # a forward whose graph lacks the copy
     RUNTIME._sideband_checked.clear()
     RUNTIME.after_decode_forward(fb)
     assert seen == [] and RUNTIME.counters.get("sideband_stale") == 1
@@ -117,6 +133,7 @@ def _forbid(*_a, **_k):
 def _fresh_guard(monkeypatch) -> list[str]:
     """A fresh hook guard whose server stop is recorded, not sent (the real one SIGQUITs the parent process)."""
     from flashmemory.sglang import guard as guard_mod
+
     stops: list[str] = []
     g = guard_mod.Guard(stop=stops.append, configured=True)
     monkeypatch.setattr(RUNTIME, "guard", g)
@@ -130,12 +147,12 @@ def test_hook_under_capture_has_no_host_sync_or_allocation(live, monkeypatch):
     fb, backend, idx = _forward(pool, ["a"], s, x, torch.tensor([9, 8, 7]))
     monkeypatch.setattr(hooks, "_capturing", lambda: True)
     stops = _fresh_guard(monkeypatch)
-    with pytest.raises(SystemExit, match="SidebandError"):   # no buffer yet: refuse to allocate under capture,
-        hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)   # and the guard stops
+    with pytest.raises(SystemExit, match="SidebandError"):  # no buffer yet: refuse to allocate under capture,
+        hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)  # and the guard stops
     assert len(stops) == 1 and "SidebandError" in stops[0]
     _fresh_guard(monkeypatch)
     monkeypatch.setattr(hooks, "_capturing", lambda: False)
-    hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)   # eager warmup allocates
+    hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, None, idx, fb)  # eager warmup allocates
     sb = RUNTIME.sideband
     ptrs = (sb.hidden[1].data_ptr(), sb.positions.data_ptr(), sb.written.data_ptr())
     x2 = torch.randn(3, HIDDEN)
@@ -146,16 +163,16 @@ def test_hook_under_capture_has_no_host_sync_or_allocation(live, monkeypatch):
             m.setattr(torch.Tensor, name, _forbid)
         for name in ("empty", "zeros", "ones", "full", "tensor", "empty_like", "zeros_like", "full_like"):
             m.setattr(torch, name, _forbid)
-        m.setattr(type(eng), "cells_of", lambda self, locs: locs)     # Level 2 is not under test
+        m.setattr(type(eng), "cells_of", lambda self, locs: locs)  # Level 2 is not under test
         hooks.around_forward_c4_indexer(lambda *a, **k: None, backend2, x2, None, idx, fb2)
     assert (sb.hidden[1].data_ptr(), sb.positions.data_ptr(), sb.written.data_ptr()) == ptrs and RUNTIME.sideband is sb
     assert torch.equal(sb.hidden[1][:3], x2) and sb.positions[:3].tolist() == [4, 5, 6] and RUNTIME._sideband_frozen
-    with pytest.raises(SidebandError):                        # after capture a misfit never reallocates
+    with pytest.raises(SidebandError):  # after capture a misfit never reallocates
         RUNTIME.capture_sideband_input(1, torch.randn(2, HIDDEN + 1), torch.arange(2), capturing=False)
 
 
 @dataclasses.dataclass
-class _IndexerMetadata:   # the two fields the score-resident view replaces (sglang's is a dataclass too)
+class _IndexerMetadata:  # the two fields the score-resident view replaces (sglang's is a dataclass too)
     page_table: torch.Tensor
     compressed_seq_lens: torch.Tensor
 
@@ -165,12 +182,12 @@ def test_the_first_decode_step_scores_what_is_resident(live):
     admitted row's resident pages before the indexer hook reads them (lazily allocated by the hook instead,
     they were empty on that step and the row scored its newest page alone)."""
     pool, eng, r2t, _ = live
-    s = torch.tensor([2 * PAGE + 4])                          # 129 c4 chunks: pages 0, 1, 2
+    s = torch.tensor([2 * PAGE + 4])  # 129 c4 chunks: pages 0, 1, 2
     fb, backend, idx = _forward(pool, ["a"], s, torch.randn(1, HIDDEN), torch.tensor([2 * PAGE + 3]))
     assert RUNTIME.bufs is None
     RUNTIME.before_forward(fb, r2t)
     resident = [p for p in eng.resident_pages(eng.step_rows)[0].tolist() if p >= 0]
-    assert len(resident) > 1 and resident[-1] == 2            # the warm start's pages and the newest one
+    assert len(resident) > 1 and resident[-1] == 2  # the warm start's pages and the newest one
     assert [p for p in RUNTIME.bufs.sel_pages[0].tolist() if p >= 0] == resident
     md = _IndexerMetadata(torch.tensor([[0, 1, 2, -1]], dtype=torch.int32), torch.tensor([129], dtype=torch.int32))
     view = hooks._resident_metadata(md, 0)

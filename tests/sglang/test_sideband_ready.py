@@ -3,6 +3,7 @@
 In DeepSeek-V4's multi-stream decode (`_forward_prepare_multi_stream`, srt/models/deepseek_v4.py) the indexer stream
 forks from the forward stream *before* q_lora is computed there; sglang records `q_lora_ready` after it and hands
 the event to the indexer, whose hook copies q_lora into the side band on the indexer stream."""
+
 import dataclasses
 
 import pytest
@@ -38,13 +39,14 @@ def test_q_lora_copy_waits_for_the_ready_event(live, monkeypatch):  # noqa: F811
     fb, backend, idx = _forward(pool, ["a"], positions + 1, x, positions)
     fwd, stream_indexer = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(fwd):
-        stream_indexer.wait_stream(fwd)                  # the fork: before q_lora exists
+        stream_indexer.wait_stream(fwd)  # the fork: before q_lora exists
         q_lora = torch.randn(1, RANK).as_subclass(_Traced)
-        computed = si.op("write", "q_lora")              # q_lora computed on the forward stream
+        computed = si.op("write", "q_lora")  # q_lora computed on the forward stream
         ready = fwd.record_event()
         with torch.cuda.stream(stream_indexer):
-            hooks.around_forward_c4_indexer(lambda *a, **k: None, backend, x, q_lora, idx, fb,
-                                            enable_multi_stream=True, q_lora_ready=ready)
+            hooks.around_forward_c4_indexer(
+                lambda *a, **k: None, backend, x, q_lora, idx, fb, enable_multi_stream=True, q_lora_ready=ready
+            )
     reads = si.ops("read", "q_lora")
     assert reads, "the side band never copied q_lora"
     assert all(r.stream_name == stream_indexer.name and r.after(computed) for r in reads), reads

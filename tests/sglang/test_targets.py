@@ -41,6 +41,7 @@ def test_no_target_is_reached_only_through_an_alias():
     import importlib
     import inspect
     import re
+
     for s in SPECS:
         parts = s.target.split(".")
         for i in range(len(parts) - 1, 0, -1):
@@ -54,9 +55,10 @@ def test_no_target_is_reached_only_through_an_alias():
         if not inspect.isclass(owner):
             continue
         src = inspect.getsource(owner)
-        assert not re.search(r"^\s+\w+\s*=\s*%s\s*$" % re.escape(parts[-1]), src, re.M), s.target
+        assert not re.search(r"^\s+\w+\s*=\s*" + re.escape(parts[-1]) + r"\s*$", src, re.M), s.target
     comp = importlib.import_module("sglang.srt.layers.attention.dsv4.compressor_v2").CompressorBackendMixin
-    assert "self.forward_indexer_compressor(" in inspect.getsource(importlib.import_module(
-        "sglang.srt.layers.attention.dsv4.indexer"))
+    assert "self.forward_indexer_compressor(" in inspect.getsource(
+        importlib.import_module("sglang.srt.layers.attention.dsv4.indexer")
+    )
     assert any(s.target.endswith("CompressorBackendMixin.forward_indexer_compressor") for s in SPECS)
-    assert comp.forward_indexer_compressor is comp.forward_unified   # still an alias upstream: keep hooking the alias
+    assert comp.forward_indexer_compressor is comp.forward_unified  # still an alias upstream: keep hooking the alias

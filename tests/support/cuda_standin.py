@@ -37,12 +37,12 @@ def _merge(a: Clock, b: Clock) -> None:
 class Op:
     """One logged device op: `seq` on stream `stream` (its id), `clock` the stream's clock when it was enqueued."""
 
-    index: int                  # position in the host-order log
+    index: int  # position in the host-order log
     stream: int
     stream_name: str
     seq: int
     clock: tuple[tuple[int, int], ...]
-    kind: str                   # "read" / "write"
+    kind: str  # "read" / "write"
     resource: Hashable
     thread: str
 
@@ -56,9 +56,9 @@ class StandIn:
     """The recording state: streams, the host-completed clock, the op log and per-thread current stream/device."""
 
     log: list[Op] = field(default_factory=list)
-    devices: list[tuple[str, Any]] = field(default_factory=list)      # (thread name, device) per set_device
-    host_syncs: list[tuple[str, str]] = field(default_factory=list)   # (thread name, what) per host sync
-    calls: list[tuple[str, str]] = field(default_factory=list)        # (thread name, torch.cuda name) per call
+    devices: list[tuple[str, Any]] = field(default_factory=list)  # (thread name, device) per set_device
+    host_syncs: list[tuple[str, str]] = field(default_factory=list)  # (thread name, what) per host sync
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (thread name, torch.cuda name) per call
     done: Clock = field(default_factory=dict)
     _mu: threading.RLock = field(default_factory=threading.RLock)
     _local: threading.local = field(default_factory=threading.local)
@@ -82,8 +82,16 @@ class StandIn:
             _merge(s.clock, self.done)
             s.seq += 1
             s.clock[s.id] = s.seq
-            o = Op(len(self.log), s.id, s.name, s.seq, tuple(sorted(s.clock.items())), kind, resource,
-                   threading.current_thread().name)
+            o = Op(
+                len(self.log),
+                s.id,
+                s.name,
+                s.seq,
+                tuple(sorted(s.clock.items())),
+                kind,
+                resource,
+                threading.current_thread().name,
+            )
             self.log.append(o)
             return o
 
@@ -126,8 +134,9 @@ class StandIn:
 
     # --- checks -------------------------------------------------------------------------------------------
     def ops(self, kind: str | None = None, resource: Any = None) -> list[Op]:
-        return [o for o in self.log
-                if (kind is None or o.kind == kind) and (resource is None or o.resource == resource)]
+        return [
+            o for o in self.log if (kind is None or o.kind == kind) and (resource is None or o.resource == resource)
+        ]
 
     def races(self, resource_pred: Any) -> list[tuple[Op, Op]]:
         """Pairs (write, other access) of a resource matching `resource_pred` on different streams that no wait or
@@ -135,7 +144,7 @@ class StandIn:
         acc = [o for o in self.log if resource_pred(o.resource)]
         out = []
         for i, a in enumerate(acc):
-            for b in acc[i + 1:]:
+            for b in acc[i + 1 :]:
                 if a.resource != b.resource or "write" not in (a.kind, b.kind) or a.stream == b.stream:
                     continue
                 if not (b.after(a) or a.after(b)):
@@ -212,6 +221,7 @@ def install(monkeypatch: Any) -> StandIn:
             with si._mu:
                 si.calls.append((threading.current_thread().name, name))
             return fn(*a, **k)
+
         return call
 
     class StandInStream(Stream):
@@ -224,8 +234,7 @@ def install(monkeypatch: Any) -> StandIn:
                 super().__init__(si, si._next_id, f"stream{si._next_id}")
 
     class StandInEvent(Event):
-        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                     **_: Any):
+        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_: Any):
             with si._mu:
                 si.calls.append((threading.current_thread().name, "Event"))
             super().__init__(si)
@@ -249,21 +258,26 @@ class DeviceTensor(torch.Tensor):
     (`.to("cpu")` as a host read would slip through; the serving path spells host reads `.cpu()`). Made by
     `on_device` (below)."""
 
-    syncs: list[tuple[str, str, str]] = []   # (thread name, flashmemory function, "file:line code") per host read
+    syncs: list[tuple[str, str, str]] = []  # (thread name, flashmemory function, "file:line code") per host read
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         idx = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
-        masked = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                     for i in (idx if isinstance(idx, tuple) else (idx,)))
-        if masked or name in SYNC_METHODS:   # a boolean-mask index: the host reads its output size (CUDA syncs)
+        masked = any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (idx if isinstance(idx, tuple) else (idx,))
+        )
+        if masked or name in SYNC_METHODS:  # a boolean-mask index: the host reads its output size (CUDA syncs)
             import traceback
+
             frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/flashmemory/" in f.filename), None)
             what = f"{name} (boolean mask)" if masked else name
-            where = (f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}"
-                     if frame else what)
+            where = (
+                f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}"
+                if frame
+                else what
+            )
             cls.syncs.append((threading.current_thread().name, frame.name if frame else "?", where))
         if name in SYNC_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -289,4 +303,5 @@ def device_factories(monkeypatch: Any) -> None:
         def make(*a: Any, _o: Any = orig, **k: Any) -> Any:
             out = _o(*a, **k)
             return on_device(out) if k.get("device") is not None else out
+
         monkeypatch.setattr(torch, name, make)

@@ -28,7 +28,7 @@ def test_deterministic_and_within_budget(task):
 
 def _find(seq: list[int], sub: list[int]) -> int:
     for i in range(len(seq) - len(sub) + 1):
-        if seq[i:i + len(sub)] == sub:
+        if seq[i : i + len(sub)] == sub:
             return i
     return -1
 
@@ -58,9 +58,9 @@ def test_mrcr_target_depth_and_answer():
         resps = [m["content"] for m in it.messages if m["role"] == "assistant"]
         target = reqs[it.meta["target_turn"]]
         copies = [r for q, r in zip(reqs, resps) if q == target]
-        assert len(copies) == 4 and copies[it.meta["nth"] - 1] == answer[len(it.meta["prefix"]):]
+        assert len(copies) == 4 and copies[it.meta["nth"] - 1] == answer[len(it.meta["prefix"]) :]
         assert score(it, answer) == 1.0
-        assert score(it, answer[len(it.meta["prefix"]):]) == 0.0  # prefix missing
+        assert score(it, answer[len(it.meta["prefix"]) :]) == 0.0  # prefix missing
         wrong = [c for c in copies if c != copies[it.meta["nth"] - 1]][0]
         assert 0.0 < score(it, it.meta["prefix"] + wrong) < 1.0
 

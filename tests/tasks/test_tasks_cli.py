@@ -25,8 +25,23 @@ def test_bad_input_exits_2_without_writing(tmp_path, capsys):
     assert main(["tasks", "generate", "--task", "niah_single", "--length", "20", "--out", str(out)]) == 2
     assert "too short" in capsys.readouterr().err and not out.exists()
     assert main(["tasks", "generate", "--task", "vt", "--length", "900", "--depth", "2", "--out", str(out)]) == 2
-    assert main(["tasks", "generate", "--task", "vt", "--length", "900", "--tokenizer", str(tmp_path / "nope"),
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "tasks",
+                "generate",
+                "--task",
+                "vt",
+                "--length",
+                "900",
+                "--tokenizer",
+                str(tmp_path / "nope"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -36,6 +51,7 @@ def test_readme_task_files_go_to_an_ignored_folder():
     import shutil
     import subprocess
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[2]
     docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     outs = [o for d in docs for o in re.findall(r"tasks generate .*?--out (\S+)", d.read_text())]
@@ -43,6 +59,6 @@ def test_readme_task_files_go_to_an_ignored_folder():
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
     for out in outs:
-        assert "/" in out, out   # not the repo root
+        assert "/" in out, out  # not the repo root
         r = subprocess.run(["git", "check-ignore", "-q", out], cwd=root)
         assert r.returncode == 0, f"README writes {out}, which git does not ignore"

@@ -21,8 +21,10 @@ def test_vocab_fits_the_tiny_models(tok):
 
 
 def test_round_trip_on_in_vocab_text(tok):
-    text = ("the special magic number for red fence is: 7512870.\nvariable apple = 48213, and the owl slept "
-            "near the (golden) river?")
+    text = (
+        "the special magic number for red fence is: 7512870.\nvariable apple = 48213, and the owl slept "
+        "near the (golden) river?"
+    )
     ids = tok.encode(text)
     assert tok.unk not in ids
     assert tok.decode(ids) == text
@@ -72,13 +74,16 @@ def test_bad_vocab_files_are_named(tmp_path):
 def test_hf_directory_offline(tmp_path, tok):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
+
     words = tok.words
     model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
     t = tokenizers.Tokenizer(model)
     t.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
-    fast.chat_template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}" \
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     fast.save_pretrained(tmp_path)
     hf = load_tokenizer(str(tmp_path))
     assert isinstance(hf, HFTokenizer)

@@ -24,8 +24,10 @@ def _model(topk: int | None = None):
 
 def _attn_outputs(model, ids):
     outs = []
-    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o: outs.append(o[0].detach().clone()))
-             for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o: outs.append(o[0].detach().clone()))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
     for h in hooks:
@@ -75,15 +77,18 @@ def test_band_attention_equals_eager(topk):
 def _flip_layer3_row(delta: float | None = None):
     """Band-run hook on layer 3's indexer scorer: at (batch 0, query 290), whose 16th and 17th scores are 9.4e-7
     apart, lift the 17th to one ulp above the 16th (`delta` None: a near-tie flip) or by `delta` more."""
+
     def register(model):
         def hook(module, args, out):
             out = out.clone()
-            row, up, _, _ = flip_boundary(out[0, 290, :(290 + 1) // 4], 16)
-            out[0, 290, :row.shape[0]] = row
+            row, up, _, _ = flip_boundary(out[0, 290, : (290 + 1) // 4], 16)
+            out[0, 290, : row.shape[0]] = row
             if delta is not None:
                 out[0, 290, up] += delta
             return out
+
         return model.model.layers[3].self_attn.compressor.indexer.scorer.register_forward_hook(hook)
+
     return register
 
 
@@ -104,6 +109,7 @@ def test_band_attention_comparison_rejects_a_real_pick_difference():
 def test_band_attention_falls_back_with_a_cache():
     """Cached decode (q_len 1) takes the eager path; incremental logits equal a full forward."""
     from flashmemory.hf import HFEngine
+
     model, config = _model(1 << 20)
     use_band_attention(model)
     eng = HFEngine(model, config)
@@ -137,6 +143,7 @@ def test_band_attention_drop_only_in_training():
 def test_band_attention_rejects_nothing_it_cannot_do():
     """Shapes that are not a cacheless forward go to eager (same result as eager_attention_forward)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
     model, _ = _model()
     attn = model.model.layers[0].self_attn
     q = torch.randn(1, 4, 1, 128)

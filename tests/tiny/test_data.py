@@ -21,7 +21,7 @@ def test_doc_fits_and_evidence_is_the_answer(task):
             assert (d.answers[k] in text) if task != "mrcr" else text.startswith("here is a")
     # the target scores 1 with the suite's own scorer (mrcr: the tiny tokenizer puts a space after the prefix)
     item = {"task": task, "answers": d.answers, "meta": {"prefix": d.answers[0][:10]}}
-    assert score(item, TOK.decode(d.ids[d.n_prompt:-1])) >= (0.99 if task == "mrcr" else 1.0)
+    assert score(item, TOK.decode(d.ids[d.n_prompt : -1])) >= (0.99 if task == "mrcr" else 1.0)
 
 
 def test_docs_are_deterministic_and_heldout_differs_from_training():
@@ -41,8 +41,8 @@ def test_collate_labels_only_the_answer():
     for b, d in enumerate(docs):
         pos = (labels[b] != -100).nonzero().flatten().tolist()
         assert pos == list(range(d.n_prompt - 1, len(d.ids) - 1))
-        assert labels[b, pos].tolist() == d.ids[d.n_prompt:]
-    assert (ids[0, len(docs[0].ids):] == 5).all()
+        assert labels[b, pos].tolist() == d.ids[d.n_prompt :]
+    assert (ids[0, len(docs[0].ids) :] == 5).all()
 
 
 def test_too_short_is_a_clear_error():

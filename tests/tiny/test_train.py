@@ -18,8 +18,20 @@ def test_schedule():
 
 
 def test_train_logs_checkpoints_and_resumes(tmp_path):
-    kw = dict(out_dir=str(tmp_path), steps=2, tokens_per_step=256, lengths=(128,), length_until=(), workers=0,
-              eval_every=2, eval_docs=3, log_every=1, progress=False, tasks=("niah_single",), warmup=1)
+    kw = dict(
+        out_dir=str(tmp_path),
+        steps=2,
+        tokens_per_step=256,
+        lengths=(128,),
+        length_until=(),
+        workers=0,
+        eval_every=2,
+        eval_docs=3,
+        log_every=1,
+        progress=False,
+        tasks=("niah_single",),
+        warmup=1,
+    )
     s = train_tiny(TrainTinyConfig(**kw), log=lambda *_: None)
     assert s["step"] == 2 and 0.0 <= s["acc"] <= 1.0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -27,14 +27,17 @@ def test_yaml_config(tmp_path) -> None:
     assert load_data_config(cfg).val[0].data_dir == (tmp_path / "d").resolve()
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"train": [{"data_dir": "nope"}], "val": [{"data_dir": "nope"}]}, "train[0]: data_dir 'nope'"),
-    ({"train": [{"data_dir": "d"}], "val": []}, "split 'val' is empty"),
-    ({"train": [{"data_dir": "d", "doc_id": [1]}], "val": ["d"]}, "unknown key(s) ['doc_id']"),
-    ({"train": [{"data_dir": "d", "doc_ids": [-1]}], "val": ["d"]}, "'doc_ids' must be null or a list"),
-    ({"train": ["d"], "val": ["d"], "tset": []}, "unknown split(s) ['tset']"),
-    ([1, 2], "top level must be an object"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"train": [{"data_dir": "nope"}], "val": [{"data_dir": "nope"}]}, "train[0]: data_dir 'nope'"),
+        ({"train": [{"data_dir": "d"}], "val": []}, "split 'val' is empty"),
+        ({"train": [{"data_dir": "d", "doc_id": [1]}], "val": ["d"]}, "unknown key(s) ['doc_id']"),
+        ({"train": [{"data_dir": "d", "doc_ids": [-1]}], "val": ["d"]}, "'doc_ids' must be null or a list"),
+        ({"train": ["d"], "val": ["d"], "tset": []}, "unknown split(s) ['tset']"),
+        ([1, 2], "top level must be an object"),
+    ],
+)
 def test_bad_config_names_the_problem(tmp_path, body, needle) -> None:
     (tmp_path / "d").mkdir()
     cfg = tmp_path / "c.json"

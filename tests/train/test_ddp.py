@@ -21,11 +21,14 @@ def _batch() -> dict:
     b, n = 6, 9
     lengths = torch.tensor([9, 4, 7, 2, 9, 5])  # ragged rows: padding must not matter
     mask = torch.arange(n).unsqueeze(0) < lengths.unsqueeze(1)
-    return {"hidden": {L: torch.randn(b, 32, generator=g) for L in (0, 1)},
-            "positions": torch.randint(0, 5000, (b,), generator=g),
-            "keys": {L: torch.randn(b, n, 16, generator=g) * mask.unsqueeze(-1) for L in (0, 1)},
-            "target": (torch.rand(b, n, generator=g) > 0.6).float() * mask,
-            "weight": torch.rand(b, n, generator=g) + 0.5, "mask": mask}
+    return {
+        "hidden": {L: torch.randn(b, 32, generator=g) for L in (0, 1)},
+        "positions": torch.randint(0, 5000, (b,), generator=g),
+        "keys": {L: torch.randn(b, n, 16, generator=g) * mask.unsqueeze(-1) for L in (0, 1)},
+        "target": (torch.rand(b, n, generator=g) > 0.6).float() * mask,
+        "weight": torch.rand(b, n, generator=g) + 0.5,
+        "mask": mask,
+    }
 
 
 def _half(batch: dict, rank: int) -> dict:

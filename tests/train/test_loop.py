@@ -13,9 +13,20 @@ from flashmemory.train.samples import SampleConfig
 
 
 def _cfg(synth, out, config="data.json", **kw) -> TrainConfig:
-    base = dict(data_config=str(synth / config), output_dir=str(out), no_pretrain=True, joint_layers=(0, 1),
-                n_heads=8, q_lora_rank=32, lr=3e-3, epochs=1, batch_size=8, sample=SampleConfig(neg_ratio=3.0),
-                log_interval=5, seed=3)
+    base = dict(
+        data_config=str(synth / config),
+        output_dir=str(out),
+        no_pretrain=True,
+        joint_layers=(0, 1),
+        n_heads=8,
+        q_lora_rank=32,
+        lr=3e-3,
+        epochs=1,
+        batch_size=8,
+        sample=SampleConfig(neg_ratio=3.0),
+        log_interval=5,
+        seed=3,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -68,6 +79,7 @@ def test_resume_rejects_a_non_epoch_checkpoint(synth, tmp_path) -> None:
     tr = Trainer(_cfg(synth, tmp_path / "a"))
     tr.fit()
     from flashmemory.retriever.checkpoint import CheckpointError
+
     with pytest.raises(CheckpointError, match="resume-from"):
         Trainer(_cfg(synth, tmp_path / "b", resume_from=str(tmp_path / "a" / BEST_F1)))
 
@@ -75,6 +87,7 @@ def test_resume_rejects_a_non_epoch_checkpoint(synth, tmp_path) -> None:
 def test_native_init_from_teacher_beats_random(synth, teacher, tmp_path) -> None:
     """With the teacher as 'native' weights, the step-0 validation is already good."""
     from flashmemory.train.synthetic import write_native_checkpoint
+
     wd = write_native_checkpoint(tmp_path / "native", teacher)
     tr = Trainer(_cfg(synth, tmp_path / "n", no_pretrain=False, weight_dir=str(wd)))
     rnd = Trainer(_cfg(synth, tmp_path / "r"))

@@ -57,7 +57,7 @@ def test_hf_names_and_expansion(teacher) -> None:
     t, s = teacher.layer(1), student.layer(1)
     d = TEACHER_DIMS
     assert torch.equal(s.wq_a.weight[: d.rank], t.wq_a.weight)
-    assert torch.equal(s.q_norm_weight[d.rank:], torch.ones(48 - d.rank))
+    assert torch.equal(s.q_norm_weight[d.rank :], torch.ones(48 - d.rank))
     wq_b = s.wq_b.weight.view(12, 32, 48)
     assert torch.equal(wq_b[:8, :, :32], t.wq_b.weight.view(8, 32, 32))
     assert torch.equal(wq_b[:8, :, 32:], torch.zeros(8, 32, 16)) and wq_b[8:].abs().sum() > 0

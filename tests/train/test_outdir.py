@@ -19,16 +19,45 @@ from flashmemory.train.samples import SampleConfig
 
 
 def _cfg(synth: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(data_config=str(synth / "data.json"), output_dir=str(out), no_pretrain=True, joint_layers=(0, 1),
-                n_heads=8, q_lora_rank=32, lr=3e-3, epochs=1, batch_size=8, sample=SampleConfig(neg_ratio=3.0),
-                log_interval=5, seed=3, progress=False)
+    base = dict(
+        data_config=str(synth / "data.json"),
+        output_dir=str(out),
+        no_pretrain=True,
+        joint_layers=(0, 1),
+        n_heads=8,
+        q_lora_rank=32,
+        lr=3e-3,
+        epochs=1,
+        batch_size=8,
+        sample=SampleConfig(neg_ratio=3.0),
+        log_interval=5,
+        seed=3,
+        progress=False,
+    )
     return TrainConfig(**(base | kw))
 
 
 def _argv(synth: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "--data-config", str(synth / "data.json"), "--output-dir", str(out), "--no-pretrain",
-            "--joint-layers", "0,1", "--n-heads", "8", "--q-lora-rank", "32", "--epochs", "1", "--no-progress",
-            "--device", "cpu", *extra]
+    return [
+        "train",
+        "--data-config",
+        str(synth / "data.json"),
+        "--output-dir",
+        str(out),
+        "--no-pretrain",
+        "--joint-layers",
+        "0,1",
+        "--n-heads",
+        "8",
+        "--q-lora-rank",
+        "32",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _snapshot(d: Path) -> dict[str, bytes]:
@@ -43,8 +72,12 @@ def test_rerun_into_a_used_dir_is_refused_and_overwrite_moves_the_old_run_aside(
     capsys.readouterr()
     assert main(_argv(synth, out, "--epochs", "2")) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"flashmemory train: error: --output-dir {out}: already holds a training run") and \
-        "--resume-from" in err and "--overwrite" in err and len(err.splitlines()) == 1
+    assert (
+        err.startswith(f"flashmemory train: error: --output-dir {out}: already holds a training run")
+        and "--resume-from" in err
+        and "--overwrite" in err
+        and len(err.splitlines()) == 1
+    )
     assert _snapshot(out) == before  # nothing overwritten, nothing appended
     assert main(_argv(synth, out, "--overwrite")) == 0
     assert "moved the earlier run's files" in capsys.readouterr().out
@@ -58,6 +91,7 @@ def test_training_stores_the_full_rope_length(synth, tmp_path) -> None:
     tr = Trainer(_cfg(synth, tmp_path / "r"))
     tr.fit()
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "r" / BEST_F1), "pt") as f:
         assert json.loads(f.metadata()["rope"])["max_position"] == 1_048_576  # not max(dumped + 1, 131072)
 
@@ -80,14 +114,17 @@ def test_non_finite_loss_stops_training_with_no_nan_checkpoint(synth, tmp_path, 
         calls.append(1)
         loss = real(*a, **kw)
         return loss * float("nan") if len(calls) == 3 else loss
+
     monkeypatch.setattr(loop, "batch_loss", poisoned)
     out = tmp_path / "nan"
     assert main(_argv(synth, out)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("flashmemory train: error: training diverged at step 3: loss nan") and \
-        len(err.splitlines()) == 1
+    assert (
+        err.startswith("flashmemory train: error: training diverged at step 3: loss nan") and len(err.splitlines()) == 1
+    )
     assert not list(out.glob("ckpt_joint_epoch*"))  # the epoch never finished
     from flashmemory.retriever.checkpoint import load_retriever
+
     load_retriever(out / BEST_F1)  # the step-0 best is still there and finite (load checks every value)
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
     Trainer(_cfg(synth, out, overwrite=True)).close()  # the lock was released on the error
@@ -122,6 +159,7 @@ def test_output_dir_that_is_a_file_or_unwritable_or_full(synth, tmp_path, monkey
 
     def full(obj, f, *a, **kw):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+
     monkeypatch.setattr(torch, "save", full)
     out = tmp_path / "full"
     assert main(_argv(synth, out)) == 2
@@ -141,6 +179,7 @@ def _refuse_worker(rank: int, port: int, synth: str, out_dir: str, out: dict) ->
     import torch.distributed as dist
 
     from flashmemory.train.ddp import DistInfo
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         Trainer(_cfg(Path(synth), Path(out_dir)), DistInfo(rank, 2, torch.device("cpu")))
@@ -157,6 +196,7 @@ def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> 
     import socket
 
     import torch.multiprocessing as mp
+
     Trainer(_cfg(synth, tmp_path / "used")).fit()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,13 +208,23 @@ def test_ddp_ranks_stop_together_when_rank0_refuses_the_dir(synth, tmp_path) -> 
     assert "already holds a training run" in got[0] and "refused by rank 0" in got[1], got
 
 
-@pytest.mark.parametrize("flag, value, why", [
-    ("--epochs", "0", ">= 1"), ("--lr", "0", "(0.0, 10.0]"), ("--lr", "nan", "(0.0, 10.0]"), ("--wd", "-1", "[0.0"),
-    ("--threshold", "1.5", "[0.0, 1.0]"), ("--rope-dim", "7", "even"), ("--batch-size", "-2", ">= 1"),
-    ("--label-interval", "0", ">= 1"), ("--sample-interval", "0", ">= 1"), ("--max-pos", "-3", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "flag, value, why",
+    [
+        ("--epochs", "0", ">= 1"),
+        ("--lr", "0", "(0.0, 10.0]"),
+        ("--lr", "nan", "(0.0, 10.0]"),
+        ("--wd", "-1", "[0.0"),
+        ("--threshold", "1.5", "[0.0, 1.0]"),
+        ("--rope-dim", "7", "even"),
+        ("--batch-size", "-2", ">= 1"),
+        ("--label-interval", "0", ">= 1"),
+        ("--sample-interval", "0", ">= 1"),
+        ("--max-pos", "-3", ">= 1"),
+    ],
+)
 def test_numeric_flags_are_range_checked(synth, tmp_path, capsys, flag, value, why) -> None:
     assert main(_argv(synth, tmp_path / "o", flag, value)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"flashmemory train: error: {flag} ") and why in err
-    assert not (tmp_path / "o").exists()   # refused before anything was written
+    assert not (tmp_path / "o").exists()  # refused before anything was written

@@ -17,14 +17,44 @@ from flashmemory.train.samples import SampleConfig
 
 
 def _argv(cfg: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "--data-config", str(cfg), "--output-dir", str(out), "--no-pretrain", "--joint-layers", "0,1",
-            "--n-heads", "8", "--q-lora-rank", "32", "--epochs", "1", "--no-progress", "--device", "cpu", *extra]
+    return [
+        "train",
+        "--data-config",
+        str(cfg),
+        "--output-dir",
+        str(out),
+        "--no-pretrain",
+        "--joint-layers",
+        "0,1",
+        "--n-heads",
+        "8",
+        "--q-lora-rank",
+        "32",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _cfg(synth: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(data_config=str(synth / "data.json"), output_dir=str(out), no_pretrain=True, joint_layers=(0, 1),
-                n_heads=8, q_lora_rank=32, lr=3e-3, epochs=3, batch_size=8, sample=SampleConfig(neg_ratio=3.0),
-                log_interval=5, seed=3, progress=False)
+    base = dict(
+        data_config=str(synth / "data.json"),
+        output_dir=str(out),
+        no_pretrain=True,
+        joint_layers=(0, 1),
+        n_heads=8,
+        q_lora_rank=32,
+        lr=3e-3,
+        epochs=3,
+        batch_size=8,
+        sample=SampleConfig(neg_ratio=3.0),
+        log_interval=5,
+        seed=3,
+        progress=False,
+    )
     return TrainConfig(**(base | kw))
 
 
@@ -32,6 +62,7 @@ def _cfg(synth: Path, out: Path, **kw) -> TrainConfig:
 def wide(tmp_path_factory) -> Path:
     """A one-document dump from a model of twice the synthetic hidden size."""
     from flashmemory.train.synthetic import TEACHER_DIMS, make_teacher, write_synthetic_dump
+
     root = tmp_path_factory.mktemp("wide")
     t = make_teacher(layers=(0, 1), dims=replace(TEACHER_DIMS, hidden=2 * TEACHER_DIMS.hidden), seed=1)
     write_synthetic_dump(root / "d", t, n_docs=1, prompt_len=64, n_tokens=16, seed=5)
@@ -81,6 +112,7 @@ def _records(out: Path) -> list[dict]:
 
 def _best_meta(path: Path) -> dict[str, str]:
     from safetensors import safe_open
+
     with safe_open(str(path), "pt") as f:
         return dict(f.metadata())
 
@@ -92,7 +124,7 @@ def test_resume_after_a_kill_logs_each_step_once_and_keeps_bests_of_this_run(syn
     run's metrics.jsonl records, with that score."""
     out = tmp_path / "run"
     Trainer(_cfg(synth, out)).fit()
-    (out / "ckpt_joint_epoch002.pt").unlink()        # the kill: epoch 2's checkpoint was never written
+    (out / "ckpt_joint_epoch002.pt").unlink()  # the kill: epoch 2's checkpoint was never written
     before = (out / "metrics.jsonl").read_text()
     tr = Trainer(_cfg(synth, out, resume_from=str(out / "ckpt_joint_epoch001.pt")))
     assert tr.moved_aside is not None and (tr.moved_aside / "metrics.jsonl").read_text() == before
@@ -100,14 +132,14 @@ def test_resume_after_a_kill_logs_each_step_once_and_keeps_bests_of_this_run(syn
     tr.fit()
     recs = _records(out)
     keys = [(r["kind"], r["step"], r["epoch"]) for r in recs]
-    assert len(keys) == len(set(keys)), keys                      # each step logged once
+    assert len(keys) == len(set(keys)), keys  # each step logged once
     assert sorted({r["epoch"] for r in recs if r["kind"] == "val"}) == [-1, 0, 1, 2]
     vals = {r["step"]: r for r in recs if r["kind"] == "val"}
     for name, key, metric in ((BEST_F1, "ens_f1", "f1"), (BEST_RK, "ens_r@512", "r@512")):
         meta = _best_meta(out / name)
-        rec = vals[int(meta["step"])]                             # chosen by a validation this run records ...
-        assert float(meta[key]) == rec["max"][metric]            # ... with that score ...
-        assert float(meta[key]) == max(v["max"][metric] for v in vals.values())   # ... the best of them
+        rec = vals[int(meta["step"])]  # chosen by a validation this run records ...
+        assert float(meta[key]) == rec["max"][metric]  # ... with that score ...
+        assert float(meta[key]) == max(v["max"][metric] for v in vals.values())  # ... the best of them
 
 
 @pytest.mark.parametrize("same_dir", [True, False])
@@ -119,20 +151,35 @@ def test_a_resumed_run_always_ends_with_its_best_checkpoints(synth, tmp_path, ca
     ends with the files the README's eval and serve commands read."""
     out = tmp_path / "run"
     assert main(_argv(synth / "data.json", out, "--epochs", "2", "--lr", "1e-12")) == 0
-    assert _best_meta(out / BEST_F1)["step"] == "0"               # step 0 was never beaten
+    assert _best_meta(out / BEST_F1)["step"] == "0"  # step 0 was never beaten
     target = out if same_dir else tmp_path / "other"
     capsys.readouterr()
-    assert main(_argv(synth / "data.json", target, "--epochs", "2", "--lr", "1e-12",
-                      "--resume-from", str(out / "ckpt_joint_epoch000.pt"))) == 0
+    assert (
+        main(
+            _argv(
+                synth / "data.json",
+                target,
+                "--epochs",
+                "2",
+                "--lr",
+                "1e-12",
+                "--resume-from",
+                str(out / "ckpt_joint_epoch000.pt"),
+            )
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     for name in (BEST_F1, BEST_RK):
         assert (target / name).is_file(), (name, sorted(p.name for p in target.iterdir()))
-    if same_dir:   # the step-0 bests belong to the resumed run: kept, not moved aside
+    if same_dir:  # the step-0 bests belong to the resumed run: kept, not moved aside
         assert _best_meta(out / BEST_F1)["step"] == "0"
         aside = [p for p in out.iterdir() if p.name.startswith("previous-")]
-        assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["ckpt_joint_epoch001.pt",
-                                                                                      "metrics.jsonl"]
-    else:          # nothing to keep there: the resumed run's validation writes them, and says so
+        assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [
+            "ckpt_joint_epoch001.pt",
+            "metrics.jsonl",
+        ]
+    else:  # nothing to keep there: the resumed run's validation writes them, and says so
         assert "note: " in printed and "the next validation writes it" in printed
 
 

@@ -32,8 +32,10 @@ def test_reference_is_independent_of_the_model_path(teacher) -> None:
     layer = teacher.layer(0)
     g = torch.Generator().manual_seed(1)
     h, pos, keys = torch.randn(2, 64, generator=g), torch.tensor([5, 70000]), torch.randn(30, 32, generator=g)
-    sd = {k: layer.get_parameter(k).detach() for k in ("wq_a.weight", "wq_b.weight", "q_norm_weight",
-                                                        "weights_proj.weight")}
+    sd = {
+        k: layer.get_parameter(k).detach()
+        for k in ("wq_a.weight", "wq_b.weight", "q_norm_weight", "weights_proj.weight")
+    }
     ref = reference_logits(sd, teacher.rope, h, pos, keys, 8, 32)
     got = layer.logits(h, pos, keys)
     assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-5)

@@ -17,15 +17,30 @@ from flashmemory.offload.disk.cache import DiskTierCounters, HostPageCache
 from flashmemory.offload.disk.faults import FaultPlan, FaultyFileOps
 from flashmemory.offload.disk.fileops import ALIGN, FileOps, OsFileOps
 from flashmemory.offload.disk.format import disk_page_bytes, pack_page, unpack_page
-from flashmemory.offload.disk.store import (CorruptPageError, DiskTierError, PageStore, remove_stale_stores)
+from flashmemory.offload.disk.store import CorruptPageError, DiskTierError, PageStore, remove_stale_stores
 
-__all__ = ["DiskTierCounters", "HostPageCache", "FaultPlan", "FaultyFileOps", "ALIGN", "FileOps", "OsFileOps",
-           "disk_page_bytes", "pack_page", "unpack_page", "CorruptPageError", "DiskTierError", "PageStore",
-           "remove_stale_stores", "open_tier"]
+__all__ = [
+    "DiskTierCounters",
+    "HostPageCache",
+    "FaultPlan",
+    "FaultyFileOps",
+    "ALIGN",
+    "FileOps",
+    "OsFileOps",
+    "disk_page_bytes",
+    "pack_page",
+    "unpack_page",
+    "CorruptPageError",
+    "DiskTierError",
+    "PageStore",
+    "remove_stale_stores",
+    "open_tier",
+]
 
 
-def open_tier(cfg: DiskTierConfig, page_bytes: int, rank: int = 0, readers: int = 4,
-              window: tuple[int, int] | None = None) -> HostPageCache:
+def open_tier(
+    cfg: DiskTierConfig, page_bytes: int, rank: int = 0, readers: int = 4, window: tuple[int, int] | None = None
+) -> HostPageCache:
     """The store + cache a rank gets from its `DiskTierConfig`; logs the tier's size and where it lives, and with
     `window` = (DRAM page slots, page ids) the host mirror's landing window (SGLANG_PATHP_HOST_MIRROR_GB).
     Raises DiskTierError (one line naming the variable) when the directory or the sizes cannot work."""
@@ -40,13 +55,22 @@ def open_tier(cfg: DiskTierConfig, page_bytes: int, rank: int = 0, readers: int 
     if window is None:
         mirror = ""
     elif window[0] < window[1]:
-        mirror = (f", host mirror landing window {window[0]} of {window[1]} page slots ({window[0] * page_bytes / 1e9:.3g}"
-                  f" of {window[1] * page_bytes / 1e9:.3g} GB)")
+        mirror = (
+            f", host mirror landing window {window[0]} of {window[1]} page slots ({window[0] * page_bytes / 1e9:.3g}"
+            f" of {window[1] * page_bytes / 1e9:.3g} GB)"
+        )
     else:
         mirror = f", host mirror full size ({window[1]} pages, {window[1] * page_bytes / 1e9:.3g} GB)"
     logging.getLogger("flashmemory.offload.disk").info(
-        "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages (%.3g GB)%s", rank,
-        store.n_slots, page_bytes, store.path, store.n_slots * store.slot_bytes / 1e9,
-        "O_DIRECT" if store.direct else "buffered", cache.capacity_pages, cache.capacity_pages * page_bytes / 1e9,
-        mirror)
+        "disk tier (rank %d): %d pages of %d B on disk at %s (%.3g GB, %s), host cache %d pages (%.3g GB)%s",
+        rank,
+        store.n_slots,
+        page_bytes,
+        store.path,
+        store.n_slots * store.slot_bytes / 1e9,
+        "O_DIRECT" if store.direct else "buffered",
+        cache.capacity_pages,
+        cache.capacity_pages * page_bytes / 1e9,
+        mirror,
+    )
     return cache

@@ -45,11 +45,11 @@ class DiskTierCounters:
     disk_bytes_written: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
-    readahead_late: int = 0   # a get found its read-ahead still queued or in flight: it missed its window
-    write_errors: int = 0     # write-behind failures (ENOSPC, EIO, ...): the page stayed in DRAM
+    readahead_late: int = 0  # a get found its read-ahead still queued or in flight: it missed its window
+    write_errors: int = 0  # write-behind failures (ENOSPC, EIO, ...): the page stayed in DRAM
     corrupt_pages: int = 0
     evictions: int = 0
-    write_waits: int = 0        # puts that waited for the writer (the write queue was over its bound)
+    write_waits: int = 0  # puts that waited for the writer (the write queue was over its bound)
     decode_disk_waits: int = 0  # times the decode thread waited on disk I/O (read, back-pressure, sync write)
 
     @property
@@ -79,14 +79,17 @@ class HostPageCache:
     rewritten or freed meanwhile. write_queue_pages: bound of the write queue (0 = max(8, capacity // 4)).
     """
 
-    def __init__(self, store: PageStore, capacity_bytes: int, worker: bool = True, readers: int = 1,
-                 write_queue_pages: int = 0):
+    def __init__(
+        self, store: PageStore, capacity_bytes: int, worker: bool = True, readers: int = 1, write_queue_pages: int = 0
+    ):
         self.store = store
         self.page_bytes = store.page_bytes
         self.capacity_pages = capacity_bytes // self.page_bytes
         if self.capacity_pages < 1:
-            raise DiskTierError(f"disk tier: a host cache of {capacity_bytes} B holds no {self.page_bytes}-B page "
-                                "(raise SGLANG_PATHP_HOST_CACHE_GB)")
+            raise DiskTierError(
+                f"disk tier: a host cache of {capacity_bytes} B holds no {self.page_bytes}-B page "
+                "(raise SGLANG_PATHP_HOST_CACHE_GB)"
+            )
         self.counters = DiskTierCounters()
         self._lock = threading.Lock()
         self._lru: OrderedDict[Key, _Entry] = OrderedDict()
@@ -100,11 +103,11 @@ class HostPageCache:
         self._q: queue.Queue[Key | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.write_queue_pages = write_queue_pages or max(8, self.capacity_pages // 4)
-        self._writing: OrderedDict[Key, _Entry] = OrderedDict()   # dirty pages out of the LRU, oldest first
-        self._cond = threading.Condition(self._lock)                # the writer and back-pressured puts wait here
-        self._retry = False                                         # the writer retries pinned pages when set
+        self._writing: OrderedDict[Key, _Entry] = OrderedDict()  # dirty pages out of the LRU, oldest first
+        self._cond = threading.Condition(self._lock)  # the writer and back-pressured puts wait here
+        self._retry = False  # the writer retries pinned pages when set
         self._stop = False
-        self._busy: Key | None = None                               # the page whose write is in flight
+        self._busy: Key | None = None  # the page whose write is in flight
         self.decode_thread: int | None = None
         self._writer: threading.Thread | None = None
         if worker:
@@ -243,12 +246,12 @@ class HostPageCache:
                 self._ver.pop(key, None)
                 self._failed.pop(key, None)
                 self._ahead.discard(key)
-            while self._busy is not None and self._busy[0] == rid:   # a write of ours holds a slot: let it land
+            while self._busy is not None and self._busy[0] == rid:  # a write of ours holds a slot: let it land
                 self._cond.wait()
             self.store.free_request(rid)
             if self._writer is None:
                 self._retry_pinned()
-            else:   # space came back: the writer retries the pinned pages, not this (decode) thread
+            else:  # space came back: the writer retries the pinned pages, not this (decode) thread
                 self._retry = bool(self._pinned)
                 self._cond.notify_all()
         return len(pages)
@@ -307,8 +310,12 @@ class HostPageCache:
             self.store.write(key[0], key[1], ent.buf)
         except OSError as e:
             if key not in self._pinned:
-                log.warning("disk tier: write-behind of page %d of %r failed (%s); kept in host memory",
-                            key[1], key[0], e.strerror or e)
+                log.warning(
+                    "disk tier: write-behind of page %d of %r failed (%s); kept in host memory",
+                    key[1],
+                    key[0],
+                    e.strerror or e,
+                )
             self.counters.write_errors += 1
             return False
         ent.dirty = False
@@ -375,9 +382,9 @@ class HostPageCache:
         """Writer side, lock held: settle one finished write of `ent` (page version `ver` when it started)."""
         src = self._pinned if pinned else self._writing
         current = src.get(key) is ent and self._ver.get(key) == ver
-        if not current:   # rewritten (newer bytes are queued or in the LRU) or freed meanwhile
+        if not current:  # rewritten (newer bytes are queued or in the LRU) or freed meanwhile
             if err is None and key not in self._ver:
-                self.store.free(*key)   # freed while we wrote: the slot our write took goes back
+                self.store.free(*key)  # freed while we wrote: the slot our write took goes back
             return
         if err is None:
             del src[key]
@@ -387,10 +394,14 @@ class HostPageCache:
             return
         self.counters.write_errors += 1
         if pinned:
-            self._retry = False   # the disk still refuses: keep the rest pinned, try at the next release
+            self._retry = False  # the disk still refuses: keep the rest pinned, try at the next release
             return
-        log.warning("disk tier: write-behind of page %d of %r failed (%s); kept in host memory", key[1], key[0],
-                    err.strerror or err)
+        log.warning(
+            "disk tier: write-behind of page %d of %r failed (%s); kept in host memory",
+            key[1],
+            key[0],
+            err.strerror or err,
+        )
         del self._writing[key]
         self._pinned[key] = ent
 
@@ -456,8 +467,9 @@ class HostPageCache:
             assert len(self._lru) <= self.capacity_pages, (len(self._lru), self.capacity_pages)
             for (rid, page), ent in self._writing.items():
                 assert page in self._live.get(rid, ()), f"dead queued page {page} of {rid!r}"
-                assert ent.dirty and (rid, page) not in self._lru and (rid, page) not in self._pinned, \
+                assert ent.dirty and (rid, page) not in self._lru and (rid, page) not in self._pinned, (
                     f"queued page {page} of {rid!r} clean, in the LRU or pinned"
+                )
             for (rid, page), ent in self._lru.items():
                 assert page in self._live.get(rid, ()), f"dead page {page} of {rid!r} in DRAM"
                 assert ent.dirty or (rid, page) in self.store, f"clean page {page} of {rid!r} not on disk"

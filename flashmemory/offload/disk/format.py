@@ -43,8 +43,10 @@ def unpack_rows(data: bytes | bytearray | memoryview, layout: OffloadLayout) -> 
         raise ValueError(f"unpack_page: {mv.nbytes} B for a {need}-B disk page")
     flat = torch.frombuffer(bytearray(mv), dtype=torch.uint8)
     nkv = layout.n_layers * layout.kv_page_bytes
-    return (flat[:nkv].view(layout.n_layers, layout.kv_page_bytes),
-            flat[nkv:].view(len(layout.offload_index_layers), layout.index_page_bytes))
+    return (
+        flat[:nkv].view(layout.n_layers, layout.kv_page_bytes),
+        flat[nkv:].view(len(layout.offload_index_layers), layout.index_page_bytes),
+    )
 
 
 def unpack_page(data: bytes | bytearray | memoryview, mirror: HostMirror, mpage: int) -> None:

@@ -72,7 +72,7 @@ def remove_owned() -> list[str]:
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     prev = _previous.get(signum, signal.SIG_DFL)
-    if prev == signal.SIG_IGN:   # the process goes on running: its stores stay in use
+    if prev == signal.SIG_IGN:  # the process goes on running: its stores stay in use
         return
     remove_owned()
     if callable(prev):

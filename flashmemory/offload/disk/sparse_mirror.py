@@ -82,7 +82,7 @@ class SparseMirror(HostMirror):
         self.slot_of = torch.full((n_pages,), FRESH, dtype=torch.int64)
         self._free_slots: list[int] = []
         self.peak_slots = 0
-        self.dropped_bytes = 0   # OS-page bytes handed back by `release` (running total)
+        self.dropped_bytes = 0  # OS-page bytes handed back by `release` (running total)
 
     @property
     def free_slots(self) -> int:
@@ -107,7 +107,7 @@ class SparseMirror(HostMirror):
         """The tier holds these owned pages: mark them RELEASED (reads raise) and hand their OS pages back.
         Returns the pages that held bytes."""
         held = [p for p in pages if int(self.slot_of[p]) >= 0] if pages else []
-        super().release(pages)   # validates ownership before any memory is touched
+        super().release(pages)  # validates ownership before any memory is touched
         self._free_slots.clear()
         self._drop(sorted(set(pages)))
         return len(held)

@@ -32,7 +32,7 @@ import secrets
 import socket
 import struct
 import threading
-from typing import Collection
+from collections.abc import Collection
 
 from flashmemory.errors import UserError, describe
 from flashmemory.offload.disk import owned
@@ -57,8 +57,9 @@ class CorruptPageError(RuntimeError):
     An error of request `rid` only: that request is finished with this message, the server keeps serving."""
 
     def __init__(self, rid: str, page: int, why: str):
-        super().__init__(f"disk tier: page {page} of request {rid!r} is corrupt on disk ({why}); the request "
-                         "cannot continue")
+        super().__init__(
+            f"disk tier: page {page} of request {rid!r} is corrupt on disk ({why}); the request cannot continue"
+        )
         self.rid, self.page, self.why = rid, page, why
 
 
@@ -76,7 +77,7 @@ def read_marker(path: str) -> dict | None:
     if not head.startswith(MARKER):
         return None
     try:
-        info = json.loads(head[len(MARKER):].split(b"\n", 1)[0])
+        info = json.loads(head[len(MARKER) :].split(b"\n", 1)[0])
     except ValueError:
         return None
     return info if isinstance(info, dict) else None
@@ -98,7 +99,12 @@ def remove_stale_stores(directory: str, pids: Collection[int] | None = None) -> 
             continue
         path = os.path.join(directory, name)
         info = read_marker(path)
-        if not info or info.get("host") != host or info.get("pid") != int(m.group(2)) or info.get("token") != m.group(3):
+        if (
+            not info
+            or info.get("host") != host
+            or info.get("pid") != int(m.group(2))
+            or info.get("token") != m.group(3)
+        ):
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -132,11 +138,20 @@ def check_capacity(directory: str, need: int, what: str, size_what: str) -> None
     pages are written, so a later write may find the disk full: those pages stay in host memory)."""
     size, free = fs_space(directory)
     if need > size:
-        raise DiskTierError(f"{what}={directory!r}: {size_what} asks for a {need / 1e9:.3g} GB page store, larger "
-                            f"than the filesystem there ({size / 1e9:.3g} GB); lower {size_what}")
+        raise DiskTierError(
+            f"{what}={directory!r}: {size_what} asks for a {need / 1e9:.3g} GB page store, larger "
+            f"than the filesystem there ({size / 1e9:.3g} GB); lower {size_what}"
+        )
     if need > free:
-        log.warning("disk tier: %s=%r: %s asks for %.3g GB, only %.3g GB free there now; pages that find the disk "
-                    "full stay in host memory", what, directory, size_what, need / 1e9, free / 1e9)
+        log.warning(
+            "disk tier: %s=%r: %s asks for %.3g GB, only %.3g GB free there now; pages that find the disk "
+            "full stay in host memory",
+            what,
+            directory,
+            size_what,
+            need / 1e9,
+            free / 1e9,
+        )
 
 
 def _create_error(e: OSError, path: str, what: str, size_what: str) -> DiskTierError:
@@ -153,9 +168,17 @@ class PageStore:
     used_slots == n_slots` where `used_slots` counts mapped slots and slots of writes in flight.
     """
 
-    def __init__(self, directory: str, capacity_bytes: int, page_bytes: int, rank: int = 0,
-                 ops: FileOps | None = None, direct: bool = True, what: str = "SGLANG_PATHP_DISK_DIR",
-                 size_what: str = "SGLANG_PATHP_DISK_GB"):
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        page_bytes: int,
+        rank: int = 0,
+        ops: FileOps | None = None,
+        direct: bool = True,
+        what: str = "SGLANG_PATHP_DISK_DIR",
+        size_what: str = "SGLANG_PATHP_DISK_GB",
+    ):
         if page_bytes < 1:
             raise ValueError(f"PageStore.page_bytes must be >= 1, got {page_bytes}")
         if not os.path.isdir(directory):
@@ -166,8 +189,9 @@ class PageStore:
         self.slot_bytes = round_up(HEADER_BYTES + page_bytes)
         self.n_slots = capacity_bytes // self.slot_bytes
         if self.n_slots < 1:
-            raise DiskTierError(f"disk tier: {capacity_bytes} B holds no {self.slot_bytes}-B page slot "
-                                f"(raise {size_what})")
+            raise DiskTierError(
+                f"disk tier: {capacity_bytes} B holds no {self.slot_bytes}-B page slot (raise {size_what})"
+            )
         self.ops: FileOps = ops or OsFileOps()
         self.stale_removed = remove_stale_stores(directory)
         check_capacity(directory, ALIGN + self.n_slots * self.slot_bytes, what, size_what)
@@ -184,11 +208,17 @@ class PageStore:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._buf = AlignedBuffers(self.slot_bytes)
-            info = {"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "token": self.token,
-                    "page_bytes": page_bytes, "slot_bytes": self.slot_bytes}
+            info = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "rank": rank,
+                "token": self.token,
+                "page_bytes": page_bytes,
+                "slot_bytes": self.slot_bytes,
+            }
             head = MARKER + json.dumps(info, sort_keys=True).encode() + b"\n"
             block = AlignedBuffers(ALIGN).get()
-            block[:len(head)] = head
+            block[: len(head)] = head
             self.ops.pwrite(self.fd, block, 0)
         except BaseException as e:  # a store that could not start leaves no file behind
             os.close(self.fd)
@@ -204,8 +234,14 @@ class PageStore:
         self._by_rid: dict[str, set[int]] = {}
         self._seq = 0
         self.closed = False
-        log.info("disk tier: page store %s, %d slots of %d B (%.2f GB), %s", self.path, self.n_slots,
-                 self.slot_bytes, self.n_slots * self.slot_bytes / 1e9, "O_DIRECT" if self.direct else "buffered")
+        log.info(
+            "disk tier: page store %s, %d slots of %d B (%.2f GB), %s",
+            self.path,
+            self.n_slots,
+            self.slot_bytes,
+            self.n_slots * self.slot_bytes / 1e9,
+            "O_DIRECT" if self.direct else "buffered",
+        )
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     @property
@@ -235,16 +271,18 @@ class PageStore:
             raise ValueError(f"PageStore.write: {mv.nbytes} B for a {self.page_bytes}-B page")
         with self._lock:
             if not self._free:
-                raise OSError(errno.ENOSPC, f"disk tier: all {self.n_slots} page slots in use (raise SGLANG_PATHP_DISK_GB)")
+                raise OSError(
+                    errno.ENOSPC, f"disk tier: all {self.n_slots} page slots in use (raise SGLANG_PATHP_DISK_GB)"
+                )
             slot = self._free.pop()
             self._seq += 1
             seq = self._seq
         buf = self._buf.get()
         hdr = _HDR.pack(_MAGIC, self._tok, rid_digest(rid), page, seq, self.page_bytes)
-        buf[:_HDR.size] = hdr
+        buf[: _HDR.size] = hdr
         end = _HDR.size + self.page_bytes
-        buf[_HDR.size:end] = mv
-        buf[end:end + _DIGEST] = hashlib.blake2b(buf[:end], digest_size=_DIGEST).digest()
+        buf[_HDR.size : end] = mv
+        buf[end : end + _DIGEST] = hashlib.blake2b(buf[:end], digest_size=_DIGEST).digest()
         try:
             self.ops.pwrite(self.fd, buf, self._offset(slot))
         except BaseException:
@@ -271,16 +309,16 @@ class PageStore:
         end = _HDR.size + self.page_bytes
         if n < end + _DIGEST:
             raise CorruptPageError(rid, page, f"short slot ({n} of {end + _DIGEST} B)")
-        magic, tok, rd, pg, sq, ln = _HDR.unpack(bytes(buf[:_HDR.size]))
+        magic, tok, rd, pg, sq, ln = _HDR.unpack(bytes(buf[: _HDR.size]))
         if magic != _MAGIC or tok != self._tok:
             raise CorruptPageError(rid, page, "slot header is not this run's")
-        if hashlib.blake2b(buf[:end], digest_size=_DIGEST).digest() != bytes(buf[end:end + _DIGEST]):
+        if hashlib.blake2b(buf[:end], digest_size=_DIGEST).digest() != bytes(buf[end : end + _DIGEST]):
             raise CorruptPageError(rid, page, "checksum mismatch (torn or corrupt write)")
         if rd != rid_digest(rid) or pg != page or sq != seq or ln != self.page_bytes:
             raise CorruptPageError(rid, page, "slot holds another page")
         if out is None:
-            return bytearray(buf[_HDR.size:end])
-        out[:] = buf[_HDR.size:end]
+            return bytearray(buf[_HDR.size : end])
+        out[:] = buf[_HDR.size : end]
         return out
 
     def free(self, rid: str, page: int) -> None:

@@ -19,5 +19,6 @@ class FlashMemoryCpuPlatform(CpuSRTPlatform):
         if getattr(server_args, "dsa_topk_backend", None) != "torch":
             server_args.dsa_topk_backend = "torch"
         if cpu_enabled() and getattr(server_args, "device", "cpu") not in (None, "cpu"):
-            raise SystemExit(f"FlashMemory startup error: {CPU_GATE}=1 needs --device cpu "
-                             f"(got --device {server_args.device})")
+            raise SystemExit(
+                f"FlashMemory startup error: {CPU_GATE}=1 needs --device cpu (got --device {server_args.device})"
+            )

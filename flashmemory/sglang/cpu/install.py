@@ -12,6 +12,7 @@ from flashmemory.sglang.patch_spec import CODE_KINDS
 def install() -> list[str]:
     """Apply (once per process) and verify the CPU layer's code patches; returns the patched targets."""
     from flashmemory.sglang.patching import apply, select
+
     return apply(select(("cpu",), CODE_KINDS), context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it")
 
 
@@ -22,6 +23,7 @@ def register() -> None:
     hook registered at all) on CPU; the FlashMemory plugin applies these rows too (once per process)."""
     from flashmemory.env import EnvError, cpu_enabled
     from flashmemory.sglang.patching import StartupError
+
     try:
         on = cpu_enabled()
     except EnvError as e:

@@ -17,12 +17,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from flashmemory.sglang.cpu.ops.hisparse import (ITEM_BYTES, SwapInCounts, copy_c4_tokens,
-                                                 load_cache_to_device_buffer_dsv4)
+from flashmemory.sglang.cpu.ops.hisparse import (
+    ITEM_BYTES,
+    SwapInCounts,
+    copy_c4_tokens,
+    load_cache_to_device_buffer_dsv4,
+)
 from flashmemory.sglang.patch_spec import Patch
 from flashmemory.sglang.runtime import RUNTIME
 
@@ -30,14 +35,15 @@ logger = logging.getLogger(f"sglang.{__name__}")
 _HP = "flashmemory.sglang.cpu.patches_hisparse"
 _CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 _HOST = "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool"
-LOG_EVERY = 256   # swap-in calls between two counter log lines
+LOG_EVERY = 256  # swap-in calls between two counter log lines
 
 
 def _server_args() -> Any:
     try:
         from sglang.srt.runtime_context import get_server_args
+
         return get_server_args()
-    except Exception:   # no server args published in this process (a unit test, a tool): stock behaviour
+    except Exception:  # no server args published in this process (a unit test, a tool): stock behaviour
         return None
 
 
@@ -77,10 +83,13 @@ class SwapInCounter:
             self.prom = {}
             try:
                 from prometheus_client import Counter
+
                 for k in self.KEYS:
-                    self.prom[k] = Counter(f"flashmemory_hisparse_swapin_{k}",
-                                           f"HiSparse CPU swap-in {k} (torch swap-in, per c4 layer call)")
-            except (ImportError, ValueError) as e:   # no prometheus_client, or registered twice in this process
+                    self.prom[k] = Counter(
+                        f"flashmemory_hisparse_swapin_{k}",
+                        f"HiSparse CPU swap-in {k} (torch swap-in, per c4 layer call)",
+                    )
+            except (ImportError, ValueError) as e:  # no prometheus_client, or registered twice in this process
                 logger.warning("FlashMemory HiSparse: swap-in counters not exported (%s)", e)
         for k, m in self.prom.items():
             if step[k]:
@@ -105,8 +114,16 @@ def swapin_counts() -> dict[str, int]:
 
 # --- hooks ----------------------------------------------------------------------------------------------------
 
-def alloc_host(original: Callable, dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool,
-               allocator: Any, registration_granularity_bytes: int | None = None) -> torch.Tensor:
+
+def alloc_host(
+    original: Callable,
+    dims: tuple,
+    dtype: torch.dtype,
+    device: str,
+    pin_memory: bool,
+    allocator: Any,
+    registration_granularity_bytes: int | None = None,
+) -> torch.Tensor:
     """`alloc_with_host_register` (pool_host/common.py:330) without `cudaHostRegister` (:147): a plain host
     tensor from sglang's allocator, unpinned."""
     if not hisparse_on_cpu():
@@ -124,7 +141,8 @@ def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool
     if not hisparse_on_cpu():
         return budget
     from sglang.srt.mem_cache.pool_host import base
-    if base._host_memory_budget.get() is not None:   # inside sglang's booking scope: its own snapshot
+
+    if base._host_memory_budget.get() is not None:  # inside sglang's booking scope: its own snapshot
         return budget
     return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
 
@@ -134,6 +152,7 @@ def trace_path() -> str:
     st = RUNTIME.hisparse
     if st.trace_path is None:
         from flashmemory.env import hisparse_trace
+
         st.trace_path = hisparse_trace()
     return st.trace_path
 
@@ -144,8 +163,14 @@ def _trace_write(rec: dict[str, Any]) -> None:
         f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
-def trace_swapin(layer_state: torch.Tensor, picks: torch.Tensor, req_pool_indices: torch.Tensor,
-                 seq_lens: torch.Tensor, hot: int, c: SwapInCounts) -> None:
+def trace_swapin(
+    layer_state: torch.Tensor,
+    picks: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    hot: int,
+    c: SwapInCounts,
+) -> None:
     """One JSON line per swap-in call: {"ev": "swapin", "layer": c4 layer index (by the layer's state tensor, in
     order of first call), "hot", "k", "rows": [[request slot, compressed length, [picks]] per real row], and the
     op's "lookups", "hits", "misses"}. picks: int [real rows, k], taken before the op ran."""
@@ -153,8 +178,18 @@ def trace_swapin(layer_state: torch.Tensor, picks: torch.Tensor, req_pool_indice
     with st.trace_lock:
         layer = st.trace_layers.setdefault(int(layer_state.data_ptr()), len(st.trace_layers))
     rows = [[int(req_pool_indices[b]), int(seq_lens[b]), picks[b].tolist()] for b in range(picks.shape[0])]
-    _trace_write({"ev": "swapin", "layer": layer, "hot": hot, "k": int(picks.shape[1]), "rows": rows,
-                  "lookups": c.lookups, "hits": c.hits, "misses": c.misses})
+    _trace_write(
+        {
+            "ev": "swapin",
+            "layer": layer,
+            "hot": hot,
+            "k": int(picks.shape[1]),
+            "rows": rows,
+            "lookups": c.lookups,
+            "hits": c.hits,
+            "misses": c.misses,
+        }
+    )
 
 
 def admit_direct(result: Any, self: Any, req: Any) -> None:
@@ -166,7 +201,7 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
     if not hisparse_on_cpu() or not getattr(self, "is_dsv4_hisparse", False):
         return
     rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
-    if trace_path():   # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
+    if trace_path():  # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
         _trace_write({"ev": "admit", "rid": rid, "entries": n0, "empty": n0 > self.device_buffer_size})
     pending = RUNTIME.hisparse.newest_pending
     if n0 > self.device_buffer_size:
@@ -175,9 +210,16 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
         pending.pop(rid, None)
 
 
-def fill_newest(host_cache: torch.Tensor, device_buffer: torch.Tensor, host_cache_locs: torch.Tensor,
-                device_buffer_locs: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                hot: int, real: int) -> int:
+def fill_newest(
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    hot: int,
+    real: int,
+) -> int:
     """Load the prefill's newest c4 entry into the reserved slot (see `admit_direct`) where still pending for
     this layer; returns the number of tokens copied (584 B each)."""
     key, copied, by_slot = int(device_buffer.data_ptr()), 0, RUNTIME.hisparse.newest_pending
@@ -190,38 +232,95 @@ def fill_newest(host_cache: torch.Tensor, device_buffer: torch.Tensor, host_cach
         if not pending[1]:
             del by_slot[rid]
         last = int(seq_lens[b]) - 1
-        if last < pending[0]:   # else a decode step already wrote a newer entry into the reserved slot
-            copy_c4_tokens(host_cache, device_buffer, host_cache_locs[rid, last:last + 1],
-                           device_buffer_locs[rid, hot:hot + 1])
+        if last < pending[0]:  # else a decode step already wrote a newer entry into the reserved slot
+            copy_c4_tokens(
+                host_cache, device_buffer, host_cache_locs[rid, last : last + 1], device_buffer_locs[rid, hot : hot + 1]
+            )
             copied += 1
     return copied
 
 
-def swap_in_dsv4(original: Callable, top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor,
-                 host_cache_locs: torch.Tensor, device_buffer_locs: torch.Tensor, host_cache: torch.Tensor,
-                 device_buffer: torch.Tensor, top_k_device_locs: torch.Tensor, req_pool_indices: torch.Tensor,
-                 seq_lens: torch.Tensor, lru_slots: torch.Tensor, item_size_bytes: int, num_top_k: int,
-                 hot_buffer_size: int, page_size: int = 1, block_size: int = 256, num_real_reqs: Any = None,
-                 miss_src: Any = None, miss_dst: Any = None, miss_count: Any = None,
-                 skip_io: bool = False) -> None:
+def swap_in_dsv4(
+    original: Callable,
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    item_size_bytes: int,
+    num_top_k: int,
+    hot_buffer_size: int,
+    page_size: int = 1,
+    block_size: int = 256,
+    num_real_reqs: Any = None,
+    miss_src: Any = None,
+    miss_dst: Any = None,
+    miss_count: Any = None,
+    skip_io: bool = False,
+) -> None:
     """`load_cache_to_device_buffer_dsv4_mla` (kernels/ops/kvcache/hisparse.py:522; JIT hisparse.cuh:355-722)
     -> `ops.hisparse.load_cache_to_device_buffer_dsv4`, counted. Plan recording (`miss_*`, DSA shared-index
     prefetch only) and `skip_io` (a debug switch) are not on the DSv4 path and are refused."""
     if not hisparse_on_cpu():
-        return original(top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
-                        device_buffer, top_k_device_locs, req_pool_indices, seq_lens, lru_slots, item_size_bytes,
-                        num_top_k, hot_buffer_size, page_size, block_size, num_real_reqs, miss_src, miss_dst,
-                        miss_count, skip_io)
+        return original(
+            top_k_tokens,
+            device_buffer_tokens,
+            host_cache_locs,
+            device_buffer_locs,
+            host_cache,
+            device_buffer,
+            top_k_device_locs,
+            req_pool_indices,
+            seq_lens,
+            lru_slots,
+            item_size_bytes,
+            num_top_k,
+            hot_buffer_size,
+            page_size,
+            block_size,
+            num_real_reqs,
+            miss_src,
+            miss_dst,
+            miss_count,
+            skip_io,
+        )
     if miss_src is not None or skip_io or page_size != 1 or item_size_bytes != ITEM_BYTES:
-        raise NotImplementedError(f"HiSparse CPU swap-in: plan recording / skip_io / page_size {page_size} / item "
-                                  f"{item_size_bytes} B are not on the DSv4 path this was written for")
+        raise NotImplementedError(
+            f"HiSparse CPU swap-in: plan recording / skip_io / page_size {page_size} / item "
+            f"{item_size_bytes} B are not on the DSv4 path this was written for"
+        )
     real = top_k_tokens.shape[0] if num_real_reqs is None else int(num_real_reqs)
-    fill_newest(host_cache, device_buffer, host_cache_locs, device_buffer_locs, req_pool_indices, seq_lens,
-                hot_buffer_size, real)
-    picks = top_k_tokens[:real, :num_top_k].clone() if trace_path() else None   # as the indexer handed them
+    fill_newest(
+        host_cache,
+        device_buffer,
+        host_cache_locs,
+        device_buffer_locs,
+        req_pool_indices,
+        seq_lens,
+        hot_buffer_size,
+        real,
+    )
+    picks = top_k_tokens[:real, :num_top_k].clone() if trace_path() else None  # as the indexer handed them
     counts = load_cache_to_device_buffer_dsv4(
-        top_k_tokens, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache, device_buffer,
-        top_k_device_locs, req_pool_indices, seq_lens, lru_slots, num_top_k, hot_buffer_size, num_real_reqs)
+        top_k_tokens,
+        device_buffer_tokens,
+        host_cache_locs,
+        device_buffer_locs,
+        host_cache,
+        device_buffer,
+        top_k_device_locs,
+        req_pool_indices,
+        seq_lens,
+        lru_slots,
+        num_top_k,
+        hot_buffer_size,
+        num_real_reqs,
+    )
     swapin().add(counts)
     if picks is not None:
         trace_swapin(device_buffer_tokens, picks, req_pool_indices, seq_lens, hot_buffer_size, counts)
@@ -244,8 +343,14 @@ def _page_rows(pool: Any, dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.T
     dst[pool._to_page_indices(dst_idx).to(torch.int64)] = src[pool._to_page_indices(src_idx).to(torch.int64)]
 
 
-def backup_all_layers(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
-                      device_indices: torch.Tensor, io_backend: str) -> None:
+def backup_all_layers(
+    original: Callable,
+    self: Any,
+    device_pool: Any,
+    host_indices: torch.Tensor,
+    device_indices: torch.Tensor,
+    io_backend: str,
+) -> None:
     """`backup_from_device_all_layer` (memory_pool_host.py:517): its page path calls `transfer_kv_all_layer_mla`,
     imported only on CUDA/HIP (:44-53, a NameError on CPU) -> page-row copies; the token path as above."""
     if not hisparse_on_cpu() or self.layout != "layer_first":
@@ -259,8 +364,17 @@ def backup_all_layers(original: Callable, self: Any, device_pool: Any, host_indi
     return None
 
 
-def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
-               device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
+def load_layer(
+    original: Callable,
+    self: Any,
+    device_pool: Any,
+    host_indices: torch.Tensor,
+    device_indices: torch.Tensor,
+    layer_id: int,
+    io_backend: str,
+    *,
+    is_draft: bool = False,
+) -> None:
     """`load_to_device_per_layer` (memory_pool_host.py:609-660), the preload of a short request: its token path
     calls JIT `transfer_cache_dsv4_mla` (:629), its page path `transfer_kv_per_layer_mla` (:640, CUDA/HIP only)
     -> token copies / page-row copies host -> device for `layer_id`."""
@@ -276,8 +390,14 @@ def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: to
     return None
 
 
-def eager_backup(original: Callable, self: Any, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
-                 seq_lens_cpu: torch.Tensor, req_pool_indices_cpu: torch.Tensor) -> None:
+def eager_backup(
+    original: Callable,
+    self: Any,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    req_pool_indices_cpu: torch.Tensor,
+) -> None:
     """`HiSparseCoordinator._eager_backup_previous_token` (hisparse_coordinator.py:1168-1263) without the pinned
     index tensor (:1204-1206, needs a CUDA driver) and the backup stream (:1236-1254): on CPU the copy runs
     inline. Same rule: skip a request's first step after staging, else back up when (seq_len - 1) % ratio == 0
@@ -296,8 +416,11 @@ def eager_backup(original: Callable, self: Any, seq_lens: torch.Tensor, req_pool
         return None
     for i in rows:
         rid, pos = int(req_pool_indices_cpu[i]), (int(seq_lens_cpu[i]) - 1) // ratio - 1
-        host_locs.append(self.mem_pool_host.alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, pos, 1))
+        host_locs.append(
+            self.mem_pool_host.alloc_paged_token_slots(
+                self.req_to_host_pool, self.req_to_host_pool_allocated_len, rid, pos, 1
+            )
+        )
     idx = torch.tensor(rows, dtype=torch.int64, device=seq_lens.device)
     pos = (seq_lens[idx] - 1) // ratio - 1
     device_locs = self.req_to_device_buffer[req_pool_indices[idx], pos.clamp(max=self.device_buffer_size)]
@@ -305,8 +428,9 @@ def eager_backup(original: Callable, self: Any, seq_lens: torch.Tensor, req_pool
     if self.is_dsv4_hisparse:
         self.mem_pool_host.backup_tokens_from_device_all_layer(torch.cat(host_locs), device_locs)
     else:
-        self.mem_pool_host.backup_from_device_all_layer(self.mem_pool_device, torch.cat(host_locs), device_locs,
-                                                        io_backend="kernel")
+        self.mem_pool_host.backup_from_device_all_layer(
+            self.mem_pool_device, torch.cat(host_locs), device_locs, io_backend="kernel"
+        )
     return None
 
 
@@ -329,36 +453,89 @@ def destroy(original: Callable, self: Any) -> None:
 
 
 HISPARSE_PATCHES: tuple[Patch, ...] = (
-    Patch("cpu", "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register", "around", f"{_HP}:alloc_host",
-             ("dims", "dtype", "device", "pin_memory", "allocator"),
-             "pool_host/common.py:147,330,453 cudaHostRegister via torch.cuda.cudart() (memory_pool_host.py:306) "
-             "-> an unpinned host tensor"),
-    Patch("cpu", "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes", "around", f"{_HP}:host_budget",
-             ("requested_bytes",), "pool_host/base.py:28,104-108 a 10 GiB free-RAM reserve for GPU hosts "
-             "(memory_pool_host.py:290) -> no reserve on CPU"),
-    Patch("cpu", "sglang.kernels.ops.kvcache.hisparse.load_cache_to_device_buffer_dsv4_mla", "around",
-             f"{_HP}:swap_in_dsv4", ("top_k_tokens", "device_buffer_tokens", "host_cache_locs"),
-             "kernels/ops/kvcache/hisparse.py:522 JIT swap-in (hisparse.cuh:355-722; hisparse_coordinator.py:1509) "
-             "-> ops/hisparse.py load_cache_to_device_buffer_dsv4, counted"),
-    Patch("cpu", f"{_HOST}.backup_tokens_from_device_all_layer", "around", f"{_HP}:backup_tokens",
-             ("self", "host_indices", "device_indices"),
-             "memory_pool_host.py:510 JIT transfer_cache_dsv4_mla (hisparse.cuh:227-286) -> torch token copy"),
-    Patch("cpu", f"{_HOST}.backup_from_device_all_layer", "around", f"{_HP}:backup_all_layers",
-             ("self", "device_pool", "host_indices", "device_indices", "io_backend"),
-             "memory_pool_host.py:517,535 transfer_kv_all_layer_mla (CUDA/HIP import :44-53) -> page-row copies"),
-    Patch("cpu", f"{_HOST}.load_to_device_per_layer", "around", f"{_HP}:load_layer",
-             ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend"),
-             "memory_pool_host.py:629,640 transfer_cache_dsv4_mla / transfer_kv_per_layer_mla -> torch copies"),
-    Patch("cpu", f"{_CO}._eager_backup_previous_token", "around", f"{_HP}:eager_backup",
-             ("self", "seq_lens", "req_pool_indices", "seq_lens_cpu", "req_pool_indices_cpu"),
-             "hisparse_coordinator.py:1204-1206 pin_memory=True (no CUDA driver), :1236 backup stream -> inline"),
-    Patch("cpu_pd", "sglang.srt.disaggregation.common.conn.CommonKVSender.__init__", "after",
-             f"{_HP}:sender_host_indices_off", ("self",),
-             "disaggregation/prefill.py:1746-1761 pinned page indices + torch.cuda.Event for Mooncake senders "
-             "(mooncake/conn.py:3312) -> the host path :1763 (gate: --device cpu, HiSparse or not)"),
-    Patch("cpu", f"{_CO}.admit_request_direct", "after", f"{_HP}:admit_direct", ("self", "req"),
-             "hisparse_coordinator.py:878-910 + hisparse.cuh:480-499: a PD-admitted long request's newest c4 "
-             "entry resolves to the reserved slot, which nothing loads -> load it from the host pool once"),
-    Patch("cpu", f"{_CO}.destroy", "around", f"{_HP}:destroy", ("self",),
-             "hisparse_coordinator.py:811-819 Stream.synchronize (absent on torch.cpu.Stream)"),
+    Patch(
+        "cpu",
+        "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register",
+        "around",
+        f"{_HP}:alloc_host",
+        ("dims", "dtype", "device", "pin_memory", "allocator"),
+        "pool_host/common.py:147,330,453 cudaHostRegister via torch.cuda.cudart() (memory_pool_host.py:306) "
+        "-> an unpinned host tensor",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes",
+        "around",
+        f"{_HP}:host_budget",
+        ("requested_bytes",),
+        "pool_host/base.py:28,104-108 a 10 GiB free-RAM reserve for GPU hosts "
+        "(memory_pool_host.py:290) -> no reserve on CPU",
+    ),
+    Patch(
+        "cpu",
+        "sglang.kernels.ops.kvcache.hisparse.load_cache_to_device_buffer_dsv4_mla",
+        "around",
+        f"{_HP}:swap_in_dsv4",
+        ("top_k_tokens", "device_buffer_tokens", "host_cache_locs"),
+        "kernels/ops/kvcache/hisparse.py:522 JIT swap-in (hisparse.cuh:355-722; hisparse_coordinator.py:1509) "
+        "-> ops/hisparse.py load_cache_to_device_buffer_dsv4, counted",
+    ),
+    Patch(
+        "cpu",
+        f"{_HOST}.backup_tokens_from_device_all_layer",
+        "around",
+        f"{_HP}:backup_tokens",
+        ("self", "host_indices", "device_indices"),
+        "memory_pool_host.py:510 JIT transfer_cache_dsv4_mla (hisparse.cuh:227-286) -> torch token copy",
+    ),
+    Patch(
+        "cpu",
+        f"{_HOST}.backup_from_device_all_layer",
+        "around",
+        f"{_HP}:backup_all_layers",
+        ("self", "device_pool", "host_indices", "device_indices", "io_backend"),
+        "memory_pool_host.py:517,535 transfer_kv_all_layer_mla (CUDA/HIP import :44-53) -> page-row copies",
+    ),
+    Patch(
+        "cpu",
+        f"{_HOST}.load_to_device_per_layer",
+        "around",
+        f"{_HP}:load_layer",
+        ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend"),
+        "memory_pool_host.py:629,640 transfer_cache_dsv4_mla / transfer_kv_per_layer_mla -> torch copies",
+    ),
+    Patch(
+        "cpu",
+        f"{_CO}._eager_backup_previous_token",
+        "around",
+        f"{_HP}:eager_backup",
+        ("self", "seq_lens", "req_pool_indices", "seq_lens_cpu", "req_pool_indices_cpu"),
+        "hisparse_coordinator.py:1204-1206 pin_memory=True (no CUDA driver), :1236 backup stream -> inline",
+    ),
+    Patch(
+        "cpu_pd",
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.__init__",
+        "after",
+        f"{_HP}:sender_host_indices_off",
+        ("self",),
+        "disaggregation/prefill.py:1746-1761 pinned page indices + torch.cuda.Event for Mooncake senders "
+        "(mooncake/conn.py:3312) -> the host path :1763 (gate: --device cpu, HiSparse or not)",
+    ),
+    Patch(
+        "cpu",
+        f"{_CO}.admit_request_direct",
+        "after",
+        f"{_HP}:admit_direct",
+        ("self", "req"),
+        "hisparse_coordinator.py:878-910 + hisparse.cuh:480-499: a PD-admitted long request's newest c4 "
+        "entry resolves to the reserved slot, which nothing loads -> load it from the host pool once",
+    ),
+    Patch(
+        "cpu",
+        f"{_CO}.destroy",
+        "around",
+        f"{_HP}:destroy",
+        ("self",),
+        "hisparse_coordinator.py:811-819 Stream.synchronize (absent on torch.cpu.Stream)",
+    ),
 )

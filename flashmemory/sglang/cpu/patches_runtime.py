@@ -32,8 +32,9 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -44,15 +45,27 @@ _BK = "sglang.srt.layers.attention.deepseek_v4_backend"
 _RT = "flashmemory.sglang.cpu.patches_runtime"
 
 
-def rope_wrapper(original: Callable, head_size: int, rotary_dim: int, max_position: int, base: int,
-                 is_neox_style: bool = True, rope_scaling: Any = None, dtype: Any = None,
-                 partial_rotary_factor: float = 1.0, device: Any = None) -> Any:
+def rope_wrapper(
+    original: Callable,
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: int,
+    is_neox_style: bool = True,
+    rope_scaling: Any = None,
+    dtype: Any = None,
+    partial_rotary_factor: float = 1.0,
+    device: Any = None,
+) -> Any:
     if device == "cpu" and rope_scaling is None:
         from sglang.srt.layers.rotary_embedding.factory import get_rope
-        return get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
-                        partial_rotary_factor)
-    return original(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
-                    partial_rotary_factor, device)
+
+        return get_rope(
+            head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype, partial_rotary_factor
+        )
+    return original(
+        head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype, partial_rotary_factor, device
+    )
 
 
 class Dsv4Fp8PlatformView:
@@ -89,9 +102,13 @@ def configure_dsv4_fp8(original: Callable, self: Any, *args: Any, **kwargs: Any)
     False on this thread; any other model, dtype, or a process without the view runs sglang's check as shipped."""
     import sglang.srt.mem_cache.kv_cache_configurator as kcc
     from sglang.srt.configs.model_config import is_deepseek_v4
+
     view = kcc.current_platform
-    if not (isinstance(view, Dsv4Fp8PlatformView) and is_deepseek_v4(self.model_config.hf_config)
-            and self.kv_cache_dtype == torch.float8_e4m3fn):
+    if not (
+        isinstance(view, Dsv4Fp8PlatformView)
+        and is_deepseek_v4(self.model_config.hf_config)
+        and self.kv_cache_dtype == torch.float8_e4m3fn
+    ):
         return original(self, *args, **kwargs)
     with view.inside():
         return original(self, *args, **kwargs)
@@ -101,16 +118,37 @@ def no_flashmla_metadata() -> None:
     return None
 
 
-def sparse_decode_torch(*, q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int, softmax_scale: float,
-                        indices: torch.Tensor, topk_length: Any = None, attn_sink: Any = None,
-                        extra_k_cache: Any = None, extra_indices_in_kvcache: Any = None,
-                        extra_topk_length: Any = None, **unused: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_decode_torch(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    indices: torch.Tensor,
+    topk_length: Any = None,
+    attn_sink: Any = None,
+    extra_k_cache: Any = None,
+    extra_indices_in_kvcache: Any = None,
+    extra_topk_length: Any = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_mla_with_kvcache` keyword call (block_table / cache_seqlens / tile_scheduler_metadata /
     is_fp8_kvcache are FlashMLA scheduling details) -> torch sparse decode: (out, lse). `sparse_decode_fwd`
     computes what sglang's `_sm120_sparse_decode_fwd` does (tested equal), dequantizing per page."""
     from flashmemory.sglang.cpu.ops.sparse_attention import sparse_decode_fwd
-    return sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
-                             extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+
+    return sparse_decode_fwd(
+        q,
+        k_cache,
+        indices,
+        topk_length,
+        attn_sink,
+        head_dim_v,
+        softmax_scale,
+        extra_k_cache,
+        extra_indices_in_kvcache,
+        extra_topk_length,
+    )
 
 
 def after_backend_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -137,30 +175,75 @@ def fork_children(result: Any, *args: Any, **kwargs: Any) -> None:
     threads = os_threads()
     if threads == 1:
         multiprocessing.set_start_method("fork", force=True)
-        logger.info("FlashMemory CPU layer: sglang's scheduler and detokenizer start by fork (they share the "
-                    "launcher's imports)")
+        logger.info(
+            "FlashMemory CPU layer: sglang's scheduler and detokenizer start by fork (they share the "
+            "launcher's imports)"
+        )
     else:
-        logger.warning("FlashMemory CPU layer: the launcher runs %d threads, so sglang's subprocesses start by "
-                       "spawn (each imports sglang again)", threads)
+        logger.warning(
+            "FlashMemory CPU layer: the launcher runs %d threads, so sglang's subprocesses start by "
+            "spawn (each imports sglang again)",
+            threads,
+        )
 
 
 RUNTIME_PATCHES: tuple[Patch, ...] = (
-    Patch("cpu", "sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper", "around", f"{_RT}:rope_wrapper",
-          ("head_size", "rotary_dim", "max_position", "base"),
-          "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope"),
-    Patch("cpu", "sglang.srt.mem_cache.kv_cache_configurator.current_platform", "attr",
-          f"{_RT}:dsv4_fp8_platform_view", (), "kv_cache_configurator.py:100,453,459 this module's platform, as a "
-          "view whose is_cpu() is False only inside a DSv4 fp8 configure"),
-    Patch("cpu", "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
-          f"{_RT}:configure_dsv4_fp8", ("self",),
-          "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool"),
-    Patch("cpu", f"{_BK}._create_flashmla_metadata", "replace", f"{_RT}:no_flashmla_metadata", (),
-          "deepseek_v4_backend.py:210 FlashMLA tile-scheduler metadata (CUDA); the torch decode needs none"),
-    Patch("cpu", f"{_BK}.DeepseekV4AttnBackend.__init__", "after", f"{_RT}:after_backend_init", ("self",),
-          "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path"),
-    Patch("cpu", f"{_BK}.DeepseekV4AttnBackend._move_to_device", "replace", f"{_RT}:move_to_device", ("self", "x"),
-          "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver"),
-    Patch("cpu", "sglang.srt.entrypoints.engine._set_envs_and_config", "after", f"{_RT}:fork_children",
-          ("server_args",), "entrypoints/engine.py:1995 spawn (each child re-imports sglang) -> fork on CPU when the "
-          "launcher is single-threaded"),
+    Patch(
+        "cpu",
+        "sglang.srt.layers.rotary_embedding.factory.get_rope_wrapper",
+        "around",
+        f"{_RT}:rope_wrapper",
+        ("head_size", "rotary_dim", "max_position", "base"),
+        "rotary_embedding/factory.py:478 get_rope_cpu asserts deepseek_yarn; unscaled layers -> get_rope",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.mem_cache.kv_cache_configurator.current_platform",
+        "attr",
+        f"{_RT}:dsv4_fp8_platform_view",
+        (),
+        "kv_cache_configurator.py:100,453,459 this module's platform, as a "
+        "view whose is_cpu() is False only inside a DSv4 fp8 configure",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+        "around",
+        f"{_RT}:configure_dsv4_fp8",
+        ("self",),
+        "kv_cache_configurator.py:459-467 CPU fp8 KV needs AMX; skipped for the DSv4 byte pool",
+    ),
+    Patch(
+        "cpu",
+        f"{_BK}._create_flashmla_metadata",
+        "replace",
+        f"{_RT}:no_flashmla_metadata",
+        (),
+        "deepseek_v4_backend.py:210 FlashMLA tile-scheduler metadata (CUDA); the torch decode needs none",
+    ),
+    Patch(
+        "cpu",
+        f"{_BK}.DeepseekV4AttnBackend.__init__",
+        "after",
+        f"{_RT}:after_backend_init",
+        ("self",),
+        "deepseek_v4_backend.py:1262,4384 FlashMLA sparse decode -> flash_mla_sm120.py:136 torch path",
+    ),
+    Patch(
+        "cpu",
+        f"{_BK}.DeepseekV4AttnBackend._move_to_device",
+        "replace",
+        f"{_RT}:move_to_device",
+        ("self", "x"),
+        "deepseek_v4_backend.py:1382 pin_memory=True without a CUDA driver",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.entrypoints.engine._set_envs_and_config",
+        "after",
+        f"{_RT}:fork_children",
+        ("server_args",),
+        "entrypoints/engine.py:1995 spawn (each child re-imports sglang) -> fork on CPU when the "
+        "launcher is single-threaded",
+    ),
 )

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flashmemory.sglang.patch_spec import Patch
 
-logger = logging.getLogger(f"sglang.{__name__}")   # under "sglang": its log handler prints it
+logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 _TP = "flashmemory.sglang.cpu.patches_tp"
 
 
@@ -40,7 +41,7 @@ def split_cpus(cpus: list[int], world: int, index: int) -> list[int]:
         return [cpus[index % len(cpus)]]
     base, extra = divmod(len(cpus), world)
     start = index * base + min(index, extra)
-    return cpus[start:start + base + (index < extra)]
+    return cpus[start : start + base + (index < extra)]
 
 
 def bind_threads_per_rank(original: Callable, *args: Any, numa_index: int, world_size: int, **kwargs: Any) -> str:
@@ -48,16 +49,19 @@ def bind_threads_per_rank(original: Callable, *args: Any, numa_index: int, world
     from sglang.srt.utils.common import get_cpu_ids_by_node
 
     from flashmemory.env import cpu_threads_bind_set
+
     if cpu_threads_bind_set() or world_size <= len(get_cpu_ids_by_node()):
         return original(*args, numa_index=numa_index, world_size=world_size, **kwargs)
     mine = ",".join(map(str, split_cpus(sorted(os.sched_getaffinity(0)), world_size, numa_index)))
-    logger.info("FlashMemory CPU layer: %d ranks on fewer NUMA nodes; rank %d binds CPUs %s", world_size,
-                numa_index, mine)
+    logger.info(
+        "FlashMemory CPU layer: %d ranks on fewer NUMA nodes; rank %d binds CPUs %s", world_size, numa_index, mine
+    )
     return mine
 
 
-def gloo_group_without_nccl(original: Callable, group_ranks: Any, local_rank: int, backend: str,
-                            *args: Any, **kwargs: Any) -> Any:
+def gloo_group_without_nccl(
+    original: Callable, group_ranks: Any, local_rank: int, backend: str, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND `init_model_parallel_group`: a gloo group gets neither pynccl nor the CUDA custom all-reduce."""
     if backend == "gloo":
         kwargs.update(use_pynccl=False, use_custom_allreduce=False)
@@ -69,33 +73,54 @@ def check_dsv4_tp(hf_config: Any, tp_size: int) -> str | None:
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     groups = int(getattr(hf_config, "o_groups", 1) or 1)
     if heads % tp_size or groups % tp_size:
-        return (f"--tp {tp_size}: DeepSeek-V4's num_attention_heads ({heads}) and o_groups ({groups}) must both be "
-                f"divisible by the tensor-parallel size")
+        return (
+            f"--tp {tp_size}: DeepSeek-V4's num_attention_heads ({heads}) and o_groups ({groups}) must both be "
+            f"divisible by the tensor-parallel size"
+        )
     return None
 
 
-def keep_dsv4_kv_head(original: Callable, model_config: Any, load_config: Any, tp_size: int,
-                      *args: Any, **kwargs: Any) -> Any:
+def keep_dsv4_kv_head(
+    original: Callable, model_config: Any, load_config: Any, tp_size: int, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND `adjust_config_with_unaligned_cpu_tp`: DSv4 keeps its one replicated KV head (no padding)."""
     from sglang.srt.configs.model_config import is_deepseek_v4
+
     if tp_size <= 1 or not is_deepseek_v4(model_config.hf_config):
         return original(model_config, load_config, tp_size, *args, **kwargs)
     why = check_dsv4_tp(model_config.hf_config, tp_size)
     if why is not None:
         from flashmemory.sglang.patching import StartupError
+
         raise StartupError(why)
     return model_config
 
 
 TP_PATCHES: tuple[Patch, ...] = (
-    Patch("cpu", "sglang.srt.utils.numa_utils.init_threads_binding", "around", f"{_TP}:bind_threads_per_rank",
-          ("numa_index", "world_size"), "utils/numa_utils.py:463 asserts ranks <= NUMA nodes without "
-          "SGLANG_CPU_OMP_THREADS_BIND; -> one contiguous CPU group of the affinity per rank"),
-    Patch("cpu", "sglang.srt.distributed.parallel_state.init_model_parallel_group", "around",
-          f"{_TP}:gloo_group_without_nccl", ("group_ranks", "local_rank", "backend"),
-          "distributed/parallel_state.py:2185 pynccl on for a gloo group (pynccl.py:116 raises on cpu); custom "
-          "all-reduce off too"),
-    Patch("cpu", "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp", "around",
-          f"{_TP}:keep_dsv4_kv_head", ("model_config", "load_config", "tp_size"),
-          "configs/update_config.py:226 pads DSv4's single KV head to tp (deepseek_v4.py:1060 asserts 1)"),
+    Patch(
+        "cpu",
+        "sglang.srt.utils.numa_utils.init_threads_binding",
+        "around",
+        f"{_TP}:bind_threads_per_rank",
+        ("numa_index", "world_size"),
+        "utils/numa_utils.py:463 asserts ranks <= NUMA nodes without "
+        "SGLANG_CPU_OMP_THREADS_BIND; -> one contiguous CPU group of the affinity per rank",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.distributed.parallel_state.init_model_parallel_group",
+        "around",
+        f"{_TP}:gloo_group_without_nccl",
+        ("group_ranks", "local_rank", "backend"),
+        "distributed/parallel_state.py:2185 pynccl on for a gloo group (pynccl.py:116 raises on cpu); custom "
+        "all-reduce off too",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp",
+        "around",
+        f"{_TP}:keep_dsv4_kv_head",
+        ("model_config", "load_config", "tp_size"),
+        "configs/update_config.py:226 pads DSv4's single KV head to tp (deepseek_v4.py:1060 asserts 1)",
+    ),
 )

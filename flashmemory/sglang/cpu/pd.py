@@ -37,7 +37,8 @@ fixes, rows of `PD_PATCHES` too:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flashmemory.sglang.patch_spec import Patch
 
@@ -49,12 +50,13 @@ def alias_vram_to_dram(agent: Any) -> None:
     entry is missing (a nixl release whose API this was not written against)."""
     mems = getattr(agent, "nixl_mems", None)
     if not isinstance(mems, dict) or "DRAM" not in mems:
-        raise RuntimeError("nixl_agent has no nixl_mems['DRAM'] table: this nixl release is not supported on CPU "
-                           "(tested: nixl 1.5.1)")
+        raise RuntimeError(
+            "nixl_agent has no nixl_mems['DRAM'] table: this nixl release is not supported on CPU (tested: nixl 1.5.1)"
+        )
     mems["VRAM"] = mems["DRAM"]
 
 
-PROGRESS_DELAY_US = 1000   # the least UCX progress-thread delay on CPU (nixl's default, 0, is a busy loop)
+PROGRESS_DELAY_US = 1000  # the least UCX progress-thread delay on CPU (nixl's default, 0, is a busy loop)
 
 
 class _DelayedBindings:
@@ -64,11 +66,16 @@ class _DelayedBindings:
     def __init__(self, bindings: Any, delay_us: int):
         prop = getattr(bindings.nixlAgentConfig, "__dict__", {}).get("pthrDelay")
         if not isinstance(prop, property) or prop.fset is None:
-            raise RuntimeError("nixl's nixlAgentConfig has no settable pthrDelay: this nixl release is not supported "
-                               "on CPU (tested: nixl 1.5.1)")
+            raise RuntimeError(
+                "nixl's nixlAgentConfig has no settable pthrDelay: this nixl release is not supported "
+                "on CPU (tested: nixl 1.5.1)"
+            )
         self._bindings, self.delay_us = bindings, delay_us
-        self.nixlAgentConfig = type("nixlAgentConfig", (bindings.nixlAgentConfig,), {
-            "pthrDelay": property(prop.fget, lambda cfg, us: prop.fset(cfg, max(int(us), delay_us)))})
+        self.nixlAgentConfig = type(
+            "nixlAgentConfig",
+            (bindings.nixlAgentConfig,),
+            {"pthrDelay": property(prop.fget, lambda cfg, us: prop.fset(cfg, max(int(us), delay_us)))},
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bindings, name)
@@ -96,6 +103,7 @@ _STEP_SOURCE = "flashmemory.sglang.cpu.pd"
 def fake_prefill_step(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Resolution-step wrapper for `handle_pd_disaggregation`: a `fake` prefill passes its assert (fix 1)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
     cfg = resolving_view(server_args)
     if not (cfg.disaggregation_mode == "prefill" and cfg.disaggregation_transfer_backend == _FAKE):
         previous(server_args)
@@ -110,9 +118,13 @@ def fake_prefill_step(server_args: Any, previous: Callable[[Any], None]) -> None
 def around_get_kv_class(original: Callable, transfer_backend: Any, class_type: Any) -> Any:
     """fake's bootstrap server is sglang's plain HTTP registry (fix 2); everything else as shipped."""
     cls = original(transfer_backend, class_type)
-    if cls is None and getattr(transfer_backend, "value", transfer_backend) == _FAKE \
-            and getattr(class_type, "value", class_type) == "bootstrap_server":
+    if (
+        cls is None
+        and getattr(transfer_backend, "value", transfer_backend) == _FAKE
+        and getattr(class_type, "value", class_type) == "bootstrap_server"
+    ):
         from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
         return CommonKVBootstrapServer
     return cls
 
@@ -122,6 +134,7 @@ def around_is_fake_transfer(original: Callable, req: Any) -> bool:
     if original(req):
         return True
     from sglang.srt.runtime_context import get_disagg
+
     return get_disagg().disaggregation_transfer_backend == _FAKE
 
 
@@ -129,20 +142,56 @@ _CONN = "sglang.srt.disaggregation"
 _PD = "flashmemory.sglang.cpu.pd"
 
 PD_PATCHES: tuple[Patch, ...] = (
-    Patch("cpu_pd", "nixl._api.nixl_agent.__init__", "around", f"{_PD}:around_nixl_agent_init", ("self", "agent_name"),
-          "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
-          "NIXL_ERR_BACKEND): every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)", optional=True),
-    Patch("cpu_pd", "nixl._api.nixlBind", "attr", f"{_PD}:delayed_bindings", (),
-          "nixl_cu13/_api.py:226 builds every agent with pthrDelay = 0 (UCX's progress thread spins a core): "
-          "on CPU at least PROGRESS_DELAY_US", optional=True),
-    Patch("cpu_pd", "sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation", "step",
-          f"{_PD}:fake_prefill_step", ("server_args",),
-          "arg_groups/pd_disaggregation_hook.py:146 asserts a prefill server is not `fake` (fix 1)"),
-    Patch("cpu_pd", "sglang.srt.managers.disagg_service.get_kv_class", "around", f"{_PD}:around_get_kv_class",
-          ("transfer_backend", "class_type"),
-          "managers/disagg_service.py:42 fake has no bootstrap server class -> CommonKVBootstrapServer (fix 2)"),
-    Patch("cpu_pd", f"{_CONN}.utils._is_fake_transfer", "around", f"{_PD}:around_is_fake_transfer", ("req",),
-          "disaggregation/utils.py:238 fake only for host 2.2.2.2 -> every request with the fake backend (fix 3)"),
-    Patch("cpu_pd", f"{_CONN}.decode._is_fake_transfer", "around", f"{_PD}:around_is_fake_transfer", ("req",),
-          "disaggregation/decode.py:62 its own binding of utils._is_fake_transfer (fix 3)"),
+    Patch(
+        "cpu_pd",
+        "nixl._api.nixl_agent.__init__",
+        "around",
+        f"{_PD}:around_nixl_agent_init",
+        ("self", "agent_name"),
+        "disaggregation/nixl/conn.py:979 registers host pools as VRAM (UCX refuses it: registerMem -> "
+        "NIXL_ERR_BACKEND): every agent aliases VRAM to DRAM (nixl_cu13/_api.py:200)",
+        optional=True,
+    ),
+    Patch(
+        "cpu_pd",
+        "nixl._api.nixlBind",
+        "attr",
+        f"{_PD}:delayed_bindings",
+        (),
+        "nixl_cu13/_api.py:226 builds every agent with pthrDelay = 0 (UCX's progress thread spins a core): "
+        "on CPU at least PROGRESS_DELAY_US",
+        optional=True,
+    ),
+    Patch(
+        "cpu_pd",
+        "sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
+        "step",
+        f"{_PD}:fake_prefill_step",
+        ("server_args",),
+        "arg_groups/pd_disaggregation_hook.py:146 asserts a prefill server is not `fake` (fix 1)",
+    ),
+    Patch(
+        "cpu_pd",
+        "sglang.srt.managers.disagg_service.get_kv_class",
+        "around",
+        f"{_PD}:around_get_kv_class",
+        ("transfer_backend", "class_type"),
+        "managers/disagg_service.py:42 fake has no bootstrap server class -> CommonKVBootstrapServer (fix 2)",
+    ),
+    Patch(
+        "cpu_pd",
+        f"{_CONN}.utils._is_fake_transfer",
+        "around",
+        f"{_PD}:around_is_fake_transfer",
+        ("req",),
+        "disaggregation/utils.py:238 fake only for host 2.2.2.2 -> every request with the fake backend (fix 3)",
+    ),
+    Patch(
+        "cpu_pd",
+        f"{_CONN}.decode._is_fake_transfer",
+        "around",
+        f"{_PD}:around_is_fake_transfer",
+        ("req",),
+        "disaggregation/decode.py:62 its own binding of utils._is_fake_transfer (fix 3)",
+    ),
 )

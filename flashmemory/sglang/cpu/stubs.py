@@ -4,7 +4,8 @@ Both wheels raise at import without `libcuda.so.1`, and ~100 sglang modules impo
 level. A stub module answers every attribute with a function that raises `CpuKernelMissing` naming the kernel,
 so importing works and only a call that has no torch fallback fails, loudly. Pure-Python submodules of a stubbed
 wheel (e.g. `sgl_kernel.scalar_type`) are loaded from the wheel's own files; one whose import fails becomes a stub
-too. A wheel that imports fine is left alone. Installed once per process by the platform plugin, before sglang imports them.
+too. A wheel that imports fine is left alone. Installed once per process by the platform plugin, before sglang
+imports them.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class CpuKernelMissing(RuntimeError):
 
 def _missing(qualname: str):
     def kernel(*args, **kwargs):
-        raise CpuKernelMissing(f"{qualname} is a CUDA kernel with no torch fallback in flashmemory.sglang.cpu "
-                               "(SGLANG_FLASHMEMORY_CPU=1)")
+        raise CpuKernelMissing(
+            f"{qualname} is a CUDA kernel with no torch fallback in flashmemory.sglang.cpu (SGLANG_FLASHMEMORY_CPU=1)"
+        )
+
     kernel.__name__ = qualname.rsplit(".", 1)[-1]
     kernel.__qualname__ = qualname
     kernel.flashmemory_cpu_stub = True
@@ -69,8 +72,11 @@ class _RealOrStubLoader(importlib.abc.Loader):
             self.real.exec_module(module)
         except Exception as e:
             logger.debug("FlashMemory CPU: %s did not import (%s); stubbed", module.__name__, e)
-            keep = {k: module.__dict__[k] for k in ("__name__", "__spec__", "__loader__", "__path__", "__file__")
-                    if k in module.__dict__}
+            keep = {
+                k: module.__dict__[k]
+                for k in ("__name__", "__spec__", "__loader__", "__path__", "__file__")
+                if k in module.__dict__
+            }
             module.__dict__.clear()
             module.__dict__.update(keep)
             module.__class__ = StubModule
@@ -82,7 +88,7 @@ class StubFinder(importlib.abc.MetaPathFinder):
     ops); submodules run from the wheel's files when they can."""
 
     def __init__(self, packages: dict[str, list[str]]):
-        self.packages = packages   # name -> the real package's search path
+        self.packages = packages  # name -> the real package's search path
 
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.split(".", 1)[0]
@@ -108,7 +114,7 @@ def _loads(name: str) -> bool:
     try:
         importlib.import_module(name)
         return True
-    except Exception:   # OSError / ImportError from the CUDA libraries, and whatever else their init raises
+    except Exception:  # OSError / ImportError from the CUDA libraries, and whatever else their init raises
         for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[mod]
         return False

@@ -33,13 +33,15 @@ def test_write_behind_and_read_back(tier) -> None:
     cache, store, _ = tier
     for i in range(8):
         cache.put("a", i, page("a", i))
-    cache.check()                                                  # queued for the writer or written: both valid
+    cache.check()  # queued for the writer or written: both valid
     assert cache.settle()
-    assert len(cache._lru) == 3 and store.used_slots == 5          # 5 written behind, 3 still dirty in DRAM
+    assert len(cache._lru) == 3 and store.used_slots == 5  # 5 written behind, 3 still dirty in DRAM
     assert cache.counters.disk_bytes_written == 5 * PB and cache.counters.evictions == 5
     for i in reversed(range(8)):
         assert bytes(cache.get("a", i)) == page("a", i)
-    assert cache.counters.cache_hits == 3 and cache.counters.cache_misses == 5 and cache.counters.disk_bytes_read == 5 * PB
+    assert (
+        cache.counters.cache_hits == 3 and cache.counters.cache_misses == 5 and cache.counters.disk_bytes_read == 5 * PB
+    )
     cache.check()
     assert cache.free_request("a") == 8 and store.used_slots == 0 and len(cache._lru) == 0
     with pytest.raises(KeyError, match="page 0 of request 'a' is not held"):
@@ -62,14 +64,14 @@ def test_disk_full_or_eio_is_counted_and_nothing_is_lost(tmp_path, fault: str) -
     c = cache.counters
     assert c.write_errors >= 2 and cache.pinned_pages >= 2
     held = len(cache._lru) + cache.pinned_pages
-    assert held > cache.capacity_pages                             # over the bound by the pinned pages only
+    assert held > cache.capacity_pages  # over the bound by the pinned pages only
     assert len(cache._lru) <= cache.capacity_pages
-    for i in range(6):                                             # nothing lost
+    for i in range(6):  # nothing lost
         assert bytes(cache.get("r", i)) == page("r", i)
     ops.plan.full = False
     cache.put("s", 0, page("s", 0))
-    cache.free_request("s")                                        # space returns: pinned pages are retried
-    assert cache.settle()                                          # ... by the writer thread
+    cache.free_request("s")  # space returns: pinned pages are retried
+    assert cache.settle()  # ... by the writer thread
     if fault != "slots":
         assert cache.pinned_pages == 0 and len(cache._lru) <= cache.capacity_pages
         assert all((r, i) in store for r, i in [("r", j) for j in range(6)] if not cache.resident(r, i))
@@ -85,7 +87,7 @@ def test_corrupt_page_fails_its_request_only(tier) -> None:
     cache.put("bad", 0, page("bad", 0))
     cache.put("bad", 1, page("bad", 1))
     ops.plan.corrupt = 1
-    cache.flush()                                # oldest first: "bad" 0 lands with a flipped byte, "bad" 1 fine
+    cache.flush()  # oldest first: "bad" 0 lands with a flipped byte, "bad" 1 fine
     assert ops.injected == {"corrupt": 1}
     for i in range(4):
         cache.put("other", i, page("other", i))  # pushes both "bad" pages out of DRAM
@@ -93,14 +95,14 @@ def test_corrupt_page_fails_its_request_only(tier) -> None:
     with pytest.raises(CorruptPageError, match=r"page 0 of request 'bad' is corrupt on disk") as e:
         cache.get("bad", 0)
     assert (e.value.rid, e.value.page) == ("bad", 0)
-    with pytest.raises(CorruptPageError):        # stays an error for that request, never wrong bytes
+    with pytest.raises(CorruptPageError):  # stays an error for that request, never wrong bytes
         cache.get("bad", 0)
     assert bytes(cache.get("bad", 1)) == page("bad", 1)
     assert cache.counters.corrupt_pages == 1
     for i in range(4):
         assert bytes(cache.get("other", i)) == page("other", i)  # the next request is served
     free_before = store.free_slots
-    cache.free_request("bad")                    # the request is finished: its slots come back
+    cache.free_request("bad")  # the request is finished: its slots come back
     assert store.free_slots == free_before + 2
     cache.check()
 
@@ -115,8 +117,8 @@ def test_read_ahead_hit_and_late(tier) -> None:
     ops.plan.read_gate = gate
     assert cache.prefetch("r", [0, 1]) == 2
 
-    def open_when_late() -> None:                # the reads arrive only after the get asked: late, still correct
-        end = time.monotonic() + 60               # a bound, so a get that never counts fails instead of hanging
+    def open_when_late() -> None:  # the reads arrive only after the get asked: late, still correct
+        end = time.monotonic() + 60  # a bound, so a get that never counts fails instead of hanging
         while cache.counters.readahead_late < 1 and time.monotonic() < end:
             time.sleep(0.005)
         gate.set()
@@ -126,7 +128,7 @@ def test_read_ahead_hit_and_late(tier) -> None:
     assert cache.counters.readahead_late == 1
     ops.plan.read_gate = None
     cache.prefetch("r", [2])
-    cache.close()                                # joins the worker: every queued read-ahead has landed
+    cache.close()  # joins the worker: every queued read-ahead has landed
     hits = cache.counters.cache_hits
     assert cache.resident("r", 2) and bytes(cache.get("r", 2)) == page("r", 2)
     assert cache.counters.cache_hits == hits + 1 and cache.counters.readahead_late == 1
@@ -170,9 +172,14 @@ def test_open_tier_from_the_environment(tmp_path, caplog) -> None:
     from flashmemory.env import DiskTierConfig, FlashMemoryEnv
     from flashmemory.offload.disk import DiskTierError, open_tier
 
-    cfg = FlashMemoryEnv.from_environ({"SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_DISK_DIR": str(tmp_path),
-                                       "SGLANG_PATHP_DISK_GB": "0.0001",
-                                       "SGLANG_PATHP_HOST_CACHE_GB": "0.00002"}).disk
+    cfg = FlashMemoryEnv.from_environ(
+        {
+            "SGLANG_DECODE_SWAP_P": "1",
+            "SGLANG_PATHP_DISK_DIR": str(tmp_path),
+            "SGLANG_PATHP_DISK_GB": "0.0001",
+            "SGLANG_PATHP_HOST_CACHE_GB": "0.00002",
+        }
+    ).disk
     with caplog.at_level("INFO", logger="flashmemory.offload.disk"):
         cache = open_tier(cfg, PB, rank=3)
     assert cache.capacity_pages == 4 and cache.store.n_slots == 100_000 // 8192
@@ -184,6 +191,6 @@ def test_open_tier_from_the_environment(tmp_path, caplog) -> None:
         open_tier(DiskTierConfig(dir=str(tmp_path / "gone")), PB)
     with pytest.raises(DiskTierError, match="raise SGLANG_PATHP_HOST_CACHE_GB"):
         open_tier(DiskTierConfig(dir=str(tmp_path), host_cache_gb=1e-9), PB)
-    assert list(tmp_path.iterdir()) == []          # the store of the failed start was removed
+    assert list(tmp_path.iterdir()) == []  # the store of the failed start was removed
     with pytest.raises(DiskTierError, match="SGLANG_PATHP_DISK_DIR is not set"):
         open_tier(DiskTierConfig(), PB)

@@ -33,10 +33,10 @@ def _fake_store(d: str, pid: int, token: str) -> str:
 
 def test_a_store_whose_pid_was_reused_is_stale_a_locked_one_is_not(tmp_path) -> None:
     d = str(tmp_path)
-    reused = _fake_store(d, os.getpid(), "ab" * 8)   # the pid runs (this process), but nobody holds the lock
-    live = PageStore(d, 4 * 8192, PB)                 # opening a store sweeps the directory
+    reused = _fake_store(d, os.getpid(), "ab" * 8)  # the pid runs (this process), but nobody holds the lock
+    live = PageStore(d, 4 * 8192, PB)  # opening a store sweeps the directory
     assert live.stale_removed == [reused] and not os.path.exists(reused)
-    assert remove_stale_stores(d) == [] and os.path.exists(live.path)   # the lock keeps a live store
+    assert remove_stale_stores(d) == [] and os.path.exists(live.path)  # the lock keeps a live store
     live.close()
 
 
@@ -54,27 +54,28 @@ _HOLD = textwrap.dedent("""
 def test_a_stopped_server_removes_its_store_and_nothing_else(tmp_path, sig) -> None:
     keep = tmp_path / "notes.txt"
     keep.write_text("user data")
-    other = _fake_store(str(tmp_path), 1, "cd" * 8)   # not this process's: only a sweep at open may take it
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                         stderr=subprocess.DEVNULL)
+    other = _fake_store(str(tmp_path), 1, "cd" * 8)  # not this process's: only a sweep at open may take it
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, stderr=subprocess.DEVNULL
+    )
     try:
         path = p.stdout.readline().strip()
         assert path and os.path.exists(path)
-        other_back = _fake_store(str(tmp_path), 1, "ef" * 8)   # written after the child's sweep
+        other_back = _fake_store(str(tmp_path), 1, "ef" * 8)  # written after the child's sweep
         p.send_signal(sig)
         p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode != 0                      # the signal still ends the process
-    assert not os.path.exists(path)               # ... and its store is gone
+    assert p.returncode != 0  # the signal still ends the process
+    assert not os.path.exists(path)  # ... and its store is gone
     assert keep.read_text() == "user data" and os.path.exists(other_back)
-    assert not os.path.exists(other)              # swept when the child opened (nobody held its lock)
+    assert not os.path.exists(other)  # swept when the child opened (nobody held its lock)
 
 
 def test_a_budget_larger_than_the_filesystem_is_refused_naming_both_sizes(tmp_path, monkeypatch) -> None:
-    fs = SimpleNamespace(f_blocks=1000, f_bavail=500, f_frsize=4096)   # a 4.1 MB filesystem, half free
+    fs = SimpleNamespace(f_blocks=1000, f_bavail=500, f_frsize=4096)  # a 4.1 MB filesystem, half free
     monkeypatch.setattr(os, "statvfs", lambda _p: fs)
     with pytest.raises(DiskTierError) as e:
         PageStore(str(tmp_path), 10**9, PB)
@@ -110,8 +111,13 @@ def test_a_disk_dir_without_path_p_is_refused(tmp_path) -> None:
 def test_an_ignored_signal_removes_nothing(tmp_path) -> None:
     """SIGINT ignored (a background job): the process goes on using its store, so the file stays; SIGTERM then
     removes it."""
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                         stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         path = p.stdout.readline().strip()
         p.send_signal(signal.SIGINT)

@@ -13,7 +13,7 @@ from flashmemory.offload import OffloadLayout
 from flashmemory.offload.disk.sparse_mirror import OS_PAGE, SparseMirror, resident_bytes
 from flashmemory.offload.mirror import HostMirror, ReleasedPageError
 
-LAYOUT = OffloadLayout(n_layers=2, target_layers=(1,))   # 37,376-B pages: not a multiple of 4 KiB
+LAYOUT = OffloadLayout(n_layers=2, target_layers=(1,))  # 37,376-B pages: not a multiple of 4 KiB
 
 
 def fill(m: SparseMirror, pages: list[int], seed: int) -> dict[int, torch.Tensor]:
@@ -32,21 +32,21 @@ def test_dram_follows_the_pages_that_hold_bytes() -> None:
     n = 64
     m = SparseMirror(LAYOUT, n)
     width = LAYOUT.kv_page_bytes
-    assert width % OS_PAGE != 0 and resident_bytes(m.kv) == 0        # a mapping, no DRAM yet
+    assert width % OS_PAGE != 0 and resident_bytes(m.kv) == 0  # a mapping, no DRAM yet
     pages = m.claim([10, 11, 12, 13, 30])
     truth = fill(m, pages, 0)
     landed = resident_bytes(m.kv)
     assert landed >= len(pages) * LAYOUT.n_layers * width
-    assert m.row(12) == 12 and m.slots_in_use == 5                     # slot == page id (the transfer's address)
+    assert m.row(12) == 12 and m.slots_in_use == 5  # slot == page id (the transfer's address)
     m.release([11, 12])
-    for p in (10, 13, 30):                                            # neighbours keep every byte
+    for p in (10, 13, 30):  # neighbours keep every byte
         assert torch.equal(m.kv[:, p], truth[p]), p
     with pytest.raises(ReleasedPageError):
         m.row(11)
     mid = resident_bytes(m.kv)
-    assert landed - mid >= 2 * LAYOUT.n_layers * (width - 2 * OS_PAGE)   # the interiors and the shared edge went
+    assert landed - mid >= 2 * LAYOUT.n_layers * (width - 2 * OS_PAGE)  # the interiors and the shared edge went
     m.release([10, 13, 30])
-    assert resident_bytes(m.kv) <= 2 * LAYOUT.n_layers * 2 * OS_PAGE      # edges shared with free pages stay
+    assert resident_bytes(m.kv) <= 2 * LAYOUT.n_layers * 2 * OS_PAGE  # edges shared with free pages stay
     assert m.dropped_bytes > 0 and m.slots_in_use == 0
     m.free(pages)
     assert m.free_pages == n and m.free_slots == n

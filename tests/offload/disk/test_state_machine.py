@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from flashmemory.offload.disk import CorruptPageError, FaultyFileOps, HostPageCache, PageStore
 from flashmemory.offload.disk.store import _HDR, rid_digest
 
-PB = 5000          # two 4-KiB blocks per slot: a torn write (first block only) loses the digest
+PB = 5000  # two 4-KiB blocks per slot: a torn write (first block only) loses the digest
 SLOTS = 14
 CACHE_PAGES = 3
 
@@ -58,7 +58,7 @@ class ThreeTiers(RuleBasedStateMachine):
         if hit is None:
             return False
         for hdr in list(self.ops.damaged):
-            _, _, rd, pg, seq, _ = _HDR.unpack(hdr[:_HDR.size])
+            _, _, rd, pg, seq, _ = _HDR.unpack(hdr[: _HDR.size])
             if (rd, pg, seq) == (rid_digest(key[0]), key[1], hit[1]):
                 return True
         return False
@@ -133,7 +133,7 @@ class ThreeTiers(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------------------
     @invariant()
     def tiers_consistent(self) -> None:
-        self.cache.check()                        # holds with writes queued or in flight too
+        self.cache.check()  # holds with writes queued or in flight too
         assert self.cache.settle(), "the writer did not settle"
         live = self.cache.live_pages()
         assert {(r, p) for r, ps in live.items() for p in ps} == set(self.model), "a page was lost or invented"
@@ -143,6 +143,7 @@ class ThreeTiers(RuleBasedStateMachine):
             assert len(set(s for s, _ in self.store._map.values())) == len(self.store._map)
 
 
-ThreeTiers.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
+ThreeTiers.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestThreeTiers = ThreeTiers.TestCase

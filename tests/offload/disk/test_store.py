@@ -11,9 +11,19 @@ import socket
 import pytest
 import torch
 
-from flashmemory.offload.disk import (ALIGN, CorruptPageError, DiskTierError, FaultPlan, FaultyFileOps, PageStore,
-                                      disk_page_bytes, pack_page, remove_stale_stores, unpack_page)
-from flashmemory.offload.disk import fileops
+from flashmemory.offload.disk import (
+    ALIGN,
+    CorruptPageError,
+    DiskTierError,
+    FaultPlan,
+    FaultyFileOps,
+    PageStore,
+    disk_page_bytes,
+    fileops,
+    pack_page,
+    remove_stale_stores,
+    unpack_page,
+)
 from flashmemory.offload.disk.store import MARKER
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.mirror import HostMirror
@@ -33,20 +43,20 @@ def test_round_trip_and_space_returns(tmp_path) -> None:
         s.write("r2", 0, page(9))
         assert bytes(s.read("r1", 2)) == page(2) and bytes(s.read("r2", 0)) == page(9)
         with pytest.raises(OSError) as e:
-            s.write("r2", 1, page(1))            # every slot in use: ENOSPC, nothing else lost
+            s.write("r2", 1, page(1))  # every slot in use: ENOSPC, nothing else lost
         assert e.value.errno == errno.ENOSPC
         with pytest.raises(OSError, match="all 4 page slots in use"):
-            s.write("r1", 1, page(7))            # a rewrite needs a free slot too (copy on write) ...
+            s.write("r1", 1, page(7))  # a rewrite needs a free slot too (copy on write) ...
         assert bytes(s.read("r1", 1)) == page(1)  # ... and the old copy stays readable
         assert s.free_request("r1") == 3 and s.free_slots == 3 and s.pages_of("r1") == set()
         s.write("r2", 1, page(1))
-        s.write("r2", 1, page(5))                # rewrite: copy on write, the old slot comes back
+        s.write("r2", 1, page(5))  # rewrite: copy on write, the old slot comes back
         assert bytes(s.read("r2", 1)) == page(5) and s.used_slots == 2
         with pytest.raises(KeyError):
             s.read("r1", 0)
         path = s.path
         assert os.path.exists(path)
-    assert not os.path.exists(path)              # close removes the store's own file
+    assert not os.path.exists(path)  # close removes the store's own file
 
 
 def test_corrupt_and_torn_pages_name_request_and_page(tmp_path) -> None:
@@ -54,7 +64,7 @@ def test_corrupt_and_torn_pages_name_request_and_page(tmp_path) -> None:
     with PageStore(str(tmp_path), 8 * 8192, PB, ops=ops) as s:
         s.write("good", 0, page(0))
         s.write("bad", 3, page(3))
-        with open(s.path, "r+b") as f:           # flip one payload byte on disk
+        with open(s.path, "r+b") as f:  # flip one payload byte on disk
             f.seek(s.slot_offset("bad", 3) + 200)
             b = f.read(1)
             f.seek(-1, 1)
@@ -62,9 +72,9 @@ def test_corrupt_and_torn_pages_name_request_and_page(tmp_path) -> None:
         with pytest.raises(CorruptPageError, match=r"page 3 of request 'bad' is corrupt on disk \(checksum") as e:
             s.read("bad", 3)
         assert (e.value.rid, e.value.page) == ("bad", 3)
-        assert bytes(s.read("good", 0)) == page(0)   # another request is unaffected
+        assert bytes(s.read("good", 0)) == page(0)  # another request is unaffected
         ops.plan.tear = 1
-        s.write("torn", 1, page(1))               # reports success, only the first 4 KiB landed
+        s.write("torn", 1, page(1))  # reports success, only the first 4 KiB landed
         with pytest.raises(CorruptPageError, match="page 1 of request 'torn'"):
             s.read("torn", 1)
         ops.plan.corrupt = 1
@@ -92,7 +102,7 @@ def test_a_slot_of_another_page_is_not_accepted(tmp_path) -> None:
     with PageStore(str(tmp_path), 4 * 8192, PB) as s:
         s.write("a", 0, page(0))
         s.write("b", 5, page(5))
-        with s._lock:                              # point a's map entry at b's slot, as a bookkeeping bug would
+        with s._lock:  # point a's map entry at b's slot, as a bookkeeping bug would
             s._map[("a", 0)] = (s._map[("b", 5)][0], s._map[("a", 0)][1])
         with pytest.raises(CorruptPageError, match="slot holds another page"):
             s.read("a", 0)
@@ -148,17 +158,20 @@ def test_stale_store_of_a_dead_run_is_removed_foreign_files_never(tmp_path) -> N
     host = socket.gethostname()
     foreign = {
         "notes.txt": b"user data",
-        "fm-pagestore-r0-1-0123456789abcdef.fmps": b"no marker here",                       # our name, not ours
-        "fm-pagestore-r0-999999-bbbbbbbbbbbbbbbb.fmps": MARKER + json.dumps(                 # another host's
-            {"pid": 999999, "host": host + "-other", "token": "bbbbbbbbbbbbbbbb"}).encode() + b"\n",
-        "fm-pagestore-r0-999998-cccccccccccccccc.fmps.bak": b"x",                            # not our name
+        "fm-pagestore-r0-1-0123456789abcdef.fmps": b"no marker here",  # our name, not ours
+        "fm-pagestore-r0-999999-bbbbbbbbbbbbbbbb.fmps": MARKER
+        + json.dumps(  # another host's
+            {"pid": 999999, "host": host + "-other", "token": "bbbbbbbbbbbbbbbb"}
+        ).encode()
+        + b"\n",
+        "fm-pagestore-r0-999998-cccccccccccccccc.fmps.bak": b"x",  # not our name
     }
     for name, body in foreign.items():
         (tmp_path / name).write_bytes(body)
-    live = PageStore(d, 4 * 8192, PB)                 # a live store of this process: pid alive, lock held
+    live = PageStore(d, 4 * 8192, PB)  # a live store of this process: pid alive, lock held
     live.write("y", 0, page(1))
     assert live.stale_removed == [stale] and not os.path.exists(stale)
-    with PageStore(d, 4 * 8192, PB) as other:      # a second store in the same dir leaves the live one alone
+    with PageStore(d, 4 * 8192, PB) as other:  # a second store in the same dir leaves the live one alone
         assert other.stale_removed == [] and other.path != live.path
     assert bytes(live.read("y", 0)) == page(1)
     for name, body in foreign.items():
@@ -184,8 +197,11 @@ def test_pack_unpack_mirror_page() -> None:
 
 
 def test_a_store_that_cannot_start_leaves_no_file(tmp_path) -> None:
-    ops = FaultyFileOps(plan=FaultPlan(full=True))   # the marker block itself cannot be written
-    with pytest.raises(DiskTierError, match=r"SGLANG_PATHP_DISK_DIR: cannot create the page store .*fmps.*disk full.*"
-                                            r"SGLANG_PATHP_DISK_GB"):
+    ops = FaultyFileOps(plan=FaultPlan(full=True))  # the marker block itself cannot be written
+    with pytest.raises(
+        DiskTierError,
+        match=r"SGLANG_PATHP_DISK_DIR: cannot create the page store .*fmps.*disk full.*"
+        r"SGLANG_PATHP_DISK_GB",
+    ):
         PageStore(str(tmp_path), 4 * 8192, PB, ops=ops)
     assert os.listdir(tmp_path) == []

@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import replace
 
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flashmemory.offload import (Admission, AppendRound, BatchSync, EngineConfig, OffloadLayout, RecallRequest,
-                                 RowSync, check_invariants)
+from flashmemory.offload import (
+    Admission,
+    AppendRound,
+    BatchSync,
+    EngineConfig,
+    OffloadLayout,
+    RecallRequest,
+    RowSync,
+    check_invariants,
+)
 from flashmemory.offload.disk import FaultyFileOps, HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.disk.format import unpack_rows
 from flashmemory.offload.mirror import RELEASED
 from flashmemory.offload.tiered_mirror import TieredEngine
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
-CFG = EngineConfig(max_rows=4, max_chunks=128, recall_blocks=10, decode_pages=2, max_resident_pages=4,
-                   mirror_slots=12)
+CFG = EngineConfig(max_rows=4, max_chunks=128, recall_blocks=10, decode_pages=2, max_resident_pages=4, mirror_slots=12)
 PC = LAYOUT.page_chunks
 
 
@@ -43,7 +49,7 @@ class WindowTiers(RuleBasedStateMachine):
         store = PageStore(self.dir, 160 * (pb + 8192), pb, ops=self.ops)
         self.eng = TieredEngine(LAYOUT, CFG, HostPageCache(store, 3 * pb, readers=2))
         self.g = torch.Generator().manual_seed(0)
-        self.kv: dict[int, torch.Tensor] = {}    # row -> original kv chunk rows [L, n, 8] of its request
+        self.kv: dict[int, torch.Tensor] = {}  # row -> original kv chunk rows [L, n, 8] of its request
         self.ix: dict[int, torch.Tensor] = {}
         self.next_rid = 0
 
@@ -53,8 +59,7 @@ class WindowTiers(RuleBasedStateMachine):
 
     def _chunks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = torch.randint(0, 256, (LAYOUT.n_layers, n, LAYOUT.kv.chunk_bytes), dtype=torch.uint8, generator=self.g)
-        ix = torch.randint(0, 256, (LAYOUT.n_layers, n, LAYOUT.index.chunk_bytes), dtype=torch.uint8,
-                           generator=self.g)
+        ix = torch.randint(0, 256, (LAYOUT.n_layers, n, LAYOUT.index.chunk_bytes), dtype=torch.uint8, generator=self.g)
         return kv, ix
 
     # -- rules -------------------------------------------------------------------------------------
@@ -63,7 +68,9 @@ class WindowTiers(RuleBasedStateMachine):
     def admit(self, n: int, warm: int) -> None:
         row = min(set(range(CFG.max_rows)) - set(self.kv))
         kv, ix = self._chunks(n)
-        self.eng.sync_batch(BatchSync(rows=(RowSync(row, Admission(row, f"req{self.next_rid}", n, kv, ix, warm_pages=warm)),)))
+        self.eng.sync_batch(
+            BatchSync(rows=(RowSync(row, Admission(row, f"req{self.next_rid}", n, kv, ix, warm_pages=warm)),))
+        )
         self.next_rid += 1
         self.kv[row], self.ix[row] = kv, ix
 
@@ -77,8 +84,8 @@ class WindowTiers(RuleBasedStateMachine):
         kv, ix = self._chunks(len(rows))
         self.eng.sync_batch(BatchSync(appends=(AppendRound(tuple(rows), kv, ix),)))
         for i, r in enumerate(rows):
-            self.kv[r] = torch.cat([self.kv[r], kv[:, i:i + 1]], 1)
-            self.ix[r] = torch.cat([self.ix[r], ix[:, i:i + 1]], 1)
+            self.kv[r] = torch.cat([self.kv[r], kv[:, i : i + 1]], 1)
+            self.ix[r] = torch.cat([self.ix[r], ix[:, i : i + 1]], 1)
 
     @precondition(lambda self: self.kv)
     @rule(data=st.data())
@@ -94,7 +101,7 @@ class WindowTiers(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         row = data.draw(st.sampled_from(sorted(self.kv)))
-        self.eng.seal()     # what the finishing step's seal would release of the other rows, released first
+        self.eng.seal()  # what the finishing step's seal would release of the other rows, released first
         m, stt = self.eng.mirror, self.eng.rows[row]
         held = sum(int(m.slot_of[mp]) >= 0 for mp in stt.mpages)
         before, free_ids, rid = m.slots_in_use, m.free_pages, str(stt.rid)
@@ -127,7 +134,7 @@ class WindowTiers(RuleBasedStateMachine):
             n = kv.shape[1]
             assert stt.n_chunks == n
             j = torch.arange(n)
-            for p, mp in enumerate(stt.mpages):   # the host copy: the window's slot, else the tier's bytes
+            for p, mp in enumerate(stt.mpages):  # the host copy: the window's slot, else the tier's bytes
                 s = int(m.slot_of[mp])
                 if s == RELEASED:
                     hk, hi = unpack_rows(eng.held_page(row, p), LAYOUT)
@@ -140,7 +147,7 @@ class WindowTiers(RuleBasedStateMachine):
                 assert torch.equal(goti, self.ix[row][:, sel][list(LAYOUT.offload_index_layers)])
             cells = eng.cells(torch.tensor([row]), j.unsqueeze(0))[0].long()
             ok = cells >= 0
-            if bool(ok.any()):   # what attention reads: every mapped chunk is the original
+            if bool(ok.any()):  # what attention reads: every mapped chunk is the original
                 c = cells[ok]
                 got = LAYOUT.kv.read_chunks(eng.reserve.kv, c // PC, c % PC)
                 assert torch.equal(got, kv[:, ok]), f"row {row}: a resident chunk differs from the original"
@@ -149,6 +156,7 @@ class WindowTiers(RuleBasedStateMachine):
         assert m.slots_in_use <= 2 * len(self.kv) and m.peak_slots <= m.n_slots
 
 
-WindowTiers.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+WindowTiers.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestWindowTiers = WindowTiers.TestCase

@@ -9,7 +9,6 @@ permuted per request and prefilled with random bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -20,7 +19,7 @@ from flashmemory.sglang.cpu.ops.stores import index_page_format, kv_page_format
 
 MAX_LEN = 512
 SWA_PAGE = 16
-POOL_PAGE = 64   # compressed entries per pool page (sglang: 256 tokens / 4 for c4; the store is page-size generic)
+POOL_PAGE = 64  # compressed entries per pool page (sglang: 256 tokens / 4 for c4; the store is page-size generic)
 N_REQ_SLOTS = 4
 
 
@@ -28,17 +27,17 @@ N_REQ_SLOTS = 4
 class CompressorSetup:
     ratio: int
     head_dim: int
-    ape: torch.Tensor            # [W, D] in sglang's (hot-fixed) layout
-    norm_weight: torch.Tensor    # [D] fp32
+    ape: torch.Tensor  # [W, D] in sglang's (hot-fixed) layout
+    norm_weight: torch.Tensor  # [D] fp32
     eps: float
-    freqs_cis: torch.Tensor      # complex [max_pos, 32]
+    freqs_cis: torch.Tensor  # complex [max_pos, 32]
 
 
 @dataclass
 class Harness:
     setup: CompressorSetup
     seed: int = 0
-    recorded: dict = field(default_factory=dict)   # (rid, entry) -> fp32 normed+roped entry (before the store)
+    recorded: dict = field(default_factory=dict)  # (rid, entry) -> fp32 normed+roped entry (before the store)
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(self.seed)
@@ -80,18 +79,26 @@ class Harness:
         out_loc = torch.cat([self.entry_loc(r, torch.arange(a, e) // s.ratio) for r, a, e in batch])
         if decode:
             assert bool((ext == 1).all())
-            plan = SimpleNamespace(compress_ratio=s.ratio, is_decode=True)
             plan_d = plan_decode(s.ratio, rids, self.req_to_token, self.full_to_swa, seq, self.swa_page, self.ring)
             items = (plan_d,)
         else:
-            plan = SimpleNamespace(compress_ratio=s.ratio, is_decode=False)
-            items = plan_prefill(s.ratio, rids, seq, ext, self.req_to_token, self.full_to_swa, self.swa_page,
-                                 self.ring, int(ext.sum()))
+            items = plan_prefill(
+                s.ratio, rids, seq, ext, self.req_to_token, self.full_to_swa, self.swa_page, self.ring, int(ext.sum())
+            )
         plan_t = _Plan(s.ratio, decode, items)
-        out = compress_forward(self.state.view(-1, s.ratio, self.width), x, s.ape, plan_t,
-                               head_dim=s.head_dim, compress_ratio=s.ratio)
-        compress_norm_rope_store(out, plan_t, norm_weight=s.norm_weight, norm_eps=s.eps, freq_cis=s.freqs_cis,
-                                 out_loc=out_loc, kvcache=self.pool, page_size=POOL_PAGE)
+        out = compress_forward(
+            self.state.view(-1, s.ratio, self.width), x, s.ape, plan_t, head_dim=s.head_dim, compress_ratio=s.ratio
+        )
+        compress_norm_rope_store(
+            out,
+            plan_t,
+            norm_weight=s.norm_weight,
+            norm_eps=s.eps,
+            freq_cis=s.freqs_cis,
+            out_loc=out_loc,
+            kvcache=self.pool,
+            page_size=POOL_PAGE,
+        )
         self._record(out, plan_t, pos, tok_rid)
 
     def _record(self, out: torch.Tensor, plan: "_Plan", pos: torch.Tensor, tok_rid: torch.Tensor) -> None:
@@ -126,8 +133,9 @@ class _Plan(tuple):
         return obj
 
 
-def run(setup: CompressorSetup, kv_score: dict[int, torch.Tensor], schedule: list[tuple[list, bool]],
-        seed: int = 0) -> Harness:
+def run(
+    setup: CompressorSetup, kv_score: dict[int, torch.Tensor], schedule: list[tuple[list, bool]], seed: int = 0
+) -> Harness:
     h = Harness(setup, seed)
     for batch, decode in schedule:
         h.step(kv_score, batch, decode)

@@ -51,8 +51,15 @@ class RefHotBuffer:
         if not self.lru:
             self.lru = list(range(self.hot))
 
-    def step(self, picks: list[int], seq_len: int, host_loc: list[int], host: bytearray, device: bytearray,
-             prev_out: list[int]) -> list[int]:
+    def step(
+        self,
+        picks: list[int],
+        seq_len: int,
+        host_loc: list[int],
+        host: bytearray,
+        device: bytearray,
+        prev_out: list[int],
+    ) -> list[int]:
         """Resolve `picks` (compressed positions, -1 = none) at compressed length `seq_len`; returns the device
         loc per pick. prev_out: what the output row held before (an entry the kernel leaves alone keeps it)."""
         k = len(picks)
@@ -91,7 +98,7 @@ class RefHotBuffer:
             copy_token(host, device, host_loc[picks[i]], self.slot_loc[s])
             filled.append(s)
             self.misses += 1
-        untouched = victims[len(missed):]
+        untouched = victims[len(missed) :]
         hits_in_order = [s for s in self.lru if s in hit_slots]
         self.lru = untouched + filled + hits_in_order
         return out

@@ -63,8 +63,18 @@ def test_c4_and_c128_decode_plans():
 def test_two_requests_ragged_ids_and_graph_padding():
     r2t = torch.arange(4 * 300, dtype=torch.int32).view(4, 300)
     f2s = torch.arange(1200, dtype=torch.int64)
-    plan_c, plan_w = plan_prefill(128, torch.tensor([3, 0]), torch.tensor([130, 140]), torch.tensor([10, 20]),
-                                  r2t, f2s, 256, 128, 30, use_cuda_graph=True)
+    plan_c, plan_w = plan_prefill(
+        128,
+        torch.tensor([3, 0]),
+        torch.tensor([130, 140]),
+        torch.tensor([10, 20]),
+        r2t,
+        f2s,
+        256,
+        128,
+        30,
+        use_cuda_graph=True,
+    )
     assert plan_c.shape == (30, 16) and plan_w.shape == (30, 8)
     pc = unpack_plan_c(plan_c)
     # Request 0 (slot 3) closes its window at position 127 = its 8th extend token (ragged 7);

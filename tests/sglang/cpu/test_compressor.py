@@ -7,7 +7,8 @@ Bounds, and why:
 - fp32 path (compress_forward + norm + rope, before the store) vs transformers: 2e-5 relative to the
   entry's max; both are fp32 with different summation orders (measured ~1e-6).
 - stored entries, dequantized: nope dims are bf16-rounded then e4m3 with a power-of-two group scale s:
-  |err| <= 2^-8 |r| (bf16 unit roundoff) + 2^-4 |bf16(r)| (half an e4m3 ulp, relative) + 2^-10 s (half the subnormal step);
+  |err| <= 2^-8 |r| (bf16 unit roundoff) + 2^-4 |bf16(r)| (half an e4m3 ulp, relative)
+  + 2^-10 s (half the subnormal step);
   rope dims bf16: 2^-8 |r|; index keys e4m3 with scale s = amax/448: 2^-4 |r| + 2^-10 s; all plus the
   fp32 tolerance above.
 - chunked prefill + decode steps vs one-shot prefill: identical bytes (same fp32 inputs, same order).
@@ -31,10 +32,11 @@ tr = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 HIDDEN = 64
 LENS = {0: 300, 2: 263}  # request slot -> total tokens (different slots, different lengths)
 # (batch of (rid, start, end), is_decode): chunked prefill with both requests, then decode steps.
-CHUNKED = ([([(0, 0, 37), (2, 0, 50)], False), ([(0, 37, 137), (2, 50, 200)], False), ([(0, 137, 227)], False)]
-           # Request 2 decodes alongside request 0 (27 positions behind) until it reaches its 263 tokens.
-           + [([(0, p, p + 1)] + ([(2, p - 27, p - 26)] if 200 <= p - 27 < 263 else []), True)
-              for p in range(227, 300)])
+CHUNKED = (
+    [([(0, 0, 37), (2, 0, 50)], False), ([(0, 37, 137), (2, 50, 200)], False), ([(0, 137, 227)], False)]
+    # Request 2 decodes alongside request 0 (27 positions behind) until it reaches its 263 tokens.
+    + [([(0, p, p + 1)] + ([(2, p - 27, p - 26)] if 200 <= p - 27 < 263 else []), True) for p in range(227, 300)]
+)
 ONE_SHOT = [([(0, 0, 300), (2, 0, 263)], False)]
 
 
@@ -68,10 +70,11 @@ def _freqs_cis(module) -> torch.Tensor:
 def _setup(module, ratio: int) -> tuple[CompressorSetup, torch.Tensor]:
     d = module.kv_norm.weight.shape[0]
     pb = module.position_bias.detach().float()
-    ape = torch.cat([pb[:, :d], pb[:, d:]], dim=0) if ratio == 4 else pb   # sglang's _apply_ape_hotfix layout
+    ape = torch.cat([pb[:, :d], pb[:, d:]], dim=0) if ratio == 4 else pb  # sglang's _apply_ape_hotfix layout
     w = torch.cat([module.kv_proj.weight, module.gate_proj.weight]).detach().float()
-    return CompressorSetup(ratio, d, ape, module.kv_norm.weight.detach().float(), module.kv_norm.variance_epsilon,
-                           _freqs_cis(module)), w
+    return CompressorSetup(
+        ratio, d, ape, module.kv_norm.weight.detach().float(), module.kv_norm.variance_epsilon, _freqs_cis(module)
+    ), w
 
 
 def _reference(cfg, csa, hca, x) -> dict[str, dict[int, torch.Tensor]]:
@@ -95,7 +98,11 @@ def _kv_scores(w: torch.Tensor, x: dict[int, torch.Tensor]) -> dict[int, torch.T
     return {r: xr @ w.T for r, xr in x.items()}
 
 
-CASES = [("c4", 4, lambda csa, hca: csa), ("index", 4, lambda csa, hca: csa.indexer), ("c128", 128, lambda csa, hca: hca)]
+CASES = [
+    ("c4", 4, lambda csa, hca: csa),
+    ("index", 4, lambda csa, hca: csa.indexer),
+    ("c128", 128, lambda csa, hca: hca),
+]
 
 
 def test_schedule_covers_both_requests():
@@ -131,17 +138,23 @@ def test_compressor_matches_transformers(model_parts, name, ratio, pick):
         if name == "index":
             deq = dequantize_chunks(entries)
             s = entries[:, 128:].contiguous().view(torch.float32)
-            bound = 2 ** -4 * want.abs() + 2 ** -10 * s + tol
+            bound = 2**-4 * want.abs() + 2**-10 * s + tol
         else:
             deq = dequantize_kv_entries(entries)
             s = (entries[:, 576:583].to(torch.int32) << 23).view(torch.float32).repeat_interleave(64, dim=1)
             nope = want[:, :448]
-            bound = torch.cat([2 ** -8 * nope.abs() + 2 ** -4 * _bf16(nope).abs() + 2 ** -10 * s,
-                               2 ** -8 * want[:, 448:].abs()], dim=1) + tol
+            bound = (
+                torch.cat(
+                    [2**-8 * nope.abs() + 2**-4 * _bf16(nope).abs() + 2**-10 * s, 2**-8 * want[:, 448:].abs()], dim=1
+                )
+                + tol
+            )
         err = (deq - want).abs()
         assert bool((err <= bound).all()), f"{name} req {r}: worst err/bound {(err / bound).max().item():.3f}"
-        print(f"{name} req {r}: fp32 rel err {fp32_err:.2e}, fp8 max err/bound {(err / bound).max().item():.3f}, "
-              f"max abs err {err.max().item():.3e}")
+        print(
+            f"{name} req {r}: fp32 rel err {fp32_err:.2e}, fp8 max err/bound {(err / bound).max().item():.3f}, "
+            f"max abs err {err.max().item():.3e}"
+        )
 
 
 def test_untouched_pool_bytes_stay(model_parts):
@@ -155,7 +168,7 @@ def test_untouched_pool_bytes_stay(model_parts):
     changed = (h.pool != before).nonzero()
     locs = torch.cat([h.entry_loc(r, torch.arange(n // 4)) for r, n in LENS.items()])
     fmt = h.fmt
-    allowed = fmt.flat_index(locs // 64, locs % 64)[:, :-1].reshape(-1)   # entry bytes without the pad byte
+    allowed = fmt.flat_index(locs // 64, locs % 64)[:, :-1].reshape(-1)  # entry bytes without the pad byte
     flat_changed = changed[:, 0] * fmt.page_bytes + changed[:, 1]
     assert bool(torch.isin(flat_changed, allowed).all())
     assert flat_changed.numel() > 0.9 * allowed.numel()

@@ -8,8 +8,15 @@ import math
 import pytest
 import torch
 
-from tests.sglang.equivalence import (MULTIPLE, compare, fp8_kv_simulation, judge, logprob_rows,
-                                                reference_logprobs, summary)
+from tests.sglang.equivalence import (
+    MULTIPLE,
+    compare,
+    fp8_kv_simulation,
+    judge,
+    logprob_rows,
+    reference_logprobs,
+    summary,
+)
 
 V = 8
 
@@ -35,14 +42,17 @@ def test_logprob_rows_round_trip():
     assert torch.equal(got, rows)
 
 
-@pytest.mark.parametrize("meta, match", [
-    ({}, "missing or empty"),
-    ({"output_top_logprobs": []}, "missing or empty"),
-    ({"output_top_logprobs": [[[-0.1, 0, None]]]}, f"{V - 1} .* missing"),
-    ({"output_top_logprobs": [[[-0.1, V, None]]]}, "outside"),
-    ({"output_top_logprobs": [[[float("nan"), 0, None]]]}, "non-finite"),
-    ({"output_top_logprobs": [[[None, 0, None]]]}, "non-finite"),
-])
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({}, "missing or empty"),
+        ({"output_top_logprobs": []}, "missing or empty"),
+        ({"output_top_logprobs": [[[-0.1, 0, None]]]}, f"{V - 1} .* missing"),
+        ({"output_top_logprobs": [[[-0.1, V, None]]]}, "outside"),
+        ({"output_top_logprobs": [[[float("nan"), 0, None]]]}, "non-finite"),
+        ({"output_top_logprobs": [[[None, 0, None]]]}, "non-finite"),
+    ],
+)
 def test_logprob_rows_refuses(meta, match):
     with pytest.raises(ValueError, match=match):
         logprob_rows(meta, V)
@@ -51,8 +61,8 @@ def test_logprob_rows_refuses(meta, match):
 def test_compare_on_known_rows():
     ref = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0, 0.0], [0.0, 0.5, 2.0, 0.0]]), dim=-1)
     a = ref.clone()
-    a[0, 3] += 0.25                                  # step 0: one entry off, same argmax
-    a[1, 1] += 2.0                                   # step 1: argmax moves to id 1
+    a[0, 3] += 0.25  # step 0: one entry off, same argmax
+    a[1, 1] += 2.0  # step 1: argmax moves to id 1
     d = compare(a, ref)
     assert d[0].max_abs == pytest.approx(0.25) and d[0].agree
     assert d[0].ref_margin == pytest.approx(2.0)
@@ -81,7 +91,7 @@ def test_judge_bound_and_greedy_rule():
     assert ok.greedy_checked == [i for i, m in enumerate(margins) if m > 2 * ok.noise[i]] and ok.greedy_checked
 
     far = _noisy(ref, 1.5 * noise, 4)
-    far[1, 0] += 3 * noise                           # one entry beyond 2 x noise (and beyond the bound)
+    far[1, 0] += 3 * noise  # one entry beyond 2 x noise (and beyond the bound)
     bad = judge(far, far.argmax(-1).tolist(), ref, fp8, bf16)
     assert len(bad.failures) >= 1 and "exceeds" in bad.failures[0] and "step 1" in bad.failures[0]
 
@@ -89,13 +99,13 @@ def test_judge_bound_and_greedy_rule():
 def test_judge_greedy_only_where_the_margin_clears_the_noise():
     ref = torch.log_softmax(torch.tensor([[4.0, 0.0, 0.0, 0.0], [1.0, 0.99, 0.0, 0.0]]), dim=-1)
     fp8, bf16 = _noisy(ref, 0.02, 5), _noisy(ref, 0.02, 6)
-    v = judge(ref.clone(), [0, 1], ref, fp8, bf16)   # step 1: a near-tie (margin 0.01), id 1 emitted
+    v = judge(ref.clone(), [0, 1], ref, fp8, bf16)  # step 1: a near-tie (margin 0.01), id 1 emitted
     assert v.greedy_checked == [0]
     assert v.failures == ["step 1: sglang emitted 1, not a maximiser of its own log-probs"]
     sg = ref.clone()
-    sg[1, 1] = sg[1, 0]                              # now a tie in sglang's own row: 1 is a maximiser
+    sg[1, 1] = sg[1, 0]  # now a tie in sglang's own row: 1 is a maximiser
     assert judge(sg, [0, 1], ref, fp8, bf16).failures == []
-    sg[0] = ref[0].flip(0)                           # step 0 (margin 4 > 2 noise): sglang picks id 3
+    sg[0] = ref[0].flip(0)  # step 0 (margin 4 > 2 noise): sglang picks id 3
     v = judge(sg, [3, 1], ref, fp8, bf16)
     assert any(f.startswith("step 0: sglang emitted 3, reference argmax 0") for f in v.failures)
     with pytest.raises(ValueError, match="tokens"):
@@ -107,6 +117,7 @@ def serving_geometry():
     """The serving-tiny architecture (seed 0, transformers' default init) in memory, fp32."""
     from flashmemory.hf.models import build_random, make_config
     from flashmemory.hf.serving_model import serving_config
+
     raw = serving_config()
     raw["initializer_range"] = 0.02
     return build_random(make_config(raw, "serving-tiny"), seed=0, dtype=torch.bfloat16).float()
@@ -114,6 +125,7 @@ def serving_geometry():
 
 def test_fp8_simulation_hooks_every_512_wide_kv_entry(serving_geometry):
     from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries, quantize_kv_entries
+
     model = serving_geometry
     names = [n for n, m in model.named_modules() if n.endswith("kv_norm")]
     wide = [n for n in names if dict(model.named_modules())[n].weight.shape[0] == 512]
@@ -141,16 +153,16 @@ def test_fp8_simulation_hooks_every_512_wide_kv_entry(serving_geometry):
     raw = seen["raw"][0].reshape(-1, 512)
     got = seen["sim"][0].reshape(-1, 512)
     want = dequantize_kv_entries(quantize_kv_entries(raw, round_nope_to_bf16=True))
-    assert torch.equal(got[:, :448], want[:, :448])                  # nope: the 584-B codec
+    assert torch.equal(got[:, :448], want[:, :448])  # nope: the 584-B codec
     assert torch.equal(got[:, 448:], raw[:, 448:].bfloat16().float())  # rope: bf16
     assert not torch.equal(got, raw)
-    assert all(not m._forward_hooks for m in model.modules())       # every hook removed on exit
+    assert all(not m._forward_hooks for m in model.modules())  # every hook removed on exit
 
     plain = reference_logprobs(model, ids[:-4], ids[-4:])
     assert plain.shape == (4, 1024) and torch.isfinite(plain).all()
     assert torch.allclose(plain.exp().sum(-1), torch.ones(4), atol=1e-4)
     d = max(x.max_abs for x in compare(sim, plain))
-    assert 0 < d < 0.5, d                                            # a perturbation, not a different model
+    assert 0 < d < 0.5, d  # a perturbation, not a different model
     b = max(x.max_abs for x in compare(reference_logprobs(model, ids[:-4], ids[-4:], bf16=True), plain))
     assert 0 < b < 0.5 and math.isfinite(b), b
     with pytest.raises(ValueError, match="empty"):

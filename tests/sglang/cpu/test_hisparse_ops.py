@@ -45,8 +45,20 @@ def _state(n_req: int, hot: int, max_len: int, empty: bool, seed: int):
 
 def _call(s, picks, rids, lens, out, k, hot, real=None):
     return hs.load_cache_to_device_buffer_dsv4(
-        torch.tensor(picks, dtype=torch.int32), s["tokens"], s["host_locs"], s["locs"], s["host"], s["device"], out,
-        torch.tensor(rids), torch.tensor(lens), s["lru"], num_top_k=k, hot_buffer_size=hot, num_real_reqs=real)
+        torch.tensor(picks, dtype=torch.int32),
+        s["tokens"],
+        s["host_locs"],
+        s["locs"],
+        s["host"],
+        s["device"],
+        out,
+        torch.tensor(rids),
+        torch.tensor(lens),
+        s["lru"],
+        num_top_k=k,
+        hot_buffer_size=hot,
+        num_real_reqs=real,
+    )
 
 
 def test_worked_example_lru_order_and_counts():
@@ -68,7 +80,7 @@ def test_worked_example_lru_order_and_counts():
     assert (c.hits, c.misses) == (1, 2)
     # the copied bytes are the host tokens of positions 0, 5 and 7
     for pos, slot in ((0, 1), (5, 3), (7, 0)):
-        h = hs.token_byte_offsets(s["host_locs"][0, pos:pos + 1])
+        h = hs.token_byte_offsets(s["host_locs"][0, pos : pos + 1])
         d = hs.token_byte_offsets(torch.tensor([loc[slot]]))
         assert torch.equal(s["device"].view(-1)[d], s["host"].view(-1)[h])
 
@@ -98,7 +110,7 @@ def test_token_copy_layout_and_transfer_across_layers():
     for s, d in zip(src, dst):
         # token 65 = page 1, slot 1: value at 37440 + 576, scale at 37440 + 36864 + 8
         assert torch.equal(d[0, 576:1152], s[1, 576:1152]) and torch.equal(d[0, 36872:36880], s[1, 36872:36880])
-        assert torch.equal(d[2, 2 * 576:3 * 576], s[0, 3 * 576:4 * 576])
+        assert torch.equal(d[2, 2 * 576 : 3 * 576], s[0, 3 * 576 : 4 * 576])
         assert int((d != 0).sum()) <= 2 * 584 and int(d[1].sum()) == 0
         # the same bytes the reference layout names
         ref_src, ref_dst = bytearray(s.numpy().tobytes()), bytearray(3 * ref.PAGE)
@@ -120,8 +132,14 @@ def test_bad_input_is_named():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), hot=st.integers(2, 12), k_frac=st.floats(0.1, 1.0),
-       n_req=st.integers(1, 3), steps=st.integers(1, 8), empty=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    hot=st.integers(2, 12),
+    k_frac=st.floats(0.1, 1.0),
+    n_req=st.integers(1, 3),
+    steps=st.integers(1, 8),
+    empty=st.booleans(),
+)
 def test_random_traces_match_the_reference(seed, hot, k_frac, n_req, steps, empty):
     rnd = random.Random(seed)
     k = max(1, int(hot * k_frac))

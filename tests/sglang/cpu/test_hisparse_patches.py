@@ -28,12 +28,14 @@ def _ram_check_off(monkeypatch):
     """The host pool's free-RAM check reads the machine's free memory, which other jobs on a shared box can push
     below zero; these pools are a few hundred KB."""
     import sglang.srt.mem_cache.memory_pool_host as mph
+
     monkeypatch.setattr(mph, "host_memory_budget_bytes", lambda: 1 << 40)
 
 
 def _pool(layers: int = 2, dev_pages: int = 3, host_pages: int = 4, seed: int = 0):
     """sglang's own host pool (unpinned), small, filled with random bytes on both sides."""
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
     g = torch.Generator().manual_seed(seed)
     dev = [torch.randint(0, 256, (dev_pages, hs.PAGE_BYTES), dtype=torch.uint8, generator=g) for _ in range(layers)]
     pool = DeepSeekV4PagedHostPool("t", dev, hs.PAGE_BYTES, host_pages, hs.C4_PAGE, pin_memory=False)
@@ -56,14 +58,17 @@ class Recorder:
         return "stock"
 
 
-@pytest.mark.parametrize("args, on", [
-    (None, False),                                                        # no server args published (a tool)
-    (SimpleNamespace(device="cpu", enable_hisparse=True), True),          # the one case the gate is on
-    (SimpleNamespace(device="cuda", enable_hisparse=True), False),        # HiSparse on a GPU: sglang's own kernels
-    (SimpleNamespace(device="cpu", enable_hisparse=False), False),        # CPU server without HiSparse
-    (SimpleNamespace(device="cpu"), False),                               # args without the field
-    (SimpleNamespace(enable_hisparse=True), False),                       # args without a device
-])
+@pytest.mark.parametrize(
+    "args, on",
+    [
+        (None, False),  # no server args published (a tool)
+        (SimpleNamespace(device="cpu", enable_hisparse=True), True),  # the one case the gate is on
+        (SimpleNamespace(device="cuda", enable_hisparse=True), False),  # HiSparse on a GPU: sglang's own kernels
+        (SimpleNamespace(device="cpu", enable_hisparse=False), False),  # CPU server without HiSparse
+        (SimpleNamespace(device="cpu"), False),  # args without the field
+        (SimpleNamespace(enable_hisparse=True), False),  # args without a device
+    ],
+)
 def test_gate_is_off_outside_a_hisparse_cpu_server(monkeypatch, args, on):
     """The gate reads the server args sglang publishes in this process: on only with device cpu AND HiSparse."""
     import sglang.srt.runtime_context as rc
@@ -72,6 +77,7 @@ def test_gate_is_off_outside_a_hisparse_cpu_server(monkeypatch, args, on):
         if args is None:
             raise AttributeError("no server args in this process")
         return args
+
     monkeypatch.setattr(rc, "get_server_args", published)
     assert hp.hisparse_on_cpu() is on
     assert hp.serving_on_cpu() is (args is not None and getattr(args, "device", None) == "cpu")
@@ -99,7 +105,7 @@ def test_backup_tokens_copies_every_layer_byte_exact(gate):
         for dl, hl in zip(dev_locs.tolist(), host_locs.tolist()):
             assert _token(pool.kv_buffer[layer], hl) == _token(pool.device_buffers[layer], dl)
         changed = (pool.kv_buffer[layer] != before[layer]).view(-1).nonzero().numel()
-        assert changed <= 3 * hs.ITEM_BYTES          # nothing outside the three tokens moved
+        assert changed <= 3 * hs.ITEM_BYTES  # nothing outside the three tokens moved
 
 
 def test_load_layer_token_and_page_paths(gate):
@@ -107,7 +113,7 @@ def test_load_layer_token_and_page_paths(gate):
     hp.load_layer(None, pool, None, torch.tensor([9, 250]), torch.tensor([1, 190]), 1, "kernel")
     assert _token(pool.device_buffers[1], 1) == _token(pool.kv_buffer[1], 9)
     assert _token(pool.device_buffers[1], 190) == _token(pool.kv_buffer[1], 250)
-    assert _token(pool.device_buffers[0], 1) != _token(pool.kv_buffer[0], 9)   # the other layer is untouched
+    assert _token(pool.device_buffers[0], 1) != _token(pool.kv_buffer[0], 9)  # the other layer is untouched
     # page-aligned lists (64 tokens = host page 3 -> device page 2): whole page rows, the padding included
     hp.load_layer(None, pool, None, torch.arange(192, 256), torch.arange(128, 192), 0, "kernel")
     assert torch.equal(pool.device_buffers[0][2], pool.kv_buffer[0][3])
@@ -135,12 +141,19 @@ def test_eager_backup_rule(gate):
     pool.backup_tokens_from_device_all_layer = lambda h, d: hp.backup_tokens(None, pool, h, d)  # as installed
     hot, width = 8, 8 + hs.C4_PAGE
     req_to_device = torch.arange(4 * width, dtype=torch.int64).view(4, width) % (3 * hs.C4_PAGE)
-    co = SimpleNamespace(compress_ratio=4, device_buffer_size=hot, _skip_first_backup=[False, False, False, True],
-                         req_to_device_buffer=req_to_device, mem_pool_host=pool, is_dsv4_hisparse=True,
-                         req_to_host_pool=torch.full((4, 128), -1, dtype=torch.int64),
-                         req_to_host_pool_allocated_len=torch.tensor([64, 64, 0, 0]),
-                         waited=[], wait_for_pending_backup=lambda: co.waited.append(1))
-    co.req_to_host_pool[0, :64] = torch.arange(64, 128)   # first host pages, staged at admission
+    co = SimpleNamespace(
+        compress_ratio=4,
+        device_buffer_size=hot,
+        _skip_first_backup=[False, False, False, True],
+        req_to_device_buffer=req_to_device,
+        mem_pool_host=pool,
+        is_dsv4_hisparse=True,
+        req_to_host_pool=torch.full((4, 128), -1, dtype=torch.int64),
+        req_to_host_pool_allocated_len=torch.tensor([64, 64, 0, 0]),
+        waited=[],
+        wait_for_pending_backup=lambda: co.waited.append(1),
+    )
+    co.req_to_host_pool[0, :64] = torch.arange(64, 128)  # first host pages, staged at admission
     co.req_to_host_pool[1, :64] = torch.arange(128, 192)
     seq = torch.tensor([13, 61, 14, 17])
     rids = torch.tensor([0, 1, 2, 3])
@@ -149,8 +162,9 @@ def test_eager_backup_rule(gate):
     for rid, pos, slot, host_loc in ((0, 2, 2, 66), (1, 14, hot, 142)):
         assert int(co.req_to_host_pool[rid, pos]) == host_loc
         for layer in range(2):
-            assert _token(pool.kv_buffer[layer], host_loc) == _token(pool.device_buffers[layer],
-                                                                      int(req_to_device[rid, slot]))
+            assert _token(pool.kv_buffer[layer], host_loc) == _token(
+                pool.device_buffers[layer], int(req_to_device[rid, slot])
+            )
     assert int(co.req_to_host_pool_allocated_len[2]) == 0 and int(co.req_to_host_pool_allocated_len[3]) == 0
 
 
@@ -167,10 +181,21 @@ def test_swap_in_is_counted_and_refuses_other_modes(gate, monkeypatch):
     host_locs = torch.arange(100, 120, dtype=torch.int64).view(1, 20)
     lru = torch.arange(hot, dtype=torch.int16).view(1, hot)
     out = torch.full((1, k), -1, dtype=torch.int32)
-    args = dict(top_k_tokens=torch.tensor([[9, 2, 7]], dtype=torch.int32), device_buffer_tokens=tokens,
-                host_cache_locs=host_locs, device_buffer_locs=locs, host_cache=host, device_buffer=dev,
-                top_k_device_locs=out, req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([10]),
-                lru_slots=lru, item_size_bytes=hs.ITEM_BYTES, num_top_k=k, hot_buffer_size=hot)
+    args = dict(
+        top_k_tokens=torch.tensor([[9, 2, 7]], dtype=torch.int32),
+        device_buffer_tokens=tokens,
+        host_cache_locs=host_locs,
+        device_buffer_locs=locs,
+        host_cache=host,
+        device_buffer=dev,
+        top_k_device_locs=out,
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([10]),
+        lru_slots=lru,
+        item_size_bytes=hs.ITEM_BYTES,
+        num_top_k=k,
+        hot_buffer_size=hot,
+    )
     hp.swap_in_dsv4(None, **args)
     # 9 = newest (reserved slot), 2 hits, 7 misses -> one 584-B token copied host loc 107 -> the oldest slot 0
     assert counter.snapshot() == {"calls": 1, "lookups": 3, "hits": 2, "misses": 1, "bytes_h2d": hs.ITEM_BYTES}
@@ -181,6 +206,7 @@ def test_swap_in_is_counted_and_refuses_other_modes(gate, monkeypatch):
 
 def test_table_names_sglang_lines_and_resolves():
     from flashmemory.sglang.patching import TABLES, check_all, load_impl
+
     assert "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES" in TABLES
     assert len({p.target for p in hp.HISPARSE_PATCHES}) == len(hp.HISPARSE_PATCHES)
     assert set(check_all(list(hp.HISPARSE_PATCHES))) == {p.target for p in hp.HISPARSE_PATCHES}
@@ -191,10 +217,11 @@ def test_table_names_sglang_lines_and_resolves():
 
 def test_host_budget_drops_the_gpu_reserve_only_with_the_gate(monkeypatch):
     from sglang.srt.mem_cache.pool_host import base
+
     assert hp.host_budget(lambda r, auto_size: -5, 0) == -5
     monkeypatch.setattr(hp, "hisparse_on_cpu", lambda: True)
     assert hp.host_budget(lambda r, auto_size: -5, 0) == base.HICACHE_HOST_MEMORY_RESERVE_BYTES - 5
-    token = base._host_memory_budget.set(7)          # inside sglang's booking scope: its snapshot stands
+    token = base._host_memory_budget.set(7)  # inside sglang's booking scope: its snapshot stands
     try:
         assert hp.host_budget(lambda r, auto_size: 7, 0) == 7
     finally:
@@ -204,7 +231,7 @@ def test_host_budget_drops_the_gpu_reserve_only_with_the_gate(monkeypatch):
 def test_mooncake_sender_takes_the_host_index_path_on_cpu(monkeypatch):
     sender = SimpleNamespace(supports_host_tensor_indices=True)
     hp.sender_host_indices_off(None, sender)
-    assert sender.supports_host_tensor_indices is True          # not serving on CPU: untouched
+    assert sender.supports_host_tensor_indices is True  # not serving on CPU: untouched
     monkeypatch.setattr(hp, "serving_on_cpu", lambda: True)
     hp.sender_host_indices_off(None, sender)
     assert sender.supports_host_tensor_indices is False
@@ -217,8 +244,12 @@ def test_prefill_newest_entry_is_loaded_into_the_reserved_slot_once(gate, monkey
     monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState())
     pool = _pool()
     hot = 4
-    co = SimpleNamespace(is_dsv4_hisparse=True, device_buffer_size=hot, mem_pool_device=SimpleNamespace(
-        kv_buffer=pool.device_buffers), host_token_len=lambda n: n // 4)
+    co = SimpleNamespace(
+        is_dsv4_hisparse=True,
+        device_buffer_size=hot,
+        mem_pool_device=SimpleNamespace(kv_buffer=pool.device_buffers),
+        host_token_len=lambda n: n // 4,
+    )
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0, kv_allocated_len=16)))
     assert set(RUNTIME.hisparse.newest_pending) == {1}
@@ -227,12 +258,23 @@ def test_prefill_newest_entry_is_loaded_into_the_reserved_slot_once(gate, monkey
     args = (host_locs, dev_locs, torch.tensor([0, 1]), torch.tensor([4, 12]), hot, 2)
     assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 1
     assert _token(pool.device_buffers[0], int(dev_locs[1, hot])) == _token(pool.kv_buffer[0], 127)
-    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 0      # once per layer
-    assert hp.fill_newest(pool.kv_buffer[1], pool.device_buffers[1], *args) == 1      # the other layer
+    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], *args) == 0  # once per layer
+    assert hp.fill_newest(pool.kv_buffer[1], pool.device_buffers[1], *args) == 1  # the other layer
     assert RUNTIME.hisparse.newest_pending == {}
     # a decode step already wrote a newer entry (position 12 >= the prefill's 12): the slot is left alone
     hp.admit_direct(None, co, SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, kv_allocated_len=48)))
     before = pool.device_buffers[0].clone()
-    assert hp.fill_newest(pool.kv_buffer[0], pool.device_buffers[0], host_locs, dev_locs, torch.tensor([1]),
-                          torch.tensor([13]), hot, 1) == 0
+    assert (
+        hp.fill_newest(
+            pool.kv_buffer[0],
+            pool.device_buffers[0],
+            host_locs,
+            dev_locs,
+            torch.tensor([1]),
+            torch.tensor([13]),
+            hot,
+            1,
+        )
+        == 0
+    )
     assert torch.equal(before, pool.device_buffers[0])

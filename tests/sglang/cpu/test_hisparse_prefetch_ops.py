@@ -18,9 +18,20 @@ HOT, K, MAXLEN = 64, 16, 400
 def _prefetch(s, hint, rids, lens, real=None):
     hint = torch.tensor(hint, dtype=torch.int32)
     scratch = torch.full(hint.shape, -7, dtype=torch.int32)
-    return prefetch_layer_cpu(hint, s["tokens"], s["host_locs"], s["locs"], s["host"], s["device"], scratch,
-                              torch.tensor(rids), torch.tensor(lens), s["lru"], HOT,
-                              len(rids) if real is None else real)
+    return prefetch_layer_cpu(
+        hint,
+        s["tokens"],
+        s["host_locs"],
+        s["locs"],
+        s["host"],
+        s["device"],
+        scratch,
+        torch.tensor(rids),
+        torch.tensor(lens),
+        s["lru"],
+        HOT,
+        len(rids) if real is None else real,
+    )
 
 
 def _resident(s, rid):
@@ -31,7 +42,7 @@ def _bytes_ok(s, rid, out_row, picks):
     """Every pick's output loc holds the host bytes of that position (what attention reads is right)."""
     for loc, p in zip(out_row.tolist(), picks):
         d = hs.token_byte_offsets(torch.tensor([loc]))
-        h = hs.token_byte_offsets(s["host_locs"][rid, p:p + 1])
+        h = hs.token_byte_offsets(s["host_locs"][rid, p : p + 1])
         if not torch.equal(s["device"].view(-1)[d], s["host"].view(-1)[h]):
             return False
     return True
@@ -43,7 +54,7 @@ def test_h_minus_k_positions_keep_every_current_pick_and_more_evict_them():
         s = _state(1, HOT, MAXLEN, empty=True, seed=1)
         out = torch.zeros((1, K), dtype=torch.int32)
         _call(s, [picks], [0], [350], out, K, HOT)
-        hint = list(range(100, 100 + HOT - K + extra))   # disjoint from the picks
+        hint = list(range(100, 100 + HOT - K + extra))  # disjoint from the picks
         c = _prefetch(s, [hint], [0], [350])
         assert c.loaded == HOT - K + extra and c.bytes_h2d == c.loaded * hs.ITEM_BYTES
         assert len(set(picks) - _resident(s, 0)) == evicted
@@ -87,7 +98,7 @@ def test_fast_path_and_padded_rows_are_left_alone():
     assert c.loaded == 3
     assert torch.equal(s["tokens"][0], before["tokens"][0]) and torch.equal(s["lru"][0], before["lru"][0])
     assert torch.equal(s["tokens"][2], before["tokens"][2]) and torch.equal(s["lru"][2], before["lru"][2])
-    assert torch.equal(s["locs"], _state(3, HOT, MAXLEN, empty=False, seed=3)["locs"])   # locs never move
+    assert torch.equal(s["locs"], _state(3, HOT, MAXLEN, empty=False, seed=3)["locs"])  # locs never move
 
 
 def test_attribution_counts_used_wasted_and_released_marks():
@@ -99,7 +110,7 @@ def test_attribution_counts_used_wasted_and_released_marks():
     _prefetch(s, [list(range(100, 140))], [0], [350])
     assert prov.after_prefetch(0, before, torch.tensor([0]), s["tokens"], 1) == 0
     assert int((prov.marks[0, 0] >= 0).sum()) == 40
-    picks = list(range(100, 110)) + list(range(200, 206))   # 10 prefetched, 6 new
+    picks = list(range(100, 110)) + list(range(200, 206))  # 10 prefetched, 6 new
     _call(s, [picks], [0], [350], out, K, HOT)
     a = prov.after_demand(0, torch.tensor([picks]), torch.tensor([0]), s["tokens"], 1)
     assert (a.used, a.wasted) == (10, 0)
@@ -140,8 +151,12 @@ def test_random_traces_with_prefetch_read_the_right_bytes_and_keep_permutations(
                 assert _bytes_ok(s, b, out[b], picks[b])
                 assert sorted(s["lru"][b].tolist()) == list(range(HOT))
             if with_hint and t + 1 < len(trace):
-                hint = [dedup_positions(torch.tensor(trace[t + 1][b] + [lens[b] - 1, 999, trace[t + 1][b][0]]),
-                                        HOT - K).tolist() for b in range(2)]
+                hint = [
+                    dedup_positions(
+                        torch.tensor(trace[t + 1][b] + [lens[b] - 1, 999, trace[t + 1][b][0]]), HOT - K
+                    ).tolist()
+                    for b in range(2)
+                ]
                 width = max(map(len, hint))
                 _prefetch(s, [h + [-1] * (width - len(h)) for h in hint], [0, 1], lens)
         misses[with_hint] = total

@@ -13,9 +13,9 @@ def test_indexer_q_matches_float64():
     g = torch.Generator().manual_seed(0)
     b, h = 4, 16
     q = (torch.randn(b, h, 128, generator=g) * 2).bfloat16()
-    q[1, 3] = 0                                             # all-zero head: the 1e-4 scale floor
-    weights = torch.randn(b, 2 * h, generator=g).bfloat16()[:, :h]   # batch-strided, as sglang's wk slice
-    ws = 128 ** -0.5 * h ** -0.5
+    q[1, 3] = 0  # all-zero head: the 1e-4 scale floor
+    weights = torch.randn(b, 2 * h, generator=g).bfloat16()[:, :h]  # batch-strided, as sglang's wk slice
+    ws = 128**-0.5 * h**-0.5
     pos = torch.tensor([0, 17, 1000, 65535])
     freqs, ang = _freqs(70000)
     q_fp8, w_out = fused_q_indexer_rope_hadamard_quant(q, weights, ws, freqs, pos)
@@ -23,11 +23,11 @@ def test_indexer_q_matches_float64():
 
     x = q.double()
     x = torch.cat([x[..., :64], _rope64(x[..., 64:], ang[pos].unsqueeze(1))], dim=-1)
-    x = x @ hadamard_matrix(128).T / 128 ** 0.5
+    x = x @ hadamard_matrix(128).T / 128**0.5
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448
     deq = q_fp8.double() * scale
     err = (deq - x).abs()
-    assert bool((err <= 2 ** -4 * x.abs() + 2 ** -10 * scale + 1e-6 * scale * 448).all())
+    assert bool((err <= 2**-4 * x.abs() + 2**-10 * scale + 1e-6 * scale * 448).all())
     assert err.max() > 0
     assert torch.allclose(w_out.double(), weights.double().unsqueeze(-1) * ws * scale, rtol=1e-5, atol=1e-12)
     # The indexer logit sglang forms from these, sum_h relu(q_fp8 . k) * w_out, tracks the exact one.

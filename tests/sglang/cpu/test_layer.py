@@ -15,20 +15,22 @@ def test_gate_off_activates_nothing(monkeypatch):
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     assert cpu_platform.activate() is None
     import os
+
     assert "SGLANG_USE_CPU_ENGINE" not in os.environ
 
 
 def test_gate_on_sets_switches_keeps_user_values(monkeypatch):
     monkeypatch.setenv("SGLANG_FLASHMEMORY_CPU", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")                       # the user's choice wins
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the user's choice wins
     for k in cpu_platform.CPU_SWITCHES:
         if k != "TRITON_INTERPRET":
-            monkeypatch.setenv(k, "")   # recorded first: delenv of an unset name is not undone, and activate()
-            monkeypatch.delenv(k)       # would leak sglang's CPU switches into every later test of the session
+            monkeypatch.setenv(k, "")  # recorded first: delenv of an unset name is not undone, and activate()
+            monkeypatch.delenv(k)  # would leak sglang's CPU switches into every later test of the session
     calls = []
     monkeypatch.setattr("flashmemory.sglang.cpu.stubs.install_stubs", lambda packages: calls.append(packages))
     assert cpu_platform.activate() == cpu_platform.PLATFORM_CLASS and calls == [("sgl_kernel", "flash_mla")]
     import os
+
     assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1" and os.environ["TRITON_INTERPRET"] == "0"
     monkeypatch.setenv("SGLANG_FLASHMEMORY_CPU", "maybe")
     with pytest.raises(SystemExit, match="SGLANG_FLASHMEMORY_CPU"):
@@ -46,11 +48,12 @@ def test_stub_package_real_submodules_and_raising_kernels(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     try:
         mod = importlib.import_module("fm_fake_kernels")
-        assert importlib.import_module("fm_fake_kernels.pure").VALUE == 42        # pure-Python file: the real one
+        assert importlib.import_module("fm_fake_kernels.pure").VALUE == 42  # pure-Python file: the real one
         from fm_fake_kernels import some_kernel
+
         with pytest.raises(CpuKernelMissing, match="fm_fake_kernels.some_kernel"):
             some_kernel(1)
-        stubbed = importlib.import_module("fm_fake_kernels.needs_ops")            # its import failed: a stub
+        stubbed = importlib.import_module("fm_fake_kernels.needs_ops")  # its import failed: a stub
         assert stubbed.flashmemory_cpu_stub and isinstance(mod, types.ModuleType)
     finally:
         for m in [m for m in sys.modules if m.startswith("fm_fake_kernels")]:
@@ -62,6 +65,7 @@ def test_cpu_rows_never_share_a_target_with_the_hooks():
     from flashmemory.sglang.patch_spec import CODE_KINDS
     from flashmemory.sglang.patching import CPU_FEATURES, select
     from flashmemory.sglang.targets import SPECS
+
     cpu = select(CPU_FEATURES, CODE_KINDS)
     assert len({p.target for p in cpu}) == len(cpu)
     assert not {p.target for p in cpu} & {s.target for s in SPECS}

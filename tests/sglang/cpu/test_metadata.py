@@ -46,8 +46,13 @@ def test_matches_sglang_triton_kernel_in_the_interpreter():
 
 def test_page_indices_and_lengths_by_hand():
     seq_lens = torch.tensor([4, 257, 128], dtype=torch.int32)
-    out = init_compression_metadata(seq_lens, (seq_lens - 1).long(), torch.tensor([40, 81, 1280]),
-                                    torch.tensor([[3, 7], [1, 2], [9, 0]], dtype=torch.int32), 256)
+    out = init_compression_metadata(
+        seq_lens,
+        (seq_lens - 1).long(),
+        torch.tensor([40, 81, 1280]),
+        torch.tensor([[3, 7], [1, 2], [9, 0]], dtype=torch.int32),
+        256,
+    )
     c4_loc, c4_pos, c4_raw, c4_c1, c128_loc, c128_pos, c128_raw, c128_c1, pages = out
     assert c4_loc.tolist() == [10, 0, 320] and c4_raw.tolist() == [1, 64, 32] and c4_pos.tolist() == [0, 256, 124]
     assert c128_loc.tolist() == [0, 0, 10] and c128_raw.tolist() == [0, 2, 1] and c128_c1.tolist() == [1, 2, 1]

@@ -31,8 +31,9 @@ def test_sinkhorn_and_combine_match_transformers():
         post_ref, comb_ref, collapsed_ref = hc(streams)
         # sglang's hc_pre_torch_impl (srt/models/deepseek_v4.py:3358): mixes = (x_flat @ fn^T) * rsqrt(ms + eps)
         x_flat = streams.reshape(10, -1).float()
-        mixes = (F.linear(x_flat, hc.fn.float()) * torch.rsqrt(x_flat.square().mean(-1, keepdim=True)
-                                                               + cfg.rms_norm_eps)).unsqueeze(1)
+        mixes = (
+            F.linear(x_flat, hc.fn.float()) * torch.rsqrt(x_flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        ).unsqueeze(1)
         pre, post, comb = hc_split_sinkhorn(mixes, hc.scale, hc.base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         y = mhc_combine(x_flat, pre.squeeze(1), cfg.hc_mult, torch.bfloat16)
     assert pre.shape == (10, 1, 4) and comb.shape == (10, 1, 4, 4)
@@ -40,7 +41,7 @@ def test_sinkhorn_and_combine_match_transformers():
     torch.testing.assert_close(comb.view(2, 5, 4, 4), comb_ref, rtol=1e-5, atol=1e-6)
     assert (comb.sum(-1) - 1).abs().max() < 1e-3 and (comb.sum(-2) - 1).abs().max() < 1e-3  # doubly stochastic
     err = (y.view(2, 5, -1).double() - collapsed_ref.double()).abs()
-    assert bool((err <= 2 ** -8 * collapsed_ref.double().abs() + 1e-6).all())
+    assert bool((err <= 2**-8 * collapsed_ref.double().abs() + 1e-6).all())
 
 
 def test_hc_head_torch_matches_transformers():
@@ -50,7 +51,13 @@ def test_hc_head_torch_matches_transformers():
     x = torch.randn(6, cfg.hc_mult, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     with torch.no_grad():
         want = head(x.unsqueeze(0))[0]
-        got = dsv4.hc_head_torch(x, head.hc_fn.float(), head.hc_scale.float(), head.hc_base.float(),
-                                 norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        got = dsv4.hc_head_torch(
+            x,
+            head.hc_fn.float(),
+            head.hc_scale.float(),
+            head.hc_base.float(),
+            norm_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+        )
     err = (got.double() - want.double()).abs()
-    assert bool((err <= 2 ** -8 * want.double().abs() + 1e-6).all())
+    assert bool((err <= 2**-8 * want.double().abs() + 1e-6).all())

@@ -7,8 +7,13 @@ import torch
 
 from flashmemory.retriever.rope import RopeConfig, yarn_inv_freq
 from flashmemory.sglang.cpu.ops.compress_plan import plan_decode
-from flashmemory.sglang.cpu.ops.norm_rope import (compress_norm_rope_store, fused_k_norm_rope_flashmla,
-                                              fused_norm_rope_inplace, fused_q_norm_rope, fused_rope_inplace)
+from flashmemory.sglang.cpu.ops.norm_rope import (
+    compress_norm_rope_store,
+    fused_k_norm_rope_flashmla,
+    fused_norm_rope_inplace,
+    fused_q_norm_rope,
+    fused_rope_inplace,
+)
 from flashmemory.sglang.cpu.ops.stores import dequantize_kv_entries, kv_page_format
 
 EPS = 1e-6
@@ -30,7 +35,7 @@ def _rope64(x: torch.Tensor, ang: torch.Tensor, inverse: bool = False) -> torch.
 def _ulp_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16 results: within one bf16 rounding (2^-8 relative) of the float64 value, and mostly exact."""
     err = (got.double() - want).abs()
-    assert bool((err <= 2 ** -8 * want.abs() + 1e-30).all()), f"worst rel err {(err / want.abs()).max().item():.2e}"
+    assert bool((err <= 2**-8 * want.abs() + 1e-30).all()), f"worst rel err {(err / want.abs()).max().item():.2e}"
     exact = (got.double() == want.to(got.dtype).double()).float().mean().item()
     assert exact > 0.98, f"only {exact:.3f} of the values are the correctly rounded float64 result"
 
@@ -84,10 +89,10 @@ def test_norm_rope_inplace():
 def test_k_norm_rope_store_into_swa_pool():
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(5, 64 + 512, generator=g).bfloat16()
-    kv = qkv[:, 64:]                                   # a strided slice, as sglang passes qkv_a[..., q_lora_rank:]
+    kv = qkv[:, 64:]  # a strided slice, as sglang passes qkv_a[..., q_lora_rank:]
     w = (1 + 0.2 * torch.randn(512, generator=g)).bfloat16()
     pos = torch.tensor([0, 5, 6, 700, 3000])
-    out_loc = torch.tensor([3, -1, 64, 65, 200], dtype=torch.int32)   # -1: no SWA slot, skipped
+    out_loc = torch.tensor([3, -1, 64, 65, 200], dtype=torch.int32)  # -1: no SWA slot, skipped
     freqs, ang = _freqs()
     fmt = kv_page_format(64)
     pool = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
@@ -101,19 +106,37 @@ def test_k_norm_rope_store_into_swa_pool():
     deq = dequantize_kv_entries(rows).double()
     s = (rows[:, 576:583].to(torch.int32) << 23).view(torch.float32).double().repeat_interleave(64, dim=1)
     ref = want[keep]
-    bound = torch.cat([2 ** -4 * ref[:, :448].abs() + 2 ** -10 * s, 2 ** -8 * ref[:, 448:].abs()], dim=1) + 1e-6
+    bound = torch.cat([2**-4 * ref[:, :448].abs() + 2**-10 * s, 2**-8 * ref[:, 448:].abs()], dim=1) + 1e-6
     assert bool(((deq - ref).abs() <= bound).all())
     assert int(pool.count_nonzero()) > 0
     untouched = torch.ones(4 * 64, dtype=torch.bool)
     untouched[locs] = False
-    assert int(fmt.read_chunks(pool, torch.arange(256)[untouched] // 64, torch.arange(256)[untouched] % 64).count_nonzero()) == 0
+    assert (
+        int(
+            fmt.read_chunks(pool, torch.arange(256)[untouched] // 64, torch.arange(256)[untouched] % 64).count_nonzero()
+        )
+        == 0
+    )
 
 
 def test_compress_store_rejects_unsupported_layouts():
-    plan_d = plan_decode(4, torch.tensor([0]), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(8, dtype=torch.int64),
-                         torch.tensor([4]), 16, 8)
+    plan_d = plan_decode(
+        4,
+        torch.tensor([0]),
+        torch.zeros(1, 8, dtype=torch.int32),
+        torch.zeros(8, dtype=torch.int64),
+        torch.tensor([4]),
+        16,
+        8,
+    )
     plan = type("P", (tuple,), {"compress_ratio": 4, "is_decode": True})((4, plan_d))
-    args = dict(norm_weight=torch.ones(128), norm_eps=EPS, freq_cis=_freqs(8)[0], out_loc=torch.zeros(1, dtype=torch.long),
-                kvcache=torch.zeros(1, 64 * 68, dtype=torch.uint8), page_size=64)
+    args = dict(
+        norm_weight=torch.ones(128),
+        norm_eps=EPS,
+        freq_cis=_freqs(8)[0],
+        out_loc=torch.zeros(1, dtype=torch.long),
+        kvcache=torch.zeros(1, 64 * 68, dtype=torch.uint8),
+        page_size=64,
+    )
     with pytest.raises(NotImplementedError, match="use_fp4"):
         compress_norm_rope_store(torch.zeros(1, 128), plan, use_fp4=True, **args)

@@ -1,4 +1,5 @@
 """NIXL on CPU: host tensors that sglang registers as "VRAM" move for real once the agent aliases VRAM to DRAM."""
+
 import os
 import time
 
@@ -29,6 +30,7 @@ def _agent_cls(patched: bool) -> type:
 
     def __init__(self, *args, **kwargs):
         pd.around_nixl_agent_init(lambda *a, **k: nixl_api.nixl_agent.__init__(*a, **k), self, *args, **kwargs)
+
     return type("Agent", (nixl_api.nixl_agent,), {"__init__": __init__})
 
 
@@ -44,8 +46,12 @@ def _read(cls: type, src: torch.Tensor, dst: torch.Tensor, kind: str) -> str:
         regs.append((b, b.register_memory([(dst.data_ptr(), dst.nbytes, 0, "")], kind)))
         peer = b.add_remote_agent(a.get_agent_metadata())
         try:
-            h = b.initialize_xfer("READ", b.get_xfer_descs([(dst.data_ptr(), dst.nbytes, 0)], kind),
-                                  a.get_xfer_descs([(src.data_ptr(), src.nbytes, 0)], kind), peer)
+            h = b.initialize_xfer(
+                "READ",
+                b.get_xfer_descs([(dst.data_ptr(), dst.nbytes, 0)], kind),
+                a.get_xfer_descs([(src.data_ptr(), src.nbytes, 0)], kind),
+                peer,
+            )
             try:
                 state = b.transfer(h)
                 deadline = time.monotonic() + 30
@@ -71,7 +77,7 @@ def test_host_memory_as_vram_is_refused_as_shipped():
 
 def test_alias_moves_the_bytes():
     g = torch.Generator().manual_seed(7)
-    src = torch.randint(0, 256, (3, 584 * 64), dtype=torch.uint8, generator=g)   # c4 KV-sized rows
+    src = torch.randint(0, 256, (3, 584 * 64), dtype=torch.uint8, generator=g)  # c4 KV-sized rows
     dst = torch.zeros_like(src)
     assert _read(_agent_cls(True), src, dst, "VRAM") == "DONE"
     assert torch.equal(src, dst)
@@ -90,8 +96,8 @@ def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
     shipped.pthrDelay = 0
     assert shipped.pthrDelay == 0
     delayed = pd.delayed_bindings(nixl_api.nixlBind)
-    assert pd.delayed_bindings(delayed) is delayed                      # idempotent: wraps once
-    nixl_api.nixlBind = delayed                                         # what the row sets (put back by the fixture)
+    assert pd.delayed_bindings(delayed) is delayed  # idempotent: wraps once
+    nixl_api.nixlBind = delayed  # what the row sets (put back by the fixture)
     assert not isinstance(nixl_api.nixlBind._bindings, pd._DelayedBindings)
     cfg = nixl_api.nixlBind.nixlAgentConfig()
     cfg.pthrDelay = 0
@@ -102,7 +108,7 @@ def test_agents_built_after_the_hook_never_get_a_zero_progress_delay():
 
 
 def test_a_delayed_agent_still_moves_the_bytes():
-    nixl_api.nixlBind = pd.delayed_bindings(nixl_api.nixlBind)          # put back by the fixture
+    nixl_api.nixlBind = pd.delayed_bindings(nixl_api.nixlBind)  # put back by the fixture
     g = torch.Generator().manual_seed(8)
     src = torch.randint(0, 256, (2, 584 * 64), dtype=torch.uint8, generator=g)
     dst = torch.zeros_like(src)
@@ -114,6 +120,7 @@ def test_bindings_without_a_settable_delay_are_refused():
     class Bindings:
         class nixlAgentConfig:
             pass
+
     with pytest.raises(RuntimeError, match="pthrDelay"):
         pd.delayed_bindings(Bindings)
 
@@ -121,5 +128,6 @@ def test_bindings_without_a_settable_delay_are_refused():
 def test_alias_refuses_an_unknown_agent_layout():
     class NoTable:
         pass
+
     with pytest.raises(RuntimeError, match="nixl_mems"):
         pd.alias_vram_to_dram(NoTable())

@@ -1,4 +1,5 @@
 """The three fixes that let sglang's `fake` transfer backend run a PD stack on CPU, each against sglang's own code."""
+
 import types
 
 import pytest
@@ -22,7 +23,7 @@ def test_fake_prefill_passes_the_pd_resolution_step(monkeypatch):
     monkeypatch.setattr(rh, "_HOOKS", {})
     sa = _args("prefill", "fake")
     with pytest.raises(AssertionError, match="fake"):
-        rh.run_hook(handle_pd_disaggregation, sa)                # as shipped
+        rh.run_hook(handle_pd_disaggregation, sa)  # as shipped
     rh.register_resolution_hook("handle_pd_disaggregation")(pd.fake_prefill_step)
     rh.run_hook(handle_pd_disaggregation, sa)
     assert resolved_view(sa).disaggregation_transfer_backend == "fake"
@@ -37,9 +38,11 @@ def test_other_modes_go_through_unchanged(monkeypatch):
 
 
 def test_fake_gets_the_plain_bootstrap_server():
-    assert get_kv_class(TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER) is None          # as shipped
-    assert pd.around_get_kv_class(get_kv_class, TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER) \
+    assert get_kv_class(TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER) is None  # as shipped
+    assert (
+        pd.around_get_kv_class(get_kv_class, TransferBackend.FAKE, KVClassType.BOOTSTRAP_SERVER)
         is CommonKVBootstrapServer
+    )
     fake_mgr = get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER)
     assert pd.around_get_kv_class(get_kv_class, TransferBackend.FAKE, KVClassType.MANAGER) is fake_mgr
 
@@ -48,9 +51,10 @@ def test_fake_gets_the_plain_bootstrap_server():
 def test_router_requests_are_fake_only_with_the_fake_backend(monkeypatch, backend, expected):
     import sglang.srt.runtime_context as rc
     from sglang.srt.disaggregation.utils import _is_fake_transfer
+
     monkeypatch.setattr(rc, "get_disagg", lambda: types.SimpleNamespace(disaggregation_transfer_backend=backend))
     monkeypatch.setattr("sglang.srt.disaggregation.utils.get_disagg", rc.get_disagg, raising=False)
-    req = types.SimpleNamespace(bootstrap_host="127.0.0.1")   # what the router sends: P's host
-    assert _is_fake_transfer(req) is False                   # as shipped: only 2.2.2.2 (or no host) is fake
+    req = types.SimpleNamespace(bootstrap_host="127.0.0.1")  # what the router sends: P's host
+    assert _is_fake_transfer(req) is False  # as shipped: only 2.2.2.2 (or no host) is fake
     assert pd.around_is_fake_transfer(_is_fake_transfer, req) is expected
     assert pd.around_is_fake_transfer(_is_fake_transfer, types.SimpleNamespace(bootstrap_host="2.2.2.2"))

@@ -15,8 +15,11 @@ def _pool(n_pages: int, page: int, fill: int, gen: torch.Generator) -> torch.Ten
     raw = torch.zeros(n_pages * page_bytes, dtype=torch.uint8)
     x = torch.randn(fill, 512, generator=gen) * 3
     store_kv_entries(raw, torch.arange(fill), x, page, round_nope_to_bf16=True)
-    return raw.view(n_pages, page_bytes)[:, : page * 584].as_strided(
-        (n_pages, page, 1, 584), (page_bytes, 584, 584, 1)).view(torch.float8_e4m3fn)
+    return (
+        raw.view(n_pages, page_bytes)[:, : page * 584]
+        .as_strided((n_pages, page, 1, 584), (page_bytes, 584, 584, 1))
+        .view(torch.float8_e4m3fn)
+    )
 
 
 @pytest.mark.parametrize("b,heads,sink", [(3, 8, True), (70, 4, False)])
@@ -29,7 +32,7 @@ def test_matches_sglang_torch_sparse_decode(b, heads, sink):
     eidx = torch.randint(-1, 150, (b, 1, 24), generator=g, dtype=torch.int32)
     lens = torch.randint(0, 41, (b,), generator=g, dtype=torch.int32)
     elens = torch.randint(0, 25, (b,), generator=g, dtype=torch.int32)
-    lens[0], elens[0] = 0, 0                                     # a token with no pick at all
+    lens[0], elens[0] = 0, 0  # a token with no pick at all
     s = torch.randn(heads, generator=g) if sink else None
     args = (q, swa, idx, lens, s, 512, 0.05, c4, eidx, elens)
     out, lse = sparse_decode_fwd(*args)

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from flashmemory.retriever.fp8 import dequantize_chunks
-from flashmemory.sglang.cpu.ops.stores import (dequantize_kv_entries, fused_store_cache, quantize_index_entries,
-                                           quantize_kv_entries, store_index_entries, store_kv_entries)
+from flashmemory.sglang.cpu.ops.stores import (
+    dequantize_kv_entries,
+    fused_store_cache,
+    quantize_index_entries,
+    quantize_kv_entries,
+    store_index_entries,
+    store_kv_entries,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -17,10 +23,10 @@ E4M3 = torch.float8_e4m3fn
 def _entries_input(n: int = 6, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 512, generator=g) * torch.logspace(-3, 2, n).unsqueeze(1)
-    x[0, 0:64] = 0                                   # all-zero group: the 1e-4 amax floor
+    x[0, 0:64] = 0  # all-zero group: the 1e-4 amax floor
     x[1, 64:128] = torch.randn(64, generator=g) * 1e-6  # tiny group: subnormal fp8 values
-    x[2, 128:192] *= torch.logspace(-4, 0, 64)       # wide range inside one group
-    x[3, 192] = 448.0 * 2 ** -3                      # amax / 448 an exact power of two
+    x[2, 128:192] *= torch.logspace(-4, 0, 64)  # wide range inside one group
+    x[3, 192] = 448.0 * 2**-3  # amax / 448 an exact power of two
     x[3, 193:256] = x[3, 193:256].clamp(-50, 50)
     return x
 
@@ -33,10 +39,10 @@ def _reference_kv_row(x: torch.Tensor, round_nope: bool) -> bytes:
         nope = x[:448].bfloat16().double()
     exps = []
     for gi in range(7):
-        grp = nope[gi * 64:(gi + 1) * 64]
+        grp = nope[gi * 64 : (gi + 1) * 64]
         k = math.ceil(math.log2(max(grp.abs().max().item(), 1e-4) / 448.0))
         exps.append(k + 127)
-        out += (grp / 2.0 ** k).clamp(-448, 448).to(E4M3).view(torch.uint8).numpy().tobytes()
+        out += (grp / 2.0**k).clamp(-448, 448).to(E4M3).view(torch.uint8).numpy().tobytes()
     out += x[448:].bfloat16().view(torch.uint8).numpy().tobytes()
     return bytes(out) + bytes(exps) + b"\x00"
 
@@ -56,8 +62,8 @@ def test_kv_entry_dequantizes_within_fp8_bound():
     rows = quantize_kv_entries(x, round_nope_to_bf16=False)
     s = (rows[:, 576:583].to(torch.int32) << 23).view(torch.float32).repeat_interleave(64, dim=1)
     err = (deq - x).abs()
-    assert bool((err[:, :448] <= 2 ** -4 * x[:, :448].abs() + 2 ** -10 * s).all())
-    assert bool((err[:, 448:] <= 2 ** -8 * x[:, 448:].abs()).all())
+    assert bool((err[:, :448] <= 2**-4 * x[:, :448].abs() + 2**-10 * s).all())
+    assert bool((err[:, 448:] <= 2**-8 * x[:, 448:].abs()).all())
     assert err[:, :448].max() > 0  # the check sees quantization at all
 
 
@@ -67,13 +73,13 @@ def test_index_entry_bytes_match_reference():
     got = quantize_index_entries(x)
     for i in range(x.shape[0]):
         amax = max(x[i].abs().max().item(), 1e-4)
-        scale = torch.tensor(amax, dtype=torch.float32) / 448.0               # fp32 scale, not a power of two
+        scale = torch.tensor(amax, dtype=torch.float32) / 448.0  # fp32 scale, not a power of two
         q = (x[i] * (1.0 / scale)).clamp(-448, 448).to(E4M3).view(torch.uint8)
         want = q.numpy().tobytes() + scale.reshape(1).numpy().tobytes()
         assert got[i].numpy().tobytes() == want, f"row {i}"
     deq = dequantize_chunks(got)
     s = got[:, 128:].contiguous().view(torch.float32)
-    assert bool(((deq - x).abs() <= 2 ** -4 * x.abs() + 2 ** -10 * s).all())
+    assert bool(((deq - x).abs() <= 2**-4 * x.abs() + 2**-10 * s).all())
 
 
 def test_kv_paged_write_places_bytes_and_keeps_pad():
@@ -93,8 +99,8 @@ def test_kv_paged_write_places_bytes_and_keeps_pad():
             continue
         p, s = divmod(loc, page)
         base = p * page_bytes
-        expect[base + s * 576: base + s * 576 + 576] = rows[i, :576]
-        expect[base + page * 576 + s * 8: base + page * 576 + s * 8 + 7] = rows[i, 576:583]  # pad byte kept
+        expect[base + s * 576 : base + s * 576 + 576] = rows[i, :576]
+        expect[base + page * 576 + s * 8 : base + page * 576 + s * 8 + 7] = rows[i, 576:583]  # pad byte kept
     assert torch.equal(pool.view(-1), expect)
 
 
@@ -108,8 +114,8 @@ def test_index_paged_write_places_bytes():
     for i, loc in enumerate([65, 3]):
         p, s = divmod(loc, page)
         base = p * page * 132
-        assert torch.equal(flat[base + s * 128: base + s * 128 + 128], rows[i, :128])
-        assert torch.equal(flat[base + page * 128 + s * 4: base + page * 128 + s * 4 + 4], rows[i, 128:])
+        assert torch.equal(flat[base + s * 128 : base + s * 128 + 128], rows[i, :128])
+        assert torch.equal(flat[base + page * 128 + s * 4 : base + page * 128 + s * 4 + 4], rows[i, 128:])
     assert int((pool != 0).sum()) <= 2 * 132
 
 

@@ -31,9 +31,12 @@ def pytest_collection_modifyitems(items):
 def serving_model(tmp_path_factory):
     pytest.importorskip("sglang")
     eps = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.platforms")}
-    assert "flashmemory_cpu" in eps, ("the sglang.srt.platforms entry point 'flashmemory_cpu' is not installed: "
-                                      "run `pip install --no-deps -e .` in the repo")
+    assert "flashmemory_cpu" in eps, (
+        "the sglang.srt.platforms entry point 'flashmemory_cpu' is not installed: "
+        "run `pip install --no-deps -e .` in the repo"
+    )
     from flashmemory.hf.serving_build import build_serving
+
     return build_serving(tmp_path_factory.mktemp("serving") / "serving-tiny", seed=0)
 
 
@@ -47,6 +50,7 @@ def no_process_left():
     """After the whole session: every server this folder started is gone, children included."""
     yield
     from flashmemory.serve.cpu_server import marked_processes
+
     left = {s.log.name: marked_processes(s.id) for s in _STARTED}
     for s in _STARTED:
         s.stop()
@@ -56,31 +60,49 @@ def no_process_left():
 def make_server(model, logs, name: str, env: dict | None = None, extra_args: tuple = ()):
     """A CpuServer with this repo on PYTHONPATH, launched now; registered for the leftover check."""
     from flashmemory.serve.cpu_server import CpuServer
+
     srv = CpuServer(model, Path(logs) / f"{name}.log", env=env, extra_args=extra_args, pythonpath=REPO)
     _STARTED.append(srv)
     return srv.launch()
 
 
 STARTUP_S = float(os.environ.get("FLASHMEMORY_LIVE_STARTUP_S", "600"))
-COMMON = {"SGLANG_RETRIEVER_INLINE_LAYERS": "0,1", "SGLANG_DSV4_TARGET_CONCURRENCY": "4",
-          "SGLANG_PATHP_DECODE_MAX_CONC": "4", "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS": "64",
-          "SGLANG_RETRIEVER_INTERVAL": "4"}
+COMMON = {
+    "SGLANG_RETRIEVER_INLINE_LAYERS": "0,1",
+    "SGLANG_DSV4_TARGET_CONCURRENCY": "4",
+    "SGLANG_PATHP_DECODE_MAX_CONC": "4",
+    "SGLANG_PATHP_DECODE_RESIDENT_CHUNKS": "64",
+    "SGLANG_RETRIEVER_INTERVAL": "4",
+}
 # (b) Path-P + Level 1 + score-resident Level 2; the recency tail (2048 chunks) and KMAX (16 pages of 64
 # chunks) hold every chunk of these <= 1.2K-token requests, so nothing is ever evicted.
-FULL_BUDGET = {**COMMON, "SGLANG_DECODE_SWAP_P": "1", "SGLANG_PATHP_SCORE_RESIDENT": "1",
-               "SGLANG_PATHP_PAGE_KMAX": "16", "SGLANG_RETRIEVER_LAST_KEEP": "2048"}
+FULL_BUDGET = {
+    **COMMON,
+    "SGLANG_DECODE_SWAP_P": "1",
+    "SGLANG_PATHP_SCORE_RESIDENT": "1",
+    "SGLANG_PATHP_PAGE_KMAX": "16",
+    "SGLANG_RETRIEVER_LAST_KEEP": "2048",
+}
 # (b') the same budget, but Level 1 decides what is resident: every chunk passes it (logit offset 30, threshold
 # 1e-4) and the recency tail is 16 chunks, so a page is resident because a Level-1 cycle (every 4 steps) kept it.
-LEVEL1_FULL = {**FULL_BUDGET, "SGLANG_RETRIEVER_LAST_KEEP": "16", "SGLANG_RETRIEVER_LOGIT_OFFSET": "30",
-               "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.0001"}
+LEVEL1_FULL = {
+    **FULL_BUDGET,
+    "SGLANG_RETRIEVER_LAST_KEEP": "16",
+    "SGLANG_RETRIEVER_LOGIT_OFFSET": "30",
+    "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.0001",
+}
 # (c) the same features at a small budget: two resident pages (of 64 chunks) per request, one of them the page
 # the 16-chunk recency tail is on, the other the retriever's pick: 13-25% of the (c) requests' 8-15 pages.
 # Level 1 runs synchronously here (the cycle's recall is published before the next step): at a small budget the
 # tokens depend on the step a recall lands at, so only a synchronous cycle lets the disk-tier server below decode
 # the same tokens. The asynchronous cycle (the default) runs live in test_live_pd and test_full_budget_equals_stock.
-SMALL_BUDGET = {**FULL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "2", "SGLANG_RETRIEVER_LAST_KEEP": "16",
-                "SGLANG_PATHP_ASYNC_RECALL": "0"}
-SMALL_ARGS = ("--max-total-tokens", "16384")   # the three (c) requests hold 8.4K tokens at once
+SMALL_BUDGET = {
+    **FULL_BUDGET,
+    "SGLANG_PATHP_PAGE_KMAX": "2",
+    "SGLANG_RETRIEVER_LAST_KEEP": "16",
+    "SGLANG_PATHP_ASYNC_RECALL": "0",
+}
+SMALL_ARGS = ("--max-total-tokens", "16384")  # the three (c) requests hold 8.4K tokens at once
 # The miss monitor runs on the full-budget server (test_monitor_live: every reading there must be 0, and the
 # monitor must not change tokens: test_full_budget_equals_stock). The test-only fault injector runs on the small
 # one and faults only requests named faulty-* (test_fault_injection). Sharing servers keeps the suite in budget.
@@ -96,8 +118,13 @@ MIRROR_WINDOW_GB = "0.001"
 
 
 def disk_tier_env(disk_dir: Path) -> dict:
-    return {**SMALL_BUDGET, "SGLANG_PATHP_DISK_DIR": str(disk_dir), "SGLANG_PATHP_DISK_GB": "0.1",
-            "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB, "SGLANG_PATHP_HOST_MIRROR_GB": MIRROR_WINDOW_GB}
+    return {
+        **SMALL_BUDGET,
+        "SGLANG_PATHP_DISK_DIR": str(disk_dir),
+        "SGLANG_PATHP_DISK_GB": "0.1",
+        "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB,
+        "SGLANG_PATHP_HOST_MIRROR_GB": MIRROR_WINDOW_GB,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -106,6 +133,7 @@ def tiny_retriever_ckpt(serving_model, tmp_path_factory):
     Trained into a *relative* output dir from another working directory, as `make demo` does: a data config
     written with cwd-relative paths once broke the demo's serving stage on a clean clone."""
     from flashmemory.serve.tiny_retriever import train_tiny_retriever
+
     base = tmp_path_factory.mktemp("retriever")
     cwd = os.getcwd()
     os.chdir(base)
@@ -136,10 +164,16 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt, stock_server):
     that start servers of their own (test_live_pd's two PD stacks) run before these start (tests/conftest.py)."""
     off = make_server(serving_model, live_logs, "gates_off")
     ckpt = tiny_retriever_ckpt
-    full = make_server(serving_model, live_logs, "full_budget",
-                       env={**LEVEL1_FULL, **MONITOR, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt})
-    small = make_server(serving_model, live_logs, "small_budget",
-                        env={**SMALL_BUDGET, **FAULT, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}, extra_args=SMALL_ARGS)
+    full = make_server(
+        serving_model, live_logs, "full_budget", env={**LEVEL1_FULL, **MONITOR, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt}
+    )
+    small = make_server(
+        serving_model,
+        live_logs,
+        "small_budget",
+        env={**SMALL_BUDGET, **FAULT, "SGLANG_RETRIEVER_INLINE_CKPT": ckpt},
+        extra_args=SMALL_ARGS,
+    )
     servers = {"stock": stock_server, "off": off, "full": full, "small": small}
     mine = (off, full, small)
     try:
@@ -147,7 +181,7 @@ def live_servers(serving_model, live_logs, tiny_retriever_ckpt, stock_server):
             s.wait_ready(STARTUP_S)
         yield servers
     finally:
-        side_by_side(*(s.stop for s in mine))   # each stop waits for its group to exit: wait for all at once
+        side_by_side(*(s.stop for s in mine))  # each stop waits for its group to exit: wait for all at once
     assert not any(s.leftovers() for s in mine)
 
 
@@ -156,6 +190,7 @@ def side_by_side(*calls):
     their results in order. The first exception is raised after all have ended. Only for calls whose tokens do not
     depend on timing: one request or one batched call per server, or Level 1 synchronous."""
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(len(calls)) as ex:
         futures = [ex.submit(c) for c in calls]
     return [f.result() for f in futures]

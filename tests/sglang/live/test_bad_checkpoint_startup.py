@@ -8,9 +8,12 @@ from tests.sglang.live.conftest import FULL_BUDGET, make_server
 
 def test_a_truncated_checkpoint_stops_startup(serving_model, live_logs, tmp_path):
     from flashmemory.serve.cpu_server import ServerError
+
     bad = tmp_path / "cut.safetensors"
-    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")   # a safetensors header cut short
-    srv = make_server(serving_model, live_logs, "bad_ckpt", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": str(bad)})
+    bad.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a":')  # a safetensors header cut short
+    srv = make_server(
+        serving_model, live_logs, "bad_ckpt", env={**FULL_BUDGET, "SGLANG_RETRIEVER_INLINE_CKPT": str(bad)}
+    )
     try:
         with pytest.raises(ServerError, match="during startup"):
             srv.wait_ready(600)

@@ -21,7 +21,7 @@ import pytest
 
 from tests.sglang.live.conftest import SMALL_ARGS, STARTUP_S, disk_tier_env, make_server, prompt, side_by_side
 
-REQS = [(2400, 21, 20), (3000, 22, 20)]   # (prompt tokens, seed, new tokens): 9-12 pages of 64 c4 chunks each
+REQS = [(2400, 21, 20), (3000, 22, 20)]  # (prompt tokens, seed, new tokens): 9-12 pages of 64 c4 chunks each
 
 
 def _metric(text: str, name: str) -> float:
@@ -35,8 +35,13 @@ def disk_server(serving_model, live_logs, tiny_retriever_ckpt, tmp_path_factory)
     """(c) + the disk tier, for this module only. Launched without waiting: `runs` asks for the folder's shared
     servers after it, so all of them start at once (startup is mostly imports), and waits for it there."""
     disk = tmp_path_factory.mktemp("disk_tier")
-    srv = make_server(serving_model, live_logs, "disk_tier", extra_args=SMALL_ARGS,
-                      env={**disk_tier_env(disk), "SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt})
+    srv = make_server(
+        serving_model,
+        live_logs,
+        "disk_tier",
+        extra_args=SMALL_ARGS,
+        env={**disk_tier_env(disk), "SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt},
+    )
     try:
         yield srv, disk
     finally:
@@ -81,8 +86,9 @@ def test_disk_tier_counters_and_startup_line(runs):
     assert _metric(text, "flashmemory_disk_corrupt_pages_total") == 0
     assert _metric(text, "flashmemory_live_requests") == 0
     log = srv.log.read_text(errors="replace")
-    assert re.search(rf"disk tier \(rank 0\): \d+ pages of \d+ B on disk at {re.escape(str(disk))}", log), \
+    assert re.search(rf"disk tier \(rank 0\): \d+ pages of \d+ B on disk at {re.escape(str(disk))}", log), (
         "the startup log does not state the tier's size and place"
+    )
     stores = list(disk.glob("fm-pagestore-r0-*.fmps"))
     assert len(stores) == 1, stores
     # The host mirror is a landing window: far fewer DRAM page slots than page ids, so host DRAM is lower
@@ -91,7 +97,7 @@ def test_disk_tier_counters_and_startup_line(runs):
     slots, pages = int(window.group(1)), int(window.group(2))
     assert slots < pages // 4, (slots, pages)
     page_bytes = int(re.search(r"\d+ pages of (\d+) B on disk", log).group(1))
-    assert 0 < _metric(text, "flashmemory_host_mirror_bytes") <= slots * page_bytes   # a disk page holds a mirror page
+    assert 0 < _metric(text, "flashmemory_host_mirror_bytes") <= slots * page_bytes  # a disk page holds a mirror page
 
 
 def _rot(store: Path, block: int = 4096) -> int:
@@ -119,8 +125,11 @@ def test_a_corrupt_disk_page_fails_its_request_and_the_server_serves_on(runs):
     got: dict[str, object] = {}
 
     def run():
-        body = {"input_ids": prompt(2000, 31), "rid": "corrupt-1",
-                "sampling_params": {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}}
+        body = {
+            "input_ids": prompt(2000, 31),
+            "rid": "corrupt-1",
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True},
+        }
         try:
             got["r"] = srv.post("/generate", body, 1800)
         except Exception as e:  # noqa: BLE001 - asserted below
@@ -128,7 +137,7 @@ def test_a_corrupt_disk_page_fails_its_request_and_the_server_serves_on(runs):
 
     t = threading.Thread(target=run)
     t.start()
-    deadline = time.monotonic() + 900           # its pages are written behind from its second decode step on
+    deadline = time.monotonic() + 900  # its pages are written behind from its second decode step on
     while t.is_alive() and time.monotonic() < deadline:
         if _metric(srv.get_text("/metrics"), "flashmemory_disk_bytes_written_total") > written0:
             break
@@ -137,13 +146,16 @@ def test_a_corrupt_disk_page_fails_its_request_and_the_server_serves_on(runs):
     assert _rot(store) > 0
     t.join(1800)
     assert isinstance(got["r"], Exception) and "HTTP 500" in str(got["r"]), f"the rotten request was served: {got}"
-    assert len(srv.generate(prompt(150, 24), 4)["output_ids"]) == 4      # the server keeps serving
+    assert len(srv.generate(prompt(150, 24), 4)["output_ids"]) == 4  # the server keeps serving
     log = srv.log.read_text(errors="replace")
     # Level 1 runs in the after_forward hook: the guard names that hook, the reason names the page
-    assert re.search(r"FlashMemory: request corrupt-1 failed in \w+ \(disk tier: page \d+ of request 'corrupt-1' "
-                     r"is corrupt on disk", log), log[-3000:]
+    assert re.search(
+        r"FlashMemory: request corrupt-1 failed in \w+ \(disk tier: page \d+ of request 'corrupt-1' "
+        r"is corrupt on disk",
+        log,
+    ), log[-3000:]
     assert "engine state in doubt" not in log
-    deadline, corrupt = time.monotonic() + 60, 0.0     # /metrics is published at the scheduler's next step or idle
+    deadline, corrupt = time.monotonic() + 60, 0.0  # /metrics is published at the scheduler's next step or idle
     while time.monotonic() < deadline:
         corrupt = _metric(srv.get_text("/metrics"), "flashmemory_disk_corrupt_pages_total")
         if corrupt >= 1:

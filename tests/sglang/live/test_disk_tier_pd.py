@@ -27,20 +27,25 @@ from flashmemory.serve.procs import Servers, http_get  # noqa: E402
 from flashmemory.serve.stack import PDConfig, start_pd  # noqa: E402
 from tests.sglang.live.conftest import DISK_CACHE_GB, STARTUP_S, prompt, side_by_side  # noqa: E402
 
-REQS = [(2400, 61), (3000, 62)]   # (prompt tokens, seed): 600-750 c4 entries, 10-12 pages of 64
+REQS = [(2400, 61), (3000, 62)]  # (prompt tokens, seed): 600-750 c4 entries, 10-12 pages of 64
 NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def stack(serving_model, tiny_retriever_ckpt, tmp_path_factory, request):
     disk = tmp_path_factory.mktemp("pd_disk_tier")
-    knobs = {"MAX_RUN": "2", "CKPT": tiny_retriever_ckpt, "KMAX": "16", "SGLANG_PATHP_DISK_DIR": str(disk),
-             "SGLANG_PATHP_DISK_GB": "0.1", "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB}
-    cfg = PDConfig(model=Path(serving_model), decode_env=knobs, prefill_env={"MAX_RUN": "2"},
-                   startup_timeout=STARTUP_S)
+    knobs = {
+        "MAX_RUN": "2",
+        "CKPT": tiny_retriever_ckpt,
+        "KMAX": "16",
+        "SGLANG_PATHP_DISK_DIR": str(disk),
+        "SGLANG_PATHP_DISK_GB": "0.1",
+        "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB,
+    }
+    cfg = PDConfig(model=Path(serving_model), decode_env=knobs, prefill_env={"MAX_RUN": "2"}, startup_timeout=STARTUP_S)
     logs = tmp_path_factory.mktemp("pd_disk_tier_logs")
     servers = Servers(logs)
-    request.getfixturevalue("stock_server")   # launched beside the stack; waited for at first use
+    request.getfixturevalue("stock_server")  # launched beside the stack; waited for at first use
     try:
         yield start_pd(servers, cfg), logs, disk
     finally:
@@ -59,11 +64,13 @@ def test_pd_shrink_with_the_disk_tier_equals_stock(stack, stock_server):
     stock = stock_server.wait_ready(STARTUP_S)
     for n, seed in REQS:
         ids = prompt(n, seed)
-        want, got = side_by_side(lambda ids=ids: generate(stock.url, ids, NEW_TOKENS),
-                                 lambda ids=ids: generate(pd.router_url, ids, NEW_TOKENS))
+        want, got = side_by_side(
+            lambda ids=ids: generate(stock.url, ids, NEW_TOKENS),
+            lambda ids=ids: generate(pd.router_url, ids, NEW_TOKENS),
+        )
         assert got == want, f"{n}-token request: D with the disk tier {got} != stock {want}"
     deadline, m = time.monotonic() + 120, _metrics(pd.decode_url)
-    while m.get("flashmemory_live_requests", 1) != 0 and time.monotonic() < deadline:   # published at idle poll
+    while m.get("flashmemory_live_requests", 1) != 0 and time.monotonic() < deadline:  # published at idle poll
         time.sleep(1.0)
         m = _metrics(pd.decode_url)
     print("\n" + "\n".join(f"{k} {v}" for k, v in sorted(m.items()) if "disk" in k or "mirror" in k))

@@ -19,14 +19,15 @@ from tests.sglang.live.conftest import STARTUP_S, make_server, prompt
 
 INIT_STD = 0.02
 STEPS = 8
-PROMPTS = [(300, 1), (500, 3)]     # (tokens, seed) of conftest.prompt
-BOUND_CAP = 0.2                    # nats: a bound above this means the reference got noisy, not sglang good
-FAR = 10                           # a prompt position >= 290 tokens before the first generated one
+PROMPTS = [(300, 1), (500, 3)]  # (tokens, seed) of conftest.prompt
+BOUND_CAP = 0.2  # nats: a bound above this means the reference got noisy, not sglang good
+FAR = 10  # a prompt position >= 290 tokens before the first generated one
 
 
 @pytest.fixture(scope="module")
 def small_init_model(tmp_path_factory):
     from flashmemory.hf.serving_build import build_serving
+
     return build_serving(tmp_path_factory.mktemp("serving_init002") / "serving-tiny", seed=0, init_std=INIT_STD)
 
 
@@ -43,6 +44,7 @@ def eq_server(small_init_model, live_logs):
 @pytest.fixture(scope="module")
 def reference(small_init_model):
     from flashmemory.hf.models import load_model
+
     model, config = load_model(str(small_init_model), dtype=torch.float32)
     return model, config.vocab_size
 
@@ -50,11 +52,15 @@ def reference(small_init_model):
 def _references(model, ids: list[int], tokens: list[int]):
     """fp32 reference, the same with fp8-KV simulation, and in bf16: three [steps, vocab] fp32 tensors."""
     from tests.sglang.equivalence import reference_logprobs
+
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return (reference_logprobs(model, ids, tokens), reference_logprobs(model, ids, tokens, fp8_kv=True),
-                reference_logprobs(model, ids, tokens, bf16=True))
+        return (
+            reference_logprobs(model, ids, tokens),
+            reference_logprobs(model, ids, tokens, fp8_kv=True),
+            reference_logprobs(model, ids, tokens, bf16=True),
+        )
     finally:
         torch.set_num_threads(old)
 
@@ -67,6 +73,7 @@ def _fmt(xs) -> str:
 def runs(eq_server, reference):
     """Per prompt: (prompt ids, sglang tokens, sglang rows [steps, vocab], judge's Verdict)."""
     from tests.sglang.equivalence import judge, logprob_rows
+
     model, vocab = reference
     out = {}
     for n, seed in PROMPTS:
@@ -76,10 +83,13 @@ def runs(eq_server, reference):
         assert len(tokens) == STEPS, res
         rows = logprob_rows(res["meta_info"], vocab)
         verdict = judge(rows, tokens, *_references(model, ids, tokens))
-        print(f"equivalence n={n} seed={seed}: max|d logprob| {verdict.max_abs:.4f} (per step "
-              f"{_fmt(d.max_abs for d in verdict.sglang)}), noise {max(verdict.noise):.4f} "
-              f"(fp8-KV {_fmt(verdict.fp8_kv)}; bf16 {_fmt(verdict.bf16)}), bound {verdict.bound:.4f}, greedy checked at steps "
-              f"{verdict.greedy_checked}, tokens {tokens}")
+        print(
+            f"equivalence n={n} seed={seed}: max|d logprob| {verdict.max_abs:.4f} (per step "
+            f"{_fmt(d.max_abs for d in verdict.sglang)}), noise {max(verdict.noise):.4f} "
+            f"(fp8-KV {_fmt(verdict.fp8_kv)}; bf16 {_fmt(verdict.bf16)}), bound {verdict.bound:.4f}, "
+            f"greedy checked at steps "
+            f"{verdict.greedy_checked}, tokens {tokens}"
+        )
         out[(n, seed)] = (ids, tokens, rows, verdict)
     return out
 
@@ -98,6 +108,7 @@ def test_the_check_sees_one_token_in_the_compressed_kv(runs, reference):
     outside the 128-token window, so only the c4/c128 KV carries it) must fail the same check. Measured:
     max |d logprob| 0.196 against a bound of 0.083."""
     from tests.sglang.equivalence import judge
+
     model, _ = reference
     ids, tokens, rows, _ = runs[PROMPTS[0]]
     other = list(ids)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.sglang.live.conftest import prompt
 
-GOOD = [(600, 21), (300, 22)]        # (prompt tokens, seed)
+GOOD = [(600, 21), (300, 22)]  # (prompt tokens, seed)
 STEPS = 24
 
 
@@ -26,8 +26,11 @@ def _metric(text: str, name: str, labels: str = "") -> float | None:
 
 
 def _good(server, tag: str) -> list[list[int]]:
-    body = {"input_ids": [prompt(n, seed) for n, seed in GOOD], "rid": [f"{tag}-{i}" for i in range(len(GOOD))],
-            "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": [prompt(n, seed) for n, seed in GOOD],
+        "rid": [f"{tag}-{i}" for i in range(len(GOOD))],
+        "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True},
+    }
     return [r["output_ids"] for r in server.post("/generate", body, 1800)]
 
 
@@ -46,12 +49,15 @@ def test_a_faulted_request_fails_alone(faulty):
         except Exception as e:  # noqa: BLE001 - asserted below
             got[name] = e
 
-    body = {"input_ids": prompt(200, 23), "rid": "faulty-1",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt(200, 23),
+        "rid": "faulty-1",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
     good = threading.Thread(target=run, args=("good", lambda: _good(faulty, "good")))
     bad = threading.Thread(target=run, args=("faulty", lambda: faulty.post("/generate", body, 600)))
     good.start()
-    time.sleep(1.0)                   # the good pair is prefilling or decoding when the faulted one arrives
+    time.sleep(1.0)  # the good pair is prefilling or decoding when the faulted one arrives
     bad.start()
     for t in (good, bad):
         t.join(1800)
@@ -73,9 +79,11 @@ def test_a_faulted_request_fails_alone(faulty):
             break
         time.sleep(1.0)
     print("\n".join(ln for ln in text.splitlines() if ln.startswith("flashmemory_")))
-    assert _metric(text, "flashmemory_request_failures_total", '{hook="before_forward"}') == 1.0   # only faulty-1
+    assert _metric(text, "flashmemory_request_failures_total", '{hook="before_forward"}') == 1.0  # only faulty-1
     assert _metric(text, "flashmemory_live_requests") == 0
     total = _metric(text, "flashmemory_reserve_blocks")
     assert total and _metric(text, "flashmemory_free_reserve_blocks") == total
     assert _metric(text, "flashmemory_host_mirror_bytes_in_use") == 0
-    assert _metric(text, "flashmemory_reserve_used_fraction") == 0 and _metric(text, "flashmemory_resident_fraction") == 0
+    assert (
+        _metric(text, "flashmemory_reserve_used_fraction") == 0 and _metric(text, "flashmemory_resident_fraction") == 0
+    )

@@ -12,18 +12,21 @@ width, so it picks exactly what stock picks (a narrower view flipped a token at 
 
 from tests.sglang.live.conftest import prompt, side_by_side
 
-REQS = [(300, 3), (700, 4), (1900, 6), (2700, 7)]   # (prompt tokens, seed): 75 to 675 chunks, 2 to 11 pages
-STEPS = 16                                          # > 2 x SGLANG_RETRIEVER_INTERVAL (4): Level-1 cycles decide
+REQS = [(300, 3), (700, 4), (1900, 6), (2700, 7)]  # (prompt tokens, seed): 75 to 675 chunks, 2 to 11 pages
+STEPS = 16  # > 2 x SGLANG_RETRIEVER_INTERVAL (4): Level-1 cycles decide
 
 
 def _batched(server) -> list[list[int]]:
-    body = {"input_ids": [prompt(n, seed) for n, seed in REQS],
-            "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": [prompt(n, seed) for n, seed in REQS],
+        "sampling_params": {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True},
+    }
     return [r["output_ids"] for r in server.post("/generate", body, 1800)]
 
 
 def _counter(server, name: str) -> float:
     from flashmemory.serve.client import parse_metrics
+
     return parse_metrics(server.get_text("/metrics"), prefix=name).get(name, 0.0)
 
 

@@ -35,8 +35,11 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 pytest.importorskip("sglang")
 pytest.importorskip("nixl._api", reason="PD on CPU moves KV with NIXL: pip install -e '.[serve-nixl]'")
-pytest.importorskip("mooncake.engine", reason="HiSparse PD on CPU moves KV with Mooncake (TCP): "
-                                              "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1")
+pytest.importorskip(
+    "mooncake.engine",
+    reason="HiSparse PD on CPU moves KV with Mooncake (TCP): "
+    "pip install -e '.[serve-mooncake-cpu]' and the OS package libibverbs1",
+)
 
 from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
 from flashmemory.serve.procs import _pgid_members, http_get  # noqa: E402
@@ -55,9 +58,8 @@ def _transferred_mb(prefill_url: str) -> float:
     status, body = http_get(prefill_url + "/metrics", timeout=10)
     assert status == 200, f"{prefill_url}/metrics answered {status}"
     return parse_metrics(body.decode(errors="replace"), prefix="sglang:kv_transfer_total_mb").get(
-        "sglang:kv_transfer_total_mb_sum", 0.0)
-
-
+        "sglang:kv_transfer_total_mb_sum", 0.0
+    )
 
 
 class ServeCli:
@@ -68,11 +70,29 @@ class ServeCli:
         self.log_dir = log_dir
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "flashmemory.cli", "serve", "--port", "0", "--startup-timeout", "900",
-               "--logs", str(log_dir), *extra]   # 900 s: the default 420 ran out at load 100 (other jobs' servers)
-        self.p = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                  start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashmemory.cli",
+            "serve",
+            "--port",
+            "0",
+            "--startup-timeout",
+            "900",
+            "--logs",
+            str(log_dir),
+            *extra,
+        ]  # 900 s: the default 420 ran out at load 100 (other jobs' servers)
+        self.p = subprocess.Popen(
+            cmd,
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.ready: dict | None = None
 
@@ -85,8 +105,9 @@ class ServeCli:
         """Lines come through a reader thread (select() on a buffered pipe misses lines already buffered)."""
         if not hasattr(self, "_q"):
             self._q: queue.Queue = queue.Queue()
-            threading.Thread(target=lambda: [self._q.put(ln) for ln in self.p.stdout] + [self._q.put(None)],
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda: [self._q.put(ln) for ln in self.p.stdout] + [self._q.put(None)], daemon=True
+            ).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -97,7 +118,7 @@ class ServeCli:
                 return None
             self.lines.append(line.rstrip())
             if line.startswith(prefix):
-                return json.loads(line[len(prefix):])
+                return json.loads(line[len(prefix) :])
         return None
 
     def rest(self, timeout: float = 30.0) -> str:
@@ -133,11 +154,11 @@ def stacks(serving_model, tiny_retriever_ckpt, tmp_path_factory, request):
     """A FlashMemory stack and a HiSparse one (`--hisparse`), started at the same moment as a user comparing them
     would: every port of both is picked while the other's servers are starting and binding theirs (a second
     stack's router once died with "Address already in use"). The folder's stock server starts beside them."""
-    model = str(serving_model)   # the stock server's weights; Level 1 with the folder's retriever (no training here)
+    model = str(serving_model)  # the stock server's weights; Level 1 with the folder's retriever (no training here)
     fm = ServeCli(tmp_path_factory.mktemp("serve_logs"), "--model", model, "--ckpt", tiny_retriever_ckpt)
     hisparse = ServeCli(tmp_path_factory.mktemp("hisparse_serve_logs"), "--model", model, "--hisparse")
     try:
-        request.getfixturevalue("stock_server")     # launched now, beside the stacks; waited for at first use
+        request.getfixturevalue("stock_server")  # launched now, beside the stacks; waited for at first use
         for name, cli in (("flashmemory", fm), ("hisparse", hisparse)):
             cli.wait_ready()
             assert cli.ready is not None, f"{name} serve never printed READY:\n" + "\n".join(cli.lines[-60:])
@@ -145,10 +166,10 @@ def stacks(serving_model, tiny_retriever_ckpt, tmp_path_factory, request):
         yield {"flashmemory": fm, "hisparse": hisparse}
     finally:
         for cli in (fm, hisparse):
-            cli.kill_all()         # after the Ctrl-C test this finds nothing; on failure it cleans up
+            cli.kill_all()  # after the Ctrl-C test this finds nothing; on failure it cleans up
         groups, deadline = fm.pgids() | hisparse.pgids(), time.monotonic() + 60
         while _pgid_members(groups) and time.monotonic() < deadline:
-            time.sleep(0.5)        # SIGKILLed members of a loaded box's groups take a moment to go
+            time.sleep(0.5)  # SIGKILLed members of a loaded box's groups take a moment to go
         assert _pgid_members(groups) == []
 
 
@@ -176,18 +197,21 @@ def test_two_stacks_side_by_side_both_serve(stacks):
         assert len(generate(cli.ready["router"], PROMPT, NEW_TOKENS)) == NEW_TOKENS
 
 
-HISPARSE_PROMPT_LEN = 2200      # 550 c4 entries > HISPARSE_HOT: every decode step runs the swap-in, not the fast path
+HISPARSE_PROMPT_LEN = 2200  # 550 c4 entries > HISPARSE_HOT: every decode step runs the swap-in, not the fast path
 
 
 def _swapin(decode_url: str) -> dict[str, float]:
     status, body = http_get(decode_url + "/metrics", timeout=10)
     assert status == 200, f"{decode_url}/metrics answered {status}"
     m = parse_metrics(body.decode(errors="replace"), prefix="flashmemory_hisparse_swapin_")
-    return {k.removeprefix("flashmemory_hisparse_swapin_").removesuffix("_total"): v for k, v in m.items()
-            if k.endswith("_total")}
+    return {
+        k.removeprefix("flashmemory_hisparse_swapin_").removesuffix("_total"): v
+        for k, v in m.items()
+        if k.endswith("_total")
+    }
 
 
-MOONCAKE_RPC_PORTS = range(15000, 17001)   # Mooncake's RPC/handshake port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)
+MOONCAKE_RPC_PORTS = range(15000, 17001)  # Mooncake's RPC/handshake port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)
 
 
 def test_stack_servers_listen_on_loopback_by_default(stacks):
@@ -200,6 +224,7 @@ def test_stack_servers_listen_on_loopback_by_default(stacks):
     from urllib.parse import urlparse
 
     from tests.docs.listening import is_loopback, listening
+
     for name, cli in stacks.items():
         ports = listening(set(_pgid_members(cli.pgids())))
         for url in (cli.ready["router"], cli.ready["prefill"], cli.ready["decode"]):
@@ -216,8 +241,9 @@ def test_hisparse_decodes_stock_tokens_with_counted_swapins(stacks, stock):
     rng = random.Random(19)
     ids = [rng.randrange(26, 1024) for _ in range(HISPARSE_PROMPT_LEN)]
     r = stacks["hisparse"].ready
-    want, got = side_by_side(lambda: generate(stock.url, ids, NEW_TOKENS),
-                             lambda: generate(r["router"], ids, NEW_TOKENS))
+    want, got = side_by_side(
+        lambda: generate(stock.url, ids, NEW_TOKENS), lambda: generate(r["router"], ids, NEW_TOKENS)
+    )
     counts = _swapin(r["decode"])
     # Exact, not tie-tolerant: P's prefill is stock's (same kernels, same batch of one), the KV moves byte for byte,
     # and HiSparse's D gathers the same picked KV values in the same order from its hot buffer into the same
@@ -225,7 +251,7 @@ def test_hisparse_decodes_stock_tokens_with_counted_swapins(stacks, stock):
     assert got == want, f"HiSparse D {got} != stock {want} (counters {counts})"
     assert counts.get("misses", 0) > 0 and counts.get("calls", 0) > 0, counts
     assert counts["bytes_h2d"] == counts["misses"] * 584, counts
-    assert counts["hits"] > 0, counts     # later steps find most of the picks in the hot buffer
+    assert counts["hits"] > 0, counts  # later steps find most of the picks in the hot buffer
     d_log = (stacks["hisparse"].log_dir / "decode.log").read_text(errors="replace")
     assert "'enable_hisparse': True" in d_log and "FlashMemory Path-P" not in d_log
 
@@ -248,8 +274,9 @@ def test_openai_chat_through_router(serve):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=serve.ready["router"] + "/v1", api_key="none", timeout=600)
     t = time.monotonic()
-    resp = client.chat.completions.create(model="default", max_tokens=8, temperature=0,
-                                          messages=[{"role": "user", "content": "Say hello."}])
+    resp = client.chat.completions.create(
+        model="default", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Say hello."}]
+    )
     print(f"\nopenai chat through the router: {time.monotonic() - t:.1f} s: {resp.choices[0].message.content!r}")
     assert resp.choices[0].message.content
     assert resp.usage.completion_tokens > 0
@@ -258,6 +285,7 @@ def test_openai_chat_through_router(serve):
 def _post_status(url: str, body: bytes) -> int:
     import urllib.error
     import urllib.request
+
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -266,17 +294,21 @@ def _post_status(url: str, body: bytes) -> int:
         return e.code
 
 
-BAD_REQUESTS = {   # what a buggy or hostile client sends; each must be a 4xx, never a crash or a hang
+BAD_REQUESTS = {  # what a buggy or hostile client sends; each must be a 4xx, never a crash or a hang
     "broken json": b'{"model": "default", "messages": [',
     "no messages": json.dumps({"model": "default", "max_tokens": 4}).encode(),
-    "unknown role": json.dumps({"model": "default", "max_tokens": 4,
-                                "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
-    "negative max_tokens": json.dumps({"model": "default", "max_tokens": -5,
-                                       "messages": [{"role": "user", "content": "hi"}]}).encode(),
-    "negative temperature": json.dumps({"model": "default", "max_tokens": 4, "temperature": -1,
-                                        "messages": [{"role": "user", "content": "hi"}]}).encode(),
-    "prompt past the context": json.dumps({"model": "default", "max_tokens": 4,
-                                           "messages": [{"role": "user", "content": "word " * 6000}]}).encode(),
+    "unknown role": json.dumps(
+        {"model": "default", "max_tokens": 4, "messages": [{"role": "wizard", "content": "hi"}]}
+    ).encode(),
+    "negative max_tokens": json.dumps(
+        {"model": "default", "max_tokens": -5, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode(),
+    "negative temperature": json.dumps(
+        {"model": "default", "max_tokens": 4, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode(),
+    "prompt past the context": json.dumps(
+        {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 6000}]}
+    ).encode(),
 }
 
 
@@ -289,9 +321,16 @@ def test_grafana_dashboard_charts_what_the_decode_servers_export(stacks):
     their names are checked against the exporter in tests/docs/test_grafana.py."""
     import json
 
-    from flashmemory.sglang.prometheus import (DISK_KEYS, HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, METRICS,
-                                               MONITOR_KEYS, PREFIX)
+    from flashmemory.sglang.prometheus import (
+        DISK_KEYS,
+        HISPARSE_PREFETCH,
+        HISPARSE_PREFETCH_PREFIX,
+        METRICS,
+        MONITOR_KEYS,
+        PREFIX,
+    )
     from tests.docs.test_grafana import DASHBOARD, charted
+
     feature_gauges = {PREFIX + k for k in (*MONITOR_KEYS, *DISK_KEYS) if METRICS[k][0] == "gauge"}
     feature_gauges |= {f"{PREFIX}{HISPARSE_PREFETCH_PREFIX}{k}_total" for k in HISPARSE_PREFETCH}
     exported: set[str] = set()
@@ -301,7 +340,9 @@ def test_grafana_dashboard_charts_what_the_decode_servers_export(stacks):
         for line in body.decode(errors="replace").splitlines():
             if line.startswith("flashmemory_"):
                 exported.add(line.split("{")[0].split(" ")[0])
-    missing = charted(json.loads(DASHBOARD.read_text())) - exported - {PREFIX + "request_failures_total"} - feature_gauges
+    missing = (
+        charted(json.loads(DASHBOARD.read_text())) - exported - {PREFIX + "request_failures_total"} - feature_gauges
+    )
     assert not missing, sorted(missing)
 
 
@@ -316,14 +357,20 @@ def test_churn_with_dropped_streams_and_bad_requests(serve):
 
     def chat(words: int, max_tokens: int = 12) -> str:
         text = " ".join(f"note {i} says the value is {i * 7 % 97}." for i in range(words // 6 + 1))
-        r = client.chat.completions.create(model="default", max_tokens=max_tokens, temperature=0,
-                                           messages=[{"role": "user", "content": text}])
+        r = client.chat.completions.create(
+            model="default", max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": text}]
+        )
         assert r.usage.completion_tokens > 0
         return r.choices[0].message.content
 
     def dropped_stream(words: int) -> int:
-        stream = client.chat.completions.create(model="default", max_tokens=64, temperature=0, stream=True,
-                                                messages=[{"role": "user", "content": "tell me " * words}])
+        stream = client.chat.completions.create(
+            model="default",
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            messages=[{"role": "user", "content": "tell me " * words}],
+        )
         got = 0
         for _ in stream:
             got += 1

@@ -17,7 +17,7 @@ import pytest
 
 from tests.sglang.live.conftest import prompt
 
-REQS = [(900, 21, 12), (500, 22, 9)]      # (prompt tokens, seed, decode steps)
+REQS = [(900, 21, 12), (500, 22, 9)]  # (prompt tokens, seed, decode steps)
 
 
 def _sample(text: str, name: str, label: str = "") -> float:
@@ -51,7 +51,8 @@ def test_every_live_reading_at_the_full_budget_is_zero(monitored):
     _, text = monitored
     count = _sample(text, "flashmemory_miss_mass_count")
     assert count >= 2, "the monitor took no reading: the invariant would hold vacuously"
-    assert _sample(text, "flashmemory_miss_mass_bucket", 'le="0.01"') == count, \
+    assert _sample(text, "flashmemory_miss_mass_bucket", 'le="0.01"') == count, (
         "a live reading above 0.01 with every chunk resident: it was not taken against the attended set"
+    )
     assert _sample(text, "flashmemory_miss_mass_sum") == pytest.approx(0.0, abs=1e-6)
     assert _sample(text, "flashmemory_escalations_total") == 0.0

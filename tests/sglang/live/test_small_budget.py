@@ -16,7 +16,7 @@ REQS = [(3600, 5, 13, 0.0), (2800, 6, 7, 2.0), (2000, 7, 10, 4.0)]  # (tokens, s
 
 def _metric(text: str, name: str, default: float | None = None) -> float:
     m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    if not m and default is not None:   # a counter sglang's registry shows only once it has counted
+    if not m and default is not None:  # a counter sglang's registry shows only once it has counted
         return default
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
@@ -39,6 +39,7 @@ def small_run(live_servers):
 
     def gained(name: str) -> float:
         return _metric(after, name) - _metric(before, name, default=0.0)
+
     return outs, gained, after
 
 

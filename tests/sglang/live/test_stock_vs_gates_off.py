@@ -11,7 +11,9 @@ STEPS = 6
 def test_gates_off_tokens_equal_stock(live_servers):
     stock, off = live_servers["stock"], live_servers["off"]
     ids = prompt(700, 1)
-    a, b = side_by_side(lambda: stock.generate(ids, STEPS)["output_ids"], lambda: off.generate(ids, STEPS)["output_ids"])
+    a, b = side_by_side(
+        lambda: stock.generate(ids, STEPS)["output_ids"], lambda: off.generate(ids, STEPS)["output_ids"]
+    )
     # Exact, not tie-tolerant: with every gate off both servers run stock sglang's kernels on the same single-request
     # batches, so they compute the same bits and every top-k (indexer, gate, greedy) resolves alike.
     assert len(a) == STEPS and a == b, (a, b)

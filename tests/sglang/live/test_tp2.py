@@ -19,14 +19,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.live.conftest import (LEVEL1_FULL, SMALL_ARGS, SMALL_BUDGET, STARTUP_S, make_server, prompt,
-                                        side_by_side)
+from tests.sglang.live.conftest import (
+    LEVEL1_FULL,
+    SMALL_ARGS,
+    SMALL_BUDGET,
+    STARTUP_S,
+    make_server,
+    prompt,
+    side_by_side,
+)
 
 TP2 = ("--tp", "2")
 LATE_RANK1 = {"FLASHMEMORY_LEVEL1_DELAY": "ms=600,rank=1"}
 # Keys of the adapter's stats that the resident set decides (not wall time): equal on both ranks in lockstep.
-PLAN_KEYS = ("recall_pages", "recall_bytes", "warm_start_pages", "level1_cycles", "resident_fraction",
-             "reserve_used_fraction")
+PLAN_KEYS = (
+    "recall_pages",
+    "recall_bytes",
+    "warm_start_pages",
+    "level1_cycles",
+    "resident_fraction",
+    "reserve_used_fraction",
+)
 
 
 def shm_segments() -> set[str]:
@@ -36,17 +49,28 @@ def shm_segments() -> set[str]:
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, live_logs, tiny_retriever_ckpt):
     from flashmemory.hf.serving_build import build_serving
+
     model = build_serving(tmp_path_factory.mktemp("tp2") / "serving-tiny-std002", seed=0, init_std=0.02)
     stats = tmp_path_factory.mktemp("tp2_stats") / "small.json"
-    before = shm_segments()   # CpuServer.stop removes the queues its servers leave; others' are not ours
+    before = shm_segments()  # CpuServer.stop removes the queues its servers leave; others' are not ours
     ckpt = {"SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt}
     stock = make_server(model, live_logs, "tp2_stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"}, extra_args=TP2)
     full = make_server(model, live_logs, "tp2_full", env={**LEVEL1_FULL, **LATE_RANK1, **ckpt}, extra_args=TP2)
-    small = make_server(model, live_logs, "tp2_small",
-                        env={**SMALL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "3", "SGLANG_PATHP_ASYNC_RECALL": "1",
-                             **LATE_RANK1, **ckpt,
-                             "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-,rank=1",
-                             "FLASHMEMORY_STATS_FILE": str(stats)}, extra_args=TP2 + SMALL_ARGS)
+    small = make_server(
+        model,
+        live_logs,
+        "tp2_small",
+        env={
+            **SMALL_BUDGET,
+            "SGLANG_PATHP_PAGE_KMAX": "3",
+            "SGLANG_PATHP_ASYNC_RECALL": "1",
+            **LATE_RANK1,
+            **ckpt,
+            "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-,rank=1",
+            "FLASHMEMORY_STATS_FILE": str(stats),
+        },
+        extra_args=TP2 + SMALL_ARGS,
+    )
     servers = (stock, full, small)
     try:
         for s in servers:
@@ -74,27 +98,36 @@ def read_ranks(stats: Path) -> tuple[dict, dict]:
 
 def test_small_budget_ranks_publish_the_same_plans(tp2):
     srv, stats = tp2["small"], tp2["stats"]
-    out = srv.post("/generate", {"input_ids": [prompt(1100, 11), prompt(1300, 12)],
-                                 "sampling_params": {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}})
+    out = srv.post(
+        "/generate",
+        {
+            "input_ids": [prompt(1100, 11), prompt(1300, 12)],
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True},
+        },
+    )
     assert all(len(r["output_ids"]) == 20 for r in out)
-    time.sleep(1.0)                        # both ranks wrote their last decode step's stats
+    time.sleep(1.0)  # both ranks wrote their last decode step's stats
     r0, r1 = read_ranks(stats)
     assert r0["decode_forwards"] == r1["decode_forwards"] > 0
-    assert r0["level1_cycles"] > 0 and r0["recall_pages"] > r0["warm_start_pages"]   # cycles did recall pages
-    assert 0 < r0["resident_fraction"] < 1                                            # a real budget, not all
+    assert r0["level1_cycles"] > 0 and r0["recall_pages"] > r0["warm_start_pages"]  # cycles did recall pages
+    assert 0 < r0["resident_fraction"] < 1  # a real budget, not all
     assert {k: r0[k] for k in PLAN_KEYS} == {k: r1[k] for k in PLAN_KEYS}
 
 
 def test_a_failure_on_one_rank_fails_the_request_on_both_without_a_hang(tp2):
     from flashmemory.serve.cpu_server import ServerError
+
     srv = tp2["small"]
-    body = {"input_ids": prompt(200, 23), "rid": "faulty-1",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt(200, 23),
+        "rid": "faulty-1",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
     with pytest.raises(ServerError, match="HTTP 500") as err:
         srv.post("/generate", body, timeout_s=300)
     assert "before_forward" in str(err.value)
-    after = srv.generate(prompt(200, 24), 6, timeout_s=300)   # both ranks go on: the next request is served
+    after = srv.generate(prompt(200, 24), 6, timeout_s=300)  # both ranks go on: the next request is served
     assert len(after["output_ids"]) == 6
     log = srv.log.read_text(errors="replace")
-    assert "faulty-1 failed in before_forward (fault injected" in log          # rank 1 found it
-    assert "(on TP rank 1)" in log                                                # rank 0 learned of it
+    assert "faulty-1 failed in before_forward (fault injected" in log  # rank 1 found it
+    assert "(on TP rank 1)" in log  # rank 0 learned of it

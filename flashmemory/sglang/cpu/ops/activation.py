@@ -12,8 +12,10 @@ def silu_and_mul_clamp(input: torch.Tensor, output: torch.Tensor, swiglu_limit: 
     kernel's bf16 __hmin2/__hmax2) and silu and the product in fp32, rounded once to output's dtype.
     """
     if input.dim() != 2 or input.shape[1] % 2 or tuple(output.shape) != (input.shape[0], input.shape[1] // 2):
-        raise ValueError(f"silu_and_mul_clamp: input [M, 2N] and output [M, N] expected, got "
-                         f"{tuple(input.shape)} and {tuple(output.shape)}")
+        raise ValueError(
+            f"silu_and_mul_clamp: input [M, 2N] and output [M, N] expected, got "
+            f"{tuple(input.shape)} and {tuple(output.shape)}"
+        )
     n = input.shape[1] // 2
     lim = torch.tensor(float(swiglu_limit), dtype=input.dtype)
     gate = torch.minimum(input[:, :n], lim).float()

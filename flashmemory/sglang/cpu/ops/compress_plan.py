@@ -34,8 +34,16 @@ PLAN_D_BYTES = 16
 _INVALID_U32 = -1  # 0xFFFFFFFF as int32
 
 
-def _ring_row(ratio: int, rid: torch.Tensor, pos: torch.Tensor, req_to_token: torch.Tensor,
-              full_to_state: torch.Tensor, swa_page_size: int, ring_size: int, use_req_ring: bool) -> torch.Tensor:
+def _ring_row(
+    ratio: int,
+    rid: torch.Tensor,
+    pos: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_state: torch.Tensor,
+    swa_page_size: int,
+    ring_size: int,
+    use_req_ring: bool,
+) -> torch.Tensor:
     """State-ring row (int64) of token `pos` of request slot `rid` (both int64 tensors of one shape)."""
     if ratio == 128 or use_req_ring:
         return rid * ring_size + pos % ring_size
@@ -47,7 +55,7 @@ def _ring_row(ratio: int, rid: torch.Tensor, pos: torch.Tensor, req_to_token: to
 def _pack_i32(cols: list[torch.Tensor], nbytes: int) -> torch.Tensor:
     """Columns of int64 values (already in int32 bit range) -> uint8 [n, nbytes] little-endian rows."""
     words = torch.stack([c.to(torch.int64) for c in cols], dim=1)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
     return words.view(torch.uint8).reshape(-1, nbytes)
 
 
@@ -56,10 +64,19 @@ def _check_ratio(compress_ratio: int) -> None:
         raise ValueError(f"compress_ratio must be 4 or 128, got {compress_ratio}")
 
 
-def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                 extend_lens: torch.Tensor, req_to_token: torch.Tensor, full_to_state: torch.Tensor,
-                 swa_page_size: int, ring_size: int, num_q_tokens: int, use_cuda_graph: bool = False,
-                 use_req_ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_prefill(
+    compress_ratio: int,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_state: torch.Tensor,
+    swa_page_size: int,
+    ring_size: int,
+    num_q_tokens: int,
+    use_cuda_graph: bool = False,
+    use_req_ring: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(plan_c uint8 [num_c, 16], plan_w uint8 [num_w, 8]) for one extend batch, as `plan_compress_prefill`.
 
     req_pool_indices/seq_lens/extend_lens: [B] int (seq_lens counts the extend); req_to_token [R, S] int;
@@ -70,8 +87,10 @@ def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: 
     if use_req_ring and compress_ratio != 4:
         raise ValueError("use_req_ring is only defined for compress_ratio 4")
     if ring_size % compress_ratio or swa_page_size % ring_size:
-        raise ValueError(f"need swa_page_size % ring_size == 0 and ring_size % ratio == 0, got "
-                         f"swa_page_size={swa_page_size}, ring_size={ring_size}, ratio={compress_ratio}")
+        raise ValueError(
+            f"need swa_page_size % ring_size == 0 and ring_size % ratio == 0, got "
+            f"swa_page_size={swa_page_size}, ring_size={ring_size}, ratio={compress_ratio}"
+        )
     cr = compress_ratio
     overlap = cr == 4
     window = cr * (2 if overlap else 1)
@@ -79,13 +98,15 @@ def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: 
     seq = seq_lens.detach().cpu().long()
     ext = extend_lens.detach().cpu().long()
     if bool(((ext <= 0) | (ext > seq)).any()):
-        raise ValueError(f"every extend_len must be in (0, seq_len]; seq_lens={seq.tolist()}, extend_lens={ext.tolist()}")
+        raise ValueError(
+            f"every extend_len must be in (0, seq_len]; seq_lens={seq.tolist()}, extend_lens={ext.tolist()}"
+        )
     if int(ext.sum()) != num_q_tokens:
         raise ValueError(f"num_q_tokens={num_q_tokens} but extend_lens sum to {int(ext.sum())}")
     dev = req_to_token.device
-    batch = torch.repeat_interleave(torch.arange(seq.numel()), ext)            # [N] batch id per token
+    batch = torch.repeat_interleave(torch.arange(seq.numel()), ext)  # [N] batch id per token
     starts = torch.cumsum(ext, 0) - ext
-    j = torch.arange(num_q_tokens) - starts[batch]                              # index inside the extend
+    j = torch.arange(num_q_tokens) - starts[batch]  # index inside the extend
     pos = (seq - ext)[batch] + j
     ragged = torch.arange(num_q_tokens)
     rid = req_pool_indices.detach().cpu().long()[batch]
@@ -122,9 +143,16 @@ def plan_prefill(compress_ratio: int, req_pool_indices: torch.Tensor, seq_lens: 
     return plan_c.to(dev), plan_w.to(dev)
 
 
-def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                full_to_state: torch.Tensor, seq_lens: torch.Tensor, swa_page_size: int, ring_size: int,
-                use_req_ring: bool = False) -> torch.Tensor:
+def plan_decode(
+    compress_ratio: int,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_state: torch.Tensor,
+    seq_lens: torch.Tensor,
+    swa_page_size: int,
+    ring_size: int,
+    use_req_ring: bool = False,
+) -> torch.Tensor:
     """plan_d uint8 [B, 16] for one decode step, as `plan_compress_decode`.
 
     seq_lens [B] includes the token being decoded (position seq_len - 1); write_loc is that token's ring row,
@@ -147,17 +175,18 @@ def plan_decode(compress_ratio: int, req_pool_indices: torch.Tensor, req_to_toke
 def invalid_plan_c(n: int) -> torch.Tensor:
     """n invalid CompressPlan rows, uint8 [n, 16]."""
     z = torch.zeros(n, dtype=torch.int64)
-    return _pack_i32([z + 2 ** 32 - 1, z, z - 1, z - 1], PLAN_C_BYTES)
+    return _pack_i32([z + 2**32 - 1, z, z - 1, z - 1], PLAN_C_BYTES)
 
 
 def invalid_plan_w(n: int) -> torch.Tensor:
     """n invalid WritePlan rows, uint8 [n, 8]."""
     z = torch.zeros(n, dtype=torch.int64)
-    return _pack_i32([z + 2 ** 32 - 1, z - 1], PLAN_W_BYTES)
+    return _pack_i32([z + 2**32 - 1, z - 1], PLAN_W_BYTES)
 
 
 class PlanC(NamedTuple):
     """Unpacked CompressPlan rows (int64 [n] each); `valid` is False for padding rows."""
+
     seq_len: torch.Tensor
     ragged_id: torch.Tensor
     buffer_len: torch.Tensor

@@ -25,7 +25,7 @@ Softmax and sums run in fp32 (the kernels use fp32 with `__expf`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -47,9 +47,9 @@ def _pool_slots(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor) -> tor
 def _slot_rows(ratio: int, d: int, kv_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split gathered rows [n, W, 2*coff*D] into (kv, score) [n, W, D] by slot role (Ca for c4 slots < 4)."""
     if ratio == 128:
-        return kv_src[..., :d], kv_src[..., d:2 * d]
-    kv = torch.cat([kv_src[:, :4, :d], kv_src[:, 4:, d:2 * d]], dim=1)
-    score = torch.cat([kv_src[:, :4, 2 * d:3 * d], kv_src[:, 4:, 3 * d:]], dim=1)
+        return kv_src[..., :d], kv_src[..., d : 2 * d]
+    kv = torch.cat([kv_src[:, :4, :d], kv_src[:, 4:, d : 2 * d]], dim=1)
+    score = torch.cat([kv_src[:, :4, 2 * d : 3 * d], kv_src[:, 4:, 3 * d :]], dim=1)
     return kv, score
 
 
@@ -68,8 +68,16 @@ def _ring_rows(ratio: int, rp0: torch.Tensor, rp1: torch.Tensor) -> torch.Tensor
     return torch.cat([rp0.unsqueeze(1) * 4 + four, rp1.unsqueeze(1) * 4 + four], dim=1)
 
 
-def compress_decode(buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_d: torch.Tensor,
-                    *, head_dim: int, compress_ratio: int, out: torch.Tensor) -> torch.Tensor:
+def compress_decode(
+    buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    plan_d: torch.Tensor,
+    *,
+    head_dim: int,
+    compress_ratio: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Decode step. buffer: flat ring rows [R, 2*coff*D] (written in place); kv_score_input [B, 2*coff*D];
     plan_d uint8 [B, 16]; out [B, D] (rows at window boundaries overwritten)."""
     p = unpack_plan_d(plan_d.cpu())
@@ -93,8 +101,17 @@ def compress_decode(buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: tor
     return out
 
 
-def compress_prefill(buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor, plan_c: torch.Tensor,
-                     plan_w: torch.Tensor, *, head_dim: int, compress_ratio: int, out: torch.Tensor) -> torch.Tensor:
+def compress_prefill(
+    buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    plan_c: torch.Tensor,
+    plan_w: torch.Tensor,
+    *,
+    head_dim: int,
+    compress_ratio: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Extend step. buffer: flat ring rows (written in place by plan_w after all compressions);
     kv_score_input [N, 2*coff*D] ragged tokens; plan_c [C, 16]; plan_w [M, 8]; out [C, D]."""
     pc = unpack_plan_c(plan_c.cpu())
@@ -106,8 +123,8 @@ def compress_prefill(buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: to
     if bool(valid.any()):
         rag, blen = pc.ragged_id[valid], pc.buffer_len[valid]
         slot = torch.arange(win)
-        from_ring = slot.unsqueeze(0) < blen.unsqueeze(1)                            # [n, W]
-        in_rows = rag.unsqueeze(1) - (win - 1) + slot                                # token row of each slot
+        from_ring = slot.unsqueeze(0) < blen.unsqueeze(1)  # [n, W]
+        in_rows = rag.unsqueeze(1) - (win - 1) + slot  # token row of each slot
         ring_rows = _ring_rows(compress_ratio, pc.read_page_0[valid].clamp_min(0), pc.read_page_1[valid].clamp_min(0))
         dev = kv_score_input.device
         from_in = kv_score_input[in_rows.clamp_min(0).to(dev)]
@@ -120,13 +137,23 @@ def compress_prefill(buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: to
         out[valid.to(out.device)] = _pool_slots(kv, score, ape).to(out.dtype)
     wv = pw.valid
     if bool(wv.any()):
-        buffer[pw.write_loc[wv].to(buffer.device)] = kv_score_input[pw.ragged_id[wv].to(kv_score_input.device)].to(buffer.dtype)
+        buffer[pw.write_loc[wv].to(buffer.device)] = kv_score_input[pw.ragged_id[wv].to(kv_score_input.device)].to(
+            buffer.dtype
+        )
     return out
 
 
-def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, ape: torch.Tensor, plan: Any, *,
-                     head_dim: int, compress_ratio: int, out: Optional[torch.Tensor] = None,
-                     is_online: bool = False) -> torch.Tensor:
+def compress_forward(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    plan: Any,
+    *,
+    head_dim: int,
+    compress_ratio: int,
+    out: torch.Tensor | None = None,
+    is_online: bool = False,
+) -> torch.Tensor:
     """Drop-in for sglang's `compress_forward` (same arguments, same output rows; updates the ring in place).
 
     kv_score_buffer: the state pool viewed [-1, ratio, 2*coff*D] (any float dtype); kv_score_input
@@ -134,15 +161,19 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     CompressorPrefillPlan (`plan[1:3]` = plan_c, plan_w). Returns out [plan rows, D].
     """
     if is_online:
-        raise NotImplementedError("the online c128 compressor (SGLANG_OPT_USE_ONLINE_COMPRESS=1) has no CPU "
-                                  "version; set SGLANG_OPT_USE_ONLINE_COMPRESS=0")
+        raise NotImplementedError(
+            "the online c128 compressor (SGLANG_OPT_USE_ONLINE_COMPRESS=1) has no CPU "
+            "version; set SGLANG_OPT_USE_ONLINE_COMPRESS=0"
+        )
     if compress_ratio not in (4, 128) or plan.compress_ratio != compress_ratio:
         raise ValueError(f"compress_ratio {compress_ratio} vs plan {plan.compress_ratio}: both must be 4 or 128")
     coff = 2 if compress_ratio == 4 else 1
     width = 2 * coff * head_dim
     if kv_score_input.shape[-1] != width or kv_score_buffer.shape[-1] != width:
-        raise ValueError(f"kv_score rows must be {width} wide (2*coff*head_dim), got input "
-                         f"{tuple(kv_score_input.shape)} and buffer {tuple(kv_score_buffer.shape)}")
+        raise ValueError(
+            f"kv_score rows must be {width} wide (2*coff*head_dim), got input "
+            f"{tuple(kv_score_input.shape)} and buffer {tuple(kv_score_buffer.shape)}"
+        )
     if tuple(ape.shape) != (_window(compress_ratio), head_dim):
         raise ValueError(f"ape must be [{_window(compress_ratio)}, {head_dim}], got {tuple(ape.shape)}")
     if not kv_score_buffer.is_contiguous():
@@ -152,7 +183,9 @@ def compress_forward(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor
     if out is None:
         out = kv_score_input.new_zeros((plan[1].shape[0], head_dim))
     if plan.is_decode:
-        return compress_decode(buffer, kv_score_input, ape, plan[1], head_dim=head_dim,
-                               compress_ratio=compress_ratio, out=out)
-    return compress_prefill(buffer, kv_score_input, ape, plan[1], plan[2], head_dim=head_dim,
-                            compress_ratio=compress_ratio, out=out)
+        return compress_decode(
+            buffer, kv_score_input, ape, plan[1], head_dim=head_dim, compress_ratio=compress_ratio, out=out
+        )
+    return compress_prefill(
+        buffer, kv_score_input, ape, plan[1], plan[2], head_dim=head_dim, compress_ratio=compress_ratio, out=out
+    )

@@ -24,8 +24,8 @@ Duplicate picks are a race in the CUDA kernel; here the first occurrence may hit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -54,7 +54,7 @@ class RequestPlan:
     miss_dst: torch.Tensor
     loaded_slots: torch.Tensor
     loaded_tokens: torch.Tensor
-    new_lru: Optional[torch.Tensor]
+    new_lru: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,12 @@ def copy_c4_tokens(src: torch.Tensor, dst: torch.Tensor, src_locs: torch.Tensor,
     dst.view(-1)[dst_off.reshape(-1)] = src.view(-1)[src_off.reshape(-1)].to(dst.device)
 
 
-def transfer_cache_dsv4(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.Tensor],
-                        src_indices: torch.Tensor, dst_indices: torch.Tensor) -> None:
+def transfer_cache_dsv4(
+    src_caches: Sequence[torch.Tensor],
+    dst_caches: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+) -> None:
     """sglang's `transfer_cache_dsv4_mla` on tensors instead of pointer tables: for every layer l and item i,
     dst_caches[l] token dst_indices[i] <- src_caches[l] token src_indices[i]. Used for the per-token backup
     (device -> host, all c4 layers) and the token-granular preload (host -> device, one layer)."""
@@ -114,8 +118,16 @@ def transfer_cache_dsv4(src_caches: Sequence[torch.Tensor], dst_caches: Sequence
         copy_c4_tokens(s, d, src_indices, dst_indices)
 
 
-def plan_request(picks: torch.Tensor, seq_len: int, buffer_tokens: torch.Tensor, buffer_locs: torch.Tensor,
-                 host_locs: torch.Tensor, lru: torch.Tensor, hot: int, num_top_k: int) -> RequestPlan:
+def plan_request(
+    picks: torch.Tensor,
+    seq_len: int,
+    buffer_tokens: torch.Tensor,
+    buffer_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    lru: torch.Tensor,
+    hot: int,
+    num_top_k: int,
+) -> RequestPlan:
     """Hot-buffer lookup and miss planning for one request (no state is changed).
 
     picks: int [>= num_top_k] compressed positions; buffer_tokens / buffer_locs: int32 [hot + page] of this
@@ -161,16 +173,34 @@ def plan_request(picks: torch.Tensor, seq_len: int, buffer_tokens: torch.Tensor,
     miss_tokens = picks[miss_idx]
     new_lru = torch.cat([evictable[m:], take, lru_l[hit_pos]]).to(torch.int16)
     hits = int(newest.sum()) + int(pick_hit.sum())
-    return RequestPlan(out, written, hits, m, host_locs[miss_tokens].to(torch.int64),
-                       buffer_locs[take].to(torch.int32), take, miss_tokens, new_lru)
+    return RequestPlan(
+        out,
+        written,
+        hits,
+        m,
+        host_locs[miss_tokens].to(torch.int64),
+        buffer_locs[take].to(torch.int32),
+        take,
+        miss_tokens,
+        new_lru,
+    )
 
 
 def load_cache_to_device_buffer_dsv4(
-        top_k_tokens: torch.Tensor, device_buffer_tokens: torch.Tensor, host_cache_locs: torch.Tensor,
-        device_buffer_locs: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor,
-        top_k_device_locs: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-        lru_slots: torch.Tensor, num_top_k: int, hot_buffer_size: int,
-        num_real_reqs: Union[int, torch.Tensor, None] = None) -> SwapInCounts:
+    top_k_tokens: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    top_k_device_locs: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    num_top_k: int,
+    hot_buffer_size: int,
+    num_real_reqs: int | torch.Tensor | None = None,
+) -> SwapInCounts:
     """sglang's `load_cache_to_device_buffer_dsv4_mla` for one c4 layer, in place.
 
     top_k_tokens: int32 [B, >=K] compressed positions; device_buffer_tokens / device_buffer_locs: int32
@@ -193,8 +223,16 @@ def load_cache_to_device_buffer_dsv4(
             top_k_device_locs[b, :k] = -1
             continue
         rid, seq_len = int(req_pool_indices[b]), int(seq_lens[b])
-        plan = plan_request(top_k_tokens[b].cpu(), seq_len, device_buffer_tokens[rid].cpu(),
-                            device_buffer_locs[rid].cpu(), host_cache_locs[rid].cpu(), lru_slots[rid].cpu(), hot, k)
+        plan = plan_request(
+            top_k_tokens[b].cpu(),
+            seq_len,
+            device_buffer_tokens[rid].cpu(),
+            device_buffer_locs[rid].cpu(),
+            host_cache_locs[rid].cpu(),
+            lru_slots[rid].cpu(),
+            hot,
+            k,
+        )
         row = top_k_device_locs[b, :k]
         w = plan.written.to(row.device)
         row[w] = plan.out_locs.to(row.device)[w]
@@ -202,8 +240,9 @@ def load_cache_to_device_buffer_dsv4(
             continue
         lookups += int((top_k_tokens[b, :k] >= 0).sum())
         hits, misses = hits + plan.hits, misses + plan.misses
-        device_buffer_tokens[rid, plan.loaded_slots.to(device_buffer_tokens.device)] = \
-            plan.loaded_tokens.to(device_buffer_tokens)
+        device_buffer_tokens[rid, plan.loaded_slots.to(device_buffer_tokens.device)] = plan.loaded_tokens.to(
+            device_buffer_tokens
+        )
         lru_slots[rid, :hot] = plan.new_lru.to(lru_slots.device)
         srcs.append(plan.miss_src)
         dsts.append(plan.miss_dst)

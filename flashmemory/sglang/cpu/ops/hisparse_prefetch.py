@@ -42,8 +42,9 @@ def dedup_positions(positions: torch.Tensor, cap: int) -> torch.Tensor:
     return p[first.sort().values][:cap]
 
 
-def sanitize_hint(hint: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                  host_cache_locs: torch.Tensor) -> torch.Tensor:
+def sanitize_hint(
+    hint: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, host_cache_locs: torch.Tensor
+) -> torch.Tensor:
     """Int32 [B, W]: `hint` (int [B, W] compressed positions, -1 = none) with -1 wherever a position is < 0,
     >= L-1 (L = seq_lens[b], the row's compressed length), >= host_cache_locs.shape[1], or has host loc < 0 in
     row req_pool_indices[b] of host_cache_locs (int64 [R, N]). Device-side only: no `.item()`, no host copy."""
@@ -86,8 +87,14 @@ class Provenance:
     def __init__(self, n_layers: int, n_rows: int, width: int) -> None:
         self.marks = torch.full((n_layers, n_rows, width), -1, dtype=torch.int32)
 
-    def after_demand(self, layer: int, picks: torch.Tensor, req_pool_indices: torch.Tensor,
-                     device_buffer_tokens: torch.Tensor, real: int) -> AttributionCounts:
+    def after_demand(
+        self,
+        layer: int,
+        picks: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        device_buffer_tokens: torch.Tensor,
+        real: int,
+    ) -> AttributionCounts:
         """Resolve the marks of the first `real` rows after layer `layer`'s demand swap-in of `picks` (int
         [B, >= K]); device_buffer_tokens: int32 [R, H+page] of that layer (after the swap-in)."""
         used = wasted = 0
@@ -107,8 +114,14 @@ class Provenance:
             row[slots[gone | hit]] = -1
         return AttributionCounts(used, wasted)
 
-    def after_prefetch(self, layer: int, before: torch.Tensor, req_pool_indices: torch.Tensor,
-                       device_buffer_tokens: torch.Tensor, real: int) -> int:
+    def after_prefetch(
+        self,
+        layer: int,
+        before: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        device_buffer_tokens: torch.Tensor,
+        real: int,
+    ) -> int:
         """Mark the slots a prefetch loaded (those whose position changed from `before`, int32 [B, H+page] of
         the rows' tokens before the call); returns how many still-marked slots it overwrote (wasted)."""
         wasted = 0
@@ -129,10 +142,20 @@ class Provenance:
         return n
 
 
-def prefetch_layer_cpu(hint: torch.Tensor, device_buffer_tokens: torch.Tensor, host_cache_locs: torch.Tensor,
-                       device_buffer_locs: torch.Tensor, host_cache: torch.Tensor, device_buffer: torch.Tensor,
-                       scratch_out: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                       lru_slots: torch.Tensor, hot: int, real: int) -> PrefetchCounts:
+def prefetch_layer_cpu(
+    hint: torch.Tensor,
+    device_buffer_tokens: torch.Tensor,
+    host_cache_locs: torch.Tensor,
+    device_buffer_locs: torch.Tensor,
+    host_cache: torch.Tensor,
+    device_buffer: torch.Tensor,
+    scratch_out: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lru_slots: torch.Tensor,
+    hot: int,
+    real: int,
+) -> PrefetchCounts:
     """One layer's prefetch on CPU, synchronously: sanitize `hint` (int [>= real, W]), then the torch swap-in op
     on it with `scratch_out` (int32 [>= B, W], never the step's output) as its output. Shapes as in
     `load_cache_to_device_buffer_dsv4`; `real` = rows that are real requests (the others are left alone)."""
@@ -142,8 +165,20 @@ def prefetch_layer_cpu(hint: torch.Tensor, device_buffer_tokens: torch.Tensor, h
         return PrefetchCounts(0, 0, 0, 0, 0)
     clean = sanitize_hint(rows, req_pool_indices[:real], seq_lens[:real], host_cache_locs)
     listed_before = int((rows >= 0).sum())
-    c = load_cache_to_device_buffer_dsv4(clean, device_buffer_tokens, host_cache_locs, device_buffer_locs, host_cache,
-                                         device_buffer, scratch_out, req_pool_indices[:real], seq_lens[:real],
-                                         lru_slots, w, hot, real)
+    c = load_cache_to_device_buffer_dsv4(
+        clean,
+        device_buffer_tokens,
+        host_cache_locs,
+        device_buffer_locs,
+        host_cache,
+        device_buffer,
+        scratch_out,
+        req_pool_indices[:real],
+        seq_lens[:real],
+        lru_slots,
+        w,
+        hot,
+        real,
+    )
     listed = c.lookups
     return PrefetchCounts(listed, listed_before - int((clean >= 0).sum()), c.hits, c.misses, c.misses * ITEM_BYTES)

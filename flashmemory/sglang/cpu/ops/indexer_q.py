@@ -23,9 +23,9 @@ INDEX_HEAD_DIM = 128
 ROPE_DIM = 64
 
 
-def fused_q_indexer_rope_hadamard_quant(q_input: torch.Tensor, weight: torch.Tensor, weight_scale: float,
-                                        freqs_cis: torch.Tensor,
-                                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_q_indexer_rope_hadamard_quant(
+    q_input: torch.Tensor, weight: torch.Tensor, weight_scale: float, freqs_cis: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q_input [B, H, 128], weight [B, H] (may have a batch stride), freqs_cis complex [max_pos, 32],
     positions [B] -> (q_fp8 float8_e4m3fn [B, H, 128], weights_out float32 [B, H, 1])."""
     if q_input.dim() != 3 or q_input.shape[-1] != INDEX_HEAD_DIM:
@@ -34,10 +34,10 @@ def fused_q_indexer_rope_hadamard_quant(q_input: torch.Tensor, weight: torch.Ten
     if tuple(weight.shape) != (b, h):
         raise ValueError(f"weight must be [{b}, {h}], got {tuple(weight.shape)}")
     x = q_input.float()
-    cs = cos_sin_table(freqs_cis)[positions.long().cpu()].to(x.device).unsqueeze(1)      # [B, 1, 64]
+    cs = cos_sin_table(freqs_cis)[positions.long().cpu()].to(x.device).unsqueeze(1)  # [B, 1, 64]
     x = torch.cat([x[..., :-ROPE_DIM], rope_interleaved(x[..., -ROPE_DIM:], cs)], dim=-1)
     x = hadamard_transform(x)
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_EPS) / FP8_MAX             # [B, H, 1]
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_EPS) / FP8_MAX  # [B, H, 1]
     q_fp8 = (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     weights_out = weight.float().unsqueeze(-1) * float(weight_scale) * scale
     return q_fp8, weights_out

@@ -12,13 +12,15 @@ For ratio r in (4, 128) and a row with seq_len L, position p and cache-write loc
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
-def _ratio(seq_lens: torch.Tensor, positions: torch.Tensor, raw_out_loc: torch.Tensor, r: int,
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ratio(
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    r: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = raw_out_loc.shape[0]
     lens = seq_lens.to(torch.int64)
     writes = lens[:n] % r == 0
@@ -29,9 +31,14 @@ def _ratio(seq_lens: torch.Tensor, positions: torch.Tensor, raw_out_loc: torch.T
     return out_loc, pos, raw, raw.clamp_min(1)
 
 
-def init_compression_metadata(seq_lens: torch.Tensor, positions: torch.Tensor, raw_out_loc: torch.Tensor,
-                              page_table: Optional[torch.Tensor] = None, page_size: int = 0,
-                              compute_page_indices: bool = True) -> tuple:
+def init_compression_metadata(
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor | None = None,
+    page_size: int = 0,
+    compute_page_indices: bool = True,
+) -> tuple:
     """seq_lens [B] int32, positions [B], raw_out_loc [N <= B] int64, page_table [B, max_pages] int32 ->
     (c4_out_loc [N] int64, c4_positions, c4_seq_lens_raw, c4_seq_lens_clamp1 [B] int32, the same four for c128,
     c128_page_indices [B, (page_size // 128) * max_pages] int32 or None when not `compute_page_indices`)."""

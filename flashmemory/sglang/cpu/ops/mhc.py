@@ -13,8 +13,14 @@ from __future__ import annotations
 import torch
 
 
-def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor, hc_mult: int = 4,
-                      sinkhorn_iters: int = 20, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_split_sinkhorn(
+    mixes: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    hc_mult: int = 4,
+    sinkhorn_iters: int = 20,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [b, s, (2+hc)*hc] fp32, hc_scale [3], hc_base [(2+hc)*hc] -> (pre [b,s,hc], post [b,s,hc],
     comb [b,s,hc,hc]) in mixes' dtype, computed in fp32:
 
@@ -29,8 +35,8 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     m = mixes.float()
     sc, base = hc_scale.float(), hc_base.float()
     pre = torch.sigmoid(m[..., :hc] * sc[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * sc[1] + base[hc:2 * hc])
-    comb = (m[..., 2 * hc:] * sc[2] + base[2 * hc:]).view(b, s, hc, hc)
+    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * sc[1] + base[hc : 2 * hc])
+    comb = (m[..., 2 * hc :] * sc[2] + base[2 * hc :]).view(b, s, hc, hc)
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(sinkhorn_iters - 1):
@@ -51,5 +57,5 @@ def mhc_combine(x_flat: torch.Tensor, pre: torch.Tensor, hc: int, out_dtype: tor
     p = pre.float()
     acc = torch.zeros(m, width // hc, dtype=torch.float32, device=x_flat.device)
     for k in range(hc):
-        acc += p[:, k:k + 1] * x[:, k]
+        acc += p[:, k : k + 1] * x[:, k]
     return acc.to(out_dtype)

@@ -14,7 +14,7 @@ JIT sources `rope.cuh`, `main_norm_rope.cuh`, `fused_norm_rope_v2.cuh`:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,22 +39,23 @@ def rope_interleaved(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = Fal
     return torch.stack((xr * c - xi * s, xr * s + xi * c), dim=-1).flatten(-2)
 
 
-def rms_norm(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) (* weight)."""
     x = x.float()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight.float()
 
 
-def norm_rope(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor], cos_sin_rows: torch.Tensor) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, eps: float, weight: torch.Tensor | None, cos_sin_rows: torch.Tensor) -> torch.Tensor:
     """fp32 [N, D]: RMSNorm, then RoPE of the last R dims with cos_sin_rows [N, R] (one row per token)."""
     y = rms_norm(x, eps, weight)
     r = cos_sin_rows.shape[-1]
     return torch.cat([y[:, :-r], rope_interleaved(y[:, -r:], cos_sin_rows)], dim=1)
 
 
-def fused_rope_inplace(q: torch.Tensor, k: Optional[torch.Tensor], freqs_cis: torch.Tensor, positions: torch.Tensor,
-                       inverse: bool = False) -> None:
+def fused_rope_inplace(
+    q: torch.Tensor, k: torch.Tensor | None, freqs_cis: torch.Tensor, positions: torch.Tensor, inverse: bool = False
+) -> None:
     """Drop-in for `fused_rope_inplace`: q [B, Hq, R] and k [B, Hk, R] (or None) rotated in place at positions [B]
     (fp32 math, stored back in their dtype). Works on strided views (e.g. `q[..., -64:]`)."""
     cs = cos_sin_table(freqs_cis)[positions.long().cpu()].to(q.device)
@@ -65,15 +66,17 @@ def fused_rope_inplace(q: torch.Tensor, k: Optional[torch.Tensor], freqs_cis: to
         t.copy_(rope_interleaved(t.float(), rows, inverse).to(t.dtype))
 
 
-def fused_norm_rope_inplace(kv: torch.Tensor, weight: torch.Tensor, eps: float, freq_cis: torch.Tensor,
-                            positions: torch.Tensor) -> None:
+def fused_norm_rope_inplace(
+    kv: torch.Tensor, weight: torch.Tensor, eps: float, freq_cis: torch.Tensor, positions: torch.Tensor
+) -> None:
     """Drop-in for `fused_norm_rope_inplace`: kv [N, D] normed (weighted) and rope'd in place, rounded to kv.dtype."""
     cs = cos_sin_table(freq_cis)[positions.long().cpu()].to(kv.device)
     kv.copy_(norm_rope(kv, eps, weight, cs).to(kv.dtype))
 
 
-def fused_q_norm_rope(q_input: torch.Tensor, q_output: torch.Tensor, eps: Optional[float], freqs_cis: torch.Tensor,
-                      positions: torch.Tensor) -> None:
+def fused_q_norm_rope(
+    q_input: torch.Tensor, q_output: torch.Tensor, eps: float | None, freqs_cis: torch.Tensor, positions: torch.Tensor
+) -> None:
     """Drop-in for `fused_q_norm_rope`: q_input [B, H, D] (bf16) -> q_output [B, H, D] (bf16 or float8_e4m3fn).
 
     Per (token, head): unweighted RMSNorm when eps is not None, rounded to q_input's dtype, then RoPE of the
@@ -90,9 +93,18 @@ def fused_q_norm_rope(q_input: torch.Tensor, q_output: torch.Tensor, eps: Option
     q_output.copy_(out)
 
 
-def fused_k_norm_rope_flashmla(kv: torch.Tensor, kv_weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor,
-                               positions: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
-                               layout: Any = "v4", q: Optional[torch.Tensor] = None) -> None:
+def fused_k_norm_rope_flashmla(
+    kv: torch.Tensor,
+    kv_weight: torch.Tensor,
+    eps: float,
+    freqs_cis: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    kvcache: torch.Tensor,
+    page_size: int,
+    layout: Any = "v4",
+    q: torch.Tensor | None = None,
+) -> None:
     """Drop-in for `fused_k_norm_rope_flashmla` (V4 layout, no fused q rope): kv [B, 512] (may be a strided
     slice) -> weighted RMSNorm + RoPE in fp32 -> 584-B entries at out_loc [B] (negative = no write)."""
     if str(getattr(layout, "value", layout)).lower() != "v4":
@@ -105,13 +117,25 @@ def fused_k_norm_rope_flashmla(kv: torch.Tensor, kv_weight: torch.Tensor, eps: f
     store_kv_entries(kvcache, out_loc, norm_rope(kv, eps, kv_weight, cs), page_size, round_nope_to_bf16=False)
 
 
-def compress_norm_rope_store(kv: torch.Tensor, plan: Any, *, norm_weight: torch.Tensor, norm_eps: float,
-                             freq_cis: torch.Tensor, out_loc: torch.Tensor, kvcache: torch.Tensor, page_size: int,
-                             use_fp4: bool = False, bf16_store: bool = False,
-                             kvcache_scale: Optional[torch.Tensor] = None,
-                             rope_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                             fp4_k_write_metadata: Any = None, layout: Any = "v4", fp8_2buff: bool = False,
-                             kvcache_rope: Optional[torch.Tensor] = None) -> None:
+def compress_norm_rope_store(
+    kv: torch.Tensor,
+    plan: Any,
+    *,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    freq_cis: torch.Tensor,
+    out_loc: torch.Tensor,
+    kvcache: torch.Tensor,
+    page_size: int,
+    use_fp4: bool = False,
+    bf16_store: bool = False,
+    kvcache_scale: torch.Tensor | None = None,
+    rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp4_k_write_metadata: Any = None,
+    layout: Any = "v4",
+    fp8_2buff: bool = False,
+    kvcache_rope: torch.Tensor | None = None,
+) -> None:
     """Drop-in for sglang's `compress_norm_rope_store` (V4 layout, fp8 stores).
 
     kv [rows, D] = `compress_forward`'s output (one row per plan row); only rows that closed a window are
@@ -121,13 +145,20 @@ def compress_norm_rope_store(kv: torch.Tensor, plan: Any, *, norm_weight: torch.
     - D = 512 (attention compressor): 584-B entry, nope dims rounded to bf16 before fp8 (as the CUDA store);
     - D = 128 (indexer compressor): Walsh-Hadamard rotation (scale 128^-0.5) then the 132-B entry.
     """
-    unsupported = {"use_fp4": use_fp4, "bf16_store": bf16_store, "fp8_2buff": fp8_2buff,
-                   "kvcache_scale": kvcache_scale is not None, "rope_cache": rope_cache is not None,
-                   "kvcache_rope": kvcache_rope is not None}
+    unsupported = {
+        "use_fp4": use_fp4,
+        "bf16_store": bf16_store,
+        "fp8_2buff": fp8_2buff,
+        "kvcache_scale": kvcache_scale is not None,
+        "rope_cache": rope_cache is not None,
+        "kvcache_rope": kvcache_rope is not None,
+    }
     bad = [k for k, v in unsupported.items() if v]
     if bad or str(getattr(layout, "value", layout)).lower() != "v4":
-        raise NotImplementedError(f"compress_norm_rope_store on CPU supports the V4 fp8 layout only "
-                                  f"(unsupported here: {bad or [f'layout={layout!r}']})")
+        raise NotImplementedError(
+            f"compress_norm_rope_store on CPU supports the V4 fp8 layout only "
+            f"(unsupported here: {bad or [f'layout={layout!r}']})"
+        )
     d = kv.shape[-1]
     if d not in (KV_DIM, INDEX_HEAD_DIM):
         raise ValueError(f"compressed rows must be {KV_DIM} or {INDEX_HEAD_DIM} wide, got {d}")

@@ -18,8 +18,6 @@ The byte layout of a page row reuses `flashmemory.offload.PageFormat` and the 13
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from flashmemory.offload import PageFormat
@@ -72,9 +70,9 @@ def quantize_kv_entries(x: torch.Tensor, *, round_nope_to_bf16: bool) -> torch.T
     if round_nope_to_bf16:
         nope = nope.bfloat16().float()
     groups = nope.reshape(n, KV_NOPE_DIM // KV_GROUP, KV_GROUP)
-    exp = ue8m0_exponent(groups.abs().amax(dim=-1).clamp_min(SCALE_EPS) / FP8_MAX)          # [N, 7]
+    exp = ue8m0_exponent(groups.abs().amax(dim=-1).clamp_min(SCALE_EPS) / FP8_MAX)  # [N, 7]
     q = (groups * ue8m0_inverse(exp).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    rope = x[:, KV_NOPE_DIM:].bfloat16().contiguous().view(torch.uint8)                      # [N, 128]
+    rope = x[:, KV_NOPE_DIM:].bfloat16().contiguous().view(torch.uint8)  # [N, 128]
     scales = torch.cat([exp.to(torch.uint8), torch.zeros(n, 1, dtype=torch.uint8, device=x.device)], dim=1)
     return torch.cat([q.view(torch.uint8).reshape(n, KV_NOPE_DIM), rope, scales], dim=1)
 
@@ -86,7 +84,7 @@ def dequantize_kv_entries(rows: torch.Tensor) -> torch.Tensor:
     rows = rows.contiguous()
     n = rows.shape[0]
     vals = rows[:, :KV_NOPE_DIM].contiguous().view(FP8).float().reshape(n, -1, KV_GROUP)
-    exp = rows[:, KV_DATA_BYTES:KV_DATA_BYTES + KV_NOPE_DIM // KV_GROUP].to(torch.int32)
+    exp = rows[:, KV_DATA_BYTES : KV_DATA_BYTES + KV_NOPE_DIM // KV_GROUP].to(torch.int32)
     scale = (exp << 23).view(torch.float32)
     rope = rows[:, KV_NOPE_DIM:KV_DATA_BYTES].contiguous().view(torch.bfloat16).float()
     return torch.cat([(vals * scale.unsqueeze(-1)).reshape(n, KV_NOPE_DIM), rope], dim=1)
@@ -101,13 +99,21 @@ def _page_rows(cache: torch.Tensor, fmt: PageFormat, name: str) -> torch.Tensor:
     if cache.dtype != torch.uint8:
         cache = cache.view(torch.uint8)
     if not cache.is_contiguous() or cache.numel() % fmt.page_bytes:
-        raise ValueError(f"{name}: expected a contiguous uint8 pool of {fmt.page_bytes}-byte pages, got "
-                         f"{cache.dtype} {tuple(cache.shape)}")
+        raise ValueError(
+            f"{name}: expected a contiguous uint8 pool of {fmt.page_bytes}-byte pages, got "
+            f"{cache.dtype} {tuple(cache.shape)}"
+        )
     return cache.view(-1, fmt.page_bytes)
 
 
-def write_entries(cache: torch.Tensor, fmt: PageFormat, locs: torch.Tensor, rows: torch.Tensor,
-                  keep_tail_bytes: int = 0, name: str = "cache") -> None:
+def write_entries(
+    cache: torch.Tensor,
+    fmt: PageFormat,
+    locs: torch.Tensor,
+    rows: torch.Tensor,
+    keep_tail_bytes: int = 0,
+    name: str = "cache",
+) -> None:
     """Scatter entry rows [N, fmt.chunk_bytes] into the paged pool `cache` (in place) at pool locs [N].
 
     Negative locs are skipped. keep_tail_bytes: leave the last bytes of each entry as they are in the pool
@@ -128,28 +134,46 @@ def write_entries(cache: torch.Tensor, fmt: PageFormat, locs: torch.Tensor, rows
     fmt.write_chunks(pages, page, slot, rows)
 
 
-def store_kv_entries(cache: torch.Tensor, locs: torch.Tensor, x: torch.Tensor, page_size: int, *,
-                     round_nope_to_bf16: bool) -> None:
+def store_kv_entries(
+    cache: torch.Tensor, locs: torch.Tensor, x: torch.Tensor, page_size: int, *, round_nope_to_bf16: bool
+) -> None:
     """Quantize x [N, 512] to 584-B entries and write them into the KV pool at locs [N] (negative = skip)."""
-    write_entries(cache, kv_page_format(page_size), locs, quantize_kv_entries(x, round_nope_to_bf16=round_nope_to_bf16),
-                  keep_tail_bytes=1, name="KV pool")
+    write_entries(
+        cache,
+        kv_page_format(page_size),
+        locs,
+        quantize_kv_entries(x, round_nope_to_bf16=round_nope_to_bf16),
+        keep_tail_bytes=1,
+        name="KV pool",
+    )
 
 
 def store_index_entries(cache: torch.Tensor, locs: torch.Tensor, x: torch.Tensor, page_size: int) -> None:
     """Quantize x [N, 128] to 132-B entries and write them into the index-K pool at locs [N]."""
-    write_entries(cache, index_page_format(page_size, x.shape[-1]), locs, quantize_index_entries(x), name="index-K pool")
+    write_entries(
+        cache, index_page_format(page_size, x.shape[-1]), locs, quantize_index_entries(x), name="index-K pool"
+    )
 
 
-def fused_store_cache(input: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, *, page_size: int,
-                      type: str, layout: object = "v4", freqs_cis: Optional[torch.Tensor] = None) -> None:
+def fused_store_cache(
+    input: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    page_size: int,
+    type: str,
+    layout: object = "v4",
+    freqs_cis: torch.Tensor | None = None,
+) -> None:
     """Drop-in for sglang's `fused_store_cache` (`kernels/ops/attention/dsv4/attn.py:75`), V4 layout only.
 
     type "flashmla": input [N, 512] (bf16, already normed and rotated) -> 584-B entries;
     type "indexer": input [N, 128] -> 132-B entries. indices [N] pool locs.
     """
     if str(getattr(layout, "value", layout)).lower() != "v4" or freqs_cis is not None:
-        raise NotImplementedError(f"fused_store_cache on CPU supports the V4 layout only (got {layout!r}); "
-                                  "set SGLANG_DSV4_KV_LAYOUT=v4")
+        raise NotImplementedError(
+            f"fused_store_cache on CPU supports the V4 layout only (got {layout!r}); set SGLANG_DSV4_KV_LAYOUT=v4"
+        )
     if type == "flashmla":
         store_kv_entries(cache, indices, input, page_size, round_nope_to_bf16=False)
     elif type == "indexer":
