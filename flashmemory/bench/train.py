@@ -19,7 +19,7 @@ import time
 import torch
 
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.train.loop import LogitsHead, TrainConfig, batch_loss
+from flashmemory.train.setup import LogitsHead, TrainConfig, batch_loss
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.train.loop import LogitsHead, TrainConfig, batch_loss
+from flashmemory.train.setup import LogitsHead, TrainConfig, batch_loss
 
 DIMS = RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=16, rope_dim=8)
 CFG = TrainConfig(data_config="-", focal_loss=True, pairwise=0.5)
