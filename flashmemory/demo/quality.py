@@ -161,7 +161,8 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
         log(f"[quality] retriever: {info['checkpoint']} (trained by this run earlier)")
         return fitted(info["checkpoint"]), info
     from flashmemory.atomic import atomic_write_text
-    from flashmemory.demo.pipeline import clean_work_dir, make_items, train_retriever
+    from flashmemory.demo.outputs import clean_work_dir
+    from flashmemory.demo.pipeline import make_items, train_retriever
     from flashmemory.eval.decode import full_run
     from flashmemory.serve.tiny_retriever import dump_runs
     from flashmemory.train.loop import BEST_F1

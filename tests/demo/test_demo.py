@@ -130,7 +130,7 @@ def test_a_slow_stage_is_named_while_it_runs():
 
 def test_work_dir_is_removed_only_if_the_demo_wrote_it(tmp_path):
     from flashmemory.demo.config import WORK_MARKER
-    from flashmemory.demo.pipeline import clean_work_dir
+    from flashmemory.demo.outputs import clean_work_dir
     from flashmemory.errors import UserError
 
     (tmp_path / "work").mkdir()
@@ -222,7 +222,7 @@ def test_a_failed_serving_stage_fails_the_command(monkeypatch, capsys):
 def test_a_rerun_knows_the_demos_own_outputs(demo_run):
     """The outputs a run wrote are recorded as its own, so `make demo` run again replaces them instead of
     piling up backups (a user's file there is moved aside: tests/demo/test_outputs_safety.py)."""
-    from flashmemory.demo.pipeline import move_aside_outputs
+    from flashmemory.demo.outputs import move_aside_outputs
 
     out, _ = demo_run
     assert move_aside_outputs(out, ("tasks.jsonl", "results.json", "report.md"), log=lambda *a: None) == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.demo import pipeline
+from flashmemory.demo import outputs, pipeline
 from flashmemory.demo.config import DemoConfig, preset
 
 
@@ -80,14 +80,14 @@ def test_the_demos_own_outputs_are_replaced_and_edited_ones_kept(tmp_path) -> No
     """Reruns of `make demo` do not pile up backups of the demo's own output; an output a user edited since
     is theirs and is moved aside."""
     out = tmp_path
-    for name in pipeline.OUTPUTS:
+    for name in outputs.OUTPUTS:
         (out / name).write_text(f"demo's {name}")
-    pipeline.record_outputs(out, pipeline.OUTPUTS)
-    assert pipeline.move_aside_outputs(out, pipeline.OUTPUTS, log=lambda *a: None) == []
+    outputs.record_outputs(out, outputs.OUTPUTS)
+    assert outputs.move_aside_outputs(out, outputs.OUTPUTS, log=lambda *a: None) == []
     (out / "report.md").write_text("demo's report.md, with my notes")
     (out / "results.json").unlink()
     (out / "results.json").mkdir()  # whatever it is, it is not ours
-    moved = dict(pipeline.move_aside_outputs(out, pipeline.OUTPUTS, log=lambda *a: None))
+    moved = dict(outputs.move_aside_outputs(out, outputs.OUTPUTS, log=lambda *a: None))
     assert set(moved) == {"report.md", "results.json"}
     assert (out / moved["report.md"]).read_text().endswith("with my notes") and (out / moved["results.json"]).is_dir()
     assert (out / "tasks.jsonl").read_text() == "demo's tasks.jsonl"  # left for the run to replace
