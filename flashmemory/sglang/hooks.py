@@ -397,6 +397,22 @@ def before_nixl_manager_init(self: Any, args: Any, disaggregation_mode: Any, *re
     logger.info("FlashMemory shrink: %d c4 KV regions registered with NIXL as host DRAM", sum(p in hp for p in ptrs))
 
 
+def _c4_store_at_seam(backend: Any, layer_id: int, compressor: Any) -> bool:
+    """The c4 KV compressor of a shrunk pool reaches sglang's store translation seam
+    (`compressor_v2.py:227`): not an indexer compressor, not the uniform-fp8 or unified-triton store paths (they
+    return or take their locs before the seam), and the layer's compressed pool is this adapter's c4 pool
+    (an identity check: no host sync, so it stays inside a captured decode graph)."""
+    pool = RUNTIME.pool
+    kv = backend.token_to_kv_pool
+    if compressor.is_in_indexer or getattr(compressor, "ratio", None) != 4 or getattr(kv, "uniform_fp8", False):
+        return False
+    if pool is None or kv is not pool or kv.layer_mapping[layer_id][2] is not pool.c4_kv_pool:
+        return False
+    from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
+
+    return not is_unified_kv_triton()
+
+
 def around_compress(
     original: Callable,
     self: Any,
@@ -407,17 +423,21 @@ def around_compress(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """CompressorBackendMixin.forward_indexer_compressor: the indexer compressor of a layer whose index-K lives in
-    the Path-I reserve stores at pool locs (`core_metadata.c4_out_loc`, no translation seam there); for that one
-    call the locs are swapped for their reserve cells (`ShrunkOffload.store_cells`, graph safe)."""
+    """CompressorBackendMixin.forward_indexer_compressor (also the c4 KV compressor's entry, a class alias):
+    stores at pool locs (`core_metadata.c4_out_loc`) swapped, for that one call, for their reserve cells
+    (`ShrunkOffload.store_cells`, graph safe) in two cases of shrink mode: the c4 KV compressor, whose device pool
+    is the reserve (`_c4_store_at_seam`), and the indexer compressor of a layer whose index-K lives in the Path-I
+    reserve. Any other compressor, and every one outside shrink mode, stores as stock sglang does."""
     engine = RUNTIME.engine
-    if (
-        engine is None
-        or not getattr(compressor, "is_in_indexer", False)
-        or getattr(compressor, "ratio", None) != 4
-        or forward_batch.forward_mode.is_idle()
-        or not engine.index_in_reserve(RUNTIME.c4_layer(self.token_to_kv_pool, layer_id))
-    ):
+    if engine is None or engine.mode != "shrink" or forward_batch.forward_mode.is_idle():
+        return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
+    if getattr(compressor, "is_in_indexer", False):
+        at_reserve = getattr(compressor, "ratio", None) == 4 and engine.index_in_reserve(
+            RUNTIME.c4_layer(self.token_to_kv_pool, layer_id)
+        )
+    else:
+        at_reserve = _c4_store_at_seam(self, layer_id, compressor)
+    if not at_reserve:
         return original(self, x, forward_batch, layer_id, compressor, *args, **kwargs)
     cm = self.forward_metadata.core_metadata
     locs = cm.c4_out_loc

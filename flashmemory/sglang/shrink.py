@@ -10,10 +10,11 @@ Here:
            mixes VRAM/DRAM destinations for HiSparse the same way, `disaggregation/decode.py:629-644`).
   device   `pool.c4_kv_pool.kv_buffer[l]` becomes the reserve of layer l (recall blocks | decode regions | sink |
            landing); the full-size buffers are dropped.
-  stores   sglang's compressor writes a new c4 entry at `c4_kv_pool._translate_loc_to_hisparse_device(out_loc)`
-           (`layers/attention/dsv4/compressor_v2.py:227`, the seam HiSparse uses). Installed here it returns, in
-           decode, the entry's reserve cell (assigned and published by `begin_step` before the forward; graph
-           safe: two gathers on static tensors) and, in extend, a landing cell (moved to the mirror afterwards).
+  stores   sglang's compressor writes a new c4 entry at pool loc `core_metadata.c4_out_loc`; the shrink rows'
+           `hooks.around_compress` swaps those locs for `store_cells(out_loc)` during the c4 KV compressor's call
+           (where HiSparse translates them, `layers/attention/dsv4/compressor_v2.py:227`): in decode the entry's
+           reserve cell (assigned and published by `begin_step` before the forward; graph safe: two gathers on
+           static tensors), in extend a landing cell (moved to the mirror afterwards).
   settle   after each forward the new entries go reserve -> mirror, and Path-I index-K pool -> mirror.
 
 The target layers' index-K stays in sglang's device pool and doubles as the engine's target index pool. With
@@ -138,8 +139,6 @@ class ShrunkOffload(OffloadAdapter):
                 self.device_bytes_saved += ix[l].numel() - res.reserve_index[i].numel()
                 ix[l] = res.reserve_index[i]
             self.ix_bufs = list(ix)
-        kv_pool.translate_loc_to_hisparse_device = self.store_cells
-        kv_pool._translate_loc_to_hisparse_device = self.store_cells
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.env.pd_credit_c4:

@@ -182,8 +182,9 @@ SPECS: tuple[Patch, ...] = (
         "before_nixl_manager_init",
         "srt/disaggregation/nixl/conn.py:524 PD decode into the host mirror: its c4 entries register as DRAM",
     ),
-    # forward_indexer_compressor is a class-level alias of forward_unified (compressor_v2.py:360), bound at class
-    # creation: patching forward_unified would not reach the callers (indexer.py:552,592; deepseek_v4.py:2148).
+    # forward_indexer_compressor and forward_core_compressor are class-level aliases of forward_unified
+    # (compressor_v2.py:360-361), bound at class creation: patching forward_unified would not reach the callers
+    # (indexer.py:552,592; deepseek_v4.py:1943,2106,2141,2148,2591).
     _h(
         "shrink",
         f"{_COMP}.CompressorBackendMixin.forward_indexer_compressor",
@@ -192,6 +193,15 @@ SPECS: tuple[Patch, ...] = (
         "around_compress",
         "srt/layers/attention/dsv4/compressor_v2.py:155,360 a Path-I layer's indexer compressor stores at "
         "reserve cells",
+    ),
+    _h(
+        "shrink",
+        f"{_COMP}.CompressorBackendMixin.forward_core_compressor",
+        "around",
+        ("self", "x", "forward_batch", "layer_id", "compressor"),
+        "around_compress",
+        "srt/layers/attention/dsv4/compressor_v2.py:227,361 the c4 KV compressor stores at reserve cells "
+        "(where HiSparse translates its locs), not at pool locs",
     ),
     _h(
         "credit_c4",

@@ -21,9 +21,7 @@ from flashmemory.sglang.patching import all_patches
 
 PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
 # (file, function) -> what is left to convert into a Patch row.
-KNOWN = {
-    ("shrink.py", "ShrunkOffload._shrink"): "the c4 pool's store translation seam (compressor_v2.py:227)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _impls() -> tuple[set[tuple[str, str]], set[str]]:

@@ -119,15 +119,71 @@ def test_blockers_from_sglang_server_args(sa):
     assert shrink_blockers(None) == ["sglang server args are unknown"]
 
 
-def test_compressor_still_has_the_translation_seam():
-    """compressor_v2 writes c4 KV at compress_kv_pool._translate_loc_to_hisparse_device(out_loc) when the pool has
-    translate_loc_to_hisparse_device: shrink mode relies on exactly that (upstream drift must fail here)."""
+def test_compressor_stores_at_core_metadata_out_loc():
+    """compressor_v2's c4 KV compressor stores at `_get_out_loc(ratio)` = `core_metadata.c4_out_loc`, translated
+    only by a pool with the HiSparse seam, and its callers use the `forward_core_compressor` alias: shrink mode's
+    `around_compress` row relies on exactly that (upstream drift must fail here)."""
     pytest.importorskip("sglang")
     from sglang.srt.layers.attention.dsv4 import compressor_v2
 
     src = inspect.getsource(compressor_v2)
+    assert "out_loc = self._get_out_loc(compressor.ratio)" in src
+    assert 'attr_name = f"c{compress_ratio}_out_loc"' in src
     assert 'hasattr(compress_kv_pool, "translate_loc_to_hisparse_device")' in src
-    assert "out_loc = compress_kv_pool._translate_loc_to_hisparse_device(out_loc)" in src
+    mixin = compressor_v2.CompressorBackendMixin
+    assert mixin.__dict__["forward_core_compressor"] is mixin.__dict__["forward_unified"]
+    from flashmemory.sglang.targets import SPECS
+
+    rows = {(r.target.rsplit(".", 1)[1], r.impl) for r in SPECS if r.feature == "shrink" and r.kind == "around"}
+    assert ("forward_core_compressor", "flashmemory.sglang.hooks:around_compress") in rows
+
+
+def _stores_at(pool, eng, layer_id, out_loc, monkeypatch, in_indexer=False):
+    """The locs sglang's compressor of `layer_id` stores at for pool locs out_loc [T], called through the shrink
+    rows' `hooks.around_compress` (as `forward_core_compressor` is); checks the swap is undone afterwards."""
+    monkeypatch.setattr(RUNTIME, "engine", eng)
+    monkeypatch.setattr(RUNTIME, "pool", pool)
+    monkeypatch.setattr(RUNTIME, "fwd", ForwardContext())
+    cm = types.SimpleNamespace(c4_out_loc=out_loc)
+    backend = types.SimpleNamespace(token_to_kv_pool=pool, forward_metadata=types.SimpleNamespace(core_metadata=cm))
+    fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+    comp = types.SimpleNamespace(is_in_indexer=in_indexer, ratio=4)
+    seen = []
+    hooks.around_compress(
+        lambda self, *a: seen.append(self.forward_metadata.core_metadata.c4_out_loc), backend, None, fb, layer_id, comp
+    )
+    assert cm.c4_out_loc is out_loc and len(seen) == 1
+    return seen[0]
+
+
+def test_only_the_shrunk_c4_pool_stores_at_reserve_cells(sa, monkeypatch):
+    """No attribute of ours on sglang's pool: the store translation is the `around_compress` row, and it reaches
+    exactly the c4 KV compressor of the shrunk pool (copy mode, the indexer compressor without Path-I in the
+    reserve, and another adapter's pool store at their pool locs, as stock)."""
+    pool = make_pool(sa, monkeypatch, shrink=True)
+    eng = build(pool, env(), sa.args, shrink=True)
+    assert not hasattr(pool.c4_kv_pool, "translate_loc_to_hisparse_device")
+    assert not hasattr(pool.c4_kv_pool, "_translate_loc_to_hisparse_device")
+    lid, locs = c4_layer_ids(pool)[0], torch.tensor([0, 5, 64 * 30 + 1])
+    sink = eng.engine.reserve.sink_cell
+    assert _stores_at(pool, eng, lid, locs, monkeypatch).tolist() == [sink] * 3
+    assert _stores_at(pool, eng, lid, locs, monkeypatch, in_indexer=True) is locs
+    other = make_pool(sa, monkeypatch, shrink=True)  # RUNTIME.pool stays `pool` (set by _stores_at)
+    cells = hooks.around_compress(
+        lambda self, *a: self.forward_metadata.core_metadata.c4_out_loc,
+        types.SimpleNamespace(
+            token_to_kv_pool=other,
+            forward_metadata=types.SimpleNamespace(core_metadata=types.SimpleNamespace(c4_out_loc=locs)),
+        ),
+        None,
+        types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False)),
+        lid,
+        types.SimpleNamespace(is_in_indexer=False, ratio=4),
+    )
+    assert cells is locs  # a pool this adapter does not own stores at its own locs
+    copy_pool = make_pool(sa, monkeypatch, shrink=False)
+    copy_eng = build(copy_pool, env(), None)
+    assert _stores_at(copy_pool, copy_eng, lid, locs, monkeypatch) is locs
 
 
 def test_allocation_and_pd_regions(sa, monkeypatch):
@@ -212,7 +268,7 @@ def test_pd_landing_decode_stores_settle(sa, monkeypatch):
         rows = eng.begin_step(["a"], table, s)
         out_loc = torch.tensor([pages[before // 64] * 64 + before % 64 if after > before else 0])
         for l in range(2):  # compressor_v2: kv_cache[translate(out_loc)] = entry
-            cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
+            cells = _stores_at(pool, eng, ids[l], out_loc, monkeypatch)
             buf = pool.get_extra_key_buffer(ids[l]).view(torch.uint8)  # as compressor_v2 does
             entry = _rand(g, 1, 584)
             lay.kv.write_chunks(buf, cells // 64, cells % 64, entry)
@@ -251,7 +307,7 @@ def test_unknown_locs_go_to_the_sink(sa, monkeypatch):
     pool = make_pool(sa, monkeypatch, shrink=True)
     eng = build(pool, env(), sa.args, shrink=True)
     sink = eng.engine.reserve.sink_cell
-    out = pool.c4_kv_pool._translate_loc_to_hisparse_device(torch.tensor([0, 5, 64 * 30 + 1, -1, 10**6]))
+    out = _stores_at(pool, eng, c4_layer_ids(pool)[0], torch.tensor([0, 5, 64 * 30 + 1, -1, 10**6]), monkeypatch)
     assert out.tolist() == [sink] * 5
 
 
@@ -267,7 +323,7 @@ def test_extend_lands_then_moves_to_the_mirror(sa, monkeypatch):
     out_loc[43:64:4] = torch.arange(6) + 12 * 64 + 30
     want = {}
     for l in range(2):
-        cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
+        cells = _stores_at(pool, eng, ids[l], out_loc, monkeypatch)
         assert ((cells == eng.engine.reserve.sink_cell) == (out_loc == 0)).all()
         rows = _rand(g, int((out_loc > 0).sum()), 584)
         lay.kv.write_chunks(
@@ -282,7 +338,7 @@ def test_extend_lands_then_moves_to_the_mirror(sa, monkeypatch):
     eng.begin_forward(False)
     too_many = torch.arange(1, eng.engine.reserve.landing_blocks * 64 + 2)
     with pytest.raises(LandingOverflowError, match="max-prefill-tokens"):
-        pool.c4_kv_pool._translate_loc_to_hisparse_device(too_many)
+        eng.store_cells(too_many)  # through the hook the guard stops the server on it (state in doubt)
 
 
 def test_credit_hook_drops_only_the_c4_kv_term(monkeypatch):

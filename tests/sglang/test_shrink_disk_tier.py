@@ -83,7 +83,7 @@ class PdDecode:
         )
         ix = self.pool.c4_indexer_kv_pool.index_k_with_scale_buffer
         for l in range(2):  # compressor_v2: kv_cache[translate(out_loc)] = entry
-            cells = self.pool.c4_kv_pool._translate_loc_to_hisparse_device(out)
+            cells = self.ad.store_cells(out)  # what the shrink row hands sglang's c4 KV compressor
             buf = self.pool.get_extra_key_buffer(self.ids[l]).view(torch.uint8)
             entries = _rand(self.g, len(rids), 584)
             self.lay.kv.write_chunks(buf, cells // 64, cells % 64, entries)

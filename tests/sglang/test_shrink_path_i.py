@@ -98,8 +98,17 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
 
         hooks.around_compress(indexer_store, backend, x=None, forward_batch=fb, layer_id=ids[0], compressor=comp)
         assert backend.forward_metadata.core_metadata.c4_out_loc is out_loc  # restored after the call
+        stored = []  # the c4 KV compressor's store locs, through the shrink row (one forward: same for each layer)
+        hooks.around_compress(
+            lambda self, *a: stored.append(self.forward_metadata.core_metadata.c4_out_loc),
+            backend,
+            None,
+            fb,
+            ids[0],
+            types.SimpleNamespace(is_in_indexer=False, ratio=4),
+        )
         for l in range(2):
-            cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
+            cells = stored[0]
             lay.kv.write_chunks(
                 pool.get_extra_key_buffer(ids[l]).view(torch.uint8), cells // 64, cells % 64, kv[l : l + 1]
             )
@@ -189,12 +198,13 @@ def _forbid(*a, **k):
 
 
 def test_in_graph_paths_have_no_host_sync(sa, monkeypatch):
-    """What runs inside the captured decode graph in shrink mode: the store translation, the indexer-store swap,
+    """What runs inside the captured decode graph in shrink mode: the c4 KV store swap, the indexer-store swap,
     the reserve-block table and the sink drop. Host syncs there would break capture."""
     pool = make_pool(sa, monkeypatch, shrink=True)
     e = env(score_resident=True)
     eng = build(pool, e, sa.args, shrink=True)
     monkeypatch.setattr(RUNTIME, "engine", eng)
+    monkeypatch.setattr(RUNTIME, "pool", pool)
     monkeypatch.setattr(RUNTIME, "env", e)
     pages = [4, 9]
     s = torch.tensor([64 * 4 + 8])
@@ -211,7 +221,16 @@ def test_in_graph_paths_have_no_host_sync(sa, monkeypatch):
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
             m.setattr(torch.Tensor, name, _forbid)
-        cells = pool.c4_kv_pool._translate_loc_to_hisparse_device(out_loc)
+        core = []
+        hooks.around_compress(
+            lambda self, *a: core.append(self.forward_metadata.core_metadata.c4_out_loc),
+            backend,
+            None,
+            fb,
+            ids[0],
+            types.SimpleNamespace(is_in_indexer=False, ratio=4),
+        )
+        cells = core[0]
         hooks.around_compress(
             lambda self, *a: seen.append(self.forward_metadata.core_metadata.c4_out_loc),
             backend,
