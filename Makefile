@@ -19,6 +19,8 @@ $(STAMP): requirements.txt pyproject.toml
 	  "(install it with: sudo apt-get install libibverbs1)"; fi; }
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
+	@# the loopback-bind shim the launch scripts preload for Mooncake (built here once; else at the first launch)
+	@out="$$($(BIN)/python -m flashmemory.serve.loopback)" || echo "warning: $$out"
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -103,8 +103,9 @@ fm_local_only() {  # fm_local_only HOST [SGLANG_ARGS...]: sets FM_BIND_VARS (nam
   # interface), Mooncake's TCP transport (MC_TCP_BIND_ADDRESS), NIXL's UCX network devices (UCX_NET_DEVICES: its
   # TCP transport listens on each; lo leaves RDMA NICs out, not cuda_ipc/shm), and the torch.distributed
   # rendezvous: torch's TCPStore listens on every interface whatever address it is given, so a file store replaces
-  # it (one node; a fresh path, created by torch). A value the user set wins; another HOST or --dist-init-addr
-  # keeps stock sglang's listeners.
+  # it (one node; a fresh path, created by torch). With TRANSFER_BACKEND=mooncake* the loopback-bind shim is
+  # preloaded too (fm_loopback_shim). A value the user set wins; another HOST or --dist-init-addr keeps stock
+  # sglang's listeners.
   FM_BIND_VARS=()
   case "$1" in 127.*|localhost|::1) ;; *) return 0;; esac
   local a; for a in "${@:2}"; do [[ "$a" != --dist-init-addr* ]] || return 0; done
@@ -115,6 +116,20 @@ fm_local_only() {  # fm_local_only HOST [SGLANG_ARGS...]: sets FM_BIND_VARS (nam
   SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE="${SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE:-$store}"
   FM_BIND_VARS=(SGLANG_HOST_IP GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME MC_TCP_BIND_ADDRESS UCX_NET_DEVICES
     SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE)
+  case "${TRANSFER_BACKEND:-}" in mooncake*) fm_loopback_shim;; esac
+}
+
+fm_loopback_shim() {  # put flashmemory/serve/loopback_bind.c (built once, cached) first in LD_PRELOAD
+  # Mooncake's transfer engine binds its RPC/handshake port on 0.0.0.0 and its TCP data port on :: whatever it is
+  # told; the shim turns those binds into 127.0.0.1 and ::ffff:127.0.0.1 (::1 on an IPv6-only socket) and leaves
+  # every other bind alone. Without a C compiler: one warning saying what stays open and how to firewall it.
+  local shim had="${LD_PRELOAD:-}"
+  if shim="$(PYTHONPATH="$FM_REPO${PYTHONPATH:+:$PYTHONPATH}" "$(fm_python)" -m flashmemory.serve.loopback)"; then
+    case " ${had//:/ } " in *" $shim "*) ;; *) LD_PRELOAD="$shim${had:+ $had}";; esac
+    FM_BIND_VARS+=(LD_PRELOAD)
+  else
+    fm_warn "${shim:-the loopback-bind shim (flashmemory.serve.loopback) failed}"
+  fi
 }
 
 fm_run() {  # fm_run VAR... -- CMD...: export the named variables, then run (or print) the command

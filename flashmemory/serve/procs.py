@@ -43,7 +43,9 @@ def loopback_env(env: Mapping[str, str], tag: str) -> dict[str, str]:
     port (the Python twin of `fm_local_only` in scripts/launch_common.sh): sglang's KV-transfer sockets
     (SGLANG_HOST_IP), gloo's and NCCL's socket interface, Mooncake's TCP transport, NIXL's UCX network devices, and
     the torch.distributed rendezvous, whose TCPStore listens on every interface whatever address it gets, so a file
-    store (one node, created by torch) replaces it. Values already in `env` win."""
+    store (one node, created by torch) replaces it. Values already in `env` win. Mooncake's transfer engine,
+    which binds every interface whatever it is told, is kept on loopback by the launch scripts' preloaded shim
+    (`flashmemory.serve.loopback`) in a PD stack; a server started from this environment alone moves no KV."""
     defaults = {
         "SGLANG_HOST_IP": "127.0.0.1",
         "GLOO_SOCKET_IFNAME": "lo",

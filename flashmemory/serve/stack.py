@@ -187,6 +187,7 @@ def start_pd(servers: Servers, cfg: PDConfig, router_port: int | None = None, at
     fails because a picked port was taken meanwhile is stopped and retried with fresh ports (up to `attempts` in
     all), with a message; a fixed router port that is taken is a UserError naming it, never retried."""
     check_stack(cfg, router_port)
+    prepare_loopback_shim(cfg)
     for attempt in range(1, attempts + 1):
         first = len(servers.procs)
         ports = stack_ports(cfg.host, router_port)
@@ -226,6 +227,25 @@ def check_stack(cfg: PDConfig, router_port: int | None) -> None:
         except ValueError:
             raise UserError(f"MAX_RUN={raw!r}: expected a whole number") from None
         check_concurrency(max_running_requests(cfg.decode_args), limit, "MAX_RUN (SGLANG_PATHP_DECODE_MAX_CONC)")
+
+
+def prepare_loopback_shim(cfg: PDConfig) -> bool:
+    """On a local-only stack (loopback host, no --dist-init-addr) moving KV with Mooncake, build the loopback-bind
+    shim now, once, rather than in P and D as they start together (`fm_loopback_shim` in the launch scripts
+    finds it built and preloads it). When it cannot be built, print the one warning line saying what stays open
+    and how to firewall it. True when the shim is (or need not be) in place."""
+    if not cfg.transfer_backend.startswith("mooncake") or not is_loopback_host(cfg.host):
+        return True
+    if any(a.startswith("--dist-init-addr") for a in cfg.decode_args):
+        return True
+    from flashmemory.serve.loopback import ShimUnavailable, shim_path
+
+    try:
+        shim_path()
+    except ShimUnavailable as e:
+        print(f"warning: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _start_pd_once(servers: Servers, cfg: PDConfig, ports: StackPorts) -> PDStack:
