@@ -117,7 +117,7 @@ def test_gpu_check_verdicts():
     import os
 
     spec = importlib.util.spec_from_file_location(
-        "gpu_check", os.path.join(os.path.dirname(__file__), "../../scripts/gpu_check.py")
+        "gpu_check_cases", os.path.join(os.path.dirname(__file__), "../../scripts/gpu_check_cases.py")
     )
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)

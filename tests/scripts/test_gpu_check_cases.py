@@ -1,6 +1,6 @@
-"""scripts/gpu_check.py's retriever case on CPU: the checkpoint it writes passes the plugin's registration check
-against the tiny model's config, the case runs at a 10% page budget, and its verdict fails a retriever that
-served from anywhere but the GPU or never scored."""
+"""scripts/gpu_check_cases.py (the cases of scripts/gpu_check.py) on CPU: the retriever case's checkpoint passes
+the plugin's registration check against the tiny model's config, the case runs at a 10% page budget, and its
+verdict fails a retriever that served from anywhere but the GPU or never scored."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_cases", ROOT / "scripts" / "gpu_check_cases.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
