@@ -17,6 +17,12 @@ never while a neighbour holds bytes, is free (a transfer may be landing there) o
 released page next to such a neighbour keeps up to one OS page per side and layer until the neighbour is
 released too. DRAM held ~ (landed, not yet sealed pages + each live request's open tail page) x page bytes.
 
+Parked pages (`park` / `unpark`): a free page id holding the bytes of a request whose transfer is done but that
+is not running yet (sglang's decode waiting queue) can be parked once the tier holds its bytes: its OS pages go
+back as a released page's do (shared OS pages likewise only when every page on them is released or parked), and
+`unpark` writes the tier's bytes back at the same address before the request is admitted. A parked page stays
+free in the mirror's bookkeeping (the admission claims it as usual).
+
 Where the transfer backend pins the registered buffer (RDMA registration without on-demand paging) the whole
 mapping becomes resident at registration; on CPU (NIXL over TCP / shared memory) it does not. Never pinned, so
 recall reads the few unsealed pages from pageable memory.
@@ -82,7 +88,8 @@ class SparseMirror(HostMirror):
         self.slot_of = torch.full((n_pages,), FRESH, dtype=torch.int64)
         self._free_slots: list[int] = []
         self.peak_slots = 0
-        self.dropped_bytes = 0  # OS-page bytes handed back by `release` (running total)
+        self.dropped_bytes = 0  # OS-page bytes handed back by `release` and `park` (running total)
+        self.parked: set[int] = set()  # free page ids whose bytes the tier holds (see `park`)
 
     @property
     def free_slots(self) -> int:
@@ -117,9 +124,37 @@ class SparseMirror(HostMirror):
         super().free(pages)
         self._free_slots.clear()
 
+    def park(self, pages: list[int]) -> None:
+        """The tier holds the bytes of these free page ids (a queued request's landed pages): hand their OS pages
+        back (`_drop`'s rule). ValueError when a page is claimed (a running request's): nothing changes then."""
+        busy = [p for p in pages if p not in self._free_set]
+        if busy:
+            raise ValueError(f"SparseMirror.park: pages {busy[:8]} are claimed, not free")
+        self.parked.update(pages)
+        self._drop(sorted(set(pages)))
+
+    def unpark(self, page: int, kv: torch.Tensor, index: torch.Tensor) -> None:
+        """Write a parked page's bytes back at its address (kv uint8 [n_layers, kv_page_bytes], index uint8
+        [len(offload_index_layers), index_page_bytes]); it holds bytes in DRAM again and is no longer parked."""
+        if page not in self.parked:
+            raise ValueError(f"SparseMirror.unpark: page {page} is not parked")
+        self.kv[:, page] = kv
+        if self.index.shape[0]:
+            self.index[:, page] = index
+        self.parked.discard(page)
+
+    def forget_parked(self, pages: list[int]) -> None:
+        """These pages are no longer parked (their request left without running: the bytes are not needed)."""
+        self.parked.difference_update(pages)
+
+    def _gone(self, page: int) -> bool:
+        """Its bytes are the tier's (released, or parked and still free): its OS pages may go back."""
+        return int(self.slot_of[page]) == RELEASED or (page in self.parked and page in self._free_set)
+
     def _drop(self, pages: list[int]) -> None:
-        """madvise(MADV_DONTNEED) every OS page of these (released) pages, in every layer, whose bytes all belong to
-        released pages: an OS page shared with a page that holds bytes, is free or is landing stays."""
+        """madvise(MADV_DONTNEED) every OS page of these (released or parked) pages, in every layer, whose bytes all
+        belong to released or parked pages: an OS page shared with a page that holds bytes, is free or is landing
+        stays."""
         for t, mm in ((self.kv, self._kv_map), (self.index, self._ix_map)):
             if mm is None:
                 continue
@@ -132,6 +167,6 @@ class SparseMirror(HostMirror):
                     drop.update(range(lo // OS_PAGE, -(-hi // OS_PAGE)))
             for o in sorted(drop):
                 a, b = o * OS_PAGE, min((o + 1) * OS_PAGE, total)
-                if all(int(self.slot_of[g % n]) == RELEASED for g in range(a // width, -(-b // width))):
+                if all(self._gone(g % n) for g in range(a // width, -(-b // width))):
                     mm.madvise(mmap.MADV_DONTNEED, a, b - a)
                     self.dropped_bytes += b - a
