@@ -39,15 +39,8 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.anchors import (
-    H20_NODE,
-    Fitted,
-    Preset,
-    calibrated,
-    capacity,
-    fit,
-    kmax_for,
-)
+from flashmemory.costmodel.anchors import Fitted, calibrated, capacity, fit, kmax_for
+from flashmemory.costmodel.presets import H20_NODE, Preset
 from flashmemory.errors import fail
 
 G, M = 1e9, 1e6

@@ -1,6 +1,7 @@
-"""The calibrated cost model: named hardware presets, four fitted constants (each fitted on one published figure,
-never refitted), every published anchor the model can be set up for (published figure, model figure, ratio, fit
-or held out), and the 8xH20 projections made with the same constants. An ESTIMATE; nothing here is measured.
+"""The calibrated cost model: the hardware presets of `presets.py` set up with four fitted constants (each fitted
+on one published figure, never refitted), every published anchor the model can be set up for (published figure,
+model figure, ratio, fit or held out), and the 8xH20 projections made with the same constants. An ESTIMATE;
+nothing here is measured.
 
 Model per decode server: sglang's pool sizing (`pools`) decides how many requests are admitted; the step time is
 `throughput.step_time` (weights + KV reads over HBM, FLOPs, PCIe; HiSparse's PCIe and swap-in kernel synchronous)
@@ -27,71 +28,8 @@ from flashmemory.costmodel.pools import (
     padded_bytes_per_token,
     pool_sizes,
 )
+from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE, Preset
 from flashmemory.costmodel.throughput import Hardware, step_time, weight_bytes
-
-MIB = 2**20
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A decode side: hardware (n_gpus = decode GPUs = TP), SMs per GPU, launch flags, and where each came from."""
-
-    name: str
-    hw: Hardware
-    n_sm: int
-    serving: Serving
-    source: str
-
-
-# Capacities are what the driver reports (MiB), not the marketing GB.
-H20_NODE = Preset(
-    "8xH20 (upstream decode)",
-    Hardware(
-        n_gpus=8,
-        hbm_gb=97871 * MIB / 1e9,
-        hbm_tbps=4.0,
-        pcie_gbps=50.0,
-        tflops=148.0,
-        host_ram_gb=2265.0,
-        max_running=128,
-    ),
-    78,
-    Serving(max_running=128),
-    "H20 96 GB (97,871 MiB), 4.0 TB/s, 148 TFLOP/s BF16, 78 SMs; host 2,265 GB; decode --max-running-requests 128 "
-    "(upstream launch_decode.sh); cross-machine PD: all 8 GPUs decode",
-)
-B200_PD = Preset(
-    "2xB200 PD (1 decode GPU)",
-    Hardware(
-        n_gpus=1,
-        hbm_gb=183359 * MIB / 1e9,
-        hbm_tbps=8.0,
-        pcie_gbps=50.0,
-        tflops=2250.0,
-        host_ram_gb=2048.0,
-        max_running=256,
-    ),
-    148,
-    Serving(max_running=256),
-    "B200 183,359 MiB, 8 TB/s, 2.25 PFLOP/s BF16, 148 SMs; HiSparse needs PD, so of 2 GPUs one prefills and one "
-    "decodes (TP1); sglang's DSv4 max-running 256",
-)
-RTX6000_NODE = Preset(
-    "8xRTX PRO 6000",
-    Hardware(
-        n_gpus=8,
-        hbm_gb=97887 * MIB / 1e9,
-        hbm_tbps=1.79,
-        pcie_gbps=50.0,
-        tflops=500.0,
-        host_ram_gb=1024.0,
-        max_running=256,
-    ),
-    188,
-    Serving(max_running=256),
-    "RTX PRO 6000 Blackwell 96 GB GDDR7 (97,887 MiB), 1.79 TB/s, ~500 TFLOP/s BF16 [unverified], 188 SMs, PCIe "
-    "only; sglang defaults",
-)
 
 
 def _weights_per_gpu(hw: Hardware) -> float:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import H20_NODE, Preset, calibrated, calibrated_hisparse, capacity, fit
+from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, capacity, fit
 from flashmemory.costmodel.bytes import EntryBytes
 from flashmemory.costmodel.flops import FlashShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens, swap_kernel_ms
+from flashmemory.costmodel.presets import H20_NODE, Preset
 from flashmemory.costmodel.throughput import step_time
 
 CONTEXTS = (131072, 262144, 524288, 1048576)

@@ -14,19 +14,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import (
-    H20_NODE,
-    Fitted,
-    Preset,
-    calibrated,
-    calibrated_hisparse,
-    capacity,
-    fit,
-    kmax_for,
-    tok_s,
-)
+from flashmemory.costmodel.anchors import Fitted, calibrated, calibrated_hisparse, capacity, fit, kmax_for, tok_s
 from flashmemory.costmodel.anchors import _arm as arm_bytes
 from flashmemory.costmodel.hisparse import HiSparseKnobs
+from flashmemory.costmodel.presets import H20_NODE, Preset
 
 PEER_CONTEXTS = (131072, 262144, 1048576)
 PEER_BATCHES = (1, 16, 64)

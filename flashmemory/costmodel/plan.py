@@ -24,11 +24,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import H20_NODE, Preset, calibrated, fit, fm_reserve_bytes, sized
+from flashmemory.costmodel.anchors import calibrated, fit, fm_reserve_bytes, sized
 from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, flashmemory_bytes
 from flashmemory.costmodel.disk import DiskKnobs, DiskPoint, disk_point
 from flashmemory.costmodel.flops import FlashShape, RetrieverShape, n_chunks
 from flashmemory.costmodel.pools import bytes_per_full_token
+from flashmemory.costmodel.presets import H20_NODE, Preset
 
 WINDOW_PAGES = 3  # landing-window floor per request per rank: SGLANG_PATHP_DECODE_MAX_CONC x 3 page slots
 UPSTREAM_SHARE = 96 / 1024  # upstream's KMAX 96 pages of a 256K request's 1,024 pages

@@ -118,10 +118,11 @@ def project(budget: float, hit_rate: float | None, contexts: tuple[int, ...] = P
     """DeepSeek-V4-Flash on 8xH20 (calibrated preset) at a budget share: per context, FlashMemory, HiSparse (hot
     buffer of the same KMAX x 64 slots at `hit_rate`; skipped when None) and stock: device bytes and H2D bytes
     per request and step, indexer entries scored and Level-1 FLOPs per token, max concurrency (bound) and tok/s."""
-    from flashmemory.costmodel.anchors import H20_NODE, calibrated, calibrated_hisparse, capacity, fit, tok_s
+    from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, capacity, fit, tok_s
     from flashmemory.costmodel.bytes import PolicyKnobs, baseline_bytes, flashmemory_bytes
     from flashmemory.costmodel.flops import flashmemory_flops, n_chunks, resident_chunks
     from flashmemory.costmodel.hisparse import hisparse_bytes
+    from flashmemory.costmodel.presets import H20_NODE
 
     f = fit()
     p = calibrated(H20_NODE, f, fitted_memory=True)

@@ -30,8 +30,9 @@ from flashmemory.costmodel import (
     resident_chunks,
     throughput_at,
 )
-from flashmemory.costmodel.anchors import H20_NODE, calibrated, fit, sized
+from flashmemory.costmodel.anchors import calibrated, fit, sized
 from flashmemory.costmodel.peers import kmax_for, peer_table
+from flashmemory.costmodel.presets import H20_NODE
 
 G = 1e9
 

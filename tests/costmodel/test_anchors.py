@@ -12,9 +12,6 @@ import pytest
 
 from flashmemory.cli import main
 from flashmemory.costmodel.anchors import (
-    B200_PD,
-    H20_NODE,
-    RTX6000_NODE,
     TOLERANCE,
     anchors,
     calibrated,
@@ -27,6 +24,7 @@ from flashmemory.costmodel.anchors import (
 )
 from flashmemory.costmodel.hisparse import HiSparseKnobs, swap_kernel_ms
 from flashmemory.costmodel.pools import Serving, bytes_per_full_token
+from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE
 
 F = fit()
 M1 = 1048576

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashmemory.costmodel.anchors import H20_NODE, calibrated, calibrated_hisparse, fit, tok_s
+from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, fit, tok_s
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.hisparse_prefetch import (
     CONTEXTS,
@@ -16,6 +16,7 @@ from flashmemory.costmodel.hisparse_prefetch import (
     projection,
     table,
 )
+from flashmemory.costmodel.presets import H20_NODE
 
 F = fit()
 P = calibrated(H20_NODE, F, fitted_memory=True)
