@@ -33,7 +33,8 @@ def compare_lines(recs: list[dict], other_dir: str, fmt: str, base: str = "Flash
     """Markdown: per budget, `base` and Full of this run beside the methods only `other_dir` ran, each with its
     task accuracy (Wilson 95%), agreement, top-k mass, mean resident pages, device and H2D bytes, over the
     documents both runs finished (n stated)."""
-    from flashmemory.eval.frontier_report import _ci, _flat, _fmt_bytes
+    from flashmemory.eval.frontier_markdown import _ci, _fmt_bytes
+    from flashmemory.eval.frontier_report import _flat
     from flashmemory.eval.harness import mean_rows
 
     other = load_records(other_dir, fmt)
