@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from flashmemory.bench.guard import require_disk, require_memory
+from flashmemory.bench.tier_store import check_written, close_store, store_dir
 from flashmemory.env import DiskTierConfig
 from flashmemory.errors import UserError
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
@@ -155,8 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lay = OffloadLayout(n_layers=args.layers, target_layers=(args.layers - 3, args.layers - 2, args.layers - 1))
     pb, k, cmax = disk_page_bytes(lay), args.pages, max(args.conc)
     n = k * cmax
-    own = not args.dir
-    d = tempfile.mkdtemp(prefix="fm-bench-tier-") if own else args.dir
+    d, own = store_dir(args.dir, "fm-bench-tier-")
     pin = dev.type == "cuda"
     host = torch.empty((n, pb), dtype=torch.uint8, pin_memory=pin).random_(0, 256)
     staging = torch.empty((n, pb), dtype=torch.uint8, pin_memory=pin)
@@ -183,13 +182,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         for i in range(n):
             cache.put(f"req{i // k}", i % k, memoryview(hnp[i]))
-        cache.flush()
-        if cache.pinned_pages or cache.counters.write_errors:
-            raise UserError(
-                f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the "
-                f"page store ({cache.counters.write_errors} write errors: disk full or failing); the "
-                "timings would measure host memory, not the disk"
-            )
+        check_written(cache, d, n, "; the timings would measure host memory, not the disk")
         if not store.direct:
             os.fsync(store.fd)
         out["write_gbps"] = n * pb / (time.perf_counter() - t) / 1e9
@@ -247,10 +240,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         out["context"] = args.context
         out["mirror_dram"] = [mirror_dram(lay, args.context, c) for c in sorted(args.conc)]
     finally:
-        cache.close()
-        store.close()
-        if own:
-            shutil.rmtree(d, ignore_errors=True)
+        close_store(cache, store, d, own)
     return out
 
 

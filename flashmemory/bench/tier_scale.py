@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from flashmemory.bench.tier_store import check_written, close_store, store_dir
 from flashmemory.errors import UserError
 from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.layout import OffloadLayout
@@ -205,8 +204,7 @@ def planned_bytes(a: argparse.Namespace) -> dict[str, int]:
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     need = planned_bytes(a)
     pb, n = need["page"], need["pages"]
-    own = not a.dir
-    d = tempfile.mkdtemp(prefix="fm-bench-tier-scale-") if own else a.dir
+    d, own = store_dir(a.dir, "fm-bench-tier-scale-")
     base = np.random.default_rng(a.seed).integers(0, 256, pb, dtype=np.uint8)
     staging = np.empty((a.kmax, pb), dtype=np.uint8)
     store = PageStore(d, need["disk"], pb, direct=not a.no_direct, what="--dir", size_what="--requests x --pages")
@@ -233,12 +231,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         for r in range(a.requests):
             for p in range(a.pages):
                 cache.put(f"req{r}", p, memoryview(page_bytes_of(r, p, base)))
-        cache.flush()
-        if cache.pinned_pages or cache.counters.write_errors:
-            raise UserError(
-                f"--dir {d}: {cache.pinned_pages} of {n} pages could not be written to the page store "
-                f"({cache.counters.write_errors} write errors: disk full or failing)"
-            )
+        check_written(cache, d, n)
         out["write_s"] = time.perf_counter() - t0
         for lead in a.lead_ms:
             cache.drop_clean()
@@ -265,11 +258,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                 }
             )
     finally:
-        if cache is not None:
-            cache.close()
-        store.close()
-        if own:
-            shutil.rmtree(d, ignore_errors=True)
+        close_store(cache, store, d, own)
     return out
 
 
