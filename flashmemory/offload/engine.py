@@ -374,10 +374,15 @@ class OffloadEngine(CoreAccess):
             self.stats.retire(st.rid)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
-        """One decode step's lifecycle in one call, in this order: finish `sync.finished`; per batch row, admit
-        (newest page made resident, then the warm start) and claim added mirror pages; then each append round.
-        Each part takes the lock itself as the separate calls do (the warm-start copy runs without it); the result
-        is read in one last hold: mirror pages and history of the synced rows, resident pages of `sync.batch`."""
+        """One decode step's lifecycle in one call, in this order: the caller's stores (`sync.stores`, one hold of
+        the lock), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then
+        the warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as
+        the separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
+        pages and history of the synced rows, resident pages of `sync.batch`."""
+        if sync.stores is not None:
+            s = sync.stores
+            self.store_chunks(s.m, s.layers, s.kv, s.index)
+        self.after_stores(sync)
         for row in sync.finished:
             self.finish(row)
         for rs in sync.rows:
@@ -396,3 +401,7 @@ class OffloadEngine(CoreAccess):
             return SyncResult(
                 cells, {r: tuple(st.mpages) for r, st in sts.items()}, {r: st.n_chunks for r, st in sts.items()}, res
             )
+
+    def after_stores(self, sync: BatchSync) -> None:
+        """Inside `sync_batch`, once the step's stores are in the mirror and before any row changes: nothing here
+        (the disk tier seals complete pages at this point)."""

@@ -1,10 +1,10 @@
 """One decode step's request lifecycle as plain data, applied by `OffloadEngine.sync_batch` in one call.
 
-A host driver (the sglang adapter) describes the step: rows to finish, then per batch row (in batch order) an
-admission and/or mirror pages to add, then rounds of decode appends (one chunk per listed row per round). The
-engine applies them in exactly that order, which is the order the separate calls (`finish`, `admit`,
-`open_tail_page`, warm start, `add_pages`, `decode_append`) were made in before, so reserve blocks, lookup
-table and resident tables come out identical.
+A host driver (the sglang adapter) describes the step: bytes of chunks it already appended that its storage
+now holds (`ChunkStore`), rows to finish, then per batch row (in batch order) an admission and/or mirror pages
+to add, then rounds of decode appends (one chunk per listed row per round). The engine applies them in exactly
+that order, the order of the separate calls (`store_chunks`, `finish`, `admit`, `open_tail_page`, warm start,
+`add_pages`, `decode_append`), so reserve blocks, lookup table and resident tables come out identical.
 """
 
 from __future__ import annotations
@@ -13,6 +13,20 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class ChunkStore:
+    """Bytes the caller's storage holds for mirror chunks m int64 [n] (on the core's device) of rows still
+    admitted, for c4 `layers`: kv uint8 [len(layers), n, kv_chunk_bytes] or None; index[j] uint8 [n,
+    index_chunk_bytes] of layer `layers[j]` or None. What `store_chunks` takes; in a `BatchSync` it is applied
+    before anything else (copy mode's settle of last step's appends, re-read from sglang's pool), so a page the
+    disk tier seals in the same step already holds these bytes."""
+
+    m: torch.Tensor
+    layers: tuple[int, ...]
+    kv: torch.Tensor | None = None
+    index: tuple[torch.Tensor | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,12 +67,13 @@ class AppendRound:
 @dataclass(frozen=True)
 class BatchSync:
     """batch: the step's engine row per batch position (-1: none), in batch order; the result carries their
-    resident pages as they stand after the sync (None: not read)."""
+    resident pages as they stand after the sync (None: not read). stores: applied first (None: nothing)."""
 
     finished: tuple[int, ...] = ()
     rows: tuple[RowSync, ...] = ()
     appends: tuple[AppendRound, ...] = ()
     batch: tuple[int, ...] | None = None
+    stores: ChunkStore | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 What changes against the plain engine (which `build_engine` returns whenever the tier is off, so the gates-off
 path is the unchanged engine):
 
-seal     At the start of every `sync_batch` (after the mode has settled the last step's entries into the mirror),
+seal     At the start of every `sync_batch` (once the step's stores, last step's entries, are in the mirror),
          each live request's complete pages (every logical page before the one holding its newest chunk) that
          are not sealed yet are packed (`disk.format.pack_page`: all c4 KV layers + Path-I index-K) and put into
          the host page cache as dirty pages; when the cache overflows, its least recently used pages are
@@ -160,11 +160,14 @@ class TieredEngine(OffloadEngine):
         self.sealed[row] = (st.gen, head)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
-        """Seal (rows not finishing in this step), then the plain engine's step. The calling thread is the decode
-        thread: the tier counts its every wait on disk I/O (`disk_decode_waits`)."""
+        """The plain engine's step, sealing in `after_stores`. The calling thread is the decode thread: the tier
+        counts its every wait on disk I/O (`disk_decode_waits`)."""
         self.tier.decode_thread = threading.get_ident()
-        self.seal(skip=set(sync.finished))
         return super().sync_batch(sync)
+
+    def after_stores(self, sync: BatchSync) -> None:
+        """Seal the rows not finishing in this step, after the step's stores: a sealed page never changes again."""
+        self.seal(skip=set(sync.finished))
 
     def finish(self, row: int) -> None:
         """The plain finish, then the request's pages leave the host cache and the disk (space returns)."""

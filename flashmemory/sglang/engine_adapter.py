@@ -2,10 +2,11 @@
 
 The core allocates mirror pages of its own; a new request's history is copied from the pool at admission, each
 step's new chunks are appended with the pool's current bytes and re-read from the pool for every layer at the
-next step (`settle_before_step`: sglang stores them during the forward), and before attention this step's
-entries are copied pool -> reserve cells (`refresh_from_pool`), so attention can read the reserve. It saves no
-device memory; shrink mode (`shrink.ShrunkOffload`) does. Shared behaviour and the protocol with its no-op
-defaults live in `offload_adapter.OffloadAdapter`; `adapter_factory.build` picks the mode.
+next step (`settle_before_step`, stored first by that step's `sync_batch`: sglang stores them during the
+forward), and before attention this step's entries are copied pool -> reserve cells (`refresh_from_pool`), so
+attention can read the reserve. It saves no device memory; shrink mode (`shrink.ShrunkOffload`) does. Shared
+behaviour and the protocol with its no-op defaults live in `offload_adapter.OffloadAdapter`;
+`adapter_factory.build` picks the mode.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload.sync import Admission, AppendRound
+from flashmemory.offload.sync import Admission, AppendRound, ChunkStore
 
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
 from flashmemory.sglang.geometry import (  # noqa: F401
@@ -59,13 +60,14 @@ class SGLangOffload(OffloadAdapter):
         """Layer `layer` of the pool was written at `locs`: mirror it, and into the reserve where resident."""
         self._copy_from_pool(locs.reshape(-1), [layer], kv=True, index=False)
 
-    def settle_before_step(self) -> None:
-        """Re-read last step's appended chunks from the pool for every layer (mirror, reserve, target index)."""
+    def settle_before_step(self) -> ChunkStore | None:
+        """Last step's appended chunks re-read from the pool for every layer, for the core to store first in this
+        step's `sync_batch` (mirror, reserve where resident, target index)."""
         if not self._unsettled:
-            return
+            return None
         locs = torch.cat(self._unsettled)
         self._unsettled = []
-        self._copy_from_pool(locs, range(self.geo.n_c4_layers), kv=True, index=True)
+        return self._pool_chunks(locs, range(self.geo.n_c4_layers), kv=True, index=True)
 
     def _mirror_pages_needed(self, n_chunks: int) -> int:
         return self.layout.pages_for(n_chunks)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload.sync import Admission, AppendRound, BatchSync, RowSync
+from flashmemory.offload.sync import Admission, AppendRound, BatchSync, ChunkStore, RowSync
 from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
@@ -87,7 +87,8 @@ class OffloadAdapter:
         # What Level 2 reads, lent once by the core (the same storage for its lifetime): the lookup table (mirror
         # chunk -> reserve cell) and the reserve.
         self._cells, self._storage = self.engine.cell_table(), self.engine.storage()
-        self.loc2m = torch.full((geo.n_locs + 1,), self.engine.no_chunk, dtype=torch.int64, device=self.device)
+        self._no_chunk = self.engine.no_chunk  # the mirror chunk id that reads -1 in the cell table (fixed)
+        self.loc2m = torch.full((geo.n_locs + 1,), self._no_chunk, dtype=torch.int64, device=self.device)
         self.rows: dict[str, int] = {}  # rid -> engine row
         self.pages: dict[int, list[int]] = {}  # engine row -> pool pages (logical page order)
         self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
@@ -172,9 +173,11 @@ class OffloadAdapter:
         """After a decode forward: this step's new entries to the mirror (default: nothing)."""
 
     # --- the mode's part of begin_step ---------------------------------------------------------------
-    def settle_before_step(self) -> None:
-        """First thing in `begin_step` (default: `settle`)."""
+    def settle_before_step(self) -> ChunkStore | None:
+        """First thing in `begin_step`: bytes of chunks appended earlier that the pool holds now, for the core to
+        store first in the step's `sync_batch` (default: `settle`, nothing to store)."""
         self.settle()
+        return None
 
     def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
         raise NotImplementedError(f"{type(self).__name__} must describe its admissions")
@@ -213,7 +216,7 @@ class OffloadAdapter:
         if pages:
             pc = self.geo.page_chunks
             idx = (torch.tensor(pages).unsqueeze(1) * pc + torch.arange(pc)).reshape(-1)
-            self.loc2m[idx.to(self.device)] = self.engine.no_chunk
+            self.loc2m[idx.to(self.device)] = self._no_chunk
 
     def _unmap(self, row: int) -> None:
         for per_row in (self.pages, self.mpages, self.hist):
@@ -264,8 +267,9 @@ class OffloadAdapter:
         """Sync requests before a decode forward. page_table: [B, P] c4 pool pages; seq_lens: [B] tokens with the
         current one. Returns engine rows [B] (-1: no c4 history yet). Vanished requests are finished, new ones
         admitted (`_admission`, newest KMAX pages made resident by the core's warm start), and each row's history
-        is extended to the chunks this step closes (`_append_round`): all of it in one `sync_batch` call."""
-        self.settle_before_step()
+        is extended to the chunks this step closes (`_append_round`): all of it, with the bytes of last step's
+        chunks the pool holds now (`settle_before_step`), in one `sync_batch` call."""
+        stores = self.settle_before_step()
         before, after = c4_counts(seq_lens.cpu())
         live = set(rids)
         finished = []
@@ -300,7 +304,7 @@ class OffloadAdapter:
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
         self._step_pages = None  # unknown if the sync raises
-        res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows)))
+        res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows), stores))
         self._step_pages = res.resident
         self.mpages.update(res.mpages)
         self.hist.update(res.n_chunks)
@@ -312,23 +316,30 @@ class OffloadAdapter:
 
     # --- copies from sglang's pool (copy mode's stores; either mode's HIP index stores) -----------------
     def _copy_from_pool(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> None:
-        """Pool locs [n] of `layers` -> the core's `store_chunks` (mirror, and the reserve where resident; one
-        gather per pool layer). Locs without a mirror chunk are left out."""
+        """Pool locs [n] of `layers` -> the core's `store_chunks` (mirror, and the reserve where resident)."""
+        st = self._pool_chunks(locs, layers, kv, index)
+        if st is not None:
+            self.engine.store_chunks(st.m, st.layers, st.kv, st.index)
+
+    def _pool_chunks(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> ChunkStore | None:
+        """The bytes of pool locs [n] of `layers` as a `ChunkStore` in the core's mirror chunks (one gather per
+        pool layer; KV if `kv`, the index-K the core keeps if `index`). Locs without a mirror chunk are left out;
+        None when none is left."""
         locs = locs.to(self.device).long()
         m = self.loc2m[locs.clamp(0, self.geo.n_locs)]
-        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != self.engine.no_chunk)
+        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != self._no_chunk)
         if not bool(ok.any()):
-            return
+            return None
         locs, m = locs[ok], m[ok]
         layers, lay = list(layers), self.layout
         rows = read_chunk_rows(lay.kv, self.kv_bufs, locs, layers) if kv else None  # [len(layers), n, 584]
         kept = set(lay.target_layers) | set(lay.offload_index_layers)  # the index-K the core keeps
         ix = (
-            [read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None for l in layers]
+            tuple(read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None for l in layers)
             if index
             else None
         )
-        self.engine.store_chunks(m, layers, rows, ix)
+        return ChunkStore(m, tuple(layers), rows, ix)
 
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
         """sglang stored index-K of `layer` at pool locs (HIP path): mirror / target pool / reserve."""

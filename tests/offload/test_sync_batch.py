@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, check_invariants
@@ -139,3 +141,38 @@ def test_a_swapped_engine_lock_reaches_the_recaller() -> None:
     planned = lock.n
     publish_recall(eng, plan)
     assert planned >= 1 and lock.n > planned
+
+
+def test_stores_come_first_and_the_disk_tier_seals_their_bytes(tmp_path) -> None:
+    """`BatchSync.stores` is applied before anything else: equal to `store_chunks` then the step, and with the disk
+    tier the pages sealed in that step already hold the stored bytes (a sealed page never changes again)."""
+    from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
+    from flashmemory.offload.disk.format import pack_page
+    from flashmemory.offload.sync import ChunkStore
+    from flashmemory.offload.tiered_mirror import TieredEngine
+
+    pb = disk_page_bytes(LAYOUT)
+    tiered = TieredEngine(LAYOUT, CFG, HostPageCache(PageStore(str(tmp_path), 16 * (pb + 8192), pb), 64 * pb))
+    old, new = OffloadEngine(LAYOUT, CFG), OffloadEngine(LAYOUT, CFG)
+    try:
+        for eng in (old, new, tiered):
+            eng.sync_batch(BatchSync(rows=(RowSync(0, Admission(0, "a", 7, *chunks(7, 1))),)))
+            # a lagging row: two rounds close chunks 7 and 8 with stale bytes (page 1 fills, page 2 opens)
+            eng.sync_batch(BatchSync(rows=(RowSync(0),), appends=(AppendRound((0,), *chunks(1, 2)),) * 2))
+        m = torch.tensor([new.rows[0].mpages[1] * 4 + 3, new.rows[0].mpages[2] * 4], dtype=torch.int64)
+        kv, ix = chunks(2, 3)
+        fresh = ChunkStore(m, (0, 1, 2), kv, (ix[0], ix[1], ix[2]))
+        step = BatchSync(rows=(RowSync(0),), appends=(AppendRound((0,), *chunks(1, 4)),), batch=(0,))
+        old.store_chunks(m, [0, 1, 2], kv, [ix[0], ix[1], ix[2]])
+        res_old = old.sync_batch(step)
+        res_new = new.sync_batch(replace(step, stores=fresh))
+        a, b = state(old), state(new)
+        for k in a:
+            assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+        assert torch.equal(res_old.resident, res_new.resident)
+        assert torch.equal(new.mirror.kv[:, m // 4, :], old.mirror.kv[:, m // 4, :])
+        tiered.sync_batch(replace(step, stores=fresh))
+        assert tiered.sealed[0][1] == 2  # page 1 (chunks 4..7) is sealed in this step ...
+        assert tiered.held_page(0, 1) == bytes(pack_page(new.mirror, new.rows[0].mpages[1]))  # ... with chunk 7's
+    finally:
+        tiered.close()
