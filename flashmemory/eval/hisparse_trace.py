@@ -70,7 +70,7 @@ def _next_picks(recs: list[dict]) -> dict[tuple[int, int], list[int]]:
 
 def replay_trace(path: str, slots: int | None = None, oracle: bool = False) -> TraceReplay:
     """Replay a FLASHMEMORY_HISPARSE_TRACE file (JSON lines written by the HiSparse CPU swap-in,
-    `flashmemory.sglang.cpu.patches_hisparse.trace_swapin`): one hot buffer per (c4 layer, request slot), started
+    `flashmemory.sglang.cpu.hisparse_record.trace_swapin`): one hot buffer per (c4 layer, request slot), started
     over at each {"ev": "admit"} of its slot (empty when its prefill brought more c4 entries than the replayed
     size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the
     buffer size to replay (default: the recorded one; another size gives that buffer's cost on the same live

@@ -48,13 +48,13 @@ class ForwardContext:
 class HiSparseState:
     """What the HiSparse modes keep for the whole process; each part is created by the module that owns it.
 
-    swapin: `cpu.patches_hisparse.SwapInCounter`, the CPU swap-in totals (created on first use).
+    swapin: `cpu.hisparse_record.SwapInCounter`, the CPU swap-in totals (created on first use).
     trace_path: FLASHMEMORY_HISPARSE_TRACE, read once ("" = no trace; None = not read yet).
     trace_layers: data_ptr of a c4 layer's hot buffer -> its index, in order of first swap-in (guarded by
       trace_lock, which also serialises the trace file's appends).
     newest_pending: request slot -> (c4 entries that came with its prefill, data_ptrs of the c4 layers whose
       reserved slot is not loaded yet) (`cpu.patches_hisparse.admit_direct`).
-    prefetch: `hisparse_prefetch.PrefetchState`, the prefetch mode's buffers and counters (created on first use).
+    prefetch: `hisparse_prefetch_state.PrefetchState`, the prefetch mode's buffers and counters (created on first use).
     hint: `hisparse_hint.HintSource` when Level 1 is the prefetch hint source, else None.
     """
 

@@ -1,7 +1,7 @@
 """Level 1 as the hint source of the HiSparse prefetch mode (SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1 together with
 SGLANG_RETRIEVER_INLINE_CKPT): FlashMemory's Level 1 (`residency.level1.Level1`: cadence, worker thread, the
 retriever scorer, the page policy) runs on a HiSparse decode server with Path-P off, and each cycle's resident set
-becomes the request's prefetch hint (`hisparse_prefetch.resident_hint` -> `hisparse_prefetch.state().set_hint`).
+becomes the request's prefetch hint (`hisparse_prefetch_state.resident_hint` -> `.state().set_hint`).
 
 `HintSource` is the offload-engine side Level 1 talks to, reduced to what a hint needs; nothing is mirrored,
 reserved or recalled:
@@ -12,7 +12,7 @@ reserved or recalled:
   pool on the device (HiSparse keeps that pool full size: only the c4 KV lives in its hot buffer).
 - `recaller.recall(reqs)`: instead of copying pages, each request's pages in priority order (scored pages by
   score, then the recency tail) go to `publish`, which the mode binds to `resident_hint` (positions without the
-  newest top-k entries) and `hisparse_prefetch.state().set_hint` (capped at the cycle budget, <= H - K).
+  newest top-k entries) and `hisparse_prefetch_state.state().set_hint` (capped at the cycle budget, <= H - K).
 The side band's inputs (hidden states of the retriever's target layers, positions) are captured by this mode's own
 indexer hook (`hisparse_prefetch.around_indexer`), into the runtime's static side band (`runtime.Runtime`).
 """

@@ -82,7 +82,7 @@ SERVING_METRICS: dict[str, tuple[str, str]] = {
     ),
     "host_mirror_slots_in_use": ("gauge", "Host-mirror page slots holding a live page (0 when idle)"),
 }
-# sglang's own HiSparse on CPU (`flashmemory.sglang.cpu.patches_hisparse.SwapInCounter`, keys in this order): counters
+# sglang's own HiSparse on CPU (`flashmemory.sglang.cpu.hisparse_record.SwapInCounter`, keys in this order): counters
 # of its torch swap-in, exported by a HiSparse decode server (--enable-hisparse) instead of the metrics above.
 HISPARSE_SWAPIN_PREFIX = "hisparse_swapin_"
 HISPARSE_SWAPIN: dict[str, str] = {
@@ -92,7 +92,7 @@ HISPARSE_SWAPIN: dict[str, str] = {
     "misses": "HiSparse picks copied host -> device into the hot buffer",
     "bytes_h2d": "HiSparse bytes copied host -> device (misses x 584 B)",
 }
-# The HiSparse prefetch mode (`flashmemory.sglang.hisparse_prefetch.PrefetchCounter`, keys in this order); its
+# The HiSparse prefetch mode (`flashmemory.sglang.hisparse_prefetch_state.PrefetchCounter`, keys in this order); its
 # on-demand misses are the swap-in counters' `misses` (prefetch copies are not swap-ins there).
 HISPARSE_PREFETCH_PREFIX = "hisparse_prefetch_"
 HISPARSE_PREFETCH: dict[str, str] = {

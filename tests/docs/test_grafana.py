@@ -20,7 +20,7 @@ def exported_samples() -> set[str]:
     prometheus_client registry fed by the same code the servers run (counters as `_total`, the histogram as
     `_bucket` / `_sum` / `_count`)."""
     prom = pytest.importorskip("prometheus_client")
-    from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
+    from flashmemory.sglang.cpu.hisparse_record import SwapInCounter
     from flashmemory.sglang.prometheus import (
         HISPARSE_SWAPIN,
         HISPARSE_SWAPIN_PREFIX,
@@ -35,7 +35,7 @@ def exported_samples() -> set[str]:
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
     for k in HISPARSE_SWAPIN:  # the names SwapInCounter._export creates, in a registry of the test's own
         prom.Counter(PREFIX + HISPARSE_SWAPIN_PREFIX + k, k, registry=reg)
-    from flashmemory.sglang.hisparse_prefetch import PrefetchCounter
+    from flashmemory.sglang.hisparse_prefetch_state import PrefetchCounter
     from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
 
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS

@@ -13,6 +13,7 @@ from flashmemory.retriever.fp8 import dequantize_chunks, pages_to_chunks
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.sglang import hisparse_prefetch as hp
 from flashmemory.sglang.context import HiSparseState
+from flashmemory.sglang.hisparse_prefetch_state import PrefetchState
 from flashmemory.sglang.runtime import RUNTIME
 from tests.sglang.test_hisparse_prefetch import K, _coordinator
 
@@ -47,7 +48,7 @@ def _req_to_token() -> torch.Tensor:
 
 @pytest.fixture
 def hint_mode(monkeypatch):
-    state = hp.PrefetchState()
+    state = PrefetchState()
     monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(prefetch=state))
     env = FlashMemoryEnv(
         hisparse_prefetch=True,

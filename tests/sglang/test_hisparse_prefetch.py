@@ -13,6 +13,7 @@ from flashmemory.env import EnvError, FlashMemoryEnv
 from flashmemory.sglang import hisparse_prefetch as hp
 from flashmemory.sglang.context import HiSparseState
 from flashmemory.sglang.cpu.ops import hisparse as hs
+from flashmemory.sglang.hisparse_prefetch_state import PrefetchState
 from flashmemory.sglang.patching import StartupError, select
 from flashmemory.sglang.runtime import RUNTIME
 from flashmemory.sglang.targets import features_for
@@ -80,7 +81,7 @@ def _batch(rids, decode=True):
 
 @pytest.fixture
 def mode(monkeypatch):
-    state = hp.PrefetchState()
+    state = PrefetchState()
     monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(prefetch=state))
     monkeypatch.setattr(RUNTIME, "env", FlashMemoryEnv(hisparse_prefetch=True, hisparse_prefetch_width=16))
     return state
@@ -126,12 +127,6 @@ def test_no_target_is_hooked_by_both_the_cpu_layer_and_the_mode():
     cpu = {p.target for p in select(CPU_FEATURES) if p.kind in HOOK_KINDS}
     mode_rows = {p.target for p in select(features_for(env)) if p.kind in HOOK_KINDS}
     assert mode_rows and not cpu & mode_rows, cpu & mode_rows
-
-
-def test_resident_hint_expands_pages_and_leaves_the_tail(mode):
-    pos = hp.resident_hint(torch.tensor([3, -1, 0, 5]), n_entries=330, tail=40)
-    assert pos.tolist() == list(range(192, 256)) + list(range(0, 64))  # page 5 starts at 320 >= 330 - 40
-    assert hp.resident_hint(torch.tensor([0]), n_entries=10, tail=0).tolist() == list(range(9))  # never L-1
 
 
 def test_refused_without_dsv4_hisparse_with_sglang_prefetch_or_without_room(mode):

@@ -75,7 +75,7 @@ def test_serving_gauges_and_failure_counter_export():
 
 def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
     """The metrics table's HiSparse rows name exactly the counters `SwapInCounter` creates, in its order."""
-    from flashmemory.sglang.cpu.patches_hisparse import SwapInCounter
+    from flashmemory.sglang.cpu.hisparse_record import SwapInCounter
     from flashmemory.sglang.prometheus import HISPARSE_SWAPIN
 
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
@@ -83,7 +83,7 @@ def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
 
 def test_hisparse_prefetch_table_rows_are_the_counters_the_mode_exports():
     """The metrics table names every counter `PrefetchCounter` creates, in its order."""
-    from flashmemory.sglang.hisparse_prefetch import PrefetchCounter
+    from flashmemory.sglang.hisparse_prefetch_state import PrefetchCounter
     from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX, metrics_table
 
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS

@@ -134,8 +134,17 @@ def test_no_module_level_mutable_state_but_the_process_object():
     ],
 )
 def test_folded_singletons_stay_gone(name):
-    from flashmemory.sglang import guard, hisparse_prefetch, hooks, patching, plugin, prometheus
-    from flashmemory.sglang.cpu import patches_hisparse, patches_runtime
+    from flashmemory.sglang import (
+        guard,
+        hisparse_prefetch,
+        hisparse_prefetch_state,
+        hooks,
+        patching,
+        plugin,
+        prometheus,
+    )
+    from flashmemory.sglang.cpu import hisparse_record, patches_hisparse, patches_runtime
 
     mods = (patching, plugin, patches_runtime, guard, hooks, prometheus, hisparse_prefetch, patches_hisparse)
+    mods += (hisparse_record, hisparse_prefetch_state)
     assert not any(hasattr(m, name) for m in mods)

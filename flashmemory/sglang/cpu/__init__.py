@@ -7,7 +7,8 @@ Split by job (`README.md` maps each op to its sglang file:line and its test):
 - the patch tables (rows of `flashmemory.sglang.patch_spec.Patch`, applied by `flashmemory.sglang.patching`):
   `platform` (sglang's env switches and the CUDA-only wheels stubbed by `stubs`; also the `sglang.srt.platforms`
   entry point, activated in every sglang process before anything imports those wheels), `patches_kernels`,
-  `patches_runtime`, `patches_hisparse`, `pd`.
+  `patches_runtime`, `patches_hisparse` (its host pool hooks in `hisparse_pool`, its swap-in counters and trace in
+  `hisparse_record`), `pd`.
 - `install`: the `flashmemory_cpu` plugin entry point (the code rows of feature "cpu"); `cpu_platform`: the
   platform class. Importing this package does not import sglang.
 """

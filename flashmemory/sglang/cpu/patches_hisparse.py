@@ -3,39 +3,34 @@ replaced by the torch ops of `ops/hisparse.py`, as a table of `Patch` rows (see 
 
 Every hook is gated: it runs the torch version only when this process serves on CPU (the CPU layer's gate) with
 HiSparse on (`enable_hisparse` in the server args this process runs with); otherwise it calls sglang's own
-function unchanged. Paths are relative to the installed `sglang` package.
+function unchanged. Paths are relative to the installed `sglang` package. The host pool's hooks (allocation,
+budget, token and page copies) are in `hisparse_pool.py`; this module has the gate, the coordinator's hooks and the
+swap-in, and the one table.
 
-The swap-in keeps counters sglang does not (`swapin()`, in `RUNTIME.hisparse`): lookups, hits, misses and bytes
-copied host -> device, per process; `swapin_counts()` reads them, and they are exported as Prometheus counters
-(`flashmemory_hisparse_swapin_*`, D's /metrics with --enable-metrics) and logged every `LOG_EVERY` calls. With
-FLASHMEMORY_HISPARSE_TRACE set (a diagnostic, off by default) every swap-in call's picks and counts and every
-direct admission are appended to that file as JSON lines (`trace_swapin`), for `eval.hisparse_trace.replay_trace`.
+The swap-in hook counts every call and, with FLASHMEMORY_HISPARSE_TRACE set, traces it (and every direct admission)
+through `hisparse_record.py`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from flashmemory.sglang.cpu.hisparse_record import swapin, trace_path, trace_swapin, trace_write
 from flashmemory.sglang.cpu.ops.hisparse import (
     ITEM_BYTES,
-    SwapInCounts,
     copy_c4_tokens,
     load_cache_to_device_buffer_dsv4,
 )
 from flashmemory.sglang.patch_spec import Patch
 from flashmemory.sglang.runtime import RUNTIME
 
-logger = logging.getLogger(f"sglang.{__name__}")
 _HP = "flashmemory.sglang.cpu.patches_hisparse"
+_POOL = "flashmemory.sglang.cpu.hisparse_pool"  # the host pool's hooks
 _CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 _HOST = "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool"
-LOG_EVERY = 256  # swap-in calls between two counter log lines
 
 
 def _server_args() -> Any:
@@ -57,139 +52,7 @@ def hisparse_on_cpu() -> bool:
     return serving_on_cpu() and bool(getattr(_server_args(), "enable_hisparse", False))
 
 
-class SwapInCounter:
-    """Running totals of the torch swap-in (thread safe), mirrored to Prometheus counters when available."""
-
-    KEYS = ("calls", "lookups", "hits", "misses", "bytes_h2d")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.totals = dict.fromkeys(self.KEYS, 0)
-        self.prom: dict[str, Any] | None = None
-
-    def add(self, c: SwapInCounts) -> dict[str, int]:
-        with self.lock:
-            step = {"calls": 1, "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "bytes_h2d": c.bytes_h2d}
-            for k, v in step.items():
-                self.totals[k] += v
-            snap = dict(self.totals)
-        self._export(step)
-        if snap["calls"] % LOG_EVERY == 1:
-            logger.info("FlashMemory HiSparse CPU swap-in: %s", " ".join(f"{k}={v}" for k, v in snap.items()))
-        return snap
-
-    def _export(self, step: dict[str, int]) -> None:
-        if self.prom is None:
-            self.prom = {}
-            try:
-                from prometheus_client import Counter
-
-                for k in self.KEYS:
-                    self.prom[k] = Counter(
-                        f"flashmemory_hisparse_swapin_{k}",
-                        f"HiSparse CPU swap-in {k} (torch swap-in, per c4 layer call)",
-                    )
-            except (ImportError, ValueError) as e:  # no prometheus_client, or registered twice in this process
-                logger.warning("FlashMemory HiSparse: swap-in counters not exported (%s)", e)
-        for k, m in self.prom.items():
-            if step[k]:
-                m.inc(step[k])
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.totals)
-
-
-def swapin() -> SwapInCounter:
-    """The process's swap-in counter (`RUNTIME.hisparse.swapin`), created on first use."""
-    if RUNTIME.hisparse.swapin is None:
-        RUNTIME.hisparse.swapin = SwapInCounter()
-    return RUNTIME.hisparse.swapin
-
-
-def swapin_counts() -> dict[str, int]:
-    """The process's swap-in totals: calls, lookups, hits, misses, bytes_h2d (misses x 584 B)."""
-    return swapin().snapshot()
-
-
 # --- hooks ----------------------------------------------------------------------------------------------------
-
-
-def alloc_host(
-    original: Callable,
-    dims: tuple,
-    dtype: torch.dtype,
-    device: str,
-    pin_memory: bool,
-    allocator: Any,
-    registration_granularity_bytes: int | None = None,
-) -> torch.Tensor:
-    """`alloc_with_host_register` (pool_host/common.py:330) without `cudaHostRegister` (:147): a plain host
-    tensor from sglang's allocator, unpinned."""
-    if not hisparse_on_cpu():
-        return original(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes)
-    return allocator.allocate(dims, dtype=dtype, device=device)
-
-
-def host_budget(original: Callable, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
-    """`host_memory_budget_bytes` (pool_host/base.py:84-108) keeps 10 GiB of free RAM back
-    (`HICACHE_HOST_MEMORY_RESERVE_BYTES`, :28) for a GPU host; on CPU the whole server lives in that RAM and the
-    HiSparse host pool of a small model is a few MB, so on a busy box the check went negative ("Requesting
-    0.00 GB but only have -6.33 GB free", memory_pool_host.py:290-296). With the gate on, the reserve is not
-    kept back (the pool must still fit in the free RAM)."""
-    budget = original(requested_bytes, auto_size=auto_size)
-    if not hisparse_on_cpu():
-        return budget
-    from sglang.srt.mem_cache.pool_host import base
-
-    if base._host_memory_budget.get() is not None:  # inside sglang's booking scope: its own snapshot
-        return budget
-    return budget + base.HICACHE_HOST_MEMORY_RESERVE_BYTES
-
-
-def trace_path() -> str:
-    """FLASHMEMORY_HISPARSE_TRACE, read once per process ("" = no trace; `RUNTIME.hisparse.trace_path`)."""
-    st = RUNTIME.hisparse
-    if st.trace_path is None:
-        from flashmemory.env import hisparse_trace
-
-        st.trace_path = hisparse_trace()
-    return st.trace_path
-
-
-def _trace_write(rec: dict[str, Any]) -> None:
-    st = RUNTIME.hisparse
-    with st.trace_lock, open(st.trace_path or "", "a") as f:
-        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-
-
-def trace_swapin(
-    layer_state: torch.Tensor,
-    picks: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    hot: int,
-    c: SwapInCounts,
-) -> None:
-    """One JSON line per swap-in call: {"ev": "swapin", "layer": c4 layer index (by the layer's state tensor, in
-    order of first call), "hot", "k", "rows": [[request slot, compressed length, [picks]] per real row], and the
-    op's "lookups", "hits", "misses"}. picks: int [real rows, k], taken before the op ran."""
-    st = RUNTIME.hisparse
-    with st.trace_lock:
-        layer = st.trace_layers.setdefault(int(layer_state.data_ptr()), len(st.trace_layers))
-    rows = [[int(req_pool_indices[b]), int(seq_lens[b]), picks[b].tolist()] for b in range(picks.shape[0])]
-    _trace_write(
-        {
-            "ev": "swapin",
-            "layer": layer,
-            "hot": hot,
-            "k": int(picks.shape[1]),
-            "rows": rows,
-            "lookups": c.lookups,
-            "hits": c.hits,
-            "misses": c.misses,
-        }
-    )
 
 
 def admit_direct(result: Any, self: Any, req: Any) -> None:
@@ -202,7 +65,7 @@ def admit_direct(result: Any, self: Any, req: Any) -> None:
         return
     rid, n0 = int(req.kv.req_pool_idx), int(self.host_token_len(req.kv.kv_allocated_len))
     if trace_path():  # the slot's hot buffer starts over: empty when longer than the buffer, else 0..H-1
-        _trace_write({"ev": "admit", "rid": rid, "entries": n0, "empty": n0 > self.device_buffer_size})
+        trace_write({"ev": "admit", "rid": rid, "entries": n0, "empty": n0 > self.device_buffer_size})
     pending = RUNTIME.hisparse.newest_pending
     if n0 > self.device_buffer_size:
         pending[rid] = (n0, {int(b.data_ptr()) for b in self.mem_pool_device.kv_buffer})
@@ -326,70 +189,6 @@ def swap_in_dsv4(
         trace_swapin(device_buffer_tokens, picks, req_pool_indices, seq_lens, hot_buffer_size, counts)
 
 
-def backup_tokens(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-    """`DeepSeekV4PagedHostPool.backup_tokens_from_device_all_layer` (memory_pool_host.py:501-515; JIT
-    `transfer_cache_dsv4_mla` on pointer tables, hisparse.cuh:227-286): token copy device -> host, every layer."""
-    if not hisparse_on_cpu() or self.layout != "layer_first":
-        return original(self, host_indices, device_indices)
-    if not self._has_transfer_indices(host_indices, device_indices):
-        return None
-    for dev, host in zip(self.device_buffers, self.kv_buffer):
-        copy_c4_tokens(dev, host, device_indices.reshape(-1), host_indices.reshape(-1))
-    return None
-
-
-def _page_rows(pool: Any, dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """Whole c4 page rows: dst[row] <- src[row] for the page-aligned token index lists (slot 0 of each page)."""
-    dst[pool._to_page_indices(dst_idx).to(torch.int64)] = src[pool._to_page_indices(src_idx).to(torch.int64)]
-
-
-def backup_all_layers(
-    original: Callable,
-    self: Any,
-    device_pool: Any,
-    host_indices: torch.Tensor,
-    device_indices: torch.Tensor,
-    io_backend: str,
-) -> None:
-    """`backup_from_device_all_layer` (memory_pool_host.py:517): its page path calls `transfer_kv_all_layer_mla`,
-    imported only on CUDA/HIP (:44-53, a NameError on CPU) -> page-row copies; the token path as above."""
-    if not hisparse_on_cpu() or self.layout != "layer_first":
-        return original(self, device_pool, host_indices, device_indices, io_backend)
-    if not self._has_transfer_indices(host_indices, device_indices):
-        return None
-    if host_indices.numel() % self.slot_page_size or device_indices.numel() % self.slot_page_size:
-        return self.backup_tokens_from_device_all_layer(host_indices, device_indices)
-    for dev, host in zip(self.device_buffers, self.kv_buffer):
-        _page_rows(self, host, dev, host_indices, device_indices)
-    return None
-
-
-def load_layer(
-    original: Callable,
-    self: Any,
-    device_pool: Any,
-    host_indices: torch.Tensor,
-    device_indices: torch.Tensor,
-    layer_id: int,
-    io_backend: str,
-    *,
-    is_draft: bool = False,
-) -> None:
-    """`load_to_device_per_layer` (memory_pool_host.py:609-660), the preload of a short request: its token path
-    calls JIT `transfer_cache_dsv4_mla` (:629), its page path `transfer_kv_per_layer_mla` (:640, CUDA/HIP only)
-    -> token copies / page-row copies host -> device for `layer_id`."""
-    if not hisparse_on_cpu() or self.layout != "layer_first":
-        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-    if not self._has_transfer_indices(host_indices, device_indices):
-        return None
-    host, dev = self.kv_buffer[layer_id], self.device_buffers[layer_id]
-    if host_indices.numel() % self.slot_page_size or device_indices.numel() % self.slot_page_size:
-        copy_c4_tokens(host, dev, host_indices.reshape(-1), device_indices.reshape(-1))
-    else:
-        _page_rows(self, dev, host, device_indices, host_indices)
-    return None
-
-
 def eager_backup(
     original: Callable,
     self: Any,
@@ -457,7 +256,7 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
         "cpu",
         "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register",
         "around",
-        f"{_HP}:alloc_host",
+        f"{_POOL}:alloc_host",
         ("dims", "dtype", "device", "pin_memory", "allocator"),
         "pool_host/common.py:147,330,453 cudaHostRegister via torch.cuda.cudart() (memory_pool_host.py:306) "
         "-> an unpinned host tensor",
@@ -466,7 +265,7 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
         "cpu",
         "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes",
         "around",
-        f"{_HP}:host_budget",
+        f"{_POOL}:host_budget",
         ("requested_bytes",),
         "pool_host/base.py:28,104-108 a 10 GiB free-RAM reserve for GPU hosts "
         "(memory_pool_host.py:290) -> no reserve on CPU",
@@ -484,7 +283,7 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
         "cpu",
         f"{_HOST}.backup_tokens_from_device_all_layer",
         "around",
-        f"{_HP}:backup_tokens",
+        f"{_POOL}:backup_tokens",
         ("self", "host_indices", "device_indices"),
         "memory_pool_host.py:510 JIT transfer_cache_dsv4_mla (hisparse.cuh:227-286) -> torch token copy",
     ),
@@ -492,7 +291,7 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
         "cpu",
         f"{_HOST}.backup_from_device_all_layer",
         "around",
-        f"{_HP}:backup_all_layers",
+        f"{_POOL}:backup_all_layers",
         ("self", "device_pool", "host_indices", "device_indices", "io_backend"),
         "memory_pool_host.py:517,535 transfer_kv_all_layer_mla (CUDA/HIP import :44-53) -> page-row copies",
     ),
@@ -500,7 +299,7 @@ HISPARSE_PATCHES: tuple[Patch, ...] = (
         "cpu",
         f"{_HOST}.load_to_device_per_layer",
         "around",
-        f"{_HP}:load_layer",
+        f"{_POOL}:load_layer",
         ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend"),
         "memory_pool_host.py:629,640 transfer_cache_dsv4_mla / transfer_kv_per_layer_mla -> torch copies",
     ),

@@ -1,6 +1,7 @@
-"""The HiSparse CPU patches (flashmemory/sglang/cpu/patches_hisparse.py): stock behaviour with the gate off, and
-with it on, byte-exact torch copies on sglang's real `DeepSeekV4PagedHostPool`, the backup rule of
-`_eager_backup_previous_token` and counted swap-ins."""
+"""The HiSparse CPU patches (flashmemory/sglang/cpu/patches_hisparse.py): the gate, stock behaviour with it off
+(every hook, the host pool's too), and with it on the backup rule of `_eager_backup_previous_token` on sglang's
+real `DeepSeekV4PagedHostPool`, counted swap-ins, the PD admission's newest entry and the table. The host pool's
+copies are in test_hisparse_pool.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 pytest.importorskip("sglang")
 
 from flashmemory.sglang.context import HiSparseState  # noqa: E402
+from flashmemory.sglang.cpu import hisparse_pool as hpool  # noqa: E402
 from flashmemory.sglang.cpu import patches_hisparse as hp  # noqa: E402
+from flashmemory.sglang.cpu.hisparse_record import SwapInCounter  # noqa: E402
 from flashmemory.sglang.cpu.ops import hisparse as hs  # noqa: E402
 from flashmemory.sglang.runtime import RUNTIME  # noqa: E402
 
@@ -86,51 +89,14 @@ def test_gate_is_off_outside_a_hisparse_cpu_server(monkeypatch, args, on):
 def test_gate_off_calls_sglang_unchanged():
     pool, orig = _pool(), Recorder()
     h, d = torch.arange(3), torch.arange(3)
-    assert hp.backup_tokens(orig, pool, h, d) == "stock"
-    assert hp.backup_all_layers(orig, pool, None, h, d, "kernel") == "stock"
-    assert hp.load_layer(orig, pool, None, h, d, 1, "kernel", is_draft=True) == "stock"
-    assert hp.alloc_host(orig, (2, 3), torch.uint8, "cpu", True, None) == "stock"
+    assert hpool.backup_tokens(orig, pool, h, d) == "stock"
+    assert hpool.backup_all_layers(orig, pool, None, h, d, "kernel") == "stock"
+    assert hpool.load_layer(orig, pool, None, h, d, 1, "kernel", is_draft=True) == "stock"
+    assert hpool.alloc_host(orig, (2, 3), torch.uint8, "cpu", True, None) == "stock"
     assert hp.destroy(orig, object()) == "stock"
     assert hp.eager_backup(orig, "co", 1, 2, 3, 4) == "stock"
     assert len(orig.calls) == 6
     assert orig.calls[2] == ((pool, None, h, d, 1, "kernel"), {"is_draft": True})
-
-
-def test_backup_tokens_copies_every_layer_byte_exact(gate):
-    pool = _pool()
-    before = [b.clone() for b in pool.kv_buffer]
-    dev_locs, host_locs = torch.tensor([5, 130, 64]), torch.tensor([200, 3, 77])
-    hp.backup_tokens(None, pool, host_locs, dev_locs)
-    for layer in range(2):
-        for dl, hl in zip(dev_locs.tolist(), host_locs.tolist()):
-            assert _token(pool.kv_buffer[layer], hl) == _token(pool.device_buffers[layer], dl)
-        changed = (pool.kv_buffer[layer] != before[layer]).view(-1).nonzero().numel()
-        assert changed <= 3 * hs.ITEM_BYTES  # nothing outside the three tokens moved
-
-
-def test_load_layer_token_and_page_paths(gate):
-    pool = _pool()
-    hp.load_layer(None, pool, None, torch.tensor([9, 250]), torch.tensor([1, 190]), 1, "kernel")
-    assert _token(pool.device_buffers[1], 1) == _token(pool.kv_buffer[1], 9)
-    assert _token(pool.device_buffers[1], 190) == _token(pool.kv_buffer[1], 250)
-    assert _token(pool.device_buffers[0], 1) != _token(pool.kv_buffer[0], 9)  # the other layer is untouched
-    # page-aligned lists (64 tokens = host page 3 -> device page 2): whole page rows, the padding included
-    hp.load_layer(None, pool, None, torch.arange(192, 256), torch.arange(128, 192), 0, "kernel")
-    assert torch.equal(pool.device_buffers[0][2], pool.kv_buffer[0][3])
-
-
-def test_backup_all_layers_page_path(gate):
-    pool = _pool()
-    hp.backup_all_layers(None, pool, None, torch.arange(0, 64), torch.arange(64, 128), "kernel")
-    for layer in range(2):
-        assert torch.equal(pool.kv_buffer[layer][0], pool.device_buffers[layer][1])
-
-
-def test_alloc_host_is_plain_and_unpinned(gate):
-    calls = []
-    alloc = SimpleNamespace(allocate=lambda dims, dtype, device: calls.append(dims) or torch.zeros(dims, dtype=dtype))
-    t = hp.alloc_host(None, (2, 5), torch.uint8, "cpu", True, alloc)
-    assert calls == [(2, 5)] and t.shape == (2, 5) and not t.is_pinned()
 
 
 def test_eager_backup_rule(gate):
@@ -138,7 +104,7 @@ def test_eager_backup_rule(gate):
     slot 1 (seq 61: position 14 > hot -> reserved slot 8), slot 2 (seq 14: nothing new) and slot 3 (first
     step after staging: skipped once)."""
     pool = _pool()
-    pool.backup_tokens_from_device_all_layer = lambda h, d: hp.backup_tokens(None, pool, h, d)  # as installed
+    pool.backup_tokens_from_device_all_layer = lambda h, d: hpool.backup_tokens(None, pool, h, d)  # as installed
     hot, width = 8, 8 + hs.C4_PAGE
     req_to_device = torch.arange(4 * width, dtype=torch.int64).view(4, width) % (3 * hs.C4_PAGE)
     co = SimpleNamespace(
@@ -169,7 +135,7 @@ def test_eager_backup_rule(gate):
 
 
 def test_swap_in_is_counted_and_refuses_other_modes(gate, monkeypatch):
-    counter = hp.SwapInCounter()
+    counter = SwapInCounter()
     monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(swapin=counter))
     hot, k, width = 4, 3, 4 + hs.C4_PAGE
     g = torch.Generator().manual_seed(1)
@@ -213,19 +179,6 @@ def test_table_names_sglang_lines_and_resolves():
     for p in hp.HISPARSE_PATCHES:
         assert ".py:" in p.why and p.feature in ("cpu", "cpu_pd"), p.target
         assert callable(load_impl(p))
-
-
-def test_host_budget_drops_the_gpu_reserve_only_with_the_gate(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import base
-
-    assert hp.host_budget(lambda r, auto_size: -5, 0) == -5
-    monkeypatch.setattr(hp, "hisparse_on_cpu", lambda: True)
-    assert hp.host_budget(lambda r, auto_size: -5, 0) == base.HICACHE_HOST_MEMORY_RESERVE_BYTES - 5
-    token = base._host_memory_budget.set(7)  # inside sglang's booking scope: its snapshot stands
-    try:
-        assert hp.host_budget(lambda r, auto_size: 7, 0) == 7
-    finally:
-        base._host_memory_budget.reset(token)
 
 
 def test_mooncake_sender_takes_the_host_index_path_on_cpu(monkeypatch):
