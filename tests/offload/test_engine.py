@@ -1,6 +1,14 @@
-"""Engine invariants under random admit / decode / cycle / finish / reuse sequences, plus exhaustion."""
+"""Engine invariants under random admit / decode / cycle / finish / reuse sequences, plus exhaustion.
+
+Two sizes of the state machine, each the same derandomized examples on every machine: `make test` runs 15
+examples (1,067 checked steps, about a minute on one core: the invariant check walks every row in Python after
+each step, ~50 ms a step); `FLASHMEMORY_TEST_THOROUGH=1 make test` runs 60 (3,510 steps, 2.5-4 minutes on a quiet
+box: the suite's longest test when it was the default).
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -157,9 +165,12 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 # derandomize + no example database: the same examples on every machine, so the step count below is stable
-# (a local .hypothesis database would replay shrunk, shorter examples first).
+# (a local .hypothesis database would replay shrunk, shorter examples first). (examples, checked-step floor) per
+# size: measured 1,067 steps for 15 examples and 3,510 for 60.
+THOROUGH = os.environ.get("FLASHMEMORY_TEST_THOROUGH", "") == "1"
+EXAMPLES, STEP_FLOOR = (60, 2000) if THOROUGH else (15, 1000)
 EngineMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=EXAMPLES,
     stateful_step_count=70,
     deadline=None,
     suppress_health_check=list(HealthCheck),
@@ -175,7 +186,7 @@ def test_machine_ran_enough_steps():
         import pytest
 
         pytest.skip("state machine not run in this session")
-    assert STEPS[0] >= 2000, f"only {STEPS[0]} checked steps"
+    assert STEPS[0] >= STEP_FLOOR, f"only {STEPS[0]} checked steps (floor {STEP_FLOOR} for {EXAMPLES} examples)"
     print(f"state machine: {STEPS[0]} checked steps")
 
 

@@ -1,18 +1,111 @@
 """sglang's own load_plugins() discovers and runs our entry point (subprocess: HookRegistry is global).
 
+Each case runs in a process of its own, forked from one module-scoped process that has imported sglang's plugin
+loader and the hook targets' modules and nothing else (`Forker`): no plugin loaded, nothing registered or patched,
+as in a fresh process. Importing sglang costs 20-30 s of CPU, paid once for the module instead of once per case.
 Needs the entry point installed (`pip install -e .`); skipped otherwise.
 """
 
 import importlib.metadata as md
 import json
 import os
+import selectors
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.sglang
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The forking process: imports sglang's modules (the plugin loader, every hook target's module), then per
+# request line {"script", "env", "out", "err"} forks a child that writes its stdout/stderr to those files, adds
+# `env` to its environment, runs `script` as __main__ and exits; the parent answers {"rc": exit status}.
+FORKER = r"""
+import importlib, json, os, sys, traceback
+import sglang.srt.plugins
+for target in json.loads(os.environ["FM_TARGETS"]):
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+# as in a fresh process: sglang's import loaded the CPU platform's entry point, and no plugin yet
+assert not sglang.srt.plugins._plugins_loaded and "flashmemory.sglang.plugin" not in sys.modules
+print("READY", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        rc = 0
+        try:
+            new = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["out"], new), (2, req["err"], new)):
+                os.dup2(os.open(path, flags, 0o644), fd)
+            os.environ.update(req["env"])
+            exec(compile(req["script"], "<case>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+os._exit(0)  # stdin closed: every case has ended (an orderly interpreter exit after sglang's imports takes ~20 s)
+"""
+
+
+class Forker:
+    """A running FORKER process (stdin/stdout pipes); `run` sends one case and waits for its exit status."""
+
+    def __init__(self, env: dict[str, str], targets: list[str], timeout_s: float = 240) -> None:
+        self.timeout_s = timeout_s
+        env = {**env, "FM_TARGETS": json.dumps(targets)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FORKER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._line() == "READY", "the forking process did not start"
+
+    def _line(self) -> str:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(self.timeout_s):
+            self.proc.kill()
+            raise AssertionError(f"the forking process did not answer within {self.timeout_s:.0f} s")
+        return self.proc.stdout.readline().strip()
+
+    def run(self, script: str, env: dict[str, str], tmp: Path) -> subprocess.CompletedProcess:
+        """`script` in a fresh child with `env` added: its exit status, stdout and stderr."""
+        out, err = tmp / "case.out", tmp / "case.err"
+        self.proc.stdin.write(json.dumps({"script": script, "env": env, "out": str(out), "err": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        rc = json.loads(self._line())["rc"]
+        return subprocess.CompletedProcess([], rc, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def forker():
+    """One FORKER for the module, with the environment each case starts from (no SGLANG_* or FLASHMEMORY*)."""
+    pytest.importorskip("sglang")
+    from flashmemory.sglang.targets import SPECS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
+    f = Forker({**env, "PYTHONPATH": ROOT}, sorted({s.target for s in SPECS}))
+    try:
+        yield f
+    finally:
+        f.close()
+
+
 SCRIPT = r"""
 import json, logging
 from flashmemory.sglang import targets
@@ -36,10 +129,8 @@ for gates in ({}, json.loads(os.environ["FM_GATES_ON"])):  # one process: import
 """
 
 
-def _run(gates_on):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
-    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_GATES_ON": json.dumps(gates_on)})
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+def _run(forker, gates_on, tmp: Path):
+    p = forker.run(SCRIPT, {"SGLANG_PLUGINS": "flashmemory", "FM_GATES_ON": json.dumps(gates_on)}, tmp)
     lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert len(lines) == 2, p.stderr[-3000:]
     return lines
@@ -52,14 +143,16 @@ def installed():
         pytest.skip("flashmemory entry point not installed (run make setup)")
 
 
-def test_gates_off_patch_nothing_and_on_patch_all(installed):
+def test_gates_off_patch_nothing_and_on_patch_all(installed, forker, tmp_path):
     off, on = _run(
+        forker,
         {
             "SGLANG_FLASHMEMORY_DUMP": "1",
             "SGLANG_FLASHMEMORY_DUMP_ROOT": "/tmp",
             "SGLANG_PATHP_SCORE_RESIDENT": "1",
             "SGLANG_PATHP_CUDAGRAPH": "1",
-        }
+        },
+        tmp_path,
     )
     assert off["err"] is None and off["state"] == {"features": [], "targets": [], "cpu_targets": []}
     assert off["patched"] == []
@@ -119,7 +212,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_path_p_startup_builds_the_adapter(installed, tmp_path):
+def test_path_p_startup_builds_the_adapter(installed, forker, tmp_path):
     from flashmemory.retriever import save_retriever
     from flashmemory.retriever.model import JointRetriever, RetrieverDims
 
@@ -127,10 +220,9 @@ def test_path_p_startup_builds_the_adapter(installed, tmp_path):
         JointRetriever((1,), RetrieverDims(hidden=16, rank=8, n_heads=2, head_dim=128, rope_dim=64)),
         tmp_path / "tiny.safetensors",
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
-    env.update(
+    p = forker.run(
+        PATHP,
         {
-            "PYTHONPATH": ROOT,
             "SGLANG_PLUGINS": "flashmemory",
             "FM_TESTS": os.path.dirname(__file__),
             "SGLANG_DECODE_SWAP_P": "1",
@@ -140,9 +232,9 @@ def test_path_p_startup_builds_the_adapter(installed, tmp_path):
             "SGLANG_PATHP_RESERVE_PAGES": "4",
             "SGLANG_PATHP_PAGE_KMAX": "2",
             "SGLANG_DSV4_TARGET_CONTEXT": "4096",
-        }
+        },
+        tmp_path,
     )
-    p = subprocess.run([sys.executable, "-c", PATHP], env=env, capture_output=True, text=True, timeout=240)
     lines = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, p.stderr[-3000:]
     assert lines[0]["err"] is None, lines[0]["err"]
@@ -173,7 +265,7 @@ for case in json.loads(os.environ["FM_CASES"]):
 """
 
 
-def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
+def test_bad_checkpoint_stops_startup_at_registration(installed, forker, tmp_path):
     """Missing, truncated, NaN, wrong-layer and wrong-hidden-size checkpoints stop load_plugins() with one line, before
     any hook is applied (so before sglang builds the pool or loads the model)."""
     from safetensors.torch import load_file, save_file
@@ -199,9 +291,7 @@ def test_bad_checkpoint_stops_startup_at_registration(installed, tmp_path):
         {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(ck), "SGLANG_RETRIEVER_INLINE_LAYERS": "2"}, "argv": []},
         {"env": base | {"SGLANG_RETRIEVER_INLINE_CKPT": str(ck)}, "argv": ["--model-path", str(tmp_path / "model")]},
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
-    env.update({"PYTHONPATH": ROOT, "SGLANG_PLUGINS": "flashmemory", "FM_CASES": json.dumps(cases)})
-    p = subprocess.run([sys.executable, "-c", BADCKPT], env=env, capture_output=True, text=True, timeout=240)
+    p = forker.run(BADCKPT, {"SGLANG_PLUGINS": "flashmemory", "FM_CASES": json.dumps(cases)}, tmp_path)
     res = [json.loads(ln[6:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert len(res) == len(cases), p.stderr[-3000:]
     want = [
