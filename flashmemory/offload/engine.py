@@ -5,10 +5,10 @@ order, lock) are its own: callers outside `flashmemory.offload` and `flashmemory
 verbs here (`sync_batch` for a whole decode step; `admit`, `decode_append`, `add_pages`, `open_tail_page`,
 `finish`) and the verbs of `access.CoreAccess` (forward order, Level-2 reads, stores of bytes the caller holds,
 queries; shrink mode's adapter uses `cell_table`, `no_chunk`, `slots`, `storage`, `settle_cells` and
-`store_index_pages`). All host bookkeeping happens under the core's lock, taken inside the verbs. Level-1 recall is
-executed by `engine.recaller` (`flashmemory.offload.recall.Recaller`, built here from the parts it needs; that
-module never imports this one), which takes the same lock to plan and to publish and copies bytes without it.
-Planners outside the core read `snapshot_rows()` instead of the rows.
+`store_index_pages`). All host bookkeeping happens under the core's lock, taken inside the verbs. Level-1
+recall is executed by `engine.recaller` (`flashmemory.offload.recall.Recaller`, handed one `RecallState` of the
+parts it needs; that module never imports this one), which takes the same lock to plan and to publish and
+copies bytes without it. Planners outside the core read `snapshot_rows()` instead of the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
 from flashmemory.offload.mirror import HostMirror, OffloadCapacityError
 from flashmemory.offload.recall import Recaller
+from flashmemory.offload.recall_types import RecallState
 from flashmemory.offload.reserve import BlockAllocator, DeviceReserve, TargetIndexPool
 from flashmemory.offload.rows import ResidentTables, RowState
 from flashmemory.offload.streams import ForwardOrder
@@ -83,7 +84,6 @@ class OffloadEngine(CoreAccess):
         self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
         self.inflight: set[int] = set()
         self.rows: list[RowState | None] = [None] * cfg.max_rows
-        self._lock = threading.RLock()
         self.stats, self._gen = OffloadMetrics(), 0
         # The forward stream and the forward gate: handed in at every step (`order.begin_forward`), never taken here.
         self.order = ForwardOrder(self.device)
@@ -92,22 +92,13 @@ class OffloadEngine(CoreAccess):
         self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.order)
         self.res_pages, self.res_blocks = self.tables.pages, self.tables.blocks
         self.res_mpages, self.res_count = self.tables.mpages, self.tables.count
-        self.recaller = Recaller(
-            layout=layout,
-            max_resident_pages=cfg.max_resident_pages,
-            rows=self.rows,
-            owner=self.owner,
-            inflight=self.inflight,
-            blocks=self.blocks,
-            lru=self.lru,
-            lut=self.lut,
-            mirror=self.mirror,
-            reserve=self.reserve,
-            tables=self.tables,
-            stats=self.stats,
-            lock=self._lock,
-            order=self.order,
-        )
+        # What recall shares with the engine (the same objects), and the lock guarding all host bookkeeping.
+        self.recall_state = RecallState(
+            layout=layout, max_resident_pages=cfg.max_resident_pages, rows=self.rows, owner=self.owner,
+            inflight=self.inflight, blocks=self.blocks, lru=self.lru, lut=self.lut, mirror=self.mirror,
+            reserve=self.reserve, tables=self.tables, stats=self.stats, order=self.order, lock=threading.RLock(),
+        )  # fmt: skip
+        self.recaller = Recaller(self.recall_state)
         self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock  # the recaller's
 
     def make_mirror(self, n_pages: int) -> HostMirror:
@@ -117,13 +108,13 @@ class OffloadEngine(CoreAccess):
 
     @property
     def lock(self) -> Any:
-        """The lock guarding all host bookkeeping (an RLock), shared with the recaller."""
-        return self._lock
+        """The lock guarding all host bookkeeping (an RLock), shared with the recaller (`recall_state.lock`)."""
+        return self.recall_state.lock
 
     @lock.setter
     def lock(self, lock: Any) -> None:
-        """Swap the lock (a bench wraps it to time holds); the recaller gets the same one."""
-        self._lock = self.recaller.lock = lock
+        """Swap the lock (a bench wraps it to time holds); the recaller takes the same one from then on."""
+        self.recall_state.lock = lock
 
     @property
     def copy_hook(self) -> Callable[[], None] | None:

@@ -1,9 +1,8 @@
 """Level-1 page recall, executed by a `Recaller`: plan (under the lock), copy (no lock), publish (under the lock).
 
-The engine builds one `Recaller` from exactly the parts recall touches (row states, block owners, free list, LRU,
-lookup table, mirror, reserve, resident tables, counters, lock, streams) and exposes it as `engine.recaller`;
-Level 1 (`flashmemory.residency.level1`) computes `RecallRequest`s without the lock and hands them over. This
-module imports no engine (the engine imports it), and nothing here reaches into another module's private names.
+The engine builds one `Recaller` over one `RecallState` (`recall_types`: the parts recall touches) and exposes
+it as `engine.recaller`; Level 1 (`flashmemory.residency.level1`) computes `RecallRequest`s without the lock and
+hands them over. This module imports no engine (the engine imports it), nor another module's private names.
 
 plan     For each request's selection: pages already resident are touched in the LRU; the request's own stale
          pages are evicted first when it would exceed its cap; each missing page takes a free recall block,
@@ -26,54 +25,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.gather import gather_copy, keep_staging
-from flashmemory.offload.layout import OffloadLayout
-from flashmemory.offload.lru import PAGE_SCAN_PAUSE, PAUSE, PageLRU
-from flashmemory.offload.lut import ChunkLUT
-from flashmemory.offload.mirror import HostMirror
-from flashmemory.offload.reserve import BlockAllocator, DeviceReserve
-from flashmemory.offload.rows import ResidentTables, RowState
-from flashmemory.offload.streams import ForwardOrder
-
-
-@dataclass(frozen=True)
-class RecallRequest:
-    """One request's Level-1 result. pages: logical pages; priority: same length, higher = keep first
-    (use +inf for the recency tail). budget: this request's page cap for this cycle (escalation widens and
-    shrinks it), at most the engine's `max_resident_pages`; None = the engine's cap. Recalled pages beyond it
-    that the selection no longer holds are evicted, so a shrunk budget really gives its blocks back."""
-
-    row: int
-    gen: int
-    pages: tuple[int, ...]
-    priority: tuple[float, ...]
-    budget: int | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.pages) != len(self.priority):
-            raise ValueError(
-                f"RecallRequest(row={self.row}): {len(self.pages)} pages but {len(self.priority)} priorities"
-            )
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"RecallRequest(row={self.row}): budget must be >= 1, got {self.budget}")
-
-
-@dataclass
-class RecallPlan:
-    """entries: (row, gen, page, mirror page, block) to copy. Filled by `Recaller.plan`."""
-
-    entries: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    t0: float = 0.0
-    nbytes: int = 0
-    staging: list[torch.Tensor] = field(default_factory=list)
-    error: BaseException | None = None  # a request's failure found by the copy, raised by `recall` after publish
-
+from flashmemory.offload.lru import PAGE_SCAN_PAUSE, PAUSE
+from flashmemory.offload.recall_types import PageSource, RecallPlan, RecallRequest, RecallState
 
 SLICE_PAGES = 512  # default `Recaller.slice_pages`
 
@@ -81,32 +39,12 @@ SLICE_PAGES = 512  # default `Recaller.slice_pages`
 class Recaller:
     """Plans, copies, publishes and cancels page recalls over the engine's shared state (see the module doc).
 
-    Every argument is the engine's own object, shared by reference (the row list and owner list are mutated in
-    place, never rebound). `lock` guards all of them; `copy_lock` serialises copies (they own `staging`).
+    state: the engine's parts recall works on (`RecallState`, owned by the engine, shared by reference);
+    `state.lock` guards all of them; `copy_lock` serialises copies (they own `staging`).
     """
 
-    def __init__(
-        self,
-        *,
-        layout: OffloadLayout,
-        max_resident_pages: int,
-        rows: list[RowState | None],
-        owner: list[tuple[int, int, int] | None],
-        inflight: set[int],
-        blocks: BlockAllocator,
-        lru: PageLRU,
-        lut: ChunkLUT,
-        mirror: HostMirror,
-        reserve: DeviceReserve,
-        tables: ResidentTables,
-        stats: OffloadMetrics,
-        lock: threading.RLock,
-        order: ForwardOrder,
-    ):
-        self.layout, self.max_resident_pages = layout, max_resident_pages
-        self.rows, self.owner, self.inflight, self.blocks, self.lru = rows, owner, inflight, blocks, lru
-        self.lut, self.mirror, self.reserve, self.tables, self.stats = lut, mirror, reserve, tables, stats
-        self.lock, self.order = lock, order
+    def __init__(self, state: RecallState):
+        self.state = state
         self.copy_lock = threading.Lock()  # one recall copy at a time: it owns the staging buffers
         self.staging: dict[str, torch.Tensor] = {}  # reusable (pinned on CUDA) staging, grown on demand
         self.copy_hook: Callable[[], None] | None = None  # called between the KV and index copies (tests)
@@ -116,23 +54,28 @@ class Recaller:
         self.slice_pages = SLICE_PAGES
 
     @property
+    def lock(self) -> Any:
+        """The engine's lock (`state.lock`: the engine may swap it, the recaller always takes the current one)."""
+        return self.state.lock
+
+    @property
     def main_stream(self) -> Any:
         """The forward stream as last handed in (None without streams)."""
-        return self.order.stream
+        return self.state.order.stream
 
     @property
     def side_stream(self) -> Any:
-        return self.order.side
+        return self.state.order.side
 
     def _evict(self, blk: int, touched: set[int], cleared: list[int]) -> None:
         """Drop a published page from its request; its mirror page goes to `cleared` for one batched clear."""
-        row, _, page = self.owner[blk]
-        st = self.rows[row]
+        row, _, page = self.state.owner[blk]
+        st = self.state.rows[row]
         del st.recall[page]
         cleared.append(st.mpages[page])
-        self.lru.remove(blk)
-        self.owner[blk] = None
-        self.stats.add(st.rid, "evictions")
+        self.state.lru.remove(blk)
+        self.state.owner[blk] = None
+        self.state.stats.add(st.rid, "evictions")
         touched.add(row)
 
     def plan(self, requests: Sequence[RecallRequest], count_cycle: bool = True) -> RecallPlan:
@@ -155,7 +98,7 @@ class Recaller:
             sorted({p: q for p, q in zip(rq.pages, rq.priority) if p >= 0}.items(), key=lambda x: (-x[1], -x[0]))
             for rq in requests
         ]
-        width = self.tables.res_cap
+        width = self.state.tables.res_cap
         i = 0
         while i < len(requests):
             with self._slice() as (touched, cleared):
@@ -169,13 +112,13 @@ class Recaller:
         while k < len(need):
             with self._slice() as (touched, cleared):
                 if victims is None:
-                    victims = self.lru.victims(self._evictable, PAGE_SCAN_PAUSE)
+                    victims = self.state.lru.victims(self._evictable, PAGE_SCAN_PAUSE)
                 k = self._assign(need, k, victims, plan, touched, cleared)
         return plan
 
     def _budget_left(self, done: int, rows: int) -> bool:
         """Whether a slice that handled `done` pages and may rebuild `rows` rows' tables takes one more page."""
-        return done == 0 or done + rows * self.tables.res_cap < self.slice_pages
+        return done == 0 or done + rows * self.state.tables.res_cap < self.slice_pages
 
     @contextmanager
     def _slice(self) -> Iterator[tuple[set[int], list[int]]]:
@@ -183,12 +126,12 @@ class Recaller:
         on exit the victims leave the lookup table (also when an error propagates) and the rows' tables rebuild."""
         touched: set[int] = set()
         cleared: list[int] = []
-        with self.order.between_forwards(), self.lock:
+        with self.state.order.between_forwards(), self.state.lock:
             try:
                 yield touched, cleared
             finally:  # victims leave the table before their blocks are overwritten, and before any error propagates
-                self.lut.clear_pages(cleared)
-            self.tables.rebuild(touched)
+                self.state.lut.clear_pages(cleared)
+            self.state.tables.rebuild(touched)
 
     def _select(
         self,
@@ -201,23 +144,23 @@ class Recaller:
     ) -> None:
         """Pass 1 for one request (under the lock): set its selection, evict its own stale pages down to its cap,
         append its missing pages to `need` in priority order (dropping, and counting, those over the cap)."""
-        st = self.rows[rq.row] if 0 <= rq.row < len(self.rows) else None
+        st = self.state.rows[rq.row] if 0 <= rq.row < len(self.state.rows) else None
         if st is None or st.gen != rq.gen:
             return  # finished or replaced before its cycle was planned
         if count_cycle:  # an admission warm start (`warm_start`) is not a cycle
-            self.stats.add(st.rid, "cycles")
-        pc = self.layout.page_chunks
-        cap = min(self.max_resident_pages, rq.budget or self.max_resident_pages)
+            self.state.stats.add(st.rid, "cycles")
+        pc = self.state.layout.page_chunks
+        cap = min(self.state.max_resident_pages, rq.budget or self.state.max_resident_pages)
         n_pages = len(st.mpages)
         ranked = [x for x in ranked if x[0] < n_pages]
         if len(ranked) > cap:
-            self.stats.add(st.rid, "budget_hits", len(ranked) - cap)
-            self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
+            self.state.stats.add(st.rid, "budget_hits", len(ranked) - cap)
+            self.state.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in ranked[cap:]))
             ranked = ranked[:cap]
         sel = {p for p, _ in ranked}
         st.selection = frozenset(sel)
         for p in sel & st.recall.keys():
-            self.lru.touch(st.recall[p])
+            self.state.lru.touch(st.recall[p])
         missing = [(p, q) for p, q in ranked if p not in st.recall and p not in st.ring]
         # dict order = oldest recalled first. The page holding the newest chunk stays: decode writes its
         # next chunk there during the very forward a recall copy into a reused block could overlap.
@@ -226,23 +169,23 @@ class Recaller:
         while stale and len(st.recall) + len(missing) > cap:
             blk = st.recall[stale.pop(0)]
             self._evict(blk, touched, cleared)
-            self.blocks.push(blk)
+            self.state.blocks.push(blk)
         over = len(st.recall) + len(missing) - cap
         if over > 0:  # only the kept newest page is left to evict: the lowest-priority new pages give way
-            self.stats.add(st.rid, "budget_hits", over)
-            self.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
+            self.state.stats.add(st.rid, "budget_hits", over)
+            self.state.stats.add(st.rid, "tail_drops", sum(q == float("inf") for _, q in missing[-over:]))
             missing = missing[:-over]
         need += [(rq.row, rq.gen, p, q) for p, q in missing]
 
     def _evictable(self, blk: int) -> bool:
         """A published block whose page no live selection holds and which is not its request's newest page."""
-        row, gen, page = self.owner[blk]
-        st = self.rows[row]
+        row, gen, page = self.state.owner[blk]
+        st = self.state.rows[row]
         return (
             st is not None
             and st.gen == gen
             and page not in st.selection
-            and page != (st.n_chunks - 1) // self.layout.page_chunks
+            and page != (st.n_chunks - 1) // self.state.layout.page_chunks
         )
 
     def _assign(
@@ -264,11 +207,11 @@ class Recaller:
         work = 0
         while k < len(need) and self._budget_left(work, len(touched) + 1):  # + a victim's row
             row, gen, page, prio = need[k]
-            st = self.rows[row]
+            st = self.state.rows[row]
             if st is None or st.gen != gen or page in st.recall or page in st.ring:
                 k, work = k + 1, work + 1
                 continue  # finished, replaced or mapped by decode since pass 1
-            blk = self.blocks.pop()
+            blk = self.state.blocks.pop()
             victim = blk is None
             while blk is None:
                 nxt = next(victims, None)
@@ -284,12 +227,12 @@ class Recaller:
             if blk is not None and victim:
                 self._evict(blk, touched, cleared)
             if blk is None:  # reserve exhausted: degrade, lowest priority last in `need` order per request
-                self.stats.add(st.rid, "budget_hits")
+                self.state.stats.add(st.rid, "budget_hits")
                 if prio == float("inf"):
-                    self.stats.add(st.rid, "tail_drops")
+                    self.state.stats.add(st.rid, "tail_drops")
                 continue
-            self.owner[blk] = (row, gen, page)
-            self.inflight.add(blk)
+            self.state.owner[blk] = (row, gen, page)
+            self.state.inflight.add(blk)
             plan.entries.append((row, gen, page, st.mpages[page], blk))
         return k
 
@@ -310,21 +253,23 @@ class Recaller:
         else:
             self._copy_from_mirror(plan)
         plan.nbytes = len(plan.entries) * (
-            self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
-            + self.reserve.index.shape[0] * self.reserve.index.shape[2]
+            self.state.reserve.kv.shape[0] * self.state.reserve.kv.shape[2]
+            + self.state.reserve.index.shape[0] * self.state.reserve.index.shape[2]
         )
 
     def _copy_from_mirror(self, plan: RecallPlan) -> None:
-        src = self.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))  # ids -> DRAM rows
+        src = self.state.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))  # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
-        with self.copy_lock, self.order.copy_context():  # forwards that read the victims' old bytes finish first
-            stage = gather_copy(self.mirror.kv, self.reserve.kv, src, dst, self.staging.get("kv"))
+        with self.copy_lock, self.state.order.copy_context():  # forwards that read the victims' old bytes finish first
+            stage = gather_copy(self.state.mirror.kv, self.state.reserve.kv, src, dst, self.staging.get("kv"))
             keep_staging(self.staging, "kv", stage)
             if self.copy_hook is not None:
                 self.copy_hook()
-            if self.reserve.index.shape[0]:
-                stage = gather_copy(self.mirror.index, self.reserve.index, src, dst, self.staging.get("index"))
+            if self.state.reserve.index.shape[0]:
+                stage = gather_copy(
+                    self.state.mirror.index, self.state.reserve.index, src, dst, self.staging.get("index")
+                )
                 keep_staging(self.staging, "index", stage)
             if side is not None:
                 side.synchronize()  # the worker waits, not decode: bytes land before publish and before stage reuse
@@ -336,11 +281,11 @@ class Recaller:
         per_page = plan.nbytes // max(1, len(plan.entries))
         done = k = 0
         while True:
-            with self.order.between_forwards(), self.lock:
+            with self.state.order.between_forwards(), self.state.lock:
                 k, n = self._publish_slice(plan.entries, k, per_page, also_count)
                 done += n
                 if k >= len(plan.entries):
-                    self.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
+                    self.state.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
                     break
         plan.staging.clear()
         return done
@@ -350,7 +295,7 @@ class Recaller:
     ) -> tuple[int, int]:
         """`publish` from entries[k] on while the slice's budget lasts (caller holds the gate and the lock);
         returns (next index, pages published)."""
-        pc = self.layout.page_chunks
+        pc = self.state.layout.page_chunks
         published: dict[int, int] = {}  # row -> pages published
         mps: list[int] = []
         counts: list[int] = []
@@ -359,40 +304,40 @@ class Recaller:
         while k < len(entries) and self._budget_left(k - start, len(published) + (entries[k][0] not in published)):
             row, gen, page, mp, blk = entries[k]
             k += 1
-            self.inflight.discard(blk)
-            st = self.rows[row]
+            self.state.inflight.discard(blk)
+            st = self.state.rows[row]
             if st is None or st.gen != gen or page in st.recall or page in st.ring:
-                self.owner[blk] = None
-                self.blocks.push(blk)
+                self.state.owner[blk] = None
+                self.state.blocks.push(blk)
                 if st is not None and st.gen == gen:
-                    self.stats.add(st.rid, "cancelled_pages")
+                    self.state.stats.add(st.rid, "cancelled_pages")
                 else:
-                    self.stats.finished["cancelled_pages"] += 1
+                    self.state.stats.finished["cancelled_pages"] += 1
                 continue
             st.recall[page] = blk
-            self.lru.touch(blk)
+            self.state.lru.touch(blk)
             mps.append(mp)  # distinct: a second plan entry for the same page is discarded above
             counts.append(min(pc, st.n_chunks - page * pc))
             cells.append(blk * pc)
             published[row] = published.get(row, 0) + 1
-        self.lut.set_pages(mps, counts, cells)
+        self.state.lut.set_pages(mps, counts, cells)
         for row, n in published.items():
-            rid: Hashable = self.rows[row].rid
-            self.stats.add(rid, "recall_pages", n)
-            self.stats.add(rid, "recall_bytes", n * per_page)
+            rid: Hashable = self.state.rows[row].rid
+            self.state.stats.add(rid, "recall_pages", n)
+            self.state.stats.add(rid, "recall_bytes", n * per_page)
             if also_count:
-                self.stats.add(rid, also_count, n)
-        self.tables.rebuild(published)
+                self.state.stats.add(rid, also_count, n)
+        self.state.tables.rebuild(published)
         return k, len(mps)
 
     def cancel(self, plan: RecallPlan) -> None:
         """Give back a plan's in-flight blocks without publishing anything (the copy failed)."""
-        with self.lock:
+        with self.state.lock:
             for *_, blk in plan.entries:
-                self.inflight.discard(blk)
-                self.owner[blk] = None
-                self.blocks.push(blk)
-            self.stats.finished["cancelled_pages"] += len(plan.entries)
+                self.state.inflight.discard(blk)
+                self.state.owner[blk] = None
+                self.state.blocks.push(blk)
+            self.state.stats.finished["cancelled_pages"] += len(plan.entries)
         plan.entries.clear()
         plan.staging.clear()
 
@@ -418,11 +363,11 @@ class Recaller:
         history would differ from Full attention on those steps. The first cycle re-plans from this recency set.
         Returns the pages published (counted as warm_start_pages, not as a Level-1 cycle). Raises KeyError if
         the row holds no request."""
-        with self.lock:
-            st = self.rows[row]
+        with self.state.lock:
+            st = self.state.rows[row]
             if st is None:
                 raise KeyError(f"row {row} holds no request (admit it first)")
-            gen, n_pages = st.gen, -(-st.n_chunks // self.layout.page_chunks)
+            gen, n_pages = st.gen, -(-st.n_chunks // self.state.layout.page_chunks)
         older = tuple(range(max(0, n_pages - kmax), n_pages - 1))
         if not older:
             return 0
@@ -433,13 +378,6 @@ class Recaller:
         if plan.error is not None:
             raise plan.error
         return done
-
-
-class PageSource(Protocol):
-    """Copies a plan's pages into the reserve in place of the mirror gather (`Recaller.source`). It may drop
-    entries (cancelled, blocks freed) and set `plan.error` for their request; the rest must be copied."""
-
-    def copy_plan(self, plan: RecallPlan) -> None: ...
 
 
 class HasRecaller(Protocol):
