@@ -109,7 +109,8 @@ ENV_DOC: dict[str, tuple[str, str]] = {
         "Disk tier: the host mirror becomes a landing window of this many GB (1e9 B) "
         "per rank (at least DECODE_MAX_CONC x 3 pages): a sealed page leaves it once the "
         "tier holds it, so host DRAM = window + host cache; empty = full-size mirror. "
-        "Ignored in shrink mode (PD lands KV in the mirror by pool page)",
+        "In shrink mode (PD lands KV in the mirror by pool page) it caps the landed pages of "
+        "requests waiting to run instead: past it they wait in the tier and are read back before they run",
     ),
     "SGLANG_FLASHMEMORY_HISPARSE_PREFETCH": (
         "0",

@@ -31,6 +31,9 @@ builds a `SparseMirror` instead: one slot per page id at its pool address, backe
 bytes; `seal` releases a page there too (its OS pages go back), so host DRAM = the landed, not yet sealed pages
 + each live request's tail page + the bounded page cache. An admission's warm start still reads the mirror (the
 bytes just landed; sealing happens at the next step), so the decode thread waits on no disk read for it.
+There SGLANG_PATHP_HOST_MIRROR_GB caps the pages of requests that have landed but wait to run (`queued`, a
+`disk.queued.QueuedPages`): past the cap the queue's tail is parked in the tier on a worker, and a parked
+request is read back into the mirror before it is admitted (the sglang layer holds it back meanwhile).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 from flashmemory.env import DiskTierConfig
 from flashmemory.offload.disk import CorruptPageError, HostPageCache, disk_page_bytes, open_tier, pack_page
 from flashmemory.offload.disk.format import pages_from_chunks
+from flashmemory.offload.disk.queued import QueuedPages
 from flashmemory.offload.disk.sparse_mirror import SparseMirror
 from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.offload.gather import gather_copy
@@ -107,6 +111,7 @@ class TieredEngine(OffloadEngine):
         self.sealed: dict[int, tuple[int, int]] = {}  # row -> (gen, logical pages [0, n) put into the tier)
         self.recalls_waited = 0  # recall copies that waited for at least one disk read
         self.readahead_pages = 0  # reads queued when a cycle's selection named cold pages
+        self.queued: QueuedPages | None = None  # shrink mode's DRAM cap on queued requests (`build_engine`)
         self.recaller.source = self
 
     def make_mirror(self, n_pages: int) -> HostMirror:
@@ -178,7 +183,9 @@ class TieredEngine(OffloadEngine):
         self.tier.free_request(rid)
 
     def close(self) -> None:
-        """Stop the read-ahead threads and remove this run's store file (idempotent)."""
+        """Stop the queued-pages worker, the read-ahead threads, and remove this run's store file (idempotent)."""
+        if self.queued is not None:
+            self.queued.close()
         self.tier.close()
         self.tier.store.close()
 
@@ -330,12 +337,14 @@ def window_slots(disk: DiskTierConfig, layout: OffloadLayout, cfg: EngineConfig)
 
 
 def mirror_slot_count(layout: OffloadLayout, cfg: EngineConfig, disk: DiskTierConfig, full_mirror: bool = False) -> int:
-    """DRAM page slots the host mirror of `build_engine(layout, cfg, ..., disk, full_mirror=...)` allocates: the
-    landing window's slots under the disk tier, else one per mirror page."""
+    """DRAM page slots the host mirror of `build_engine(layout, cfg, ..., disk, full_mirror=...)` takes: the
+    landing window's slots under the disk tier, else one per mirror page. With full_mirror (shrink mode's sparse
+    mirror) SGLANG_PATHP_HOST_MIRROR_GB caps the queued requests' landed pages instead, the same number of pages
+    (running requests' complete pages are sealed from their second step on)."""
     n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
     if not disk.enabled:
         return cfg.mirror_slots or n_pages
-    return cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg)) or n_pages
+    return cfg.mirror_slots or window_slots(disk, layout, cfg) or n_pages
 
 
 def build_engine(
@@ -350,20 +359,22 @@ def build_engine(
     """The plain `OffloadEngine` when the disk tier is off; else a `TieredEngine` over `open_tier(disk, ...)`
     (which logs the tier's size and place, and the mirror's window). full_mirror: the caller addresses the
     mirror by page id from outside (shrink mode: PD lands there), so it keeps one slot per page whatever
-    SGLANG_PATHP_HOST_MIRROR_GB says. Raises DiskTierError (one line) when the tier cannot start."""
+    SGLANG_PATHP_HOST_MIRROR_GB says, and that knob caps the queued requests' landed pages (`QueuedPages`).
+    Raises DiskTierError (one line) when the tier cannot start."""
     if not disk.enabled:
         return OffloadEngine(layout, cfg, device, target_buffers)
     if full_mirror and disk.host_mirror_bytes is not None:
-        log.warning(
-            "disk tier: SGLANG_PATHP_HOST_MIRROR_GB is ignored in shrink mode: PD lands P's KV in the host "
-            "mirror by pool page id (NIXL registration), so the mirror spans every page id; it is sparse "
-            "(DRAM only for pages not yet sealed into the tier)"
+        log.info(
+            "disk tier: shrink mode: the host mirror spans every pool page id (PD lands there), sparse; "
+            "SGLANG_PATHP_HOST_MIRROR_GB caps the landed pages of requests waiting to run at %d B "
+            "(beyond it they wait in the tier and are read back before they run)",
+            disk.host_mirror_bytes,
         )
     slots = cfg.mirror_slots or (None if full_mirror else window_slots(disk, layout, cfg))
     n_pages = cfg.mirror_pages or cfg.max_rows * layout.pages_for(cfg.max_chunks)
     tier = open_tier(disk, disk_page_bytes(layout), rank, window=(slots or n_pages, n_pages))
     try:
-        return TieredEngine(
+        eng = TieredEngine(
             layout,
             replace(cfg, mirror_slots=slots or 0),
             tier,
@@ -371,6 +382,9 @@ def build_engine(
             target_buffers,
             addressed=full_mirror and not slots,
         )
+        if isinstance(eng.mirror, SparseMirror) and disk.host_mirror_bytes is not None:
+            eng.queued = QueuedPages(eng.mirror, tier, layout, disk.host_mirror_bytes, eng.lock)
+        return eng
     except BaseException:
         tier.close()
         tier.store.close()

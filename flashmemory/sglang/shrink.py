@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -286,6 +286,42 @@ class ShrunkOffload(OffloadAdapter):
         rows = [self.ix_bufs[l][pages.to(self.ix_bufs[l].device)].cpu() for l in self.layout.offload_index_layers]
         if rows:
             self.engine.store_index_pages(pages, torch.stack(rows))
+
+    # --- requests waiting to run (the disk tier's DRAM cap) ----------------------------------------------
+    def queue_gate(
+        self, waiting: Sequence[tuple[str, int, int]], n_next: int, table_of: Callable[[int, int, int], list[int]]
+    ) -> set[str]:
+        """sglang's decode waiting queue, in order: (rid, req_pool_idx, tokens whose KV landed); its first `n_next`
+        are admitted next. Hands it to the tier's `QueuedPages` (new requests with their c4 pool pages:
+        `table_of(req_pool_idx, tokens, page_size)`, one page-table read each) and returns the rids to hold back
+        from admission while their pages come back from disk. Nothing without the tier's cap
+        (SGLANG_PATHP_HOST_MIRROR_GB)."""
+        q = getattr(self.engine, "queued", None)
+        if q is None:
+            return set()
+        order: list[tuple[str, list[int] | None]] = []
+        pc = self.geo.page_chunks
+        for rid, idx, tokens in waiting:
+            pages = None
+            if not q.known(rid) and tokens >= 4:
+                n = -(-(tokens // 4) // pc)  # pages holding its c4 entries
+                pages = [p for p in table_of(idx, tokens, self.pool.page_size)[:n] if p >= 0]
+            order.append((rid, pages))
+        return q.update(order, n_next)
+
+    def admission_refusals(self, rids: Sequence[str], seq_lens: torch.Tensor) -> list[tuple[str, str]]:
+        """As `OffloadAdapter.admission_refusals`, and a new request whose queued pages did not come back from the
+        tier (a read error or checksum mismatch, named) or are not in DRAM yet is refused: it fails alone."""
+        out = super().admission_refusals(rids, seq_lens)
+        q = getattr(self.engine, "queued", None)
+        if q is None:
+            return out
+        refused = {r for r, _ in out}
+        for rid in rids:
+            why = None if rid in self.rows or rid in refused else q.refusal(str(rid))
+            if why:
+                out.append((rid, why))
+        return out
 
     # --- stores and reads ------------------------------------------------------------------------------
     def mirror_buf_infos(self) -> dict[int, tuple[int, int, int]]:

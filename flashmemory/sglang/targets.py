@@ -203,6 +203,16 @@ SPECS: tuple[Patch, ...] = (
         "srt/layers/attention/dsv4/compressor_v2.py:227,361 the c4 KV compressor stores at reserve cells "
         "(where HiSparse translates its locs), not at pool locs",
     ),
+    # Shrink mode with the disk tier's cap (SGLANG_PATHP_HOST_MIRROR_GB): queued requests' pages may be on disk.
+    Patch(
+        "shrink_cap",
+        "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._get_new_prebuilt_batch",
+        "around",
+        "flashmemory.sglang.queue_gate:around_prebuilt_batch",
+        ("self", "running_batch"),
+        "srt/disaggregation/decode.py:3375 the decode waiting queue -> running batch: hold back a request whose "
+        "pages are read back from disk",
+    ),
     _h(
         "credit_c4",
         f"{_CFG}.DSV4PoolConfigurator._compressed_bytes_per_full_token",
@@ -301,6 +311,8 @@ def features_for(env: Any) -> tuple[str, ...]:
         f.append("path_p")
         if env.pd_c4_shrink:
             f.append("shrink")
+            if env.disk.enabled and env.disk.host_mirror_bytes is not None:
+                f.append("shrink_cap")
             if env.pd_credit_c4:
                 f.append("credit_c4")
     if env.index_k_offload:

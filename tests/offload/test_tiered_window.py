@@ -158,7 +158,8 @@ def test_build_engine_sizes_and_logs_the_window(tmp_path, caplog):
     eng = build_engine(LAYOUT, CFG, "cpu", disk, full_mirror=True)  # shrink mode: PD lands by pool page id
     try:
         assert isinstance(eng.mirror, SparseMirror) and eng.mirror.n_slots == 128  # DRAM only where it holds bytes
-        assert any("ignored in shrink mode" in r.getMessage() for r in caplog.records)
+        assert any("caps the landed pages of requests waiting to run" in r.getMessage() for r in caplog.records)
+        assert eng.queued is not None and eng.queued.cap_bytes == disk.host_mirror_bytes
         assert any("host mirror full size (128 pages" in r.getMessage() for r in caplog.records)
     finally:
         eng.close()

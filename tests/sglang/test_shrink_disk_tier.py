@@ -40,9 +40,9 @@ class PdDecode:
     decode step for the given requests (sglang's stores through the seam, settle, Level 1) and checks every
     resident pick's bytes in the c4 buffer attention reads."""
 
-    def __init__(self, sa, monkeypatch, tmp_path, **kw):
+    def __init__(self, sa, monkeypatch, tmp_path, mirror_gb: float = 0.0, **kw):
         self.pool = make_pool(sa, monkeypatch, shrink=True)
-        disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=CACHE_GB)
+        disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=CACHE_GB, host_mirror_gb=mirror_gb)
         self.ad = build(self.pool, env(disk=disk, **kw), sa.args, shrink=True)
         self.ad.make_failure = RequestFailure  # what hooks.after_pool_init hands the adapter
         self.lay, self.g, self.ids = self.ad.layout, torch.Generator().manual_seed(0), c4_layer_ids(self.pool)

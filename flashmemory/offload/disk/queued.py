@@ -164,6 +164,8 @@ class QueuedPages:
         q = self._reqs[rid]
         if q.state in (PARKING, RESTORING, PARKED):
             if q.state == PARKED and not q.gone:
+                with self.mirror_lock:  # now: sglang may hand its pool pages to a new transfer at once
+                    self.mirror.forget_parked(list(q.pages))
                 tasks.append(("forget", rid))
             q.gone = True
             return
