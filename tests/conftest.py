@@ -95,8 +95,12 @@ def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist (`make test` runs `-n 2`): the live folder's shared part is one work unit, so one worker starts
     the shared servers once (two workers would each start their own: four servers each), its own-server modules
     (LIVE_OWN) a second unit, and every other test file is its own unit. xdist's group marks (`--dist loadgroup`)
-    were ignored under pytest 9.2, hence a scheduler."""
+    were ignored under pytest 9.2, hence a scheduler. Units go out in collection order (the order above): xdist's
+    default re-sorts them by test count, which put the live unit 11th and the own-server unit 67th of 185, so the
+    suite's longest unit started only once ten unit-test files had been handed out."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class LiveFolderFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
