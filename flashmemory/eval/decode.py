@@ -70,11 +70,31 @@ def full_run(
     `decode_step_s` is the mean wall time of the one-token decode forwards of that same generate, each
     timed on its own (the prefill is never among them, so it cannot be subtracted into a negative).
     """
-    from flashmemory.hf import stored_index_keys
-
     times: list[float] = []
     response = list(engine.generate(prompt_ids, max_new_tokens, step_times=times))
     step_s = sum(times) / len(times) if times else 0.0
+    return capture_run(engine, name, prompt_ids, response, step_s, target_layers, topp, min_layers, record)
+
+
+def capture_run(
+    engine,
+    name: str,
+    prompt_ids: list[int],
+    response: list[int],
+    step_s: float,
+    target_layers: tuple[int, ...],
+    topp: float,
+    min_layers: int,
+    record: dict | None,
+    keep_cap: bool = True,
+) -> DocRun:
+    """The DocRun of a finished Full-attention generate: one capture forward over prompt + response gives the
+    logits, per-c4-layer index logits [S, N_c] and top-k, the hidden states of `target_layers`, the stored index
+    keys (stacked [n_c4, N_c, ...]) and the golden labels of the T decode rows (top-p `topp`, at least
+    `min_layers` c4 layers). step_s: the mean decode-step time of that generate; keep_cap=False drops the capture
+    (the caller keeps nothing else of it)."""
+    from flashmemory.hf import stored_index_keys
+
     ids = list(prompt_ids) + response
     cap = engine.forward(ids, capture_layers=None)
     P, T = len(prompt_ids), len(response)
@@ -94,7 +114,7 @@ def full_run(
         chunks,
         labels,
         step_s,
-        cap,
+        cap if keep_cap else None,
         record,
     )
 

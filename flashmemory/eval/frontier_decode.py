@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
-from flashmemory.eval.decode import DocRun
+from flashmemory.eval.decode import DocRun, capture_run
 from flashmemory.hf.capture import NEG_INF, IndexerHooks, _arg
 from flashmemory.hf.engine import torch_threads
 
@@ -255,32 +255,9 @@ def cached_full_run(
 ) -> tuple[DocRun, PrefixDecoder]:
     """`eval.decode.full_run` with the prompt prefilled once: (the Full run, the decoder the methods reuse).
     Same fields as full_run's DocRun (one capture forward over prompt + response); `cap` is dropped."""
-    from flashmemory.hf import stored_index_keys
-    from flashmemory.labels.golden import golden_labels
-
     dec = PrefixDecoder(engine, prompt_ids)
     times: list[float] = []
     response = dec.generate(max_new_tokens, times)
-    ids = list(prompt_ids) + response
-    cap = engine.forward(ids, capture_layers=None)
-    P, T = len(prompt_ids), len(response)
-    n_c4 = engine.n_c4_layers
-    labels = golden_labels(
-        [cap.index_logits[c][P : P + T] for c in range(n_c4)], topk=engine.index_topk, topp=topp, min_layers=min_layers
-    )
-    chunks = torch.stack([stored_index_keys(cap.index_keys[c]) for c in range(n_c4)])
-    run = DocRun(
-        name,
-        list(prompt_ids),
-        response,
-        cap.logits,
-        cap.index_logits,
-        cap.topk,
-        {c: cap.hidden[c] for c in target_layers},
-        chunks,
-        labels,
-        sum(times) / len(times) if times else 0.0,
-        None,
-        record,
-    )
+    step_s = sum(times) / len(times) if times else 0.0
+    run = capture_run(engine, name, prompt_ids, response, step_s, target_layers, topp, min_layers, record, False)
     return run, dec
