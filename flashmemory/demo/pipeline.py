@@ -28,7 +28,7 @@ from tqdm import tqdm
 from flashmemory.demo.config import SERVE_STAGE, DemoConfig
 from flashmemory.demo.outputs import OUTPUTS, clean_work_dir, move_aside_outputs, record_outputs
 from flashmemory.errors import UserError
-from flashmemory.eval.decode import full_run
+from flashmemory.eval.decode import DocRun, full_run
 from flashmemory.eval.harness import HarnessConfig, budget_cells, evaluate_doc, mean_rows
 from flashmemory.outdir import DirLock, prepare_dir
 from flashmemory.serve.tiny_retriever import dump_runs
@@ -125,6 +125,38 @@ def make_all_items(cfg: DemoConfig, tok) -> tuple[list, list]:
     return items, extra
 
 
+def item_run(engine, tok, it, name: str, cfg: DemoConfig, targets: tuple[int, ...]) -> DocRun:
+    """One task item decoded greedily under Full attention and captured (`eval.decode.full_run`) with the demo's
+    generation length, label top-p and minimum layers; the run's record is the item's."""
+    return full_run(
+        engine,
+        name,
+        tok.encode_chat(it.messages),
+        cfg.gen_tokens,
+        targets,
+        cfg.topp,
+        cfg.min_layers,
+        record=it.to_record(),
+    )
+
+
+def dump_split(
+    runs: list[DocRun], out: Path, split: str, engine, targets: tuple[int, ...], start: int, cfg: DemoConfig
+) -> None:
+    """The golden-label dump of one split (`out/work/dump/<split>`, documents numbered from `start`) with the
+    demo's label top-p, minimum layers and generation length."""
+    dump_runs(
+        runs,
+        out / "work" / "dump" / split,
+        engine,
+        targets,
+        start,
+        topp=cfg.topp,
+        min_layers=cfg.min_layers,
+        max_tokens=cfg.gen_tokens,
+    )
+
+
 def train_retriever(cfg: DemoConfig, out: Path, targets: tuple[int, ...], progress: bool = True):
     from flashmemory.retriever.checkpoint import load_retriever
     from flashmemory.train.loop import BEST_F1, TrainConfig, Trainer
@@ -218,18 +250,7 @@ def _run_demo(
     with stage("3. decode under Full attention, dump golden labels"):
         runs = []
         for i, it in enumerate(tqdm(items, desc="full decode + capture", disable=not progress)):
-            runs.append(
-                full_run(
-                    engine,
-                    f"{it.task}-{i}",
-                    tok.encode_chat(it.messages),
-                    cfg.gen_tokens,
-                    targets,
-                    cfg.topp,
-                    cfg.min_layers,
-                    record=it.to_record(),
-                )
-            )
+            runs.append(item_run(engine, tok, it, f"{it.task}-{i}", cfg, targets))
         splits = {
             "train": runs[: cfg.n_train],
             "val": runs[cfg.n_train : cfg.n_train + cfg.n_val],
@@ -237,16 +258,7 @@ def _run_demo(
         }
         start = 0
         for name, rs in splits.items():
-            dump_runs(
-                rs,
-                out / "work" / "dump" / name,
-                engine,
-                targets,
-                start,
-                topp=cfg.topp,
-                min_layers=cfg.min_layers,
-                max_tokens=cfg.gen_tokens,
-            )
+            dump_split(rs, out, name, engine, targets, start, cfg)
             start += len(rs)
         for r in runs:
             r.cap = None  # the dump holds what training needs; keep memory flat
@@ -286,18 +298,7 @@ def _run_demo(
 
         extra = []
         for j, it in enumerate(monitor_items):
-            extra.append(
-                full_run(
-                    engine,
-                    f"{it.task}-{cfg.n_docs + j}",
-                    tok.encode_chat(it.messages),
-                    cfg.gen_tokens,
-                    targets,
-                    cfg.topp,
-                    cfg.min_layers,
-                    record=it.to_record(),
-                )
-            )
+            extra.append(item_run(engine, tok, it, f"{it.task}-{cfg.n_docs + j}", cfg, targets))
             extra[-1].cap = None
         mhc = replace(hc, methods=("FlashMemory", "FlashMemory+monitor"))
         per_task: dict[str, list] = {}

@@ -162,47 +162,15 @@ def get_retriever(qc: QualityConfig, cfg, out: Path, engine, tok, targets: tuple
         return fitted(info["checkpoint"]), info
     from flashmemory.atomic import atomic_write_text
     from flashmemory.demo.outputs import clean_work_dir
-    from flashmemory.demo.pipeline import make_items, train_retriever
-    from flashmemory.eval.decode import full_run
-    from flashmemory.serve.tiny_retriever import dump_runs
+    from flashmemory.demo.pipeline import dump_split, item_run, make_items, train_retriever
     from flashmemory.train.loop import BEST_F1
 
     clean_work_dir(out)
     items = make_items(cfg, tok)[: cfg.n_train + cfg.n_val]  # the demo's train / val documents
     log(f"[quality] training the demo's retriever on {cfg.n_train} train / {cfg.n_val} val documents ...")
-    runs = [
-        full_run(
-            engine,
-            f"{it.task}-{i}",
-            tok.encode_chat(it.messages),
-            cfg.gen_tokens,
-            targets,
-            cfg.topp,
-            cfg.min_layers,
-            record=it.to_record(),
-        )
-        for i, it in enumerate(items)
-    ]
-    dump_runs(
-        runs[: cfg.n_train],
-        out / "work" / "dump" / "train",
-        engine,
-        targets,
-        0,
-        topp=cfg.topp,
-        min_layers=cfg.min_layers,
-        max_tokens=cfg.gen_tokens,
-    )
-    dump_runs(
-        runs[cfg.n_train :],
-        out / "work" / "dump" / "val",
-        engine,
-        targets,
-        cfg.n_train,
-        topp=cfg.topp,
-        min_layers=cfg.min_layers,
-        max_tokens=cfg.gen_tokens,
-    )
+    runs = [item_run(engine, tok, it, f"{it.task}-{i}", cfg, targets) for i, it in enumerate(items)]
+    dump_split(runs[: cfg.n_train], out, "train", engine, targets, 0, cfg)
+    dump_split(runs[cfg.n_train :], out, "val", engine, targets, cfg.n_train, cfg)
     (out / "work" / "dump" / "test").mkdir(exist_ok=True)
     retriever, summary = train_retriever(cfg, out, targets, progress)
     info = {
@@ -225,9 +193,8 @@ def run_quality(qc: QualityConfig, log=print, progress: bool = True, report_only
 def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -> dict:
     import torch
 
-    from flashmemory.demo.pipeline import default_targets
+    from flashmemory.demo.pipeline import default_targets, item_run
     from flashmemory.demo.quality_report import aggregate, write_results
-    from flashmemory.eval.decode import full_run
     from flashmemory.eval.harness import HarnessConfig, evaluate_doc
     from flashmemory.eval.methods import METHODS
     from flashmemory.hf import HFEngine
@@ -270,16 +237,7 @@ def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -
 
         def compute(i: int, task: str) -> dict[str, dict]:
             it = generate(task, cfg.doc_len, n=1, seed=cfg.seed * 1000 + i, tokenizer=tok)[0]
-            run = full_run(
-                engine,
-                f"{task}-{i}",
-                tok.encode_chat(it.messages),
-                cfg.gen_tokens,
-                targets,
-                cfg.topp,
-                cfg.min_layers,
-                record=it.to_record(),
-            )
+            run = item_run(engine, tok, it, f"{task}-{i}", cfg, targets)
             run.cap = None
             return {str(b): evaluate_doc(engine, run, retriever, hc, targets, b, decode_text) for b in qc.budgets}
 
