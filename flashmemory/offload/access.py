@@ -7,7 +7,8 @@ tests/sglang/test_core_boundary.py checks `flashmemory/sglang/`). It calls the l
 
   forward order  `begin_forward`, `end_forward`: the forward stream and gate (Level-1 table writes wait for it).
   Level-2 reads  `cell_table`, `no_chunk`, `reserve_kv`, `slots`, `resident_pages` (static tensors, graph safe).
-  stores         `store_chunks` (bytes the caller's storage holds, into the mirror and the resident cells),
+  stores         `store_chunks` (bytes the caller's storage holds, into the mirror and the resident cells;
+                 a decode step hands them to `sync_batch` as `BatchSync.stores` instead),
                  `refresh_cells` (graph safe, one layer's chunk rows into their resident cells),
                  `settle_cells` (bytes a caller's kernel stored in reserve cells, into the mirror),
                  `store_index_pages` (whole Path-I index-K pages into the mirror), `storage` (the tensors a

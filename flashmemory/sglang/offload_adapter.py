@@ -6,13 +6,8 @@ subclass it: `engine_adapter.SGLangOffload` (copy mode: sglang's pool stays comp
 copies) and `shrink.ShrunkOffload` (shrink mode: the device c4 pool becomes the reserve). `adapter_factory.build`
 picks one.
 
-Address spaces (one c4 layer; every c4 layer shares them):
-  pool loc   page * 64 + off in sglang's c4 pool (`pool.c4_kv_pool.kv_buffer[l]`: uint8 [n_pages, 37440];
-             index-K `pool.c4_indexer_kv_pool.index_k_with_scale_buffer[l]`: uint8 [n_pages, 8448]).
-  mirror chunk  the core's key (mirror page * 64 + off).
-  cell       reserve block * 64 + off: what attention reads through `reserve_kv(l)` instead of the pool.
-`loc2m` int64 [n_locs + 1] maps pool loc -> mirror chunk (the core's `no_chunk` where unknown; the last entry
-is `no_chunk` too), so `cells_of(locs) = cell_table[loc2m[locs]]`: two gathers, static tensors, graph safe.
+Address spaces: sglang's pool locs, the core's mirror chunks and reserve cells (`loc_map`). `loc2m` maps pool
+loc -> mirror chunk, so `cells_of(locs) = cell_table[loc2m[locs]]`: two gathers, static tensors, graph safe.
 
 The adapter names no part of the core (its mirror, reserve, lookup table, lock, ...): it calls the core's verbs
 (`OffloadEngine` and `offload.access.CoreAccess`) in the core's addresses, and the core takes its lock inside
@@ -37,7 +32,8 @@ from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dis
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.sglang.core_config import core_config, serving_tp_size
-from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_chunk_rows, read_geometry
+from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
+from flashmemory.sglang.loc_map import LocMap, pool_chunks
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
 
 
@@ -88,12 +84,12 @@ class OffloadAdapter:
         # chunk -> reserve cell) and the reserve.
         self._cells, self._storage = self.engine.cell_table(), self.engine.storage()
         self._no_chunk = self.engine.no_chunk  # the mirror chunk id that reads -1 in the cell table (fixed)
-        self.loc2m = torch.full((geo.n_locs + 1,), self._no_chunk, dtype=torch.int64, device=self.device)
+        self.locs = LocMap(geo.n_locs, geo.page_chunks, self._no_chunk, self.device)
+        self.loc2m = self.locs.table  # pool loc -> mirror chunk (`loc_map`)
         self.rows: dict[str, int] = {}  # rid -> engine row
         self.pages: dict[int, list[int]] = {}  # engine row -> pool pages (logical page order)
         self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
         self.hist: dict[int, int] = {}  # engine row -> history chunks, as the core last reported them
-        self._mapped: dict[int, list[int]] = {}  # engine row -> pool pages whose loc2m entries are written
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
         self._step_pages: torch.Tensor | None = None  # resident pages of step_rows, read by the step's sync
 
@@ -194,34 +190,10 @@ class OffloadAdapter:
         """After the sync: per append round, the pool locs [n] appended and the reserve cells [n] they got."""
 
     # --- lifecycle ---------------------------------------------------------------------------------
-    def _map_pages(self, row: int) -> None:
-        """loc2m entries for the logical pages of `row` that have a mirror page and are not mapped yet (one indexed
-        write; pages map once, so a step costs nothing for rows whose page list did not grow)."""
-        pools, mirrors = self.pages[row], self.mpages.get(row, ())
-        done = self._mapped.get(row, [])
-        n = min(len(pools), len(mirrors))
-        if pools[: len(done)] != done:  # the pool pages moved under the request: map everything again
-            self._unmap_pages(done)
-            done = []
-        if n > len(done):
-            pc = self.geo.page_chunks
-            off = torch.arange(pc)
-            src = (torch.tensor(pools[len(done) : n]).unsqueeze(1) * pc + off).reshape(-1)
-            dst = (torch.tensor(mirrors[len(done) : n]).unsqueeze(1) * pc + off).reshape(-1)
-            self.loc2m[src.to(self.device)] = dst.to(self.device)
-            done = pools[:n]
-        self._mapped[row] = list(done)
-
-    def _unmap_pages(self, pages: list[int]) -> None:
-        if pages:
-            pc = self.geo.page_chunks
-            idx = (torch.tensor(pages).unsqueeze(1) * pc + torch.arange(pc)).reshape(-1)
-            self.loc2m[idx.to(self.device)] = self._no_chunk
-
     def _unmap(self, row: int) -> None:
         for per_row in (self.pages, self.mpages, self.hist):
             per_row.pop(row, None)
-        self._unmap_pages(self._mapped.pop(row, []))
+        self.locs.unmap(row)
 
     def _free_row(self) -> int:
         used = set(self.rows.values())
@@ -309,7 +281,7 @@ class OffloadAdapter:
         self.mpages.update(res.mpages)
         self.hist.update(res.n_chunks)
         for rs in syncs:
-            self._map_pages(rs.row)
+            self.locs.map(rs.row, self.pages[rs.row], self.mpages.get(rs.row, ()))
         self._appended(round_locs, res.cells)
         self.step_rows = torch.tensor(rows, dtype=torch.int64)
         return self.step_rows
@@ -322,24 +294,8 @@ class OffloadAdapter:
             self.engine.store_chunks(st.m, st.layers, st.kv, st.index)
 
     def _pool_chunks(self, locs: torch.Tensor, layers: Sequence[int], kv: bool, index: bool) -> ChunkStore | None:
-        """The bytes of pool locs [n] of `layers` as a `ChunkStore` in the core's mirror chunks (one gather per
-        pool layer; KV if `kv`, the index-K the core keeps if `index`). Locs without a mirror chunk are left out;
-        None when none is left."""
-        locs = locs.to(self.device).long()
-        m = self.loc2m[locs.clamp(0, self.geo.n_locs)]
-        ok = (locs >= 0) & (locs < self.geo.n_locs) & (m != self._no_chunk)
-        if not bool(ok.any()):
-            return None
-        locs, m = locs[ok], m[ok]
-        layers, lay = list(layers), self.layout
-        rows = read_chunk_rows(lay.kv, self.kv_bufs, locs, layers) if kv else None  # [len(layers), n, 584]
-        kept = set(lay.target_layers) | set(lay.offload_index_layers)  # the index-K the core keeps
-        ix = (
-            tuple(read_chunk_rows(lay.index, self.ix_bufs, locs, [l])[0] if l in kept else None for l in layers)
-            if index
-            else None
-        )
-        return ChunkStore(m, tuple(layers), rows, ix)
+        """The bytes sglang's pool holds at locs [n] of `layers`, in the core's mirror chunks (`loc_map`)."""
+        return pool_chunks(self.locs, self.layout, (self.kv_bufs, self.ix_bufs), locs, layers, kv, index)
 
     def on_index_store(self, layer: int, locs: torch.Tensor) -> None:
         """sglang stored index-K of `layer` at pool locs (HIP path): mirror / target pool / reserve."""

@@ -38,7 +38,7 @@ def _batch(seqs):
 # Copy mode's pool -> host-mirror copies of the c4 chunks a step closes (read at the step that closes them and
 # again at the next step): bytes the host mirror must hold, so they are read by the host (the adapter reads the
 # pool, the core's `store_chunks` writes the mirror and the resident cells).
-MIRROR_COPIES = {"read_chunk_rows", "_pool_chunks", "store_chunks"}
+MIRROR_COPIES = {"read_chunk_rows", "pool_chunks", "store_chunks"}
 
 
 def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
