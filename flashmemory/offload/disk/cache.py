@@ -159,6 +159,15 @@ class HostPageCache:
             self._live.setdefault(rid, set()).add(page)
             self._shrink()
 
+    def wait_room(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the write queue is at most half full (at once without a writer). A background producer (the
+        queued-pages worker) calls it before each `put`, so the other half stays free for the decode thread's
+        seals: they never meet back-pressure because of it. True when there is room."""
+        with self._lock:
+            room = lambda: len(self._writing) <= self.write_queue_pages // 2  # noqa: E731
+            alive = lambda: self._writer is not None and self._writer.is_alive()  # noqa: E731
+            return self._cond.wait_for(lambda: room() or not alive(), timeout) and room()
+
     def get(self, rid: str, page: int) -> memoryview:
         """The page's bytes (read-only view, page_bytes). Blocks while its read is in flight. KeyError: not a
         live page; CorruptPageError: the disk copy failed verification (this request only)."""

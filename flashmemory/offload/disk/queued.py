@@ -220,6 +220,7 @@ class QueuedPages:
         m = self.mirror
         try:
             for i, p in enumerate(q.pages):
+                self.tier.wait_room()  # half the write queue stays free for the decode thread's seals
                 self.tier.put(rid, i, pack_rows(m.kv[:, p], m.index[:, p]))
         except Exception as e:  # noqa: BLE001 - the bytes stay in DRAM: the request runs from them
             log.warning("disk tier: could not park request %s (%s: %s); its pages stay in DRAM", rid, type(e), e)

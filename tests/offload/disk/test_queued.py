@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashmemory.offload import OffloadLayout
-from flashmemory.offload.disk import HostPageCache, PageStore, disk_page_bytes
+from flashmemory.offload.disk import FaultyFileOps, HostPageCache, PageStore, disk_page_bytes
 from flashmemory.offload.disk.queued import LANDED, PARKED, READY, QueuedPages
 from flashmemory.offload.disk.sparse_mirror import OS_PAGE, SparseMirror, resident_bytes
 
@@ -80,3 +80,24 @@ def test_park_keeps_an_os_page_shared_with_a_page_that_is_not_parked() -> None:
     assert m.dropped_bytes >= LAYOUT.n_layers * (LAYOUT.kv_page_bytes - 2 * OS_PAGE)
     m.unpark(1, torch.full((2, LAYOUT.kv_page_bytes), 7, dtype=torch.uint8), m.index[:, 1].clone())
     assert torch.all(m.kv[:, 1] == 7) and not m.parked
+
+
+def test_wait_room_leaves_half_the_write_queue_to_the_decode_thread(tmp_path):
+    pb = disk_page_bytes(LAYOUT)
+    ops = FaultyFileOps()
+    store = PageStore(str(tmp_path), 64 * pb, pb, ops=ops)
+    ops.plan.write_gate = threading.Event()  # a stalled drive from here on: queued writes stay queued
+    tier = HostPageCache(store, pb, write_queue_pages=4)
+    try:
+        page = bytes(pb)
+        tier.put("a", 0, page)
+        assert tier.wait_room(timeout=1.0)
+        for i in range(1, 5):  # 3 pages queued behind the stalled one
+            tier.put("a", i, page)
+        assert not tier.wait_room(timeout=0.2)  # over half of 4: a background producer waits here
+        ops.plan.write_gate.set()
+        assert tier.wait_room(timeout=30.0) and tier.settle()
+    finally:
+        ops.plan.write_gate.set()
+        tier.close()
+        store.close()
