@@ -1,14 +1,17 @@
 """The disk tier live in PD shrink mode on CPU: P, D (FlashMemory, shrink mode, Level 1 with the folder's retriever,
-KMAX 16 pages = a whole 4K history: full budget) and the router, with SGLANG_PATHP_DISK_DIR on D and a host page
-cache of one page. P's c4 KV lands by NIXL in D's sparse host mirror; from D's second step on every complete
-page is sealed into the tier (written behind to the store: the cache holds one page) and its mirror DRAM goes
-back. Checked: D's greedy tokens equal the plain stock server's for histories of 9-12 pages (far beyond the
-one-page cache), pages were written to disk, the decode thread never waited on disk I/O, nothing is corrupt,
-and D's startup log states the tier's size and place.
+KMAX 16 pages = a whole 4K history: full budget, one running request) and the router, with SGLANG_PATHP_DISK_DIR
+on D, a host page cache of one page and SGLANG_PATHP_HOST_MIRROR_GB = two pages. P's c4 KV lands by NIXL in D's
+sparse host mirror; from D's second step on every complete page is sealed into the tier (written behind to the
+store: the cache holds one page) and its mirror DRAM goes back. Checked: D's greedy tokens equal the plain stock
+server's for histories of 9-12 pages (far beyond the one-page cache), pages were written to disk, the decode
+thread never waited on disk I/O, nothing is corrupt, and D's startup log states the tier's size and place.
 
-At full budget a request's pages are all made resident at admission (from the bytes just landed) and stay, so
-no recall reads one back; reads from disk under a smaller budget run in-process (test_shrink_disk_tier) and
-live in copy mode (test_disk_tier)."""
+D runs with the queued-requests cap on (SGLANG_PATHP_HOST_MIRROR_GB, the `shrink_cap` Patch row around the decode
+scheduler's admission from its waiting queue) and one running request; these requests arrive one at a time, so
+none waits over the cap and nothing is parked. Parking and reading back before admission run in-process on
+sglang's real pool (test_shrink_queue_cap). At full budget a running request's pages are all resident from
+admission, so no recall reads one back; reads by recalls under a smaller budget run in-process
+(test_shrink_disk_tier) and live in copy mode (test_disk_tier)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from flashmemory.serve.stack import PDConfig, start_pd  # noqa: E402
 from tests.sglang.live.conftest import DISK_CACHE_GB, STARTUP_S, prompt, side_by_side  # noqa: E402
 
 REQS = [(2400, 61), (3000, 62)]  # (prompt tokens, seed): 600-750 c4 entries, 10-12 pages of 64
+MIRROR_GB = "0.00015"  # 150 KB: two 74,880-B pages
 NEW_TOKENS = 12
 
 
@@ -35,12 +39,13 @@ NEW_TOKENS = 12
 def stack(serving_model, tiny_retriever_ckpt, tmp_path_factory, request):
     disk = tmp_path_factory.mktemp("pd_disk_tier")
     knobs = {
-        "MAX_RUN": "2",
+        "MAX_RUN": "1",
         "CKPT": tiny_retriever_ckpt,
         "KMAX": "16",
         "SGLANG_PATHP_DISK_DIR": str(disk),
         "SGLANG_PATHP_DISK_GB": "0.1",
         "SGLANG_PATHP_HOST_CACHE_GB": DISK_CACHE_GB,
+        "SGLANG_PATHP_HOST_MIRROR_GB": MIRROR_GB,
     }
     cfg = PDConfig(model=Path(serving_model), decode_env=knobs, prefill_env={"MAX_RUN": "2"}, startup_timeout=STARTUP_S)
     logs = tmp_path_factory.mktemp("pd_disk_tier_logs")
@@ -59,6 +64,15 @@ def _metrics(url: str) -> dict[str, float]:
     return parse_metrics(body.decode(errors="replace"), prefix="flashmemory_")
 
 
+def _idle_metrics(url: str) -> dict[str, float]:
+    """D's counters once it has no live request (they are published at the idle poll)."""
+    deadline, m = time.monotonic() + 120, _metrics(url)
+    while m.get("flashmemory_live_requests", 1) != 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        m = _metrics(url)
+    return m
+
+
 def test_pd_shrink_with_the_disk_tier_equals_stock(stack, stock_server):
     pd, logs, disk = stack
     stock = stock_server.wait_ready(STARTUP_S)
@@ -69,14 +83,12 @@ def test_pd_shrink_with_the_disk_tier_equals_stock(stack, stock_server):
             lambda ids=ids: generate(pd.router_url, ids, NEW_TOKENS),
         )
         assert got == want, f"{n}-token request: D with the disk tier {got} != stock {want}"
-    deadline, m = time.monotonic() + 120, _metrics(pd.decode_url)
-    while m.get("flashmemory_live_requests", 1) != 0 and time.monotonic() < deadline:  # published at idle poll
-        time.sleep(1.0)
-        m = _metrics(pd.decode_url)
+    m = _idle_metrics(pd.decode_url)
     print("\n" + "\n".join(f"{k} {v}" for k, v in sorted(m.items()) if "disk" in k or "mirror" in k))
     assert m["flashmemory_disk_bytes_written_total"] > 0, "no sealed page went to disk"
     assert m["flashmemory_disk_decode_waits_total"] == 0, "the decode thread waited on disk I/O"
     assert m["flashmemory_disk_corrupt_pages_total"] == 0 and m["flashmemory_disk_write_errors_total"] == 0
     d_log = (logs / "decode.log").read_text(errors="replace")
     assert "FlashMemory Path-P (shrink mode)" in d_log or "FlashMemory Path-P shrink" in d_log
+    assert "caps the landed pages of requests waiting to run" in d_log
     assert re.search(rf"disk tier \(rank 0\): \d+ pages of \d+ B on disk at {re.escape(str(disk))}", d_log)
