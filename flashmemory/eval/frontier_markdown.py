@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from flashmemory.eval.frontier_report import _nan
+
+def _nan(v) -> bool:
+    """True for a missing value: None or a float NaN."""
+    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def _fmt_bytes(v) -> str:

@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from flashmemory.eval.frontier_markdown import _nan, markdown
+
 RATIOS = (0.95, 0.99)
 COST_KEYS = ("device_bytes", "h2d_per_token", "scored_per_token", "l1_flops_per_token")
 PLOT_METHODS = (
@@ -67,10 +69,6 @@ def aggregate(recs: list[dict], config: dict, fp: str, planned: int) -> dict:
     }
     res["iso"] = iso_quality(res, ["overall"] + list(n_task))
     return res
-
-
-def _nan(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def _acc(res: dict, b: str, group: str, method: str) -> tuple[float, dict | None]:
@@ -170,7 +168,6 @@ def write_outputs(
     from dataclasses import asdict
 
     from flashmemory.atomic import atomic_write_text
-    from flashmemory.eval.frontier_markdown import markdown
 
     res = aggregate(recs, asdict(fc), fp, planned)
     atomic_write_text(out / "frontier.json", json.dumps(res, indent=1, default=float))
