@@ -121,7 +121,9 @@ class TieredEngine(OffloadEngine):
     # ---- lifecycle ---------------------------------------------------------------------------------
     def seal(self, skip: frozenset[int] | set[int] = frozenset()) -> int:
         """Put every live row's complete, not yet sealed pages into the tier (rows in `skip` left alone).
-        Returns the pages sealed now. Runs under the engine lock (write-behind, if the cache overflows, too)."""
+        Returns the pages sealed now. Runs under the engine lock (write-behind, if the cache overflows, too).
+        With an addressed mirror a page the write queue has no room for stays in the mirror (its bytes are there)
+        and is sealed at a later step, so the decode thread never waits for the writer."""
         pc, n = self.layout.page_chunks, 0
         with self.lock:
             for row, st in enumerate(self.rows):
@@ -131,11 +133,17 @@ class TieredEngine(OffloadEngine):
                 done = done if gen == st.gen else 0
                 upto = (st.n_chunks - 1) // pc  # pages before the newest chunk's page are complete
                 rid = str(st.rid)
-                for p in range(done, upto):
-                    self.tier.put(rid, p, pack_page(self.mirror, st.mpages[p]))
+                p = done
+                while p < upto:
+                    data = pack_page(self.mirror, st.mpages[p])
+                    if self.addressed and not self.tier.try_put(rid, p, data):
+                        break
+                    if not self.addressed:
+                        self.tier.put(rid, p, data)
                     self.mirror.release([st.mpages[p]])  # the cache holds the bytes now (no-op at full size)
                     n += 1
-                self.sealed[row] = (st.gen, max(done, upto))
+                    p += 1
+                self.sealed[row] = (st.gen, max(done, p))
         return n
 
     def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:

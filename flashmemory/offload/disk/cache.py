@@ -144,11 +144,22 @@ class HostPageCache:
 
     def put(self, rid: str, page: int, data: bytes | bytearray | memoryview) -> None:
         """Admit (or overwrite) a page; it is dirty until written behind. data: exactly page_bytes bytes."""
+        self._put(rid, page, data, wait=True)
+
+    def try_put(self, rid: str, page: int, data: bytes | bytearray | memoryview) -> bool:
+        """`put` unless it could wait on the writer: False, with nothing changed, while the write queue is at its
+        bound (with a writer). For a caller that must never block on disk (the decode thread's seals in shrink
+        mode): the page stays where it is and is offered again later."""
+        return self._put(rid, page, data, wait=False)
+
+    def _put(self, rid: str, page: int, data: bytes | bytearray | memoryview, wait: bool) -> bool:
         buf = bytearray(memoryview(data).cast("B"))
         if len(buf) != self.page_bytes:
             raise ValueError(f"HostPageCache.put: {len(buf)} B for a {self.page_bytes}-B page")
         key = (rid, page)
         with self._lock:
+            if not wait and self._writer is not None and len(self._writing) >= self.write_queue_pages:
+                return False
             self._next_ver += 1
             self._ver[key] = self._next_ver
             self._lru.pop(key, None)  # new bytes replace old ones (a pinned or queued copy too: written behind)
@@ -158,6 +169,7 @@ class HostPageCache:
             self._failed.pop(key, None)
             self._live.setdefault(rid, set()).add(page)
             self._shrink()
+        return True
 
     def wait_room(self, timeout: float | None = 30.0) -> bool:
         """Wait until the write queue is at most half full (at once without a writer). A background producer (the

@@ -114,3 +114,18 @@ def test_free_request_waits_for_its_write_in_flight(stalled) -> None:
     assert cache.settle()
     assert store.used_slots == 0
     cache.check()
+
+
+def test_try_put_declines_instead_of_waiting_on_a_full_queue(stalled) -> None:
+    """The decode thread's seals in shrink mode use `try_put`: at the queue's bound it returns False at once and
+    changes nothing (the page stays in the mirror and is offered again), never a back-pressure wait."""
+    cache, store, gate = stalled
+    for i in range(4):  # 2 in the LRU, the write queue at its bound of 2
+        assert cache.try_put("a", i, page("a", i))
+    assert cache.queued_writes == cache.write_queue_pages
+    assert not cache.try_put("a", 4, page("a", 4))
+    assert not cache.resident("a", 4) and cache.counters.write_waits == 0 and cache.counters.decode_disk_waits == 0
+    gate.set()
+    assert cache.settle()
+    assert cache.try_put("a", 4, page("a", 4)) and bytes(cache.get("a", 4)) == page("a", 4)
+    cache.check()

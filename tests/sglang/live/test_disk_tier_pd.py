@@ -7,11 +7,12 @@ server's for histories of 9-12 pages (far beyond the one-page cache), pages were
 thread never waited on disk I/O, nothing is corrupt, and D's startup log states the tier's size and place.
 
 D runs with the queued-requests cap on (SGLANG_PATHP_HOST_MIRROR_GB, the `shrink_cap` Patch row around the decode
-scheduler's admission from its waiting queue) and one running request; these requests arrive one at a time, so
-none waits over the cap and nothing is parked. Parking and reading back before admission run in-process on
-sglang's real pool (test_shrink_queue_cap). At full budget a running request's pages are all resident from
-admission, so no recall reads one back; reads by recalls under a smaller budget run in-process
-(test_shrink_disk_tier) and live in copy mode (test_disk_tier)."""
+scheduler's admission from its waiting queue) and one running request. A long request runs first; two more are
+sent while it decodes, so both land and wait: the one at the queue's tail is over the cap, its landed pages are
+parked in the tier and their DRAM goes back; before it runs they are read back from disk (verified) and only then
+is it admitted, so its tokens still equal stock's and the decode thread still never waits on disk. At full budget
+a running request's pages are all resident from admission, so no recall reads one back; reads by recalls under a
+smaller budget run in-process (test_shrink_disk_tier) and live in copy mode (test_disk_tier)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ pytest.importorskip("nixl._api", reason="PD on CPU moves KV with NIXL: pip insta
 from flashmemory.serve.client import generate, parse_metrics  # noqa: E402
 from flashmemory.serve.procs import Servers, http_get  # noqa: E402
 from flashmemory.serve.stack import PDConfig, start_pd  # noqa: E402
-from tests.sglang.live.conftest import DISK_CACHE_GB, STARTUP_S, prompt, side_by_side  # noqa: E402
+from tests.sglang.live.conftest import DISK_CACHE_GB, STARTUP_S, prompt  # noqa: E402
 
-REQS = [(2400, 61), (3000, 62)]  # (prompt tokens, seed): 600-750 c4 entries, 10-12 pages of 64
+FIRST = (2400, 61, 400)  # (prompt tokens, seed, new tokens): decodes long enough for the next two to land and wait
+QUEUED = [(3000, 62, 12), (2600, 63, 12)]  # 650-750 c4 entries, 10-12 pages of 64 each: over the two-page cap
 MIRROR_GB = "0.00015"  # 150 KB: two 74,880-B pages
-NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +74,38 @@ def _idle_metrics(url: str) -> dict[str, float]:
     return m
 
 
+def _running(url: str, timeout: float = 120.0) -> None:
+    """Return once D has a live request (its admission has happened), or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _metrics(url).get("flashmemory_live_requests", 0) < 1:
+        time.sleep(0.2)
+
+
 def test_pd_shrink_with_the_disk_tier_equals_stock(stack, stock_server):
+    from concurrent.futures import ThreadPoolExecutor
+
     pd, logs, disk = stack
     stock = stock_server.wait_ready(STARTUP_S)
-    for n, seed in REQS:
-        ids = prompt(n, seed)
-        want, got = side_by_side(
-            lambda ids=ids: generate(stock.url, ids, NEW_TOKENS),
-            lambda ids=ids: generate(pd.router_url, ids, NEW_TOKENS),
-        )
-        assert got == want, f"{n}-token request: D with the disk tier {got} != stock {want}"
+    reqs = [FIRST, *QUEUED]
+    with ThreadPoolExecutor(len(reqs) + 1) as ex:
+        want = ex.submit(lambda: [generate(stock.url, prompt(n, seed), k) for n, seed, k in reqs])
+        first = ex.submit(generate, pd.router_url, prompt(FIRST[0], FIRST[1]), FIRST[2])
+        _running(pd.decode_url)
+        queued = [ex.submit(generate, pd.router_url, prompt(n, seed), k) for n, seed, k in QUEUED]
+        got = [first.result(), *(f.result() for f in queued)]
+        want = want.result()
+    for (n, _, _), g, w in zip(reqs, got, want):
+        assert g == w, f"{n}-token request: D with the disk tier {g} != stock {w}"
     m = _idle_metrics(pd.decode_url)
     print("\n" + "\n".join(f"{k} {v}" for k, v in sorted(m.items()) if "disk" in k or "mirror" in k))
     assert m["flashmemory_disk_bytes_written_total"] > 0, "no sealed page went to disk"
+    d_log = (logs / "decode.log").read_text(errors="replace")
+    parked = re.findall(r"queued request \S+: (\d+) landed pages wait in the tier", d_log)
+    back = re.findall(r"queued request \S+: (\d+) pages read back into host DRAM before it runs", d_log)
+    assert parked and back, f"no queued request was parked and read back (parked {parked}, read back {back})"
+    assert m["flashmemory_disk_bytes_read_total"] > 0, "parked pages were not read back from disk"
     assert m["flashmemory_disk_decode_waits_total"] == 0, "the decode thread waited on disk I/O"
     assert m["flashmemory_disk_corrupt_pages_total"] == 0 and m["flashmemory_disk_write_errors_total"] == 0
-    d_log = (logs / "decode.log").read_text(errors="replace")
     assert "FlashMemory Path-P (shrink mode)" in d_log or "FlashMemory Path-P shrink" in d_log
     assert "caps the landed pages of requests waiting to run" in d_log
     assert re.search(rf"disk tier \(rank 0\): \d+ pages of \d+ B on disk at {re.escape(str(disk))}", d_log)
