@@ -45,9 +45,12 @@ DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"  # FM_CPU_MODEL in
 
 
 def ensure_model(path: Path) -> Path:
-    """The serving-tiny checkpoint at `path`, built (seeded, deterministic) if it is not there yet."""
+    """The serving-tiny checkpoint at `path`, built (seeded, deterministic) if it is not there yet. A directory
+    with a config.json must be a checkpoint sglang can serve (`model_check`), else UserError naming the field."""
     if (path / "config.json").is_file():
-        return path
+        from flashmemory.serve.model_check import check_serving_model
+
+        return check_serving_model(path)
     from flashmemory.hf.serving_build import build_serving
 
     print(f"building the tiny serving model at {path} (once) ...", flush=True)

@@ -21,6 +21,12 @@ def test_geometry_sglang_needs(built):
     assert cfg["compress_ratios"] == [0, 4, 128, 4, 128, 0] and cfg["window_size"] == cfg["sliding_window"] == 128
 
 
+def test_the_build_is_a_checkpoint_flashmemory_serve_accepts(built):
+    from flashmemory.serve.model_check import check_serving_model
+
+    assert check_serving_model(built) == built
+
+
 def test_transformers_loads_the_exact_weights(built):
     model, _ = load_model(str(built), dtype=torch.bfloat16)
     ref = build_random(make_config(serving_config()), seed=0, dtype=torch.bfloat16)
