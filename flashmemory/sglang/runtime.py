@@ -221,7 +221,7 @@ class Runtime:
         serve (`refusals.refusals`); max_running_requests: the model runner's resolved value, when known."""
         from flashmemory.sglang.refusals import refusals, refuse, rows_refusal
 
-        lines = refusals(server_args(), self.env, self.features, self.shrink_planned())
+        lines = refusals(server_args(), self.env, self.features)
         if self.on("path_p") and max_running_requests:
             line = rows_refusal(int(max_running_requests), self.env)
             if line and line not in lines:

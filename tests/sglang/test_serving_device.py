@@ -163,9 +163,9 @@ def _args(**kw):
 )
 def test_start_up_refuses_what_the_plugin_cannot_honour(kw, features, flag, monkeypatch):
     e = env("", decode_max_conc=4)
-    lines = refusals(_args(**kw), e, features, shrink=False)
+    lines = refusals(_args(**kw), e, features)
     assert len(lines) == 1 and lines[0].startswith(flag) and "\n" not in lines[0]
-    assert refusals(_args(), e, features, shrink=False) == []
+    assert refusals(_args(), e, features) == []
     monkeypatch.setattr(runtime_mod, "server_args", lambda: _args(**kw))
     rt = Runtime()
     rt.configure(e, features)
@@ -176,10 +176,9 @@ def test_start_up_refuses_what_the_plugin_cannot_honour(kw, features, flag, monk
 
 def test_what_is_refused_and_what_is_not():
     e = env("", decode_max_conc=4)
-    assert refusals(_args(dsa_topk_backend="flashinfer"), e, ("level2", "path_p"), False) == []  # score-resident
-    assert refusals(_args(speculative_algorithm="EAGLE"), e, ("level2", "path_p"), True) == []  # shrink: n/a
-    assert refusals(_args(enable_two_batch_overlap=True), e, ("dump",), False) == []
-    assert refusals(None, e, FEATURES, False) == []
+    assert refusals(_args(dsa_topk_backend="flashinfer"), e, ("level2", "path_p")) == []  # score-resident
+    assert refusals(_args(enable_two_batch_overlap=True), e, ("dump",)) == []
+    assert refusals(None, e, FEATURES) == []
 
 
 def test_refusals_read_sglangs_real_flag_names():
@@ -187,7 +186,7 @@ def test_refusals_read_sglangs_real_flag_names():
     sa = sg.prepare_server_args(
         ["--model-path", "/nonexistent", "--enable-two-batch-overlap", "--dsa-topk-backend", "flashinfer"]
     )
-    lines = refusals(sa, env("", decode_max_conc=4), ("level2", "mask", "path_p"), False)
+    lines = refusals(sa, env("", decode_max_conc=4), ("level2", "mask", "path_p"))
     assert [l.split(":")[0] for l in lines] == ["--enable-two-batch-overlap", "--dsa-topk-backend flashinfer"]
 
 
