@@ -310,6 +310,7 @@ class FlashMemoryEnv:
     last_keep: int = 2048  # SGLANG_RETRIEVER_LAST_KEEP: recency tail, in c4 chunks
     first_keep: int = 0  # SGLANG_RETRIEVER_FIRST_KEEP: sink, in c4 chunks
     ensemble_mode: str = "or"  # SGLANG_RETRIEVER_ENSEMBLE_MODE: "or" (max) | "mean"
+    page_policy: str = "fill"  # SGLANG_RETRIEVER_PAGE_POLICY: "fill" (spend KMAX) | "threshold" (passing pages only)
     max_resident: int = 0  # SGLANG_RETRIEVER_MAX_RESIDENT: chunk cap, 0 = none
     max_position: int = 1048576  # SGLANG_RETRIEVER_MAX_POSITION: RoPE table length
     logit_offset: float = 0.0  # SGLANG_RETRIEVER_LOGIT_OFFSET
@@ -381,6 +382,9 @@ class FlashMemoryEnv:
         mode = (e.get("SGLANG_RETRIEVER_ENSEMBLE_MODE") or d.ensemble_mode).strip().lower()
         if mode not in ("or", "max", "mean"):
             raise EnvError(f"SGLANG_RETRIEVER_ENSEMBLE_MODE={mode!r}: expected 'or' (max) or 'mean'")
+        page_policy = (e.get("SGLANG_RETRIEVER_PAGE_POLICY") or d.page_policy).strip().lower()
+        if page_policy not in ("fill", "threshold"):
+            raise EnvError(f"SGLANG_RETRIEVER_PAGE_POLICY={page_policy!r}: expected 'fill' or 'threshold'")
         out = cls(
             decode_swap_p=_bool(e, "SGLANG_DECODE_SWAP_P", d.decode_swap_p),
             index_k_offload=_bool(e, "SGLANG_PATHP_INDEX_K_OFFLOAD", d.index_k_offload),
@@ -410,6 +414,7 @@ class FlashMemoryEnv:
             last_keep=_int(e, "SGLANG_RETRIEVER_LAST_KEEP", d.last_keep),
             first_keep=_int(e, "SGLANG_RETRIEVER_FIRST_KEEP", d.first_keep),
             ensemble_mode="or" if mode in ("or", "max") else "mean",
+            page_policy=page_policy,
             max_resident=_int(e, "SGLANG_RETRIEVER_MAX_RESIDENT", d.max_resident),
             max_position=_int(e, "SGLANG_RETRIEVER_MAX_POSITION", d.max_position, lo=1, hi=MAX_POSITION),
             logit_offset=_float(e, "SGLANG_RETRIEVER_LOGIT_OFFSET", d.logit_offset, -1e4, 1e4),
@@ -443,6 +448,12 @@ class FlashMemoryEnv:
             raise EnvError(
                 f"SGLANG_RETRIEVER_MISS_LOW={out.miss_low} is above SGLANG_RETRIEVER_MISS_THRESHOLD="
                 f"{out.miss_threshold}: the shrink-back level must be at or below the escalation level"
+            )
+        if out.disk.enabled and out.hisparse_prefetch:
+            raise EnvError(
+                f"SGLANG_PATHP_DISK_DIR={out.disk.dir!r} with SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the disk tier "
+                "sits under Path-P's host mirror, and the prefetch mode runs without Path-P (sglang's HiSparse "
+                "keeps the host copy); unset SGLANG_PATHP_DISK_DIR"
             )
         if out.disk.enabled and not out.decode_swap_p:
             raise EnvError(

@@ -54,6 +54,11 @@ ENV_DOC: dict[str, tuple[str, str]] = {
     "SGLANG_RETRIEVER_LAST_KEEP": ("2048", "Recency tail, in c4 chunks (4 tokens each)"),
     "SGLANG_RETRIEVER_FIRST_KEEP": ("0", "Sink, in c4 chunks"),
     "SGLANG_RETRIEVER_ENSEMBLE_MODE": ("or", "'or' = max over layers, 'mean' = average"),
+    "SGLANG_RETRIEVER_PAGE_POLICY": (
+        "fill",
+        "Level-1 pages: 'fill' = pages with a chunk above the threshold, then the best-scoring other pages "
+        "until KMAX; 'threshold' = only the former (plus tail and sink), fewer than KMAX when few chunks pass",
+    ),
     "SGLANG_RETRIEVER_MAX_RESIDENT": ("0", "Cap on resident chunks per request; 0 = none"),
     "SGLANG_RETRIEVER_MAX_POSITION": (
         "1048576",

@@ -47,6 +47,7 @@ def test_parsing() -> None:
             "SGLANG_RETRIEVER_INTERVAL": "32",
             "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.25",
             "SGLANG_RETRIEVER_ENSEMBLE_MODE": "MEAN",
+            "SGLANG_RETRIEVER_PAGE_POLICY": " Threshold ",
             "SGLANG_RETRIEVER_LOGIT_OFFSET": "-5.5",
             "SGLANG_PATHP_PAGE_KMAX": "",
             "SGLANG_DSV4_TARGET_CONCURRENCY": "8",
@@ -55,7 +56,8 @@ def test_parsing() -> None:
     assert env.decode_swap_p and env.score_resident and not env.async_recall
     assert env.retriever_ckpt == "ckpt.safetensors" and env.level1_enabled
     assert env.retriever_layers == (10, 20) and env.interval == 32 and env.threshold == 0.25
-    assert env.ensemble_mode == "mean" and env.logit_offset == -5.5
+    assert env.ensemble_mode == "mean" and env.logit_offset == -5.5 and env.page_policy == "threshold"
+    assert FlashMemoryEnv.from_environ({}).page_policy == "fill"  # Level 1 spends KMAX unless told otherwise
     assert env.page_kmax == 96  # empty string = default
     assert env.auto_reserve_pages() == 8 * 97
     assert "level1(layers=10,20,tau=32)" in env.active_features() and "path-p" in env.active_features()
@@ -81,6 +83,7 @@ def test_kmax_ratio() -> None:
         ("SGLANG_RETRIEVER_INLINE_LAYERS", ",", "no layer"),
         ("SGLANG_RETRIEVER_INLINE_LAYERS", "-1", "-1"),
         ("SGLANG_RETRIEVER_ENSEMBLE_MODE", "xor", "xor"),
+        ("SGLANG_RETRIEVER_PAGE_POLICY", "mass", "'fill' or 'threshold'"),
         ("SGLANG_RETRIEVER_SIGMOID_THRESH", "1.5", r"\[0.0, 1.0\]"),
         ("SGLANG_RETRIEVER_SIGMOID_THRESH", "nan", "0.0"),
         ("SGLANG_RETRIEVER_SIGMOID_THRESH", "half", "number"),

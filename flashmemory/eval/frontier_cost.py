@@ -29,7 +29,7 @@ from flashmemory.costmodel.flops import CountRules, FlashShape, RetrieverShape, 
 
 KV_BYTES = EntryBytes().kv  # 584 B per c4 entry
 PROJECT_CONTEXTS = (131072, 262144, 1048576)
-LEVEL1_METHODS = ("FlashMemory", "FlashMemory+monitor", "FlashMemory-fill")
+LEVEL1_METHODS = ("FlashMemory", "FlashMemory+monitor", "FlashMemory-fill", "FlashMemory-threshold")
 
 
 def tiny_shapes(engine, retriever, tau: int, page_chunks: int) -> tuple[FlashShape, RetrieverShape]:

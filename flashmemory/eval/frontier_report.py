@@ -24,6 +24,7 @@ PLOT_METHODS = (
     "FlashMemory",
     "FlashMemory+monitor",
     "FlashMemory-fill",
+    "FlashMemory-threshold",
     "Oracle",
     "Recency",
 )

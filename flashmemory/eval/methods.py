@@ -1,7 +1,8 @@
 """Residency methods for end-to-end replays: each is a Level-1 (scorer, policy) pair run by the real engine.
 
 All methods share the page budget (KMAX) and the Level-1 cadence; only what they score differs:
-- FlashMemory: the trained retriever over the target-layer index-K (threshold, recency tail, top pages).
+- FlashMemory: the trained retriever over the target-layer index-K (threshold, recency tail, top pages, then
+  the best-scoring other pages until KMAX: the default Level-1 policy).
 - Recency: the newest KMAX pages.
 - Random: the recency tail plus random other pages up to KMAX (seeded per cycle).
 - Oracle: the pages where the coming window [t, t + tau) has the most golden (step, chunk) pairs (it reads
@@ -15,7 +16,7 @@ All methods share the page budget (KMAX) and the Level-1 cadence; only what they
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,10 +25,11 @@ from flashmemory.residency.level1 import Scorer, retriever_scorer
 from flashmemory.residency.policy import PagePolicy, SelectionConfig, ThresholdPagePolicy
 
 METHODS = ("FlashMemory", "FlashMemory+monitor", "Recency", "Random", "Oracle", "Reactive")
-# Run only when asked (never in a default method list): the retriever's scores with the budget filled, i.e. the
-# pages with the largest summed score up to KMAX plus the recency tail, where FlashMemory's threshold policy keeps
-# only the pages with chunks above the threshold (fewer than KMAX at a large budget).
-EXTRA_METHODS = ("FlashMemory-fill",)
+# Run only when asked (never in a default method list), the retriever's scores under other page policies:
+# FlashMemory-fill ranks every page by its summed score up to KMAX (no threshold set first, plus the recency tail);
+# FlashMemory-threshold keeps only the pages with a chunk above the threshold (SelectionConfig policy
+# "threshold": fewer than KMAX pages at a large budget).
+EXTRA_METHODS = ("FlashMemory-fill", "FlashMemory-threshold")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ def make_method(
     makers: dict[str, Callable[[], tuple[Scorer, PagePolicy]]] = {
         "FlashMemory": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
         "FlashMemory+monitor": lambda: (retriever_scorer(retriever, engine, sel.ensemble), threshold),
+        "FlashMemory-threshold": lambda: (
+            retriever_scorer(retriever, engine, sel.ensemble),
+            ThresholdPagePolicy(replace(sel, policy="threshold")),
+        ),
         "FlashMemory-fill": lambda: (
             retriever_scorer(retriever, engine, sel.ensemble),
             MassPagePolicy(sel.page_chunks, sel.last_keep),

@@ -3,8 +3,13 @@
 A chunk passes when its ensemble score is strictly above the threshold. The recency tail (last
 `last_keep` chunks) and the sink (first `first_keep` chunks) are always kept. Page mode scores a
 64-chunk page by its number of passing chunks, forces tail and sink pages in, and keeps the best
-`kmax` pages in ascending order. Unlike upstream, pages that score zero do not fill the budget
-unless `fill_zero_pages` is set: a resident page that nothing asked for only costs recall bytes.
+`kmax` pages in ascending order.
+
+Two page policies (`SelectionConfig.policy`):
+  fill       (default) the threshold's pages first, then the pages no chunk of which passed, ranked by
+             their summed score, until `kmax`: a larger budget always buys the retriever's next-best pages.
+  threshold  only pages with a passing chunk (plus tail and sink): the resident set is what the threshold
+             asked for, however large `kmax` is (fewer recall bytes, but extra budget buys nothing).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+PAGE_POLICIES = ("fill", "threshold")  # the first is the default
 
 
 @dataclass(frozen=True)
@@ -25,9 +32,11 @@ class SelectionConfig:
     max_resident: int = 0  # cap on resident chunks per request, 0 = none
     page_chunks: int = 64  # chunks per page
     kmax: int = 96  # resident pages per request
-    fill_zero_pages: bool = False  # upstream behaviour: top-k always returns kmax pages
+    policy: str = "fill"  # "fill": threshold pages, then the best-scoring others up to kmax; "threshold": only them
 
     def __post_init__(self) -> None:
+        if self.policy not in PAGE_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(PAGE_POLICIES)}, got {self.policy!r}")
         if self.ensemble not in ("or", "max", "mean"):
             raise ValueError(f"ensemble must be 'or'/'max' or 'mean', got {self.ensemble!r}")
         if self.page_chunks < 1 or self.kmax < 1:
@@ -98,10 +107,14 @@ def _desc_stable(order: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """Int64 [B, P] ranking keys per page; higher is better, -1 = not selectable.
 
+    scores: [B, N] ensemble scores; lengths: [B] chunks of history. P = ceil(N / page_chunks).
     Forced pages (tail, sink) rank above every scored page, more recent first; then pages by their
     count of passing chunks; equal counts by the summed score of those chunks (so a threshold that
-    passes everything still ranks pages by the retriever, not by position); then the more recent page.
-    Zero-count pages get a key only with fill_zero_pages.
+    passes everything still ranks pages by the retriever, not by position); then, with policy "fill",
+    the pages without a passing chunk by their summed score (negative scores count as 0); last, the
+    more recent page. Every page inside a row's history has a distinct key >= 0 under "fill"; under
+    "threshold" pages without a passing chunk (and not forced) get -1. Pages past the history get -1.
+    The order of the pages that have a key does not depend on the policy.
     """
     b, n = scores.shape
     pc = cfg.page_chunks
@@ -111,27 +124,32 @@ def page_keys(scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig)
     pad = n_pages * pc - n
     count = torch.nn.functional.pad(passing.to(torch.int64), (0, pad)).view(b, n_pages, pc).sum(-1)
     mass = torch.nn.functional.pad(torch.where(passing, scores.double(), 0.0), (0, pad)).view(b, n_pages, pc).sum(-1)
+    rest = torch.where(valid, scores.double().clamp_min(0.0), 0.0)
+    rest = torch.nn.functional.pad(rest, (0, pad)).view(b, n_pages, pc).sum(-1)  # summed score, for fill
     forced = torch.nn.functional.pad(forced_mask(lengths, n, cfg), (0, pad)).view(b, n_pages, pc).any(-1)
     p = torch.arange(n_pages, device=scores.device).unsqueeze(0).expand(b, n_pages)
-    # Lexicographic (forced, count, mass, page) via stable sorts from the least significant key up.
+    # Lexicographic (forced, count, mass, rest, page) via stable sorts from the least significant key up;
+    # rest only orders the pages without a passing chunk (the threshold's own order stays as it was).
     order = p.flip(1).contiguous()
+    order = _desc_stable(order, rest.masked_fill(forced | (count > 0), 0.0))
     order = _desc_stable(order, mass.masked_fill(forced, 0.0))
     order = _desc_stable(order, count.masked_fill(forced, 0))
     order = _desc_stable(order, forced.to(torch.int64))
     key = torch.empty_like(p).scatter_(1, order, torch.arange(n_pages, 0, -1, device=p.device).expand(b, n_pages))
     live = p < (lengths.unsqueeze(1) + pc - 1) // pc
-    keep = live & (forced | (count > 0) | cfg.fill_zero_pages)
+    keep = live & (forced | (count > 0) | (cfg.policy == "fill"))
     return torch.where(keep, key, torch.full_like(key, -1))
 
 
 def select_pages(
     scores: torch.Tensor, lengths: torch.Tensor, cfg: SelectionConfig, kmax: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page-granular selection.
+    """Page-granular selection: the `kmax` best pages by `page_keys`.
 
     scores: [B, N] ensemble scores; lengths: [B] chunks of history.
     Returns (pages [B, K] int64, ascending, padded with -1; counts [B] int64), K = min(kmax, pages).
-    Never returns a page past a row's history.
+    Never returns a page past a row's history. With policy "fill" a row keeps min(kmax, its pages) pages;
+    with "threshold" at most that many. Ties resolve the same way on every call (no randomness).
     """
     cap = kmax if kmax is not None else cfg.page_cap
     keys = page_keys(scores, lengths, cfg)
@@ -152,7 +170,8 @@ class PagePolicy(Protocol):
 
 
 class ThresholdPagePolicy:
-    """The default policy: threshold, recency tail and sink, top pages by passing-chunk count."""
+    """Level 1's page policy over `select_pages`: threshold, recency tail and sink, top pages by passing-chunk
+    count, then (cfg.policy "fill", the default) the best-scoring other pages until the budget is spent."""
 
     def __init__(self, cfg: SelectionConfig):
         self.cfg = cfg

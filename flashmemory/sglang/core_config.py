@@ -99,6 +99,7 @@ def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0,
         first_keep=env.first_keep,
         max_resident=env.max_resident,
         kmax=cap,
+        policy=env.page_policy,
     )
     level1 = Level1Config(
         tau=env.interval,

@@ -269,14 +269,17 @@ def test_compare_sets_another_runs_methods_beside_flashmemory(cfg, monkeypatch):
 
 
 def test_fill_method_fills_the_budget_by_score_where_the_threshold_keeps_less():
+    from dataclasses import replace
+
     import torch
 
     from flashmemory.eval.harness import HarnessConfig
     from flashmemory.eval.methods import METHODS, MassPagePolicy, make_method
     from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
 
-    assert "FlashMemory-fill" not in METHODS  # never in a default method list (eval quality's stays)
-    HarnessConfig(methods=("FlashMemory-fill",))  # but the harness runs it when asked
+    for extra in ("FlashMemory-fill", "FlashMemory-threshold"):
+        assert extra not in METHODS  # never in a default method list (eval quality's stays)
+        HarnessConfig(methods=(extra,))  # but the harness runs it when asked
     sel = SelectionConfig(threshold=0.5, last_keep=4, page_chunks=4, kmax=6)
     from types import SimpleNamespace
 
@@ -288,6 +291,10 @@ def test_fill_method_fills_the_budget_by_score_where_the_threshold_keeps_less():
     scores = torch.zeros(40)
     scores[[1, 9, 21]] = torch.tensor([0.9, 0.3, 0.2])  # one chunk above the threshold, two below it
     kept_fill = pol(scores, 40, 6).tolist()
-    kept_thr = ThresholdPagePolicy(sel)(scores, 40, 6).tolist()
+    _, thr = make_method("FlashMemory-threshold", None, sel, eng, retriever=SimpleNamespace(layers=()))
+    _, default = make_method("FlashMemory", None, sel, eng, retriever=SimpleNamespace(layers=()))
+    kept_thr = thr(scores, 40, 6).tolist()
     assert len(kept_fill) == 6 and {0, 2, 5, 9}.issubset(kept_fill)  # scored pages + the tail, then the newest
-    assert len(kept_thr) < 6 and 2 not in kept_thr
+    assert kept_thr == [0, 9] == ThresholdPagePolicy(replace(sel, policy="threshold"))(scores, 40, 6).tolist()
+    # FlashMemory's default: the threshold's pages and the tail, then pages by summed score, then the newest.
+    assert default(scores, 40, 6).tolist() == [0, 2, 5, 7, 8, 9]

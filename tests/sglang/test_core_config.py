@@ -25,6 +25,7 @@ def test_every_knob_reaches_its_config() -> None:
         {
             "SGLANG_RETRIEVER_SIGMOID_THRESH": "0.3",
             "SGLANG_RETRIEVER_ENSEMBLE_MODE": "mean",
+            "SGLANG_RETRIEVER_PAGE_POLICY": "threshold",
             "SGLANG_RETRIEVER_LAST_KEEP": "17",
             "SGLANG_RETRIEVER_FIRST_KEEP": "5",
             "SGLANG_RETRIEVER_MAX_RESIDENT": "640",
@@ -48,7 +49,9 @@ def test_every_knob_reaches_its_config() -> None:
         c.selection.max_resident,
         c.selection.kmax,
         c.selection.page_cap,
-    ) == (0.3, "mean", 17, 5, 640, 12, 10)
+        c.selection.policy,
+    ) == (0.3, "mean", 17, 5, 640, 12, 10, "threshold")
+    assert core_config(FlashMemoryEnv(retriever_layers=(1,)), GEO).selection.policy == "fill"  # spends KMAX
     assert c.ensemble == "mean" and c.kmax == 12 and c.escalation is None
     assert c.engine == EngineConfig(
         max_rows=3,
