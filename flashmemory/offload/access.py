@@ -13,7 +13,7 @@ tests/sglang/test_core_boundary.py checks `flashmemory/sglang/`). It calls the l
                  `settle_cells` (bytes a caller's kernel stored in reserve cells, into the mirror),
                  `store_index_pages` (whole Path-I index-K pages into the mirror), `storage` (the tensors a
                  caller lends its own pool, e.g. the reserve as sglang's shrunk c4 pool).
-  queries        `snapshot_rows`, `gen`, `n_chunks`, `cells`, `target_keys`, `metrics`, `occupancy`,
+  queries        `snapshot_rows`, `gen`, `n_chunks`, `cells`, `target_keys`, `metrics`, `totals`, `occupancy`,
                  `free_blocks`, `free_mirror_pages`, `recent_misses`; counters `note`, `record`.
 
 Every verb that reads or writes host bookkeeping takes the core's lock itself; none hands the lock out.
@@ -301,8 +301,17 @@ class CoreAccess:
                 self.stats.observe_miss(miss)
             self.stats.gauge(st.rid, **gauges)
 
+    def totals(self) -> dict[str, Any]:
+        """`OffloadMetrics.totals` (running totals, O(1): no scan of requests, no device read) plus free_blocks,
+        read under the lock: what a metrics exporter reads while requests decode."""
+        with self.lock:
+            total = self.stats.totals()
+            total["free_blocks"] = len(self.blocks)
+            return total
+
     def metrics(self) -> dict[str, Any]:
-        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.counters.COUNTERS`)."""
+        """Plain-dict snapshot: {"total": {...}, "requests": {rid: {...}}} (see `offload.counters.COUNTERS`). Scans
+        every request and reads the lookup table (a device read): for tests and reports; exporters use `totals`."""
         with self.lock:
             res = {}
             for r, st in enumerate(self.rows):

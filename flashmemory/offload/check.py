@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.offload.counters import COUNTERS
 from flashmemory.offload.engine import OffloadEngine
 from flashmemory.offload.mirror import RELEASED
 
@@ -39,6 +40,25 @@ def _host_pages(
             kv[:, i], ix[:, i] = m.kv[:, s], m.index[:, s]
     local = {mp: i for i, (_, _, mp) in enumerate(keys)}
     return kv, ix, torch.tensor([local[int(p)] for p in (m_chunks // pc).tolist()], dtype=torch.int64)
+
+
+def _running_totals(eng: OffloadEngine, resident_chunks: int) -> list[str]:
+    """The metrics' running totals (`OffloadMetrics.totals`) against a scan of the rows: resident pages and history
+    chunks of the live rows, resident chunks (`resident_chunks`: live history entries set in the table), and each
+    counter summed over the live and finished requests. Call under the lock."""
+    tot, bad = eng.stats.totals(), []
+    live = [st for st in eng.rows if st is not None]
+    scan = {
+        "resident_pages": sum(len(st.recall) + sum(p >= 0 for p in st.ring) for st in live),
+        "resident_chunks": resident_chunks,
+        "history_chunks": sum(st.n_chunks for st in live),
+    }
+    snap = eng.stats.snapshot({})["total"]
+    scan.update({k: snap[k] for k in COUNTERS})
+    for k, v in scan.items():
+        if tot[k] != v:
+            bad.append(f"running total {k} = {tot[k]} but the rows add up to {v}")
+    return bad
 
 
 def check_invariants(eng: OffloadEngine) -> list[str]:
@@ -95,6 +115,7 @@ def check_invariants(eng: OffloadEngine) -> list[str]:
             bad.append(
                 f"{int((table[:-1] >= 0).sum())} table entries are set but only {m.numel()} belong to live history"
             )
+        bad += _running_totals(eng, m.numel())
         if c.numel() != c.unique().numel():
             bad.append("a reserve cell is mapped by two chunks")
         if c.numel() and (c.max() >= res.sink_cell or c.min() < 0):

@@ -84,12 +84,12 @@ class OffloadEngine(CoreAccess):
         self.owner: list[tuple[int, int, int] | None] = [None] * cfg.recall_blocks  # block -> (row, gen, page)
         self.inflight: set[int] = set()
         self.rows: list[RowState | None] = [None] * cfg.max_rows
-        self.stats, self._gen = OffloadMetrics(), 0
+        self.stats, self._gen = OffloadMetrics(layout.page_chunks), 0
         # The forward stream and the forward gate: handed in at every step (`order.begin_forward`), never taken here.
         self.order = ForwardOrder(self.device)
         # Compact per-row table of resident pages (ascending logical page), for score-resident Level 2.
         self.res_cap = cfg.max_resident_pages + cfg.decode_pages
-        self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.order)
+        self.tables = ResidentTables(self.rows, self.reserve, self.res_cap, self.order, self.stats.residency)
         self.res_pages, self.res_blocks = self.tables.pages, self.tables.blocks
         self.res_mpages, self.res_count = self.tables.mpages, self.tables.count
         # What recall shares with the engine (the same objects), and the lock guarding all host bookkeeping.
@@ -269,9 +269,10 @@ class OffloadEngine(CoreAccess):
                     self.reserve.write_cells(cells, kv, index)
                 if idx:  # publish last: the entries appear once the bytes are in place
                     self.lut.set(m, cells[idx])
-            for st in sts.values():
+            for r, st in sts.items():
                 st.n_chunks += 1
                 self.stats.add(st.rid, "decode_chunks")
+                self.stats.residency.append(r)  # the chunk landed in a resident page (recall block or decode slot)
             return cells
 
     def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashmemory.offload.counters import ResidencyCounts
 from flashmemory.offload.reserve import DeviceReserve
 from flashmemory.offload.streams import ForwardOrder
 
@@ -40,8 +41,17 @@ class ResidentTables:
     `order.stream` (the stream decode reads them from, handed in per step).
     """
 
-    def __init__(self, rows: list[RowState | None], reserve: DeviceReserve, res_cap: int, order: ForwardOrder):
+    def __init__(
+        self,
+        rows: list[RowState | None],
+        reserve: DeviceReserve,
+        res_cap: int,
+        order: ForwardOrder,
+        counts: ResidencyCounts | None = None,
+    ):
+        """counts: running residency totals, told each rebuilt row's resident pages (the metrics read them)."""
         self.rows, self.reserve, self.res_cap, self.order = rows, reserve, res_cap, order
+        self.counts = counts
         n, dev = len(rows), reserve.device
         mk = lambda: torch.full((n, res_cap), -1, dtype=torch.int32, device=dev)  # noqa: E731
         self.pages, self.blocks, self.mpages = mk(), mk(), mk()
@@ -72,6 +82,8 @@ class ResidentTables:
                 [[p for p, _ in items] + pad, [b for _, b in items] + pad, [st.mpages[p] for p, _ in items] + pad]
             )
             counts.append(len(items))
+            if self.counts is not None:
+                self.counts.set_row(row, [p for p, _ in items], 0 if st is None else st.n_chunks)
         dev = self.reserve.device
         with self.order.on_stream():  # the uploads too: on the stream decode reads the tables from
             buf = torch.tensor(table, dtype=torch.int32).to(dev)  # [n, 3, res_cap]

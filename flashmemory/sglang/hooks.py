@@ -292,10 +292,8 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
         return
     mode = forward_batch.forward_mode
     if mode.is_decode():
-        RUNTIME.after_decode_forward(forward_batch)
-        if RUNTIME.metrics is not None and RUNTIME.engine is not None:
-            RUNTIME.metrics.refresh(RUNTIME.engine)  # all stats when a request joined or left, else the gauges
-            RUNTIME.guard.idle_published = False
+        RUNTIME.after_decode_forward(forward_batch)  # marks the metrics export due (it runs on its own thread)
+        RUNTIME.guard.idle_published = False
     elif not mode.is_idle():
         RUNTIME.after_extend_forward()
 
@@ -343,8 +341,9 @@ def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         engine.begin_step([], torch.empty((0, 1), dtype=torch.int64), torch.empty(0, dtype=torch.int64))
         RUNTIME.guard.idle_published = False
     RUNTIME.guard.forget_all()
-    if not RUNTIME.guard.idle_published and RUNTIME.metrics is not None:
-        RUNTIME.metrics.refresh(engine, full=True)
+    if not RUNTIME.guard.idle_published and RUNTIME.exporter is not None:
+        RUNTIME.exporter.kick(full=True)
+        RUNTIME.exporter.flush()  # here, at idle: /metrics says idle before the next request
         RUNTIME.guard.idle_published = True
 
 

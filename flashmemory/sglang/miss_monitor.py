@@ -54,13 +54,13 @@ def build_monitor(
 
 
 def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:
-    """The monitor's keys of `flashmemory.sglang.prometheus.METRICS` from `engine.metrics()["total"]`."""
-    hist = snap_total.get("miss_mass", {})
+    """The monitor's keys of `flashmemory.sglang.prometheus.METRICS` from the core's running totals
+    (`engine.totals()`) and its most recent miss-mass values (oldest first)."""
     return {
         k: float(snap_total.get(k, 0))
         for k in ("monitor_cycles", "escalations", "escalations_denied", "fallbacks", "missing_pages_added")
     } | {
         "budget_pages_mean": float(snap_total.get("budget_pages_mean", 0.0)),
         "requests_in_fallback": float(snap_total.get("in_fallback", 0)),
-        "miss_mass": (int(hist.get("n", 0)), list(recent)),
+        "miss_mass": (int(snap_total.get("miss_n", 0)), list(recent)),
     }

@@ -348,10 +348,11 @@ class OffloadAdapter:
         return self._step_pages
 
     def stats(self) -> dict[str, float]:
-        """The keys of `flashmemory.sglang.prometheus.METRICS`."""
+        """The keys of `flashmemory.sglang.prometheus.METRICS`, from the core's running totals (O(1): no scan of
+        requests, no device read; the exporter thread calls it)."""
         eng = self.engine
-        snap = eng.metrics()["total"]
-        hist = sum(n for _, n in eng.snapshot_rows().values())
+        snap = eng.totals()
+        hist = snap["history_chunks"]
         rb = self.cfg.recall_blocks
         return {
             "recall_bytes": float(snap["recall_bytes"]),

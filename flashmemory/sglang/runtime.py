@@ -11,9 +11,7 @@ live here so the decode CUDA graph can bake them in.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +19,7 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv, stats_file
 from flashmemory.sglang.context import ForwardContext, HiSparseState
+from flashmemory.sglang.exporter import MetricsExporter, write_diagnostics
 from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
 
 if TYPE_CHECKING:
@@ -131,6 +130,7 @@ class Runtime:
         self.bufs: Level2Buffers | None = None
         self.dump = None
         self.metrics = None
+        self.exporter: MetricsExporter | None = None  # runs `export` on its own thread (built with the adapter)
         self.sideband: SidebandBuffers | None = None  # Level-1 inputs, written in place by the indexer hook
         self.sideband_rows_hint = 0  # largest decode batch the server may run (init_cuda_graphs)
         self.indexers: dict[int, Any] = {}  # target c4 layer -> sglang's C4Indexer (miss monitor)
@@ -152,30 +152,21 @@ class Runtime:
         """Host-side event counter (Python only; under CUDA-graph replay the hooks do not run at all)."""
         self.counters[name] = self.counters.get(name, 0) + 1
 
-    def write_diagnostics(self) -> None:
-        """Write counters, buffer shapes and engine stats as JSON to $FLASHMEMORY_STATS_FILE (atomic), if set; rank
-        r > 0 of a distributed server writes `<file>.rank<r>` (each rank's engine is its own)."""
-        if not self.diag_path:
-            return
-        from flashmemory.offload.tiered_mirror import dist_rank
+    def export(self, full: bool = False) -> None:
+        """One metrics export (the exporter's thread, or idle time): the serving gauges, every metric when `full` or
+        when a request joined or left, and the diagnostics file. Reads the core's running totals under its lock
+        (O(1), no device read); never called on the decode thread."""
+        if self.metrics is not None and self.engine is not None:
+            self.metrics.refresh(self.engine, full)
+        try:
+            self.write_diagnostics()
+        except OSError as e:
+            logger.warning("FlashMemory: diagnostics not written (%s)", e)
+            self.diag_path = ""
 
-        rank = dist_rank()
-        path = self.diag_path + (f".rank{rank}" if rank else "")
-        d: dict[str, Any] = {
-            "features": list(self.features),
-            "decode_forwards": self.steps,
-            **self.counters,
-            "level2_bufs": list(self.bufs.sel_pages.shape) if self.bufs is not None else None,
-        }
-        if self.engine is not None:
-            d.update(self.engine.stats())
-            d["mode"] = self.engine.mode
-        weights = next(iter(self.retriever.parameters()), None) if self.retriever is not None else None
-        d["retriever_device"] = str(weights.device) if weights is not None else None
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(d, f)
-        os.replace(tmp, path)
+    def write_diagnostics(self) -> None:
+        """The diagnostics file, $FLASHMEMORY_STATS_FILE (`exporter.write_diagnostics`), if set."""
+        write_diagnostics(self)
 
     def configure(self, env: FlashMemoryEnv, features: tuple[str, ...], retriever: Any = None) -> None:
         self.env, self.features, self.retriever = env, features, retriever
@@ -267,6 +258,7 @@ class Runtime:
                 self.metrics = FlashMemoryMetrics.create()
             except (ImportError, ValueError) as e:  # no prometheus_client, or already registered in this process
                 logger.warning("FlashMemory: metrics not exported (%s)", e)
+            self.exporter = MetricsExporter(self.export).start()
             logger.info("FlashMemory: offload engine attached to %s", type(pool).__name__)
 
     def c4_layer(self, pool: Any, layer_id: int) -> int | None:
@@ -407,13 +399,8 @@ class Runtime:
         snapshot = self.sideband_snapshot(len(getattr(forward_batch, "rids", None) or []))
         if snapshot is not None:
             self.engine.level1(snapshot)
-        try:
-            self.write_diagnostics()
-        except OSError as e:
-            logger.warning("FlashMemory: diagnostics not written (%s)", e)
-            self.diag_path = ""
-        if self.metrics is not None and self.steps % self.env.interval == 0:
-            self.metrics.publish(self.engine.stats())
+        if self.exporter is not None:  # the export runs on its own thread: nothing is read here
+            self.exporter.kick(full=self.steps % self.env.interval == 0)
 
     def after_extend_forward(self) -> None:
         """Shrink mode: the extend's landing cells -> the mirror."""

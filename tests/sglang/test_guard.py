@@ -53,6 +53,7 @@ class _Batch:
 def served(monkeypatch):
     """RUNTIME with a copy-mode adapter over a fake pool, a fresh guard (its stop recorded, not run) and metrics in a
     private registry. Returns a namespace with the model runner, a batch maker and the stops."""
+    from flashmemory.sglang.exporter import MetricsExporter
     from flashmemory.sglang.prometheus import FlashMemoryMetrics, failure_counter
 
     pool, e = fake_pool(), env()
@@ -73,6 +74,7 @@ def served(monkeypatch):
         bufs=None,
         sideband=None,
         metrics=FlashMemoryMetrics.create(registry=reg),
+        exporter=MetricsExporter(RUNTIME.export),  # not started: the test flushes it
         steps=0,
         diag_path="",
     ).items():
@@ -259,6 +261,7 @@ def test_gauges_say_idle_once_nothing_runs(served):
     s = served
     s.guard.configured = True
     _step(s, ["a", "bad-1"])
+    assert RUNTIME.exporter.flush()  # the decode step only marked the export due
     val = lambda k: _value(s.reg, "flashmemory_" + k)  # noqa: E731
     total = val("reserve_blocks")
     assert val("live_requests") == 2 and val("free_reserve_blocks") < total and val("host_mirror_bytes_in_use") > 0
