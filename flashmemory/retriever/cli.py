@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -60,7 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     dp.add_argument("--file", default=DEFAULT_FILE, help=f"file in the repo (default {DEFAULT_FILE})")
     dp.add_argument("--dest", default="checkpoints", help="folder to put it in (default checkpoints/)")
     dp.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    dp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the Hub to answer (default 10)")
+    dp.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the Hub to answer, > 0 (default 10)"
+    )
     dp.set_defaults(func=_download)
 
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
@@ -149,6 +152,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _download(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # 0 would make the reachability probe non-blocking
+        return _fail("download", f"--timeout {args.timeout}: must be a number of seconds > 0 (default 10)")
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:

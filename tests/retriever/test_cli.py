@@ -155,6 +155,25 @@ def test_download_reports_hub_errors_and_success(
     assert str(tmp_path / "top3_R930_joint.pt") in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("timeout", ["-1", "nan", "0", "inf"])
+def test_download_timeout_out_of_range_is_one_line_naming_the_flag(
+    timeout: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A negative or NaN --timeout made the socket probe raise a traceback, and 0 (a non-blocking probe) was
+    reported as "no network?": each is refused before any network use, in one line naming --timeout."""
+    import huggingface_hub
+
+    import flashmemory.retriever.cli as cli
+
+    called = []
+    monkeypatch.setattr(cli, "_reachable", lambda t: called.append(t) or "")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kw: called.append(kw))
+    assert main(["checkpoint", "download", "--dest", str(tmp_path), "--timeout", timeout]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--timeout" in err[0] and "no network" not in err[0], err
+    assert not called and list(tmp_path.iterdir()) == []
+
+
 def test_checkpoint_without_action_prints_help(capsys: pytest.CaptureFixture) -> None:
     assert main(["checkpoint"]) == 2
     assert "inspect" in capsys.readouterr().out
