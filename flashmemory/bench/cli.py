@@ -20,7 +20,7 @@ BENCHES = {
     "labels": ("flashmemory.bench.labels", "golden-label construction vs a per-layer, per-token Python loop"),
     "recall": ("flashmemory.bench.recall", "page recall, batched gather and Level-2 modes vs raw copies / full top-k"),
     "train": ("flashmemory.bench.train", "training samples/s and peak memory vs the forward-only cost"),
-    "step": ("flashmemory.bench.step", "sglang adapter host work per decode step, shrink mode vs copy mode"),
+    "step": ("flashmemory.bench.step", "host time and blocking ops per decode step, per mode vs the adapter off"),
     "monitor": (
         "flashmemory.bench.monitor_cost",
         "miss monitor (1 native layer per tau steps) vs the native indexer on 21 layers every step",

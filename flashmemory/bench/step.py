@@ -1,88 +1,109 @@
-"""`flashmemory bench step`: host work the sglang adapter adds to every decode step, copy mode vs shrink mode.
+"""`flashmemory bench step`: host time and blocking operations per decode step of the serving hooks, per mode,
+beside the adapter off.
 
-Both adapters run in one process on the same synthetic pool (sglang's c4 page layout, 21 layers): B requests
-admitted with H tokens of history, then S decode steps in which every request advances one token (so a
-quarter of the steps close a c4 chunk per request, as in serving). Timed: `begin_step` plus shrink mode's
-`settle`, the eager work around each forward (Level 1 excluded: it runs on its own cadence and thread). On
-CPU the "device" tensors are host tensors, so the copies cost memory bandwidth, not PCIe; the ratio between
-the modes is the figure to read, not the absolute milliseconds.
+Each mode runs the hooks sglang calls in one decode step (`step_drive.step`: the guard's admission check,
+`before_forward`, the per-layer indexer / store / refresh hooks, `after_decode_forward` with Level 1) on a
+synthetic pool with sglang's c4 page layout: R requests admitted at the first step with H tokens of history,
+then S decode steps in which every request advances one token (a quarter of them close a c4 chunk per request;
+Level-1 cycles come due every tau steps). Modes: `off` (the runtime's hooks with no adapter: stock sglang),
+`copy`, `shrink`, and `shrink-tp2` (shrink mode with tensor-parallel lockstep publishing, as one rank runs it).
+
+Two figures per mode, each from its own pass: host µs per step (plain CPU tensors, no stand-in; on CPU the
+"device" tensors are host tensors, so read the ratio to `off`, not the absolute time), and blocking operations
+per step on the decode thread, counted with the CUDA stand-in (`standin_blocking`: host reads of device values,
+copies from pageable host memory, synchronizes) — each one is a point where a GPU server's overlap scheduler
+would drain. The admitting step (the first) is reported apart from the steps after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import time
-import types
+from typing import Any
 
 import torch
 
-from flashmemory.env import FlashMemoryEnv
+from flashmemory.bench import standin_blocking, standin_streams
+from flashmemory.bench import step_drive as sd
+
+MODES = ("off", "copy", "shrink", "shrink-tp2")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="16 requests, 24 steps")
+    p.add_argument("--quick", action="store_true", help="8 requests x 512 tokens, 16 steps, 4 layers")
     p.add_argument("--rows", type=int, default=128, help="concurrent requests (default 128)")
-    p.add_argument("--history", type=int, default=4096, help="tokens of history per request (default 4096)")
-    p.add_argument("--steps", type=int, default=64, help="decode steps timed (default 64)")
-    p.add_argument("--layers", type=int, default=21)
+    p.add_argument("--history", type=int, default=1024, help="tokens of history per request (default 1024)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps after the admitting one (default 32)")
+    p.add_argument("--layers", type=int, default=21, help="c4 layers (default 21, DeepSeek-V4's)")
+    p.add_argument("--tau", type=int, default=8, help="Level-1 cycle interval in steps (default 8)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
 
 
-def _pool(layers: int, n_pages: int) -> types.SimpleNamespace:
-    kv = [torch.zeros(n_pages, 37440, dtype=torch.uint8) for _ in range(layers)]
-    ix = [torch.zeros(n_pages, 8448, dtype=torch.uint8) for _ in range(layers)]
-    c4 = types.SimpleNamespace(kv_buffer=kv, page_size=64)
-    ixp = types.SimpleNamespace(index_k_with_scale_buffer=ix, page_size=64, index_head_dim=128)
-    return types.SimpleNamespace(
-        c4_kv_pool=c4, c4_indexer_kv_pool=ixp, page_size=256, layer_mapping=[(4, i, c4) for i in range(layers)]
-    )
+def _run(mode: str, rows: int, history: int, steps: int, layers: int, tau: int, count: bool) -> list[tuple]:
+    """Per step (admitting step first): (host seconds, blocking operations on the decode thread)."""
+    patches = standin_blocking.Patches()
+    if count:
+        standin_streams.install(patches)
+        standin_blocking.count_transfers(patches)
+    if mode.endswith("-tp2"):
+        from flashmemory.sglang import offload_adapter
+
+        patches(offload_adapter, "serving_tp_size", lambda: 2)
+    base = mode.split("-")[0]
+    world = None
+    try:
+        pages = -(-(history + steps + 1) // sd.PAGE) + 1
+        world = sd.build_world(base, rows, pages, layers, interval=tau)
+        for r in range(rows):
+            sd.admit(world, f"r{r}", history)
+        out = []
+        for _ in range(steps + 1):
+            dt, got = sd.step(world)
+            out.append((dt, len(got)))
+        return out
+    finally:
+        if world is not None:
+            sd.close(world)
+        patches.undo()
 
 
-def _time_mode(shrink: bool, rows: int, history: int, steps: int, layers: int) -> list[float]:
-    from flashmemory.sglang.engine_adapter import SGLangOffload
-    from flashmemory.sglang.shrink import ShrunkOffload
-
-    pages = -(-(history + steps) // 256) + 1
-    env = FlashMemoryEnv(
-        decode_swap_p=True,
-        retriever_layers=(min(10, layers - 1),),
-        page_kmax=8,
-        reserve_pages=rows * 9,
-        decode_max_conc=rows,
-        async_recall=False,
-        target_context=256 * pages,
-    )
-    pool = _pool(layers, rows * pages + 2)
-    eng = ShrunkOffload(pool, env, n_landing=64) if shrink else SGLangOffload(pool, env)
-    table = torch.tensor([[1 + r * pages + j for j in range(pages)] for r in range(rows)])
-    rids = [f"r{r}" for r in range(rows)]
-    settle = getattr(eng, "settle", lambda: None)
-    eng.begin_step(rids, table, torch.full((rows,), history))  # admission, not timed
-    settle()
-    out = []
-    for s in range(1, steps + 1):
-        t = time.perf_counter()
-        eng.begin_step(rids, table, torch.full((rows,), history + s))
-        settle()
-        out.append(time.perf_counter() - t)
-    eng.close()
-    return sorted(out)
+def _stats(per_step: list[tuple]) -> dict[str, float]:
+    rest = per_step[1:] or per_step
+    return {
+        "admit_us": 1e6 * per_step[0][0],
+        "step_us": 1e6 * sum(t for t, _ in rest) / len(rest),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    rows, steps = (16, 24) if args.quick else (args.rows, args.steps)
+    rows, steps, layers = (8, 16, 4) if args.quick else (args.rows, args.steps, args.layers)
+    history = 512 if args.quick else args.history
     logging.getLogger("flashmemory").setLevel(logging.ERROR)  # the shrink's "saves no memory" warning at toy sizes
-    res = {name: _time_mode(name == "shrink", rows, args.history, steps, args.layers) for name in ("copy", "shrink")}
-    med = {k: v[len(v) // 2] for k, v in res.items()}
-    mean = {k: sum(v) / len(v) for k, v in res.items()}
+    res: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        timed = _stats(_run(mode, rows, history, steps, layers, args.tau, count=False))
+        counted = _run(mode, rows, history, steps, layers, args.tau, count=True)
+        rest = counted[1:] or counted
+        res[mode] = {
+            **timed,
+            "admit_blocking": float(counted[0][1]),
+            "step_blocking": sum(n for _, n in rest) / len(rest),
+        }
     print(
-        f"adapter host work per decode step: {rows} requests x {args.history} tokens, {args.layers} c4 layers, "
-        f"{steps} steps, {torch.get_num_threads()} thread(s)"
+        f"decode-step hooks: {rows} requests x {history} tokens, {layers} c4 layers, {steps} steps after the "
+        f"admitting one, tau {args.tau}, {torch.get_num_threads()} thread(s); blocking = operations a GPU host "
+        "waits on, decode thread"
     )
-    print(f"{'mode':8} {'median ms':>10} {'mean ms':>9} {'p90 ms':>8}")
-    for k, v in res.items():
-        print(f"{k:8} {1e3 * med[k]:10.2f} {1e3 * mean[k]:9.2f} {1e3 * v[int(0.9 * (len(v) - 1))]:8.2f}")
-    print(f"shrink / copy (mean): {mean['shrink'] / mean['copy']:.2f}x")
+    off = res["off"]
+    print(
+        f"{'mode':11} {'step us':>9} {'x off':>7} {'blocking/step':>14} {'admit us':>10} {'x off':>7} "
+        f"{'blocking@admit':>15}"
+    )
+    for mode, r in res.items():
+        print(
+            f"{mode:11} {r['step_us']:9.0f} {r['step_us'] / max(off['step_us'], 1e-9):7.1f} "
+            f"{r['step_blocking']:14.1f} {r['admit_us']:10.0f} {r['admit_us'] / max(off['admit_us'], 1e-9):7.1f} "
+            f"{r['admit_blocking']:15.0f}"
+        )
     return 0

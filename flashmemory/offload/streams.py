@@ -30,6 +30,13 @@ def streams_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory: an H2D copy from it (or a D2H copy into it) with non_blocking=True does not make
+    the host wait. torch's pinned allocator keeps a freed block until the copies that used it are complete, so a
+    buffer dropped right after its copy is enqueued is safe. (The stand-in replaces this on CPU.)"""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 class ForwardOrder:
     """The forward stream handed in per step, the side stream recalls copy on, and the forward gate (an RLock
     owned by the decode thread while it enqueues a forward). Without streams (CPU) only the gate does anything."""

@@ -1,307 +1,40 @@
-"""A recording stand-in for `torch.cuda`'s streams, events and devices, installed in place of them for a test.
+"""The recording stand-in for `torch.cuda`, as the tests use it (pytest's monkeypatch undoes every patch).
 
-What only a GPU shows (which stream an op is enqueued on, which waits order it, which device a thread runs on) is
-proven on CPU tensors with it: `install(monkeypatch)` replaces `torch.cuda.{Stream, Event, current_stream,
-default_stream, stream, set_device, current_device, synchronize}` with recording versions and makes the offload
-core treat the CPU as a stream device (`flashmemory.offload.streams.streams_on`). Tensors stay on the CPU; ops
-run at once; the stand-in only keeps the order a GPU would enforce.
-
-Happens-before is tracked with vector clocks. Every stream has a clock {stream id: ops}; an op logged on stream S
-(`StandIn.op`) takes S's next sequence number and a snapshot of S's clock. `wait_stream` / `wait_event` merge the
-waited clock into the waiter's; `Event.record` snapshots the recording stream's clock. A host sync
-(`Stream.synchronize`, `Event.synchronize`, `torch.cuda.synchronize`) makes what it waited for complete in real
-time, so every op enqueued afterwards, on any stream by any thread, happens after it. `hb(a, b)`: op a is
-complete before op b can start on a real device.
+The stand-in itself lives in the package, since `flashmemory bench step` counts with it too:
+`flashmemory.bench.standin_streams` (streams, events, devices; happens-before by vector clocks) and
+`flashmemory.bench.standin_blocking` (every operation a CUDA device would block the host on, per thread: host
+reads of device values, copies from pageable host memory, synchronizes). Read their module docs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-Clock = dict[int, int]
-
-
-def _merge(a: Clock, b: Clock) -> None:
-    for k, v in b.items():
-        if a.get(k, 0) < v:
-            a[k] = v
-
-
-@dataclass(frozen=True)
-class Op:
-    """One logged device op: `seq` on stream `stream` (its id), `clock` the stream's clock when it was enqueued."""
-
-    index: int  # position in the host-order log
-    stream: int
-    stream_name: str
-    seq: int
-    clock: tuple[tuple[int, int], ...]
-    kind: str  # "read" / "write"
-    resource: Hashable
-    thread: str
-
-    def after(self, other: "Op") -> bool:
-        """`other` happens before this op."""
-        return dict(self.clock).get(other.stream, 0) >= other.seq
-
-
-@dataclass
-class StandIn:
-    """The recording state: streams, the host-completed clock, the op log and per-thread current stream/device."""
-
-    log: list[Op] = field(default_factory=list)
-    devices: list[tuple[str, Any]] = field(default_factory=list)  # (thread name, device) per set_device
-    host_syncs: list[tuple[str, str]] = field(default_factory=list)  # (thread name, what) per host sync
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (thread name, torch.cuda name) per call
-    done: Clock = field(default_factory=dict)
-    _mu: threading.RLock = field(default_factory=threading.RLock)
-    _local: threading.local = field(default_factory=threading.local)
-    _next_id: int = 0
-
-    def __post_init__(self) -> None:
-        self.default = self.new_stream("default")
-
-    def new_stream(self, name: str = "") -> "Stream":
-        with self._mu:
-            self._next_id += 1
-            return Stream(self, self._next_id, name or f"stream{self._next_id}")
-
-    def current(self) -> "Stream":
-        return getattr(self._local, "stream", None) or self.default
-
-    def op(self, kind: str, resource: Hashable, stream: "Stream | None" = None) -> Op:
-        """Log a device op on `stream` (default: the calling thread's current stream)."""
-        s = stream or self.current()
-        with self._mu:
-            _merge(s.clock, self.done)
-            s.seq += 1
-            s.clock[s.id] = s.seq
-            o = Op(
-                len(self.log),
-                s.id,
-                s.name,
-                s.seq,
-                tuple(sorted(s.clock.items())),
-                kind,
-                resource,
-                threading.current_thread().name,
-            )
-            self.log.append(o)
-            return o
-
-    def host_wait(self, clock: Clock, what: str) -> None:
-        with self._mu:
-            _merge(self.done, clock)
-            self.host_syncs.append((threading.current_thread().name, what))
-
-    # --- the torch.cuda surface ------------------------------------------------------------------------
-    def current_stream(self, device: Any = None) -> "Stream":
-        return self.current()
-
-    def default_stream(self, device: Any = None) -> "Stream":
-        return self.default
-
-    @contextlib.contextmanager
-    def stream(self, s: "Stream | None") -> Iterator[None]:
-        prev = getattr(self._local, "stream", None)
-        if s is not None:
-            self._local.stream = s
-        try:
-            yield
-        finally:
-            self._local.stream = prev
-
-    def set_device(self, device: Any) -> None:
-        self._local.device = device
-        with self._mu:
-            self.devices.append((threading.current_thread().name, device))
-
-    def current_device(self) -> Any:
-        return getattr(self._local, "device", 0)
-
-    def synchronize(self, device: Any = None) -> None:
-        with self._mu:
-            every: Clock = {}
-            for o in self.log:
-                _merge(every, dict(o.clock))
-        self.host_wait(every, "device")
-
-    # --- checks -------------------------------------------------------------------------------------------
-    def ops(self, kind: str | None = None, resource: Any = None) -> list[Op]:
-        return [
-            o for o in self.log if (kind is None or o.kind == kind) and (resource is None or o.resource == resource)
-        ]
-
-    def races(self, resource_pred: Any) -> list[tuple[Op, Op]]:
-        """Pairs (write, other access) of a resource matching `resource_pred` on different streams that no wait or
-        host sync orders either way: what a GPU may run concurrently."""
-        acc = [o for o in self.log if resource_pred(o.resource)]
-        out = []
-        for i, a in enumerate(acc):
-            for b in acc[i + 1 :]:
-                if a.resource != b.resource or "write" not in (a.kind, b.kind) or a.stream == b.stream:
-                    continue
-                if not (b.after(a) or a.after(b)):
-                    out.append((a, b))
-        return out
-
-
-class Stream:
-    """A recording stream: its clock, and the waits a CUDA stream offers."""
-
-    def __init__(self, owner: StandIn, sid: int, name: str):
-        self.owner, self.id, self.name = owner, sid, name
-        self.seq = 0
-        self.clock: Clock = {sid: 0}
-
-    def wait_stream(self, other: "Stream") -> None:
-        with self.owner._mu:
-            _merge(self.clock, other.clock)
-
-    def wait_event(self, ev: "Event") -> None:
-        with self.owner._mu:
-            _merge(self.clock, ev.clock)
-
-    def record_event(self, ev: "Event | None" = None) -> "Event":
-        ev = ev or Event(self.owner)
-        ev.record(self)
-        return ev
-
-    def synchronize(self) -> None:
-        self.owner.host_wait(dict(self.clock), f"stream {self.name}")
-
-    def query(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return f"<stand-in stream {self.name}>"
-
-
-class Event:
-    """A recording event: the clock of the stream it was last recorded on."""
-
-    def __init__(self, owner: StandIn):
-        self.owner = owner
-        self.clock: Clock = {}
-        self.recorded = False
-
-    def record(self, stream: Stream | None = None) -> None:
-        s = stream or self.owner.current()
-        with self.owner._mu:
-            self.clock = dict(s.clock)
-        self.recorded = True
-
-    def wait(self, stream: Stream | None = None) -> None:
-        (stream or self.owner.current()).wait_event(self)
-
-    def synchronize(self) -> None:
-        self.owner.host_wait(dict(self.clock), "event")
-
-    def query(self) -> bool:
-        return True
-
-
-def install(monkeypatch: Any) -> StandIn:
-    """Replace torch.cuda's streams, events and devices with a fresh recording `StandIn` for this test, and make
-    the offload core order work on streams for CPU tensors. Undone by the monkeypatch fixture."""
-    from flashmemory.offload import streams
-
-    si = StandIn()
-
-    def recorded(name: str) -> Any:
-        fn = getattr(si, name)
-
-        def call(*a: Any, **k: Any) -> Any:
-            with si._mu:
-                si.calls.append((threading.current_thread().name, name))
-            return fn(*a, **k)
-
-        return call
-
-    class StandInStream(Stream):
-        """`torch.cuda.Stream` while installed (a class, so annotations and isinstance checks keep working)."""
-
-        def __init__(self, device: Any = None, priority: int = 0, **_: Any):
-            with si._mu:
-                si.calls.append((threading.current_thread().name, "Stream"))
-                si._next_id += 1
-                super().__init__(si, si._next_id, f"stream{si._next_id}")
-
-    class StandInEvent(Event):
-        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_: Any):
-            with si._mu:
-                si.calls.append((threading.current_thread().name, "Event"))
-            super().__init__(si)
-
-    monkeypatch.setattr(torch.cuda, "Stream", StandInStream)
-    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
-    for name in ("current_stream", "default_stream", "stream", "set_device", "current_device", "synchronize"):
-        monkeypatch.setattr(torch.cuda, name, recorded(name))
-    monkeypatch.setattr(streams, "streams_on", lambda device: True)
-    return si
-
-
-SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-class DeviceTensor(torch.Tensor):
-    """A CPU tensor standing for one on the accelerator: results of ops on it stay `DeviceTensor`s, and every read
-    of its values by the host (`SYNC_METHODS`, and indexing with a boolean mask, whose output size the host
-    reads) is counted in `DeviceTensor.syncs` as a host sync; `SYNC_METHODS` return a plain tensor / value.
-    `.to(device)` is not counted: on CPU the stand-in device and the host are one
-    (`.to("cpu")` as a host read would slip through; the serving path spells host reads `.cpu()`). Made by
-    `on_device` (below)."""
-
-    syncs: list[tuple[str, str, str]] = []  # (thread name, flashmemory function, "file:line code") per host read
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        idx = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
-        masked = any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (idx if isinstance(idx, tuple) else (idx,))
-        )
-        if masked or name in SYNC_METHODS:  # a boolean-mask index: the host reads its output size (CUDA syncs)
-            import traceback
-
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/flashmemory/" in f.filename), None)
-            what = f"{name} (boolean mask)" if masked else name
-            where = (
-                f"{frame.filename.rsplit('/flashmemory/', 1)[-1]}:{frame.lineno} {what}: {frame.line}"
-                if frame
-                else what
-            )
-            cls.syncs.append((threading.current_thread().name, frame.name if frame else "?", where))
-        if name in SYNC_METHODS:
-            with torch._C.DisableTorchFunctionSubclass():
-                plain = [a.as_subclass(torch.Tensor) if isinstance(a, torch.Tensor) else a for a in args]
-                return func(*plain, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def on_device(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a `DeviceTensor` (same storage)."""
-    return t.as_subclass(DeviceTensor)
-
-
-FACTORIES = ("full", "zeros", "empty", "ones", "arange", "tensor")
+from flashmemory.bench import standin_blocking as _blocking
+from flashmemory.bench.standin_blocking import (  # noqa: F401 (re-exported)
+    BLOCKING,
+    FACTORIES,
+    SYNC_METHODS,
+    Blocking,
+    DeviceTensor,
+    PinnedTensor,
+    on_device,
+    on_thread,
+    pinned,
+    reset,
+)
+from flashmemory.bench.standin_streams import Event, Op, StandIn, Stream, install  # noqa: F401 (re-exported)
 
 
 def device_factories(monkeypatch: Any) -> None:
-    """For the rest of the test, tensors made with an explicit non-None `device=` (the engine's, the adapter's and
-    the runtime's device tensors) are `DeviceTensor`s; host tensors stay plain."""
-    for name in FACTORIES:
-        orig = getattr(torch, name)
+    """For the rest of the test, tensors made with an explicit non-None `device=` are `DeviceTensor`s."""
+    _blocking.device_factories(monkeypatch.setattr)
 
-        def make(*a: Any, _o: Any = orig, **k: Any) -> Any:
-            out = _o(*a, **k)
-            return on_device(out) if k.get("device") is not None else out
 
-        monkeypatch.setattr(torch, name, make)
+def count_blocking(monkeypatch: Any) -> StandIn:
+    """For the rest of the test: the stream stand-in (`install`), device factories, `host.to(device)` and pinned
+    staging counted (`standin_blocking.count_transfers`), the log emptied. Read it with `on_thread`."""
+    si = install(monkeypatch)
+    _blocking.count_transfers(monkeypatch.setattr)
+    reset()
+    return si
