@@ -75,8 +75,12 @@ def replay_trace(path: str, slots: int | None = None, oracle: bool = False) -> T
     size, else 0..H-1; a slot never admitted starts at 0..H-1, sglang's `alloc_device_buffer`). slots: the
     buffer size to replay (default: the recorded one; another size gives that buffer's cost on the same live
     picks). oracle: after each step, prefetch the same layer's picks of the request's next step (at most
-    slots - k of them): the bound a perfect one-step hint reaches at that size."""
+    slots - k of them): the bound a perfect one-step hint reaches at that size. Raises ValueError naming the
+    file for a line that is not a trace record or a trace with no swap-in call (nothing to replay)."""
     recs = _read_trace(path)
+    if not any(rec["ev"] == "swapin" for rec in recs):  # else: hit rate 1.0 over 0 calls, as if all had hit
+        what = "is empty" if not recs else f"has {len(recs)} admission line(s) and no swap-in line"
+        raise ValueError(f"{path}: the trace {what}: nothing to replay (did the traced server decode?)")
     nxt = _next_picks(recs) if oracle else {}
     bufs: dict[tuple[int, int], HotBufferReplay] = {}
     empty: dict[int, bool] = {}

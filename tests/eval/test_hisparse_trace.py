@@ -204,3 +204,18 @@ def test_trace_oracle_prefetches_the_next_step_of_the_same_request(tmp_path) -> 
         timeout=120,
     )
     assert done.returncode == 0 and json.loads(done.stdout)["replayed"]["prefetch_hits"] == 4
+
+
+@pytest.mark.parametrize("content", ["", '{"ev": "admit", "rid": 0, "entries": 3, "empty": false}\n'])
+def test_a_trace_without_a_swap_in_call_is_an_error_naming_the_file(tmp_path, capsys, content) -> None:
+    """An empty trace (or one with admissions only) replayed to hit rate 1.0 over 0 calls and exit 0, which reads
+    as a perfect buffer: it is one error line naming the file, exit 2, and nothing on stdout."""
+    from flashmemory.eval.hisparse_trace import main, replay_trace
+
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text(content)
+    with pytest.raises(ValueError, match="empty.jsonl.*nothing to replay"):
+        replay_trace(str(trace))
+    assert main([str(trace)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and str(trace) in err and "Traceback" not in err
