@@ -3,7 +3,8 @@
 # Knobs (env): MODEL TP CTX_LEN TGT_CONC TGT_CTX KMAX HOST PORT TRANSFER_BACKEND(nixl|mooncake|mooncake_tcp)
 #   BOOTSTRAP_PORT MAX_RUN CKPT LAYERS THRESH INTERVAL LAST_KEEP SCORE_RESIDENT INDEX_K_OFFLOAD CUDA_GRAPH
 #   C4_SHRINK (1: c4 KV lands in the host mirror, the device c4 pool becomes the reserve; needs nixl)
-#   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes)
+#   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes, --mem-fraction-static lowered by the reserve)
+#   SWA_RATIO (auto | sglang | a ratio) MEM_FRACTION GPU_MIB: the pool settings, see "Pools" below
 #   FLASHMEMORY (1; 0: stock sglang decode, every FlashMemory gate off, for A/B runs)
 #   DEVICE (cuda; cpu: sglang on CPU with the tiny model, tp 1, 4K context, 4 requests, no CUDA graph) PYTHON
 # Arguments after the script's name go to sglang unchanged, after its own (e.g. HiSparse's --enable-hisparse ...).
@@ -57,10 +58,31 @@ if [[ "$FLASHMEMORY" == 0 ]]; then   # stock decode: the plugin registers nothin
   SGLANG_DECODE_SWAP_P=0; SGLANG_PATHP_SCORE_RESIDENT=0; SGLANG_PATHP_INDEX_K_OFFLOAD=0; SGLANG_PD_B_C4_SHRINK=0
   SGLANG_PD_CREDIT_OFFLOADED_C4=0
   # HiSparse with FlashMemory's prefetch (SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1): Level 1 keeps CKPT as its hint source
-  [[ "${SGLANG_FLASHMEMORY_HISPARSE_PREFETCH:-0}" == 1 ]] || SGLANG_RETRIEVER_INLINE_CKPT=
+  fm_on "${SGLANG_FLASHMEMORY_HISPARSE_PREFETCH:-}" || SGLANG_RETRIEVER_INLINE_CKPT=   # on as the plugin reads it
 fi
 CG=(); [[ "$CUDA_GRAPH" == 1 || "$DEVICE" == cpu ]] || CG=(--cuda-graph-backend-decode disabled)
 [[ "$CUDA_GRAPH" == 0 || "$DEVICE" != cpu ]] || fm_die "CUDA_GRAPH=1 with DEVICE=cpu: CPU has no CUDA graphs"
+# Pools (flashmemory/costmodel/launch_settings.py), stock and FlashMemory alike: SWA_RATIO auto = the smallest
+# --swa-full-tokens-ratio whose SWA pool holds TGT_CONC requests of TGT_CTX (sglang's DeepSeek-V4 default 0.1 with
+# SWA_RATIO=sglang, or a given ratio); CREDIT_C4=1 (cuda): --mem-fraction-static (MEM_FRACTION, else sglang's default
+# for GPU_MIB, from nvidia-smi when unset) lowered by FlashMemory's reserve, so the reserve is not taken from headroom.
+SWA_RATIO="${SWA_RATIO:-auto}"; MEM_FRACTION="${MEM_FRACTION:-}"; GPU_MIB="${GPU_MIB:-}"
+[[ "$SWA_RATIO" == auto || "$SWA_RATIO" == sglang ]] || fm_float SWA_RATIO "$SWA_RATIO"
+[[ -z "$MEM_FRACTION" ]] || fm_float MEM_FRACTION "$MEM_FRACTION"; [[ -z "$GPU_MIB" ]] || fm_int GPU_MIB "$GPU_MIB" 1
+FM_CREDIT=0; [[ "$SGLANG_PD_CREDIT_OFFLOADED_C4" == 1 && "$DEVICE" == cuda ]] && FM_CREDIT=1
+if [[ "$FM_CREDIT" == 1 && -z "$GPU_MIB$MEM_FRACTION" ]] && command -v nvidia-smi >/dev/null 2>&1; then
+  GPU_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | tr -dc 0-9 || true)"
+fi
+FM_POOL="$("$PY" -m flashmemory.costmodel.launch_settings --context "$TGT_CTX" --concurrency "$TGT_CONC" \
+  --max-running "$MAX_RUN" --reserved 1024 --model "$MODEL" --credit-c4 "$FM_CREDIT" --kmax "$KMAX" \
+  --decode-max-conc "$MAX_RUN" --path-i "$SGLANG_PATHP_INDEX_K_OFFLOAD" --tp "$TP" ${GPU_MIB:+--gpu-mib "$GPU_MIB"} \
+  ${MEM_FRACTION:+--mem-fraction "$MEM_FRACTION"})" || exit 2
+read -r FM_SWA_RATIO FM_MEM_FRACTION FM_RESERVE_GIB <<< "$FM_POOL"
+[[ "$SWA_RATIO" == auto ]] || FM_SWA_RATIO="$SWA_RATIO"
+POOL_ARGS=(); [[ "$FM_SWA_RATIO" == sglang ]] || POOL_ARGS=(--swa-full-tokens-ratio "$FM_SWA_RATIO")
+[[ "$FM_MEM_FRACTION" == - ]] || POOL_ARGS+=(--mem-fraction-static "$FM_MEM_FRACTION")
+echo "pools: --swa-full-tokens-ratio $FM_SWA_RATIO (SWA_RATIO=$SWA_RATIO, TGT_CONC=$TGT_CONC x TGT_CTX=$TGT_CTX)" \
+  "--mem-fraction-static ${FM_MEM_FRACTION/-/sglang\'s default}$([[ "$FM_CREDIT" == 0 ]] || echo " (lowered by the ${FM_RESERVE_GIB} GiB reserve)")" >&2
 
 fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_PAGE_RECALL \
   SGLANG_PATHP_PAGE_KMAX SGLANG_PATHP_ASYNC_RECALL SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_PATHP_DECODE_RESIDENT_CHUNKS \
@@ -74,4 +96,4 @@ fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT S
   --disaggregation-mode decode --disaggregation-transfer-backend "$TRANSFER_BACKEND" \
   --disaggregation-bootstrap-port "$BOOTSTRAP_PORT" --num-reserved-decode-tokens 1024 --decode-log-interval 40 \
   --max-running-requests "$MAX_RUN" --context-length "$CTX_LEN" --skip-server-warmup --enable-metrics "${CG[@]}" \
-  --host "$HOST" --port "$PORT" "$@"
+  "${POOL_ARGS[@]}" --host "$HOST" --port "$PORT" "$@"

@@ -17,23 +17,25 @@ from dataclasses import dataclass
 
 from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, baseline_bytes, flashmemory_bytes
 from flashmemory.costmodel.disk import DiskKnobs
-from flashmemory.costmodel.flops import FlashShape, RetrieverShape, baseline_flops, flashmemory_flops
+from flashmemory.costmodel.flops import FlashShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, swap_kernel_ms
 from flashmemory.costmodel.pools import (
+    CLIP_MAX_NEW,
     PoolSizes,
     Serving,
     admitted,
     bytes_per_full_token,
     fixed_bytes,
+    full_need,
     padded_bytes_per_token,
     pool_sizes,
 )
-from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE, Preset
+from flashmemory.costmodel.presets import B200_PD, H20_LAUNCH, H20_NODE, RTX6000_NODE, Preset
 from flashmemory.costmodel.throughput import Hardware, step_time, weight_bytes
 
 
 def _weights_per_gpu(hw: Hardware) -> float:
-    return (hw.weights_gb * 1e9 if hw.weights_gb is not None else weight_bytes().total) / hw.n_gpus
+    return (hw.weights_gb * 1e9 if hw.weights_gb is not None else weight_bytes(experts=hw.experts).total) / hw.n_gpus
 
 
 def sized(p: Preset, sv: Serving | None = None) -> PoolSizes:
@@ -112,21 +114,65 @@ def tok_s(p: Preset, policy: str, ctx: int, batch: int, kmax: int = 1, hs: HiSpa
     )
 
 
-def fm_reserve_bytes(ctx: int, kmax: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape()) -> float:
-    """Device bytes of one FlashMemory reserve row: KMAX pages of resident c4 KV at every c4 layer."""
-    return min(kmax * r.page_chunks, ctx // s.c4_ratio) * s.n_c4 * padded_bytes_per_token(4)
+DECODE_REGION_PAGES = 8  # SGLANG_PATHP_DECODE_RESIDENT_CHUNKS 512 / 64 chunks per page
+KV_PAGE_BYTES = 64 * 585  # one c4 page of 64 padded 585-B slots (37,440 B)
+INDEX_PAGE_BYTES = 64 * 132  # one index-key page (8,448 B)
+
+
+def fm_reserve_bytes(
+    target_conc: int, kmax: int, decode_max_conc: int = 128, path_i: bool = False, s: FlashShape = FlashShape()
+) -> float:
+    """Device bytes of FlashMemory's reserve as the plugin sizes it (`geometry.reserve_bytes`): (TGT_CONC x
+    (KMAX + 1) recall blocks + DECODE_MAX_CONC decode regions of 8 pages + 1 sink) page blocks, each one c4 KV page
+    at every c4 layer (+ the index pages of the 18 non-retriever layers with Path-I). Launch defaults (TGT_CONC 60,
+    KMAX 96, DECODE_MAX_CONC 128): 5.38 GB."""
+    blocks = target_conc * (kmax + 1) + decode_max_conc * DECODE_REGION_PAGES + 1
+    return blocks * (s.n_c4 * KV_PAGE_BYTES + (s.n_c4 - 3 if path_i else 0) * INDEX_PAGE_BYTES)
+
+
+def fm_admitted(
+    p: Preset, ctx: int, kmax: int, max_new: int = CLIP_MAX_NEW, path_i: bool | None = None
+) -> tuple[int, str, Serving]:
+    """(requests, what binds, the serving it needs) for FlashMemory with CREDIT_C4=1 launched as launch_decode.sh
+    does: TGT_CONC set to the requests it admits and --mem-fraction-static lowered by the reserve that TGT_CONC
+    sizes. The largest n whose pools still admit n after their own reserve is taken (a larger TGT_CONC only
+    shrinks the pool)."""
+    pi = ctx >= 1048576 if path_i is None else path_i
+
+    def sv_for(n: int) -> Serving:
+        return dataclasses.replace(
+            p.serving, credit_c4=True, reserve_bytes=fm_reserve_bytes(n, kmax, p.serving.max_running, pi)
+        )
+
+    def at(n: int) -> tuple[int, str]:
+        sv = sv_for(n)
+        return admitted(sized(p, sv), ctx, sv, max_new=max_new)
+
+    lo, hi = 0, p.serving.running_per_rank
+    while lo < hi:  # the largest n with at(n) >= n
+        mid = (lo + hi + 1) // 2
+        if at(mid)[0] >= mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == p.serving.running_per_rank:
+        return lo, "max-running", sv_for(lo)
+    bound = at(lo + 1)[1]  # what stops one more request (its reserve row included)
+    return lo, bound, sv_for(max(lo, 1))
 
 
 def capacity(
     p: Preset, policy: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs(), dk: DiskKnobs = DiskKnobs()
 ) -> tuple[int, str]:
-    """(requests admitted at once, what binds) for one arm, from sglang's sizing plus host DRAM (per-rank copies);
-    the disk arm is FlashMemory with the history on `dk`'s drives instead of host DRAM (one copy per rank).
-    'flashmemory' is launched with CREDIT_C4=1 (the token pool priced without c4 KV, the reserve taken from the same
-    budget); 'flashmemory-nocredit' is the launch default CREDIT_C4=0: the c4 pool becomes the reserve, and the
-    token pool, so the admission, stays stock's."""
+    """(requests admitted at once per attention rank x DP ranks, what binds) for one arm, from sglang's sizing plus
+    host DRAM (per-rank copies); the disk arm is FlashMemory with the history on `dk`'s drives instead of host
+    DRAM (one copy per rank). 'flashmemory' is launched with CREDIT_C4=1 (the token pool priced without c4 KV,
+    --mem-fraction-static lowered by the reserve that TGT_CONC sizes: `fm_admitted`); 'flashmemory-nocredit' is
+    the launch default CREDIT_C4=0: the token pool, so the admission, stays stock's."""
+    dp = p.serving.dp
     if policy == "stock":
-        return admitted(sized(p), ctx, p.serving)
+        n, bound = admitted(sized(p), ctx, p.serving)
+        return n * dp, bound
     if policy == "hisparse":
         sv = dataclasses.replace(p.serving, hisparse_ratio=hs.host_to_device_ratio)
         n, bound = admitted(sized(p, sv), ctx, sv, hisparse_slots=hs.padded_slots)
@@ -135,15 +181,16 @@ def capacity(
         n, bound = admitted(sized(p), ctx, p.serving)
         host = _arm(policy, ctx, kmax, hs)[0].host
     elif policy in ("flashmemory", "disk"):
-        sv = dataclasses.replace(p.serving, credit_c4=True)
-        n, bound = admitted(sized(p, sv), ctx, sv, extra_per_request=fm_reserve_bytes(ctx, kmax))
+        n, bound, _ = fm_admitted(p, ctx, kmax)
         host = _arm(policy, ctx, kmax, hs)[0].host
         if policy == "disk":
             disk_cap = int(dk.disk_bytes // (host * dk.n_copies(p.hw)))
-            return (disk_cap, "disk") if disk_cap < n else (n, bound)
+            return (disk_cap, "disk") if disk_cap < n * dp else (n * dp, bound)
     else:
         raise ValueError(f"unknown policy {policy!r}")
-    host_cap = int(p.hw.host_ram_gb * 1e9 * p.hw.host_fraction // (host * p.hw.n_gpus))
+    n *= dp
+    copies = p.hw.n_gpus // dp  # every TP rank of an attention group mirrors its group's requests
+    host_cap = int(p.hw.host_ram_gb * 1e9 * p.hw.host_fraction // (host * copies))
     return (host_cap, "host DRAM") if host_cap < n else (n, bound)
 
 
@@ -152,7 +199,7 @@ def fit(h20: Preset = H20_NODE) -> Fitted:
     a pool of n + 0.5 requests (the middle of the range that admits exactly n)."""
     ctx = UP_CTX["256K"]
     conc, tps = UP_STOCK["256K"]
-    pool_bytes = (conc + 0.5) * ctx * bytes_per_full_token(h20.serving)
+    pool_bytes = (conc + 0.5) * full_need(1, ctx, h20.serving) * bytes_per_full_token(h20.serving)
     frac = (pool_bytes + fixed_bytes(h20.serving) + _weights_per_gpu(h20.hw)) / (h20.hw.hbm_gb * 1e9)
     fm_host = _arm("flashmemory", UP_CTX["1M"], UP_FM_1M_K96[0], HiSparseKnobs())[0].host
     host_frac = (UP_FM_1M_K96[1] + 0.5) * fm_host * h20.hw.n_gpus / (h20.hw.host_ram_gb * 1e9)
@@ -170,6 +217,13 @@ def calibrated(p: Preset, f: Fitted, fitted_memory: bool = False) -> Preset:
     )
     sv = dataclasses.replace(p.serving, mem_fraction=f.mem_fraction) if fitted_memory else p.serving
     return dataclasses.replace(p, hw=hw, serving=sv)
+
+
+def launch_node(f: Fitted, preset: Preset = H20_LAUNCH) -> Preset:
+    """This repo's 8xH20 decode launch: the fitted per-step overhead and host fraction (both about the node, not
+    the launch), sglang's own --mem-fraction-static formula and ratio-mode SWA, FP8 experts."""
+    p = calibrated(preset, f)
+    return dataclasses.replace(p, hw=dataclasses.replace(p.hw, host_fraction=f.host_fraction))
 
 
 def calibrated_hisparse(f: Fitted, **kw: object) -> HiSparseKnobs:

@@ -3,8 +3,12 @@ A PROJECTION from the cost model; nothing here is measured.
 
 Per request of `ctx` tokens (KMAX resident pages, Path-I at >= 1M), each resource gives the number of requests it
 holds or keeps up with; the smallest one below the planned concurrency is what runs out first:
-- HBM token pool (per GPU): sglang's sizing (`pools`): the token pool's bytes over ctx x bytes per logical token,
-  plus the reserve row when CREDIT_C4=1 (`anchors.fm_reserve_bytes`); what `anchors.capacity` admits.
+- HBM token pool (per GPU): sglang's sizing (`pools`): full tokens over ctx + --num-reserved-decode-tokens per
+  request. With CREDIT_C4=1 the launch lowers --mem-fraction-static by FlashMemory's reserve, sized as the plugin
+  sizes it for TGT_CONC = the planned concurrency (`anchors.fm_reserve_bytes`).
+- SWA pool (per GPU): ratio mode, --swa-full-tokens-ratio "auto" = the smallest ratio that holds every planned
+  request's live window and one newcomer's tail + output reservation (`pools.smallest_swa_ratio`, what
+  launch_decode.sh passes), or a given ratio (sglang's DeepSeek-V4 default 0.1).
 - max-running: the decode server's --max-running-requests (a launch flag, not hardware).
 - host DRAM (node): usable = host_ram x host_fraction. Without disks it holds every rank's mirror of the history
   (`RequestBytes.host` x GPUs). With the disk tier it holds each request's landing window (`WINDOW_PAGES` pages
@@ -24,12 +28,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import calibrated, fit, fm_reserve_bytes, sized
+from flashmemory.costmodel.anchors import fit, fm_reserve_bytes, launch_node, sized
 from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, flashmemory_bytes
 from flashmemory.costmodel.disk import DiskKnobs, DiskPoint, disk_point
 from flashmemory.costmodel.flops import FlashShape, RetrieverShape, n_chunks
-from flashmemory.costmodel.pools import bytes_per_full_token
-from flashmemory.costmodel.presets import H20_NODE, Preset
+from flashmemory.costmodel.pools import (
+    PoolSizes,
+    admitted,
+    full_need,
+    smallest_swa_ratio,
+    swa_need,
+)
+from flashmemory.costmodel.presets import H20_LAUNCH, Preset
 
 WINDOW_PAGES = 3  # landing-window floor per request per rank: SGLANG_PATHP_DECODE_MAX_CONC x 3 page slots
 UPSTREAM_SHARE = 96 / 1024  # upstream's KMAX 96 pages of a 256K request's 1,024 pages
@@ -95,6 +105,7 @@ class Plan:
 
     node: Preset
     disk: DiskKnobs | None
+    pools: PoolSizes
     ctx: int
     conc: int
     kmax: int
@@ -120,8 +131,9 @@ class Plan:
 
 
 def h20_node() -> Preset:
-    """Upstream's 8xH20 decode node with the fitted memory fraction, host fraction and per-step overhead."""
-    return calibrated(H20_NODE, fit(), fitted_memory=True)
+    """This repo's 8xH20 decode launch (FP8 experts, sglang's default memory fraction and SWA ratio) with the
+    fitted host fraction and per-step overhead."""
+    return launch_node(fit(), H20_LAUNCH)
 
 
 def pages_of(ctx: int, s: FlashShape = FlashShape(), r: RetrieverShape = RetrieverShape()) -> int:
@@ -135,14 +147,39 @@ def resolve_kmax(ctx: int, fm: FmSettings) -> int:
     return max(1, math.ceil(fm.budget_share * pages_of(ctx)))
 
 
-def token_pool(node: Preset, ctx: int, kmax: int, credit_c4: bool) -> Resource:
-    """Requests the HBM token pool of one GPU holds: budget / (ctx x bytes per logical token + reserve row)."""
+def hbm_pools(
+    node: Preset, ctx: int, conc: int, kmax: int, credit_c4: bool, path_i: bool, swa_ratio: float | str, max_new: int
+) -> tuple[PoolSizes, Resource, Resource]:
+    """One GPU's pools at the planned launch and the requests they hold: the full token pool (ctx + reserved decode
+    tokens each) and the SWA pool (`pools.swa_need`). `swa_ratio` 'auto' = `smallest_swa_ratio` for `conc`."""
     sv = dataclasses.replace(node.serving, credit_c4=credit_c4)
+    if credit_c4:
+        sv = dataclasses.replace(sv, reserve_bytes=fm_reserve_bytes(conc, kmax, sv.max_running, path_i))
+    ratio = smallest_swa_ratio(conc, ctx, sv, max_new) if swa_ratio == "auto" else float(swa_ratio)
+    sv = dataclasses.replace(sv, swa_ratio=ratio)
     pools = sized(node, sv)
-    bpt = bytes_per_full_token(sv)
-    budget = pools.full_tokens * bpt
-    per = ctx * bpt + (fm_reserve_bytes(ctx, kmax) if credit_c4 else 0.0)
-    return Resource("HBM token pool (per GPU)", int(budget // per), per, budget, "B")
+    if pools.mem_fraction <= 0 or pools.available <= 0:
+        raise ValueError(
+            f"no HBM left for KV: --mem-fraction-static {pools.mem_fraction:.3f} (after the reserve) x "
+            f"{node.hw.hbm_gb:g} GB leaves {pools.available / 1e9:,.1f} GB after the weights; raise --hbm-gb or "
+            "--gpus, or lower --concurrency / --kmax (the reserve)"
+        )
+    token_cap = pools.full_tokens // full_need(1, ctx, sv)
+    swa_cap = admitted(dataclasses.replace(pools, full_tokens=10**15), ctx, sv, max_new=max_new)[0]
+    per_rank = math.ceil(conc / sv.dp)
+    return (
+        pools,
+        Resource(
+            "HBM token pool (per GPU)", token_cap * sv.dp, full_need(per_rank, ctx, sv), pools.full_tokens, "tokens"
+        ),
+        Resource(
+            f"HBM SWA pool (per GPU, ratio {ratio:g})",
+            swa_cap * sv.dp,
+            swa_need(per_rank, ctx, max_new),
+            pools.swa_tokens,
+            "tokens",
+        ),
+    )
 
 
 def _hit(usable: float, conc: int, window: float, history: float, fm: FmSettings) -> float:
@@ -173,10 +210,17 @@ def _point(
 
 
 def plan(
-    node: Preset, disk: DiskKnobs | None, ctx: int, conc: int, fm: FmSettings = FmSettings(), output_tokens: int = 8192
+    node: Preset,
+    disk: DiskKnobs | None,
+    ctx: int,
+    conc: int,
+    fm: FmSettings = FmSettings(),
+    output_tokens: int = 8192,
+    swa_ratio: float | str = "auto",
 ) -> Plan:
     """The plan for `conc` requests of `ctx` tokens on `node` (calibrated preset) with `disk` (None: no disk tier).
-    `output_tokens` (decode tokens per request) sets how often admissions write their history behind."""
+    `output_tokens` (decode tokens per request) sets how often admissions write their history behind and the
+    output reservation of the SWA pool; `swa_ratio`: --swa-full-tokens-ratio or 'auto' (see `hbm_pools`)."""
     if ctx < 4 or conc < 1:
         raise ValueError(f"plan: ctx {ctx} must be >= 4 and conc {conc} >= 1")
     if output_tokens < 1:
@@ -197,9 +241,10 @@ def plan(
     copies = disk.n_copies(hw) if disk is not None else gpus
     history = req.host * copies
 
-    pool = token_pool(node, ctx, kmax, fm.credit_c4)
+    pools, pool, swa = hbm_pools(node, ctx, conc, kmax, fm.credit_c4, path_i, swa_ratio, output_tokens)
     res = [
-        dataclasses.replace(pool, need=conc * pool.need),
+        pool,
+        swa,
         Resource(
             "max-running (--max-running-requests)", node.serving.max_running, conc, node.serving.max_running, "requests"
         ),
@@ -209,7 +254,8 @@ def plan(
     res.append(Resource(host, int(usable // host_per), conc * host_per, usable, "B"))
 
     def at(c: int) -> DiskPoint:
-        return _point(node, disk, ctx, kmax, c, knobs, r, _hit(usable, c, window, history, fm), pool.cap, output_tokens)
+        cap = min(pool.cap, swa.cap)
+        return _point(node, disk, ctx, kmax, c, knobs, r, _hit(usable, c, window, history, fm), cap, output_tokens)
 
     pt = at(conc)
     if disk is not None:
@@ -226,15 +272,15 @@ def plan(
                 "disk bandwidth (reads + writes within tau x step)", bw, pt.disk_ms_cycle, pt.window_ms, "ms per cycle"
             )
         )
-    admitted = min(x.cap for x in res)
-    tok_adm = at(admitted).tok_s if admitted >= 1 else 0.0
+    n_adm = min(x.cap for x in res)
+    tok_adm = at(n_adm).tok_s if n_adm >= 1 else 0.0
     hit = pt.hit_rate
     recall = req.recall_cycle / fm.tau
     tiers = [
-        Tier("HBM (per GPU)", pool.cap, pool.need, {"HBM read per GPU": req.hbm_read_step}),
+        Tier("HBM (per GPU)", min(pool.cap, swa.cap), req.device, {"HBM read per GPU": req.hbm_read_step}),
         Tier(
             "host DRAM (node)",
-            res[2].cap,
+            res[3].cap,
             host_per,
             {"H2D recall per GPU link": recall, "D2H write-back per GPU link": req.pcie_step - recall},
         ),
@@ -243,7 +289,7 @@ def plan(
         tiers.append(
             Tier(
                 "disk (node)",
-                res[3].cap,
+                res[4].cap,
                 history,
                 {
                     "disk -> host read-ahead": recall * copies * (1.0 - hit),
@@ -251,4 +297,4 @@ def plan(
                 },
             )
         )
-    return Plan(node, disk, ctx, conc, kmax, path_i, fm, req, hit, tuple(res), tuple(tiers), pt, admitted, tok_adm)
+    return Plan(node, disk, pools, ctx, conc, kmax, path_i, fm, req, hit, tuple(res), tuple(tiers), pt, n_adm, tok_adm)

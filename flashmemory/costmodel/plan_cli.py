@@ -16,6 +16,7 @@ from typing import Any
 from flashmemory.costmodel.disk import DiskKnobs
 from flashmemory.costmodel.plan import MODELS, UPSTREAM_SHARE, FmSettings, Plan, h20_node, pages_of, plan
 from flashmemory.costmodel.plan_show import report, show
+from flashmemory.costmodel.pools import SGLANG_SWA_RATIO
 from flashmemory.errors import UserError
 
 
@@ -35,6 +36,20 @@ def _frac(raw: str) -> float | None:
         return float(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r}: expected a fraction or 'sglang'") from None
+
+
+def _ratio(raw: str) -> str | float:
+    if raw in ("auto", "sglang"):
+        return raw
+    try:
+        return float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected a ratio in (0, 1], 'auto' or 'sglang'") from None
+
+
+MAX_CONTEXT = 1048576  # DeepSeek-V4-Flash's context length
+MAX_HBM_GB = 10_000.0  # far above any GPU; bounds the arithmetic
+MAX_COUNT = 1_000_000  # GPUs, drives, requests, tokens per request beyond any node
 
 
 def register(sub: Any) -> None:
@@ -77,8 +92,30 @@ def register(sub: Any) -> None:
         "--mem-fraction",
         type=_frac,
         default=n.serving.mem_fraction,
-        help=f"--mem-fraction-static of the decode server, or 'sglang' for sglang's default formula "
-        f"(default {n.serving.mem_fraction:g}, fitted on upstream's stock 256K concurrency)",
+        help="--mem-fraction-static of the decode server before FlashMemory's reserve is taken off it, or 'sglang' "
+        "for sglang's default formula (default: sglang's, 0.895 on 8xH20)",
+    )
+    g.add_argument(
+        "--swa-ratio",
+        type=_ratio,
+        default="auto",
+        help="--swa-full-tokens-ratio of the decode server: auto (the smallest that holds every planned request's "
+        "SWA window and one newcomer's tail + output reservation, what launch_decode.sh passes; default), "
+        "sglang (its DeepSeek-V4 default 0.1) or a ratio in (0, 1]",
+    )
+    g.add_argument(
+        "--experts",
+        choices=("fp8", "fp4"),
+        default=hw.experts,
+        help="routed-expert precision of the checkpoint (default fp8: launch_decode.sh's ds_fp8; fp4: the FP4 release)",
+    )
+    g.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="attention data-parallel ranks (--enable-dp-attention --dp N, N dividing --gpus): each rank holds only "
+        "its own requests' KV instead of every TP rank holding all of it (default 1: TP attention). A projection: "
+        "FlashMemory does not serve under DP attention yet",
     )
     g.add_argument(
         "--max-running",
@@ -204,7 +241,15 @@ POSITIVE = (
     "concurrency",
     "output_tokens",
     "tau",
+    "dp",
 )
+BOUNDED = {
+    "gpus": MAX_COUNT,
+    "max_running": MAX_COUNT,
+    "concurrency": MAX_COUNT,
+    "disks": MAX_COUNT,
+    "hbm_gb": MAX_HBM_GB,
+}
 FRACTIONS = ("host_fraction", "disk_efficiency", "disk_fraction", "budget_share")
 UNIT = ("turnover", "hit_rate")
 
@@ -233,6 +278,22 @@ def _check(a: argparse.Namespace) -> None:
         raise bad("overhead_ms", a.overhead_ms, ">= 0")
     if a.context < 4:
         raise bad("context", a.context, ">= 4 tokens")
+    if a.context > MAX_CONTEXT:
+        raise bad("context", a.context, f"<= {MAX_CONTEXT:,} (DeepSeek-V4-Flash's context length)")
+    for name, hi in BOUNDED.items():
+        if getattr(a, name) > hi:
+            raise bad(name, getattr(a, name), f"<= {hi:,g}")
+    for name in ("host_ram_gb", "disk_tb", "disk_read_gbps", "disk_write_gbps", "hbm_tbps", "pcie_gbps", "tflops"):
+        if getattr(a, name) > 1e9:
+            raise bad(name, getattr(a, name), "<= 1e9")
+    if a.gpus % a.dp:
+        raise bad("dp", a.dp, f"a divisor of --gpus {a.gpus} (attention DP ranks split the GPUs evenly)")
+    if 64 % a.gpus:
+        raise bad("gpus", a.gpus, "a divisor of 64 (DeepSeek-V4-Flash's 64 attention heads split evenly over TP)")
+    if a.max_running < a.dp:
+        raise bad("max_running", a.max_running, f">= --dp {a.dp} (one request per DP rank at least)")
+    if not isinstance(a.swa_ratio, str) and not 0 < a.swa_ratio <= 1:
+        raise bad("swa_ratio", a.swa_ratio, "in (0, 1], 'auto' or 'sglang'")
     if a.kmax is not None and not 1 <= a.kmax <= pages_of(a.context):
         raise bad("kmax", a.kmax, f"in [1, {pages_of(a.context)}] (the pages of a {a.context}-token request)")
 
@@ -251,8 +312,9 @@ def build(a: argparse.Namespace) -> Plan:
         host_fraction=a.host_fraction,
         overhead_ms=a.overhead_ms,
         max_running=a.max_running,
+        experts=a.experts,
     )
-    sv = dataclasses.replace(n.serving, mem_fraction=a.mem_fraction, max_running=a.max_running)
+    sv = dataclasses.replace(n.serving, mem_fraction=a.mem_fraction, max_running=a.max_running, dp=a.dp)
     node = dataclasses.replace(n, hw=hw, serving=sv)
     disk = (
         None
@@ -277,7 +339,8 @@ def build(a: argparse.Namespace) -> Plan:
         path_i={"on": True, "off": False}.get(a.path_i),
     )
     try:
-        return plan(node, disk, a.context, a.concurrency, fm, a.output_tokens)
+        ratio = SGLANG_SWA_RATIO if a.swa_ratio == "sglang" else a.swa_ratio
+        return plan(node, disk, a.context, a.concurrency, fm, a.output_tokens, ratio)
     except ValueError as e:  # the node cannot hold the weights, or the like: a statement about the inputs
         raise UserError(str(e)) from None
 

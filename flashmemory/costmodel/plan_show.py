@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 from typing import Any
 
-from flashmemory.costmodel.anchors import sized
 from flashmemory.costmodel.plan import SCAN_LIMIT, Plan, h20_node, pages_of
 
 G = 1e9
@@ -33,6 +32,8 @@ def question(a: argparse.Namespace, pl: Plan) -> str:
 def _amount(v: float, unit: str) -> str:
     if unit == "B":
         return f"{v / 1e12:,.2f} TB" if v >= 1e12 else f"{v / G:,.1f} GB" if v >= G else f"{v / 1e6:,.2f} MB"
+    if unit == "tokens":
+        return f"{v:,.0f} tokens"
     if unit == "ms per cycle":
         return f"{v:,.0f} ms"
     return f"{v:,.0f}"
@@ -66,6 +67,7 @@ def report(a: argparse.Namespace, pl: Plan) -> dict[str, Any]:
         "inputs": {
             "node": dataclasses.asdict(pl.node.hw),
             "serving": dataclasses.asdict(pl.node.serving),
+            "pools": dataclasses.asdict(pl.pools),
             "disk": dataclasses.asdict(pl.disk) if pl.disk else None,
             "model": a.model,
             "context": pl.ctx,
@@ -109,15 +111,19 @@ def show(a: argparse.Namespace, pl: Plan, r: dict[str, Any]) -> None:
     """The report as text: inputs, tiers, resources, disk bandwidth, throughput, the answer."""
     hw, sv, fm, pt = pl.node.hw, pl.node.serving, pl.fm, pl.point
     frac = (
-        f"{sv.mem_fraction:g}" if sv.mem_fraction is not None else f"{sized(pl.node).mem_fraction:g} (sglang's default)"
+        f"{pl.pools.mem_fraction:.3f}"
+        + (" (sglang's default" if sv.mem_fraction is None else " (given")
+        + (", lowered by the reserve)" if fm.credit_c4 else ")")
     )
     share = f"budget share {fm.budget_share:.4g} of {pages_of(pl.ctx):,} pages" if fm.kmax is None else "--kmax"
     hit = "given" if fm.hit_rate is not None else "the cache's share of the history"
     print(f"PROJECTED by the cost model (flashmemory/costmodel; nothing measured): {question(a, pl)}\n\nInputs")
     print(
         f"  node         {hw.n_gpus} GPUs x {hw.hbm_gb:.1f} GB, {hw.hbm_tbps:g} TB/s, {hw.tflops:g} TFLOP/s, H2D "
-        f"{hw.pcie_gbps:g} GB/s each; --mem-fraction-static {frac}; --max-running-requests {sv.max_running}; "
-        f"host DRAM {hw.host_ram_gb:,.0f} GB x {hw.host_fraction:g} usable; {hw.overhead_ms:.2f} ms fixed per step"
+        f"{hw.pcie_gbps:g} GB/s each; {hw.experts.upper()} experts; --mem-fraction-static {frac}; "
+        f"--max-running-requests {sv.max_running}; "
+        + (f"attention DP {sv.dp}; " if sv.dp > 1 else "")
+        + f"host DRAM {hw.host_ram_gb:,.0f} GB x {hw.host_fraction:g} usable; {hw.overhead_ms:.2f} ms fixed per step"
     )
     if pl.disk:
         dk = pl.disk

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashmemory.costmodel.pools import Serving
+from flashmemory.costmodel.pools import SGLANG_SWA_RATIO, Serving
 from flashmemory.costmodel.throughput import Hardware
 
 MIB = 2**20
@@ -34,6 +34,8 @@ def _node(
     max_running: int,
     n_sm: int,
     source: str,
+    swa_ratio: float | None = SGLANG_SWA_RATIO,
+    experts: str = "fp4",
 ) -> Preset:
     """A preset from the driver-reported HBM (MiB), HBM bandwidth (TB/s), BF16 TFLOP/s, host RAM (GB), the
     --max-running-requests the server launches with and SMs per GPU."""
@@ -45,8 +47,9 @@ def _node(
         tflops=tflops,
         host_ram_gb=host_ram_gb,
         max_running=max_running,
+        experts=experts,
     )
-    return Preset(name, hw, n_sm, Serving(max_running=max_running), source)
+    return Preset(name, hw, n_sm, Serving(max_running=max_running, swa_ratio=swa_ratio), source)
 
 
 H20_NODE = _node(
@@ -60,8 +63,26 @@ H20_NODE = _node(
     n_sm=78,
     source=(
         "H20 96 GB (97,871 MiB), 4.0 TB/s, 148 TFLOP/s BF16, 78 SMs; host 2,265 GB; decode "
-        "--max-running-requests 128 (upstream launch_decode.sh); cross-machine PD: all 8 GPUs decode"
+        "--max-running-requests 128 (upstream launch_decode.sh); cross-machine PD: all 8 GPUs decode; SWA pool "
+        "sized from the request cap (in sglang 0.5.23's ratio mode at 0.1, 47 x 256K cannot fit on this node)"
     ),
+    swa_ratio=None,
+)
+H20_LAUNCH = _node(
+    "8xH20 (launch_decode.sh)",
+    n_gpus=8,
+    hbm_mib=97871,
+    hbm_tbps=4.0,
+    tflops=148.0,
+    host_ram_gb=2265.0,
+    max_running=128,
+    n_sm=78,
+    source=(
+        "this repo's launch_decode.sh on 8xH20 under sglang 0.5.23: the ds_fp8 checkpoint (FP8 routed experts), "
+        "sglang's default --mem-fraction-static, --swa-full-tokens-ratio 0.1 (DeepSeek-V4 override) unless "
+        "chosen, --num-reserved-decode-tokens 1024, --max-running-requests 128"
+    ),
+    experts="fp8",
 )
 B200_PD = _node(
     "2xB200 PD (1 decode GPU)",

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from flashmemory.costmodel.bytes import RequestBytes
 from flashmemory.costmodel.flops import FlashShape
 
+EXPERT_BYTES = {"fp4": 0.5 + 1 / 32, "fp8": 1.0 + 4 / (128 * 128)}  # bytes per routed-expert weight
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -35,8 +37,11 @@ class Hardware:
     host_fraction: float = 0.70  # host RAM usable for mirrors (OS, pinned staging, sglang itself take the rest)
     max_running: int = 128  # --max-running-requests in upstream's decode launch
     overhead_ms: float = 0.0  # fixed per-step cost: all-reduces, launches, scheduler (not modelled)
+    experts: str = "fp4"  # routed-expert precision of the checkpoint: fp4 (+ scale / 32) or fp8 (ds_fp8)
 
     def __post_init__(self) -> None:
+        if self.experts not in EXPERT_BYTES:
+            raise ValueError(f"Hardware.experts must be one of {sorted(EXPERT_BYTES)}, got {self.experts!r}")
         for name in ("n_gpus", "hbm_gb", "hbm_tbps", "pcie_gbps", "tflops", "host_ram_gb", "max_running"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)}")
@@ -57,9 +62,10 @@ class WeightBytes:
         return self.routed + self.other
 
 
-def weight_bytes(s: FlashShape = FlashShape()) -> WeightBytes:
-    """Checkpoint bytes: routed experts FP4 (+1 scale byte / 32), embed + head bf16, everything else FP8."""
-    routed = s.n_layers * s.n_experts * 3 * s.hidden * s.moe_inter * (0.5 + 1 / 32)
+def weight_bytes(s: FlashShape = FlashShape(), experts: str = "fp4") -> WeightBytes:
+    """Checkpoint bytes: routed experts FP4 (+1 scale byte / 32) or FP8 (+ an fp32 scale per 128 x 128 block),
+    embed + head bf16, everything else FP8."""
+    routed = s.n_layers * s.n_experts * 3 * s.hidden * s.moe_inter * EXPERT_BYTES[experts]
     hpg = s.n_heads // s.o_groups
     attn = (
         s.hidden * s.q_lora
@@ -96,7 +102,7 @@ class Estimate:
 
 def _weights_per_gpu(hw: Hardware, s: FlashShape) -> tuple[float, float]:
     """(total weight bytes per GPU, routed-expert bytes per GPU)."""
-    wb = weight_bytes(s)
+    wb = weight_bytes(s, hw.experts)
     total = hw.weights_gb * 1e9 if hw.weights_gb is not None else wb.total
     scale = total / wb.total
     return total / hw.n_gpus, wb.routed * scale / hw.n_gpus

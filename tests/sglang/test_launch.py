@@ -57,10 +57,19 @@ def test_decode_knobs(sg):
     from flashmemory.sglang.shrink import shrink_blockers
 
     assert any("nixl" in b for b in shrink_blockers(ns))  # mooncake: Path-P falls back to copy mode
-    argv, envs = command("launch_decode.sh", CREDIT_C4="1")
+    argv, envs = command("launch_decode.sh", CREDIT_C4="1", GPU_MIB="97871")
     e = FlashMemoryEnv.from_environ(envs)
     assert e.decode_swap_p and e.pd_c4_shrink and e.pd_credit_c4
-    assert shrink_blockers(p.parse_args(argv[3:])) == []  # the default D command runs the shrink
+    ns = p.parse_args(argv[3:])
+    assert shrink_blockers(ns) == []  # the default D command runs the shrink
+    # the pools: the smallest SWA ratio for TGT_CONC 60 x TGT_CTX 512K, and sglang's 0.895 on an H20 lowered by the
+    # reserve (60 x 97 + 128 x 8 + 1 blocks of 21 x 37,440 B = 5.38 GB)
+    assert ns.swa_full_tokens_ratio == 0.00159
+    assert ns.mem_fraction_static == round(0.895 - 6845 * 21 * 37440 / (97871 * 2**20), 3) == 0.843
+    stock, _ = command("launch_decode.sh", FLASHMEMORY="0", CREDIT_C4="1", GPU_MIB="97871")
+    ns0 = p.parse_args(stock[3:])
+    assert ns0.swa_full_tokens_ratio == 0.00159 and ns0.mem_fraction_static is None  # same SWA pool, no reserve
+    assert p.parse_args(command("launch_decode.sh", SWA_RATIO="sglang")[0][3:]).swa_full_tokens_ratio is None
 
 
 @pytest.mark.parametrize("mini", ["0", "1"])
