@@ -1,5 +1,6 @@
 # Shared helpers for launch_*.sh and data_generation/start_dump_server.sh (sourced, not run).
-# DRY_RUN=1: print the environment and the exact command, check nothing that needs the model, run nothing.
+# DRY_RUN=1: print the environment (every FlashMemory variable set, checked by the plugin's parser) and the exact
+# command, check nothing that needs the model, run nothing.
 
 fm_die() { echo "error: $*" >&2; exit 2; }
 fm_warn() { echo "warning: $*" >&2; }
@@ -132,15 +133,35 @@ fm_loopback_shim() {  # put flashmemory/serve/loopback_bind.c (built once, cache
   fi
 }
 
+fm_on() {  # fm_on VALUE: true when the plugin reads VALUE as on (flashmemory/env.py: 1, true, yes, on; any case,
+  # surrounding spaces ignored); anything else is off here, and a value that is neither is refused by fm_env_check
+  local v="${1,,}"
+  v="${v#"${v%%[![:space:]]*}"}"; v="${v%"${v##*[![:space:]]}"}"
+  [[ "$v" == 1 || "$v" == true || "$v" == yes || "$v" == on ]]
+}
+
+fm_env_check() {  # fm_env_check NAME...: every FlashMemory variable of the environment, read by the plugin's own
+  # parser (python -m flashmemory.env_check: one line per bad variable, exit 2); DRY_RUN=1 also prints each one
+  # set and not among the NAMEs (which fm_run prints itself), the disk-tier and prefetch ones included
+  local args=() rc=0
+  [[ "${DRY_RUN:-0}" != 1 ]] || args=(--print "$@")
+  PYTHONPATH="$FM_REPO${PYTHONPATH:+:$PYTHONPATH}" "$(fm_python)" -m flashmemory.env_check "${args[@]}" || rc=$?
+  (( rc != 2 )) || exit 2
+  (( rc == 0 )) || fm_warn "FlashMemory variables not checked: python -m flashmemory.env_check exited with $rc"
+}
+
 fm_run() {  # fm_run VAR... -- CMD...: export the named variables, then run (or print) the command
   local names=()
   while [[ "$1" != "--" ]]; do names+=("$1"); shift; done; shift
   local n
   for n in "${names[@]}"; do export "$n"; done
+  local server=0; [[ " $* " != *" sglang.launch_server "* ]] || server=1   # the plugin reads its variables there
   if [[ "${DRY_RUN:-0}" == 1 ]]; then
     for n in "${names[@]}"; do printf 'ENV %s=%q\n' "$n" "${!n}"; done
+    (( server == 0 )) || fm_env_check "${names[@]}"
     printf 'CMD'; printf ' %q' "$@"; printf '\n'
     exit 0
   fi
+  (( server == 0 )) || fm_env_check
   exec "$@"
 }
