@@ -84,7 +84,8 @@ class OffloadAdapter:
         # chunk -> reserve cell) and the reserve.
         self._cells, self._storage = self.engine.cell_table(), self.engine.storage()
         self._no_chunk = self.engine.no_chunk  # the mirror chunk id that reads -1 in the cell table (fixed)
-        self.locs = LocMap(geo.n_locs, geo.page_chunks, self._no_chunk, self.device)
+        max_pages = self.layout.pages_for(self.cfg.max_chunks)
+        self.locs = LocMap(geo.n_locs, geo.page_chunks, self._no_chunk, self.device, self.cfg.max_rows, max_pages)
         self.loc2m = self.locs.table  # pool loc -> mirror chunk (`loc_map`)
         self.rows: dict[str, int] = {}  # rid -> engine row
         self.pages: dict[int, list[int]] = {}  # engine row -> pool pages (logical page order)
@@ -113,10 +114,13 @@ class OffloadAdapter:
         return self._cells[self.loc2m[:-1]] >= 0
 
     def cells_of(self, locs: torch.Tensor) -> torch.Tensor:
-        """Top-k pool locs [B, K] (-1 empty) -> reserve cells [B, K] int32, -1 where not resident. Graph safe."""
-        n = self.geo.n_locs
-        idx = torch.where((locs >= 0) & (locs < n), locs.long(), torch.full_like(locs, n, dtype=torch.long))
-        return self._cells[self.loc2m[idx]].to(torch.int32)
+        """Top-k pool locs [B, K] (-1 empty) of the step's batch rows -> reserve cells [B, K] int32, -1 where not
+        resident for that row's request (each row reads its own copy of a prefix page it shares). Graph safe."""
+        return self._cells[self.locs.batch_chunks(locs)].to(torch.int32)
+
+    def size_batch(self, rows: int) -> None:
+        """Make room for decode batches of `rows` rows (CUDA-graph padding included); before any capture."""
+        self.locs.size_batch(rows)
 
     def reserve_kv(self, layer: int) -> torch.Tensor:
         """uint8 [n_blocks, kv_page_bytes]: the reserve of c4 layer `layer`, read by attention."""
@@ -284,6 +288,7 @@ class OffloadAdapter:
             self.locs.map(rs.row, self.pages[rs.row], self.mpages.get(rs.row, ()))
         self._appended(round_locs, res.cells)
         self.step_rows = torch.tensor(rows, dtype=torch.int64)
+        self.locs.set_batch(rows)  # engine row per batch row, for `cells_of` (rewritten only when it changed)
         return self.step_rows
 
     # --- copies from sglang's pool (copy mode's stores; either mode's HIP index stores) -----------------

@@ -12,14 +12,18 @@ What is refused and why:
 - mask-mode Level 2 (SGLANG_PATHP_SCORE_RESIDENT=0) with `--dsa-topk-backend flashinfer`: the mask is applied
   around sglang's sgl-kernel and torch top-k transforms; the flashinfer transform is another function, so the
   mask would never be applied and attention would read non-resident pages.
+- mask-mode Level 2 with Path-P and the radix cache on (no `--disable-radix-cache`): the resident mask is one per
+  pool loc, but requests sharing prefix pages each hold their own resident set (score-resident mode resolves
+  every pick per request and serves prefix sharing).
 - speculative decoding (`--speculative-algorithm`, MTP/EAGLE) with Path-P in either mode: target-verify forwards
   carry several tokens per request and the draft model's attention reads sglang's c4 pool outside the resident
   set; neither has been run with FlashMemory.
 - `--max-running-requests` above SGLANG_PATHP_DECODE_MAX_CONC: the core has that many request rows and the
   Level-2 buffers are sized once before capture; more running requests would need rows that do not exist.
 - attention data parallelism (`--attn-dp-size N`, or the older `--dp N --enable-dp-attention`): each DP rank runs
-  its own batch, but Level 1's lockstep and the guard's failure exchange run over the whole TP group, whose
-  ranks would then wait on (or fail) requests they do not hold.
+  its own batch. Level 1's lockstep and the guard's failure exchange span only the ranks that run one batch
+  (`core_config.batch_group`, sglang's attention-TP group), which gloo processes show, but no live server has run
+  it (on CPU sglang 0.5.23 needs two fixes the CPU layer does not carry: docs/serving.md, "Launch layouts").
 - attention context parallelism (`--attn-cp-size`, `--enable-prefill-cp`, `--dcp-size`): one request's KV is
   split across ranks; the mirror, reserve and Level-1 plan assume one rank holds its whole c4 history.
 - data-parallel replicas (`--dp N` without attention DP): each replica is a scheduler of its own with its own
@@ -69,9 +73,9 @@ def layout_refusals(server_args: Any) -> list[str]:
         attn_dp, dp = dp, 1  # a record not resolved yet: the deprecated spelling
     if attn_dp > 1:
         out.append(
-            f"--attn-dp-size {attn_dp} (or --dp {attn_dp} --enable-dp-attention): attention data parallelism runs "
-            "a different batch on each DP rank, but FlashMemory's Level-1 lockstep and request-failure exchange "
-            f"span the whole TP group of {tp}; serve with plain --tp {tp} (no attention DP) or turn FlashMemory off"
+            f"--attn-dp-size {attn_dp} (or --dp {attn_dp} --enable-dp-attention): FlashMemory under attention "
+            "data parallelism (a batch per DP rank, lockstep and failure exchange over its attention-TP group) has "
+            f"not been run in a live server yet; serve with plain --tp {tp} (no attention DP) or turn FlashMemory off"
         )
     cp = _int(server_args, "attn_cp_size")
     dcp = _int(server_args, "dcp_size")
@@ -134,6 +138,12 @@ def refusals(server_args: Any, env: FlashMemoryEnv, features: Sequence[str]) -> 
             "sgl-kernel and torch top-k only, so the mask would never apply; use --dsa-topk-backend sgl-kernel "
             "or SGLANG_PATHP_SCORE_RESIDENT=1"
         )
+    if "mask" in features and "path_p" in features and radix_cache_on(server_args):
+        out.append(
+            "--disable-radix-cache is not set: with mask-mode Level 2 (SGLANG_PATHP_SCORE_RESIDENT=0) the resident "
+            "mask is one per pool loc, so requests sharing prefix pages through the radix cache would be masked by "
+            "each other's resident sets; pass --disable-radix-cache or use SGLANG_PATHP_SCORE_RESIDENT=1"
+        )
     spec = setting(server_args, "speculative_algorithm", None)
     if "path_p" in features and spec:
         out.append(
@@ -154,6 +164,16 @@ def refusals(server_args: Any, env: FlashMemoryEnv, features: Sequence[str]) -> 
         if line:
             out.append(line)
     return out
+
+
+def radix_cache_on(server_args: Any) -> bool:
+    """Whether sglang's radix cache shares prefix pages between running requests on this server (on unless
+    --disable-radix-cache; a PD decode server drops it unless --disaggregation-decode-enable-radix-cache)."""
+    if setting(server_args, "disable_radix_cache", False):
+        return False
+    if str(setting(server_args, "disaggregation_mode", "null") or "null") == "decode":
+        return bool(setting(server_args, "disaggregation_decode_enable_radix_cache", False))
+    return True
 
 
 def refuse(lines: Sequence[str]) -> None:

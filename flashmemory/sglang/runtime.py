@@ -203,6 +203,8 @@ class Runtime:
             raise Level2CapacityError(
                 f"FlashMemory: a decode batch of {rows} rows exceeds the Level-2 buffers' "
                 f"{self.bufs.rows} rows (sized from --max-running-requests and "
+            if self.engine is not None:
+                self.engine.size_batch(self.bufs.rows)  # its per-batch-row map too, before any capture
                 "SGLANG_PATHP_DECODE_MAX_CONC before capture)"
             )
         return self.bufs

@@ -113,3 +113,15 @@ def test_fields_are_read_as_sglang_resolved_them(build):
     assert (sa.dp_size, sa.attn_dp_size) == (2, 1)  # the raw record
     assert (setting(sa, "dp_size"), setting(sa, "attn_dp_size")) == (1, 2)
     assert [l.split(":")[0] for l in layout_refusals(sa)] == ["--attn-dp-size 2 (or --dp 2 --enable-dp-attention)"]
+
+
+def test_mask_mode_with_the_radix_cache_is_refused_naming_the_flag(build):
+    """Mask-mode Level 2 keeps one resident mask per pool loc, which requests sharing prefix pages cannot share;
+    score-resident mode (per-request picks) and a server without the radix cache are served."""
+    mask = ("level2", "path_p", "mask")
+    e = env(decode_max_conc=4)  # the rows the tiny server runs (--max-running-requests 4)
+    lines = refusals(build(disable_radix_cache=False), e, mask)
+    assert len(lines) == 1 and lines[0].startswith("--disable-radix-cache is not set:")
+    assert refusals(build(disable_radix_cache=True), e, mask) == []
+    assert refusals(build(disable_radix_cache=False), e, PATH_P) == []
+    assert refusals(build(**PD), e, mask) == []  # a PD decode server drops the radix cache
