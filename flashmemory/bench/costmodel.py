@@ -39,7 +39,7 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.anchors import Fitted, calibrated, capacity, fit, kmax_for
+from flashmemory.costmodel.anchors import Fitted, capacity, fit, kmax_for, launch_node
 from flashmemory.costmodel.presets import H20_NODE, Preset
 from flashmemory.errors import fail
 
@@ -298,7 +298,7 @@ def _atomic_json(path: str, obj: Any) -> None:
 
 def _preset(args: argparse.Namespace, f: Fitted) -> Preset:
     """The calibrated 8xH20 preset with any hardware flag given on the command line in place of its value."""
-    p = calibrated(H20_NODE, f, fitted_memory=True)
+    p = launch_node(f)
     hw_kw = {
         k: getattr(args, k)
         for k in (

@@ -74,16 +74,18 @@ def projection_report(f: Fitted, p: Preset, hs: HiSparseKnobs, dk: Any) -> list[
     base = {r["ctx"]: r for r in rows if r["arm"] == "stock"}
     print_table(
         f"PROJECTED (calibrated model, not measured): {p.name}, max concurrency and decode tok/s there",
-        ["ctx", "arm", "KMAX", "max conc", "bound", "tok/s", "vs stock"],
+        ["ctx", "arm", "KMAX", "SWA ratio", "max conc", "bound", "tok/s", "vs stock", "at ratio 0.1"],
         [
             [
                 ctx_label(r["ctx"]),
                 r["arm"],
                 r["kmax"] if r["arm"] not in ("stock", "hisparse") else "-",
+                f"{r['swa_ratio']:g}",
                 r["conc"],
                 r["bound"],
                 f"{r['tok_s']:.0f}",
                 f"{r['tok_s'] / base[r['ctx']]['tok_s']:.2f}x",
+                r["conc_sglang"],
             ]
             for r in rows
         ],
@@ -91,10 +93,11 @@ def projection_report(f: Fitted, p: Preset, hs: HiSparseKnobs, dk: Any) -> list[
     print(
         f"  HiSparse: host_to_device_ratio {hs.host_to_device_ratio}, device_buffer_size {hs.device_buffer_size}, "
         f"hit rate {hs.hit_rate:g}, swap-in {hs.swap_layer_us:.0f} us per c4 layer per step. FlashMemory: KMAX "
-        f"scaled from 96 at 256K, Path-I at 1M, launched with CREDIT_C4=1 (token pool without c4 KV, reserve rows "
-        f"from the same budget); flashmemory-nocredit: the launch default CREDIT_C4=0, whose token pool admits "
+        f"scaled from 96 at 256K, Path-I at 1M, launched with CREDIT_C4=1 (token pool without c4 KV, "
+        f"--mem-fraction-static lowered by the reserve sized for TGT_CONC = the concurrency); flashmemory-nocredit: the launch default CREDIT_C4=0, whose token pool admits "
         f"what stock's does. Disk: FlashMemory with the history on {dk.drives} NVMe per node instead of host DRAM; "
-        f"tok/s includes waits for disk reads."
+        f"tok/s includes waits for disk reads. Each arm launched with the smallest --swa-full-tokens-ratio for what it "
+        f"admits (launch_decode.sh's SWA_RATIO=auto); 'at ratio 0.1': the concurrency at sglang's DeepSeek-V4 default."
     )
     return rows
 

@@ -21,9 +21,11 @@ from flashmemory.costmodel.flops import FlashShape, baseline_flops, flashmemory_
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, swap_kernel_ms
 from flashmemory.costmodel.pools import (
     CLIP_MAX_NEW,
+    SGLANG_SWA_RATIO,
     PoolSizes,
     Serving,
     admitted,
+    auto_swa_ratio,
     bytes_per_full_token,
     fixed_bytes,
     full_need,
@@ -125,7 +127,7 @@ def fm_reserve_bytes(
     """Device bytes of FlashMemory's reserve as the plugin sizes it (`geometry.reserve_bytes`): (TGT_CONC x
     (KMAX + 1) recall blocks + DECODE_MAX_CONC decode regions of 8 pages + 1 sink) page blocks, each one c4 KV page
     at every c4 layer (+ the index pages of the 18 non-retriever layers with Path-I). Launch defaults (TGT_CONC 60,
-    KMAX 96, DECODE_MAX_CONC 128): 5.38 GB."""
+    KMAX 96, DECODE_MAX_CONC 128): 5.38 GB (5,381,812,800 B)."""
     blocks = target_conc * (kmax + 1) + decode_max_conc * DECODE_REGION_PAGES + 1
     return blocks * (s.n_c4 * KV_PAGE_BYTES + (s.n_c4 - 3 if path_i else 0) * INDEX_PAGE_BYTES)
 
@@ -390,21 +392,46 @@ def projections(
     disk_tok_s: Callable[[Preset, int, int, int], float] | None = None,
 ) -> list[dict]:
     """Max concurrency (and what binds) and tok/s there for every arm at 128K, 256K, 1M on `preset` (default:
-    8xH20 calibrated with `f`). The disk arm is FlashMemory without the host-DRAM bound; `disk_tok_s(preset, ctx,
-    kmax, conc)` prices its reads (default: FlashMemory's tok/s, i.e. disk reads hidden in the recall window)."""
+    this repo's 8xH20 launch, `launch_node`), each arm launched with the smallest --swa-full-tokens-ratio for what
+    its pools admit (`pools.auto_swa_ratio`, what launch_decode.sh passes); `conc_sglang` is the concurrency at
+    sglang's DeepSeek-V4 default ratio 0.1. The disk arm is FlashMemory without the host-DRAM bound;
+    `disk_tok_s(preset, ctx, kmax, conc)` prices its reads (default: FlashMemory's tok/s, i.e. disk reads hidden
+    in the recall window)."""
     f = f or fit()
-    p = preset or calibrated(H20_NODE, f, fitted_memory=True)
+    p = preset or launch_node(f)
     hs = hs or calibrated_hisparse(f)
     rows = []
     for ctx in CONTEXTS:
         kmax = kmax_for(ctx)
         for arm in ARMS:
-            n, bound = capacity(p, arm, ctx, kmax, hs)
+
+            def at(ratio: float | None) -> Preset:
+                return dataclasses.replace(p, serving=dataclasses.replace(p.serving, swa_ratio=ratio))
+
+            ratio, _ = auto_swa_ratio(
+                lambda r, arm=arm, ctx=ctx, kmax=kmax: capacity(at(r), arm, ctx, kmax, hs)[0] // p.serving.dp,
+                p.serving.running_per_rank,
+                ctx,
+                p.serving,
+            )
+            n, bound = capacity(at(ratio), arm, ctx, kmax, hs)
+            n01 = capacity(at(SGLANG_SWA_RATIO), arm, ctx, kmax, hs)[0]
             if n < 1:
                 t = 0.0
             elif arm == "disk" and disk_tok_s is not None:
                 t = disk_tok_s(p, ctx, kmax, n)
             else:
                 t = tok_s(p, "flashmemory" if arm.startswith(("disk", "flashmemory")) else arm, ctx, n, kmax, hs)
-            rows.append({"ctx": ctx, "arm": arm, "kmax": kmax, "conc": n, "bound": bound, "tok_s": t})
+            rows.append(
+                {
+                    "ctx": ctx,
+                    "arm": arm,
+                    "kmax": kmax,
+                    "conc": n,
+                    "bound": bound,
+                    "tok_s": t,
+                    "swa_ratio": ratio,
+                    "conc_sglang": n01,
+                }
+            )
     return rows

@@ -260,3 +260,11 @@ def auto_swa_ratio(
             return ratio, got
         ratio, n = nxt, got
     return ratio, min(admits(ratio), n_max)
+
+
+def capped_pools(max_total_tokens: int, sv: Serving, s: FlashShape = FlashShape()) -> tuple[int, int]:
+    """(full, SWA) tokens of a server launched with --max-total-tokens below what its memory holds (the CPU
+    servers): calculate_pool_sizes_from_max_tokens floors the cap to the page and derives the SWA pool from it."""
+    full = max_total_tokens // PAGE * PAGE
+    swa = cap_swa_tokens(sv, s) if sv.swa_ratio is None else int(full * sv.swa_ratio) // PAGE * PAGE
+    return full, min(swa, full) if sv.swa_ratio is None else swa

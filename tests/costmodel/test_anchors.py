@@ -18,6 +18,9 @@ from flashmemory.costmodel.anchors import (
     calibrated_hisparse,
     capacity,
     fit,
+    fm_admitted,
+    fm_reserve_bytes,
+    launch_node,
     projections,
     sized,
     tok_s,
@@ -90,25 +93,34 @@ def test_swap_kernel_by_hand() -> None:
 
 
 def test_hisparse_1m_concurrency_follows_sglang_token_pool() -> None:
-    p = calibrated(H20_NODE, F, fitted_memory=True)
+    p = launch_node(F)  # this repo's launch at sglang's SWA ratio 0.1, FP8 experts, sglang's memory fraction
     hs = calibrated_hisparse(F)
     pools = sized(p, dataclasses.replace(p.serving, hisparse_ratio=2))
-    # every request reserves its whole context in logical tokens at 2,363.625 B each
-    assert bytes_per_full_token(Serving(hisparse_ratio=2)) == 2363.625
-    assert capacity(p, "hisparse", M1, hs=hs) == (pools.full_tokens // M1, "token pool") == (19, "token pool")
+    # every request reserves its whole context + 1,024 decode tokens in logical tokens at 2,363.625 B of c4/c128
+    # plus 0.1 x 31,875 B of SWA each
+    assert bytes_per_full_token(Serving(hisparse_ratio=2)) == 2363.625 + 3187.5
+    assert pools.mem_fraction == 0.895
+    assert capacity(p, "hisparse", M1, hs=hs) == (pools.full_tokens // (M1 + 1024), "token pool") == (9, "token pool")
     stock = capacity(p, "stock", M1)[0]
-    assert stock == sized(p).full_tokens // M1 == 11
+    assert stock == sized(p).full_tokens // (M1 + 1024) == 7
     more = capacity(p, "hisparse", M1, hs=dataclasses.replace(hs, host_to_device_ratio=10))[0]
     same = capacity(p, "hisparse", M1, hs=dataclasses.replace(hs, host_to_device_ratio=1))[0]
-    assert same == stock < 19 < more
+    assert same == stock < 9 < more
 
 
 def test_projection_rows_by_hand() -> None:
     rows = {(r["ctx"], r["arm"]): r for r in projections(F)}
-    p = calibrated(H20_NODE, F, fitted_memory=True)
-    assert rows[M1, "stock"]["conc"] == 11 and rows[M1, "hisparse"]["conc"] == 19
+    p = launch_node(F)
+    # at sglang's ratio 0.1 (the launch without SWA_RATIO): 7 / 9 / 11 at 1M
+    assert [rows[M1, a]["conc_sglang"] for a in ("stock", "hisparse", "flashmemory")] == [7, 9, 11]
+    # at the smallest ratio for what each arm admits: 13 / 21 / 40
+    assert rows[M1, "stock"]["conc"] == 13 and rows[M1, "hisparse"]["conc"] == 21
     assert rows[M1, "flashmemory"]["bound"] == "host DRAM" and rows[M1, "flashmemory"]["conc"] == 40
     assert rows[M1, "disk"]["conc"] >= rows[M1, "flashmemory"]["conc"]
+    for (ctx, arm), r in rows.items():  # the chosen ratio's SWA pool holds what the full pool admits
+        sv = dataclasses.replace(p.serving, swa_ratio=r["swa_ratio"])
+        assert capacity(dataclasses.replace(p, serving=sv), arm, ctx, r["kmax"])[0] == r["conc"], (ctx, arm)
+        assert r["bound"] != "SWA pool", (ctx, arm)
     # launched without CREDIT_C4, FlashMemory's token pool is stock's: it admits what stock admits
     for ctx in (131072, 262144, M1):
         assert rows[ctx, "flashmemory-nocredit"]["conc"] == rows[ctx, "stock"]["conc"]
@@ -119,7 +131,29 @@ def test_projection_rows_by_hand() -> None:
         "conc": 128,
         "bound": "max-running",
         "tok_s": pytest.approx(tok_s(p, "flashmemory", 131072, 128, 48)),
+        "swa_ratio": 0.00605,
+        "conc_sglang": 94,
     }
+
+
+def test_reserve_comes_off_the_memory_fraction() -> None:
+    """CREDIT_C4=1: the reserve the plugin sizes for TGT_CONC (KMAX + 1 blocks each, 8 per decode row, 1 sink) is
+    taken off --mem-fraction-static, so admitting more requests shrinks the pool that admits them."""
+    assert fm_reserve_bytes(60, 96) == (60 * 97 + 128 * 8 + 1) * 21 * 37440 == 5_381_812_800
+    assert fm_reserve_bytes(40, 384, path_i=True) == (40 * 385 + 1025) * (21 * 37440 + 18 * 8448)
+    p = launch_node(F)
+    n, bound, sv = fm_admitted(p, M1, 384)
+    assert sv.reserve_bytes == fm_reserve_bytes(n, 384, 128, True) and sv.credit_c4
+    assert sized(p, sv).mem_fraction == pytest.approx(0.895 - sv.reserve_bytes / (p.hw.hbm_gb * 1e9))
+    assert n == 11 and bound == "token pool"
+    more = dataclasses.replace(sv, reserve_bytes=fm_reserve_bytes(n + 1, 384, 128, True))
+    assert _capacity_of(p, more) < n + 1
+
+
+def _capacity_of(p: object, sv: Serving) -> int:
+    from flashmemory.costmodel.pools import admitted
+
+    return admitted(sized(p, sv), M1, sv)[0]
 
 
 def test_bench_anchors_prints_and_writes(tmp_path, capsys) -> None:
