@@ -46,6 +46,26 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read().decode())
 
 
+def http_error_message(e: urllib.error.HTTPError, limit: int = 2000) -> str:
+    """The server's reason for an HTTP error, on one line: the `message` of sglang's error body
+    (`{"object": "error", "message": ...}`, or `{"error": {"message": ...}}`, `{"detail": ...}`), else the body's
+    text; whole up to `limit` characters, so a dump refusal keeps its reason after a long output_dir."""
+    try:
+        raw = e.read().decode("utf-8", errors="replace")
+    except OSError:
+        raw = ""
+    msg: object = raw
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body.get("detail") or raw
+    text = " ".join(str(msg).split()) or (e.reason if isinstance(e.reason, str) else "no reason given")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def clear_staging(staging: Path) -> int:
     """Delete what an interrupted run left in `staging/pass{1,2}/`: per-pass files the server wrote (doc-named,
     with a flashmemory dump header) and this project's tagged temp files. Returns how many. Nothing else is
@@ -168,7 +188,7 @@ class SGLangBackend:
             out = _post(f"{self.url}/chat/completions", body, self.timeout)
         except urllib.error.HTTPError as e:  # 4xx: this request is bad (too long, ...); 5xx may pass later
             raise DumpItemError(
-                f"server answered HTTP {e.code}: {e.read()[:300]!r}", permanent=400 <= e.code < 500
+                f"server answered HTTP {e.code}: {http_error_message(e)}", permanent=400 <= e.code < 500
             ) from None
         except (urllib.error.URLError, OSError) as e:
             raise DumpBackendError(f"lost the sglang server at {self.url} ({getattr(e, 'reason', e)})") from None

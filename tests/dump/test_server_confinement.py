@@ -200,3 +200,50 @@ def test_relative_parts_is_lexical_and_stays_below_the_root(tmp_path):
     for bad in (str(tmp_path / "rootx" / "a"), "/etc", str(tmp_path)):
         with pytest.raises(ConfineError, match="outside the dump root"):
             relative_parts(bad, str(root))
+
+
+def test_a_refusal_reaches_the_client_whole_on_one_line(tmp_path):
+    """The server's refusal of a bad output_dir (HTTP 400, sglang's error body) reached the client as the first 300
+    bytes of the raw body (`b'{"object": "error", ...`): after a long output_dir the reason itself was cut off. Now
+    the client shows the message, whole, on one line."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from flashmemory.dump.backend import DumpItemError
+    from flashmemory.dump.sglang_backend import SGLangBackend
+
+    root, _ = _tree(tmp_path)
+    (root / "afile").write_text("x")
+    long_dir = root / "afile" / ("d" * 200) / "run"
+    rec = DumpRecorder(index_topk=8, root=root)
+    admitted, why = _admit(rec, "r1", _req(long_dir))
+    assert not admitted and why.endswith("is a file where a directory should be"), why
+
+    class Refuse(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):  # what sglang sends for a request its scheduler aborted with the hook's reason
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = {"object": "error", "message": f"FlashMemory dump: {why}", "type": "BadRequestError", "code": 400}
+            data = json.dumps(body).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        be = object.__new__(SGLangBackend)  # the request path only
+        be.url, be.model, be.thinking, be.timeout = f"http://127.0.0.1:{srv.server_address[1]}/v1", "m", False, 10.0
+        with pytest.raises(DumpItemError) as e:
+            be._chat([{"role": "user", "content": "hi"}], 4, _req(long_dir))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    msg = str(e.value)
+    assert e.value.permanent and msg == f"server answered HTTP 400: FlashMemory dump: {why}", msg
+    assert "\n" not in msg and "b'" not in msg
