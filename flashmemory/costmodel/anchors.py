@@ -385,6 +385,25 @@ def kmax_for(ctx: int) -> int:
     return max(1, round(ctx * 96 / 262144))
 
 
+def with_swa_ratio(p: Preset, ratio: float | None) -> Preset:
+    return dataclasses.replace(p, serving=dataclasses.replace(p.serving, swa_ratio=ratio))
+
+
+def auto_ratio_capacity(
+    p: Preset, arm: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs()
+) -> tuple[float, int, str]:
+    """(ratio, requests, what binds) for `arm` launched with the smallest --swa-full-tokens-ratio for what its
+    pools admit (`pools.auto_swa_ratio`; launch_decode.sh's SWA_RATIO=auto with TGT_CONC set to that)."""
+    ratio, _ = auto_swa_ratio(
+        lambda r: capacity(with_swa_ratio(p, r), arm, ctx, kmax, hs)[0] // p.serving.dp,
+        p.serving.running_per_rank,
+        ctx,
+        p.serving,
+    )
+    n, bound = capacity(with_swa_ratio(p, ratio), arm, ctx, kmax, hs)
+    return ratio, n, bound
+
+
 def projections(
     f: Fitted | None = None,
     hs: HiSparseKnobs | None = None,
@@ -404,18 +423,8 @@ def projections(
     for ctx in CONTEXTS:
         kmax = kmax_for(ctx)
         for arm in ARMS:
-
-            def at(ratio: float | None) -> Preset:
-                return dataclasses.replace(p, serving=dataclasses.replace(p.serving, swa_ratio=ratio))
-
-            ratio, _ = auto_swa_ratio(
-                lambda r, arm=arm, ctx=ctx, kmax=kmax: capacity(at(r), arm, ctx, kmax, hs)[0] // p.serving.dp,
-                p.serving.running_per_rank,
-                ctx,
-                p.serving,
-            )
-            n, bound = capacity(at(ratio), arm, ctx, kmax, hs)
-            n01 = capacity(at(SGLANG_SWA_RATIO), arm, ctx, kmax, hs)[0]
+            ratio, n, bound = auto_ratio_capacity(p, arm, ctx, kmax, hs)
+            n01 = capacity(with_swa_ratio(p, SGLANG_SWA_RATIO), arm, ctx, kmax, hs)[0]
             if n < 1:
                 t = 0.0
             elif arm == "disk" and disk_tok_s is not None:

@@ -21,14 +21,16 @@ give them once a hint runs). `python -m flashmemory.costmodel.hisparse_prefetch`
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, capacity, fit
+from flashmemory.costmodel.anchors import auto_ratio_capacity, calibrated_hisparse, fit, launch_node
 from flashmemory.costmodel.bytes import EntryBytes
 from flashmemory.costmodel.flops import FlashShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens, swap_kernel_ms
-from flashmemory.costmodel.presets import H20_NODE, Preset
+from flashmemory.costmodel.presets import Preset
 from flashmemory.costmodel.throughput import step_time
 
 CONTEXTS = (131072, 262144, 524288, 1048576)
@@ -104,15 +106,16 @@ def projection(
     coverages: tuple[float, ...] = COVERAGES,
     precision: float = 0.5,
 ) -> list[PrefetchStep]:
-    """Both arms at HiSparse's admitted concurrency (sglang's sizing, `anchors.capacity`) on 8xH20 calibrated
-    like `flashmemory bench costmodel --anchors`, for each context, hit rate and coverage (in that order)."""
+    """Both arms at HiSparse's admitted concurrency (sglang's sizing at the smallest SWA ratio for it,
+    `anchors.auto_ratio_capacity`) on this repo's 8xH20 launch as `flashmemory bench costmodel --anchors` projects
+    it, for each context, hit rate and coverage (in that order)."""
     f = fit()
-    p = p or calibrated(H20_NODE, f, fitted_memory=True)
+    p = p or launch_node(f)
     out = []
     for ctx in CONTEXTS:
         for hit in hit_rates:
             hs = calibrated_hisparse(f, hit_rate=hit)
-            n = capacity(p, "hisparse", ctx, 1, hs)[0]
+            n = auto_ratio_capacity(p, "hisparse", ctx, 1, hs)[1]
             for cov in coverages:
                 out.append(prefetch_step(p, ctx, max(n, 1), hs, PrefetchKnobs(cov, precision)))
     return out
@@ -138,9 +141,38 @@ def table(
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def _rates(raw: str) -> tuple[float, ...]:
+    """Comma-separated numbers in (0, 1]."""
+    try:
+        vals = tuple(float(x) for x in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected comma-separated numbers in (0, 1]") from None
+    if not all(0 < v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{raw!r}: every value must lie in (0, 1]")
+    return vals
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the projection table; flags choose the hit rates, coverages and precision (bad values: argparse's
+    one line naming the flag, exit 2)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m flashmemory.costmodel.hisparse_prefetch",
+        description="HiSparse + FlashMemory prefetch on 8xH20, projected by the cost model",
+    )
+    ap.add_argument("--hit-rates", type=_rates, default=HIT_RATES, help="HiSparse hit rates (default 0.95,0.68)")
+    ap.add_argument("--coverages", type=_rates, default=COVERAGES, help="shares of misses prefetched (0.5,0.9)")
+    ap.add_argument("--precision", type=_rates, default=(0.5,), help="prefetched entries used / loaded (0.5)")
+    a = ap.parse_args(argv)
+    if len(a.precision) != 1:
+        ap.error("argument --precision: one value")
     print(
         "8xH20 decode, DeepSeek-V4-Flash shape, HiSparse at sglang's default buffer (4,096 slots) and its admitted "
-        "concurrency; prefetch precision 0.5, Level 1 FLOPs included (projected)"
+        f"concurrency; prefetch precision {a.precision[0]:g}, Level 1 FLOPs included (projected)"
     )
-    print(table(projection()))
+    rows = projection(hit_rates=a.hit_rates, coverages=a.coverages, precision=a.precision[0])
+    print(table(rows, a.hit_rates, a.coverages))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

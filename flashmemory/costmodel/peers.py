@@ -14,10 +14,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import Fitted, calibrated, calibrated_hisparse, capacity, fit, kmax_for, tok_s
+from flashmemory.costmodel.anchors import (
+    Fitted,
+    auto_ratio_capacity,
+    calibrated,
+    calibrated_hisparse,
+    fit,
+    kmax_for,
+    launch_node,
+    tok_s,
+)
 from flashmemory.costmodel.anchors import _arm as arm_bytes
 from flashmemory.costmodel.hisparse import HiSparseKnobs
-from flashmemory.costmodel.presets import H20_NODE, Preset
+from flashmemory.costmodel.presets import Preset
 
 PEER_CONTEXTS = (131072, 262144, 1048576)
 PEER_BATCHES = (1, 16, 64)
@@ -47,14 +56,16 @@ class PeerCell:
 def peer_table(
     f: Fitted | None = None,
     hs: HiSparseKnobs | None = None,
-    preset: Preset = H20_NODE,
+    preset: Preset | None = None,
     contexts: tuple[int, ...] = PEER_CONTEXTS,
     batches: tuple[int, ...] = PEER_BATCHES,
 ) -> list[PeerCell]:
-    """Every arm at every context on `preset` calibrated with `f` (default: `fit()`); `hs` defaults to sglang's
-    HiSparse defaults with the fitted swap-in kernel cost."""
+    """Every arm at every context on `preset` calibrated with `f` (default: `fit()`; preset default: this repo's
+    8xH20 launch, `anchors.launch_node`), each arm at the smallest SWA ratio for what it admits
+    (`anchors.auto_ratio_capacity`); `hs` defaults to sglang's HiSparse defaults with the fitted swap-in kernel
+    cost."""
     f = f or fit()
-    p = calibrated(preset, f, fitted_memory=preset is H20_NODE)
+    p = launch_node(f) if preset is None else calibrated(preset, f)
     roof = dataclasses.replace(p, hw=dataclasses.replace(p.hw, overhead_ms=0.0))
     hs = hs or calibrated_hisparse(f)
     cells = []
@@ -62,7 +73,7 @@ def peer_table(
         kmax = kmax_for(ctx)
         for policy in POLICIES:
             req = arm_bytes(policy, ctx, kmax, hs)[0]
-            conc, bound = capacity(p, policy, ctx, kmax, hs)
+            _, conc, bound = auto_ratio_capacity(p, policy, ctx, kmax, hs)
             tr = {b: tok_s(roof, policy, ctx, b, kmax, hs) if b <= conc else None for b in batches}
             to = {b: tok_s(p, policy, ctx, b, kmax, hs) if b <= conc else None for b in batches}
             cells.append(PeerCell(policy, ctx, kmax, req.device, req.host, dict(req.device_parts), conc, bound, tr, to))

@@ -3,6 +3,7 @@ KMAX / context, keeps its byte accounting consistent, and the bench command runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,9 +31,8 @@ from flashmemory.costmodel import (
     resident_chunks,
     throughput_at,
 )
-from flashmemory.costmodel.anchors import calibrated, fit, sized
+from flashmemory.costmodel.anchors import auto_ratio_capacity, fit, launch_node, sized
 from flashmemory.costmodel.peers import kmax_for, peer_table
-from flashmemory.costmodel.presets import H20_NODE
 
 G = 1e9
 
@@ -204,13 +204,16 @@ def test_peer_table_by_hand():
     stock = cells["stock", 131072]
     # what one request occupies (every region on the device) ...
     assert stock.device_bytes == 21 * 32768 * (584 + 132) + 20 * 1024 * 584 + 43 * 128 * 584 == 507_874_304
-    # ... and what sglang's token pool admits: the whole context at 3,899.25 B per logical token
-    pools = sized(calibrated(H20_NODE, f, fitted_memory=True))
-    assert stock.max_conc == pools.full_tokens // 131072 == 94 and stock.bound == "token pool"
+    # ... and what sglang's token pool admits: the whole context + 1,024 reserved decode tokens at 3,899.25 B per
+    # full token plus the chosen SWA ratio's share (this repo's launch: FP8 experts, sglang's memory fraction)
+    p = launch_node(f)
+    ratio, n, _ = auto_ratio_capacity(p, "stock", 131072)
+    pools = sized(dataclasses.replace(p, serving=dataclasses.replace(p.serving, swa_ratio=ratio)))
+    assert stock.max_conc == pools.full_tokens // (131072 + 1024) == n == 101 and stock.bound == "token pool"
     assert cells["stock", 262144].tok_s[64] is None and cells["stock", 262144].tok_s[16] is not None
     # HiSparse at 1M is held by its token pool, not by host DRAM
     hs1m = cells["hisparse", 1048576]
-    assert (hs1m.max_conc, hs1m.bound) == (19, "token pool")
+    assert (hs1m.max_conc, hs1m.bound) == (21, "token pool")
     for ctx in (131072, 262144, 1048576):
         assert cells["hisparse", ctx].device_bytes < cells["stock", ctx].device_bytes
         assert cells["hisparse", ctx].device_parts["index keys"] == cells["stock", ctx].device_parts["index keys"]

@@ -37,9 +37,11 @@ def test_projection_table_is_the_model() -> None:
     model = {(r["ctx"], r["arm"]): r for r in projections(fit())}
     rows = _rows("## Projected: 8xH20")
     assert len(rows) == len(model) == 15
-    for ctx, arm, conc_bound, tok, _ in rows:
+    for ctx, arm, ratio, conc_bound, conc_01, tok, _ in rows:
         r = model[CTX[ctx], ARM[arm]]
+        assert float(ratio) == r["swa_ratio"], (ctx, arm)
         assert conc_bound == f"{r['conc']} ({r['bound']})", (ctx, arm)
+        assert int(conc_01) == r["conc_sglang"], (ctx, arm)
         assert _num(tok) == round(r["tok_s"]), (ctx, arm)
 
 
@@ -54,7 +56,8 @@ def test_anchor_table_is_the_model() -> None:
 
 
 def test_readme_projected_rows_are_the_model() -> None:
-    """The README's HiSparse table quotes the 1M row of the projection: concurrency and tok/s per arm."""
+    """The README's HiSparse table quotes the 1M row of the projection: concurrency (at the chosen SWA ratio and at
+    sglang's 0.1) and tok/s per arm."""
     readme = (PAGE.parents[1] / "README.md").read_text()
     model = {r["arm"]: r for r in projections(fit()) if r["ctx"] == CTX["1M"]}
     rows = {
@@ -66,5 +69,6 @@ def test_readme_projected_rows_are_the_model() -> None:
     tok = rows["decode tok/s at that concurrency, 8xH20"]
     for cell_c, cell_t, arm in zip(conc, tok, ("stock", "hisparse", "flashmemory")):
         assert _num(cell_c) == model[arm]["conc"], arm
+        assert f"({model[arm]['conc_sglang']} at " in cell_c, arm
         assert _num(cell_t) == round(model[arm]["tok_s"]), arm
-    assert f"({model['flashmemory-nocredit']['conc']} at `CREDIT_C4=0`)" in conc[2]
+    assert f"; {model['flashmemory-nocredit']['conc']} at `CREDIT_C4=0`)" in conc[2]
