@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import EngineConfig, OffloadLayout
@@ -57,14 +58,24 @@ def escalation_config(env: FlashMemoryEnv, base: int, reserve_blocks: int, rows:
 TP_PUBLISH_LAG = 2
 
 
-def serving_tp_size() -> int:
-    """sglang's tensor-parallel world size in this process (1 outside a server or before its groups exist)."""
+def batch_group() -> Any:
+    """sglang's group of the ranks that run this process's batch (a `GroupCoordinator`: its `get_dp_tp_group`, the
+    attention-TP group under attention data parallelism, else the whole TP group), or None outside a server or
+    before its groups exist. FlashMemory's lockstep and failure exchange span exactly this group: ranks of other
+    DP groups run other requests."""
     try:
-        from sglang.srt.distributed.parallel_state import get_tp_group  # the package does not re-export it
+        from sglang.srt.layers.dp_attention import get_dp_tp_group
 
-        return int(get_tp_group().world_size)
+        return get_dp_tp_group()
     except (ImportError, AssertionError, AttributeError, RuntimeError, ValueError):
-        return 1
+        return None
+
+
+def serving_tp_size() -> int:
+    """Ranks that run this process's batch (`batch_group`): sglang's TP world size, or its attention-TP size under
+    attention DP (1 when --tp equals the DP size); 1 outside a server or before its groups exist."""
+    group = batch_group()
+    return int(group.world_size) if group is not None else 1
 
 
 def core_config(env: FlashMemoryEnv, geo: PoolGeometry, landing_blocks: int = 0, tp_size: int = 1) -> CoreConfig:

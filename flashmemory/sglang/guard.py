@@ -37,9 +37,10 @@ Under CUDA-graph replay the per-layer hooks do not run at all, so only the eager
 Tensor parallelism: every rank runs its own guard over the same batches. A request that failed on one rank only
 (a fault injected on that rank, a rank-local error) must fail on all of them, or their schedulers would run
 different batches and the next collective would hang. So before each batch's result is processed every rank
-shares the failures it recorded since the last batch (`exchange`: one all-reduce of a count over sglang's TP cpu
-group, then an all-gather of the (rid, hook, reason) rows only when some rank has any), and every rank aborts the
-union in that same call.
+shares the failures it recorded since the last batch (`exchange`: one all-reduce of a count over the cpu group of
+the ranks that run the batch, sglang's TP group or, under attention data parallelism, its attention-TP group; then
+an all-gather of the (rid, hook, reason) rows only when some rank has any), and every rank aborts the union in that
+same call.
 Non-finite retriever scores: `watch_scores` wraps the adapter's Level-1 scorer so that a row whose scores are not
 all finite raises `RequestFailure` naming its request (the cycle's job is dropped, its error reaches `after_forward`
 as the cause of the worker's error). Other Level-1 or recall errors name no request and stop the server.
@@ -337,16 +338,21 @@ def gloo_exchange(group: Any, world: int) -> Callable[[list[tuple[str, str, str]
 
 
 def tp_exchange() -> tuple[Any, int]:
-    """(exchange over sglang's TP cpu group, this TP rank), or (None, 0) with one rank or outside a server."""
+    """(exchange over the cpu group of the ranks that run this batch, this process's TP rank), or (None, 0) with
+    one such rank or outside a server. The group is `core_config.batch_group`: the TP group, or under attention
+    DP the attention-TP group only (another DP rank's requests are not this batch's, and it runs other batches)."""
+    from flashmemory.sglang.core_config import batch_group
+
+    group = batch_group()
+    if group is None or group.world_size <= 1:
+        return None, 0
     try:
         from sglang.srt.distributed import get_tp_group
 
-        tp = get_tp_group()
+        rank = int(get_tp_group().rank_in_group)  # the injector's rank= names a TP rank
     except (ImportError, AssertionError, AttributeError, RuntimeError):
-        return None, 0
-    if tp.world_size <= 1:
-        return None, 0
-    return gloo_exchange(tp.cpu_group, tp.world_size), int(tp.rank_in_group)
+        rank = int(group.rank_in_group)
+    return gloo_exchange(group.cpu_group, group.world_size), rank
 
 
 def _refuse_non_finite(rid: str, scores: Any) -> None:

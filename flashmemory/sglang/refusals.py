@@ -168,8 +168,9 @@ def refusals(server_args: Any, env: FlashMemoryEnv, features: Sequence[str]) -> 
 
 def radix_cache_on(server_args: Any) -> bool:
     """Whether sglang's radix cache shares prefix pages between running requests on this server (on unless
-    --disable-radix-cache; a PD decode server drops it unless --disaggregation-decode-enable-radix-cache)."""
-    if setting(server_args, "disable_radix_cache", False):
+    --disable-radix-cache; a PD decode server drops it unless --disaggregation-decode-enable-radix-cache). Args
+    without the field (a stand-in record) say nothing: False."""
+    if setting(server_args, "disable_radix_cache", True):
         return False
     if str(setting(server_args, "disaggregation_mode", "null") or "null") == "decode":
         return bool(setting(server_args, "disaggregation_decode_enable_radix_cache", False))

@@ -166,17 +166,19 @@ def test_a_step_without_rows_still_counts():
 
 
 def test_the_serving_edge_reads_sglangs_tp_size(monkeypatch):
-    """`serving_tp_size` asks sglang's TP group (1 outside a server), the size the adapter hands `core_config`."""
+    """`serving_tp_size` asks sglang for the ranks that run this batch (its TP group without attention DP; 1
+    outside a server), the size the adapter hands `core_config`."""
     import types
 
-    ps = pytest.importorskip("sglang.srt.distributed.parallel_state")
+    dpa = pytest.importorskip("sglang.srt.layers.dp_attention")
     from flashmemory.sglang.core_config import serving_tp_size
 
-    monkeypatch.setattr(ps, "get_tp_group", lambda: types.SimpleNamespace(world_size=2))
+    tp2 = types.SimpleNamespace(world_size=2)
+    monkeypatch.setattr(dpa, "get_parallel", lambda: types.SimpleNamespace(attn_dp_enabled=False, tp_group=tp2))
     assert serving_tp_size() == 2
 
     def no_group():
-        raise AssertionError("tensor model parallel group is not initialized")
+        raise RuntimeError("parallel name 'tp_group' has not been written in this process")
 
-    monkeypatch.setattr(ps, "get_tp_group", no_group)
+    monkeypatch.setattr(dpa, "get_parallel", no_group)
     assert serving_tp_size() == 1
