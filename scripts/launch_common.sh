@@ -98,6 +98,19 @@ fm_device_setup() {  # fm_device_setup DEVICE: sets FM_DEV_VARS (names to export
     --max-prefill-tokens 2048 --dsa-topk-backend torch --cuda-graph-backend-decode disabled --sleep-on-idle)
 }
 
+fm_is_loopback() {  # fm_is_loopback HOST: localhost, 127.0.0.0/8, or the IPv6 loopback in any spelling (::1,
+  # 0:0:0:0:0:0:0:1, 0::0001, [::1]); the twin of is_loopback_host in flashmemory/serve/procs.py
+  local h="${1,,}" c
+  [[ "$h" == \[*\] ]] && h="${h:1:${#h}-2}"
+  if [[ "$h" =~ ^127\.(0|[1-9][0-9]{0,2})\.(0|[1-9][0-9]{0,2})\.(0|[1-9][0-9]{0,2})$ ]]; then
+    for c in "${BASH_REMATCH[@]:1}"; do (( 10#$c <= 255 )) || return 1; done; return 0
+  fi
+  [[ "$h" == localhost ]] && return 0
+  [[ "$h" =~ ^(0{1,4}:|:)+0{0,3}1$ && "$h" != *:::* && "${h/::/}" != *::* ]] || return 1  # zero groups, then 1
+  c="${h//[^:]/}"  # 7 colons (8 groups), or fewer with one "::" standing for at least one zero group
+  if [[ "$h" == *::* ]]; then (( ${#c} <= 7 )) || [[ "$h" == ::* && ${#c} == 8 ]]; else (( ${#c} == 7 )); fi
+}
+
 fm_local_only() {  # fm_local_only HOST [SGLANG_ARGS...]: sets FM_BIND_VARS (names to export)
   # With a loopback HOST (the default) every listener of the server stays on this machine, not only its HTTP port:
   # sglang's KV-transfer sockets (NIXL/Mooncake bootstrap, bound on SGLANG_HOST_IP), gloo and NCCL (their socket
@@ -108,7 +121,7 @@ fm_local_only() {  # fm_local_only HOST [SGLANG_ARGS...]: sets FM_BIND_VARS (nam
   # preloaded too (fm_loopback_shim). A value the user set wins; another HOST or --dist-init-addr keeps stock
   # sglang's listeners.
   FM_BIND_VARS=()
-  case "$1" in 127.*|localhost|::1) ;; *) return 0;; esac
+  fm_is_loopback "$1" || return 0
   local a; for a in "${@:2}"; do [[ "$a" != --dist-init-addr* ]] || return 0; done
   SGLANG_HOST_IP="${SGLANG_HOST_IP:-127.0.0.1}"; GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"; MC_TCP_BIND_ADDRESS="${MC_TCP_BIND_ADDRESS:-127.0.0.1}"

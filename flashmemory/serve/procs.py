@@ -10,6 +10,7 @@ stores named with the pid of a process of those groups, and only unlocked ones (
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -29,8 +30,18 @@ STORE_PREFIX = "flashmemory-dist-"
 
 
 def is_loopback_host(host: str) -> bool:
-    """127.0.0.0/8, localhost or ::1: a server bound there is reachable from this machine only."""
-    return host.startswith("127.") or host in ("localhost", "::1")
+    """localhost, an address of 127.0.0.0/8, or the IPv6 loopback in any spelling (::1, 0:0:0:0:0:0:0:1,
+    0::0001, [::1]): a server bound there is reachable from this machine only. The twin of `fm_is_loopback` in
+    scripts/launch_common.sh (tests/serve/test_procs.py checks both on many spellings)."""
+    h = host.strip().lower()
+    if h == "localhost":
+        return True
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:  # a host name other than localhost, or not an address
+        return False
 
 
 def rendezvous_store(tag: str) -> str:

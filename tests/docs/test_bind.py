@@ -87,6 +87,13 @@ def test_internal_listeners_stay_on_loopback_by_default(script: str, device: str
     )
 
 
+@pytest.mark.parametrize("host", ["::1", "0:0:0:0:0:0:0:1", "[0::0001]", "127.0.0.2"])
+def test_every_loopback_spelling_gets_the_local_only_defaults(host: str) -> None:
+    """The IPv6 loopback spelled in full got none of them (only 127.*, localhost and ::1 were matched)."""
+    got = _bind_vars(dry_run("launch_decode.sh", "cpu", HOST=host)[1])
+    assert got.keys() == BIND_VARS.keys(), got
+
+
 @pytest.mark.parametrize("script", SGLANG_SCRIPTS)
 def test_host_leaves_internal_listeners_stock(script: str) -> None:
     assert _bind_vars(dry_run(script, "cuda", HOST="0.0.0.0")[1]) == {}

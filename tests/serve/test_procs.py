@@ -1,6 +1,8 @@
 """Servers: process groups started, waited for over HTTP, and stopped with every member gone."""
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +162,31 @@ def test_a_process_whose_main_thread_exited_counts_until_its_last_thread_has(tmp
     finally:
         s.stop(grace=1.0)
     assert s.leftovers() == []
+
+
+LOOPBACK_SPELLINGS = {
+    # the IPv6 loopback in every spelling, the full one included, and 127.0.0.0/8
+    **dict.fromkeys(["::1", "[::1]", "0:0:0:0:0:0:0:1", "0000:0000:0000:0000:0000:0000:0000:0001"], True),
+    **dict.fromkeys(["0::1", "::0:1", "0:0::0:1", "::0001", "0:0:0:0:0:0::1", "::0:0:0:0:0:0:1"], True),
+    **dict.fromkeys(["127.0.0.1", "127.1.2.3", "127.255.255.255", "localhost", "LOCALHOST"], True),
+    # not loopback, or not an address (refused: the stock, open defaults apply)
+    **dict.fromkeys(["::", "::2", "1::1", "::1:0", "fe80::1", ":::1", ":1", "0:0:0:0:0:0:0:0:1"], False),
+    **dict.fromkeys(["0:0:0:0:0:0:1", "0:0:0:0:0:0:0::1", "::00001", "[::1", "::1]", "0::0::1"], False),
+    **dict.fromkeys(["::ffff:127.0.0.1", "127.256.0.1", "127.0.0.01", "127.1", "127.foo", "localhost."], False),
+    **dict.fromkeys(["0.0.0.0", "10.0.0.1", "example.com", ""], False),
+}
+
+
+def test_loopback_hosts_are_recognised_in_every_spelling_by_python_and_the_scripts():
+    """Where local-only is decided (`is_loopback_host` for `flashmemory serve`, `fm_is_loopback` for the launch
+    scripts): the IPv6 loopback spelled in full (0:0:0:0:0:0:0:1) got none of the local-only defaults before;
+    both agree with the expected answer on every spelling."""
+    from flashmemory.serve.procs import is_loopback_host
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "launch_common.sh"
+    probe = 'source "$1" >/dev/null 2>&1; for h in "${@:2}"; do fm_is_loopback "$h" && echo 1 || echo 0; done'
+    hosts = list(LOOPBACK_SPELLINGS)
+    p = subprocess.run(["bash", "-c", probe, "bash", str(script), *hosts], capture_output=True, text=True, timeout=60)
+    got_sh = dict(zip(hosts, (line == "1" for line in p.stdout.splitlines()), strict=True))
+    assert {h: is_loopback_host(h) for h in hosts} == LOOPBACK_SPELLINGS
+    assert got_sh == LOOPBACK_SPELLINGS
