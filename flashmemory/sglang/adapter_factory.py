@@ -4,7 +4,9 @@ so no adapter module imports another's subclass or this factory (this module imp
 
 Before anything is allocated, `build` checks the host and device memory the adapter will take, counted the way
 it is allocated (`memory_plan`): the host mirror with the pinned allocator's power-of-two rounding, and every
-device tensor of the core (reserve incl. landing blocks, target index pool, lookup tables, resident tables).
+device tensor of the core (reserve incl. landing blocks, target index pool, lookup tables, resident tables), held
+on a GPU to sglang's runtime headroom with the retriever, the Level-1 worker and a recall's staging
+(`memory_budget`).
 The retriever follows the server's device: its parameters and buffers move to the pool's device here, so Level 1
 scores CUDA hidden states with CUDA weights.
 """
@@ -21,7 +23,7 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.mirror import check_host_memory, mirror_alloc_bytes
 from flashmemory.offload.tiered_mirror import mirror_slot_count
-from flashmemory.sglang import geometry
+from flashmemory.sglang import geometry, memory_budget
 from flashmemory.sglang.core_config import CoreConfig, core_config
 from flashmemory.sglang.engine_adapter import SGLangOffload
 from flashmemory.sglang.geometry import (
@@ -49,6 +51,7 @@ class MemoryPlan:
     host: int
     device: int
     reserve: int  # the device reserve alone (part of `device`)
+    target: int = 0  # copy mode's second copy of the target index keys (part of `device`)
 
 
 def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pinned: bool) -> MemoryPlan:
@@ -67,7 +70,38 @@ def memory_plan(core: CoreConfig, geo: PoolGeometry, shrink: bool, disk: Any, pi
     tables = 3 * cfg.max_rows * res_cap * _I32 + cfg.max_rows * _I32
     loc2m = (geo.n_locs + 1) * _I64
     byte_map = 0 if shrink else lay.kv.page_chunks * lay.kv.chunk_bytes * _I64
-    return MemoryPlan(host=host, device=reserve + target + lut + tables + loc2m + byte_map, reserve=reserve)
+    loc_rows = (geo.n_locs + 1) * _I32 + (cfg.max_rows + 1) * lay.pages_for(cfg.max_chunks) * _I32 + cfg.max_rows * _I64
+    device = reserve + target + lut + tables + loc2m + loc_rows + byte_map
+    return MemoryPlan(host=host, device=device, reserve=reserve, target=target)
+
+
+def check_device(
+    plan: MemoryPlan,
+    core: CoreConfig,
+    geo: PoolGeometry,
+    env: FlashMemoryEnv,
+    shrink: bool,
+    retriever: Any,
+    sa: Any,
+    device: torch.device,
+) -> None:
+    """The start-up device check (`memory_budget`): against sglang's runtime headroom where the GPU's memory and
+    --mem-fraction-static are known, else the static tensors within 90% of the bytes free."""
+    frac = getattr(sa, "mem_fraction_static", None)
+    mem = memory_budget.device_memory(device)
+    if frac is None or mem is None:
+        check_reserve_memory(plan.device, geometry.device_free_bytes(device))
+        return
+    saved = geo.n_c4_layers * geo.n_pages * geo.kv_page_bytes if shrink and not env.pd_credit_c4 else 0
+    need = memory_budget.DeviceNeed(
+        static=plan.device,
+        target_copy=plan.target,
+        retriever=memory_budget.module_bytes(retriever),
+        worker_peak=memory_budget.worker_peak_bytes(core, env.miss_monitor) if retriever is not None else 0,
+        recall_staging=memory_budget.recall_staging_bytes(core),
+        saved=saved,
+    )
+    memory_budget.check_device_budget(need, mem[1], float(frac), memory_budget.runtime_need_bytes(sa), mem[0])
 
 
 def build(
@@ -92,11 +126,6 @@ def build(
                 "saved): SGLANG_PD_B_C4_SHRINK needs %s",
                 "; ".join(f"not {b}" for b in blockers),
             )
-    if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
-        logger.warning(
-            "FlashMemory Path-P with a decode radix cache: requests sharing prefix pages each keep their "
-            "own mirror copy, and a page's residency follows the request that mapped it last"
-        )
     geo = read_geometry(pool)
     bad = [l for l in env.retriever_layers if l >= geo.n_c4_layers]
     if bad:
@@ -111,7 +140,7 @@ def build(
     plan = memory_plan(core, geo, bool(shrink), env.disk, pinned)
     tp, nodes = (int(getattr(server_args, k, None) or 1) for k in ("tp_size", "nnodes"))
     check_host_memory(plan.host, processes=max(1, tp // nodes))
-    check_reserve_memory(plan.device, geometry.device_free_bytes(device))
+    check_device(plan, core, geo, env, bool(shrink), retriever, server_args, device)
     retriever = place_retriever(retriever, device)
     if shrink:
         eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=n_landing)

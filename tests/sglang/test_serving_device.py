@@ -185,6 +185,7 @@ def test_refusals_read_sglangs_real_flag_names():
     sg = pytest.importorskip("sglang.srt.server_args")
     sa = sg.prepare_server_args(
         ["--model-path", "/nonexistent", "--enable-two-batch-overlap", "--dsa-topk-backend", "flashinfer"]
+        + ["--disable-radix-cache"]  # mask mode with the radix cache is refused too (test_refusals.py)
     )
     lines = refusals(sa, env("", decode_max_conc=4), ("level2", "mask", "path_p"))
     assert [l.split(":")[0] for l in lines] == ["--enable-two-batch-overlap", "--dsa-topk-backend flashinfer"]
