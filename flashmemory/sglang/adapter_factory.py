@@ -34,6 +34,7 @@ from flashmemory.sglang.geometry import (
     read_geometry,
 )
 from flashmemory.sglang.offload_adapter import OffloadAdapter
+from flashmemory.sglang.refusals import setting
 from flashmemory.sglang.retriever_load import place_retriever
 from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
 
@@ -87,7 +88,7 @@ def check_device(
 ) -> None:
     """The start-up device check (`memory_budget`): against sglang's runtime headroom where the GPU's memory and
     --mem-fraction-static are known, else the static tensors within 90% of the bytes free."""
-    frac = getattr(sa, "mem_fraction_static", None)
+    frac = setting(sa, "mem_fraction_static", None) if sa is not None else None  # as sglang resolved it
     mem = memory_budget.device_memory(device)
     if frac is None or mem is None:
         check_reserve_memory(plan.device, geometry.device_free_bytes(device))

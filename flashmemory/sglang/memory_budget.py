@@ -29,6 +29,7 @@ from typing import Any
 
 from flashmemory.sglang.core_config import CoreConfig
 from flashmemory.sglang.geometry import PoolGeometryError
+from flashmemory.sglang.refusals import setting
 
 MIB = 2**20
 NATIVE_HEADS = 64  # DeepSeek-V4's indexer heads (the miss monitor's native scores)
@@ -81,8 +82,8 @@ def runtime_need_bytes(server_args: Any) -> int:
     """What sglang needs of its runtime headroom on a decode server (its own default formula, without the 10 GiB
     floor): 512 MiB + 1.5 MiB x max(running requests x draft tokens, 2048) + tp/8 GiB + 2 MiB x decode-graph
     batch (none with CUDA graphs off)."""
-    get = lambda name, default: getattr(server_args, name, None) or default  # noqa: E731
-    graph_bs = 0 if getattr(server_args, "disable_cuda_graph", False) else int(get("cuda_graph_max_bs_decode", 0))
+    get = lambda name, default: setting(server_args, name, None) or default  # noqa: E731  (as sglang resolved it)
+    graph_bs = 0 if get("disable_cuda_graph", False) else int(get("cuda_graph_max_bs_decode", 0))
     running = int(get("max_running_requests", 0)) or graph_bs or 1
     tokens = max(running * int(get("speculative_num_draft_tokens", 1)), 2048)
     mib = 512 + 1.5 * tokens + int(get("tp_size", 1)) * int(get("pp_size", 1)) / 8 * 1024 + 2 * graph_bs
