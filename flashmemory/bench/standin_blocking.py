@@ -226,7 +226,7 @@ def _device_arg(args: tuple, kwargs: dict) -> Any:
 def count_transfers(setattr_: Setattr) -> None:
     """`pinned.to(device, non_blocking=True)` is a `DeviceTensor` (an async copy, not counted);
     `flashmemory.offload.streams.pinned_empty` makes `PinnedTensor`s; `is_pinned` answers for them. Also turns on
-    `device_factories`."""
+    `device_factories`; `streams.is_device` tells `DeviceTensor`s apart."""
     from flashmemory.offload import streams
 
     base_to = torch._C.TensorBase.to
@@ -240,7 +240,8 @@ def count_transfers(setattr_: Setattr) -> None:
 
     setattr_(torch.Tensor, "to", to)
     setattr_(torch.Tensor, "is_pinned", lambda self, *a, **k: is_pinned(self))
-    setattr_(streams, "pinned_empty", lambda shape, dtype: pinned(torch.empty(shape, dtype=dtype)))
+    setattr_(streams, "is_device", is_device)
+    setattr_(streams, "pinned_empty", lambda shape, dtype: pinned(torch.empty(shape, dtype=dtype)))  # as install's
     device_factories(setattr_)
 
 

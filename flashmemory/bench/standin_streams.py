@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flashmemory.bench.standin_blocking import record
+from flashmemory.bench.standin_blocking import pinned, record
 
 Clock = dict[int, int]
 
@@ -249,4 +249,6 @@ def install(monkeypatch: Any) -> StandIn:
     for name in ("current_stream", "default_stream", "stream", "set_device", "current_device", "synchronize"):
         monkeypatch.setattr(torch.cuda, name, recorded(name))
     monkeypatch.setattr(streams, "streams_on", lambda device: True)
+    # Staging for async copies is page-locked on a stream device; on CPU it is a `PinnedTensor`.
+    monkeypatch.setattr(streams, "pinned_empty", lambda shape, dtype: pinned(torch.empty(shape, dtype=dtype)))
     return si

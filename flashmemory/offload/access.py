@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flashmemory.offload import streams
+from flashmemory.offload.sync import StagedSettle
+
 if TYPE_CHECKING:
     from flashmemory.offload.counters import OffloadMetrics
     from flashmemory.offload.layout import OffloadLayout
@@ -124,7 +127,7 @@ class CoreAccess:
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
         """int64 [B, max_resident_pages + decode_pages] resident logical pages of engine rows [B], ascending, -1
         padded (-1 rows: all -1), on the core's device, read under the lock."""
-        r = rows.to(self.device).long()
+        r = streams.like(rows, self.tables.pages).long()
         with self.lock:
             p = self.tables.pages[r.clamp_min(0)].long()
         return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
@@ -215,6 +218,60 @@ class CoreAccess:
                 lay.index.write_chunks(self.mirror.index, mr, (m % pc).cpu(), ix)
                 dst = torch.where(now >= 0, now, sink)
                 lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, ix.to(self.device))
+
+    def stage_settle(self, m: torch.Tensor, cells: torch.Tensor, index: torch.Tensor | None = None) -> StagedSettle:
+        """`settle_cells` without a host wait, for the decode thread right after it enqueued a forward: on the
+        forward stream, the chunks' kv (and Path-I index-K: `index`, device uint8 [n_path_i_layers, n, bytes],
+        or None to take it from the same cells) are gathered from the reserve cells, copied to the cell each chunk
+        is resident in now where that differs, and copied into pinned host buffers (non_blocking); an event marks
+        the copy. `apply_settle` writes them into the mirror once the event has completed. m: host int64 [n]
+        mirror chunks; cells [n]. Without streams the bytes are settled at once (the result is already done)."""
+        if not self.order.enabled:
+            self.settle_cells(m, cells, None if index is None else index.cpu())
+            return StagedSettle(m[:0], None, None, None)
+        lay, pc = self.layout, self.layout.page_chunks
+        with self.lock, self.order.on_stream():
+            cells = streams.like(cells.long(), self.reserve.kv)
+            rows = lay.kv.read_chunks(self.reserve.kv, cells // pc, cells % pc)  # [L, n, kv] on the device
+            now = self.lut.table[streams.like(m.long(), self.lut.table)].long()
+            sink = torch.full_like(now, self.reserve.sink_cell)  # others write the sink (no mask read by the host)
+            dst = torch.where((now >= 0) & (now != cells), now, sink)
+            lay.kv.write_chunks(self.reserve.kv, dst // pc, dst % pc, rows)
+            ix = None
+            if lay.offload_index_layers:
+                ix = index if index is not None else lay.index.read_chunks(self.reserve.index, cells // pc, cells % pc)
+                dst = torch.where(now >= 0, now, sink)
+                lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, ix)
+            kv_host = streams.pinned_empty(tuple(rows.shape), rows.dtype)
+            kv_host.copy_(rows, non_blocking=True)
+            ix_host = None
+            if ix is not None:
+                ix_host = streams.pinned_empty(tuple(ix.shape), ix.dtype)
+                ix_host.copy_(ix, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.order.stream)
+        return StagedSettle(m.long(), kv_host, ix_host, done)
+
+    def apply_settle(self, staged: StagedSettle, keep: torch.Tensor | None = None, wait: bool = False) -> bool:
+        """Write a `stage_settle`'s bytes into the mirror if its copy is complete (or, with `wait`, after waiting
+        for it: a host sync). keep: bool [n] host, the chunks still owned by a live request (the others' mirror
+        pages may be another request's by now: left alone); None keeps all. Returns whether it was applied."""
+        if staged.done is not None and not staged.done.query():
+            if not wait:
+                return False
+            staged.done.synchronize()
+        if staged.kv is None or not staged.m.numel():
+            return True
+        lay, pc = self.layout, self.layout.page_chunks
+        m, kv, ix = staged.m, staged.kv, staged.index
+        if keep is not None:
+            m, kv, ix = m[keep], kv[:, keep], None if ix is None else ix[:, keep]
+        with self.lock:
+            mr = self.mirror.rows(m // pc, write=True)
+            lay.kv.write_chunks(self.mirror.kv, mr, m % pc, kv)
+            if ix is not None:
+                lay.index.write_chunks(self.mirror.index, mr, m % pc, ix)
+        return True
 
     def store_index_pages(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole Path-I index-K pages into the mirror: pages int64 [n] mirror pages, rows uint8

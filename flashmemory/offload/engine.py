@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from flashmemory.offload import streams
 from flashmemory.offload.access import CoreAccess
 from flashmemory.offload.counters import OffloadMetrics
 from flashmemory.offload.layout import OffloadLayout
@@ -45,11 +46,13 @@ class EngineConfig:
     decode_pages: int = 8  # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96  # per-request cap on recalled pages (KMAX)
     landing_blocks: int = 0  # reserve scratch blocks for prefill stores (sglang shrink mode)
+    warm_step_pages: int = 16  # admission warm start: pages copied per `sync_batch`, across its admissions
     mirror_slots: int = 0  # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
     pin_memory: bool | None = None  # None = pin when CUDA is present
 
     def __post_init__(self) -> None:
-        for name in ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages"):
+        positive = ("max_rows", "max_chunks", "recall_blocks", "decode_pages", "max_resident_pages", "warm_step_pages")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if min(self.mirror_pages, self.landing_blocks, self.mirror_slots) < 0:
@@ -203,7 +206,9 @@ class OffloadEngine(CoreAccess):
                 for mp in mpages:  # freed pages are already clear; this keeps a reused page clean by construction
                     self.lut.clear_page(mp)
                 self.lut.row_pages[row].fill_(-1)
-                self.lut.row_pages[row, : len(mpages)] = torch.tensor(mpages, dtype=torch.int32)
+                self.lut.row_pages[row, : len(mpages)] = streams.like(
+                    torch.tensor(mpages, dtype=torch.int32), self.lut.row_pages
+                )
             self.rows[row] = st
             self.stats.per_req[st.rid]  # register the request in the metrics
             self.tables.rebuild([row])
@@ -290,8 +295,8 @@ class OffloadEngine(CoreAccess):
                 )
             got = self.mirror.claim(list(mpages))
             with self.on_main_stream():
-                self.lut.row_pages[row, len(st.mpages) : len(st.mpages) + len(got)] = torch.tensor(
-                    got, dtype=torch.int32
+                self.lut.row_pages[row, len(st.mpages) : len(st.mpages) + len(got)] = streams.like(
+                    torch.tensor(got, dtype=torch.int32), self.lut.row_pages
                 )
             st.mpages += got
 
@@ -315,13 +320,15 @@ class OffloadEngine(CoreAccess):
             self._retire(row, st, slot)
         blk = self.reserve.decode_block(row, slot)
         mp = st.mpages[page]
-        src = self.mirror.rows(torch.tensor([mp]))  # the page's DRAM row (its id without a window)
-        self.reserve.kv[:, blk] = self.mirror.kv[:, src].to(self.device)[:, 0]
-        if self.reserve.index.shape[0]:
-            self.reserve.index[:, blk] = self.mirror.index[:, src].to(self.device)[:, 0]
+        upto = st.n_chunks + 1 if upto is None else upto
+        if st.n_chunks > page * self.layout.page_chunks:  # chunks of it are in the mirror only: copy the page up
+            src = self.mirror.rows(torch.tensor([mp]))  # the page's DRAM row (its id without a window)
+            self.reserve.kv[:, blk] = streams.like(self.mirror.kv[:, src], self.reserve.kv)[:, 0]
+            if self.reserve.index.shape[0]:
+                self.reserve.index[:, blk] = streams.like(self.mirror.index[:, src], self.reserve.index)[:, 0]
+        # else a fresh page: its first chunk is the one being appended, written into the block by its store
         st.ring[slot] = page
         st.ring_next = (slot + 1) % len(st.ring)
-        upto = st.n_chunks + 1 if upto is None else upto
         self.lut.set_range(
             mp, 0, min(self.layout.page_chunks, upto - page * self.layout.page_chunks), blk * self.layout.page_chunks
         )
@@ -370,20 +377,28 @@ class OffloadEngine(CoreAccess):
         the lock), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then
         the warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as
         the separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
-        pages and history of the synced rows, resident pages of `sync.batch`."""
+        pages and history of the synced rows, resident pages of `sync.batch`.
+
+        The host never waits for the device here. The warm starts copy at most `cfg.warm_step_pages` pages per
+        call, newest pages first, in batch order; their copies are not waited for (the next forward's stream
+        waits for them). An admission past that budget starts with its newest page (and whatever the budget
+        left); its first Level-1 cycle, due after its first forward, brings the rest on the worker. Until those
+        pages land the request attends over the pages resident for it, as Level 2 does between cycles."""
         if sync.stores is not None:
             s = sync.stores
             self.store_chunks(s.m, s.layers, s.kv, s.index)
         self.after_stores(sync)
         for row in sync.finished:
             self.finish(row)
+        budget = self.cfg.warm_step_pages
         for rs in sync.rows:
             a = rs.admit
             if a is not None:
                 self.admit(a.row, a.kv, a.index, rid=a.rid, mpages=a.mpages, n_chunks=a.n_chunks)
                 self.open_tail_page(a.row)  # the newest page is readable from the first step on
-                if a.warm_pages > 0:
-                    self.recaller.warm_start(a.row, a.warm_pages)  # older pages until the first cycle
+                n = min(a.warm_pages, budget + 1)  # warm_pages counts the newest page, held already
+                if n > 1:  # older pages until the first cycle, copied without a host wait
+                    budget -= self.recaller.warm_start(a.row, n, wait=False)
             if rs.add_pages:
                 self.add_pages(rs.row, rs.add_pages)
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.offload import streams
+
 
 def wide(t: torch.Tensor) -> torch.Tensor:
     """The same bytes viewed with the widest integer dtype dividing the row: indexed copies move whole words."""
@@ -25,16 +27,19 @@ def gather_copy(
 ) -> torch.Tensor:
     """dst[:, dst_idx] = src[:, src_idx] with one gather and one copy. src: [L, P, W] host; dst: [L, NB, W].
 
-    stage: optional reusable buffer with at least L*K*W bytes (pinned for an async H2D copy). Returns the
-    staging tensor [L, K, W], which must live until the copy completes.
+    stage: optional reusable buffer with at least L*K*W bytes (pinned for an async H2D copy; a new one is pinned
+    when dst is on a stream device). Returns the staging tensor [L, K, W], which must live until the copy
+    completes (the pinned allocator keeps a dropped one until then).
     """
     shape = (src.shape[0], src_idx.numel(), src.shape[2])
     n = shape[0] * shape[1] * shape[2]
     if stage is None or stage.numel() < n:
-        stage = torch.empty(n, dtype=src.dtype, pin_memory=src.is_pinned() and dst.is_cuda)
+        pin = streams.is_device(dst) and streams.streams_on(dst.device)
+        stage = streams.pinned_empty((n,), src.dtype) if pin else torch.empty(n, dtype=src.dtype)
     stage = stage[:n].view(shape)
     torch.index_select(src, 1, src_idx, out=stage)
-    wide(dst).index_copy_(1, dst_idx.to(dst.device), wide(stage.to(dst.device, non_blocking=stage.is_pinned())))
+    dev_idx = streams.like(dst_idx, dst)
+    wide(dst).index_copy_(1, dev_idx, wide(stage.to(dst.device, non_blocking=stage.is_pinned())))
     return stage
 
 

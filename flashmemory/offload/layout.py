@@ -15,6 +15,8 @@ from functools import cached_property
 
 import torch
 
+from flashmemory.offload import streams
+
 
 @dataclass(frozen=True)
 class PageFormat:
@@ -49,17 +51,35 @@ class PageFormat:
             base += self.page_chunks * w
         return torch.cat(parts, dim=1)
 
+    @cached_property
+    def _device_maps(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def byte_map_like(self, t: torch.Tensor) -> torch.Tensor:
+        """`byte_map` where `t` lives; on a device it is computed there once (kernels, no host copy) and kept."""
+        if not streams.is_device(t):
+            return self.byte_map
+        key = str(t.device)
+        if key not in self._device_maps:
+            off = torch.arange(self.page_chunks, device=t.device).unsqueeze(1)
+            parts, base = [], 0
+            for w in self.widths:
+                parts.append(base + off * w + torch.arange(w, device=t.device).unsqueeze(0))
+                base += self.page_chunks * w
+            self._device_maps[key] = torch.cat(parts, dim=1)
+        return self._device_maps[key]
+
     def flat_index(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Int64 [n, chunk_bytes] flat byte index into a contiguous [P, page_bytes] tensor for chunks
         (rows[n], offs[n])."""
-        bm = self.byte_map.to(rows.device)
+        bm = self.byte_map_like(rows)
         return rows.long().unsqueeze(1) * self.page_bytes + bm[offs.long()]
 
     def read_chunks(self, pages: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """pages: [..., P, page_bytes] uint8 contiguous -> chunk rows [..., n, chunk_bytes] at (rows[n], offs[n])."""
         lead = pages.shape[:-2]
         flat = pages.reshape(*lead, -1)
-        idx = self.flat_index(rows.to(pages.device), offs.to(pages.device))
+        idx = self.flat_index(streams.like(rows, pages), streams.like(offs, pages))
         return flat[..., idx.reshape(-1)].reshape(*lead, idx.shape[0], self.chunk_bytes)
 
     def write_chunks(self, pages: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, chunks: torch.Tensor) -> None:
@@ -70,8 +90,8 @@ class PageFormat:
             raise ValueError("write_chunks needs contiguous pages")
         lead = pages.shape[:-2]
         flat = pages.view(*lead, -1)
-        idx = self.flat_index(rows.to(pages.device), offs.to(pages.device)).reshape(-1)
-        flat[..., idx] = chunks.to(pages.device, torch.uint8).reshape(*lead, -1)
+        idx = self.flat_index(streams.like(rows, pages), streams.like(offs, pages)).reshape(-1)
+        flat[..., idx] = streams.like(chunks, pages).to(torch.uint8).reshape(*lead, -1)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.offload import streams
+
 
 class ChunkLUT:
     """table: int32 [n_pages * page_chunks + 1]; row_pages: int32 [max_rows, max_pages] (logical page -> mirror
@@ -31,15 +33,14 @@ class ChunkLUT:
         )
 
     def set(self, mchunks: torch.Tensor, cells: torch.Tensor) -> None:
-        self.table[mchunks.to(self.table.device).long()] = cells.to(self.table.device, torch.int32)
+        self.table[streams.like(mchunks, self.table).long()] = streams.like(cells, self.table).to(torch.int32)
 
     def clear_page(self, mpage: int) -> None:
         self.table[mpage * self.pc : (mpage + 1) * self.pc] = -1
 
     def _rows(self, mpages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The table without its sentinel as [n_pages, pc] (a view), and mirror pages [n] as an int64 index."""
-        dev = self.table.device
-        return self.table[:-1].view(-1, self.pc), torch.tensor(mpages, dtype=torch.int64).to(dev)
+        return self.table[:-1].view(-1, self.pc), streams.like(torch.tensor(mpages, dtype=torch.int64), self.table)
 
     def clear_pages(self, mpages: list[int]) -> None:
         """`clear_page` for each of mirror pages [n], as one indexed fill."""
@@ -56,7 +57,7 @@ class ChunkLUT:
             view, idx = self._rows([mpages[i] for i in full])
             offs = torch.arange(self.pc, dtype=torch.int32)
             cells = torch.tensor([first_cells[i] for i in full], dtype=torch.int32).unsqueeze(1) + offs  # [n, pc]
-            view.index_copy_(0, idx, cells.to(self.table.device))
+            view.index_copy_(0, idx, streams.like(cells, self.table))
         if len(full) < len(mpages):
             is_full = set(full)
             for i, (mp, c, fc) in enumerate(zip(mpages, counts, first_cells)):
@@ -67,9 +68,8 @@ class ChunkLUT:
         """rows: [B] int (-1 = padding); chunks: [B, K] logical chunk ids (-1 = none) -> int64 [B, K] mirror chunks,
         the sentinel where invalid. Static shapes, no host sync."""
         max_rows, max_pages = self.row_pages.shape
-        dev = self.table.device
-        rows = rows.to(dev).long()
-        chunks = chunks.to(dev).long()
+        rows = streams.like(rows, self.table).long()
+        chunks = streams.like(chunks, self.table).long()
         page = torch.div(chunks, self.pc, rounding_mode="floor")
         ok = (rows.unsqueeze(1) >= 0) & (chunks >= 0) & (page < max_pages)
         r = rows.clamp(0, max_rows - 1).unsqueeze(1).expand_as(chunks)

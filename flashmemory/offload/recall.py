@@ -242,25 +242,37 @@ class Recaller:
         fn = getattr(self.source, "prefetch_requests", None)
         return fn(requests) if fn is not None else 0
 
-    def copy(self, plan: RecallPlan) -> None:
+    def copy(self, plan: RecallPlan, wait: bool = True) -> None:
         """Copy the planned pages mirror -> reserve, without the engine lock: in-flight blocks are neither read
         nor written by anyone else. If the request finishes meanwhile its mirror pages may be reused and the copy
-        reads mixed bytes; publish then sees the changed generation and discards them."""
+        reads mixed bytes; publish then sees the changed generation and discards them. wait=False (the decode
+        thread: lockstep publishes, admission warm starts): the host does not wait for the device copy; it is
+        staged in fresh pinned memory and `plan.ready` marks it, which the publish's stream waits on."""
         if not plan.entries:
             return
         if self.source is not None:
             self.source.copy_plan(plan)
         else:
-            self._copy_from_mirror(plan)
+            self._copy_from_mirror(plan, wait)
         plan.nbytes = len(plan.entries) * (
             self.state.reserve.kv.shape[0] * self.state.reserve.kv.shape[2]
             + self.state.reserve.index.shape[0] * self.state.reserve.index.shape[2]
         )
 
-    def _copy_from_mirror(self, plan: RecallPlan) -> None:
+    def _copy_from_mirror(self, plan: RecallPlan, wait: bool = True) -> None:
         src = self.state.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))  # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream
+        if not wait and side is not None:  # fresh staging: no copy_lock, so never behind the worker's host wait
+            with self.state.order.copy_context():
+                plan.staging.append(gather_copy(self.state.mirror.kv, self.state.reserve.kv, src, dst))
+                if self.copy_hook is not None:
+                    self.copy_hook()
+                if self.state.reserve.index.shape[0]:
+                    plan.staging.append(gather_copy(self.state.mirror.index, self.state.reserve.index, src, dst))
+                plan.ready = torch.cuda.Event()
+                plan.ready.record(side)
+            return
         with self.copy_lock, self.state.order.copy_context():  # forwards that read the victims' old bytes finish first
             stage = gather_copy(self.state.mirror.kv, self.state.reserve.kv, src, dst, self.staging.get("kv"))
             keep_staging(self.staging, "kv", stage)
@@ -282,6 +294,9 @@ class Recaller:
         done = k = 0
         while True:
             with self.state.order.between_forwards(), self.state.lock:
+                if plan.ready is not None:  # an unwaited copy: the table writes queue behind it on the device
+                    self.state.order.stream.wait_event(plan.ready)
+                    plan.ready = None
                 k, n = self._publish_slice(plan.entries, k, per_page, also_count)
                 done += n
                 if k >= len(plan.entries):
@@ -341,11 +356,18 @@ class Recaller:
         plan.entries.clear()
         plan.staging.clear()
 
-    def recall(self, requests: Sequence[RecallRequest], count_cycle: bool = True, also_count: str | None = None) -> int:
-        """Plan, copy (cancelled if it fails, then re-raised) and publish; returns the pages published."""
+    def recall(
+        self,
+        requests: Sequence[RecallRequest],
+        count_cycle: bool = True,
+        also_count: str | None = None,
+        wait: bool = True,
+    ) -> int:
+        """Plan, copy (cancelled if it fails, then re-raised) and publish; returns the pages published. wait=False:
+        the host never waits for the copy (see `copy`); the published entries are read only after it lands."""
         plan = self.plan(requests, count_cycle=count_cycle)
         try:
-            self.copy(plan)
+            self.copy(plan, wait)
         except BaseException:
             self.cancel(plan)  # blocks back to the free list, nothing published
             raise
@@ -354,9 +376,11 @@ class Recaller:
             raise plan.error
         return done
 
-    def warm_start(self, row: int, kmax: int) -> int:
-        """Recall a newly admitted row's newest kmax history pages synchronously, before its first decode step
-        (the newest page itself is already held by the engine's `open_tail_page`, so at most kmax - 1 are copied).
+    def warm_start(self, row: int, kmax: int, wait: bool = True) -> int:
+        """Recall a newly admitted row's newest kmax history pages before its first decode step (the newest page
+        itself is already held by the engine's `open_tail_page`, so at most kmax - 1 are copied). wait=False (the
+        decode thread, `OffloadEngine.sync_batch`): the copy is not waited for on the host; the first forward's
+        stream waits for it (`copy`).
 
         Why: a request's first Level-1 cycle comes only after its first decode forward (up to tau steps later with
         a stagger); until then it would decode with its newest page alone, so even a budget that holds the whole
@@ -373,7 +397,7 @@ class Recaller:
             return 0
         req = RecallRequest(row=row, gen=gen, pages=older, priority=tuple(float(p) for p in older))
         plan = self.plan([req], count_cycle=False)
-        self.copy(plan)
+        self.copy(plan, wait)
         done = self.publish(plan, also_count="warm_start_pages")
         if plan.error is not None:
             raise plan.error

@@ -82,6 +82,7 @@ class RecallPlan:
     nbytes: int = 0
     staging: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None  # a request's failure found by the copy, raised by `recall` after publish
+    ready: Any = None  # CUDA event after an unwaited copy (`copy(wait=False)`): the publish's stream waits on it
 
 
 class PageSource(Protocol):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.offload import streams
 from flashmemory.offload.layout import OffloadLayout
 
 
@@ -72,11 +73,11 @@ class DeviceReserve:
     def write_cells(self, cells: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
         """Write chunk rows into cells [n]. kv: [n_layers, n, kv_chunk_bytes]; index: [n_layers, n, idx_chunk_bytes]."""
         pc = self.layout.page_chunks
-        cells = cells.to(self.device).long()
-        self.layout.kv.write_chunks(self.kv, cells // pc, cells % pc, kv.to(self.device))
+        cells = streams.like(cells, self.kv).long()
+        self.layout.kv.write_chunks(self.kv, cells // pc, cells % pc, kv)
         ol = self.layout.offload_index_layers
         if ol and index is not None:
-            self.layout.index.write_chunks(self.index, cells // pc, cells % pc, index.to(self.device)[list(ol)])
+            self.layout.index.write_chunks(self.index, cells // pc, cells % pc, index[list(ol)])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Device-local copy of a whole block (all layers, c4 KV and Path-I index)."""
@@ -143,9 +144,8 @@ class TargetIndexPool:
         """index: [n_layers, n, idx_chunk_bytes] for all layers; only target layers are kept."""
         pc = self.layout.page_chunks
         for t, l in enumerate(self.layers):
-            dev = self.pages[t].device
-            m = mchunks.to(dev).long()
-            self.layout.index.write_chunks(self.pages[t], m // pc, m % pc, index[l].to(dev))
+            m = streams.like(mchunks, self.pages[t]).long()
+            self.layout.index.write_chunks(self.pages[t], m // pc, m % pc, index[l])
 
     def chunks(self, layer: int, mchunks: torch.Tensor) -> torch.Tensor:
         """Chunk rows [n, D+4] uint8 of target layer `layer` at mirror chunks [n]."""
@@ -153,5 +153,5 @@ class TargetIndexPool:
             raise KeyError(f"layer {layer} is not a target layer {self.layers}")
         pc = self.layout.page_chunks
         buf = self.pages[self.layers.index(layer)]
-        m = mchunks.to(buf.device).long()
+        m = streams.like(mchunks, buf).long()
         return self.layout.index.read_chunks(buf, m // pc, m % pc)

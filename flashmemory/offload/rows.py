@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashmemory.offload import streams
 from flashmemory.offload.counters import ResidencyCounts
 from flashmemory.offload.reserve import DeviceReserve
 from flashmemory.offload.streams import ForwardOrder
@@ -84,11 +85,10 @@ class ResidentTables:
             counts.append(len(items))
             if self.counts is not None:
                 self.counts.set_row(row, [p for p, _ in items], 0 if st is None else st.n_chunks)
-        dev = self.reserve.device
-        with self.order.on_stream():  # the uploads too: on the stream decode reads the tables from
-            buf = torch.tensor(table, dtype=torch.int32).to(dev)  # [n, 3, res_cap]
-            idx = torch.tensor(rows, dtype=torch.int64).to(dev)
+        with self.order.on_stream():  # the uploads too (pinned, async): on the stream decode reads the tables from
+            buf = streams.like(torch.tensor(table, dtype=torch.int32), self.pages)  # [n, 3, res_cap]
+            idx = streams.like(torch.tensor(rows, dtype=torch.int64), self.pages)
             self.pages.index_copy_(0, idx, buf[:, 0])
             self.blocks.index_copy_(0, idx, buf[:, 1])
             self.mpages.index_copy_(0, idx, buf[:, 2])
-            self.count.index_copy_(0, idx, torch.tensor(counts, dtype=torch.int32).to(dev))
+            self.count.index_copy_(0, idx, streams.like(torch.tensor(counts, dtype=torch.int32), self.count))

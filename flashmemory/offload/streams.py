@@ -37,6 +37,33 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
+def is_device(t: torch.Tensor) -> bool:
+    """Whether `t` lives in device memory (the stand-in tells its device-standing CPU tensors apart)."""
+    return t.device.type != "cpu"
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on a stream device it is staged in pinned memory
+    and copied with non_blocking=True on the current stream (work enqueued there afterwards sees it); elsewhere
+    `.to(device)`."""
+    device = torch.device(device)
+    if not streams_on(device):
+        return host.to(device)
+    buf = pinned_empty(tuple(host.shape), host.dtype)
+    buf.copy_(host)
+    return buf.to(device, non_blocking=True)
+
+
+def like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`t` where `ref` lives: a host tensor for a device `ref` goes up through `upload` (no host wait); a device
+    tensor for a host `ref` comes down with `.cpu()` (a host read: the caller means it); else `t` itself."""
+    if is_device(ref) and not is_device(t):
+        return upload(t, ref.device)
+    if is_device(t) and not is_device(ref):
+        return t.cpu()
+    return t
+
+
 class ForwardOrder:
     """The forward stream handed in per step, the side stream recalls copy on, and the forward gate (an RLock
     owned by the decode thread while it enqueues a forward). Without streams (CPU) only the gate does anything."""

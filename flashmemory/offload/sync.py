@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,3 +88,16 @@ class SyncResult:
     mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
     n_chunks: dict[int, int] = field(default_factory=dict)
     resident: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StagedSettle:
+    """A settle on its way to the host mirror (`CoreAccess.stage_settle`): mirror chunks m int64 [n] (host),
+    their kv uint8 [n_layers, n, kv_chunk_bytes] and Path-I index-K [n_path_i_layers, n, index_chunk_bytes] (or
+    None) in pinned host buffers, filled by a device copy that `done` (a CUDA event) marks complete; kv None:
+    nothing left to write (settled at once, without streams)."""
+
+    m: torch.Tensor
+    kv: torch.Tensor | None
+    index: torch.Tensor | None
+    done: Any

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashmemory.offload import streams
 from flashmemory.offload.engine import OffloadEngine
 from flashmemory.offload.recall import RecallRequest
 from flashmemory.residency.policy import PagePolicy, ensemble_scores
@@ -201,7 +202,7 @@ class Level1:
                 row,
                 gen,
                 n,
-                {lid: h.index_select(0, idx.to(h.device))[j].clone() for lid, h in hidden.items()},
+                {lid: h.index_select(0, streams.like(idx, h))[j].clone() for lid, h in hidden.items()},
                 positions.reshape(-1)[idx[j]].clone(),
             )
             for j, (_, row, gen, n) in enumerate(due)
@@ -303,7 +304,7 @@ class Level1:
             try:
                 if lj.error is not None:
                     raise lj.error
-                self.engine.recaller.recall(lj.reqs)
+                self.engine.recaller.recall(lj.reqs, wait=False)  # the forward stream waits for the copy, not the host
             except BaseException as e:  # noqa: BLE001 - raised by on_step / wait after the due jobs published
                 first = first or e
             finally:

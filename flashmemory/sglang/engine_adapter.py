@@ -40,7 +40,7 @@ class SGLangOffload(OffloadAdapter):
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         super().__init__(pool, env, retriever, device)
-        self._kv_byte_map = self.layout.kv.byte_map.to(self.device)  # device copy: no H2D copy under capture
+        self._kv_byte_map = self.layout.kv.byte_map_like(self._storage.reserve_kv)  # on the device: none under capture
         self._unsettled: list[torch.Tensor] = []  # pool locs appended last step: re-read from the pool next step
 
     def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
@@ -80,11 +80,10 @@ class SGLangOffload(OffloadAdapter):
         return Admission(row, rid, n, kv=kv, index=ix, warm_pages=self.level1_cfg.max_resident_pages)
 
     def _append_round(self, rows: list[int], locs: torch.Tensor) -> AppendRound:
-        """One chunk per row at pool locs [n], with the pool's current bytes (sglang stores them during this
-        forward, so they are read again from the pool at the next step)."""
-        kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
-        ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
-        return AppendRound(tuple(rows), kv, ix)
+        """One chunk per row at pool locs [n]: cells only. sglang stores the bytes during this forward, so the
+        pool holds nothing to read yet: `refresh_from_pool` copies them into the cells before attention, and the
+        next step's `settle_before_step` reads them into the mirror and the target index pool."""
+        return AppendRound(tuple(rows))
 
     def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
         self._unsettled.extend(locs)

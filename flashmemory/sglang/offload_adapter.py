@@ -35,6 +35,7 @@ from flashmemory.sglang.core_config import core_config, serving_tp_size
 from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
 from flashmemory.sglang.loc_map import LocMap, pool_chunks
 from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
+from flashmemory.sglang.page_reads import PageReads
 
 
 class OffloadAdapter:
@@ -88,6 +89,7 @@ class OffloadAdapter:
         self.locs = LocMap(geo.n_locs, geo.page_chunks, self._no_chunk, self.device, self.cfg.max_rows, max_pages)
         self.loc2m = self.locs.table  # pool loc -> mirror chunk (`loc_map`)
         self.rows: dict[str, int] = {}  # rid -> engine row
+        self.page_reads = PageReads(geo.page_chunks)  # the pool page table on the host, read ahead of page opens
         self.pages: dict[int, list[int]] = {}  # engine row -> pool pages (logical page order)
         self.mpages: dict[int, tuple[int, ...]] = {}  # engine row -> mirror pages, as the core last reported them
         self.hist: dict[int, int] = {}  # engine row -> history chunks, as the core last reported them
@@ -254,13 +256,9 @@ class OffloadAdapter:
             finished.append(row)
             self._unmap(row)
         pc, rows, syncs = self.geo.page_chunks, [], []
-        # D2H only when a row is new or opens a page: else its known pages (sglang never moves a running request's)
+        # Known pages (sglang never moves a running request's); a new row or a page opening reads the table
         known = [self.pages.get(self.rows[r], []) if r in self.rows else None for r in rids]
-        pt = (
-            page_table.cpu().long().tolist()
-            if any(k is None or -(-int(a) // pc) > len(k) for k, a in zip(known, after.tolist()))
-            else None
-        )
+        pt = self.page_reads.pool_pages(rids, page_table, known, after.tolist(), seq_lens.tolist())
         for b, rid in enumerate(rids):
             pages = (pt[b] if pt is not None else known[b])[: -(-int(after[b]) // pc)]
             row, adm = self.rows.get(rid), None

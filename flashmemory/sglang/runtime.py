@@ -63,16 +63,23 @@ def host_seq_lens(forward_batch: Any, rids: list[str]) -> torch.Tensor:
 
 
 def c4_page_table(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    device_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Int64 [B, P] c4 pool pages of each row: c4 page k holds the c4 entries of full-KV page k (slot = loc // 4,
     page_size // 4 slots per page), so logical page p of a row is req_to_token[row, p * page_size] // page_size.
-    Columns past a row's length are -1. req_to_token: [max_reqs, max_ctx] full locs; seq_lens: [B] tokens."""
+    Columns past a row's length are -1. req_to_token: [max_reqs, max_ctx] full locs; seq_lens: [B] tokens on the
+    host (the width P); device_seq_lens: the same on req_to_token's device (sglang's `seq_lens`), so the table
+    is built without a host copy (without it, seq_lens is moved there)."""
     n = int(seq_lens.max()) if seq_lens.numel() else 0
     p = max(1, -(-n // page_size))
     cols = torch.arange(p, device=req_to_token.device) * page_size
     locs = req_to_token[req_pool_indices.long()][:, cols.clamp_max(req_to_token.shape[1] - 1)].long()
-    live = cols.unsqueeze(0) < seq_lens.to(locs.device).long().unsqueeze(1)
+    lens = device_seq_lens if device_seq_lens is not None else seq_lens.to(locs.device)
+    live = cols.unsqueeze(0) < lens.long().unsqueeze(1)
     return torch.where(live, torch.div(locs, page_size, rounding_mode="floor"), torch.full_like(locs, -1))
 
 
@@ -196,6 +203,8 @@ class Runtime:
         larger than they hold raises Level2CapacityError (the start-up refusals keep batches within them)."""
         if self.bufs is None:
             self.bufs = Level2Buffers.allocate(self.serving_rows(rows), self.level2_width(), device)
+            if self.engine is not None:
+                self.engine.size_batch(self.bufs.rows)  # its per-batch-row map too, before any capture
             logger.info(
                 "FlashMemory: Level-2 buffers [%d, %d] allocated on %s", self.bufs.rows, self.level2_width(), device
             )
@@ -203,8 +212,6 @@ class Runtime:
             raise Level2CapacityError(
                 f"FlashMemory: a decode batch of {rows} rows exceeds the Level-2 buffers' "
                 f"{self.bufs.rows} rows (sized from --max-running-requests and "
-            if self.engine is not None:
-                self.engine.size_batch(self.bufs.rows)  # its per-batch-row map too, before any capture
                 "SGLANG_PATHP_DECODE_MAX_CONC before capture)"
             )
         return self.bufs
@@ -364,7 +371,12 @@ class Runtime:
             return
         rids = list(getattr(forward_batch, "rids", None) or [])
         seq = host_seq_lens(forward_batch, rids)
-        table = c4_page_table(req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size)
+        dev_seq = (
+            forward_batch.seq_lens[: len(rids)] if getattr(forward_batch, "seq_lens_cpu", None) is not None else None
+        )
+        table = c4_page_table(
+            req_to_token, forward_batch.req_pool_indices[: len(rids)], seq, self.pool.page_size, dev_seq
+        )
         self.engine.begin_step(rids, table, seq)
         if rids:
             # Before the publish below (allocated at pool attach; never reallocated). Left to the indexer hook's

@@ -15,7 +15,9 @@ Here:
            (where HiSparse translates them, `layers/attention/dsv4/compressor_v2.py:227`): in decode the entry's
            reserve cell (assigned and published by `begin_step` before the forward; graph safe: two gathers on
            static tensors), in extend a landing cell (moved to the mirror afterwards).
-  settle   after each forward the new entries go reserve -> mirror, and Path-I index-K pool -> mirror.
+  settle   after each forward the new entries go reserve -> mirror, and Path-I index-K pool -> mirror: copied
+           into pinned host memory on the forward stream (no host wait), written into the mirror by a later
+           `begin_step` once the copy is complete.
 
 The target layers' index-K stays in sglang's device pool and doubles as the engine's target index pool. With
 Path-I and score-resident Level 2 (`index_in_reserve`), the non-target layers' index-K pool is replaced by the
@@ -35,11 +37,12 @@ from typing import Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.offload.sync import Admission, AppendRound
+from flashmemory.offload.sync import Admission, AppendRound, StagedSettle
 from flashmemory.sglang.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(__name__)
 DEFAULT_EXTEND_TOKENS = 16384  # sglang's default max_prefill_tokens
+STAGED_STEPS = 3  # steps a staged settle may stay pending before `begin_step` waits for it
 
 
 class LandingOverflowError(RuntimeError):
@@ -116,6 +119,7 @@ class ShrunkOffload(OffloadAdapter):
             )
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool locs, cells the kernel writes) [n]
         self._landing: tuple[torch.Tensor, torch.Tensor] | None = None  # (pool locs, landing cells) of this extend
+        self._staged: list[tuple[int, StagedSettle]] = []  # (steps waited, settle on its way to the mirror)
         self.phase = "decode"
         self.device_bytes_saved = 0
         self._shrink()
@@ -232,6 +236,7 @@ class ShrunkOffload(OffloadAdapter):
         its mirror pages (PD, or an extend's landing, already put the bytes there), and new chunks get cells only
         (sglang's store kernel writes them, `settle` moves them to the mirror)."""
         self.begin_forward(True)
+        self._apply_staged(rids)
         return super().begin_step(rids, page_table, seq_lens)
 
     def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
@@ -257,12 +262,48 @@ class ShrunkOffload(OffloadAdapter):
         self._pending.extend(zip(locs, cells))
 
     def settle(self) -> None:
-        """Move the entries sglang stored in reserve cells during the last decode forward into the mirror."""
+        """After a decode forward: the entries sglang stored in reserve cells during it start toward the mirror
+        (`stage_settle`: device gather, copy into pinned host memory, an event; no host wait). `begin_step` writes
+        them into the mirror once the copy is complete (`_apply_staged`)."""
         if self._pending:
-            locs = torch.cat([p[0] for p in self._pending])
+            locs = torch.cat([p[0] for p in self._pending]).long()
             cells = torch.cat([p[1] for p in self._pending])
             self._pending = []
-            self._move(locs, cells)
+            self._staged.append((0, self.engine.stage_settle(locs, cells, self._index_rows(locs))))
+
+    def settle_before_step(self) -> None:
+        self.settle()
+        return None
+
+    def _apply_staged(self, rids: Sequence[str], wait: bool = False) -> None:
+        """Write the staged settles whose copy is complete into the mirror, chunks of requests still in the batch
+        only (a finished request's pages may be freed and refilled by a PD transfer by now). A settle left pending
+        for STAGED_STEPS steps is waited for (under the overlap scheduler it is done after two: sglang has read
+        that forward's result), so a page is in the mirror before the disk tier could seal it (4 steps later)."""
+        if not self._staged:
+            return
+        pc, live = self.geo.page_chunks, set(rids)
+        pages = {p for rid, row in self.rows.items() if rid in live for p in self.pages.get(row, ())}
+        left = []
+        for age, st in self._staged:
+            keep = torch.tensor([loc // pc in pages for loc in st.m.tolist()], dtype=torch.bool)
+            if not self.engine.apply_settle(st, keep, wait=wait or age + 1 >= STAGED_STEPS):
+                left.append((age + 1, st))
+        self._staged = left
+
+    def _index_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
+        """Path-I index-K of pool locs [n] from sglang's device pool (device uint8 [n_path_i_layers, n, bytes]);
+        None where the reserve holds it (`index_shrink`) or there is no Path-I."""
+        pc, ol = self.geo.page_chunks, self.layout.offload_index_layers
+        if not ol or self.index_shrink:
+            return None
+        return torch.stack([self.layout.index.read_chunks(self.ix_bufs[l], locs // pc, locs % pc) for l in ol])
+
+    def close(self) -> None:
+        for _, st in self._staged:
+            self.engine.apply_settle(st, wait=True)
+        self._staged = []
+        super().close()
 
     def _move(self, locs: torch.Tensor, cells: torch.Tensor) -> None:
         """c4 KV at reserve cells [n] (all layers) -> mirror chunks == pool locs [n], and -> the cell each loc is

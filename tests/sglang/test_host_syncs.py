@@ -35,9 +35,9 @@ def _batch(seqs):
     )
 
 
-# Copy mode's pool -> host-mirror copies of the c4 chunks a step closes (read at the step that closes them and
-# again at the next step): bytes the host mirror must hold, so they are read by the host (the adapter reads the
-# pool, the core's `store_chunks` writes the mirror and the resident cells).
+# Copy mode's pool -> host-mirror copies of the c4 chunks a step closed, read at the next step (the forward stores
+# them): bytes the host mirror must hold, so they are read by the host (the adapter reads the pool, the core's
+# `store_chunks` writes the mirror and the resident cells).
 MIRROR_COPIES = {"read_chunk_rows", "pool_chunks", "store_chunks"}
 
 
@@ -74,9 +74,10 @@ def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
         adapter.close()
     show = lambda syncs: "\n".join(s[2] for s in syncs)  # noqa: E731
     assert per_step[0], "the admissions read the histories from the pool: the counter sees nothing?"
-    assert per_step[1] == [] and per_step[2] == [], show(per_step[1] + per_step[2])  # quiet steps: none
-    for syncs in per_step[3:]:  # a chunk closes / is settled: mirror copies only
-        assert syncs and {s[1] for s in syncs} <= MIRROR_COPIES, show(syncs)
+    # Quiet steps and the step closing a chunk (its cells only: the forward stores its bytes): none.
+    assert per_step[1] == per_step[2] == per_step[3] == [], show(per_step[1] + per_step[2] + per_step[3])
+    syncs = per_step[4]  # the closed chunk is settled: mirror copies only
+    assert syncs and {s[1] for s in syncs} <= MIRROR_COPIES, show(syncs)
 
 
 def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
