@@ -46,8 +46,22 @@ SUPPORTED_VERSIONS = (1, 2)  # 1: no store_topk / topk_interval fields (they tak
 MAX_LOGIT_TOKENS = 64  # first decode steps whose full native logits a document keeps (upstream: 3)
 
 
+def one_line(text: str) -> str:
+    """`text` with every control character escaped (a newline as `\\n`, others as `\\xNN`): a refusal quotes the
+    client's output_dir, and a path may hold any byte but `/` and NUL, so a raw one could split the server's log line
+    and the client's error in two."""
+    return "".join(
+        c if c.isprintable() or c == " " else {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{ord(c):02x}")
+        for c in text
+    )
+
+
 class DumpProtocolError(ValueError):
-    """A `flashmemory_dump` request field is missing or invalid."""
+    """A `flashmemory_dump` request field is missing or invalid. The message is always one line (`one_line`): the
+    server logs it and hands it to the client as the request's HTTP 400 reason."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(one_line(str(message)))
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,47 @@ def test_the_refusal_reaches_the_client_as_the_abort_reason(tmp_path, monkeypatc
     assert not rec.pending
 
 
+def _four_refusals(root):
+    """Four admission refusals that quote the path the OS saw, each with a newline in the client's output_dir: a
+    file where a directory should be, a symlink below the root, a component too long, the document's name taken."""
+    (root / "f\nx").write_text("x")
+    (root / "l\nx").symlink_to(root, target_is_directory=True)
+    (root / "d\nx" / "pass1" / "doc_00000.safetensors").mkdir(parents=True)
+    return {
+        "file": (root / "f\nx" / "run", "is a file where a directory should be"),
+        "symlink": (root / "l\nx" / "run", "is a symlink (dump writes never follow symlinks below the root)"),
+        "long": (root / ("a\n" + "x" * 300), "File name too long"),
+        "taken": (root / "d\nx", "exists and is a directory, so the document cannot be written"),
+    }
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("case", ["file", "symlink", "long", "taken"])
+def test_a_refusal_is_one_line_in_the_log_and_to_the_client(tmp_path, monkeypatch, case):
+    """A refusal quoted the OS's path raw: an output_dir with a newline split the server's log line (sglang logs the
+    abort reason) and the client's HTTP 400 message in two. Now every refusal is one line, through the scheduler
+    hook, with sglang's own abort (HTTP 400, the default of `set_finish_with_abort`)."""
+    from types import SimpleNamespace
+
+    from flashmemory.sglang import hooks
+
+    root, _ = _tree(tmp_path)
+    out, why = _four_refusals(root)[case]
+    rec = DumpRecorder(index_topk=8, root=root)
+    monkeypatch.setattr(hooks.RUNTIME, "dump", rec)
+    aborted = []
+    req = SimpleNamespace(
+        rid="r7",
+        set_finish_with_abort=lambda msg, **kw: aborted.append((msg, kw)),
+        sampling_params=SimpleNamespace(custom_params=_req(out).to_custom_params()),
+    )
+    hooks.before_add_request(None, req)
+    assert len(aborted) == 1 and aborted[0][1] == {} and not rec.pending, aborted
+    msg = aborted[0][0]
+    assert msg.startswith("FlashMemory dump: request r7: flashmemory_dump.") and why in msg, msg
+    assert len(msg.splitlines()) == 1 and "\\n" in msg, msg
+
+
 def test_confined_writes_still_write_documents_atomically(tmp_path):
     """The confined path writes what the plain one did: a whole, loadable document, mode 0644, no temp left."""
     root, _ = _tree(tmp_path)
