@@ -31,6 +31,7 @@ FLOORS: dict[str, int] = {
     "outdir": 1,
     "env": 1,
     "env_doc": 1,
+    "env_check": 2,  # the launch scripts' check: env's parsers over the environment
     "retriever": 2,
     "labels": 2,
     "tasks": 2,
