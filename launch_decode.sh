@@ -4,7 +4,7 @@
 #   BOOTSTRAP_PORT MAX_RUN CKPT LAYERS THRESH INTERVAL LAST_KEEP SCORE_RESIDENT INDEX_K_OFFLOAD CUDA_GRAPH
 #   C4_SHRINK (1: c4 KV lands in the host mirror, the device c4 pool becomes the reserve; needs nixl)
 #   CREDIT_C4 (0; 1: sglang sizes its token pool without the c4 KV bytes, --mem-fraction-static lowered by the reserve)
-#   SWA_RATIO (auto | sglang | a ratio) MEM_FRACTION GPU_MIB: the pool settings, see "Pools" below
+#   SWA_RATIO (auto | sglang | a ratio) MEM_FRAC GPU_MIB: the pool settings, see "Pools" below
 #   FLASHMEMORY (1; 0: stock sglang decode, every FlashMemory gate off, for A/B runs)
 #   DEVICE (cuda; cpu: sglang on CPU with the tiny model, tp 1, 4K context, 4 requests, no CUDA graph) PYTHON
 # Arguments after the script's name go to sglang unchanged, after its own (e.g. HiSparse's --enable-hisparse ...).
@@ -34,8 +34,8 @@ fm_int TP "$TP" 1; fm_int CTX_LEN "$CTX_LEN" 1; fm_int TGT_CONC "$TGT_CONC" 1; f
 fm_int KMAX "$KMAX" 1; fm_int PORT "$PORT" 1; fm_int MAX_RUN "$MAX_RUN" 1; fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1
 fm_int INTERVAL "$INTERVAL" 1; fm_int LAST_KEEP "$LAST_KEEP"; fm_float THRESH "$THRESH"; fm_layers LAYERS "$LAYERS"
 fm_choice TRANSFER_BACKEND "$TRANSFER_BACKEND" nixl mooncake mooncake_tcp
-fm_choice SCORE_RESIDENT "$SCORE_RESIDENT" 0 1; fm_choice INDEX_K_OFFLOAD "$INDEX_K_OFFLOAD" 0 1; fm_choice CUDA_GRAPH "$CUDA_GRAPH" 0 1
-fm_local_only "$HOST" "$@"; fm_choice C4_SHRINK "$C4_SHRINK" 0 1; fm_choice CREDIT_C4 "$CREDIT_C4" 0 1; fm_choice FLASHMEMORY "$FLASHMEMORY" 0 1
+fm_flag SCORE_RESIDENT INDEX_K_OFFLOAD CUDA_GRAPH C4_SHRINK CREDIT_C4 FLASHMEMORY   # 1/0, spelled as the plugin reads
+fm_local_only "$HOST" "$@"
 if [[ "$C4_SHRINK" == 1 && "$TRANSFER_BACKEND" != nixl ]]; then
   echo "note: C4_SHRINK=1 needs TRANSFER_BACKEND=nixl (PD into host DRAM); Path-P will run in copy mode" >&2
 fi
@@ -64,25 +64,25 @@ CG=(); [[ "$CUDA_GRAPH" == 1 || "$DEVICE" == cpu ]] || CG=(--cuda-graph-backend-
 [[ "$CUDA_GRAPH" == 0 || "$DEVICE" != cpu ]] || fm_die "CUDA_GRAPH=1 with DEVICE=cpu: CPU has no CUDA graphs"
 # Pools (flashmemory/costmodel/launch_settings.py), stock and FlashMemory alike: SWA_RATIO auto = the smallest
 # --swa-full-tokens-ratio whose SWA pool holds TGT_CONC requests of TGT_CTX (sglang's DeepSeek-V4 default 0.1 with
-# SWA_RATIO=sglang, or a given ratio); CREDIT_C4=1 (cuda): --mem-fraction-static (MEM_FRACTION, else sglang's default
+# SWA_RATIO=sglang, or a given ratio); CREDIT_C4=1 (cuda): --mem-fraction-static (MEM_FRAC, else sglang's default
 # for GPU_MIB, from nvidia-smi when unset) lowered by FlashMemory's reserve, so the reserve is not taken from headroom.
-SWA_RATIO="${SWA_RATIO:-auto}"; MEM_FRACTION="${MEM_FRACTION:-}"; GPU_MIB="${GPU_MIB:-}"
+SWA_RATIO="${SWA_RATIO:-auto}"; MEM_FRAC="${MEM_FRAC:-}"; GPU_MIB="${GPU_MIB:-}"
 [[ "$SWA_RATIO" == auto || "$SWA_RATIO" == sglang ]] || fm_float SWA_RATIO "$SWA_RATIO"
-[[ -z "$MEM_FRACTION" ]] || fm_float MEM_FRACTION "$MEM_FRACTION"; [[ -z "$GPU_MIB" ]] || fm_int GPU_MIB "$GPU_MIB" 1
+[[ -z "$MEM_FRAC" ]] || fm_float MEM_FRAC "$MEM_FRAC"; [[ -z "$GPU_MIB" ]] || fm_int GPU_MIB "$GPU_MIB" 1
 FM_CREDIT=0; [[ "$SGLANG_PD_CREDIT_OFFLOADED_C4" == 1 && "$DEVICE" == cuda ]] && FM_CREDIT=1
-if [[ "$FM_CREDIT" == 1 && -z "$GPU_MIB$MEM_FRACTION" ]] && command -v nvidia-smi >/dev/null 2>&1; then
+if [[ "$FM_CREDIT" == 1 && -z "$GPU_MIB" ]] && command -v nvidia-smi >/dev/null 2>&1; then
   GPU_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | tr -dc 0-9 || true)"
 fi
 FM_POOL="$("$PY" -m flashmemory.costmodel.launch_settings --context "$TGT_CTX" --concurrency "$TGT_CONC" \
   --max-running "$MAX_RUN" --reserved 1024 --model "$MODEL" --credit-c4 "$FM_CREDIT" --kmax "$KMAX" \
   --decode-max-conc "$MAX_RUN" --path-i "$SGLANG_PATHP_INDEX_K_OFFLOAD" --tp "$TP" ${GPU_MIB:+--gpu-mib "$GPU_MIB"} \
-  ${MEM_FRACTION:+--mem-fraction "$MEM_FRACTION"})" || exit 2
-read -r FM_SWA_RATIO FM_MEM_FRACTION FM_RESERVE_GIB <<< "$FM_POOL"
+  ${MEM_FRAC:+--mem-fraction "$MEM_FRAC"})" || exit 2
+read -r FM_SWA_RATIO FM_MEM_FRAC FM_RESERVE_GIB <<< "$FM_POOL"
 [[ "$SWA_RATIO" == auto ]] || FM_SWA_RATIO="$SWA_RATIO"
 POOL_ARGS=(); [[ "$FM_SWA_RATIO" == sglang ]] || POOL_ARGS=(--swa-full-tokens-ratio "$FM_SWA_RATIO")
-[[ "$FM_MEM_FRACTION" == - ]] || POOL_ARGS+=(--mem-fraction-static "$FM_MEM_FRACTION")
+[[ "$FM_MEM_FRAC" == - ]] || POOL_ARGS+=(--mem-fraction-static "$FM_MEM_FRAC")
 echo "pools: --swa-full-tokens-ratio $FM_SWA_RATIO (SWA_RATIO=$SWA_RATIO, TGT_CONC=$TGT_CONC x TGT_CTX=$TGT_CTX)" \
-  "--mem-fraction-static ${FM_MEM_FRACTION/-/sglang\'s default}$([[ "$FM_CREDIT" == 0 ]] || echo " (lowered by the ${FM_RESERVE_GIB} GiB reserve)")" >&2
+  "--mem-fraction-static ${FM_MEM_FRAC/-/sglang\'s default}$([[ "$FM_CREDIT" == 0 ]] || echo " (lowered by the ${FM_RESERVE_GIB} GiB reserve)")" >&2
 
 fm_run SGLANG_DECODE_SWAP_P SGLANG_PATHP_CUDAGRAPH SGLANG_PATHP_SCORE_RESIDENT SGLANG_PATHP_PAGE_RECALL \
   SGLANG_PATHP_PAGE_KMAX SGLANG_PATHP_ASYNC_RECALL SGLANG_PATHP_INDEX_K_OFFLOAD SGLANG_PATHP_DECODE_RESIDENT_CHUNKS \

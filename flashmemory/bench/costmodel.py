@@ -39,7 +39,7 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.anchors import Fitted, capacity, fit, kmax_for, launch_node
+from flashmemory.costmodel.anchors import Fitted, capacity, fit, kmax_for, launch_node, sized
 from flashmemory.costmodel.presets import H20_NODE, Preset
 from flashmemory.errors import fail
 
@@ -296,6 +296,28 @@ def _atomic_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, default=str))
 
 
+BOUNDS = {  # flag -> (lowest, highest): far beyond any real node, so the arithmetic stays finite
+    "hbm_gb": (1e-3, 1e4),
+    "hbm_tbps": (1e-3, 1e4),
+    "pcie_gbps": (1e-3, 1e5),
+    "tflops": (1e-3, 1e7),
+    "mfu": (1e-3, 1.0),
+    "weights_gb": (0.0, 1e6),
+    "host_ram_gb": (1e-3, 1e7),
+    "host_fraction": (1e-3, 1.0),
+    "overhead_ms": (0.0, 1e5),
+    "mem_fraction": (1e-3, 1.0),
+}
+
+
+def _check_bounds(args: argparse.Namespace) -> None:
+    """A ValueError naming the flag for a hardware value out of range (NaN and infinity included)."""
+    for name, (lo, hi) in BOUNDS.items():
+        v = getattr(args, name, None)
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"--{name.replace('_', '-')} {v:g}: must lie in [{lo:g}, {hi:g}]")
+
+
 def _preset(args: argparse.Namespace, f: Fitted) -> Preset:
     """The calibrated 8xH20 preset with any hardware flag given on the command line in place of its value."""
     p = launch_node(f)
@@ -335,8 +357,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--hisparse-ratio {args.hisparse_ratio}: must be >= 1 (sglang asserts it)")
         if args.overhead_ms is not None and args.overhead_ms < 0:
             raise ValueError("--overhead-ms must be >= 0")
+        _check_bounds(args)
         f = fit()
         p = _preset(args, f)
+        pools = sized(p)
+        if pools.full_tokens < 1:
+            raise ValueError(
+                f"no HBM left for KV: {p.hw.hbm_gb:g} GB (--hbm-gb) x memory fraction {pools.mem_fraction:.3f} "
+                f"({'--mem-fraction' if p.serving.mem_fraction is not None else 'sglang default; --mem-fraction'}) "
+                f"leaves {pools.available / 1e9:,.1f} GB after the weights (--weights-gb); raise --hbm-gb or "
+                "--mem-fraction, or lower --weights-gb"
+            )
         hs = HiSparseKnobs(
             device_buffer_size=args.hisparse_buffer,
             hit_rate=1.0 - args.hisparse_miss,

@@ -36,12 +36,19 @@ from flashmemory.costmodel.presets import B200_PD, H20_LAUNCH, H20_NODE, RTX6000
 from flashmemory.costmodel.throughput import Hardware, step_time, weight_bytes
 
 
-def _weights_per_gpu(hw: Hardware) -> float:
-    return (hw.weights_gb * 1e9 if hw.weights_gb is not None else weight_bytes(experts=hw.experts).total) / hw.n_gpus
+def _weights_per_gpu(hw: Hardware, dp: int = 1) -> float:
+    """The weight shard per GPU: everything split over the GPUs, except that attention data parallelism replicates
+    the non-expert weights on each of the `dp` ranks' GPUs (routed experts stay sharded)."""
+    if hw.weights_gb is not None:
+        return hw.weights_gb * 1e9 / hw.n_gpus
+    wb = weight_bytes(experts=hw.experts)
+    return wb.routed / hw.n_gpus + wb.other / (hw.n_gpus // dp)
 
 
 def sized(p: Preset, sv: Serving | None = None) -> PoolSizes:
-    return pool_sizes(p.hw.hbm_gb * 1e9, _weights_per_gpu(p.hw), p.hw.n_gpus, sv or p.serving)
+    """One GPU's pools on preset `p` launched with `sv` (default: the preset's serving)."""
+    sv = sv or p.serving
+    return pool_sizes(p.hw.hbm_gb * 1e9, _weights_per_gpu(p.hw, sv.dp), p.hw.n_gpus, sv)
 
 
 @dataclass(frozen=True)

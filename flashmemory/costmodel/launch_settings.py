@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path-i", type=int, choices=(0, 1), default=0, help="INDEX_K_OFFLOAD")
     p.add_argument("--gpu-mib", type=float, default=None, help="GPU_MIB: memory per GPU, MiB")
     p.add_argument("--tp", type=int, default=8, help="TP")
-    p.add_argument("--mem-fraction", type=float, default=None, help="MEM_FRACTION: --mem-fraction-static")
+    p.add_argument("--mem-fraction", type=float, default=None, help="MEM_FRAC: --mem-fraction-static")
     a = p.parse_args(argv)
     try:
         for name in ("context", "concurrency", "max_running", "kmax", "decode_max_conc", "tp"):
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gpu_mib is not None and not 0 < a.gpu_mib < 1e8:
             raise ValueError(f"GPU_MIB={a.gpu_mib:g} must lie in (0, 1e8) MiB")
         if a.mem_fraction is not None and not 0 < a.mem_fraction <= 1:
-            raise ValueError(f"MEM_FRACTION={a.mem_fraction:g} must lie in (0, 1]")
+            raise ValueError(f"MEM_FRAC={a.mem_fraction:g} must lie in (0, 1]")
         s = settings(
             a.context,
             a.concurrency,

@@ -6,9 +6,10 @@ holds or keeps up with; the smallest one below the planned concurrency is what r
 - HBM token pool (per GPU): sglang's sizing (`pools`): full tokens over ctx + --num-reserved-decode-tokens per
   request. With CREDIT_C4=1 the launch lowers --mem-fraction-static by FlashMemory's reserve, sized as the plugin
   sizes it for TGT_CONC = the planned concurrency (`anchors.fm_reserve_bytes`).
-- SWA pool (per GPU): ratio mode, --swa-full-tokens-ratio "auto" = the smallest ratio that holds every planned
-  request's live window and one newcomer's tail + output reservation (`pools.smallest_swa_ratio`, what
-  launch_decode.sh passes), or a given ratio (sglang's DeepSeek-V4 default 0.1).
+- SWA pool (per GPU): ratio mode, --swa-full-tokens-ratio "auto" = the smallest ratio that holds the live windows
+  of every request the full pool admits (at most the planned concurrency) and one newcomer's tail + output
+  reservation (`pools.auto_swa_ratio`; launch_decode.sh passes it with TGT_CONC set to that count), or a given ratio
+  (sglang's DeepSeek-V4 default 0.1).
 - max-running: the decode server's --max-running-requests (a launch flag, not hardware).
 - host DRAM (node): usable = host_ram x host_fraction. Without disks it holds every rank's mirror of the history
   (`RequestBytes.host` x GPUs). With the disk tier it holds each request's landing window (`WINDOW_PAGES` pages
@@ -35,8 +36,8 @@ from flashmemory.costmodel.flops import FlashShape, RetrieverShape, n_chunks
 from flashmemory.costmodel.pools import (
     PoolSizes,
     admitted,
+    auto_swa_ratio,
     full_need,
-    smallest_swa_ratio,
     swa_need,
 )
 from flashmemory.costmodel.presets import H20_LAUNCH, Preset
@@ -154,8 +155,17 @@ def hbm_pools(
     tokens each) and the SWA pool (`pools.swa_need`). `swa_ratio` 'auto' = `smallest_swa_ratio` for `conc`."""
     sv = dataclasses.replace(node.serving, credit_c4=credit_c4)
     if credit_c4:
-        sv = dataclasses.replace(sv, reserve_bytes=fm_reserve_bytes(conc, kmax, sv.max_running, path_i))
-    ratio = smallest_swa_ratio(conc, ctx, sv, max_new) if swa_ratio == "auto" else float(swa_ratio)
+        per_rank = math.ceil(conc / sv.dp)  # each attention rank's reserve rows are its own requests
+        sv = dataclasses.replace(sv, reserve_bytes=fm_reserve_bytes(per_rank, kmax, sv.running_per_rank, path_i))
+    if swa_ratio == "auto":  # the smallest ratio for what the full pool holds, at most `conc`
+
+        def full_holds(r: float) -> int:
+            s = dataclasses.replace(sv, swa_ratio=r)
+            return sized(node, s).full_tokens // full_need(1, ctx, s) * s.dp
+
+        ratio = auto_swa_ratio(full_holds, conc, ctx, sv)[0]
+    else:
+        ratio = float(swa_ratio)
     sv = dataclasses.replace(sv, swa_ratio=ratio)
     pools = sized(node, sv)
     if pools.mem_fraction <= 0 or pools.available <= 0:
@@ -234,11 +244,12 @@ def plan(
     req = flashmemory_bytes(ctx, kmax, knobs, s, r)
     if disk is not None:
         disk = dataclasses.replace(disk, output_tokens=output_tokens)
-    hw, gpus = node.hw, node.hw.n_gpus
+    hw = node.hw
+    gpus = hw.n_gpus // node.serving.dp  # the ranks that hold one request's KV (its attention group)
     usable = hw.host_ram_gb * 1e9 * hw.host_fraction
     page = req.host / pages_of(ctx)
     window = WINDOW_PAGES * page * gpus if disk is not None else 0.0
-    copies = disk.n_copies(hw) if disk is not None else gpus
+    copies = (disk.copies or gpus) if disk is not None else gpus
     history = req.host * copies
 
     pools, pool, swa = hbm_pools(node, ctx, conc, kmax, fm.credit_c4, path_i, swa_ratio, output_tokens)

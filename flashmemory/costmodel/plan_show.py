@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from flashmemory.costmodel.anchors import auto_ratio_capacity
 from flashmemory.costmodel.plan import SCAN_LIMIT, Plan, h20_node, pages_of
 
 G = 1e9
@@ -100,6 +101,10 @@ def report(a: argparse.Namespace, pl: Plan) -> dict[str, Any]:
             "tok_s_admitted": pl.tok_s_admitted,
         },
         "verdict": verdict(a, pl),
+        "peers": {
+            arm: dict(zip(("swa_ratio", "admitted", "bound"), auto_ratio_capacity(pl.node, arm, pl.ctx)))
+            for arm in ("stock", "hisparse")
+        },
     }
 
 
@@ -172,6 +177,18 @@ def show(a: argparse.Namespace, pl: Plan, r: dict[str, Any]) -> None:
         + ")"
         + (" if it were admitted" if not pl.fits else "")
         + adm
+    )
+    others = r["peers"]
+    print(
+        f"\nStock and HiSparse on this node (same flags, each at its smallest SWA ratio): stock admits "
+        f"{others['stock']['admitted']} ({others['stock']['bound']}), HiSparse {others['hisparse']['admitted']} "
+        f"({others['hisparse']['bound']}) requests of {label(pl.ctx)}"
+        + (
+            f"; attention DP {sv.dp}: each rank holds only its own requests' KV (FlashMemory does not serve under "
+            "DP attention yet: a projection; tok/s is TP attention's step)"
+            if sv.dp > 1
+            else ""
+        )
     )
     print(f"\n{r['verdict']}")
     print(
