@@ -1,0 +1,1 @@
+"""Stand-ins for scripts/gpu_serving_check.py (see stand_in.py)."""
