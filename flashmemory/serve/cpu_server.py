@@ -113,6 +113,7 @@ class CpuServer:
         ]
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.seen: set[int] = set()  # pids of this server's processes seen while it started (some exit early)
         limit = _row_limit(self.env)
         if limit is not None:  # a request over FlashMemory's row limit would get HTTP 500: refuse to start
             check_concurrency(max_running_requests(self.cmd), limit, "SGLANG_PATHP_DECODE_MAX_CONC")
@@ -161,6 +162,7 @@ class CpuServer:
                 pass
             if time.monotonic() - t0 >= timeout_s:
                 break
+            self.seen.update(self.leftovers())  # a scheduler that exits at start-up leaves its queue: `stop` needs it
             time.sleep(1.0)
         self.stop()
         raise ServerError(f"server not healthy after {timeout_s:.0f} s; log {self.log}:\n{_tail(self.log)}")
@@ -195,11 +197,12 @@ class CpuServer:
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM the whole process group, SIGKILL whatever is left after timeout_s; then remove the shared-memory
-        message queues (`/dev/shm/sgl_shm_mq_<pid>_*`, sglang's TP broadcast queue) that its processes left."""
+        message queues (`/dev/shm/sgl_shm_mq_<pid>_*`, sglang's TP broadcast queue) that its processes left, those
+        of processes that already exited while it started included."""
         if self.proc is None:
             return
         pgid = self.proc.pid
-        pids = {pgid, *self.leftovers()}
+        pids = {pgid, *self.leftovers(), *self.seen}
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
