@@ -39,8 +39,9 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.anchors import Fitted, capacity, fit, kmax_for, launch_node, sized
+from flashmemory.costmodel.anchors import Fitted, capacity, fit, launch_node, sized
 from flashmemory.costmodel.presets import H20_NODE, Preset
+from flashmemory.costmodel.projections import kmax_for
 from flashmemory.errors import fail
 
 G, M = 1e9, 1e6

@@ -11,10 +11,11 @@ from typing import Any
 
 from flashmemory.bench.table import print_table
 from flashmemory.costmodel import HiSparseKnobs, PolicyKnobs
-from flashmemory.costmodel.anchors import TOLERANCE, Fitted, anchors, projections
+from flashmemory.costmodel.anchors import TOLERANCE, Fitted, anchors
 from flashmemory.costmodel.disk import disk_point
 from flashmemory.costmodel.peers import peer_table
 from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE, Preset
+from flashmemory.costmodel.projections import projections
 
 G = 1e9
 

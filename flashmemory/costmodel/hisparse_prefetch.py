@@ -26,11 +26,12 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import auto_ratio_capacity, calibrated_hisparse, fit, launch_node
+from flashmemory.costmodel.anchors import calibrated_hisparse, fit, launch_node
 from flashmemory.costmodel.bytes import EntryBytes
 from flashmemory.costmodel.flops import FlashShape, baseline_flops, flashmemory_flops
 from flashmemory.costmodel.hisparse import HiSparseKnobs, hisparse_bytes, hisparse_swap_tokens, swap_kernel_ms
 from flashmemory.costmodel.presets import Preset
+from flashmemory.costmodel.projections import auto_ratio_capacity
 from flashmemory.costmodel.throughput import step_time
 
 CONTEXTS = (131072, 262144, 524288, 1048576)

@@ -14,19 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import (
-    Fitted,
-    auto_ratio_capacity,
-    calibrated,
-    calibrated_hisparse,
-    fit,
-    kmax_for,
-    launch_node,
-    tok_s,
-)
+from flashmemory.costmodel.anchors import Fitted, calibrated, calibrated_hisparse, fit, launch_node, tok_s
 from flashmemory.costmodel.anchors import _arm as arm_bytes
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.presets import Preset
+from flashmemory.costmodel.projections import auto_ratio_capacity, kmax_for
 
 PEER_CONTEXTS = (131072, 262144, 1048576)
 PEER_BATCHES = (1, 16, 64)

@@ -9,8 +9,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from flashmemory.costmodel.anchors import auto_ratio_capacity
 from flashmemory.costmodel.plan import SCAN_LIMIT, Plan, h20_node, pages_of
+from flashmemory.costmodel.projections import auto_ratio_capacity
 
 G = 1e9
 GPU_FLAGS = ("hbm_gb", "hbm_tbps", "pcie_gbps", "tflops")  # a node of H20s when these are the preset's

@@ -21,13 +21,13 @@ from flashmemory.costmodel.anchors import (
     fm_admitted,
     fm_reserve_bytes,
     launch_node,
-    projections,
     sized,
     tok_s,
 )
 from flashmemory.costmodel.hisparse import HiSparseKnobs, swap_kernel_ms
 from flashmemory.costmodel.pools import Serving, bytes_per_full_token
 from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE
+from flashmemory.costmodel.projections import projections
 
 F = fit()
 M1 = 1048576

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flashmemory.costmodel.anchors import anchors, fit, projections
+from flashmemory.costmodel.anchors import anchors, fit
+from flashmemory.costmodel.projections import projections
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "costmodel.md"
 ARM = {

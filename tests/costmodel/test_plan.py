@@ -10,10 +10,11 @@ import math
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.costmodel.anchors import auto_ratio_capacity, kmax_for, tok_s
+from flashmemory.costmodel.anchors import tok_s
 from flashmemory.costmodel.bytes import PolicyKnobs
 from flashmemory.costmodel.disk import DiskKnobs, disk_point
 from flashmemory.costmodel.plan import FmSettings, Plan, h20_node, plan, resolve_kmax
+from flashmemory.costmodel.projections import auto_ratio_capacity, kmax_for
 
 M1 = 1048576
 TOKEN_POOL = "HBM token pool (per GPU)"
