@@ -14,7 +14,7 @@ HOST="${HOST:-127.0.0.1}"; PORT="${PORT:-31503}"; MINI_LB="${MINI_LB:-0}"; PROME
 DEVICE="${DEVICE:-cuda}"; fm_choice DEVICE "$DEVICE" cuda cpu
 HC=(); [[ "$DEVICE" == cuda ]] || HC=(--health-check-timeout-secs 120 --disable-circuit-breaker)
 fm_int PREFILL_PORT "$PREFILL_PORT" 1; fm_int DECODE_PORT "$DECODE_PORT" 1; fm_int BOOTSTRAP_PORT "$BOOTSTRAP_PORT" 1
-fm_int PORT "$PORT" 1; fm_int PROMETHEUS_PORT "$PROMETHEUS_PORT" 1; fm_choice MINI_LB "$MINI_LB" 0 1
+fm_int PORT "$PORT" 1; fm_int PROMETHEUS_PORT "$PROMETHEUS_PORT" 1; fm_flag MINI_LB
 [[ -n "$PREFILL_IP" && -n "$DECODE_IP" ]] || fm_die "PREFILL_IP and DECODE_IP must be set"
 PY="$(fm_python)"
 fm_module "$PY" sglang_router

@@ -146,11 +146,26 @@ fm_loopback_shim() {  # put flashmemory/serve/loopback_bind.c (built once, cache
   fi
 }
 
-fm_on() {  # fm_on VALUE: true when the plugin reads VALUE as on (flashmemory/env.py: 1, true, yes, on; any case,
-  # surrounding spaces ignored); anything else is off here, and a value that is neither is refused by fm_env_check
+fm_word() {  # fm_word VALUE: VALUE as the plugin compares it (flashmemory/env.py: lower case, surrounding spaces dropped)
   local v="${1,,}"
-  v="${v#"${v%%[![:space:]]*}"}"; v="${v%"${v##*[![:space:]]}"}"
-  [[ "$v" == 1 || "$v" == true || "$v" == yes || "$v" == on ]]
+  v="${v#"${v%%[![:space:]]*}"}"; printf '%s' "${v%"${v##*[![:space:]]}"}"
+}
+
+fm_on() {  # fm_on VALUE: true when the plugin reads VALUE as on (1, true, yes, on; any case, surrounding spaces
+  # ignored); anything else is off here, and a value that is neither on nor off is refused by fm_env_check
+  case "$(fm_word "$1")" in 1|true|yes|on) return 0;; *) return 1;; esac
+}
+
+fm_flag() {  # fm_flag NAME...: each knob a boolean spelled as the plugin reads one (on: 1, true, yes, on; off: 0,
+  # false, no, off), set to 1 or 0 for the script's own tests; anything else is an error naming it
+  local n
+  for n in "$@"; do
+    case "$(fm_word "${!n}")" in
+      1|true|yes|on) printf -v "$n" 1;;
+      0|false|no|off) printf -v "$n" 0;;
+      *) fm_die "$n=${!n}: expected 0/1 (or true/false, yes/no, on/off)";;
+    esac
+  done
 }
 
 fm_env_check() {  # fm_env_check NAME...: every FlashMemory variable of the environment, read by the plugin's own

@@ -96,3 +96,29 @@ def test_prefetch_with_a_disk_directory_advice_is_accepted_when_followed():
     p = _dry("launch_decode.sh", SGLANG_PATHP_DISK_DIR="/d", **base)
     assert p.returncode == 2 and "unset SGLANG_PATHP_DISK_DIR" in p.stderr, p.stderr
     assert _dry("launch_decode.sh", **base).returncode == 0
+
+
+@pytest.mark.parametrize("v", SPELLINGS)
+def test_fm_flag_reads_a_knob_as_the_plugin_reads_a_boolean(v):
+    """The scripts' own boolean knobs (C4_SHRINK, FLASHMEMORY, MINI_LB, ...) took only 0 and 1 while the variables
+    they set take true/yes/on too; now each is read as the plugin reads a boolean, and a bad one is refused."""
+    p = subprocess.run(
+        ["bash", "-c", f'source {ROOT}/scripts/launch_common.sh; K="$1"; fm_flag K; echo "$K"', "_", v],
+        capture_output=True,
+        text=True,
+    )
+    want = _plugin_on(v)
+    if want is None or v == "":  # the plugin's empty means "default"; a knob the script reads has its default set
+        assert p.returncode == 2 and f"K={v}: expected 0/1" in p.stderr, p.stderr
+    else:
+        assert p.returncode == 0 and p.stdout.strip() == str(int(want)), (p.stdout, p.stderr)
+
+
+def test_knobs_spelled_true_and_false_reach_the_plugin_as_one_and_zero():
+    got = _envs(_dry("launch_decode.sh", DEVICE="cpu", C4_SHRINK="false", CREDIT_C4="yes", SCORE_RESIDENT="off").stdout)
+    assert (got["SGLANG_PD_B_C4_SHRINK"], got["SGLANG_PD_CREDIT_OFFLOADED_C4"]) == ("0", "1")
+    assert got["SGLANG_PATHP_SCORE_RESIDENT"] == "0"
+    stock = _envs(_dry("launch_decode.sh", FLASHMEMORY="False").stdout)
+    assert stock["SGLANG_DECODE_SWAP_P"] == "0" and stock["SGLANG_RETRIEVER_INLINE_CKPT"] == ""
+    router = _dry("launch_router.sh", MINI_LB="true")
+    assert router.returncode == 0 and " --mini-lb " in router.stdout, router.stderr

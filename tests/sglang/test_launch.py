@@ -89,10 +89,10 @@ def test_router_command_parses(mini):
         ("launch_decode.sh", {"KMAX": "abc"}, "KMAX=abc"),
         ("launch_decode.sh", {"LAYERS": "10,25"}, "layer 25"),
         ("launch_decode.sh", {"TRANSFER_BACKEND": "rdma"}, "TRANSFER_BACKEND"),
-        ("launch_decode.sh", {"C4_SHRINK": "yes"}, "C4_SHRINK"),
+        ("launch_decode.sh", {"C4_SHRINK": "maybe"}, "C4_SHRINK=maybe: expected 0/1"),
         ("launch_decode.sh", {"DEVICE": "gpu"}, "DEVICE=gpu"),
         ("launch_prefill.sh", {"SWA_RATIO": "2"}, "SWA_RATIO"),
-        ("launch_router.sh", {"MINI_LB": "yes"}, "MINI_LB"),
+        ("launch_router.sh", {"MINI_LB": "2"}, "MINI_LB=2: expected 0/1"),
         # bash arithmetic wraps 2^64 + 1 to 1, so it passed the >= 1 check; now the string is checked first
         (
             "launch_decode.sh",
