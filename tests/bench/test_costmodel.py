@@ -9,6 +9,7 @@ import json
 import pytest
 
 from flashmemory.bench import costmodel as bench
+from flashmemory.cli import main
 from flashmemory.costmodel import (
     UPSTREAM,
     UPSTREAM_CONSTANT_GFLOP,
@@ -222,3 +223,19 @@ def test_peer_table_by_hand():
         for b in (1, 16):  # the synchronous swap-in kernel makes HiSparse slower at the same batch
             if cells["stock", ctx].tok_s[b] is not None:
                 assert cells["hisparse", ctx].tok_s[b] < cells["stock", ctx].tok_s[b]
+
+
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--weights-gb", "5000"], "no HBM left for KV: 102.625 GB (--hbm-gb) x memory fraction 0.895"),
+        (["--hbm-gb", "5"], "no HBM left for KV: 5 GB (--hbm-gb)"),
+        (["--mem-fraction", "0.2"], "memory fraction 0.200 (--mem-fraction)"),
+        (["--hbm-gb", "1e300"], "--hbm-gb 1e+300: must lie in [0.001, 10000]"),
+        (["--host-ram-gb", "1e300"], "--host-ram-gb 1e+300: must lie in"),
+    ],
+)
+def test_node_without_kv_room_is_one_line(flags, msg, capsys):
+    assert main(["bench", "costmodel", "--anchors", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == err.splitlines()[0] and msg in err and "Traceback" not in err

@@ -79,3 +79,17 @@ def test_readme_paragraph_quotes_the_model():
     r = rows[(k128, 0.68, 0.9)]
     assert f"{r.speedup:.2f}x at 128K ({r.hisparse_ms:.1f} -> {r.prefetch_ms:.1f} ms)" in para
     assert f"and {rows[(k1m, 0.68, 0.9)].speedup:.2f}x at 1M" in para
+
+
+def test_module_parses_its_arguments(capsys):
+    from flashmemory.costmodel.hisparse_prefetch import main
+
+    assert main(["--hit-rates", "0.68", "--coverages", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| 0.68 | 0.9 |") == len(CONTEXTS) and "| 0.95 |" not in out
+    for bad in (["--bogus"], ["--hit-rates", "1.5"], ["--precision", "0.5,0.6"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "python -m flashmemory.costmodel.hisparse_prefetch: error:" in err
