@@ -48,7 +48,10 @@ LIVE = "tests/sglang/live/"
 # Live modules that start only servers of their own (no `stock_server`, no `live_servers`): their own xdist work
 # unit, so under `-n 2` they run on the other worker, beside the unit tests, instead of after the PD stacks and the
 # shared servers on the live worker (that worker was the suite's critical path: 29 of its 29.5 minutes).
-LIVE_OWN = tuple(LIVE + m for m in ("test_equivalence.py", "test_live_dump.py", "test_bad_checkpoint_startup.py"))
+LIVE_OWN = tuple(
+    LIVE + m
+    for m in ("test_equivalence.py", "test_live_dump.py", "test_bad_checkpoint_startup.py", "test_layout_refusal.py")
+)
 SHARED_FIXTURES = ("stock_server", "live_servers", "stock")
 
 
