@@ -25,6 +25,16 @@ from flashmemory.offload.sync import ChunkStore
 from flashmemory.sglang.geometry import read_chunk_rows
 
 
+def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`, staged through page-locked memory where streams order the device (the host
+    does not wait for the copy; torch's pinned allocator keeps the staging until the copy is done)."""
+    if not streams.streams_on(device):
+        return t.to(device)
+    stage = streams.pinned_empty(tuple(t.shape), t.dtype)
+    stage.copy_(t)
+    return stage.to(device, non_blocking=True)
+
+
 class LocMap:
     """Pool loc -> mirror chunk per served row; pages are mapped once, in logical order (see the module doc).
 
@@ -63,10 +73,9 @@ class LocMap:
             return
         self.size_batch(len(rows))
         n, dev = self.batch_rows.shape[0], self.batch_rows.device
-        pinned = streams.streams_on(dev)
-        stage = (streams.pinned_empty((n,), torch.int64) if pinned else torch.empty(n, dtype=torch.int64)).fill_(-1)
+        stage = torch.full((n,), -1, dtype=torch.int64)
         stage[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        self.batch_rows.copy_(stage, non_blocking=True)
+        self.batch_rows.copy_(_up(stage, dev))
         self._batch = list(rows)
 
     def batch_chunks(self, locs: torch.Tensor) -> torch.Tensor:
@@ -96,10 +105,10 @@ class LocMap:
                 self._users.setdefault(p, []).append((row, mp))
             pc, dev = self.page_chunks, self.table.device
             off = torch.arange(pc)
-            src = (torch.tensor(new).unsqueeze(1) * pc + off).reshape(-1).to(dev)
-            self.table[src] = (torch.tensor(mps).unsqueeze(1) * pc + off).reshape(-1).to(dev)
-            self.chunk[src] = (torch.arange(k, n).unsqueeze(1) * pc + off).reshape(-1).to(dev, torch.int32)
-            self.row_mpages[row, k:n] = torch.tensor(mps, dtype=torch.int32).to(dev)
+            src = _up((torch.tensor(new).unsqueeze(1) * pc + off).reshape(-1), dev)
+            self.table[src] = _up((torch.tensor(mps).unsqueeze(1) * pc + off).reshape(-1), dev)
+            self.chunk[src] = _up((torch.arange(k, n).unsqueeze(1) * pc + off).reshape(-1).to(torch.int32), dev)
+            self.row_mpages[row, k:n] = _up(torch.tensor(mps, dtype=torch.int32), dev)
             self._mirrors[row] = self._mirrors.get(row, [])[:k] + mps
             done = pools[:n]
         self._mapped[row] = list(done)
@@ -122,12 +131,12 @@ class LocMap:
         pc, dev = self.page_chunks, self.table.device
         off = torch.arange(pc)
         if gone:
-            idx = (torch.tensor(gone).unsqueeze(1) * pc + off).reshape(-1).to(dev)
+            idx = _up((torch.tensor(gone).unsqueeze(1) * pc + off).reshape(-1), dev)
             self.table[idx] = self.no_chunk
             self.chunk[idx] = -1
         if kept:
-            idx = (torch.tensor(kept).unsqueeze(1) * pc + off).reshape(-1).to(dev)
-            self.table[idx] = (torch.tensor(kept_mp).unsqueeze(1) * pc + off).reshape(-1).to(dev)
+            idx = _up((torch.tensor(kept).unsqueeze(1) * pc + off).reshape(-1), dev)
+            self.table[idx] = _up((torch.tensor(kept_mp).unsqueeze(1) * pc + off).reshape(-1), dev)
         if pages:
             self.row_mpages[row].fill_(-1)
 
@@ -157,7 +166,7 @@ def pool_chunks(
     gather per layer group), the index-K the core keeps (target and Path-I layers) if `index`. bufs: the pool's
     per-layer (KV, index-K) buffers. Locs without a mirror chunk are left out; None when none is left."""
     n_locs = locs_map.table.numel() - 1
-    locs = locs.to(locs_map.table.device).long()
+    locs = (_up(locs.long(), locs_map.table.device) if not streams.is_device(locs) else locs).long()
     m = locs_map.table[locs.clamp(0, n_locs)]
     ok = (locs >= 0) & (locs < n_locs) & (m != locs_map.no_chunk)
     if not bool(ok.any()):
