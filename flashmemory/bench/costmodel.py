@@ -39,7 +39,8 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.anchors import Fitted, capacity, fit, launch_node, sized
+from flashmemory.costmodel.admission import capacity, sized
+from flashmemory.costmodel.anchors import Fitted, fit, launch_node
 from flashmemory.costmodel.presets import H20_NODE, Preset
 from flashmemory.costmodel.projections import kmax_for
 from flashmemory.errors import fail

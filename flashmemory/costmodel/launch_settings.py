@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from flashmemory.costmodel.anchors import fm_reserve_bytes
+from flashmemory.costmodel.admission import fm_reserve_bytes
 from flashmemory.costmodel.flops import FlashShape
 from flashmemory.costmodel.pools import CLIP_MAX_NEW, Serving, default_mem_fraction, smallest_swa_ratio
 

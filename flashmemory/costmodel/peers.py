@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import Fitted, calibrated, calibrated_hisparse, fit, launch_node, tok_s
+from flashmemory.costmodel.admission import tok_s
+from flashmemory.costmodel.anchors import Fitted, calibrated, calibrated_hisparse, fit, launch_node
 from flashmemory.costmodel.anchors import _arm as arm_bytes
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.presets import Preset

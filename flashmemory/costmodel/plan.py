@@ -29,7 +29,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from flashmemory.costmodel.anchors import fit, fm_reserve_bytes, launch_node, sized
+from flashmemory.costmodel.admission import fm_reserve_bytes, sized
+from flashmemory.costmodel.anchors import fit, launch_node
 from flashmemory.costmodel.bytes import PolicyKnobs, RequestBytes, flashmemory_bytes
 from flashmemory.costmodel.disk import DiskKnobs, DiskPoint, disk_point
 from flashmemory.costmodel.flops import FlashShape, RetrieverShape, n_chunks

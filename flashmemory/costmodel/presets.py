@@ -84,9 +84,9 @@ H20_LAUNCH = _node(
     ),
     experts="fp8",
 )
-B200_PD = _node(
-    "2xB200 PD (1 decode GPU)",
-    n_gpus=1,
+B200_COLO = _node(
+    "2xB200 PD-colocated",
+    n_gpus=2,
     hbm_mib=183359,
     hbm_tbps=8.0,
     tflops=2250.0,
@@ -94,8 +94,9 @@ B200_PD = _node(
     max_running=256,
     n_sm=148,
     source=(
-        "B200 183,359 MiB, 8 TB/s, 2.25 PFLOP/s BF16, 148 SMs; HiSparse needs PD, so of 2 GPUs one prefills "
-        "and one decodes (TP1); sglang's DSv4 max-running 256"
+        "B200 183,359 MiB, 8 TB/s, 2.25 PFLOP/s BF16, 148 SMs; the HiSparse paper's DeepSeek-V4-Flash runs: "
+        "PD-colocated on 2xB200 (both GPUs prefill and decode, no physical PD split; TP2 assumed, the layout is "
+        "not published); sglang's DSv4 max-running 256, SWA ratio 0.1"
     ),
 )
 RTX6000_NODE = _node(

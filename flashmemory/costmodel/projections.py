@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from flashmemory.costmodel.anchors import Fitted, calibrated_hisparse, capacity, fit, launch_node, tok_s
+from flashmemory.costmodel.admission import capacity, tok_s
+from flashmemory.costmodel.anchors import Fitted, calibrated_hisparse, fit, launch_node
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.pools import SGLANG_SWA_RATIO, auto_swa_ratio
 from flashmemory.costmodel.presets import Preset

@@ -32,7 +32,8 @@ from flashmemory.costmodel import (
     resident_chunks,
     throughput_at,
 )
-from flashmemory.costmodel.anchors import fit, launch_node, sized
+from flashmemory.costmodel.admission import sized
+from flashmemory.costmodel.anchors import fit, launch_node
 from flashmemory.costmodel.peers import kmax_for, peer_table
 from flashmemory.costmodel.projections import auto_ratio_capacity
 

@@ -11,34 +11,30 @@ import json
 import pytest
 
 from flashmemory.cli import main
+from flashmemory.costmodel.admission import capacity, fm_admitted, fm_reserve_bytes, sized, tok_s
 from flashmemory.costmodel.anchors import (
     TOLERANCE,
     anchors,
     calibrated,
     calibrated_hisparse,
-    capacity,
     fit,
-    fm_admitted,
-    fm_reserve_bytes,
+    glm_anchors,
     launch_node,
-    sized,
-    tok_s,
 )
 from flashmemory.costmodel.hisparse import HiSparseKnobs, swap_kernel_ms
 from flashmemory.costmodel.pools import Serving, bytes_per_full_token
-from flashmemory.costmodel.presets import B200_PD, H20_NODE, RTX6000_NODE
+from flashmemory.costmodel.presets import B200_COLO, H20_NODE, RTX6000_NODE
 from flashmemory.costmodel.projections import projections
 
 F = fit()
 M1 = 1048576
 # Held-out anchors the model does not reach, each for a stated reason (the paper's and the PR's stock launches)
 OUTSIDE = {
-    "decode-only HiSparse / stock, 64 concurrent",
-    "generation HiSparse / stock, 64 concurrent",
+    "HiSparse decode-only tok/s at 64 running",
+    "decode-only HiSparse / stock, 64 vs ~23 running",
+    "stock requests decoding at once",
+    "generation HiSparse / stock",
     "stock generation tok/s",
-    "HiSparse / stock at batch 8",
-    "HiSparse / stock at batch 32",
-    "HiSparse / stock at batch 54",
 }
 
 
@@ -49,16 +45,25 @@ def test_each_constant_reproduces_the_anchor_it_was_fitted_on() -> None:
     assert capacity(up, "flashmemory", M1, 96) == (40, "host DRAM")
     assert F.swap_layer_us * 21 == pytest.approx(7500.0)
     assert 0 < F.mem_fraction < 1 and 0 < F.host_fraction < 1 and F.overhead_ms > 0
-    # one set of constants for every preset: nothing is refitted per anchor
-    for p in (B200_PD, RTX6000_NODE):
-        assert calibrated(p, F).hw.overhead_ms == F.overhead_ms
+    # each preset its own step overhead: the 2xB200 colocated server's from the paper's stock decode-only figure
+    b2 = calibrated(B200_COLO, F)
+    assert tok_s(b2, "stock", 32768 + 4096, 23) == pytest.approx(1511.0)
+    assert 0 < F.overhead_b200_ms < 15.2 and b2.hw.overhead_ms == F.overhead_b200_ms
+    assert calibrated(RTX6000_NODE, F).hw.overhead_ms == F.overhead_ms  # GLM's node: no figure of its own
+    for p in (B200_COLO, RTX6000_NODE):
         assert calibrated(p, F).serving.mem_fraction is None  # sglang's own default, not the 8xH20 fit
 
 
 def test_held_out_anchors_within_tolerance_or_explained() -> None:
     table = anchors(F)
     fits = [a.name for a in table if a.use == "fit"]
-    assert fits == ["stock concurrency 256K", "stock tok/s 256K @ 47", "FlashMemory 1M ceiling KMAX 96"]
+    assert fits == [
+        "stock concurrency 256K",
+        "stock tok/s 256K @ 47",
+        "FlashMemory 1M ceiling KMAX 96",
+        "stock decode-only tok/s at ~23 running",
+    ]
+    assert all(a.family == "DeepSeek-V4" for a in table)  # the table holds DeepSeek-V4's figures only
     outside = {a.name for a in table if a.use == "held out" and abs(a.ratio - 1) > TOLERANCE}
     assert outside == OUTSIDE
     assert all(a.lacks for a in table if a.name in outside)
@@ -66,13 +71,21 @@ def test_held_out_anchors_within_tolerance_or_explained() -> None:
     assert len(upstream) == 9 and all(abs(a.ratio - 1) <= TOLERANCE for a in upstream)
     ratio = next(a for a in table if a.name.startswith("FlashMemory / stock tok/s at 1M"))
     assert ratio.published == 2.8 and abs(ratio.ratio - 1) <= 0.10
-    mem = next(a for a in table if a.name.startswith("HBM per 128K request"))
-    # c4 KV of 32,768 entries vs a 1,024 + 64 slot hot buffer, 21 layers alike
-    assert mem.model == pytest.approx(32768 / 1088) and abs(mem.ratio - 1) <= 0.05
+    # the one held-out anchor whose step the fitted overhead does not dominate: HiSparse at 64 on 2xB200, where
+    # the swap-in kernel is 7.5 of 26.6 ms and the overhead 10.7; it misses, and says which setting is missing
+    hs64 = next(a for a in table if a.name == "HiSparse decode-only tok/s at 64 running")
+    step = 64 / hs64.model * 1e3
+    assert F.overhead_b200_ms / step < 0.5 and "hit rate and hot-buffer size" in hs64.lacks
+    glm = glm_anchors(F)
+    assert {a.family for a in glm} == {"GLM"} and all(a.use == "apart" for a in glm)
+    mem = next(a for a in glm if a.name.startswith("HBM per 128K request"))
+    # GLM-5.1's figure; DeepSeek-V4-Flash's c4 KV of 32,768 entries vs a 1,024 + 64 slot hot buffer as a stand-in
+    assert mem.model == pytest.approx(32768 / 1088) and "GLM-5.1" in mem.source
 
 
 def test_small_batch_hisparse_ratio_below_one_and_rising() -> None:
-    rows = [a for a in anchors(F) if a.name.startswith("HiSparse / stock at batch")]
+    rows = [a for a in glm_anchors(F) if a.name.startswith("HiSparse / stock at batch")]
+    assert all("GLM DSA" in a.source for a in rows)
     assert [a.published for a in rows] == [0.92, 0.92, 1.19, 2.43, 3.00]
     ratios = [a.model for a in rows]
     assert all(r <= 1 for r in ratios) and ratios == sorted(ratios)
@@ -160,7 +173,8 @@ def test_bench_anchors_prints_and_writes(tmp_path, capsys) -> None:
     out = tmp_path / "a.json"
     assert main(["bench", "costmodel", "--anchors", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "FITTED CONSTANTS" in text and "ANCHORS: published figure vs the calibrated model" in text
+    assert "FITTED CONSTANTS" in text and "ANCHORS (DeepSeek-V4): published figure vs the calibrated model" in text
+    assert "APART, NOT DeepSeek-V4 (GLM" in text and "  Sources:" in text and "sglang PR #33075" in text
     assert "PROJECTED (calibrated model, not measured)" in text and "Per-decode-token GFLOP" not in text
     d = json.loads(out.read_text())
     assert set(d) == {"anchors", "projections"} and len(d["projections"]) == 15

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, fit, tok_s
+from flashmemory.costmodel.admission import tok_s
+from flashmemory.costmodel.anchors import calibrated, calibrated_hisparse, fit
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.hisparse_prefetch import (
     CONTEXTS,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from flashmemory.costmodel.anchors import fm_reserve_bytes
+from flashmemory.costmodel.admission import fm_reserve_bytes
 from flashmemory.costmodel.launch_settings import main, settings, window_of
 from flashmemory.costmodel.pools import Serving, smallest_swa_ratio
 

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.costmodel.anchors import tok_s
+from flashmemory.costmodel.admission import tok_s
 from flashmemory.costmodel.bytes import PolicyKnobs
 from flashmemory.costmodel.disk import DiskKnobs, disk_point
 from flashmemory.costmodel.plan import FmSettings, Plan, h20_node, plan, resolve_kmax
