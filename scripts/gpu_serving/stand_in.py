@@ -106,13 +106,15 @@ class Decode:
         self.free_pages.extend(self.reqs.pop(rid)["pages"])
 
     def batch(self) -> types.SimpleNamespace:
+        """The forward batch as sglang hands it to the hooks: its lengths on the device and on the host, the
+        request slots on the device."""
         rids = list(self.reqs)
-        seq = torch.tensor([self.reqs[r]["seq"] for r in rids], dtype=torch.int64)
+        seq = [self.reqs[r]["seq"] for r in rids]
+        slots = [self.reqs[r]["slot"] for r in rids]
         mode = types.SimpleNamespace(is_decode=lambda: True, is_idle=lambda: False)
-        slots = torch.tensor([self.reqs[r]["slot"] for r in rids], dtype=torch.int64)
         return types.SimpleNamespace(
-            forward_mode=mode, rids=rids, req_pool_indices=slots.to(self.device), seq_lens=seq.to(self.device),
-            seq_lens_cpu=seq,
+            forward_mode=mode, rids=rids, req_pool_indices=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=self.device), seq_lens_cpu=torch.tensor(seq),
         )  # fmt: skip
 
     def c4_tables(self, rids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +155,7 @@ class Decode:
         fb = self.batch()
         table, lens = self.c4_tables(rids)
         out = self.out_locs(rids)
-        x = torch.randn(len(rids), self.sz.hidden, device=self.device)
+        x = torch.empty(len(rids), self.sz.hidden, device=self.device).normal_()  # the model's hidden states
         pos = fb.seq_lens - 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the inputs are in place, as sglang's are when its hooks run
