@@ -6,6 +6,9 @@ The kernel drops the lock when the holder exits, however it exits, so a crash ne
 the lock file itself stays (it is empty apart from the holder's pid).
 
 `move_aside(dir, names)` moves files into a fresh `dir/previous-<UTC time>/` folder and returns it.
+
+`claim_kind(dir, kind, flag)` marks a directory as one command's output (`dir/.flashmemory-kind`, one line) and
+refuses a directory that holds another command's, so two commands never write into each other's files.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from flashmemory.errors import UserError
 
 LOCK_NAME = ".flashmemory.lock"
+KIND_NAME = ".flashmemory-kind"
 
 
 class DirLockedError(UserError):
@@ -87,3 +91,37 @@ def move_aside(directory: str | os.PathLike, names: list[str]) -> Path:
     for name in names:
         os.replace(d / name, dest / name)
     return dest
+
+
+def dir_kind(directory: str | os.PathLike, flag: str, found: str | None = None) -> str | None:
+    """The command whose output `directory` holds: its `.flashmemory-kind` marker's line, else `found` (what the
+    caller recognised from its files; None for nothing). UserError naming `flag` for an unreadable marker."""
+    marker = Path(directory) / KIND_NAME
+    if not marker.is_file():
+        return found
+    try:
+        kind = (marker.read_text(encoding="utf-8").strip().splitlines() or [""])[0][:80]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag} {directory}: cannot read its kind marker {marker} ({e})") from None
+    if not kind:
+        raise UserError(f"{flag} {directory}: its kind marker {marker} is empty; use another {flag}")
+    return kind
+
+
+def claim_kind(directory: str | os.PathLike, kind: str, flag: str, found: str | None = None) -> None:
+    """Refuse `directory` unless it holds `kind`'s output, then mark it so (call it under the `DirLock`).
+
+    The kind is `dir_kind`'s: the marker `directory/.flashmemory-kind`, else `found`; an unmarked directory is
+    marked `kind` when that agrees. UserError naming `flag`, the directory and the kind found otherwise; the
+    marker is written atomically."""
+    d = Path(directory)
+    marker = d / KIND_NAME
+    found = dir_kind(d, flag, found)
+    if found is not None and found != kind:
+        raise UserError(
+            f"{flag} {d}: holds the output of `flashmemory {found}`, not `flashmemory {kind}`; use another {flag}"
+        )
+    if not marker.is_file():
+        tmp = d / f"{KIND_NAME}.{os.getpid()}.tmp"
+        tmp.write_text(kind + "\n", encoding="utf-8")
+        os.replace(tmp, marker)

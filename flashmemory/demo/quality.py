@@ -10,7 +10,8 @@ the first 9 here -- are each decoded under Full attention and replayed with ever
 Resumable: each document's result is written atomically to `out/docs/<i>.json` as soon as it is done (with the
 run's fingerprint); a rerun of the same command skips the documents already there and continues, and a larger
 --n-per-task extends the run. A document file from another configuration stops the run (one line naming it).
-The output dir is locked against a second writer (`flashmemory.outdir.DirLock`). At the end (and with
+The output dir is locked against a second writer (`flashmemory.outdir.DirLock`) and marked as a quality run's (an
+`eval frontier` dir is refused, and the reverse: `eval.records.claim_run_dir`). At the end (and with
 --report-only at any time) `results.json` and `report.md` aggregate every finished document, each cell with its n
 and a 95% interval (`eval.intervals`).
 """
@@ -25,7 +26,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flashmemory.errors import UserError
-from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
+from flashmemory.eval.budgets import check_distinct
+from flashmemory.eval.records import (
+    DOCS_DIR,
+    check_n_per_task,
+    check_tasks,
+    claim_run_dir,
+    file_digest,
+    load_records,
+)
 
 RETRIEVER_DONE = "retriever.json"  # written once the run's retriever is trained (its path and summary)
 FORMAT = "flashmemory-quality/1"
@@ -51,10 +60,10 @@ class QualityConfig:
     def __post_init__(self) -> None:
         from flashmemory.eval.methods import METHODS
 
-        if self.n_per_task < 1:
-            raise UserError(f"--n-per-task {self.n_per_task}: must be >= 1")
+        check_n_per_task(self.n_per_task)
         if not self.budgets or any(not 0.0 < b <= 1.0 for b in self.budgets):
             raise UserError(f"--budgets {','.join(map(str, self.budgets))}: each must lie in (0, 1]")
+        check_distinct(self.budgets)
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
@@ -74,9 +83,7 @@ def demo_config(qc: QualityConfig):
             "flashmemory eval quality: the shipped trained model (flashmemory/hf/trained/dsv4-retrieval) "
             "is missing; quality numbers on random weights mean nothing"
         )
-    bad = [t for t in qc.tasks if t not in cfg.tasks]
-    if bad:
-        raise UserError(f"--tasks: {', '.join(bad)} not among the trained model's tasks ({', '.join(cfg.tasks)})")
+    check_tasks(qc.tasks, cfg.tasks, "the trained model's")
     return (replace(cfg, tau=qc.tau) if qc.tau else cfg), note
 
 
@@ -108,9 +115,11 @@ def fingerprint(cfg_dict: dict, qc: QualityConfig, methods: tuple[str, ...]) -> 
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_done(out: Path, fp: str) -> dict[int, dict]:
-    """{document index: record} of the finished documents under out/docs (`eval.records`)."""
-    return load_records(out, fp, FORMAT, "a quality run", "--out-dir")
+def load_done(out: Path, fp: str, budgets: tuple[float, ...] | None = None) -> dict[int, dict]:
+    """{document index: record} of the finished documents under out/docs (`eval.records`); budgets: the run's,
+    which every record must hold exactly (None: any)."""
+    keys = tuple(str(b) for b in budgets) if budgets is not None else None
+    return load_records(out, fp, FORMAT, "a quality run", "--out-dir", keys)
 
 
 def write_doc(out: Path, rec: dict) -> Path:
@@ -187,6 +196,7 @@ def run_quality(qc: QualityConfig, log=print, progress: bool = True, report_only
 
     out = prepare_dir(qc.out_dir, "--out-dir")
     with DirLock(out, "quality output directory"):
+        claim_run_dir(out, FORMAT, "--out-dir")
         return _run(qc, out, log, progress, report_only)
 
 
@@ -212,7 +222,7 @@ def _run(qc: QualityConfig, out: Path, log, progress: bool, report_only: bool) -
     cfg = replace(cfg, target_layers=targets, min_layers=min(cfg.min_layers, engine.n_c4_layers))
     fp = fingerprint(asdict(cfg), qc, methods)
     plan = doc_plan(cfg.n_train + cfg.n_val, cfg.tasks, qc.tasks, qc.n_per_task)
-    done = load_done(out, fp)
+    done = load_done(out, fp, qc.budgets)
     todo = [(i, t) for i, t in plan if i not in done]
     log(
         f"[quality] {note}; {len(plan)} held-out documents ({qc.n_per_task} per task), {len(plan) - len(todo)} done "

@@ -18,30 +18,35 @@ The record is the one the one-forward-per-method path writes (tests/eval/test_fr
 
 Budgets are stated as a share of history and as resident chunks per top-k (KMAX x page_chunks / index_topk).
 
-Resumable: each document's record goes atomically to out/docs/<i>.json with the run's fingerprint (everything
-its numbers depend on but the document count); a rerun skips finished documents, a record of another
-configuration stops the run naming its file, and the output dir is locked (`flashmemory.outdir.DirLock`).
+Resumable: each document's record goes atomically to out/docs/<i>.json with the run's settings and their
+fingerprint (everything its numbers depend on but the document count, the model and retriever by content:
+`eval.frontier_identity`); a rerun skips finished documents, a record of another configuration stops the run naming
+its file, the output dir is locked (`flashmemory.outdir.DirLock`) and marked as a frontier run's (an `eval quality`
+dir is refused, and the reverse). Records of the older fingerprint scheme are read for the report (--report-only)
+but never extended with new ones.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from flashmemory.errors import UserError
-from flashmemory.eval.records import DOCS_DIR, file_digest, load_records
+from flashmemory.eval.budgets import budget_key, check_distinct
+from flashmemory.eval.frontier_hisparse import hisparse_stats, prefetch_hint
+from flashmemory.eval.frontier_identity import TRAINED_TASKS, harness_config
+from flashmemory.eval.records import DOCS_DIR, check_n_per_task, check_tasks, claim_run_dir, load_records
 
 FORMAT = "flashmemory-frontier/1"
-TRAINED_TASKS = ("niah_single", "niah_multikey", "mqar")
 SWEEP_METHODS = ("FlashMemory", "FlashMemory+monitor", "Oracle", "Recency")
 PREFETCH = "HiSparse+prefetch"  # HiSparse whose hot buffer is also loaded with FlashMemory's set each cycle
 QUALITY_KEYS = ("agreement", "mass", "golden_recall", "task_score", "resident_frac")
+RECORD_FIELDS = ("seconds", "n_chunks", "prompt_len", "index_topk")  # what the report reads besides budgets
 
 
 @dataclass(frozen=True)
@@ -74,16 +79,17 @@ class FrontierConfig:
         from flashmemory.tasks.suite import TASKS
 
         known = METHODS + EXTRA_METHODS
-        if self.n_per_task < 1:
-            raise UserError(f"--n-per-task {self.n_per_task}: must be >= 1")
+        check_n_per_task(self.n_per_task)
         if len(self.budgets) < 1 or any(not 0.0 < b <= 1.0 for b in self.budgets):
             raise UserError(f"--budgets {','.join(map(str, self.budgets))}: give fractions in (0, 1]")
+        check_distinct(self.budgets)
         bad = [m for m in self.methods if m not in known]
         if bad or not self.methods:
             raise UserError(f"--methods: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}")
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad or not self.tasks:
-            raise UserError(f"--tasks: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
+        if not self.tasks:
+            raise UserError(f"--tasks: none given; choose from {', '.join(TRAINED_TASKS)}")
+        # the shipped model takes `eval quality`'s tasks; another model's are checked by content in settings()
+        check_tasks(self.tasks, TRAINED_TASKS if not self.model else tuple(TASKS), "the trained model's")
         for name, lo in (
             ("doc_len", 64),
             ("gen_tokens", 2),
@@ -110,55 +116,21 @@ def doc_plan(fc: FrontierConfig) -> list[tuple[int, str]]:
 
 
 def fingerprint(fc: FrontierConfig) -> str:
-    """sha256 (16 hex) of everything a document's numbers depend on (not out_dir or n_per_task)."""
-    key = {k: v for k, v in asdict(fc).items() if k not in ("out_dir", "n_per_task", "retriever")}
-    key["model"] = Path(fc.model).name if fc.model else "shipped"
-    key["retriever"] = file_digest(fc.retriever, "--retriever")
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """sha256 (16 hex) of the run's settings (`eval.frontier_identity.settings`: not out_dir or n_per_task)."""
+    from flashmemory.eval.frontier_identity import fingerprint_of, settings
+
+    return fingerprint_of(settings(fc))
 
 
-def load_done(out: Path, fp: str) -> dict[int, dict]:
-    """{document index: record} of the finished documents under out/docs (`eval.records`)."""
-    return load_records(out, fp, FORMAT, "a frontier run", "--out")
+def load_done(out: Path, fp: str, fc: FrontierConfig | None = None) -> dict[int, dict]:
+    """{document index: record} of the finished documents under out/docs (`eval.records`). With `fc`, records of
+    the legacy fingerprint scheme are read when their fingerprint is this configuration's with the shipped model
+    (`eval.frontier_identity`); each such record gets "legacy": True."""
+    from flashmemory.eval.frontier_identity import legacy_reader
 
-
-def hisparse_stats(run, slots: int, hint: dict[int, torch.Tensor] | None = None) -> dict | None:
-    """HiSparse's LRU swap-in replayed over the Full run's decode-row picks of every c4 layer with a hot buffer of
-    `slots` entries: {"hits", "misses", "hit_rate", "fast_path_calls", "calls"} summed over layers and steps
-    (sglang's PD admission: a request longer than the buffer starts it empty; hit rate 1 on the fast path,
-    history <= slots); None while the replay module is not installed (the report then marks the HiSparse cost
-    columns pending)."""
-    try:
-        from flashmemory.eval.hisparse_replay import replay_hisparse
-    except ImportError:
-        return None
-    P, T = run.prompt_len, run.n_steps
-    picks = []
-    for c in sorted(run.topk):
-        rows = run.topk[c][P : P + T]
-        picks.append([r[r >= 0].long() for r in rows])
-    lengths = [min((P + t + 1) // 4, run.index_chunks.shape[1]) for t in range(T)]
-    st = replay_hisparse(picks, lengths, slots, hint)
-    out = {
-        "hits": float(st.hits),
-        "misses": float(st.misses),
-        "hit_rate": float(st.hit_rate),
-        "fast_path_calls": float(st.fast_path_calls),
-        "calls": float(st.calls),
-    }
-    if hint is not None:
-        out |= {
-            "prefetched": float(st.prefetched),
-            "prefetch_hits": float(st.prefetch_hits),
-            "prefetch_wasted": float(st.prefetch_wasted),
-        }
-    return out
-
-
-def prefetch_hint(resident: torch.Tensor, tau: int) -> dict[int, torch.Tensor]:
-    """FlashMemory's resident set at each Level-1 cycle start (step t, t % tau == 0) as a HiSparse prefetch hint:
-    step -> its resident chunk positions, ascending (the replay keeps the first slots - k). resident: bool [T, N_c]."""
-    return {t: resident[t].nonzero().squeeze(1) for t in range(0, resident.shape[0], tau)}
+    legacy = legacy_reader(fc) if fc is not None else None
+    keys = tuple(budget_key(b) for b in fc.budgets) if fc is not None else None
+    return load_records(out, fp, FORMAT, "a frontier run", "--out", keys, RECORD_FIELDS, legacy)
 
 
 class Sweep:
@@ -166,8 +138,6 @@ class Sweep:
 
     def __init__(self, fc: FrontierConfig):
         from flashmemory.eval.frontier_cost import level1_flops, tiny_shapes
-        from flashmemory.eval.harness import HarnessConfig
-        from flashmemory.eval.monitored import MonitorEvalConfig
         from flashmemory.hf import HFEngine
         from flashmemory.retriever.checkpoint import check_fits, load_retriever
         from flashmemory.tasks.tokenizer import load_tokenizer
@@ -183,15 +153,7 @@ class Sweep:
         self.targets = tuple(self.retriever.layers)
         check_fits(self.retriever, fc.retriever, self.engine.hidden_size, self.engine.index_head_dim, self.targets)
         self.tok = load_tokenizer(None)
-        self.hc = HarnessConfig(
-            tau=fc.tau,
-            page_chunks=fc.page_chunks,
-            tail_chunks=fc.tail_chunks,
-            threshold=fc.threshold,
-            seed=fc.seed,
-            methods=fc.methods,
-            monitor=MonitorEvalConfig(search_from_target=True),
-        )
+        self.hc = harness_config(fc)
         self.shapes = tiny_shapes(self.engine, self.retriever, fc.tau, fc.page_chunks)
         self._l1 = level1_flops
 
@@ -302,7 +264,7 @@ class Sweep:
                 m["resident_per_topk"] = (
                     n_final if name == "Full" else min(kmax * fc.page_chunks, n_final)
                 ) / eng.index_topk
-            budgets[f"{b:g}"] = rows
+            budgets[budget_key(b)] = rows
         return {
             "budgets": budgets,
             "n_chunks": n_final,
@@ -328,6 +290,7 @@ def run_frontier(
 
     out = prepare_dir(fc.out_dir, "--out")
     with DirLock(out, "frontier output directory"):
+        claim_run_dir(out, FORMAT, "--out")
         return _run(fc, out, log, progress, report_only, max_docs, compare)
 
 
@@ -343,14 +306,22 @@ def _run(
     from tqdm import tqdm
 
     from flashmemory.atomic import atomic_write_text
+    from flashmemory.eval.frontier_identity import fingerprint_of, settings
     from flashmemory.eval.frontier_report import write_outputs
 
-    fp = fingerprint(fc)
+    key = settings(fc)
+    fp = fingerprint_of(key)
     plan = doc_plan(fc)
-    done = load_done(out, fp)
+    done = load_done(out, fp, fc)
     todo = [(i, t) for i, t in plan if i not in done]
     if max_docs is not None:
         todo = todo[:max_docs]
+    old = [i for i, r in done.items() if r.get("legacy")]
+    if todo and not report_only and old:
+        raise UserError(
+            f"--out {out}: its documents (e.g. {DOCS_DIR}/{old[0]:05d}.json) were written before records carried "
+            "their settings; report them with --report-only, or run new documents into another --out"
+        )
     log(
         f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(done)} done earlier, "
         f"{len(todo)} to run now; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}"
@@ -363,6 +334,7 @@ def _run(
             rec = {
                 "format": FORMAT,
                 "fingerprint": fp,
+                "settings": key,
                 "index": i,
                 "task": task,
                 "seconds": time.perf_counter() - t0,
@@ -378,5 +350,5 @@ def _run(
     if compare:
         from flashmemory.eval.frontier_compare import compare_lines
 
-        extra = compare_lines(recs, compare, FORMAT)
+        extra = compare_lines(recs, compare, FORMAT, fc=fc)
     return write_outputs(recs, fc, fp, len(plan), out, log, extra, compare)
