@@ -7,6 +7,7 @@ from tests.topk_ties import (
     assert_picks_agree,
     assert_scores_close,
     compare_picks,
+    flip_against,
     flip_boundary,
     greedy_agreement,
     row_tolerance,
@@ -39,6 +40,28 @@ def test_one_ulp_flip_of_a_near_tie_passes():
     assert (up, down) == (7, 5) and 1e-6 <= change < 2e-6
     d = assert_picks_agree(s, s.topk(1).indices, got, got.topk(1).indices, rtol=RTOL, atol=ATOL, what="x")
     assert d.near_tie_rows == [2]
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_flip_against_the_other_sides_picks_disagrees_whichever_way_this_side_rounded(swapped):
+    """The reference took entries {5, 9} of a row whose 2nd and 3rd scores are 1e-6 apart; this side's own
+    rounding put them in the same order (swapped False) or the other way (True: this CPU already picks {5, 7}).
+    A flip of this side's own boundary (`flip_boundary`) makes the sides agree in the swapped case; a flip
+    against the reference's picks makes them disagree by a near-tie either way."""
+    ref = _scores(1)[0]
+    ref[5], ref[9], ref[7] = 3.0, 2.5, 2.5 - 1e-6
+    ref_picks = ref.topk(2).indices
+    mine = ref.clone()
+    if swapped:
+        mine[9], mine[7] = mine[7], mine[9]
+    own, _, _, _ = flip_boundary(mine, 2)
+    assert set(own.topk(2).indices.tolist()) == ({5, 9} if swapped else {5, 7})
+    got, up, down, change = flip_against(mine, ref_picks)
+    assert (up, down) == (7, 9) and abs(change) < 2e-6 and set(got.topk(2).indices.tolist()) == {5, 7}
+    d = assert_picks_agree(ref, ref_picks, got, got.topk(2).indices, rtol=RTOL, atol=ATOL, what="x")
+    assert d.near_tie_rows == [0]
+    with pytest.raises(AssertionError, match="another entry scores between"):
+        flip_against(torch.tensor([3.0, 2.0, 2.0 - 1e-6, 1.0]), torch.tensor([0, 3]))  # 1 and 2 lie between
 
 
 def test_a_flip_beyond_the_tolerance_fails():

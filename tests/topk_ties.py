@@ -144,3 +144,28 @@ def flip_boundary(row: Tensor, k: int) -> tuple[Tensor, int, int, float]:
     out = row.clone()
     out[nxt] = torch.nextafter(row[kth], torch.tensor(float("inf"), dtype=row.dtype))
     return out, nxt, kth, float(out[nxt] - row[nxt])
+
+
+def flip_against(row: Tensor, picks: Tensor) -> tuple[Tensor, int, int, float]:
+    """A copy of `row` [N] (float; -inf entries are never picked) on which a top-k of `picks`' size picks the
+    OTHER side's `picks` [k] (int, -1 ignored) but one: the picked entry scoring lowest on `row` loses to the
+    unpicked entry scoring highest on it, raised (or lowered) to one ulp above it. The flip is built from the
+    other side's picks, not from this row's own order: where a near-tie already resolves the other way on this
+    row (another CPU's rounding), `flip_boundary` would undo the disagreement, this keeps it. Raises
+    AssertionError when the row's own scores do not allow it (another entry in between). Returns (new row, index
+    now picked, index now dropped, size of the change)."""
+    valid = picks[picks >= 0].long()
+    mine = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
+    mine[valid] = True
+    inside = int(valid[row[valid].argmin()])
+    others = torch.where(mine | ~torch.isfinite(row), torch.full_like(row, float("-inf")), row)
+    outside = int(others.argmax())
+    assert torch.isfinite(others[outside]), "row has no finite entry outside the picks"
+    out = row.clone()
+    out[outside] = torch.nextafter(row[inside], torch.tensor(float("inf"), dtype=row.dtype))
+    want = (mine & (torch.arange(row.shape[0], device=row.device) != inside)).clone()
+    want[outside] = True
+    got = torch.zeros_like(mine)
+    got[torch.topk(out, int(mine.sum())).indices] = True
+    assert torch.equal(got, want), "another entry scores between the two flipped ones: no one-ulp flip here"
+    return out, outside, inside, float(out[outside] - row[outside])

@@ -106,11 +106,14 @@ def test_prefill_decode_parity(micro, micro_ids, masked):
     torch.testing.assert_close(inc, full, rtol=0, atol=1e-4)
 
 
-def _tie_at(engine, pos: int, side: str):
+def _tie_at(engine, pos: int, side: str, ref_picks=None):
     """Hook on the first c4 indexer's scorer: at query position `pos`, put its 17th score one ulp below its 16th
-    (`side` "below": the 16th stays picked), one ulp above it ("above": the pick flips, a near-tie) or 1e-3 above
-    it ("far": the pick flips, a real difference). Works on full forwards and on cached decode steps."""
-    from tests.topk_ties import flip_boundary
+    (`side` "below": the 16th stays picked), or make it pick what the reference did not (`ref_picks` [k]: the
+    reference's picks there): the reference's lowest pick loses to the best other entry, set one ulp above it
+    ("above": a near-tie) or 1e-3 above it ("far": a real difference). The flip is built from the reference's
+    picks, not from this side's own order, so it holds whichever way this CPU rounds a near-tie. Works on full
+    forwards and on cached decode steps."""
+    from tests.topk_ties import flip_against, flip_boundary
 
     indexer = engine.model.model.layers[engine.c4_layers[0]].self_attn.compressor.indexer
     seen = {}
@@ -124,11 +127,13 @@ def _tie_at(engine, pos: int, side: str):
             return None
         out = out.clone()
         n = (pos + 1) // 4
-        flipped, up, down, _ = flip_boundary(out[0, row, :n], engine.index_topk)
         if side == "below":
+            flipped, up, down, _ = flip_boundary(out[0, row, :n], engine.index_topk)
             flipped[up] = torch.nextafter(flipped[down], torch.tensor(float("-inf")))
-        elif side == "far":
-            flipped[up] = flipped[down] + 1e-3
+        else:
+            flipped, up, down, _ = flip_against(out[0, row, :n], ref_picks)
+            if side == "far":
+                flipped[up] = flipped[down] + 1e-3
         out[0, row, :n] = flipped
         return out
 
@@ -147,7 +152,8 @@ def test_prefill_decode_parity_survives_a_near_tie_only(micro, micro_ids, side):
         full = engine.forward(ids).logits
     for h in hooks:
         h.remove()
-    hooks = _tie_at(engine, 130, side)
+    name = f"model.layers.{engine.c4_layers[0]}.self_attn.compressor.indexer"
+    hooks = _tie_at(engine, 130, side, ref_picks=pin.ref[name][1][0, 130])
     try:
         if side == "far":
             with pytest.raises(AssertionError, match="positions 130..130"):
