@@ -17,6 +17,17 @@ CPU server with tp > 1 on a host with fewer NUMA nodes than ranks:
   MQA (one KV head, replicated on every rank) and its attention asserts exactly one (models/deepseek_v4.py:1060).
   For DSv4 the config stays as it is once its query heads and output groups split evenly over the ranks
   (`o_groups` is split per rank, deepseek_v4.py:1036); otherwise one line names the setting and the server stops.
+
+Attention data parallelism (`--tp N --attn-dp-size M`) needs two more, both at the first forward:
+- batch padding: DP attention pads each rank's batch (`ForwardBatch._pad_inputs_to_size`,
+  model_executor/forward_batch_info.py:2014) with the seq_len the backend names; on CPU it asks for
+  `get_cpu_graph_seq_len_fill_value`, which `DeepseekV4AttnBackend` does not define (its CUDA twin,
+  deepseek_v4_backend.py:3382, says 1). Each DSv4 backend instance gets the CPU name bound to the CUDA one, so a
+  padded row is the one-token row the CUDA path pads with.
+- the token gather: `_dp_gather_via_all_reduce` (layers/dp_attention.py:708) sums the int32 token buffer with the
+  custom op `sglang::inplace_all_reduce`, which sglang registers for one device key (CUDA here), so a CPU tensor
+  finds no kernel. A CPU tensor is summed in place over the named group's gloo device group instead (what the op's
+  body does when no NCCL communicator exists); any other tensor goes to sglang's op.
 """
 
 from __future__ import annotations
@@ -96,6 +107,29 @@ def keep_dsv4_kv_head(
     return model_config
 
 
+def cpu_pad_fill_value(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `DeepseekV4AttnBackend.__init__`: `get_cpu_graph_seq_len_fill_value` (read when DP attention pads a
+    batch on CPU) answers what the backend's CUDA padding uses; a class that defines the CPU name keeps its own."""
+    if not hasattr(type(self), "get_cpu_graph_seq_len_fill_value"):
+        self.get_cpu_graph_seq_len_fill_value = self.get_cuda_graph_seq_len_fill_value
+
+
+def cpu_inplace_all_reduce(original: Callable, tensor: Any, group_name: str, *args: Any, **kwargs: Any) -> None:
+    """AROUND `sglang::inplace_all_reduce` (`tensor` summed in place over group `group_name`): a CPU tensor is
+    reduced by `torch.distributed` over that group's device group (gloo on CPU); others go to sglang's op."""
+    if getattr(tensor, "device", None) is None or tensor.device.type != "cpu":
+        return original(tensor, group_name, *args, **kwargs)
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import _groups
+
+    ref = _groups.get(group_name)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise ValueError(f"inplace_all_reduce: process group {group_name!r} is not registered or was destroyed")
+    dist.all_reduce(tensor, group=group.device_group)
+    return None
+
+
 TP_PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu",
@@ -122,5 +156,23 @@ TP_PATCHES: tuple[Patch, ...] = (
         f"{_TP}:keep_dsv4_kv_head",
         ("model_config", "load_config", "tp_size"),
         "configs/update_config.py:226 pads DSv4's single KV head to tp (deepseek_v4.py:1060 asserts 1)",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend.__init__",
+        "after",
+        f"{_TP}:cpu_pad_fill_value",
+        ("self",),
+        "model_executor/forward_batch_info.py:2014 DP attention pads with get_cpu_graph_seq_len_fill_value on CPU, "
+        "which the DSv4 backend lacks -> its CUDA fill value (deepseek_v4_backend.py:3382)",
+    ),
+    Patch(
+        "cpu",
+        "sglang.srt.distributed.parallel_state.inplace_all_reduce",
+        "around",
+        f"{_TP}:cpu_inplace_all_reduce",
+        ("tensor", "group_name"),
+        "layers/dp_attention.py:708 the DP token gather's sglang::inplace_all_reduce has no CPU kernel -> "
+        "torch.distributed over the group's gloo device group",
     ),
 )

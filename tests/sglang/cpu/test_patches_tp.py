@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import traceback
 import types
 
 import pytest
+import torch
 
 from flashmemory.sglang.cpu.patches_tp import (
     TP_PATCHES,
     bind_threads_per_rank,
     check_dsv4_tp,
+    cpu_inplace_all_reduce,
+    cpu_pad_fill_value,
     gloo_group_without_nccl,
     keep_dsv4_kv_head,
     split_cpus,
@@ -98,7 +103,86 @@ def test_dsv4_that_cannot_split_is_one_line() -> None:
     assert check_dsv4_tp(config("x", 8, 2).hf_config, 2) is None
 
 
+def test_dsv4_backend_pads_a_dp_batch_on_cpu_with_its_cuda_fill_value() -> None:
+    """DP attention pads each rank's batch with `get_cpu_graph_seq_len_fill_value()` on CPU, which sglang's DSv4
+    backend lacks; after its __init__ hook the name answers the backend's CUDA fill value (1)."""
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+    backend = object.__new__(DeepseekV4AttnBackend)  # the real class, without building a model runner
+    with pytest.raises(AttributeError, match="get_cpu_graph_seq_len_fill_value"):
+        backend.get_cpu_graph_seq_len_fill_value()  # stock: the first padded forward stops here
+    cpu_pad_fill_value(None, backend)
+    assert backend.get_cpu_graph_seq_len_fill_value() == backend.get_cuda_graph_seq_len_fill_value() == 1
+
+    class OwnCpuValue(DeepseekV4AttnBackend):
+        def get_cpu_graph_seq_len_fill_value(self) -> int:
+            return 7
+
+    own = object.__new__(OwnCpuValue)
+    cpu_pad_fill_value(None, own)
+    assert own.get_cpu_graph_seq_len_fill_value() == 7 and "get_cpu_graph_seq_len_fill_value" not in vars(own)
+
+
+def _reduce_rank(rank: int, init: str, out: "mp.Queue") -> None:
+    """One of two gloo ranks: sglang's op on a CPU tensor (stock: no CPU kernel), then the row's version."""
+    try:
+        import torch.distributed as dist
+        from sglang.srt.distributed import parallel_state as ps
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        coordinator = types.SimpleNamespace(unique_name="fm_test_tp", device_group=dist.group.WORLD)
+        ps._groups["fm_test_tp"] = lambda: coordinator
+        tokens = torch.tensor([rank + 1, 10 * (rank + 1)], dtype=torch.int32)
+        try:
+            ps.inplace_all_reduce(tokens.clone(), group_name="fm_test_tp")
+            stock = "ran"
+        except (NotImplementedError, RuntimeError) as e:
+            stock = type(e).__name__ + ": " + str(e).splitlines()[0]
+        cpu_inplace_all_reduce(ps.inplace_all_reduce, tokens, "fm_test_tp")
+        try:
+            cpu_inplace_all_reduce(ps.inplace_all_reduce, tokens.clone(), "fm_no_such_group")
+            missing = ""
+        except ValueError as e:
+            missing = str(e)
+        out.put((rank, stock, tokens.tolist(), missing))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, traceback.format_exc(), None, None))
+
+
+def test_dp_token_gather_sums_cpu_tensors_over_the_named_gloo_group(tmp_path) -> None:
+    """`_dp_gather_via_all_reduce` sums the int32 token buffer with `sglang::inplace_all_reduce`, registered for
+    CUDA only: on a CPU tensor sglang's op finds no kernel; the row sums it in place over the group's gloo group."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reduce_rank, args=(r, f"file://{tmp_path / 'rdv'}", out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, stock, tokens, missing = out.get(timeout=120)
+            assert tokens is not None, stock
+            got[rank] = (stock, tokens, missing)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for stock, tokens, missing in got.values():
+        assert stock != "ran" and "CPU" in stock, stock  # stock: no CPU kernel for the op
+        assert tokens == [3, 30]  # (1 + 2, 10 + 20), in place, on both ranks
+        assert "'fm_no_such_group' is not registered" in missing
+
+
+def test_non_cpu_tensors_go_to_sglangs_op() -> None:
+    calls = []
+    meta = torch.empty(2, device="meta")
+    cpu_inplace_all_reduce(lambda t, name: calls.append((t.device.type, name)), meta, "tp")
+    assert calls == [("meta", "tp")]
+
+
 def test_rows_match_the_installed_sglang() -> None:
     for p in TP_PATCHES:
-        assert p.feature == "cpu" and p.kind == "around"
+        assert p.feature == "cpu" and p.kind in ("around", "after")
         check_signature(p)
