@@ -39,10 +39,10 @@ from flashmemory.costmodel import (
     hisparse_bytes,
     n_chunks,
 )
-from flashmemory.costmodel.admission import capacity, sized
+from flashmemory.costmodel.admission import sized
 from flashmemory.costmodel.anchors import Fitted, fit, launch_node
 from flashmemory.costmodel.presets import H20_NODE, Preset
-from flashmemory.costmodel.projections import kmax_for
+from flashmemory.costmodel.projections import auto_ratio_capacity, kmax_for
 from flashmemory.errors import fail
 
 G, M = 1e9, 1e6
@@ -399,8 +399,8 @@ def run(args: argparse.Namespace) -> int:
                     hs,
                     p.hw.overhead_ms,
                     args.turnover,
-                    capacity(p, "disk", 1048576, kmax_for(1048576), hs, dk)[0],
-                    capacity(p, "hisparse", 1048576, hs=hs)[0],
+                    auto_ratio_capacity(p, "disk", 1048576, kmax_for(1048576), hs, dk)[1],
+                    auto_ratio_capacity(p, "hisparse", 1048576, 1, hs)[1],
                 ),
             }
         )

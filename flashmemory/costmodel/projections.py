@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from flashmemory.costmodel.admission import capacity, tok_s
 from flashmemory.costmodel.anchors import Fitted, calibrated_hisparse, fit, launch_node
+from flashmemory.costmodel.disk import DiskKnobs
 from flashmemory.costmodel.hisparse import HiSparseKnobs
 from flashmemory.costmodel.pools import SGLANG_SWA_RATIO, auto_swa_ratio
 from flashmemory.costmodel.presets import Preset
@@ -29,17 +30,17 @@ def with_swa_ratio(p: Preset, ratio: float | None) -> Preset:
 
 
 def auto_ratio_capacity(
-    p: Preset, arm: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs()
+    p: Preset, arm: str, ctx: int, kmax: int = 1, hs: HiSparseKnobs = HiSparseKnobs(), dk: DiskKnobs = DiskKnobs()
 ) -> tuple[float, int, str]:
     """(ratio, requests, what binds) for `arm` launched with the smallest --swa-full-tokens-ratio for what its
     pools admit (`pools.auto_swa_ratio`; launch_decode.sh's SWA_RATIO=auto with TGT_CONC set to that)."""
     ratio, _ = auto_swa_ratio(
-        lambda r: capacity(with_swa_ratio(p, r), arm, ctx, kmax, hs)[0] // p.serving.dp,
+        lambda r: capacity(with_swa_ratio(p, r), arm, ctx, kmax, hs, dk)[0] // p.serving.dp,
         p.serving.running_per_rank,
         ctx,
         p.serving,
     )
-    n, bound = capacity(with_swa_ratio(p, ratio), arm, ctx, kmax, hs)
+    n, bound = capacity(with_swa_ratio(p, ratio), arm, ctx, kmax, hs, dk)
     return ratio, n, bound
 
 
