@@ -10,7 +10,8 @@ tests/sglang/test_core_boundary.py checks `flashmemory/sglang/`). It calls the l
   stores         `store_chunks` (bytes the caller's storage holds, into the mirror and the resident cells;
                  a decode step hands them to `sync_batch` as `BatchSync.stores` instead),
                  `refresh_cells` (graph safe, one layer's chunk rows into their resident cells),
-                 `settle_cells` (bytes a caller's kernel stored in reserve cells, into the mirror),
+                 `settle_cells` (bytes a caller's kernel stored in reserve cells, into the mirror;
+                 `stage_settle` / `apply_settle`: the same without a host wait, in two halves),
                  `store_index_pages` (whole Path-I index-K pages into the mirror), `storage` (the tensors a
                  caller lends its own pool, e.g. the reserve as sglang's shrunk c4 pool).
   queries        `snapshot_rows`, `gen`, `n_chunks`, `cells`, `target_keys`, `metrics`, `totals`, `occupancy`,

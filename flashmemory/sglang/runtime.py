@@ -51,11 +51,9 @@ def host_seq_lens(forward_batch: Any, rids: list[str]) -> torch.Tensor:
     (kept by `prepare_for_decode`, no device sync; the guard's view zeroes its failed rows there too); one D2H
     copy only where the batch has no host copy.
 
-    Host syncs left on the decode thread per step, each needed because the host mirror or the core's host
-    bookkeeping must hold device values: the pool page table (`OffloadAdapter.begin_step`, only on steps where a
-    row is admitted or opens a page); in copy mode, the pool bytes of the chunks a step closes (`_append_round`)
-    and their re-read after the forward (`settle_before_step`); in shrink mode the reserve -> mirror settle;
-    the side band's freshness check (first forward of each batch size). Counted in tests/sglang/test_host_syncs.py."""
+    Blocking operations left on the decode thread are listed (with their cost) and counted in
+    tests/sglang/test_decode_blocking.py; the side band's freshness check (first forward of each batch size) is
+    one more."""
     cpu = getattr(forward_batch, "seq_lens_cpu", None)
     if cpu is None or cpu.shape[0] < len(rids):
         return forward_batch.seq_lens[: len(rids)].cpu()
