@@ -78,6 +78,7 @@ class PdDecode:
         width = max(-(-int(a) // 64) for a in after)
         table = torch.tensor([(self.reqs[r][0] + [0] * width)[:width] for r in rids])
         self.ad.begin_step(rids, table, seq)
+        self.batch = list(rids)  # batch row i picks for rids[i] (cells_of resolves each row's own pages)
         out = torch.tensor(
             [self.reqs[r][0][int(b) // 64] * 64 + int(b) % 64 if a > b else 0 for r, b, a in zip(rids, before, after)]
         )
@@ -112,9 +113,16 @@ class PdDecode:
         return torch.tensor(sorted(x for x in out if x in self.truth))
 
     def check_resident(self, rids: list[str]) -> int:
-        """Every resident loc of these requests reads its true bytes in both c4 buffers; returns how many."""
-        locs = self.locs(rids)
-        cells = self.ad.cells_of(locs.view(1, -1))[0].long()
+        """Every resident loc of these requests reads its true bytes in both c4 buffers; returns how many. Each
+        request's locs are asked on its own row of the last step's batch, as its top-k picks are."""
+        per = {r: self.locs([r]) for r in rids}
+        width = max(1, max(int(x.numel()) for x in per.values()))
+        table = torch.full((len(self.batch), width), -1, dtype=torch.int64)
+        for r, x in per.items():
+            table[self.batch.index(r), : x.numel()] = x
+        cells_all = self.ad.cells_of(table).long()
+        locs = torch.cat([per[r] for r in rids])
+        cells = torch.cat([cells_all[self.batch.index(r), : per[r].numel()] for r in rids])
         res = cells >= 0
         for l in range(2):
             got = self.lay.kv.read_chunks(
