@@ -33,13 +33,13 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n 2 -m "not live and not slow" --durations=10 tests
 
 # The numerics-sensitive tests (paths that compare top-k picks, argmax tokens or float outputs of two code paths)
-# under the kernels of other CPUs: MKL restricted to AVX2 or AVX-512, ATen's vector kernels at AVX2, and both AVX2
-# settings together. Every setting runs; the line at the end names those that failed. More settings to try by hand
-# (docs/testing.md): ATEN_CPU_CAPABILITY=default (scalar kernels), MKL_CBWR=COMPATIBLE.
+# under the kernels of other CPUs: MKL restricted to AVX2 or AVX-512, ATen's vector kernels at AVX2, both AVX2
+# settings together, and ATen's scalar kernels (default: the setting that flipped the near-tie test on an AMD EPYC
+# as it flipped on Sapphire Rapids). Every setting runs; the line at the end names those that failed.
 PORTABLE_TESTS := tests/tiny tests/hf tests/labels tests/eval tests/test_topk_ties.py tests/offload/test_engine.py \
   tests/residency tests/retriever tests/dump/test_hf_backend.py tests/sglang/cpu/test_equivalence.py
 PORTABLE_ENVS := MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX512 ATEN_CPU_CAPABILITY=avx2 \
-  MKL_ENABLE_INSTRUCTIONS=AVX2,ATEN_CPU_CAPABILITY=avx2
+  MKL_ENABLE_INSTRUCTIONS=AVX2,ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default
 test-portable: $(STAMP)
 	@failed=""; for s in $(PORTABLE_ENVS); do e="$$(echo "$$s" | tr , ' ')"; echo "== test-portable: $$e"; \
 	  env $$e $(BIN)/python -m pytest -q -n 2 -p no:cacheprovider -m "not live and not slow" $(PORTABLE_TESTS) \
