@@ -152,6 +152,9 @@ def sparse_decode_torch(
 
 
 def after_backend_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    from flashmemory.sglang.cpu.patches_tp import cpu_pad_fill_value
+
+    cpu_pad_fill_value(result, self)
     if getattr(self, "_flash_mla_with_kvcache", None) is None:
         self._flash_mla_with_kvcache = sparse_decode_torch
         self._swa_interleaved = self.token_to_kv_pool.get_swa_key_layout().is_interleaved

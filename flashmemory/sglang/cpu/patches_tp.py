@@ -108,8 +108,10 @@ def keep_dsv4_kv_head(
 
 
 def cpu_pad_fill_value(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `DeepseekV4AttnBackend.__init__`: `get_cpu_graph_seq_len_fill_value` (read when DP attention pads a
-    batch on CPU) answers what the backend's CUDA padding uses; a class that defines the CPU name keeps its own."""
+    """Part of the CPU layer's one AFTER hook on `DeepseekV4AttnBackend.__init__` (`patches_runtime.after_backend_init`;
+    sglang's HookRegistry applies a target once): `get_cpu_graph_seq_len_fill_value` (read when DP attention pads a
+    batch on CPU, model_executor/forward_batch_info.py:2014) answers the backend's CUDA fill value
+    (deepseek_v4_backend.py:3382); a class that defines the CPU name keeps its own."""
     if not hasattr(type(self), "get_cpu_graph_seq_len_fill_value"):
         self.get_cpu_graph_seq_len_fill_value = self.get_cuda_graph_seq_len_fill_value
 
@@ -156,15 +158,6 @@ TP_PATCHES: tuple[Patch, ...] = (
         f"{_TP}:keep_dsv4_kv_head",
         ("model_config", "load_config", "tp_size"),
         "configs/update_config.py:226 pads DSv4's single KV head to tp (deepseek_v4.py:1060 asserts 1)",
-    ),
-    Patch(
-        "cpu",
-        "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend.__init__",
-        "after",
-        f"{_TP}:cpu_pad_fill_value",
-        ("self",),
-        "model_executor/forward_batch_info.py:2014 DP attention pads with get_cpu_graph_seq_len_fill_value on CPU, "
-        "which the DSv4 backend lacks -> its CUDA fill value (deepseek_v4_backend.py:3382)",
     ),
     Patch(
         "cpu",
