@@ -46,7 +46,10 @@ class EngineConfig:
     decode_pages: int = 8  # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96  # per-request cap on recalled pages (KMAX)
     landing_blocks: int = 0  # reserve scratch blocks for prefill stores (sglang shrink mode)
-    warm_step_pages: int = 16  # admission warm start: pages copied per `sync_batch`, across its admissions
+    # admission warm start: pages copied per `sync_batch`, across its admissions (no host wait either way). The
+    # default copies every admitted page in its first step, so a full budget decodes stock's tokens; a smaller
+    # bound spreads a burst of arrivals, and the pages past it come with the first Level-1 cycle.
+    warm_step_pages: int = 1 << 30
     mirror_slots: int = 0  # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
     pin_memory: bool | None = None  # None = pin when CUDA is present
 

@@ -92,6 +92,8 @@ def write_diagnostics(rt: Any) -> None:
         "level2_bufs": list(rt.bufs.sel_pages.shape) if rt.bufs is not None else None,
     }
     if rt.engine is not None:
+        if os.path.exists(path) and rt.engine.live_history() == 0:
+            return  # no live request (idle flush): the file keeps the last decode step's state
         d.update(rt.engine.stats())
         d["mode"] = rt.engine.mode
     weights = next(iter(rt.retriever.parameters()), None) if rt.retriever is not None else None

@@ -350,6 +350,10 @@ class OffloadAdapter:
             return self.resident_pages(self.step_rows)
         return self._step_pages
 
+    def live_history(self) -> int:
+        """c4 chunks of the live requests' histories (O(1), the core's running total); 0 when none is live."""
+        return int(self.engine.totals()["history_chunks"])
+
     def stats(self) -> dict[str, float]:
         """The keys of `flashmemory.sglang.prometheus.METRICS`, from the core's running totals (O(1): no scan of
         requests, no device read; the exporter thread calls it)."""

@@ -22,10 +22,12 @@ def admission(row: int, n: int, warm: int) -> RowSync:
 
 
 def test_a_burst_of_admissions_copies_at_most_the_step_budget():
-    cfg = EngineConfig(max_rows=6, max_chunks=64, recall_blocks=32, decode_pages=2, max_resident_pages=4)
+    cfg = EngineConfig(
+        max_rows=6, max_chunks=64, recall_blocks=32, decode_pages=2, max_resident_pages=4, warm_step_pages=16
+    )
     eng = OffloadEngine(LAYOUT, cfg)
     # Six requests of 6 pages (24 chunks) arrive in one step, each asking for its newest 4 pages (3 to copy);
-    # the default budget is 16 pages a step.
+    # a budget of 16 pages a step.
     res = eng.sync_batch(BatchSync(rows=tuple(admission(r, 24, 4) for r in range(6)), batch=tuple(range(6))))
     resident = [sorted(p for p in row.tolist() if p >= 0) for row in res.resident]
     # r0..r4: newest page + 3 older ones (15 pages); r5: its newest page + the one page the budget has left.

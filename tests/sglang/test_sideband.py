@@ -142,6 +142,7 @@ def _fresh_guard(monkeypatch) -> list[str]:
 
 def test_hook_under_capture_has_no_host_sync_or_allocation(live, monkeypatch):
     pool, eng, r2t, seen = live
+    eng.size_batch(3)  # the per-batch-row loc map holds the 3 rows, as Runtime.level2_buffers sizes it pre-capture
     s = torch.tensor([2 * PAGE + 4])
     x = torch.randn(3, HIDDEN)
     fb, backend, idx = _forward(pool, ["a"], s, x, torch.tensor([9, 8, 7]))
