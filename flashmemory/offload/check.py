@@ -62,6 +62,7 @@ def _running_totals(eng: OffloadEngine, resident_chunks: int) -> list[str]:
 
 
 def check_invariants(eng: OffloadEngine) -> list[str]:
+    eng.flush_lands()  # admissions on their way to the mirror land first (the mirror is compared below)
     bad: list[str] = []
     lay, res, pc = eng.layout, eng.reserve, eng.layout.page_chunks
     with eng.lock:

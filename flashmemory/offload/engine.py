@@ -23,6 +23,7 @@ import torch
 from flashmemory.offload import streams
 from flashmemory.offload.access import CoreAccess
 from flashmemory.offload.counters import OffloadMetrics
+from flashmemory.offload.landing import DeviceLanding, PendingLand
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.lru import PageLRU
 from flashmemory.offload.lut import ChunkLUT
@@ -46,10 +47,10 @@ class EngineConfig:
     decode_pages: int = 8  # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96  # per-request cap on recalled pages (KMAX)
     landing_blocks: int = 0  # reserve scratch blocks for prefill stores (sglang shrink mode)
-    # admission warm start: pages copied per `sync_batch`, across its admissions (no host wait either way). The
-    # default copies every admitted page in its first step, so a full budget decodes stock's tokens; a smaller
-    # bound spreads a burst of arrivals, and the pages past it come with the first Level-1 cycle.
-    warm_step_pages: int = 1 << 30
+    # admission warm start from the host mirror: pages copied host -> device per `sync_batch`, across its
+    # admissions (see `sync_batch`). Admissions whose rows are on the device (copy mode) warm from them instead
+    # and are not counted against it.
+    warm_step_pages: int = 16
     mirror_slots: int = 0  # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
     pin_memory: bool | None = None  # None = pin when CUDA is present
 
@@ -62,7 +63,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.mirror_pages, landing_blocks and mirror_slots must be >= 0")
 
 
-class OffloadEngine(CoreAccess):
+class OffloadEngine(CoreAccess, DeviceLanding):
     """The serving core. Chunk tensors are uint8 chunk rows for all `layout.n_layers` layers:
     kv [n_layers, n, kv_chunk_bytes] (584 B), index [n_layers, n, index_chunk_bytes] (D+4 B).
     """
@@ -105,6 +106,8 @@ class OffloadEngine(CoreAccess):
             reserve=self.reserve, tables=self.tables, stats=self.stats, order=self.order, lock=threading.RLock(),
         )  # fmt: skip
         self.recaller = Recaller(self.recall_state)
+        self.lands: list[PendingLand] = []  # admissions on their way to the mirror (`landing`)
+        self.recall_state.before_read = self.ensure_landed  # a recall reads a row's mirror pages once they landed
         self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock  # the recaller's
 
     def make_mirror(self, n_pages: int) -> HostMirror:
@@ -199,8 +202,8 @@ class OffloadEngine(CoreAccess):
                 ring=[-1] * self.cfg.decode_pages,
             )
             m = self._mchunks(st, 0, n)
-            if kv is not None:
-                self.land(row, st, m, kv, index)
+            if kv is not None:  # device rows reach the mirror without a host wait (`landing`)
+                self._stage_land(row, st, m, kv, index)
             elif index is not None:
                 self.mirror.write_index(m, index)
             if index is not None:
@@ -313,9 +316,10 @@ class OffloadEngine(CoreAccess):
                 with self.on_main_stream():
                     self._ring_block(row, st, page, upto=st.n_chunks)
 
-    def _ring_block(self, row: int, st: RowState, page: int, upto: int | None = None) -> int:
-        """Decode block of `page`, opened (copied from the mirror) if needed. upto: chunks of the history to map,
-        default n_chunks + 1 (the chunk being appended)."""
+    def _ring_block(self, row: int, st: RowState, page: int, upto: int | None = None, src: Any = None) -> int:
+        """Decode block of `page`, opened (copied from the mirror, or from src = (kv, index), the admission's rows
+        on the device, `landing`) if needed. upto: chunks of the history to map, default n_chunks + 1 (the chunk
+        being appended)."""
         if page in st.ring:
             return self.reserve.decode_block(row, st.ring.index(page))
         slot = st.ring_next
@@ -324,11 +328,14 @@ class OffloadEngine(CoreAccess):
         blk = self.reserve.decode_block(row, slot)
         mp = st.mpages[page]
         upto = st.n_chunks + 1 if upto is None else upto
-        if st.n_chunks > page * self.layout.page_chunks:  # chunks of it are in the mirror only: copy the page up
-            src = self.mirror.rows(torch.tensor([mp]))  # the page's DRAM row (its id without a window)
-            self.reserve.kv[:, blk] = streams.like(self.mirror.kv[:, src], self.reserve.kv)[:, 0]
+        c0 = page * self.layout.page_chunks
+        if src is not None and st.n_chunks > c0:  # the admission's rows: device to device
+            self.write_pages([blk], [c0], min(self.layout.page_chunks, st.n_chunks - c0), *src)
+        elif st.n_chunks > c0:  # chunks of it are in the mirror only: copy the page up
+            srow = self.mirror.rows(torch.tensor([mp]))  # the page's DRAM row (its id without a window)
+            self.reserve.kv[:, blk] = streams.like(self.mirror.kv[:, srow], self.reserve.kv)[:, 0]
             if self.reserve.index.shape[0]:
-                self.reserve.index[:, blk] = streams.like(self.mirror.index[:, src], self.reserve.index)[:, 0]
+                self.reserve.index[:, blk] = streams.like(self.mirror.index[:, srow], self.reserve.index)[:, 0]
         # else a fresh page: its first chunk is the one being appended, written into the block by its store
         st.ring[slot] = page
         st.ring_next = (slot + 1) % len(st.ring)
@@ -370,23 +377,32 @@ class OffloadEngine(CoreAccess):
                 for mp in st.mpages:
                     self.lut.clear_page(mp)
                 self.lut.row_pages[row].fill_(-1)
+            self.drop_lands(row)
             self.mirror.free(st.mpages)
             self.rows[row] = None
             self.tables.rebuild([row])
             self.stats.retire(st.rid)
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
-        """One decode step's lifecycle in one call, in this order: the caller's stores (`sync.stores`, one hold of
-        the lock), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then
-        the warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as
-        the separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
+        """One decode step's lifecycle in one call, in this order: admissions of earlier steps whose rows reached
+        the host mirror are written there (`apply_lands`); the caller's stores (`sync.stores`, one hold of the
+        lock), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then the
+        warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as the
+        separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
         pages and history of the synced rows, resident pages of `sync.batch`.
 
-        The host never waits for the device here. The warm starts copy at most `cfg.warm_step_pages` pages per
-        call, newest pages first, in batch order; their copies are not waited for (the next forward's stream
-        waits for them). An admission past that budget starts with its newest page (and whatever the budget
-        left); its first Level-1 cycle, due after its first forward, brings the rest on the worker. Until those
-        pages land the request attends over the pages resident for it, as Level 2 does between cycles."""
+        The host never waits for the device here. What a new request attends from its first decode step on: its
+        whole warm set (its newest `warm_pages` pages, the newest one in a decode block), nothing missing, as
+        long as the step's warm budget holds it; its pages are in the tables when this returns, and the forward
+        stream orders their bytes before the forward that reads them.
+        - An admission whose rows live where the reserve does (copy mode: read from sglang's device pool) warms
+          from those rows, device to device (`warm_from_rows`): no host link crossed, no budget, always whole.
+        - An admission from the host mirror (shrink mode: PD landed it there) copies host -> device, at most
+          `cfg.warm_step_pages` pages per call across such admissions, newest pages first, in batch order. The
+          caller keeps a burst within it by holding requests back until the next step (`warm_pages_of` gives
+          each one's cost); an admission past it would start with its newest page and whatever the budget left
+          (the rest with its first Level-1 cycle)."""
+        self.apply_lands()
         if sync.stores is not None:
             s = sync.stores
             self.store_chunks(s.m, s.layers, s.kv, s.index)
@@ -398,10 +414,13 @@ class OffloadEngine(CoreAccess):
             a = rs.admit
             if a is not None:
                 self.admit(a.row, a.kv, a.index, rid=a.rid, mpages=a.mpages, n_chunks=a.n_chunks)
-                self.open_tail_page(a.row)  # the newest page is readable from the first step on
-                n = min(a.warm_pages, budget + 1)  # warm_pages counts the newest page, held already
-                if n > 1:  # older pages until the first cycle, copied without a host wait
-                    budget -= self.recaller.warm_start(a.row, n, wait=False)
+                if a.kv is not None and self.near(a.kv):
+                    self.warm_from_rows(a.row, a.warm_pages, a.kv, a.index)
+                else:
+                    self.open_tail_page(a.row)  # the newest page is readable from the first step on
+                    n = min(a.warm_pages, budget + 1)  # warm_pages counts the newest page, held already
+                    if n > 1:  # older pages, copied without a host wait
+                        budget -= self.recaller.warm_start(a.row, n, wait=False)
             if rs.add_pages:
                 self.add_pages(rs.row, rs.add_pages)
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
@@ -411,6 +430,11 @@ class OffloadEngine(CoreAccess):
             return SyncResult(
                 cells, {r: tuple(st.mpages) for r, st in sts.items()}, {r: st.n_chunks for r, st in sts.items()}, res
             )
+
+    def warm_pages_of(self, n_chunks: int, warm_pages: int) -> int:
+        """Host -> device pages the warm start of an admission of n_chunks asking for warm_pages copies (its
+        newest page excluded: a decode block, opened apart): what it takes of `cfg.warm_step_pages`."""
+        return max(0, min(warm_pages, self.layout.pages_for(n_chunks)) - 1)
 
     def after_stores(self, sync: BatchSync) -> None:
         """Inside `sync_batch`, once the step's stores are in the mirror and before any row changes: nothing here

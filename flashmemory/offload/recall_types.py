@@ -49,6 +49,8 @@ class RecallState:
     stats: OffloadMetrics
     order: ForwardOrder
     lock: Any = field(default_factory=threading.RLock)
+    # called with the rows of a plan before their mirror pages are read (the lock not held): pending lands first
+    before_read: Any = None
 
 
 @dataclass(frozen=True)

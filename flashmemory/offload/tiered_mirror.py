@@ -151,7 +151,7 @@ class TieredEngine(OffloadEngine):
         into the tier (packed from the chunk rows, LAND_BATCH pages at a time), sealed from the start. Without a
         window, the plain engine's write. Runs under the engine lock (inside `admit`)."""
         pc = self.layout.page_chunks
-        head = (st.n_chunks - 1) // pc if self.mirror.slot_of is not None else 0
+        head = (m.numel() - 1) // pc if self.mirror.slot_of is not None else 0  # the admission's chunks
         if head == 0:
             return super().land(row, st, m, kv, index)
         if index is None and self.layout.offload_index_layers:
@@ -179,8 +179,9 @@ class TieredEngine(OffloadEngine):
         return super().sync_batch(sync)
 
     def after_stores(self, sync: BatchSync) -> None:
-        """Seal the rows not finishing in this step, after the step's stores: a sealed page never changes again."""
-        self.seal(skip=set(sync.finished))
+        """Seal the rows not finishing in this step, after the step's stores: a sealed page never changes again.
+        A row whose admission has not reached the mirror yet (`landing`) is sealed once it has."""
+        self.seal(skip=set(sync.finished) | self.landing_rows())
 
     def finish(self, row: int) -> None:
         """The plain finish, then the request's pages leave the host cache and the disk (space returns)."""
@@ -235,6 +236,7 @@ class TieredEngine(OffloadEngine):
         a page's window slot); the tier reads run without the engine lock (the planned blocks are in flight: no
         one else reads or writes them)."""
         rec, lay = self.recaller, self.layout
+        self.ensure_landed({e[0] for e in plan.entries})  # unsealed pages are read from the mirror below
         k, n_ix = len(plan.entries), self.mirror.index.shape[0]
         kv = torch.zeros((lay.n_layers, k, lay.kv_page_bytes), dtype=torch.uint8)
         ix = torch.zeros((n_ix, k, lay.index_page_bytes), dtype=torch.uint8)

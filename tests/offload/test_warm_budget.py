@@ -1,6 +1,8 @@
-"""An admission's warm start is bounded per decode step (`EngineConfig.warm_step_pages`): a burst of arrivals
-copies at most that many pages in one `sync_batch`, newest pages first and in batch order; every admission holds
-its newest page from its first step, and the pages past the budget come with its first Level-1 cycle."""
+"""An admission's warm start from host memory is bounded per decode step (`EngineConfig.warm_step_pages`): a burst
+of such arrivals copies at most that many pages host -> device in one `sync_batch`, newest pages first and in
+batch order; every admission holds its newest page from its first step, and the pages past the budget come with
+its first Level-1 cycle (a caller keeps bursts within the budget, `warm_pages_of`, so that never happens). Device
+rows warm from themselves, unbounded: tests/offload/test_landing.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, chec
 from flashmemory.offload.sync import Admission, BatchSync, RowSync
 from flashmemory.residency.level1 import AllPass, Level1, Level1Config
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
+from tests.support.cuda_standin import count_blocking
 
 LAYOUT = OffloadLayout.tiny(n_layers=3, page_chunks=4, target_layers=(1,))
 
@@ -21,13 +24,13 @@ def admission(row: int, n: int, warm: int) -> RowSync:
     return RowSync(row, Admission(row, f"r{row}", n, kv=kv, index=ix, warm_pages=warm))
 
 
-def test_a_burst_of_admissions_copies_at_most_the_step_budget():
-    cfg = EngineConfig(
-        max_rows=6, max_chunks=64, recall_blocks=32, decode_pages=2, max_resident_pages=4, warm_step_pages=16
-    )
+def test_a_burst_of_host_admissions_copies_at_most_the_step_budget(monkeypatch):
+    count_blocking(monkeypatch)  # the reserve on the (stand-in) device, the admissions' rows in host memory
+    cfg = EngineConfig(max_rows=6, max_chunks=64, recall_blocks=32, decode_pages=2, max_resident_pages=4)
     eng = OffloadEngine(LAYOUT, cfg)
     # Six requests of 6 pages (24 chunks) arrive in one step, each asking for its newest 4 pages (3 to copy);
-    # a budget of 16 pages a step.
+    # the default budget of 16 pages a step.
+    assert cfg.warm_step_pages == 16 and eng.warm_pages_of(24, 4) == 3 and eng.warm_pages_of(3, 4) == 0
     res = eng.sync_batch(BatchSync(rows=tuple(admission(r, 24, 4) for r in range(6)), batch=tuple(range(6))))
     resident = [sorted(p for p in row.tolist() if p >= 0) for row in res.resident]
     # r0..r4: newest page + 3 older ones (15 pages); r5: its newest page + the one page the budget has left.

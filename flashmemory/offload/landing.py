@@ -1,0 +1,200 @@
+"""Admissions whose chunk rows are already on the core's device (copy mode reads a new request's history from
+sglang's device pool): their warm start copies from those rows, and their host-mirror copy travels without a
+host wait. Mixed into `OffloadEngine` (engine.py); `sync_batch` takes this path for an admission whose `kv`
+lives where the reserve does.
+
+warm     The request's newest page (a decode block) and its older warm pages (recall blocks, planned as any warm
+         start) are written from the admission's own rows, device to device, on the forward stream, before the
+         forward that first decodes the request. Nothing crosses the host link, so these pages are not held to
+         `EngineConfig.warm_step_pages`, and the request's first decode step attends its whole warm set: the pages
+         are in the tables and the forward stream orders their bytes before it, nothing is missing.
+land     The same rows go to the host mirror through page-locked staging (a non_blocking copy on the forward
+         stream and an event: `_stage_land`). `apply_lands`, at the start of each `sync_batch`, writes a land into
+         the mirror once its copy is complete (`done.query()`), and waits for one still pending after
+         `STAGED_STEPS` steps. Nothing reads a row's mirror pages before its land is applied: a recall copy
+         (Level 1's worker, the disk tier's `copy_plan`) first waits for and applies the lands of its rows
+         (`ensure_landed`, the worker's wait, never the decode thread's in practice: lands are complete and applied
+         a step after they are staged); the disk tier seals a row only once it has landed; `check_invariants`
+         applies every land first. A land whose request finished (or whose row was reused) is dropped.
+Without streams (CPU) the rows are written into the mirror at once: there is nothing to wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashmemory.offload import streams
+from flashmemory.offload.recall_types import RecallRequest
+
+if TYPE_CHECKING:
+    from flashmemory.offload.layout import OffloadLayout
+    from flashmemory.offload.lut import ChunkLUT
+    from flashmemory.offload.recall import Recaller
+    from flashmemory.offload.reserve import DeviceReserve
+    from flashmemory.offload.rows import RowState
+    from flashmemory.offload.streams import ForwardOrder
+
+STAGED_STEPS = 3  # `sync_batch` calls a land may stay pending before `apply_lands` waits for it
+
+
+@dataclass(eq=False)
+class PendingLand:
+    """An admission's rows on their way to the host mirror: engine row and generation, mirror chunks m int64 [n]
+    (host), kv uint8 [n_layers, n, kv_chunk_bytes] and index uint8 [n_layers, n, index_chunk_bytes] (or None) in
+    pinned host buffers filled by a device copy that `done` (a CUDA event) marks complete; age: `apply_lands`
+    calls it has waited through."""
+
+    row: int
+    gen: int
+    m: torch.Tensor
+    kv: torch.Tensor
+    index: torch.Tensor | None
+    done: Any
+    age: int = 0
+
+
+class DeviceLanding:
+    """Mixed into `OffloadEngine`; the attributes below are the engine's (built in its constructor)."""
+
+    layout: OffloadLayout
+    reserve: DeviceReserve
+    lut: ChunkLUT
+    order: ForwardOrder
+    recaller: Recaller
+    rows: list[RowState | None]
+    lands: list[PendingLand]
+    lock: Any
+
+    def _live(self, row: int) -> RowState:  # engine.py
+        raise NotImplementedError
+
+    def _ring_block(self, row: int, st: RowState, page: int, upto: int | None = None, src: Any = None) -> int:
+        raise NotImplementedError  # engine.py
+
+    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+        raise NotImplementedError  # engine.py (the disk tier overrides it)
+
+    def near(self, t: torch.Tensor | None) -> bool:
+        """Whether chunk rows `t` live where the reserve does (device rows for a device reserve; any rows on CPU):
+        an admission of such rows warms from them (`warm_from_rows`)."""
+        return t is not None and streams.is_device(t) == streams.is_device(self.reserve.kv)
+
+    # ---- the mirror copy ---------------------------------------------------------------------------
+    def _stage_land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: Any) -> None:
+        """Inside `admit` (lock held): device rows kv / index of mirror chunks m [n] start for the mirror (see
+        the module doc); without streams, or from host rows, they are written now (`land`)."""
+        if not (self.order.enabled and streams.is_device(kv)):
+            self.land(row, st, m, kv.cpu(), None if index is None else index.cpu())
+            return
+        with self.order.on_stream():
+            kv_h = streams.pinned_empty(tuple(kv.shape), kv.dtype)
+            kv_h.copy_(kv, non_blocking=True)
+            ix_h = None
+            if index is not None:
+                ix_h = streams.pinned_empty(tuple(index.shape), index.dtype)
+                ix_h.copy_(index, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.order.stream)
+        self.lands.append(PendingLand(row, st.gen, m.cpu().long(), kv_h, ix_h, done))
+
+    def _land_now(self, p: PendingLand) -> None:
+        """Write a complete land into the mirror (lock held); dropped if its request is gone."""
+        st = self.rows[p.row]
+        if st is not None and st.gen == p.gen:
+            self.land(p.row, st, p.m, p.kv, p.index)
+
+    def apply_lands(self, wait_after: int = STAGED_STEPS) -> int:
+        """Decode thread, at the start of a step: write the lands whose copies are complete into the mirror; one
+        pending for `wait_after` calls is waited for (a host sync; under the overlap scheduler its copy finished
+        long before). Returns the lands applied."""
+        with self.lock:
+            if not self.lands:
+                return 0
+            left, n = [], 0
+            for p in self.lands:
+                p.age += 1
+                if not p.done.query():
+                    if p.age < wait_after:
+                        left.append(p)
+                        continue
+                    p.done.synchronize()
+                self._land_now(p)
+                n += 1
+            self.lands[:] = left
+            return n
+
+    def ensure_landed(self, rows: Iterable[int]) -> None:
+        """Before reading the mirror pages of `rows` (any thread, lock not held): wait for their pending lands and
+        apply them. A no-op when none is pending (the usual case: lands are applied a step after admission)."""
+        want = set(rows)
+        with self.lock:
+            mine = [p for p in self.lands if p.row in want]
+        if not mine:
+            return
+        for p in mine:
+            p.done.synchronize()  # outside the lock: decode keeps running meanwhile
+        with self.lock:
+            for p in mine:
+                if p in self.lands:
+                    self.lands.remove(p)
+                    self._land_now(p)
+
+    def landing_rows(self) -> set[int]:
+        """Rows whose admission has not reached the mirror yet (read under the lock)."""
+        with self.lock:
+            return {p.row for p in self.lands}
+
+    def flush_lands(self) -> None:
+        """Wait for and apply every pending land (tests, checks, shutdown)."""
+        self.ensure_landed([p.row for p in list(self.lands)])
+
+    def drop_lands(self, row: int) -> None:
+        """The request in `row` finishes (lock held): its pending lands are dropped."""
+        self.lands[:] = [p for p in self.lands if p.row != row]
+
+    # ---- the warm start ---------------------------------------------------------------------------
+    def warm_from_rows(self, row: int, kmax: int, kv: torch.Tensor, index: torch.Tensor | None) -> int:
+        """A new row's newest page and its older pages up to `kmax` in all, written from its admission rows kv /
+        index (uint8 [n_layers, n_chunks, chunk bytes], where the reserve lives) on the forward stream; no host
+        wait, no read of the mirror. Returns the older pages published (counted as warm_start_pages)."""
+        pc = self.layout.page_chunks
+        with self.lock:
+            st = self._live(row)
+            gen, n = st.gen, st.n_chunks
+            tail = (n - 1) // pc
+            if tail not in st.recall and tail not in st.ring:
+                with self.order.on_stream():
+                    self._ring_block(row, st, tail, upto=n, src=(kv, index))
+        older = tuple(range(max(0, tail + 1 - kmax), tail))
+        if not older:
+            return 0
+        req = RecallRequest(row=row, gen=gen, pages=older, priority=tuple(float(p) for p in older))
+        plan = self.recaller.plan([req], count_cycle=False)
+        if plan.entries:
+            with self.order.on_stream():  # after every forward that may read a victim's old bytes
+                self.write_pages([e[4] for e in plan.entries], [e[2] * pc for e in plan.entries], pc, kv, index)
+            plan.nbytes = len(plan.entries) * (
+                self.reserve.kv.shape[0] * self.reserve.kv.shape[2]
+                + self.reserve.index.shape[0] * self.reserve.index.shape[2]
+            )
+        return self.recaller.publish(plan, also_count="warm_start_pages")
+
+    def write_pages(
+        self, blocks: list[int], starts: list[int], count: int, kv: torch.Tensor, index: torch.Tensor | None
+    ) -> None:
+        """reserve block blocks[i] <- chunks [starts[i], starts[i] + count) of rows kv [n_layers, n, kv_chunk_bytes]
+        (and the Path-I layers of index [n_layers, n, index_chunk_bytes]), at offsets 0.. of the block; on the
+        current stream, index tensors staged through pinned memory (no host wait)."""
+        j = torch.cat([torch.arange(s, s + count) for s in starts])
+        dst = torch.tensor(blocks, dtype=torch.int64).repeat_interleave(count)
+        offs = torch.arange(count).repeat(len(blocks))
+        dd, od = streams.like(dst, self.reserve.kv), streams.like(offs, self.reserve.kv)
+        self.layout.kv.write_chunks(self.reserve.kv, dd, od, kv.index_select(1, streams.like(j, kv)))
+        ol = self.layout.offload_index_layers
+        if self.reserve.index.shape[0] and index is not None:
+            sel = index.index_select(0, streams.like(torch.tensor(ol, dtype=torch.int64), index))
+            self.layout.index.write_chunks(self.reserve.index, dd, od, sel.index_select(1, streams.like(j, index)))
