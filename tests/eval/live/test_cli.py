@@ -1,0 +1,47 @@
+"""`flashmemory eval live`'s flags: --help, and bad input as one line naming the flag (no traceback)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flashmemory.errors import UserError
+from flashmemory.eval.live.cli import config_from_args, register_live
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    register_live(p.add_subparsers())
+    return p.parse_args(["live", *argv])
+
+
+def test_defaults_and_chunk_flags():
+    cfg = config_from_args(_parse(["--arms", "stock,HiSparse", "--budgets", "0.1", "--max-docs", "3"]))
+    assert [a.key for a in cfg.arms] == ["stock", "HiSparse@0.1"] and cfg.max_docs == 3 and cfg.hold_s == 600.0
+    assert cfg.tasks == ("niah_single", "niah_multikey", "mqar") and cfg.n_per_task == 8
+    assert config_from_args(_parse(["--report-only"])).max_docs == 0
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--arms", "Full"], "--arms: unknown Full"),
+        (["--budgets", "0"], "--budgets"),
+        (["--n-per-task", "0"], "--n-per-task 0"),
+        (["--tasks", "nope"], "--tasks: unknown nope"),
+        (["--server-env", "1BAD"], "--server-env '1BAD'"),
+        (["--hold-minutes", "0"], "--hold-minutes 0"),
+        (["--replay", "/no/such/run"], "--replay /no/such/run"),
+    ],
+)
+def test_bad_flags_name_themselves(argv, msg):
+    with pytest.raises(UserError, match=msg.replace("(", r"\(")):
+        config_from_args(_parse(argv))
+
+
+def test_help_mentions_the_lock(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--help"])
+    out = capsys.readouterr().out
+    assert "--lock" in out and "live-server lock" in out and "--max-docs" in out
