@@ -251,7 +251,7 @@ class Recaller:
         if not plan.entries:
             return
         if self.source is not None:
-            self.source.copy_plan(plan)
+            self.source.copy_plan(plan, wait)
         else:
             self._copy_from_mirror(plan, wait)
         plan.nbytes = len(plan.entries) * (

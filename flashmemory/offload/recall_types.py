@@ -89,6 +89,7 @@ class RecallPlan:
 
 class PageSource(Protocol):
     """Copies a plan's pages into the reserve in place of the mirror gather (`Recaller.source`). It may drop
-    entries (cancelled, blocks freed) and set `plan.error` for their request; the rest must be copied."""
+    entries (cancelled, blocks freed) and set `plan.error` for their request; the rest must be copied. wait=False:
+    as `Recaller.copy`'s (no host wait for the device copy: fresh pinned staging, `plan.ready` marks it)."""
 
-    def copy_plan(self, plan: RecallPlan) -> None: ...
+    def copy_plan(self, plan: RecallPlan, wait: bool = True) -> None: ...

@@ -230,11 +230,12 @@ class TieredEngine(OffloadEngine):
             out.append(str(st.rid) if sealed else None)
         return out, live
 
-    def copy_plan(self, plan: RecallPlan) -> None:
+    def copy_plan(self, plan: RecallPlan, wait: bool = True) -> None:
         """Copy the plan's pages into the reserve, sealed ones through the tier (see the module doc). The unsealed
         pages' mirror bytes are staged in the same lock hold that decides which pages are sealed (a seal releases
         a page's window slot); the tier reads run without the engine lock (the planned blocks are in flight: no
-        one else reads or writes them)."""
+        one else reads or writes them). wait=False (the decode thread): the host does not wait for the device
+        copy (`_to_reserve`); a read of a page not in host memory still waits for the disk (counted)."""
         rec, lay = self.recaller, self.layout
         self.ensure_landed({e[0] for e in plan.entries})  # unsealed pages are read from the mirror below
         k, n_ix = len(plan.entries), self.mirror.index.shape[0]
@@ -284,7 +285,7 @@ class TieredEngine(OffloadEngine):
             plan.entries[:] = [plan.entries[j] for j in keep]
             kv, ix = kv[:, keep], ix[:, keep]
             plan.error = next(iter(bad.values()))
-        self._to_reserve(plan, kv, ix)
+        self._to_reserve(plan, kv, ix, wait)
 
     def held_page(self, row: int, page: int) -> bytes:
         """The tier's bytes of logical page `page` of the request in `row` (`offload.check` reads released pages
@@ -293,14 +294,26 @@ class TieredEngine(OffloadEngine):
             rid = str(self._live(row).rid)
         return self.tier.peek(rid, page)
 
-    def _to_reserve(self, plan: RecallPlan, kv: torch.Tensor, ix: torch.Tensor) -> None:
+    def _to_reserve(self, plan: RecallPlan, kv: torch.Tensor, ix: torch.Tensor, wait: bool = True) -> None:
         """reserve[:, block_j] = staged page j, for kv [L, K, W] and Path-I ix [Li, K, Wi] (the mirror path's copy
-        discipline: the side stream waits for the main one, the worker waits for the side one)."""
+        discipline: the side stream waits for the main one, the worker waits for the side one; wait=False: fresh
+        pinned staging, no copy_lock and no host wait, `plan.ready` marks the copy for the publish's stream)."""
         if not plan.entries:
             return
         rec = self.recaller
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = rec.side_stream
+        if not wait and side is not None:
+            src = torch.arange(len(plan.entries))
+            with self.order.copy_context():
+                plan.staging.append(gather_copy(kv, self.reserve.kv, src, dst))
+                if rec.copy_hook is not None:
+                    rec.copy_hook()
+                if self.reserve.index.shape[0]:
+                    plan.staging.append(gather_copy(ix, self.reserve.index, src, dst))
+                plan.ready = torch.cuda.Event()
+                plan.ready.record(side)
+            return
         if side is not None:
             side.wait_stream(rec.main_stream)
         with rec.copy_lock, torch.cuda.stream(side) if side is not None else nullcontext():

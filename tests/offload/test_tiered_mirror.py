@@ -193,3 +193,30 @@ def test_build_engine_is_the_plain_engine_with_the_tier_off(tmp_path, caplog):
     finally:
         eng.close()
     assert not list(tmp_path.iterdir()), "the store file outlived close()"
+
+
+def test_an_unwaited_copy_through_the_tier_leaves_no_host_wait(tmp_path, monkeypatch):
+    """The decode thread's copies (an admission's warm start, a lockstep cycle: `copy(wait=False)`) through the tier
+    stage into fresh pinned memory and mark the copy with an event: no synchronize on the calling thread; the
+    publish's stream waits for it. The bytes are the tier-off engine's."""
+    from tests.support.cuda_standin import count_blocking, on_thread, reset
+
+    count_blocking(monkeypatch)  # reserve on the stand-in device; the rows below in host memory
+    plain, tier = OffloadEngine(LAYOUT, CFG), tiered(tmp_path, cache_pages=3)
+    g = torch.Generator().manual_seed(3)
+    try:
+        admit_step((plain, tier), [(0, "a", 30), (1, "b", 26)], g)
+        for _ in range(3):
+            decode_step((plain, tier), [0, 1], g)  # seals complete pages into the tier
+        tier.tier.drop_clean()
+        reset()
+        for e in (plain, tier):
+            snap = e.snapshot_rows()
+            e.recaller.recall([RecallRequest(r, snap[r][0], (0, 1, 2), (3.0, 2.0, 1.0)) for r in (0, 1)], wait=False)
+        waits = [b for b in on_thread() if b.kind == "sync"]
+        assert not waits, [b.where for b in waits]
+        assert tier.tier_stats()["disk_bytes_read"] > 0  # the tier really carried them
+        assert torch.equal(plain.reserve.kv, tier.reserve.kv) and torch.equal(plain.lut.table, tier.lut.table)
+        assert not check_invariants(tier)
+    finally:
+        tier.close()
