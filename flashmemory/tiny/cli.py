@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "model",
         help="train-tiny (a tiny DeepSeek-V4 that retrieves) | probe (how it retrieves) | "
-        "build-serving (the tiny checkpoint sglang serves on CPU)",
+        "build-serving (the tiny checkpoint sglang serves on CPU) | pad (the trained one in sglang's geometry)",
     )
     msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     t = msub.add_parser(
@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     from flashmemory.hf.serving_build import add_build_serving
 
     add_build_serving(msub)
+    from flashmemory.hf.pad_build import add_pad
+
+    add_pad(msub)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
