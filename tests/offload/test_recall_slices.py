@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import flashmemory.offload.recall as recall_mod
+import flashmemory.offload.recall_plan as recall_mod
 from flashmemory.offload import EngineConfig, OffloadEngine, OffloadLayout, RecallRequest, check_invariants
 from tests.offload.test_sync_batch import state
 

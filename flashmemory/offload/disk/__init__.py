@@ -13,11 +13,12 @@ exit (`owned`), a killed one's by the next store that opens in the same director
 import logging
 
 from flashmemory.env import DiskTierConfig
-from flashmemory.offload.disk.cache import DiskTierCounters, HostPageCache
+from flashmemory.offload.disk.cache import HostPageCache
 from flashmemory.offload.disk.faults import FaultPlan, FaultyFileOps
 from flashmemory.offload.disk.fileops import ALIGN, FileOps, OsFileOps
 from flashmemory.offload.disk.format import disk_page_bytes, pack_page, unpack_page
 from flashmemory.offload.disk.store import CorruptPageError, DiskTierError, PageStore, remove_stale_stores
+from flashmemory.offload.disk.writer import DiskTierCounters
 
 __all__ = [
     "DiskTierCounters",
