@@ -55,7 +55,7 @@ class LiveArm:
 
     def settings(self, doc_len: int, index_topk: int, tau: int, threshold: float, tail_chunks: int) -> dict:
         """What this arm's servers are started with (JSON-ready): part of every record's fingerprint."""
-        s: dict = {"kind": self.kind, "budget": self.budget}
+        s: dict = {"kind": self.kind, "budget": self.budget, "top_k": index_topk}
         if self.kind in ("FlashMemory", "HiSparse+prefetch"):
             s |= {"tau": tau, "threshold": threshold, "tail_chunks": tail_chunks}
         if self.kind == "FlashMemory":
@@ -63,7 +63,6 @@ class LiveArm:
             s["resident_chunks"] = s["kmax_pages"] * SERVE_PAGE_CHUNKS
         if self.kind.startswith("HiSparse"):
             s["hot_slots"] = self.hot_slots(doc_len, index_topk)
-            s["top_k"] = index_topk
         return s
 
 

@@ -196,7 +196,12 @@ def register_live(sub: argparse._SubParsersAction) -> None:
         help="recompute the replay's tokens per document (the shipped model, ~10 s a document, cached in --out) "
         "to find the first token where live and replay part",
     )
-    p.add_argument("--lock", default="/tmp/fm-live.lock", help="the live-server lock file (default %(default)s)")
+    p.add_argument(
+        "--lock",
+        default="/tmp/fm-live.lock",
+        help="the live-server lock file, taken per stack (default %(default)s); do not also wrap the command in "
+        "`flock` on the same file (the two would wait for each other); '' takes none",
+    )
     p.add_argument("--hold-minutes", type=float, default=10.0, help="hand the lock back after this long (default 10)")
     p.add_argument(
         "--max-docs", type=int, default=None, help="run at most this many new documents per arm, then report"

@@ -60,6 +60,22 @@ def replay_rows(replay: str, arms: tuple[LiveArm, ...], indices: list[int]) -> d
 
 
 REPLAY_KEYS = ("doc_len", "gen_tokens", "tau", "threshold", "tail_chunks", "first_doc", "seed", "tasks")
+DOC_KEYS = ("doc_len", "gen_tokens", "seed", "tasks")  # settings that make document i another document
+
+
+def topk_notes(replay: str, done: dict[str, dict[int, dict]]) -> list[str]:
+    """A line naming the index top-k of each side when they differ (the served model's against the replay's)."""
+    live = {r["settings"].get("top_k") for recs in done.values() for r in recs.values() if "top_k" in r["settings"]}
+    p = next(iter(sorted((Path(replay) / "docs").glob("*.json"))), None) if replay else None
+    if p is None or not live:
+        return []
+    try:
+        rk = json.loads(p.read_text(encoding="utf-8")).get("index_topk")
+    except (OSError, ValueError):
+        return []
+    if rk is None or live == {rk}:
+        return []
+    return [f"Index top-k: live {', '.join(map(str, sorted(live)))} (the served model's), replay {rk}"]
 
 
 def replay_config(replay: str) -> dict:

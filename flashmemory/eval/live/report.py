@@ -81,6 +81,7 @@ def arm_summary(arm: str, recs: dict[int, dict], stock: dict[int, dict], replay:
                 if i in stock
                 else None,
                 "live_text": recs[i].get("text", ""),
+                "replay_tokens": rt is not None,
             }
         )
     return {
@@ -206,8 +207,8 @@ def markdown(res: dict, command: str, notes: list[str], words) -> str:
                 f"{d['replay_token']} {words([d['replay_token']])!r})"
                 if pos is not None and d["live_token"] is not None and d["replay_token"] is not None
                 else "tokens equal to the replay's"
-                if pos is None and d["replay_score"] is not None
-                else "replay tokens not computed"
+                if pos is None and d["replay_tokens"]
+                else "replay tokens not computed (--replay-tokens)"
             )
             st = d["first_diff_vs_stock"]
             L.append(
@@ -239,26 +240,34 @@ def command_line(cfg) -> str:
 def write_report(cfg, out: Path, done: dict[str, dict[int, dict]], log=print) -> dict:
     """Aggregate and write live.json and live.md (atomically) into `out`."""
     from flashmemory.atomic import atomic_write_text
-    from flashmemory.eval.live.replay import ReplayTokens, replay_config, replay_rows, setting_differences
+    from flashmemory.eval.live.replay import (
+        DOC_KEYS,
+        REPLAY_KEYS,
+        ReplayTokens,
+        replay_config,
+        replay_rows,
+        setting_differences,
+        topk_notes,
+    )
     from flashmemory.tasks.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer)
     indices = sorted({i for recs in done.values() for i in recs})
-    replay = replay_rows(cfg.replay, cfg.arms, indices)
+    live_settings = {k: getattr(cfg, k) for k in REPLAY_KEYS}
+    differ = setting_differences(live_settings, replay_config(cfg.replay))
+    notes = [f"Setting differs from the replay's: {d}" for d in differ]
+    same_docs = not any(d.split(":")[0] in DOC_KEYS for d in differ)
+    if cfg.replay and not same_docs:
+        notes.append("The replay's documents are not these (a document setting differs): no replay column")
+    replay = replay_rows(cfg.replay, cfg.arms, indices) if same_docs else {}
+    notes += topk_notes(cfg.replay, done)
     rtoks: dict[int, dict] = {}
-    if cfg.replay_tokens and cfg.replay and cfg.replay_retriever:
+    if cfg.replay_tokens and cfg.replay and cfg.replay_retriever and same_docs:
         rt = ReplayTokens(out, cfg.replay_retriever, cfg.budgets, cfg, log)
         docs = {i: r for recs in done.values() for i, r in recs.items()}
         for i in indices:
             rtoks[i] = rt.tokens(i, docs[i]["task"], docs[i]["doc"])
     res = aggregate(cfg, done, replay, rtoks)
-    live_settings = {
-        k: getattr(cfg, k)
-        for k in ("doc_len", "gen_tokens", "tau", "threshold", "tail_chunks", "first_doc", "seed", "tasks")
-    }
-    notes = [
-        f"Setting differs from the replay's: {d}" for d in setting_differences(live_settings, replay_config(cfg.replay))
-    ]
     res["replay"] = cfg.replay
     atomic_write_text(out / "live.json", json.dumps(res, indent=1, default=float))
 

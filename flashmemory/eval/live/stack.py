@@ -84,9 +84,11 @@ class LiveLock:
     """The shared live-server lock, blocking: `with LiveLock(path):` holds it (waiting, with one line, when busy)."""
 
     def __init__(self, path: str | os.PathLike, log=print):
-        self.path, self.log, self.fd = Path(path), log, None
+        self.path, self.log, self.fd = Path(path) if str(path) else Path(""), log, None
 
     def __enter__(self) -> LiveLock:
+        if not str(self.path) or str(self.path) == ".":  # --lock '': the caller holds the lock (or wants none)
+            return self
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -161,8 +163,15 @@ class LiveSession:
     def complete(self, prompt: str, max_tokens: int) -> Completion:
         return complete(self.stack.router_url, prompt, max_tokens)
 
-    def metrics(self) -> dict[str, float]:
-        return read_metrics(self.stack.decode_url)
+    def metrics(self, settle_s: float = 10.0) -> dict[str, float]:
+        """D's flashmemory_* samples once no request is live on it (FlashMemory publishes a finished request's
+        last counters when it leaves; up to `settle_s` seconds), else as they are."""
+        deadline = time.monotonic() + settle_s
+        m = read_metrics(self.stack.decode_url)
+        while m.get("flashmemory_live_requests", 0.0) > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            m = read_metrics(self.stack.decode_url)
+        return m
 
     def held_s(self) -> float:
         return time.monotonic() - self.t0

@@ -88,3 +88,22 @@ def test_first_difference_and_setting_differences():
     assert first_difference([1, 2], [1, 2]) is None
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1 and first_difference([1], [1, 2]) == 1
     assert setting_differences({"tau": 16, "tasks": ("a",)}, {"tau": 64, "tasks": ["a"]}) == ["tau: live 16, replay 64"]
+
+
+def test_write_report_drops_the_replay_column_for_other_documents(tmp_path, model_dir, retriever):
+    """Document 8 of a 256-token run is not document 8 of the replay's 4,096-token run: no replay numbers."""
+    from flashmemory.eval.live.report import write_report
+
+    write_replay(tmp_path / "r", {8: (1.0, 0.5)})
+    done = {"stock": {8: rec(STOCK, 8, "niah_single", 0.0, [1, 2]) | {"settings": {"kind": "stock", "top_k": 512}}}}
+    for doc_len, has_replay in ((256, False), (4096, True)):
+        cfg = small_config(tmp_path / "out", model_dir, retriever, arms=(STOCK,), doc_len=doc_len, gen_tokens=24)
+        cfg = type(cfg)(**{**cfg.__dict__, "replay": str(tmp_path / "r"), "tasks": ("niah_single",)})
+        (tmp_path / "out").mkdir(exist_ok=True)
+        res = write_report(cfg, tmp_path / "out", done, log=lambda *a: None)
+        md = (tmp_path / "out" / "live.md").read_text()
+        assert (res["arms"]["stock"]["same_docs"] == 1) is has_replay
+        assert ("no replay column" in md) is not has_replay
+        if has_replay:  # replay tokens were not asked for: the difference says so, never "equal"
+            assert "replay tokens not computed" in md and "tokens equal to the replay's" not in md
+            assert "Index top-k: live 512 (the served model's), replay" not in md  # the stand-in replay has none
