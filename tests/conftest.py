@@ -50,7 +50,13 @@ LIVE = "tests/sglang/live/"
 # shared servers on the live worker (that worker was the suite's critical path: 29 of its 29.5 minutes).
 LIVE_OWN = tuple(
     LIVE + m
-    for m in ("test_equivalence.py", "test_live_dump.py", "test_bad_checkpoint_startup.py", "test_layout_refusal.py")
+    for m in (
+        "test_equivalence.py",
+        "test_live_dump.py",
+        "test_bad_checkpoint_startup.py",
+        "test_layout_refusal.py",
+        "test_eval_live.py",
+    )
 )
 SHARED_FIXTURES = ("stock_server", "live_servers", "stock")
 
