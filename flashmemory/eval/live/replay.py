@@ -8,8 +8,8 @@ replay ran with (DIR/frontier.json), so the report names any that differ from th
 .Sweep`, the shipped trained model, FlashMemory alone at the live budgets): Full's free-running greedy tokens and
 FlashMemory's tokens as the replay scores them (teacher-forced on Full's response: equal to a free-running decode up
 to the first token where it departs from Full). HiSparse is exact in the replay, so its tokens are Full's. They are
-cached per document under out/replay/<i>.json, keyed by the replay's settings fingerprint and the document; the
-cached FlashMemory task score is checked against the replay frontier's record of the same document, when present.
+cached per document under out/replay/<i>.json, keyed by the replay's settings fingerprint and the document; their
+task scores are checked against the replay frontier's records of the same documents (`ReplayTokens.check`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class ReplayTokens:
         self.out, self.retriever, self.budgets, self.cfg, self.log = out, retriever, budgets, cfg, log
         self._sweep = None
         self._fp: str | None = None
+        self.scores: dict[int, dict[str, float]] = {}  # document -> the replay's task score per arm key
 
     def _frontier_config(self):
         from flashmemory.eval.frontier.run import FrontierConfig
@@ -147,13 +148,29 @@ class ReplayTokens:
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
             if rec.get("fingerprint") == fp and rec.get("doc") == doc_digest:
+                self.scores[index] = rec.get("task_score") or {}
                 return rec["tokens"]
         except (OSError, ValueError, AttributeError):
             pass
         toks, scores = self._compute(index, task)
         rec = {"fingerprint": fp, "doc": doc_digest, "index": index, "tokens": toks, "task_score": scores}
         atomic_write_text(path, json.dumps(rec))
+        self.scores[index] = scores
         return toks
+
+    def check(self, replay: dict[str, dict[int, dict]]) -> list[str]:
+        """A line for every document whose recomputed replay score is not the replay run's record (the replay
+        engine or its settings changed since that run: its tokens would not be the ones scored there)."""
+        out = []
+        for i, sc in sorted(self.scores.items()):
+            for arm, rows in replay.items():
+                ref = "Full" if arm == "stock" else arm if arm.startswith("FlashMemory") else None
+                if ref in sc and i in rows and abs(float(rows[i]["task_score"]) - sc[ref]) > 1e-9:
+                    out.append(
+                        f"Replay tokens of document {i} score {sc[ref]:.3f} as {ref}; the replay run's record "
+                        f"{float(rows[i]['task_score']):.3f} ({arm}): the replay engine changed since that run"
+                    )
+        return out
 
     def _compute(self, index: int, task: str) -> tuple[dict[str, list[int]], dict[str, float]]:
         """Run the replay for one document, keeping the token lists each method's score was computed from."""

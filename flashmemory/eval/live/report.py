@@ -267,6 +267,7 @@ def write_report(cfg, out: Path, done: dict[str, dict[int, dict]], log=print) ->
         docs = {i: r for recs in done.values() for i, r in recs.items()}
         for i in indices:
             rtoks[i] = rt.tokens(i, docs[i]["task"], docs[i]["doc"])
+        notes += rt.check(replay)
     res = aggregate(cfg, done, replay, rtoks)
     res["replay"] = cfg.replay
     atomic_write_text(out / "live.json", json.dumps(res, indent=1, default=float))

@@ -107,3 +107,13 @@ def test_write_report_drops_the_replay_column_for_other_documents(tmp_path, mode
         if has_replay:  # replay tokens were not asked for: the difference says so, never "equal"
             assert "replay tokens not computed" in md and "tokens equal to the replay's" not in md
             assert "Index top-k: live 512 (the served model's), replay" not in md  # the stand-in replay has none
+
+
+def test_replay_tokens_whose_scores_are_not_the_replay_runs_are_named(tmp_path):
+    from flashmemory.eval.live.replay import ReplayTokens
+
+    rt = ReplayTokens(tmp_path, "r", (0.1,), cfg=None)
+    rt.scores = {8: {"Full": 1.0, "FlashMemory@0.1": 0.5}, 9: {"Full": 0.0, "FlashMemory@0.1": 0.0}}
+    replay = {"stock": {8: {"task_score": 1.0}, 9: {"task_score": 1.0}}, "FlashMemory@0.1": {8: {"task_score": 0.5}}}
+    (line,) = rt.check(replay)
+    assert line.startswith("Replay tokens of document 9 score 0.000 as Full; the replay run's record 1.000 (stock)")
