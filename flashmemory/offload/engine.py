@@ -47,9 +47,9 @@ class EngineConfig:
     decode_pages: int = 8  # decode-region pages per row (512 chunks at 64-chunk pages)
     max_resident_pages: int = 96  # per-request cap on recalled pages (KMAX)
     landing_blocks: int = 0  # reserve scratch blocks for prefill stores (sglang shrink mode)
-    # admission warm start from the host mirror: pages copied host -> device per `sync_batch`, across its
-    # admissions (see `sync_batch`). Admissions whose rows are on the device (copy mode) warm from them instead
-    # and are not counted against it.
+    # admission warm start from the host mirror: pages a step may copy host -> device, spent by a caller that
+    # holds requests back (`step.admit_within`); an admission handed to `sync_batch` is always copied whole.
+    # Admissions whose rows are on the device (copy mode) warm from them and take none of it.
     warm_step_pages: int = 16
     mirror_slots: int = 0  # host mirror DRAM page slots; 0 = one per page (the disk tier's window sets it)
     pin_memory: bool | None = None  # None = pin when CUDA is present

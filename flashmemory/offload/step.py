@@ -7,6 +7,7 @@ lifecycle verbs (engine.py), with the admissions' warm starts: from the admissio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,17 +39,17 @@ class StepSync:
         separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
         pages and history of the synced rows, resident pages of `sync.batch`.
 
-        The host never waits for the device here. What a new request attends from its first decode step on: its
-        whole warm set (its newest `warm_pages` pages, the newest one in a decode block), nothing missing, as
-        long as the step's warm budget holds it; its pages are in the tables when this returns, and the forward
-        stream orders their bytes before the forward that reads them.
+        The host never waits for the device here, and a new request never decodes with part of its warm set: from
+        its first decode step on it attends its whole warm set (its newest `warm_pages` pages, the newest one in a
+        decode block), nothing missing. The pages are in the tables when this returns, and the forward stream
+        orders their bytes before the forward that reads them: the forward waits on the device, the host does not.
         - An admission whose rows live where the reserve does (copy mode: read from sglang's device pool) warms
-          from those rows, device to device (`warm_from_rows`): no host link crossed, no budget, always whole.
-        - An admission from the host mirror (shrink mode: PD landed it there) copies host -> device, at most
-          `cfg.warm_step_pages` pages per call across such admissions, newest pages first, in batch order. The
-          caller keeps a burst within it by holding requests back until the next step (`warm_pages_of` gives
-          each one's cost); an admission past it would start with its newest page and whatever the budget left
-          (the rest with its first Level-1 cycle)."""
+          from those rows, device to device (`warm_from_rows`): no host link crossed.
+        - An admission from the host mirror (shrink mode: PD landed it there) copies its warm set host -> device
+          (`Recaller.warm_start(wait=False)`). The host link's share per step is `cfg.warm_step_pages`: a caller
+          that can hold requests back (a waiting queue) admits, per step, the leading requests whose warm pages
+          fit it (`admit_within` over `warm_pages_of`; always at least one), and the others one step later. An
+          admission handed in here is copied whole whatever the budget: it decodes in this step."""
         self.apply_lands()
         if sync.stores is not None:
             s = sync.stores
@@ -56,7 +57,6 @@ class StepSync:
         self.after_stores(sync)
         for row in sync.finished:
             self.finish(row)
-        budget = self.cfg.warm_step_pages
         for rs in sync.rows:
             a = rs.admit
             if a is not None:
@@ -65,9 +65,8 @@ class StepSync:
                     self.warm_from_rows(a.row, a.warm_pages, a.kv, a.index)
                 else:
                     self.open_tail_page(a.row)  # the newest page is readable from the first step on
-                    n = min(a.warm_pages, budget + 1)  # warm_pages counts the newest page, held already
-                    if n > 1:  # older pages, copied without a host wait
-                        budget -= self.recaller.warm_start(a.row, n, wait=False)
+                    if a.warm_pages > 1:  # older pages (warm_pages counts the newest), without a host wait
+                        self.recaller.warm_start(a.row, a.warm_pages, wait=False)
             if rs.add_pages:
                 self.add_pages(rs.row, rs.add_pages)
         cells = tuple(self.decode_append(list(r.rows), r.kv, r.index) for r in sync.appends)
@@ -86,3 +85,15 @@ class StepSync:
     def after_stores(self, sync: BatchSync) -> None:
         """Inside `sync_batch`, once the step's stores are in the mirror and before any row changes: nothing here
         (the disk tier seals complete pages at this point)."""
+
+
+def admit_within(costs: Sequence[int], budget: int) -> int:
+    """How many of the waiting requests, in order, to admit this step: the longest prefix whose warm-start costs
+    (host -> device pages, `StepSync.warm_pages_of`) sum to at most `budget`, and at least one (a request whose
+    own warm set is over the budget still runs, alone). 0 only when nothing waits."""
+    total = 0
+    for i, c in enumerate(costs):
+        total += c
+        if total > budget and i > 0:
+            return i
+    return len(costs)
