@@ -87,6 +87,23 @@ def config_from_args(a: argparse.Namespace):
     )
 
 
+def served_model(model: Path, server_env: dict[str, str]) -> Path:
+    """`model` checked as `flashmemory serve` checks it, with the window the servers will attend (the CPU layer's
+    window row, when --server-env sets it); `flashmemory serve`'s default model is built if missing."""
+    from flashmemory.errors import UserError
+    from flashmemory.serve.model_check import WINDOW_VAR, check_serving_model
+    from flashmemory.serve.stack import ensure_model
+
+    if not (model / "config.json").is_file():
+        return ensure_model(model)
+    raw = server_env.get(WINDOW_VAR, "0") or "0"
+    try:
+        window = int(raw)
+    except ValueError:
+        raise UserError(f"--server-env {WINDOW_VAR}={raw}: expected a whole number of tokens") from None
+    return check_serving_model(model, swa_window=window)
+
+
 def run(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -94,11 +111,11 @@ def run(a: argparse.Namespace) -> int:
     from flashmemory.eval.live.run import run_live
     from flashmemory.eval.live.stack import StackSettings, open_session
     from flashmemory.serve.procs import ServerStartError
-    from flashmemory.serve.stack import ensure_model, ensure_retriever
+    from flashmemory.serve.stack import ensure_retriever
 
     try:
         cfg = config_from_args(a)
-        model = ensure_model(Path(cfg.model))
+        model = served_model(Path(cfg.model), dict(cfg.server_env))
         needs_l1 = any(x.kind in ("FlashMemory", "HiSparse+prefetch") for x in cfg.arms)
         retriever = cfg.retriever
         if retriever == "auto":

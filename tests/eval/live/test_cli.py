@@ -45,3 +45,17 @@ def test_help_mentions_the_lock(capsys):
         _parse(["--help"])
     out = capsys.readouterr().out
     assert "--lock" in out and "live-server lock" in out and "--max-docs" in out
+
+
+def test_served_model_is_checked_with_the_window_the_servers_get(tmp_path, monkeypatch):
+    import flashmemory.serve.model_check as mc
+    from flashmemory.eval.live.cli import served_model
+
+    seen = []
+    monkeypatch.setattr(mc, "check_serving_model", lambda m, swa_window=0: seen.append(swa_window) or m)
+    (tmp_path / "config.json").write_text("{}")
+    served_model(tmp_path, {"SGLANG_FLASHMEMORY_CPU_SWA_WINDOW": "32"})
+    served_model(tmp_path, {})
+    assert seen == [32, 0]
+    with pytest.raises(UserError, match="--server-env SGLANG_FLASHMEMORY_CPU_SWA_WINDOW=x"):
+        served_model(tmp_path, {"SGLANG_FLASHMEMORY_CPU_SWA_WINDOW": "x"})
