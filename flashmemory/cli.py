@@ -25,7 +25,7 @@ COMMANDS = [
     "flashmemory.tasks.cli",  # tasks generate|score|list
     "flashmemory.tiny.cli",  # model train-tiny|probe (a tiny DeepSeek-V4 that retrieves)
     "flashmemory.serve.cli",  # serve (P, D and the router on CPU, until Ctrl-C)
-    "flashmemory.sglang.patches_cli",  # patches (every change made to sglang; --check against the installed one)
+    "flashmemory.sglang.plumbing.patches_cli",  # patches (every change made to sglang; --check against sglang)
 ]
 
 

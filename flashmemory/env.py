@@ -81,7 +81,7 @@ def parse_layers(raw: str, name: str = "SGLANG_RETRIEVER_INLINE_LAYERS", n_c4_la
 
 # Upper bounds of the sizing knobs: far above any real server, low enough that a typo (1e12) is named here
 # instead of surfacing as an overflow or a failed allocation. Memory itself is checked before allocation
-# (`flashmemory.sglang.geometry.check_reserve_memory`).
+# (`flashmemory.sglang.decode.geometry.check_reserve_memory`).
 MAX_POSITION = 1 << 30  # tokens per request (DeepSeek-V4 serves 1,048,576)
 MAX_PAGES = MAX_POSITION // (4 * 64)  # c4 pages (64 chunks of 4 tokens) of a MAX_POSITION request
 MAX_ROWS = 1 << 16  # concurrent requests

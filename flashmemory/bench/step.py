@@ -46,7 +46,7 @@ def _run(mode: str, rows: int, history: int, steps: int, layers: int, tau: int, 
         standin_streams.install(patches)
         standin_blocking.count_transfers(patches)
     if mode.endswith("-tp2"):
-        from flashmemory.sglang import offload_adapter
+        from flashmemory.sglang.decode import offload_adapter
 
         patches(offload_adapter, "serving_tp_size", lambda: 2)
     base = mode.split("-")[0]

@@ -56,9 +56,9 @@ class World:
 
 def build_world(mode: str, rows: int, pages: int, layers: int = 21, **env_kw: Any) -> World:
     """mode: "copy", "shrink" or "off"; rows: request slots; pages: pool pages per request (history + growth)."""
-    from flashmemory.sglang.engine_adapter import SGLangOffload
-    from flashmemory.sglang.runtime import Runtime
-    from flashmemory.sglang.shrink import ShrunkOffload
+    from flashmemory.sglang.decode.copy_adapter import CopyAdapter
+    from flashmemory.sglang.decode.runtime import Runtime
+    from flashmemory.sglang.decode.shrink_adapter import ShrinkAdapter
 
     kw: dict[str, Any] = dict(
         decode_swap_p=True,
@@ -76,9 +76,9 @@ def build_world(mode: str, rows: int, pages: int, layers: int = 21, **env_kw: An
     rt = Runtime()
     rt.pool, rt.env, rt.diag_path = pool, env, ""
     if mode == "copy":
-        rt.engine = SGLangOffload(pool, env)
+        rt.engine = CopyAdapter(pool, env)
     elif mode == "shrink":
-        rt.engine = ShrunkOffload(pool, env, n_landing=64)
+        rt.engine = ShrinkAdapter(pool, env, n_landing=64)
     elif mode != "off":
         raise ValueError(f"mode {mode!r}: copy, shrink or off")
     r2t = torch.full((rows + 1, pages * PAGE), -1, dtype=torch.int64)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-# what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/prometheus.py)
+# what the demo reports from D's /metrics (prometheus names of flashmemory/sglang/metrics/prometheus.py)
 LIVE_COLUMNS = [
     ("flashmemory_resident_fraction", "resident frac", "{:.3f}"),
     ("flashmemory_recall_bytes_total", "recalled KiB", "{:.0f}"),

@@ -16,7 +16,7 @@ a version-2 block ("this side speaks version 1") rather than silently dropping t
 Field rules (a breach is a DumpProtocolError naming the field): integers are JSON integers (no strings, no
 bools); target_csa_layers is a JSON list of distinct ids (a string such as "10" is refused, never read as
 layers 1 and 0); n_logit_tokens in [0, MAX_LOGIT_TOKENS]; output_dir absolute without '..'. custom_params
-itself must be an object. The server adds what only it knows (`flashmemory.sglang.dump_mode.parse_request`):
+itself must be an object. The server adds what only it knows (`flashmemory.sglang.dump.mode.parse_request`):
 output_dir must lie under the operator's SGLANG_FLASHMEMORY_DUMP_ROOT (`under_root`), the layer ids and
 min_layers must fit the served model's c4 layers, and the document must be writable there without following
 a symlink (`flashmemory.dump.confine.DocTargets`: checked at admission, and again at the write).

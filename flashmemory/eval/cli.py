@@ -196,7 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_residency_args(p)
     p.set_defaults(func=run, eval_parser=p)
     # Subcommands of eval: frontier here; `flashmemory eval quality` (flashmemory.demo.quality_cli) joins the same set.
-    from flashmemory.eval.frontier_cli import register_frontier
+    from flashmemory.eval.frontier.cli import register_frontier
 
     p.fm_subcommands = p.add_subparsers(dest="eval_command", metavar="{quality,frontier}")
     register_frontier(p.fm_subcommands)

@@ -110,7 +110,7 @@ def keys_native_scorer(
     """A `NativeScorer` over the engine's device-resident target index-K: sum_h relu(q_h . k) w_h.
 
     qw(row, layer, hidden, position) -> (q fp32 [H, D], w fp32 [H]): the native indexer's query and head
-    weights of that layer (from the model; see `flashmemory.sglang.miss_monitor`), or None (then the scorer
+    weights of that layer (from the model; see `flashmemory.sglang.metrics.miss_monitor`), or None (then the scorer
     returns None)."""
     from flashmemory.retriever.model import relu_head_scores
 

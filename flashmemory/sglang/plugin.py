@@ -15,9 +15,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from flashmemory.env import EnvError, FlashMemoryEnv
-from flashmemory.sglang.patch_spec import CODE_KINDS, TargetError
-from flashmemory.sglang.patching import CPU_FEATURES, StartupError, apply, check_all, select
-from flashmemory.sglang.targets import features_for
+from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS, TargetError
+from flashmemory.sglang.plumbing.patching import CPU_FEATURES, StartupError, apply, check_all, select
+from flashmemory.sglang.plumbing.targets import features_for
 
 if TYPE_CHECKING:
     from flashmemory.retriever.model import JointRetriever
@@ -31,8 +31,8 @@ def check_retriever(env: FlashMemoryEnv) -> "JointRetriever":
     SGLANG_RETRIEVER_INLINE_LAYERS, shapes, finite values, and the hidden size against the served model's
     config.json when its path is known. A bad checkpoint is a PluginStartupError (one line)."""
     from flashmemory.retriever.checkpoint import CheckpointError
-    from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
-    from flashmemory.sglang.runtime import server_args
+    from flashmemory.sglang.decode.retriever_load import load_serving_retriever, served_model_path
+    from flashmemory.sglang.decode.runtime import server_args
 
     try:
         return load_serving_retriever(env, served_model_path(server_args(), sys.argv))
@@ -54,7 +54,7 @@ def announce(line: str) -> None:
 def register() -> None:
     """Idempotent: read the gates, apply and verify the patches of the active features. What it did is kept in
     the process state, `RUNTIME.registration`: {"features": ..., "targets": [...], "cpu_targets": [...]}."""
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     if RUNTIME.registration is not None:
         return
@@ -75,9 +75,11 @@ def register() -> None:
         return
     if "path_p" in features:
         try:
-            from flashmemory.sglang import adapter_factory  # noqa: F401  (built when the pool exists)
+            from flashmemory.sglang.decode import adapter_factory  # noqa: F401  (built when the pool exists)
         except ImportError as e:
-            raise PluginStartupError(f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.adapter_factory ({e})") from None
+            raise PluginStartupError(
+                f"SGLANG_DECODE_SWAP_P=1 needs flashmemory.sglang.decode.adapter_factory ({e})"
+            ) from None
         if env.retriever_ckpt:
             retriever = check_retriever(env)
     specs = select(features, CODE_KINDS)
@@ -97,6 +99,6 @@ def register() -> None:
 
 def state() -> dict | None:
     """What `register()` did in this process (None before it ran)."""
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     return RUNTIME.registration

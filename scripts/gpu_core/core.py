@@ -2,7 +2,7 @@
 the result record, timing and random fp8 data.
 
 Imports are the package core's public entry points (offload, residency, retriever, atomic) and the serving
-retriever's loader and placement (`flashmemory.sglang.retriever_load`, which imports no sglang), nothing else:
+retriever's loader and placement (`flashmemory.sglang.decode.retriever_load`, which imports no sglang), nothing else:
 no sglang, no transformers, no tqdm. Only long-stable torch APIs are used (torch >= 2.1: float8_e4m3fn,
 torch.cuda.graph / CUDAGraph, streams and events, set_sync_debug_mode, pinned memory), because the lent H200
 image has torch 2.11 while the project pins 2.14.1.
@@ -43,7 +43,7 @@ from flashmemory.retriever import (  # noqa: F401
     relu_head_scores,
     save_retriever,
 )
-from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever  # imports no sglang
+from flashmemory.sglang.decode.retriever_load import load_serving_retriever, place_retriever  # imports no sglang
 
 N_C4_LAYERS = 21  # DeepSeek-V4-Flash c4 (CSA) layers: the native indexer runs on each, every step
 TARGET_LAYERS = (10, 12, 20)

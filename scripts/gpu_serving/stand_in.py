@@ -18,9 +18,9 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.sglang.resident_topk import pool_locs, resident_view
-from flashmemory.sglang.runtime import Runtime
-from flashmemory.sglang.targets import features_for
+from flashmemory.sglang.decode.resident_topk import pool_locs, resident_view
+from flashmemory.sglang.decode.runtime import Runtime
+from flashmemory.sglang.plumbing.targets import features_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE, C4 = 256, 64  # tokens per pool page, c4 entries per page

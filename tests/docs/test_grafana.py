@@ -21,7 +21,7 @@ def exported_samples() -> set[str]:
     `_bucket` / `_sum` / `_count`)."""
     prom = pytest.importorskip("prometheus_client")
     from flashmemory.sglang.cpu.hisparse_record import SwapInCounter
-    from flashmemory.sglang.prometheus import (
+    from flashmemory.sglang.metrics.prometheus import (
         HISPARSE_SWAPIN,
         HISPARSE_SWAPIN_PREFIX,
         PREFIX,
@@ -35,8 +35,8 @@ def exported_samples() -> set[str]:
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
     for k in HISPARSE_SWAPIN:  # the names SwapInCounter._export creates, in a registry of the test's own
         prom.Counter(PREFIX + HISPARSE_SWAPIN_PREFIX + k, k, registry=reg)
-    from flashmemory.sglang.hisparse_prefetch_state import PrefetchCounter
-    from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
+    from flashmemory.sglang.hisparse.state import PrefetchCounter
+    from flashmemory.sglang.metrics.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
 
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
     for k in HISPARSE_PREFETCH:  # the names PrefetchCounter._export creates
@@ -74,7 +74,7 @@ def test_a_misspelt_metric_is_caught() -> None:
 
 
 def test_every_metric_family_is_charted() -> None:
-    from flashmemory.sglang.prometheus import (
+    from flashmemory.sglang.metrics.prometheus import (
         FAILURES,
         HISPARSE_PREFETCH,
         HISPARSE_PREFETCH_PREFIX,

@@ -110,13 +110,13 @@ LOG_LINES = [
         "`FlashMemory Path-P (shrink mode): <n> c4 layers, <n> pool pages, reserve <n> blocks/layer, "
         "KMAX <n>, retriever <path>`",
         "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, ",
-        "flashmemory/sglang/adapter_factory.py",
+        "flashmemory/sglang/decode/adapter_factory.py",
     ),
     (
         "docs/serving.md",
         "`FlashMemory Path-P shrink: device c4 KV <x> GiB -> reserve <y> GiB",
         "FlashMemory Path-P shrink: device c4 KV %.2f GiB -> reserve %.2f GiB (%d blocks/layer incl. ",
-        "flashmemory/sglang/shrink.py",
+        "flashmemory/sglang/decode/shrink_adapter.py",
     ),
     (
         "docs/disk-tier.md",

@@ -326,7 +326,7 @@ def test_a_new_sglang_run_clears_only_the_servers_files_from_the_staging_area(tm
 
 
 def _recorder_with_open_doc(tmp_path):
-    from flashmemory.sglang.dump_mode import DumpRecorder
+    from flashmemory.sglang.dump.mode import DumpRecorder
 
     from .test_server_confinement import _feed, _req
 

@@ -14,7 +14,7 @@ from flashmemory.dump import DumpFormatError, load_doc, read_metadata
 from flashmemory.dump.format import doc_from_tensors
 from flashmemory.dump.protocol import PARAM_KEY, DumpProtocolError, DumpRequest
 from flashmemory.dump.writer import save_doc_file
-from flashmemory.sglang.dump_mode import parse_request
+from flashmemory.sglang.dump.mode import parse_request
 
 from .synth import make_doc
 

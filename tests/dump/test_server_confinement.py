@@ -1,4 +1,4 @@
-"""The dump server (`flashmemory.sglang.dump_mode.DumpRecorder`) writes only inside its root, and
+"""The dump server (`flashmemory.sglang.dump.mode.DumpRecorder`) writes only inside its root, and
 refuses at admission, with the reason, a document it could not write. Each test names the promise it protects
 (data_generation/README.md: "The server only writes where its operator allows"; README "Errors and data
 safety": one clear line naming the file or field) and fails on the code before the fix."""
@@ -13,7 +13,7 @@ from flashmemory.dump.confine import ConfineError, relative_parts
 from flashmemory.dump.format import load_doc
 from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.retriever.fp8 import quantize_chunks
-from flashmemory.sglang.dump_mode import DumpRecorder
+from flashmemory.sglang.dump.mode import DumpRecorder
 
 
 def _feed(rec, rid, steps=3, prompt=40, n_layers=2, finish=True):
@@ -160,7 +160,7 @@ def test_the_refusal_reaches_the_client_as_the_abort_reason(tmp_path, monkeypatc
     """Promise as above, through the scheduler hook: sglang's own abort carries the reason (HTTP 400)."""
     from types import SimpleNamespace
 
-    from flashmemory.sglang import hooks
+    from flashmemory.sglang.decode import hooks
 
     root, _ = _tree(tmp_path)
     (root / "run").write_text("x")
@@ -199,7 +199,7 @@ def test_a_refusal_is_one_line_in_the_log_and_to_the_client(tmp_path, monkeypatc
     hook, with sglang's own abort (HTTP 400, the default of `set_finish_with_abort`)."""
     from types import SimpleNamespace
 
-    from flashmemory.sglang import hooks
+    from flashmemory.sglang.decode import hooks
 
     root, _ = _tree(tmp_path)
     out, why = _four_refusals(root)[case]

@@ -25,8 +25,8 @@ def test_trace_of_the_patched_swap_in_replays_exactly(tmp_path, monkeypatch) -> 
     counter = SwapInCounter()
     counter.prom = {}
     monkeypatch.setattr(hp, "hisparse_on_cpu", lambda: True)
-    from flashmemory.sglang.context import HiSparseState
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.context import HiSparseState
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     monkeypatch.setattr(RUNTIME, "hisparse", HiSparseState(swapin=counter, trace_path=str(trace)))
     hot, k, max_len, rnd = 8, 6, 40, random.Random(7)

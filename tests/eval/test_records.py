@@ -12,9 +12,9 @@ import pytest
 from flashmemory.cli import main
 from flashmemory.demo import quality as q
 from flashmemory.errors import UserError
-from flashmemory.eval import frontier as fr
 from flashmemory.eval.budgets import parse_budgets
-from tests.eval.test_frontier import FakeSweep
+from flashmemory.eval.frontier import run as fr
+from tests.eval.frontier.test_run import FakeSweep
 
 
 @pytest.fixture
@@ -156,7 +156,7 @@ def test_both_commands_refuse_the_same_tasks(fc):
 
 
 def test_the_shipped_model_by_its_path_takes_the_trained_tasks_only(fc):
-    from flashmemory.eval.frontier_identity import settings
+    from flashmemory.eval.frontier.identity import settings
     from flashmemory.tiny.shipped import trained_model_dir
 
     with pytest.raises(UserError, match="--tasks: vt not among the trained model's tasks"):

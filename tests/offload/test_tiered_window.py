@@ -170,7 +170,7 @@ def test_serving_gauges_report_the_window(tmp_path):
     """/metrics: the mirror's physical bytes are slots x page bytes, and the slots in use return to 0 at finish."""
     from types import SimpleNamespace
 
-    from flashmemory.sglang.prometheus import SERVING_METRICS, serving_gauges
+    from flashmemory.sglang.metrics.prometheus import SERVING_METRICS, serving_gauges
 
     assert {"host_mirror_bytes", "host_mirror_slots_in_use"} <= set(SERVING_METRICS)
     win = windowed(tmp_path, 12)

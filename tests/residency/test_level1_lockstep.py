@@ -135,8 +135,8 @@ def test_a_cycle_failure_surfaces_at_its_publish_step():
 def test_serving_config_publishes_in_lockstep_under_tensor_parallelism():
     """The serving edge turns lockstep on exactly when the server runs more than one TP rank."""
     from flashmemory.env import FlashMemoryEnv
-    from flashmemory.sglang.core_config import TP_PUBLISH_LAG, core_config
-    from flashmemory.sglang.geometry import PoolGeometry
+    from flashmemory.sglang.decode.core_config import TP_PUBLISH_LAG, core_config
+    from flashmemory.sglang.decode.geometry import PoolGeometry
 
     geo = PoolGeometry(
         n_c4_layers=4, n_pages=50, page_chunks=64, kv_page_bytes=37440, index_head_dim=128, index_page_bytes=8448
@@ -171,7 +171,7 @@ def test_the_serving_edge_reads_sglangs_tp_size(monkeypatch):
     import types
 
     dpa = pytest.importorskip("sglang.srt.layers.dp_attention")
-    from flashmemory.sglang.core_config import serving_tp_size
+    from flashmemory.sglang.decode.core_config import serving_tp_size
 
     tp2 = types.SimpleNamespace(world_size=2)
     monkeypatch.setattr(dpa, "get_parallel", lambda: types.SimpleNamespace(attn_dp_enabled=False, tp_group=tp2))

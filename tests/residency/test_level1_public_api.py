@@ -74,9 +74,9 @@ def test_no_serving_core_module_reaches_engine_rows_or_lock_from_outside() -> No
         "residency/level1.py",
         "residency/monitored.py",
         "offload/recall.py",
-        "sglang/offload_adapter.py",
-        "sglang/engine_adapter.py",
-        "sglang/shrink.py",
+        "sglang/decode/offload_adapter.py",
+        "sglang/decode/copy_adapter.py",
+        "sglang/decode/shrink_adapter.py",
     ):
         text = (root / rel).read_text()
         assert "engine.rows" not in text and "eng.rows" not in text, rel

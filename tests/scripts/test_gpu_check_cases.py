@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever
-from flashmemory.sglang.runtime import Runtime
+from flashmemory.sglang.decode.retriever_load import load_serving_retriever, place_retriever
+from flashmemory.sglang.decode.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -45,7 +45,7 @@ PARTS = frozenset(
     }
 )
 CORE_CLASSES = frozenset({"OffloadEngine", "TieredEngine"})
-ADAPTER_CLASSES = frozenset({"OffloadAdapter", "SGLangOffload", "ShrunkOffload"})
+ADAPTER_CLASSES = frozenset({"OffloadAdapter", "CopyAdapter", "ShrinkAdapter"})
 # (file, function) -> reach-throughs still to convert.
 KNOWN: dict[tuple[str, str], int] = {}
 

@@ -54,7 +54,7 @@ def test_decode_knobs(sg):
     assert ns.disaggregation_transfer_backend == "mooncake" and ns.cuda_graph_backend_decode == "disabled"
     assert envs["SGLANG_PATHP_PAGE_KMAX"] == "192"
     from flashmemory.env import FlashMemoryEnv
-    from flashmemory.sglang.shrink import shrink_blockers
+    from flashmemory.sglang.decode.shrink_adapter import shrink_blockers
 
     assert any("nixl" in b for b in shrink_blockers(ns))  # mooncake: Path-P falls back to copy mode
     argv, envs = command("launch_decode.sh", CREDIT_C4="1", GPU_MIB="97871")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
-PROCESS_STATE = {("runtime.py", "RUNTIME")}  # the one per-process object
+PROCESS_STATE = {("decode/runtime.py", "RUNTIME")}  # the one per-process object
 # (file, name) -> why it is still a singleton of its own: none remain.
 KNOWN: dict[tuple[str, str], str] = {}
 IMMUTABLE_FACTORIES = {
@@ -134,17 +134,13 @@ def test_no_module_level_mutable_state_but_the_process_object():
     ],
 )
 def test_folded_singletons_stay_gone(name):
-    from flashmemory.sglang import (
-        guard,
-        hisparse_prefetch,
-        hisparse_prefetch_state,
-        hooks,
-        patching,
-        plugin,
-        prometheus,
-    )
+    from flashmemory.sglang import plugin
     from flashmemory.sglang.cpu import hisparse_record, patches_hisparse, patches_runtime
+    from flashmemory.sglang.decode import guard, hooks
+    from flashmemory.sglang.hisparse import prefetch, state
+    from flashmemory.sglang.metrics import prometheus
+    from flashmemory.sglang.plumbing import patching
 
-    mods = (patching, plugin, patches_runtime, guard, hooks, prometheus, hisparse_prefetch, patches_hisparse)
-    mods += (hisparse_record, hisparse_prefetch_state)
+    mods = (patching, plugin, patches_runtime, guard, hooks, prometheus, prefetch, patches_hisparse)
+    mods += (hisparse_record, state)
     assert not any(hasattr(m, name) for m in mods)

@@ -96,7 +96,7 @@ class Forker:
 def forker():
     """One FORKER for the module, with the environment each case starts from (no SGLANG_* or FLASHMEMORY*)."""
     pytest.importorskip("sglang")
-    from flashmemory.sglang.targets import SPECS
+    from flashmemory.sglang.plumbing.targets import SPECS
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "FLASHMEMORY"))}
     f = Forker({**env, "PYTHONPATH": ROOT}, sorted({s.target for s in SPECS}))
@@ -108,13 +108,13 @@ def forker():
 
 SCRIPT = r"""
 import json, logging
-from flashmemory.sglang import targets
-from flashmemory.sglang.targets import SPECS
-from flashmemory.sglang.patch_spec import resolve
+from flashmemory.sglang.plumbing import targets
+from flashmemory.sglang.plumbing.targets import SPECS
+from flashmemory.sglang.plumbing.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 import os, sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
-from flashmemory.sglang.runtime import RUNTIME
+from flashmemory.sglang.decode.runtime import RUNTIME
 for gates in ({}, json.loads(os.environ["FM_GATES_ON"])):  # one process: importing sglang is slow
     os.environ.update(gates)
     plugins._plugins_loaded, RUNTIME.registration = False, None
@@ -163,7 +163,7 @@ def test_gates_off_patch_nothing_and_on_patch_all(installed, forker, tmp_path):
 
 def test_bad_gate_value_stops_startup(monkeypatch):
     from flashmemory.sglang import plugin
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     monkeypatch.setattr(RUNTIME, "registration", None)
     monkeypatch.setenv("SGLANG_PATHP_PAGE_KMAX", "lots")
@@ -175,15 +175,15 @@ def test_bad_gate_value_stops_startup(monkeypatch):
 
 def test_register_is_idempotent_and_verifies(sg, monkeypatch):
     from flashmemory.sglang import plugin
-    from flashmemory.sglang.patch_spec import resolve
-    from flashmemory.sglang.patching import verify
-    from flashmemory.sglang.targets import SPECS
+    from flashmemory.sglang.plumbing.patch_spec import resolve
+    from flashmemory.sglang.plumbing.patching import verify
+    from flashmemory.sglang.plumbing.targets import SPECS
 
     spec = SPECS[0]
     orig = {spec.target: resolve(spec.target)[2]}
     bad = verify([spec], orig)  # nothing applied in this process
     assert bad and "is not patched" in bad[0]
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     monkeypatch.setattr(RUNTIME, "registration", {"features": (), "targets": []})
     plugin.register()  # already ran: no-op, nothing imported or registered
@@ -194,9 +194,10 @@ PATHP = r"""
 import json, os, sys
 sys.path.insert(0, os.environ["FM_TESTS"])
 import sglang.srt.plugins as plugins
-from flashmemory.sglang import hooks, plugin
-from flashmemory.sglang.runtime import RUNTIME
-from test_engine_adapter import fake_pool
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang import plugin
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode.test_copy_adapter import fake_pool
 from sglang.srt.layers.attention.dsv4.compressor_v2 import CompressorBackendMixin as C
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 before = (C.forward_indexer_compressor, NixlKVManager.__init__)
@@ -224,7 +225,7 @@ def test_path_p_startup_builds_the_adapter(installed, forker, tmp_path):
         PATHP,
         {
             "SGLANG_PLUGINS": "flashmemory",
-            "FM_TESTS": os.path.dirname(__file__),
+            "FM_TESTS": ROOT,
             "SGLANG_DECODE_SWAP_P": "1",
             "SGLANG_RETRIEVER_INLINE_CKPT": str(ck),
             "SGLANG_RETRIEVER_INLINE_LAYERS": "1",
@@ -239,7 +240,7 @@ def test_path_p_startup_builds_the_adapter(installed, forker, tmp_path):
     assert lines, p.stderr[-3000:]
     assert lines[0]["err"] is None, lines[0]["err"]
     # no sglang server args in this process: shrink hooks are applied, the adapter falls back to copy mode
-    assert lines[0]["engine"] == "SGLangOffload" and {"path_p", "shrink"} <= set(lines[0]["features"])
+    assert lines[0]["engine"] == "CopyAdapter" and {"path_p", "shrink"} <= set(lines[0]["features"])
     assert lines[0]["alias_patched"] and lines[0]["nixl_patched"]
     # a missing checkpoint: test_bad_checkpoint_stops_startup_at_registration (one sglang import for every bad case)
 
@@ -248,9 +249,9 @@ BADCKPT = r"""
 import json, os, sys
 import sglang.srt.plugins as plugins
 from flashmemory.sglang import plugin
-from flashmemory.sglang.runtime import RUNTIME
-from flashmemory.sglang.targets import SPECS
-from flashmemory.sglang.patch_spec import resolve
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.plumbing.targets import SPECS
+from flashmemory.sglang.plumbing.patch_spec import resolve
 orig = {s.target: resolve(s.target)[2] for s in SPECS}
 for case in json.loads(os.environ["FM_CASES"]):
     os.environ.update(case["env"])

@@ -11,7 +11,7 @@ def config_from_args(a: argparse.Namespace):
     """FrontierConfig from the parsed flags (UserError naming a bad flag or file)."""
     from flashmemory.errors import UserError
     from flashmemory.eval.budgets import parse_budgets
-    from flashmemory.eval.frontier import SWEEP_METHODS, TRAINED_TASKS, FrontierConfig
+    from flashmemory.eval.frontier.run import SWEEP_METHODS, TRAINED_TASKS, FrontierConfig
 
     budgets = parse_budgets(a.budgets)
     if not budgets:
@@ -39,7 +39,7 @@ def config_from_args(a: argparse.Namespace):
 
 def run(a: argparse.Namespace) -> int:
     from flashmemory.errors import UserError, fail
-    from flashmemory.eval.frontier import fingerprint, run_frontier
+    from flashmemory.eval.frontier.run import fingerprint, run_frontier
     from flashmemory.retriever.checkpoint import CheckpointError
 
     try:

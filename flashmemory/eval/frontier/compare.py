@@ -3,7 +3,7 @@
 Used to show what a variant of FlashMemory run separately (e.g. `--methods FlashMemory-fill`) does against the
 main run's FlashMemory, budget by budget, on the same documents. DIR must be a frontier run's output (its kind
 marker or records), and every setting that changes a document's decode must agree (all but --methods and
---first-doc: `eval.frontier_identity.settings_diff`, which names the first that differs, budgets included). Records
+--first-doc: `eval.frontier.identity.settings_diff`, which names the first that differs, budgets included). Records
 written before records carried their settings are checked by their fingerprint (it must be this run's with DIR's
 methods), and each common document must have the same task, prompt length and Full task score.
 """
@@ -54,7 +54,7 @@ def load_records(out_dir: str, fmt: str, fields: tuple[str, ...] = ()) -> dict[i
 def check_same_documents(mine: dict, other: dict, fc, other_dir: str) -> None:
     """UserError naming --compare, the document and the first setting (or fact) in which `other` (a record of
     other_dir) was decoded differently from `mine`; fc: this run's FrontierConfig."""
-    from flashmemory.eval.frontier_identity import SHIPPED, legacy_fingerprint, settings_diff
+    from flashmemory.eval.frontier.identity import SHIPPED, legacy_fingerprint, settings_diff
 
     i = mine["index"]
     where = f"--compare {other_dir}: document {i}"
@@ -95,8 +95,8 @@ def compare_lines(recs: list[dict], other_dir: str, fmt: str, base: str = "Flash
     task accuracy (Wilson 95%), agreement, top-k mass, mean resident pages, device and H2D bytes, over the
     documents both runs finished (n stated). Refused (UserError) unless both decoded the same documents the same
     way (`check_same_documents`); fc: this run's FrontierConfig (checks records without settings)."""
-    from flashmemory.eval.frontier_markdown import _ci, _fmt_bytes
-    from flashmemory.eval.frontier_report import _flat
+    from flashmemory.eval.frontier.markdown import _ci, _fmt_bytes
+    from flashmemory.eval.frontier.report import _flat
     from flashmemory.eval.harness import mean_rows
 
     other = load_records(other_dir, fmt)

@@ -6,7 +6,7 @@ indexer state are the same for every method. `PrefixDecoder` prefills the prompt
 method copies that cache and runs the T decode rows one token at a time (teacher-forced on Full's response) with
 the method's per-row resident set. Its `forward` has the shape of `HFEngine.forward`'s logits, so the harness
 (`eval.harness.evaluate_doc`) runs unchanged on it: rows before P are zero (nothing reads them) and rows P .. P+T-1
-equal `HFEngine.forward(ids, resident=...)`'s up to float error (tests/eval/test_frontier_decode.py checks it).
+equal `HFEngine.forward(ids, resident=...)`'s up to float error (tests/eval/frontier/test_decode.py checks it).
 
 Cost: a full forward over S = P + T tokens per method becomes a cache copy plus T one-token steps; at P = 4096
 that is the difference between minutes and seconds per document over a 6-budget x 4-method sweep.

@@ -1,7 +1,7 @@
 """frontier.md, the report a frontier run writes beside frontier.json: the command, the budgets on both scales,
 the iso-quality table with its verdict, accuracy / agreement / top-k mass per budget with 95% intervals, costs per
 budget, HiSparse's replayed hit rate and the DeepSeek-V4-Flash projection. Everything is read from the results
-dict of `frontier_report.aggregate`; a missing value prints as "-" or "pending", never as a number.
+dict of `report.aggregate`; a missing value prints as "-" or "pending", never as a number.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """frontier.json, frontier.md and frontier.png from the finished documents of a frontier run (frontier.md's text
-is `frontier_markdown.markdown`).
+is `markdown.markdown`).
 
 Every rate carries n and a 95% interval over documents (`eval.harness.mean_rows` / `budget_cells`: Wilson for
 task accuracy, the bootstrap for agreement and top-k mass). The iso-quality table picks, per task and overall, the
@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from flashmemory.eval.frontier_markdown import _nan, markdown
+from flashmemory.eval.frontier.markdown import _nan, markdown
 
 RATIOS = (0.95, 0.99)
 COST_KEYS = ("device_bytes", "h2d_per_token", "scored_per_token", "l1_flops_per_token")
@@ -41,7 +41,7 @@ def _flat(m: dict) -> dict:
 def aggregate(recs: list[dict], config: dict, fp: str, planned: int) -> dict:
     """The results dict: per budget the method means with intervals ("methods"), per task cells ("tasks"), the
     iso-quality picks ("iso"), the DeepSeek-V4-Flash projection per budget ("projection") and run facts."""
-    from flashmemory.eval.frontier_cost import project
+    from flashmemory.eval.frontier.cost import project
     from flashmemory.eval.harness import budget_cells, mean_rows
 
     budgets = list(recs[0]["budgets"])

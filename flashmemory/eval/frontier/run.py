@@ -2,25 +2,25 @@
 
 Per held-out document (document i is task tasks[i % len(tasks)] with seed seed * 1000 + i, i from `first_doc` on,
 as in `eval quality`): the prompt is prefilled once and Full attention decodes greedily from that cache
-(`eval.frontier_decode`); one capture forward gives the indexer's picks, keys and hidden states. Then at every
+(`eval.frontier.decode`); one capture forward gives the indexer's picks, keys and hidden states. Then at every
 budget b (a share of the document's pages: KMAX = ceil(b x pages)) the harness (`eval.harness.evaluate_doc`)
 replays each method through the offload engine and Level 1 and decodes its Level-2 forward from the shared
 prefix. HiSparse keeps Full's outputs by construction; its cost at a hot buffer of H = KMAX x page_chunks slots
 comes from replaying sglang 0.5.23's LRU swap-in over the Full run's own top-k picks of every c4 layer
 (`eval.hisparse_replay`); "HiSparse+prefetch" adds FlashMemory's resident set as a prefetch hint at each
 Level-1 cycle (at most H - k positions, so it never evicts a current pick). Every method row gains its costs
-(`eval.frontier_cost.method_costs`).
+(`eval.frontier.cost.method_costs`).
 
 Speed: the harness replays every budget coverage-only, then the Level-2 forwards of all (budget, method) resident
 sets run as one batched decode from the shared prompt cache (`PrefixDecoder.forward_many`; equal sets, e.g. every
 method at budget 1, once) and `method_quality` completes the rows from those logits (`Sweep._quality_batched`).
-The record is the one the one-forward-per-method path writes (tests/eval/test_frontier_decode.py checks it).
+The record is the one the one-forward-per-method path writes (tests/eval/frontier/test_decode.py checks it).
 
 Budgets are stated as a share of history and as resident chunks per top-k (KMAX x page_chunks / index_topk).
 
 Resumable: each document's record goes atomically to out/docs/<i>.json with the run's settings and their
 fingerprint (everything its numbers depend on but the document count, the model and retriever by content:
-`eval.frontier_identity`); a rerun skips finished documents, a record of another configuration stops the run naming
+`eval.frontier.identity`); a rerun skips finished documents, a record of another configuration stops the run naming
 its file, the output dir is locked (`flashmemory.outdir.DirLock`) and marked as a frontier run's (an `eval quality`
 dir is refused, and the reverse). Records of the older fingerprint scheme are read for the report (--report-only)
 but never extended with new ones.
@@ -38,8 +38,8 @@ import torch
 
 from flashmemory.errors import UserError
 from flashmemory.eval.budgets import budget_key, check_distinct
-from flashmemory.eval.frontier_hisparse import hisparse_stats, prefetch_hint
-from flashmemory.eval.frontier_identity import TRAINED_TASKS, harness_config
+from flashmemory.eval.frontier.hisparse import hisparse_stats, prefetch_hint
+from flashmemory.eval.frontier.identity import TRAINED_TASKS, harness_config
 from flashmemory.eval.records import DOCS_DIR, check_n_per_task, check_tasks, claim_run_dir, load_records
 
 FORMAT = "flashmemory-frontier/1"
@@ -116,8 +116,8 @@ def doc_plan(fc: FrontierConfig) -> list[tuple[int, str]]:
 
 
 def fingerprint(fc: FrontierConfig) -> str:
-    """sha256 (16 hex) of the run's settings (`eval.frontier_identity.settings`: not out_dir or n_per_task)."""
-    from flashmemory.eval.frontier_identity import fingerprint_of, settings
+    """sha256 (16 hex) of the run's settings (`eval.frontier.identity.settings`: not out_dir or n_per_task)."""
+    from flashmemory.eval.frontier.identity import fingerprint_of, settings
 
     return fingerprint_of(settings(fc))
 
@@ -125,8 +125,8 @@ def fingerprint(fc: FrontierConfig) -> str:
 def load_done(out: Path, fp: str, fc: FrontierConfig | None = None) -> dict[int, dict]:
     """{document index: record} of the finished documents under out/docs (`eval.records`). With `fc`, records of
     the legacy fingerprint scheme are read when their fingerprint is this configuration's with the shipped model
-    (`eval.frontier_identity`); each such record gets "legacy": True."""
-    from flashmemory.eval.frontier_identity import legacy_reader
+    (`eval.frontier.identity`); each such record gets "legacy": True."""
+    from flashmemory.eval.frontier.identity import legacy_reader
 
     legacy = legacy_reader(fc) if fc is not None else None
     keys = tuple(budget_key(b) for b in fc.budgets) if fc is not None else None
@@ -137,7 +137,7 @@ class Sweep:
     """The loaded model, retriever and tokenizer of one run; `doc(i, task)` computes one document's record body."""
 
     def __init__(self, fc: FrontierConfig):
-        from flashmemory.eval.frontier_cost import level1_flops, tiny_shapes
+        from flashmemory.eval.frontier.cost import level1_flops, tiny_shapes
         from flashmemory.hf import HFEngine
         from flashmemory.retriever.checkpoint import check_fits, load_retriever
         from flashmemory.tasks.tokenizer import load_tokenizer
@@ -165,7 +165,7 @@ class Sweep:
 
         batched: every (budget, method) Level-2 forward in one batched decode (`_quality_batched`); False runs
         each through the harness one at a time. Both give the same record (up to float error in the logits)."""
-        from flashmemory.eval.frontier_decode import cached_full_run
+        from flashmemory.eval.frontier.decode import cached_full_run
         from flashmemory.eval.harness import evaluate_doc
         from flashmemory.tasks.suite import generate
 
@@ -207,7 +207,7 @@ class Sweep:
         `method_quality`'s, whose Level-2 logits come from one `PrefixDecoder.forward_many` over every
         (budget, method) resident set of the document."""
         from flashmemory.eval.decode import method_quality, query_mask
-        from flashmemory.eval.frontier_decode import ServedLogits
+        from flashmemory.eval.frontier.decode import ServedLogits
         from flashmemory.eval.harness import kmax_for
 
         eng, P, T = self.engine, run.prompt_len, run.n_steps
@@ -227,7 +227,7 @@ class Sweep:
 
     def _record(self, run, dec, per_budget: dict[float, tuple[dict, dict]]) -> dict:
         """The record body from the harness rows of every budget: HiSparse's arms and every row's costs."""
-        from flashmemory.eval.frontier_cost import method_costs
+        from flashmemory.eval.frontier.cost import method_costs
 
         fc, eng = self.fc, self.engine
         n_c4, n_final, cb = run.index_chunks.shape
@@ -285,7 +285,7 @@ def run_frontier(
     """Run (or continue) the sweep in fc.out_dir and write frontier.json / .md / .png from the finished
     documents; returns the aggregate. max_docs: stop after this many new documents (the rest stay pending);
     compare: another frontier out dir whose extra methods frontier.md sets beside FlashMemory
-    (`eval.frontier_compare`)."""
+    (`eval.frontier.compare`)."""
     from flashmemory.outdir import DirLock, prepare_dir
 
     out = prepare_dir(fc.out_dir, "--out")
@@ -306,8 +306,8 @@ def _run(
     from tqdm import tqdm
 
     from flashmemory.atomic import atomic_write_text
-    from flashmemory.eval.frontier_identity import fingerprint_of, settings
-    from flashmemory.eval.frontier_report import write_outputs
+    from flashmemory.eval.frontier.identity import fingerprint_of, settings
+    from flashmemory.eval.frontier.report import write_outputs
 
     key = settings(fc)
     fp = fingerprint_of(key)
@@ -348,7 +348,7 @@ def _run(
         raise UserError(f"--out {out}: no finished documents to report")
     extra = None
     if compare:
-        from flashmemory.eval.frontier_compare import compare_lines
+        from flashmemory.eval.frontier.compare import compare_lines
 
         extra = compare_lines(recs, compare, FORMAT, fc=fc)
     return write_outputs(recs, fc, fp, len(plan), out, log, extra, compare)

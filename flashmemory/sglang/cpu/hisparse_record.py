@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.cpu.ops.hisparse import SwapInCounts
-from flashmemory.sglang.runtime import RUNTIME
+from flashmemory.sglang.decode.runtime import RUNTIME
 
 logger = logging.getLogger(f"sglang.{__name__}")
 LOG_EVERY = 256  # swap-in calls between two counter log lines

@@ -1,17 +1,17 @@
 """Entry point `flashmemory_cpu` (group `sglang.srt.plugins`): the CPU layer's code patches in this process.
 
 The rows of feature "cpu" (kernel drop-ins, runtime seams, HiSparse on CPU) go through the one apply-and-verify
-loop, `flashmemory.sglang.patching.apply`; a patch that fails is a SystemExit "FlashMemory startup error: ...".
+loop, `flashmemory.sglang.plumbing.patching.apply`; a patch that fails is a SystemExit "FlashMemory startup error: ...".
 """
 
 from __future__ import annotations
 
-from flashmemory.sglang.patch_spec import CODE_KINDS
+from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS
 
 
 def install() -> list[str]:
     """Apply (once per process) and verify the CPU layer's code patches; returns the patched targets."""
-    from flashmemory.sglang.patching import apply, select
+    from flashmemory.sglang.plumbing.patching import apply, select
 
     return apply(select(("cpu",), CODE_KINDS), context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it")
 
@@ -22,7 +22,7 @@ def register() -> None:
     Separate from the FlashMemory plugin so `SGLANG_PLUGINS=flashmemory_cpu` runs stock sglang (no FlashMemory
     hook registered at all) on CPU; the FlashMemory plugin applies these rows too (once per process)."""
     from flashmemory.env import EnvError, cpu_enabled
-    from flashmemory.sglang.patching import StartupError
+    from flashmemory.sglang.plumbing.patching import StartupError
 
     try:
         on = cpu_enabled()

@@ -24,8 +24,8 @@ from flashmemory.sglang.cpu.ops.hisparse import (
     copy_c4_tokens,
     load_cache_to_device_buffer_dsv4,
 )
-from flashmemory.sglang.patch_spec import Patch
-from flashmemory.sglang.runtime import RUNTIME
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 _HP = "flashmemory.sglang.cpu.patches_hisparse"
 _POOL = "flashmemory.sglang.cpu.hisparse_pool"  # the host pool's hooks

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.cpu.ops.compress_plan import plan_decode, plan_prefill
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 _NR = "sglang.kernels.ops.attention.dsv4.norm_rope"
 _CP = "sglang.kernels.ops.attention.dsv4.compress"

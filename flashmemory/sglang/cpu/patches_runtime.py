@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 logger = logging.getLogger(__name__)
 _BK = "sglang.srt.layers.attention.deepseek_v4_backend"

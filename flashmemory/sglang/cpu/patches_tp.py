@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 _TP = "flashmemory.sglang.cpu.patches_tp"
@@ -101,7 +101,7 @@ def keep_dsv4_kv_head(
         return original(model_config, load_config, tp_size, *args, **kwargs)
     why = check_dsv4_tp(model_config.hf_config, tp_size)
     if why is not None:
-        from flashmemory.sglang.patching import StartupError
+        from flashmemory.sglang.plumbing.patching import StartupError
 
         raise StartupError(why)
     return model_config

@@ -8,7 +8,7 @@ On CPU those pools are host memory, and UCX refuses a "VRAM" registration of hos
 NIXL_ERR_BACKEND). Every NIXL call of an agent resolves its memory-type string through one table,
 `nixl_agent.nixl_mems` (name -> NIXL enum); `alias_vram_to_dram` points that table's "VRAM" at DRAM, so every
 registration, descriptor list and transfer of the agent says DRAM. That is the only seam: no sglang function
-changes, and mixed VRAM/DRAM kinds (shrink mode's host-mirror entries, `hooks.before_nixl_manager_init`) become
+changes, and mixed VRAM/DRAM kinds (shrink mode's host-mirror entries, `shrink_hooks.before_nixl_manager_init`) become
 homogeneous DRAM, which they are.
 
 `around_nixl_agent_init` wraps every `nixl._api.nixl_agent.__init__` (a row of `PD_PATCHES`, applied with every
@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 
 def alias_vram_to_dram(agent: Any) -> None:

@@ -9,7 +9,7 @@ returns None and sglang picks its platform as shipped. With it set, it
 - stubs the CUDA-only kernel wheels (its `import_stub` rows, `stubs.install_stubs`) before any sglang module
   imports them;
 - returns `FlashMemoryCpuPlatform`: sglang's in-tree `CpuSRTPlatform` plus the DSv4 server-arg defaults.
-Both go through the one apply loop (`flashmemory.sglang.patching`); the torch fallbacks are applied later, by
+Both go through the one apply loop (`flashmemory.sglang.plumbing.patching`); the torch fallbacks are applied later, by
 the plugin's `register()` (or `cpu.install.register`).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from flashmemory.env import cpu_enabled
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 
@@ -120,7 +120,7 @@ def activate() -> str | None:
         raise SystemExit(f"FlashMemory startup error: {e}") from None
     if not on:
         return None
-    from flashmemory.sglang.patching import PLATFORM_KINDS, apply, select
+    from flashmemory.sglang.plumbing.patching import PLATFORM_KINDS, apply, select
 
     apply(select(("cpu",), PLATFORM_KINDS, PLATFORM_PATCHES))
     return PLATFORM_CLASS

@@ -1,5 +1,5 @@
-"""`build(pool, env)`: the Path-P adapter for a DSv4 pool, copy mode (`engine_adapter.SGLangOffload`) or shrink
-mode (`shrink.ShrunkOffload`), both subclasses of `offload_adapter.OffloadAdapter`. Kept apart from the classes
+"""`build(pool, env)`: the Path-P adapter for a DSv4 pool, copy mode (`copy_adapter.CopyAdapter`) or shrink
+mode (`shrink_adapter.ShrinkAdapter`), both subclasses of `offload_adapter.OffloadAdapter`. Kept apart from the classes
 so no adapter module imports another's subclass or this factory (this module imports both).
 
 Before anything is allocated, `build` checks the host and device memory the adapter will take, counted the way
@@ -23,20 +23,20 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.mirror import check_host_memory, mirror_alloc_bytes
 from flashmemory.offload.tiered_mirror import mirror_slot_count
-from flashmemory.sglang import geometry, memory_budget
-from flashmemory.sglang.core_config import CoreConfig, core_config
-from flashmemory.sglang.engine_adapter import SGLangOffload
-from flashmemory.sglang.geometry import (
+from flashmemory.sglang.decode import geometry, memory_budget
+from flashmemory.sglang.decode.copy_adapter import CopyAdapter
+from flashmemory.sglang.decode.core_config import CoreConfig, core_config
+from flashmemory.sglang.decode.geometry import (
     PoolGeometry,
     PoolGeometryError,
     check_reserve_memory,
     pool_buffers,
     read_geometry,
 )
-from flashmemory.sglang.offload_adapter import OffloadAdapter
-from flashmemory.sglang.refusals import setting
-from flashmemory.sglang.retriever_load import place_retriever
-from flashmemory.sglang.shrink import ShrunkOffload, landing_chunks, shrink_blockers
+from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
+from flashmemory.sglang.decode.refusals import setting
+from flashmemory.sglang.decode.retriever_load import place_retriever
+from flashmemory.sglang.decode.shrink_adapter import ShrinkAdapter, landing_chunks, shrink_blockers
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,11 @@ def build(
     SGLANG_RETRIEVER_INLINE_CKPT loaded here the same way (`retriever_load.load_serving_retriever`), moved to
     the pool's device.
 
-    shrink=None decides from the server args: the shrink (`shrink.ShrunkOffload`) when SGLANG_PD_B_C4_SHRINK is
-    on and nothing in `shrink.shrink_blockers` rules it out, else copy mode, with a warning naming the reason."""
+    shrink=None decides from the server args: the shrink (`shrink_adapter.ShrinkAdapter`) when
+    SGLANG_PD_B_C4_SHRINK is on and nothing in `shrink_adapter.shrink_blockers` rules it out, else copy mode, with a
+    warning naming the reason."""
     if retriever is None and env.retriever_ckpt:
-        from flashmemory.sglang.retriever_load import load_serving_retriever, served_model_path
+        from flashmemory.sglang.decode.retriever_load import load_serving_retriever, served_model_path
 
         retriever = load_serving_retriever(env, served_model_path(server_args, []))
     if shrink is None:
@@ -144,9 +145,9 @@ def build(
     check_device(plan, core, geo, env, bool(shrink), retriever, server_args, device)
     retriever = place_retriever(retriever, device)
     if shrink:
-        eng: OffloadAdapter = ShrunkOffload(pool, env, retriever, n_landing=n_landing)
+        eng: OffloadAdapter = ShrinkAdapter(pool, env, retriever, n_landing=n_landing)
     else:
-        eng = SGLangOffload(pool, env, retriever)
+        eng = CopyAdapter(pool, env, retriever)
     logger.info(
         "FlashMemory Path-P (%s mode): %d c4 layers, %d pool pages, reserve %d blocks/layer, KMAX %d, "
         "retriever %s on %s; host mirror %.2f GiB%s, device %.2f GiB",

@@ -54,8 +54,8 @@ class HiSparseState:
       trace_lock, which also serialises the trace file's appends).
     newest_pending: request slot -> (c4 entries that came with its prefill, data_ptrs of the c4 layers whose
       reserved slot is not loaded yet) (`cpu.patches_hisparse.admit_direct`).
-    prefetch: `hisparse_prefetch_state.PrefetchState`, the prefetch mode's buffers and counters (created on first use).
-    hint: `hisparse_hint.HintSource` when Level 1 is the prefetch hint source, else None.
+    prefetch: `state.PrefetchState`, the prefetch mode's buffers and counters (created on first use).
+    hint: `hint.HintSource` when Level 1 is the prefetch hint source, else None.
     """
 
     swapin: Any = None

@@ -1,10 +1,10 @@
-"""Copy mode: `SGLangOffload`, the `OffloadAdapter` that leaves sglang's c4 pool complete.
+"""Copy mode: `CopyAdapter`, the `OffloadAdapter` that leaves sglang's c4 pool complete.
 
 The core allocates mirror pages of its own; a new request's history is copied from the pool at admission, each
 step's new chunks are appended with the pool's current bytes and re-read from the pool for every layer at the
 next step (`settle_before_step`, stored first by that step's `sync_batch`: sglang stores them during the
 forward), and before attention this step's entries are copied pool -> reserve cells (`refresh_from_pool`), so
-attention can read the reserve. It saves no device memory; shrink mode (`shrink.ShrunkOffload`) does. Shared
+attention can read the reserve. It saves no device memory; shrink mode (`shrink_adapter.ShrinkAdapter`) does. Shared
 behaviour and the protocol with its no-op defaults live in `offload_adapter.OffloadAdapter`;
 `adapter_factory.build` picks the mode.
 """
@@ -20,7 +20,7 @@ from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, ChunkStore
 
 # Geometry lives in its own module; re-exported because callers and tests know it from here.
-from flashmemory.sglang.geometry import (  # noqa: F401
+from flashmemory.sglang.decode.geometry import (  # noqa: F401
     RATIO,
     PoolGeometry,
     PoolGeometryError,
@@ -30,13 +30,15 @@ from flashmemory.sglang.geometry import (  # noqa: F401
     read_chunk_rows,
     read_geometry,
 )
-from flashmemory.sglang.offload_adapter import AllPass, OffloadAdapter  # noqa: F401
+from flashmemory.sglang.decode.offload_adapter import AllPass, OffloadAdapter  # noqa: F401
 
 
-class SGLangOffload(OffloadAdapter):
+class CopyAdapter(OffloadAdapter):
     """Copy mode: sglang's c4 pool stays complete; the mirror and reserve hold copies of its pages."""
 
-    mode = "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink.ShrunkOffload)
+    mode = (
+        "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink_adapter.ShrinkAdapter)
+    )
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         super().__init__(pool, env, retriever, device)

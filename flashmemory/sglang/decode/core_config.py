@@ -16,7 +16,7 @@ from flashmemory.offload import EngineConfig, OffloadLayout
 from flashmemory.residency.escalation import EscalationConfig
 from flashmemory.residency.level1 import Level1Config
 from flashmemory.residency.policy import SelectionConfig
-from flashmemory.sglang.geometry import PoolGeometry
+from flashmemory.sglang.decode.geometry import PoolGeometry
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def shrunk_kv_pages(pool: Any) -> int | None:
     """Logical page count of a shrink-mode c4 KV pool, None for any other pool.
 
-    In shrink mode (`hooks.around_make_kv_pool`) sglang builds the c4 KV pool with a one-page capacity
+    In shrink mode (`shrink_hooks.around_make_kv_pool`) sglang builds the c4 KV pool with a one-page capacity
     (`size == page_size`), so its device buffer is a placeholder the reserve later replaces; the pages its
     allocator hands out still follow the DSv4 pool's own c4 config (`compressed_pool_configs[4].kv_size`), and
     sglang's page count for that size (`_num_dsv4_physical_kv_pages`) is the logical count. Read from sglang's

@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flashmemory.env import EnvError, fault_inject
+from flashmemory.sglang.decode.server import server_args
 
 if TYPE_CHECKING:  # type only: the guard is imported before any adapter exists
-    from flashmemory.sglang.offload_adapter import OffloadAdapter
+    from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(f"sglang.{__name__}")  # under "sglang": its log handler prints it
 FAILED_PREFIX = "\x00flashmemory-failed:"  # renamed rid of a failed request inside the runtime's view
@@ -113,8 +114,6 @@ def _stop_server(message: str) -> None:
     leave the event loop with SystemExit (not an Exception: sglang's loop would log a traceback for those). Only
     inside an sglang server (its server args are set): elsewhere (tests, tools) the parent is a shell or a test
     runner, and the SystemExit alone stops the caller."""
-    from flashmemory.sglang.runtime import server_args
-
     try:
         import psutil
 
@@ -134,7 +133,7 @@ class Guard:
     batch_rids: list[str] = field(default_factory=list)  # rids of the forward in progress
     inject: tuple[str, re.Pattern] | None = None  # (hook, rid pattern) from FLASHMEMORY_FAULT_INJECT
     stopping: bool = False
-    hook_names: tuple[str, ...] = ()  # what FLASHMEMORY_FAULT_INJECT may name (hooks.py)
+    hook_names: tuple[str, ...] = ()  # what FLASHMEMORY_FAULT_INJECT may name (every `guarded` hook)
     configured: bool = False  # `configure` ran (first guarded call)
     stop: Callable[[str], None] = _stop_server
     counter: Any = None  # flashmemory_request_failures_total{hook}
@@ -161,7 +160,7 @@ class Guard:
                 "FlashMemory: fault injector on (test only): %s fails requests matching %r", spec.hook, spec.rid
             )
         if self.counter is None:
-            from flashmemory.sglang.prometheus import failure_counter
+            from flashmemory.sglang.metrics.prometheus import failure_counter
 
             try:
                 self.counter = failure_counter()
@@ -341,7 +340,7 @@ def tp_exchange() -> tuple[Any, int]:
     """(exchange over the cpu group of the ranks that run this batch, this process's TP rank), or (None, 0) with
     one such rank or outside a server. The group is `core_config.batch_group`: the TP group, or under attention
     DP the attention-TP group only (another DP rank's requests are not this batch's, and it runs other batches)."""
-    from flashmemory.sglang.core_config import batch_group
+    from flashmemory.sglang.decode.core_config import batch_group
 
     group = batch_group()
     if group is None or group.world_size <= 1:
@@ -377,7 +376,12 @@ def _late(delay: Any, rid: str, scores: Any) -> None:
 
 def guarded(name: str, rids: Callable[[tuple, dict], list[str] | None] | None, state: Any) -> Callable:
     """Decorator: run the hook as `name` under `state.guard` (the process state's guard, read at each call);
-    `rids(args, kwargs)` gives its batch's request ids."""
+    `rids(args, kwargs)` gives its batch's request ids. Wrapping registers `name` with the guard (what
+    FLASHMEMORY_FAULT_INJECT may name): the process state builds its guard, so a hook never depends on which
+    hook module was imported first."""
+    guard = getattr(state, "guard", None)
+    if guard is not None and name not in guard.hook_names:
+        guard.hook_names += (name,)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

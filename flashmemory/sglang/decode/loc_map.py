@@ -22,7 +22,7 @@ import torch
 from flashmemory.offload import streams
 from flashmemory.offload.layout import OffloadLayout
 from flashmemory.offload.sync import ChunkStore
-from flashmemory.sglang.geometry import read_chunk_rows
+from flashmemory.sglang.decode.geometry import read_chunk_rows
 
 
 def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from flashmemory.sglang.core_config import CoreConfig
-from flashmemory.sglang.geometry import PoolGeometryError
-from flashmemory.sglang.refusals import setting
+from flashmemory.sglang.decode.core_config import CoreConfig
+from flashmemory.sglang.decode.geometry import PoolGeometryError
+from flashmemory.sglang.decode.refusals import setting
 
 MIB = 2**20
 NATIVE_HEADS = 64  # DeepSeek-V4's indexer heads (the miss monitor's native scores)

@@ -2,9 +2,9 @@
 
 The base class carries the complete protocol the hooks (`hooks.py`) and the runtime (`runtime.py`) call, with
 no-op defaults where a mode has nothing to do, so no caller probes what an adapter can do. Its two modes
-subclass it: `engine_adapter.SGLangOffload` (copy mode: sglang's pool stays complete, mirror and reserve are
-copies) and `shrink.ShrunkOffload` (shrink mode: the device c4 pool becomes the reserve). `adapter_factory.build`
-picks one.
+subclass it: `copy_adapter.CopyAdapter` (copy mode: sglang's pool stays complete, mirror and reserve are
+copies) and `shrink_adapter.ShrinkAdapter` (shrink mode: the device c4 pool becomes the reserve).
+`adapter_factory.build` picks one.
 
 Address spaces: sglang's pool locs, the core's mirror chunks and reserve cells (`loc_map`). `loc2m` maps pool
 loc -> mirror chunk, so `cells_of(locs) = cell_table[loc2m[locs]]`: two gathers, static tensors, graph safe.
@@ -31,11 +31,11 @@ from flashmemory.offload.sync import Admission, AppendRound, BatchSync, ChunkSto
 from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
-from flashmemory.sglang.core_config import core_config, serving_tp_size
-from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
-from flashmemory.sglang.loc_map import LocMap, pool_chunks
-from flashmemory.sglang.miss_monitor import build_monitor, monitor_stats
-from flashmemory.sglang.page_reads import PageReads
+from flashmemory.sglang.decode.core_config import core_config, serving_tp_size
+from flashmemory.sglang.decode.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
+from flashmemory.sglang.decode.loc_map import LocMap, pool_chunks
+from flashmemory.sglang.decode.page_reads import PageReads
+from flashmemory.sglang.metrics.miss_monitor import build_monitor, monitor_stats
 
 
 class OffloadAdapter:
@@ -355,7 +355,7 @@ class OffloadAdapter:
         return int(self.engine.totals()["history_chunks"])
 
     def stats(self) -> dict[str, float]:
-        """The keys of `flashmemory.sglang.prometheus.METRICS`, from the core's running totals (O(1): no scan of
+        """The keys of `flashmemory.sglang.metrics.prometheus.METRICS`, from the core's running totals (O(1): no scan of
         requests, no device read; the exporter thread calls it)."""
         eng = self.engine
         snap = eng.totals()

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from flashmemory.sglang.guard import guarded
-from flashmemory.sglang.runtime import RUNTIME, c4_page_table
+from flashmemory.sglang.decode.guard import guarded
+from flashmemory.sglang.decode.runtime import RUNTIME, c4_page_table
 
 
 def landed_tokens(req: Any) -> int:

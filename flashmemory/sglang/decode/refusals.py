@@ -41,7 +41,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.patch_spec import StartupError
+
+
+class StartupError(SystemExit):
+    """FlashMemory cannot start with the requested gates; the message says which patch or setting and why. A
+    SystemExit, so it stops sglang even where `load_plugins` swallows exceptions."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"FlashMemory startup error: {msg}")
 
 
 def setting(server_args: Any, name: str, default: Any = None) -> Any:

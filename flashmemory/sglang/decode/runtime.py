@@ -3,8 +3,8 @@
 The hooks (`hooks.py`) are thin: they pull tensors off sglang objects and call into `RUNTIME`, the one
 per-process object (configs, the adapter and its core, the retriever, metrics, the guard, the static buffers);
 what one forward uses lives in `RUNTIME.fwd` (`context.ForwardContext`, built per forward). The Path-P
-adapter (`offload_adapter.OffloadAdapter`: copy mode `engine_adapter.SGLangOffload` or shrink mode
-`shrink.ShrunkOffload`) puts the offload core behind sglang's pool; the base class carries every method the
+adapter (`offload_adapter.OffloadAdapter`: copy mode `copy_adapter.CopyAdapter` or shrink mode
+`shrink_adapter.ShrinkAdapter`) puts the offload core behind sglang's pool; the base class carries every method the
 hooks call (no-op defaults), so neither this module nor the hooks probe what the adapter can do. Static buffers
 live here so the decode CUDA graph can bake them in.
 """
@@ -18,30 +18,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv, stats_file
-from flashmemory.sglang.context import ForwardContext, HiSparseState
-from flashmemory.sglang.exporter import MetricsExporter, write_diagnostics
-from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
+from flashmemory.sglang.decode.context import ForwardContext, HiSparseState
+from flashmemory.sglang.decode.guard import Guard
+from flashmemory.sglang.decode.server import server_args
+from flashmemory.sglang.decode.sideband import SidebandBuffers, SidebandError
+from flashmemory.sglang.metrics.exporter import MetricsExporter, write_diagnostics
 
 if TYPE_CHECKING:
-    from flashmemory.sglang.offload_adapter import OffloadAdapter
+    from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(__name__)
 
 
-def server_args() -> Any:
-    """sglang's global server args in this process, or None where they are not set (tests, tools)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return get_server_args()
-    except (ImportError, ValueError, AttributeError, RuntimeError):
-        return None
-
-
 def build_engine(pool: Any, env: FlashMemoryEnv, shrink: bool = False, retriever: Any = None) -> "OffloadAdapter":
-    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.adapter_factory.build`), with the
+    """Create the offload engine for an sglang DSv4 pool (`flashmemory.sglang.decode.adapter_factory.build`), with the
     retriever the plugin checked at registration."""
-    from flashmemory.sglang import adapter_factory
+    from flashmemory.sglang.decode import adapter_factory
 
     return adapter_factory.build(pool, env, server_args(), shrink=shrink, retriever=retriever)
 
@@ -52,7 +44,7 @@ def host_seq_lens(forward_batch: Any, rids: list[str]) -> torch.Tensor:
     copy only where the batch has no host copy.
 
     Blocking operations left on the decode thread are listed (with their cost) and counted in
-    tests/sglang/test_decode_blocking.py; the side band's freshness check (first forward of each batch size) is
+    tests/sglang/decode/test_decode_blocking.py; the side band's freshness check (first forward of each batch size) is
     one more."""
     cpu = getattr(forward_batch, "seq_lens_cpu", None)
     if cpu is None or cpu.shape[0] < len(rids):
@@ -150,7 +142,7 @@ class Runtime:
         # (target, kind, impl) -> target of every Patch row applied in this process (`patching.apply`: once each)
         self.applied_patches: dict[tuple[str, str, str], str] = {}
         self.registration: dict | None = None  # what `plugin.register` did here (None before it ran)
-        self.guard: Any = None  # the per-request failure guard (`guard.Guard`) the hooks run under (hooks.py)
+        self.guard = Guard()  # the per-request failure guard every hook runs under (`guard.guarded`)
         self.hisparse = HiSparseState()  # the HiSparse CPU swap-in and prefetch modes' state
 
     def count(self, name: str) -> None:
@@ -176,7 +168,7 @@ class Runtime:
     def configure(self, env: FlashMemoryEnv, features: tuple[str, ...], retriever: Any = None) -> None:
         self.env, self.features, self.retriever = env, features, retriever
         if "dump" in features:
-            from flashmemory.sglang.dump_mode import DumpRecorder
+            from flashmemory.sglang.dump.mode import DumpRecorder
 
             self.dump = DumpRecorder(root=env.dump_root or None)
 
@@ -217,7 +209,7 @@ class Runtime:
     def check_refusals(self, max_running_requests: int = 0) -> None:
         """Stop start-up (StartupError, one line naming the flag) on a configuration the active features cannot
         serve (`refusals.refusals`); max_running_requests: the model runner's resolved value, when known."""
-        from flashmemory.sglang.refusals import refusals, refuse, rows_refusal
+        from flashmemory.sglang.decode.refusals import refusals, refuse, rows_refusal
 
         lines = refusals(server_args(), self.env, self.features)
         if self.on("path_p") and max_running_requests:
@@ -238,7 +230,7 @@ class Runtime:
             if not (self.on("path_p") and self.env.pd_c4_shrink):
                 self._shrink = False
             else:
-                from flashmemory.sglang.shrink import shrink_blockers
+                from flashmemory.sglang.decode.shrink_adapter import shrink_blockers
 
                 blockers = shrink_blockers(server_args())
                 self._shrink = not blockers
@@ -260,7 +252,7 @@ class Runtime:
             self.engine.indexers = self.indexers  # shared: the hook fills it, the miss monitor reads it
             self.level2_buffers(0, self.engine.device)  # once, sized for the server, before any capture
             try:
-                from flashmemory.sglang.prometheus import FlashMemoryMetrics
+                from flashmemory.sglang.metrics.prometheus import FlashMemoryMetrics
 
                 self.metrics = FlashMemoryMetrics.create()
             except (ImportError, ValueError) as e:  # no prometheus_client, or already registered in this process

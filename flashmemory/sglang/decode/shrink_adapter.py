@@ -1,6 +1,6 @@
 """Path-P on a PD decode server ("B mode"): the device c4 KV pool shrinks to the reserve.
 
-A subclass of `offload_adapter.OffloadAdapter`, as copy mode (`engine_adapter.SGLangOffload`) is. Copy mode
+A subclass of `offload_adapter.OffloadAdapter`, as copy mode (`copy_adapter.CopyAdapter`) is. Copy mode
 leaves sglang's c4 pool complete and keeps the mirror and reserve as copies of it, so it saves no device memory.
 Here:
 
@@ -11,7 +11,7 @@ Here:
   device   `pool.c4_kv_pool.kv_buffer[l]` becomes the reserve of layer l (recall blocks | decode regions | sink |
            landing); the full-size buffers are dropped.
   stores   sglang's compressor writes a new c4 entry at pool loc `core_metadata.c4_out_loc`; the shrink rows'
-           `hooks.around_compress` swaps those locs for `store_cells(out_loc)` during the c4 KV compressor's call
+           `shrink_hooks.around_compress` swaps those locs for `store_cells(out_loc)` during the c4 KV compressor's call
            (where HiSparse translates them, `layers/attention/dsv4/compressor_v2.py:227`): in decode the entry's
            reserve cell (assigned and published by `begin_step` before the forward; graph safe: two gathers on
            static tensors), in extend a landing cell (moved to the mirror afterwards).
@@ -21,7 +21,7 @@ Here:
 
 The target layers' index-K stays in sglang's device pool and doubles as the engine's target index pool. With
 Path-I and score-resident Level 2 (`index_in_reserve`), the non-target layers' index-K pool is replaced by the
-Path-I reserve too: the indexer compressor stores through `store_cells` (`hooks.around_compress`), PD lands
+Path-I reserve too: the indexer compressor stores through `store_cells` (`shrink_hooks.around_compress`), PD lands
 those pages in the mirror, and the indexer scores a view whose page table holds reserve blocks
 (`block_table`), so its top-k are reserve cells already.
 Only safe where every forward is decode or extend: `shrink_blockers` lists what rules the mode out.
@@ -38,7 +38,7 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, StagedSettle
-from flashmemory.sglang.offload_adapter import OffloadAdapter
+from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
 
 logger = logging.getLogger(__name__)
 DEFAULT_EXTEND_TOKENS = 16384  # sglang's default max_prefill_tokens
@@ -93,7 +93,7 @@ def landing_chunks(server_args: Any) -> int:
     return -(-tokens // 4) + reqs
 
 
-class ShrunkOffload(OffloadAdapter):
+class ShrinkAdapter(OffloadAdapter):
     """Shrink mode: a pool-addressed mirror and the device c4 KV pool replaced by the reserve."""
 
     mode = "shrink"

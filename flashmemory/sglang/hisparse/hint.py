@@ -12,7 +12,7 @@ reserved or recalled:
   pool on the device (HiSparse keeps that pool full size: only the c4 KV lives in its hot buffer).
 - `recaller.recall(reqs)`: instead of copying pages, each request's pages in priority order (scored pages by
   score, then the recency tail) go to `publish`, which the mode binds to `resident_hint` (positions without the
-  newest top-k entries) and `hisparse_prefetch_state.state().set_hint` (capped at the cycle budget, <= H - K).
+  newest top-k entries) and `hisparse.state.state().set_hint` (capped at the cycle budget, <= H - K).
 The side band's inputs (hidden states of the retriever's target layers, positions) are captured by this mode's own
 indexer hook (`hisparse_prefetch.around_indexer`), into the runtime's static side band (`runtime.Runtime`).
 """
@@ -32,8 +32,8 @@ from flashmemory.offload.recall import RecallRequest
 from flashmemory.residency.level1 import Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.retriever.fp8 import dequantize_chunks, pages_to_chunks
-from flashmemory.sglang.core_config import core_config
-from flashmemory.sglang.geometry import pool_buffers, read_geometry
+from flashmemory.sglang.decode.core_config import core_config
+from flashmemory.sglang.decode.geometry import pool_buffers, read_geometry
 
 logger = logging.getLogger(f"sglang.{__name__}")
 

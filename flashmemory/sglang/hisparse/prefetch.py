@@ -19,9 +19,9 @@ Flow (docs/hisparse.md, section 9):
 - `around_model_forward` joins the side stream into the forward's stream before the forward returns (inside a
   CUDA-graph capture too), so nothing of a prefetch is in flight when a request slot or its locs are recycled;
   `before_destroy` synchronizes it.
-The state (`state()`, hint queues, static buffers, counters `PrefetchCounter`) is in `hisparse_prefetch_state.py`;
+The state (`state()`, hint queues, static buffers, counters `PrefetchCounter`) is in `state.py`;
 counters are exported as `flashmemory_hisparse_prefetch_*`; hit attribution is CPU only.
-With SGLANG_RETRIEVER_INLINE_CKPT set, Level 1 is the hint source (`hisparse_hint.HintSource`, built after the
+With SGLANG_RETRIEVER_INLINE_CKPT set, Level 1 is the hint source (`hint.HintSource`, built after the
 coordinator): `around_indexer` copies the retriever layers' indexer inputs into the side band, `after_forward`
 hands each decode step to Level 1, whose cycles call `set_hint` through `resident_hint`.
 """
@@ -35,20 +35,20 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.cpu.ops.hisparse_prefetch import prefetch_layer_cpu, sanitize_hint
-from flashmemory.sglang.hisparse_prefetch_state import resident_hint, state
-from flashmemory.sglang.patch_spec import Patch
-from flashmemory.sglang.runtime import RUNTIME
-from flashmemory.sglang.targets import C4_INDEXER
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.hisparse.state import resident_hint, state
+from flashmemory.sglang.plumbing.patch_spec import Patch
+from flashmemory.sglang.plumbing.targets import C4_INDEXER
 
 logger = logging.getLogger(f"sglang.{__name__}")
-_M = "flashmemory.sglang.hisparse_prefetch"
+_M = "flashmemory.sglang.hisparse.prefetch"
 _CO = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 _IDX = "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin"
 
 
 def hint() -> Any:
-    """`hisparse_hint.HintSource` when Level 1 is the hint source (`RUNTIME.hisparse.hint`); None: hints come
+    """`hint.HintSource` when Level 1 is the hint source (`RUNTIME.hisparse.hint`); None: hints come
     from `set_hint` callers."""
     return RUNTIME.hisparse.hint
 
@@ -67,7 +67,7 @@ def enabled() -> bool:
 def after_init_hisparse(result: Any, self: Any) -> None:
     """After `ModelRunner.maybe_init_hisparse_coordinator` (model_runner.py:1029): refuse without HiSparse on
     DeepSeek-V4, else allocate the mode's buffers and side stream (before any CUDA-graph capture)."""
-    from flashmemory.sglang.patching import StartupError
+    from flashmemory.sglang.plumbing.patching import StartupError
 
     co = getattr(self, "hisparse_coordinator", None)
     if co is None or not getattr(co, "is_dsv4_hisparse", False):
@@ -103,13 +103,13 @@ def after_init_hisparse(result: Any, self: Any) -> None:
 
 def _build_hint(runner: Any, env: Any, top_k: int) -> None:
     """Level 1 over the runner's c4 index-K pool, its cycles publishing hints (newest top_k entries left out)."""
-    from flashmemory.sglang.hisparse_hint import HintSource
-    from flashmemory.sglang.retriever_load import load_serving_retriever, place_retriever, served_model_path
-    from flashmemory.sglang.runtime import server_args
+    from flashmemory.sglang.decode.retriever_load import load_serving_retriever, place_retriever, served_model_path
+    from flashmemory.sglang.decode.runtime import server_args
+    from flashmemory.sglang.hisparse.hint import HintSource
 
     pool = runner.token_to_kv_pool
     retriever = RUNTIME.retriever or load_serving_retriever(env, served_model_path(server_args(), []))
-    from flashmemory.sglang.geometry import pool_buffers
+    from flashmemory.sglang.decode.geometry import pool_buffers
 
     retriever = place_retriever(retriever, pool_buffers(pool)[1][0].device)
     RUNTIME.sideband_rows_hint = max(RUNTIME.sideband_rows_hint, int(getattr(runner, "max_running_requests", 0) or 0))
@@ -168,7 +168,7 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
     src = hint()
     if src is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
         return
-    from flashmemory.sglang.runtime import c4_page_table, host_seq_lens
+    from flashmemory.sglang.decode.runtime import c4_page_table, host_seq_lens
 
     rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
     seq = host_seq_lens(forward_batch, rids)

@@ -6,7 +6,7 @@ Invariants: every buffer is allocated once by `PrefetchState.configure` (before 
 `width` and `budget` capped at H - K, so a prefetch never evicts a current pick; `pf_pos` / `pf_clean` / `scratch`
 are int32 [request slots, W] (-1 = none) and `pf_active` an int32 [1] row count read by the kernel on the device.
 `resident_hint` turns a Level-1 resident set (pages) into a hint. The hooks that use this state live in
-`hisparse_prefetch.py`.
+`prefetch.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.cpu.ops.hisparse_prefetch import Provenance, dedup_positions
-from flashmemory.sglang.runtime import RUNTIME
+from flashmemory.sglang.decode.runtime import RUNTIME
 
 logger = logging.getLogger(f"sglang.{__name__}")
 
@@ -52,7 +52,7 @@ class PrefetchCounter:
             try:
                 from prometheus_client import Counter
 
-                from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX
+                from flashmemory.sglang.metrics.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX
 
                 for k in self.KEYS:
                     self.prom[k] = Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, HISPARSE_PREFETCH[k])
@@ -91,7 +91,7 @@ class PrefetchState:
         of the coordinator, n_layers = c4 layers; width / budget as set (0 budget = H - K), both capped at H-K."""
         room = hot - top_k
         if room < 1:
-            from flashmemory.sglang.patching import StartupError
+            from flashmemory.sglang.plumbing.patching import StartupError
 
             raise StartupError(
                 f"SGLANG_FLASHMEMORY_HISPARSE_PREFETCH=1: the hot buffer ({hot} slots) leaves no room "

@@ -54,7 +54,7 @@ def build_monitor(
 
 
 def monitor_stats(snap_total: Mapping[str, Any], recent: list[float]) -> dict[str, Any]:
-    """The monitor's keys of `flashmemory.sglang.prometheus.METRICS` from the core's running totals
+    """The monitor's keys of `flashmemory.sglang.metrics.prometheus.METRICS` from the core's running totals
     (`engine.totals()`) and its most recent miss-mass values (oldest first)."""
     return {
         k: float(snap_total.get(k, 0))

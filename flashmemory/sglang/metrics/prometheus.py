@@ -92,7 +92,7 @@ HISPARSE_SWAPIN: dict[str, str] = {
     "misses": "HiSparse picks copied host -> device into the hot buffer",
     "bytes_h2d": "HiSparse bytes copied host -> device (misses x 584 B)",
 }
-# The HiSparse prefetch mode (`flashmemory.sglang.hisparse_prefetch_state.PrefetchCounter`, keys in this order); its
+# The HiSparse prefetch mode (`flashmemory.sglang.hisparse.state.PrefetchCounter`, keys in this order); its
 # on-demand misses are the swap-in counters' `misses` (prefetch copies are not swap-ins there).
 HISPARSE_PREFETCH_PREFIX = "hisparse_prefetch_"
 HISPARSE_PREFETCH: dict[str, str] = {
@@ -133,7 +133,7 @@ def failure_counter(registry: Any = None) -> Any:
 
 
 def serving_gauges(adapter: Any) -> dict[str, float]:
-    """The `SERVING_METRICS` of a Path-P adapter (`engine_adapter.SGLangOffload`): rows of the adapter (rid ->
+    """The `SERVING_METRICS` of a Path-P adapter (`copy_adapter.CopyAdapter`): rows of the adapter (rid ->
     engine row), and the core's occupancy (free recall blocks, mirror pages in use), read under its lock."""
     return {"live_requests": float(len(adapter.rows)), **adapter.engine.occupancy()}
 

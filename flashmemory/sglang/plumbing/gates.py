@@ -1,6 +1,6 @@
 """The gate table of `flashmemory/sglang/README.md`, generated from `flashmemory.env_doc.ENV_DOC`.
 
-`python -m flashmemory.sglang.gates` prints it; `... gates --write FILE...` replaces the table inside each
+`python -m flashmemory.sglang.plumbing.gates` prints it; `... gates --write FILE...` replaces the table inside each
 FILE in place; a test checks the README holds exactly this text.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flashmemory.env_doc import ENV_DOC
 
-BEGIN = "<!-- BEGIN GATE TABLE (python -m flashmemory.sglang.gates) -->"
+BEGIN = "<!-- BEGIN GATE TABLE (python -m flashmemory.sglang.plumbing.gates) -->"
 END = "<!-- END GATE TABLE -->"
 
 

@@ -27,6 +27,8 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
+from flashmemory.sglang.decode.refusals import StartupError  # noqa: F401  (re-exported: the apply loop raises it)
+
 HOOK_KINDS = ("before", "after", "around", "replace")  # applied through sglang's HookRegistry
 # Applied when a plugin registers; the target must resolve (a function's leading parameters are checked too).
 CODE_KINDS = HOOK_KINDS + ("step", "attr")
@@ -35,14 +37,6 @@ KINDS = CODE_KINDS + ("env", "import_stub")
 
 class TargetError(RuntimeError):
     """A patch target is missing from the installed sglang or its signature changed."""
-
-
-class StartupError(SystemExit):
-    """FlashMemory cannot start with the requested gates; the message says which patch and why. A SystemExit,
-    so it stops sglang even where `load_plugins` swallows exceptions."""
-
-    def __init__(self, msg: str):
-        super().__init__(f"FlashMemory startup error: {msg}")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from flashmemory.atomic import atomic_write_text
 from flashmemory.errors import UserError
-from flashmemory.sglang.patch_spec import CODE_KINDS, Patch
+from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS, Patch
 
 BEGIN = "<!-- BEGIN PATCH TABLE (flashmemory patches --markdown) -->"
 END = "<!-- END PATCH TABLE -->"
@@ -23,7 +23,7 @@ _PREFIX = "flashmemory.sglang."
 
 def rows(features: list[str] | None = None) -> list[Patch]:
     """Every patch in table order, or those of `features` (UserError naming --features for an unknown one)."""
-    from flashmemory.sglang.patching import all_patches
+    from flashmemory.sglang.plumbing.patching import all_patches
 
     allp = list(all_patches())
     if not features:
@@ -96,7 +96,7 @@ def write_block(path: str, block: str) -> None:
 def check(ps: list[Patch]) -> tuple[int, int]:
     """Resolve every code target and check its leading parameters, in table order; UserError naming the first
     that drifted. Returns (checked, optional skipped)."""
-    from flashmemory.sglang.patch_spec import TargetError, check_signature, target_present
+    from flashmemory.sglang.plumbing.patch_spec import TargetError, check_signature, target_present
 
     done = skipped = 0
     for p in ps:

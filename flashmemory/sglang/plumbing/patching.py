@@ -27,7 +27,7 @@ import pkgutil
 from collections.abc import Iterable
 from typing import Any
 
-from flashmemory.sglang.patch_spec import (
+from flashmemory.sglang.plumbing.patch_spec import (
     CODE_KINDS,
     HOOK_KINDS,
     Patch,
@@ -49,8 +49,8 @@ TABLES: tuple[str, ...] = (
     "flashmemory.sglang.cpu.patches_tp:TP_PATCHES",  # --tp N on CPU: thread groups, gloo, DSv4's KV head
     "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
     "flashmemory.sglang.cpu.pd:PD_PATCHES",  # PD on CPU: NIXL over DRAM, the `fake` backend
-    "flashmemory.sglang.targets:SPECS",  # FlashMemory's own hooks
-    "flashmemory.sglang.hisparse_prefetch:PREFETCH_PATCHES",  # prefetch into sglang's HiSparse hot buffer
+    "flashmemory.sglang.plumbing.targets:SPECS",  # FlashMemory's own hooks
+    "flashmemory.sglang.hisparse.prefetch:PREFETCH_PATCHES",  # prefetch into sglang's HiSparse hot buffer
 )
 CPU_FEATURES = ("cpu", "cpu_pd")  # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")  # applied at platform activation, before sglang imports its kernels
@@ -66,7 +66,7 @@ def all_patches() -> tuple[Patch, ...]:
 
 def active_features(env: Any) -> tuple[str, ...]:
     """Features a `FlashMemoryEnv` turns on: the CPU layer's (SGLANG_FLASHMEMORY_CPU) and the hook features."""
-    from flashmemory.sglang.targets import features_for
+    from flashmemory.sglang.plumbing.targets import features_for
 
     return (CPU_FEATURES if env.cpu else ()) + features_for(env)
 
@@ -180,7 +180,7 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
     all `patches` that are in effect (optional ones whose package is absent are left out). `environ` is for
     `env` rows (default the process environment); `context` is appended to a target error. What was applied is
     recorded in the process state (`runtime.RUNTIME.applied_patches`)."""
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     done = RUNTIME.applied_patches
     todo = [p for p in patches if (p.target, p.kind, p.impl) not in done and target_present(p)]
@@ -211,6 +211,6 @@ def apply(patches: list[Patch], *, environ: Any = None, context: str = "") -> li
 
 def applied() -> list[str]:
     """Targets patched in this process so far (sorted)."""
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     return sorted(set(RUNTIME.applied_patches.values()))

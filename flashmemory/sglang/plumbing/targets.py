@@ -1,16 +1,16 @@
 """The hook table: where FlashMemory hooks into sglang 0.5.23 (one `Patch` per target and hook kind).
 
 Each row names its feature (`features_for` turns an env into the active ones), the target, the hook kind,
-the hook callable in `flashmemory.sglang.hooks`, the leading parameter names the hook reads (by position and
+the hook callable in `flashmemory.sglang.decode.hooks`, the leading parameter names the hook reads (by position and
 name; a rename upstream must fail loudly, not bind the wrong argument), and the sglang file:line it covers.
-`flashmemory.sglang.patching` applies it with every other table; importing this module imports no sglang.
+`flashmemory.sglang.plumbing.patching` applies it with every other table; importing this module imports no sglang.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flashmemory.sglang.patch_spec import Patch
+from flashmemory.sglang.plumbing.patch_spec import Patch
 
 _IDX = "sglang.srt.layers.attention.dsv4.indexer"
 _POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
@@ -20,7 +20,15 @@ _ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 _COMP = "sglang.srt.layers.attention.dsv4.compressor_v2"
 _CFG = "sglang.srt.model_executor.pool_configurator"
-_H = "flashmemory.sglang.hooks"
+_H = "flashmemory.sglang.decode.hooks"
+_S = "flashmemory.sglang.decode.shrink_hooks"  # shrink mode's hooks
+SHRINK_HOOKS = (
+    "around_init_compressed_pools",
+    "around_make_kv_pool",
+    "around_c4_bytes_per_token",
+    "before_nixl_manager_init",
+    "around_compress",
+)
 _P = "srt/mem_cache/deepseek_v4_memory_pool.py"
 
 TOPK = ("scores", "seq_lens", "page_tables", "out_page_indices", "page_size")
@@ -30,7 +38,8 @@ WHY_TOPK = "top-k over the C4 scores: mask mode restricts it to the resident pag
 
 
 def _h(feature: str, target: str, kind: str, params: tuple[str, ...], hook: str, why: str) -> Patch:
-    return Patch(feature, target, kind, f"{_H}:{hook}", params, why)
+    mod = _S if hook in SHRINK_HOOKS else _H
+    return Patch(feature, target, kind, f"{mod}:{hook}", params, why)
 
 
 SPECS: tuple[Patch, ...] = (
@@ -208,7 +217,7 @@ SPECS: tuple[Patch, ...] = (
         "shrink_cap",
         "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._get_new_prebuilt_batch",
         "around",
-        "flashmemory.sglang.queue_gate:around_prebuilt_batch",
+        "flashmemory.sglang.decode.queue_gate:around_prebuilt_batch",
         ("self", "running_batch"),
         "srt/disaggregation/decode.py:3375 the decode waiting queue -> running batch: hold back a request whose "
         "pages are read back from disk",

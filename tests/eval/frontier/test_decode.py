@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.eval.frontier_decode import PrefixDecoder, cached_full_run
+from flashmemory.eval.frontier.decode import PrefixDecoder, cached_full_run
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_batched_decode_matches_one_forward_per_set_and_decodes_equal_sets_once(
 
 
 def test_served_logits_are_looked_up_by_the_sets_content():
-    from flashmemory.eval.frontier_decode import ServedLogits
+    from flashmemory.eval.frontier.decode import ServedLogits
 
     a = torch.ones(6, 2, dtype=torch.bool)
     b = a.clone()
@@ -90,7 +90,7 @@ def test_served_logits_are_looked_up_by_the_sets_content():
 def test_sweep_record_batched_equals_the_plain_harness_path(tmp_path):
     """One real document of the shipped trained model, short, at budgets whose sets differ: the batched path's
     record equals the one-forward-per-method path's (wall-time shares aside)."""
-    from flashmemory.eval.frontier import FrontierConfig, Sweep
+    from flashmemory.eval.frontier.run import FrontierConfig, Sweep
     from flashmemory.tiny.shipped import trained_model_available
 
     ck = "docs/quality/frontier_retriever.safetensors"

@@ -1,4 +1,4 @@
-"""A frontier run's identity (`eval.frontier_identity`): the model by content, --compare naming the setting two
+"""A frontier run's identity (`eval.frontier.identity`): the model by content, --compare naming the setting two
 runs differ in, and the committed runs (records of the older fingerprint) still readable (no model runs here)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from flashmemory.errors import UserError
-from flashmemory.eval import frontier as fr
-from flashmemory.eval.frontier_identity import legacy_fingerprint, model_digest
+from flashmemory.eval.frontier import run as fr
+from flashmemory.eval.frontier.identity import legacy_fingerprint, model_digest
 from flashmemory.tiny.shipped import trained_model_dir
-from tests.eval.test_frontier import FakeSweep
+from tests.eval.frontier.test_run import FakeSweep
 
 COMMITTED = Path("docs/quality/frontier_run")
 RETRIEVER = "docs/quality/frontier_retriever.safetensors"

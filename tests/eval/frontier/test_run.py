@@ -2,7 +2,7 @@
 
 The sweep and resume tests replace the model pass (`Sweep`) with a synthetic one so they take seconds; the
 shared-prefix decoder against the full forward and one real document on the micro model are
-tests/eval/test_frontier_decode.py's."""
+tests/eval/frontier/test_decode.py's."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import math
 import pytest
 
 from flashmemory.cli import main
-from flashmemory.eval import frontier as fr
-from flashmemory.eval.frontier_cost import KV_BYTES, method_costs
-from flashmemory.eval.frontier_report import iso_quality
+from flashmemory.eval.frontier import run as fr
+from flashmemory.eval.frontier.cost import KV_BYTES, method_costs
+from flashmemory.eval.frontier.report import iso_quality
 
 METHODS = ("Full", "FlashMemory", "FlashMemory+monitor", "Oracle", "Recency", "HiSparse")  # the default sweep
 

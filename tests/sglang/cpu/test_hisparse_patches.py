@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("sglang")
 
-from flashmemory.sglang.context import HiSparseState  # noqa: E402
 from flashmemory.sglang.cpu import hisparse_pool as hpool  # noqa: E402
 from flashmemory.sglang.cpu import patches_hisparse as hp  # noqa: E402
 from flashmemory.sglang.cpu.hisparse_record import SwapInCounter  # noqa: E402
 from flashmemory.sglang.cpu.ops import hisparse as hs  # noqa: E402
-from flashmemory.sglang.runtime import RUNTIME  # noqa: E402
+from flashmemory.sglang.decode.context import HiSparseState  # noqa: E402
+from flashmemory.sglang.decode.runtime import RUNTIME  # noqa: E402
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def test_swap_in_is_counted_and_refuses_other_modes(gate, monkeypatch):
 
 
 def test_table_names_sglang_lines_and_resolves():
-    from flashmemory.sglang.patching import TABLES, check_all, load_impl
+    from flashmemory.sglang.plumbing.patching import TABLES, check_all, load_impl
 
     assert "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES" in TABLES
     assert len({p.target for p in hp.HISPARSE_PATCHES}) == len(hp.HISPARSE_PATCHES)

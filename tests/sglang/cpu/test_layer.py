@@ -62,9 +62,9 @@ def test_stub_package_real_submodules_and_raising_kernels(tmp_path, monkeypatch)
 
 def test_cpu_rows_never_share_a_target_with_the_hooks():
     """FlashMemory's own hooks and the CPU patches never share a target (HookRegistry applies a target once)."""
-    from flashmemory.sglang.patch_spec import CODE_KINDS
-    from flashmemory.sglang.patching import CPU_FEATURES, select
-    from flashmemory.sglang.targets import SPECS
+    from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS
+    from flashmemory.sglang.plumbing.patching import CPU_FEATURES, select
+    from flashmemory.sglang.plumbing.targets import SPECS
 
     cpu = select(CPU_FEATURES, CODE_KINDS)
     assert len({p.target for p in cpu}) == len(cpu)

@@ -116,12 +116,12 @@ def test_the_attr_row_installs_the_view_on_that_module_only(sg, monkeypatch) -> 
     platform module's own `current_platform` (and every other importer's copy) stays sglang's object."""
     import sglang.srt.platforms as platforms
 
-    from flashmemory.sglang import patching
     from flashmemory.sglang.cpu.patches_runtime import RUNTIME_PATCHES
+    from flashmemory.sglang.plumbing import patching
 
     row = next(p for p in RUNTIME_PATCHES if p.kind == "attr")
     monkeypatch.setattr(kcc, "current_platform", kcc.current_platform)  # put back after the test
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     monkeypatch.setattr(RUNTIME, "applied_patches", {})
     before = kcc.current_platform

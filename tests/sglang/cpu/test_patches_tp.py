@@ -20,7 +20,7 @@ from flashmemory.sglang.cpu.patches_tp import (
     keep_dsv4_kv_head,
     split_cpus,
 )
-from flashmemory.sglang.patch_spec import check_signature
+from flashmemory.sglang.plumbing.patch_spec import check_signature
 
 numa_utils = pytest.importorskip("sglang.srt.utils.numa_utils")
 

@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
-from flashmemory.sglang.patch_spec import CODE_KINDS, check_signature, target_present, unwrap
-from flashmemory.sglang.patching import all_patches, load_impl
+from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS, check_signature, target_present, unwrap
+from flashmemory.sglang.plumbing.patching import all_patches, load_impl
 
 pytestmark = pytest.mark.sglang
 ROWS = [p for p in all_patches() if p.kind in CODE_KINDS]

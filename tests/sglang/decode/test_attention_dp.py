@@ -16,11 +16,11 @@ import types
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.core_config import batch_group, core_config, serving_tp_size
-from flashmemory.sglang.guard import Guard
-from flashmemory.sglang.runtime import Runtime
-from tests.sglang.test_engine_adapter import env
+from flashmemory.sglang.decode import hooks, shrink_hooks
+from flashmemory.sglang.decode.core_config import batch_group, core_config, serving_tp_size
+from flashmemory.sglang.decode.guard import Guard
+from flashmemory.sglang.decode.runtime import Runtime
+from tests.sglang.decode.test_copy_adapter import env
 
 pytestmark = pytest.mark.sglang
 dpa = pytest.importorskip("sglang.srt.layers.dp_attention")
@@ -144,7 +144,7 @@ def test_idle_forwards_pass_through_every_hook_untouched(monkeypatch):
     hooks.before_forward(runner, fb)
     assert hooks.around_forward_c4_indexer(original, backend, x, x, layer, fb) == "stock"
     assert hooks.around_attention(original, backend, x, x, x, layer, fb) == "stock"
-    assert hooks.around_compress(original, backend, x, fb, 1, comp) == "stock"
+    assert shrink_hooks.around_compress(original, backend, x, fb, 1, comp) == "stock"
     hooks.after_forward(None, runner, fb)
     assert rt.admission_refusals(fb) == []
     assert engine.calls == []  # nothing reached the engine

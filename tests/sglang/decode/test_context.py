@@ -8,8 +8,8 @@ import types
 
 import torch
 
-from flashmemory.sglang.context import ForwardContext, HiSparseState
-from flashmemory.sglang.runtime import Runtime
+from flashmemory.sglang.decode.context import ForwardContext, HiSparseState
+from flashmemory.sglang.decode.runtime import Runtime
 
 
 def _batch(decode: bool) -> types.SimpleNamespace:

@@ -11,12 +11,12 @@ from flashmemory.offload import OffloadLayout, check_invariants
 from flashmemory.residency.level2 import Level2
 from flashmemory.retriever import save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.sglang import engine_adapter
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import PoolGeometryError, c4_counts, read_chunk_rows
-from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
-from flashmemory.sglang.resident_topk import apply_resident_mask, pool_locs, resident_view
-from flashmemory.sglang.runtime import Runtime, c4_page_table
+from flashmemory.sglang.decode import copy_adapter
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.geometry import PoolGeometryError, c4_counts, read_chunk_rows
+from flashmemory.sglang.decode.resident_topk import apply_resident_mask, pool_locs, resident_view
+from flashmemory.sglang.decode.runtime import Runtime, c4_page_table
+from flashmemory.sglang.metrics.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
 
 pytestmark = pytest.mark.sglang
 N_C4, N_PAGES, PAGE = 3, 12, 256  # c4 layers, pool pages, full-KV page size (64 c4 entries)
@@ -169,14 +169,14 @@ def test_runtime_attach_pool_builds_adapter(ckpt, monkeypatch):
     rt = Runtime()
     rt.configure(env(ckpt), ("level2", "mask", "path_p", "level1"))
     rt.attach_pool(fake_pool())
-    assert isinstance(rt.engine, engine_adapter.SGLangOffload)
+    assert isinstance(rt.engine, copy_adapter.CopyAdapter)
     rt.engine.close()
 
 
 def test_a_reserve_larger_than_the_device_is_refused_before_allocation(monkeypatch) -> None:
-    from flashmemory.sglang import geometry
-    from flashmemory.sglang.adapter_factory import build
-    from flashmemory.sglang.geometry import PoolGeometryError, read_geometry, reserve_bytes
+    from flashmemory.sglang.decode import geometry
+    from flashmemory.sglang.decode.adapter_factory import build
+    from flashmemory.sglang.decode.geometry import PoolGeometryError, read_geometry, reserve_bytes
 
     pool, e = fake_pool(), env(reserve_pages=1 << 24, decode_max_conc=1 << 16)
     geo = read_geometry(pool)

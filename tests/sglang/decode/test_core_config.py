@@ -1,4 +1,4 @@
-"""The env -> core configs edge (`flashmemory.sglang.core_config`): every knob lands in the typed config that
+"""The env -> core configs edge (`flashmemory.sglang.decode.core_config`): every knob lands in the typed config that
 uses it, and the core's classes take no env object."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from flashmemory.offload.engine import EngineConfig, OffloadEngine
 from flashmemory.residency.escalation import EscalationConfig, EscalationController
 from flashmemory.residency.level1 import Level1
 from flashmemory.residency.policy import SelectionConfig, ThresholdPagePolicy
-from flashmemory.sglang.core_config import core_config, escalation_config
-from flashmemory.sglang.geometry import PoolGeometry
+from flashmemory.sglang.decode.core_config import core_config, escalation_config
+from flashmemory.sglang.decode.geometry import PoolGeometry
 
 GEO = PoolGeometry(
     n_c4_layers=4, n_pages=50, page_chunks=64, kv_page_bytes=37440, index_head_dim=128, index_page_bytes=8448

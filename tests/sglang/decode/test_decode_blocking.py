@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from flashmemory.bench import step_drive as sd
-from flashmemory.sglang import offload_adapter
+from flashmemory.sglang.decode import offload_adapter
 from tests.support.cuda_standin import count_blocking
 
 pytestmark = pytest.mark.sglang
@@ -42,7 +42,7 @@ ALLOWED = {
 }
 # Files of changes made beside this one (pool loc -> mirror chunk map: prefix sharing); their blocking operations
 # are reported by `test_other_areas_are_reported` and not failed here.
-OTHER_AREAS = ("sglang/loc_map.py",)
+OTHER_AREAS = ("sglang/decode/loc_map.py",)
 SEQ0 = 4 * PAGE - 9  # 1015 tokens: chunks close at 1016, 1020, 1024, 1028; page 4 opens at 1025, fills at 1028
 STEPS = 16
 TAU = 4

@@ -12,10 +12,10 @@ from flashmemory.env import DiskTierConfig
 from flashmemory.offload import OffloadEngine, RecallRequest
 from flashmemory.offload.disk import CorruptPageError, FaultyFileOps
 from flashmemory.offload.tiered_mirror import TIER_STATS, TieredEngine
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.guard import RequestFailure
-from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.guard import RequestFailure
+from flashmemory.sglang.metrics.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
 TABLE = torch.tensor([[3, 4, 8, 1], [5, 6, 7, 0]])  # two requests of 4 pool pages each
@@ -72,10 +72,10 @@ def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
     admission, per-layer stores, next-step settles, seals and Level-1 recalls (from the tier) keep every mapped
     reserve chunk equal to the pool's bytes, the same table as the host-only adapter, and return every slot."""
     from flashmemory.offload import check_invariants
-    from flashmemory.sglang.geometry import c4_counts, read_chunk_rows
-    from flashmemory.sglang.resident_topk import pool_locs
-    from flashmemory.sglang.runtime import c4_page_table
-    from tests.sglang.test_engine_adapter import write_chunk
+    from flashmemory.sglang.decode.geometry import c4_counts, read_chunk_rows
+    from flashmemory.sglang.decode.resident_topk import pool_locs
+    from flashmemory.sglang.decode.runtime import c4_page_table
+    from tests.sglang.decode.test_copy_adapter import write_chunk
 
     pools = (fake_pool(1), fake_pool(1))
     disk = DiskTierConfig(dir=str(tmp_path), disk_gb=0.01, host_cache_gb=0.00013, host_mirror_gb=1e-6)

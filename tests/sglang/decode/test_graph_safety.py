@@ -8,12 +8,12 @@ import types
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.context import ForwardContext
-from flashmemory.sglang.geometry import c4_counts, read_chunk_rows
-from flashmemory.sglang.runtime import RUNTIME, c4_page_table
-from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool, write_chunk
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.context import ForwardContext
+from flashmemory.sglang.decode.geometry import c4_counts, read_chunk_rows
+from flashmemory.sglang.decode.runtime import RUNTIME, c4_page_table
+from tests.sglang.decode.test_copy_adapter import N_C4, PAGE, env, fake_pool, write_chunk
 
 pytestmark = pytest.mark.sglang
 
@@ -117,7 +117,7 @@ def test_gpu_check_verdicts():
     import os
 
     spec = importlib.util.spec_from_file_location(
-        "gpu_check_cases", os.path.join(os.path.dirname(__file__), "../../scripts/gpu_check_cases.py")
+        "gpu_check_cases", os.path.join(os.path.dirname(__file__), "../../../scripts/gpu_check_cases.py")
     )
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)

@@ -9,12 +9,12 @@ import torch
 
 from flashmemory.env import EnvError, fault_inject
 from flashmemory.offload.mirror import OffloadCapacityError
-from flashmemory.sglang import guard as guard_mod
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.guard import Guard, RequestFailure
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode import guard as guard_mod
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.guard import Guard, RequestFailure
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
 prom = pytest.importorskip("prometheus_client")
@@ -53,8 +53,8 @@ class _Batch:
 def served(monkeypatch):
     """RUNTIME with a copy-mode adapter over a fake pool, a fresh guard (its stop recorded, not run) and metrics in a
     private registry. Returns a namespace with the model runner, a batch maker and the stops."""
-    from flashmemory.sglang.exporter import MetricsExporter
-    from flashmemory.sglang.prometheus import FlashMemoryMetrics, failure_counter
+    from flashmemory.sglang.metrics.exporter import MetricsExporter
+    from flashmemory.sglang.metrics.prometheus import FlashMemoryMetrics, failure_counter
 
     pool, e = fake_pool(), env()
     adapter = build(pool, e)
@@ -315,7 +315,7 @@ def test_the_default_stop_signals_no_parent_outside_a_server(monkeypatch):
     with pytest.raises(SystemExit, match="state in doubt"):
         guard_mod._stop_server("FlashMemory: x failed (E); engine state in doubt, stopping the server")
     assert sent == []
-    monkeypatch.setattr("flashmemory.sglang.runtime.server_args", lambda: object())  # inside a server
+    monkeypatch.setattr("flashmemory.sglang.decode.guard.server_args", lambda: object())  # inside a server
     with pytest.raises(SystemExit):
         guard_mod._stop_server("stop")
     assert len(sent) == 1

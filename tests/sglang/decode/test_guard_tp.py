@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from flashmemory.sglang.guard import Guard, gloo_exchange
+from flashmemory.sglang.decode.guard import Guard, gloo_exchange
 
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang")

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.runtime import Runtime
-from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool
-from tests.sglang.test_shrink import sa  # noqa: F401 (the fixture)
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.runtime import Runtime
+from tests.sglang.decode.test_copy_adapter import N_C4, PAGE, env, fake_pool
+from tests.sglang.decode.test_shrink_adapter import sa  # noqa: F401 (the fixture)
 from tests.support.cuda_standin import DeviceTensor, device_factories, on_device
 
 pytestmark = pytest.mark.sglang
@@ -81,8 +81,8 @@ def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
 
 
 def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
-    from flashmemory.sglang.guard import FAILED_PREFIX, _BatchView
-    from flashmemory.sglang.runtime import host_seq_lens
+    from flashmemory.sglang.decode.guard import FAILED_PREFIX, _BatchView
+    from flashmemory.sglang.decode.runtime import host_seq_lens
 
     fb = _batch([900, 1000])
     DeviceTensor.syncs = []
@@ -96,8 +96,8 @@ def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
 def test_shrink_settle_reads_only_the_bytes_the_mirror_keeps(sa, monkeypatch):
     """Shrink mode: after a forward that closed a chunk, `settle` reads that chunk's bytes (KV from the reserve,
     Path-I index-K) into the host mirror and nothing else: no host read of a mask or of a count."""
-    from tests.sglang.test_shrink import env as shrink_env
-    from tests.sglang.test_shrink import make_pool
+    from tests.sglang.decode.test_shrink_adapter import env as shrink_env
+    from tests.sglang.decode.test_shrink_adapter import make_pool
 
     device_factories(monkeypatch)
     pool = make_pool(sa, monkeypatch, shrink=True)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flashmemory.offload import RecallRequest, recall_now
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.loc_map import LocMap
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.loc_map import LocMap
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
 C4 = PAGE // 4  # c4 entries per pool page
@@ -95,6 +95,6 @@ def test_the_loc_map_never_blocks_the_decode_thread(mode, monkeypatch):
     finally:
         sd.close(world)
     assert got, "the stand-in logged nothing: is it counting?"
-    mine = [f"{b.kind} {b.function} {b.where}" for b in got if b.where.startswith("sglang/loc_map.py")]
+    mine = [f"{b.kind} {b.function} {b.where}" for b in got if b.where.startswith("sglang/decode/loc_map.py")]
     # pool_chunks' read of the closed chunks' bytes (copy mode's settle) is a listed one (test_decode_blocking)
     assert not [w for w in mine if not w.startswith("d2h pool_chunks")], mine

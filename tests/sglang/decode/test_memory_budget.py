@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from flashmemory.sglang import adapter_factory, geometry, memory_budget
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import PoolGeometryError
-from flashmemory.sglang.memory_budget import DeviceNeed, check_device_budget, runtime_need_bytes
-from tests.sglang.test_engine_adapter import env, fake_pool
+from flashmemory.sglang.decode import adapter_factory, geometry, memory_budget
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.geometry import PoolGeometryError
+from flashmemory.sglang.decode.memory_budget import DeviceNeed, check_device_budget, runtime_need_bytes
+from tests.sglang.decode.test_copy_adapter import env, fake_pool
 
 pytestmark = pytest.mark.sglang
 GIB, MIB = 2**30, 2**20
@@ -70,7 +70,7 @@ def test_build_refuses_before_allocating_when_sglangs_headroom_is_spent(monkeypa
     monkeypatch.setattr(memory_budget, "device_memory", lambda dev: (free, 64 * GIB))
     monkeypatch.setattr(geometry, "device_free_bytes", lambda dev: free)
     built = []
-    monkeypatch.setattr(adapter_factory, "SGLangOffload", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(adapter_factory, "CopyAdapter", lambda *a, **k: built.append(a))
     with pytest.raises(PoolGeometryError, match="outside --mem-fraction-static 0.5"):
         build(fake_pool(), env(), sa, shrink=False)
     assert built == []  # refused before the adapter allocated anything

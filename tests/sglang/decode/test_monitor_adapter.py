@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from flashmemory.offload import check_invariants
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import c4_counts
-from flashmemory.sglang.prometheus import DISK_KEYS, METRICS, FlashMemoryMetrics
-from flashmemory.sglang.runtime import Runtime
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
-from tests.sglang.test_shrink import c4_layer_ids, make_pool, sa  # noqa: F401 (sa is a fixture)
-from tests.sglang.test_shrink import env as shrink_env
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.geometry import c4_counts
+from flashmemory.sglang.decode.runtime import Runtime
+from flashmemory.sglang.metrics.prometheus import DISK_KEYS, METRICS, FlashMemoryMetrics
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
+from tests.sglang.decode.test_shrink_adapter import c4_layer_ids, make_pool, sa  # noqa: F401 (sa is a fixture)
+from tests.sglang.decode.test_shrink_adapter import env as shrink_env
 
 pytestmark = pytest.mark.sglang
 HIDDEN, RANK, HEADS = 16, 8, 4

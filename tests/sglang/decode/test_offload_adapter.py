@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmemory.sglang.engine_adapter import SGLangOffload
-from flashmemory.sglang.offload_adapter import OffloadAdapter
-from flashmemory.sglang.runtime import c4_page_table
-from flashmemory.sglang.shrink import ShrunkOffload
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode.copy_adapter import CopyAdapter
+from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
+from flashmemory.sglang.decode.runtime import c4_page_table
+from flashmemory.sglang.decode.shrink_adapter import ShrinkAdapter
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
-PKG = Path(__file__).resolve().parents[2] / "flashmemory" / "sglang"
+PKG = Path(__file__).resolve().parents[3] / "flashmemory" / "sglang"
 
 
 def called_on_adapter() -> set[str]:
     """Attribute names the hooks, the runtime and the metrics read off the adapter (`engine.X`, `RUNTIME.engine.X`,
     `self.engine.X`)."""
     names = set()
-    for f in ("hooks.py", "runtime.py", "prometheus.py"):
+    for f in ("decode/hooks.py", "decode/runtime.py", "metrics/prometheus.py"):
         for node in ast.walk(ast.parse((PKG / f).read_text())):
             on = isinstance(node, ast.Attribute) and ast.unparse(node.value) in (
                 "engine",
@@ -47,8 +47,8 @@ def test_the_base_declares_everything_its_callers_use() -> None:
 
 
 def test_copy_and_shrink_are_siblings() -> None:
-    assert issubclass(SGLangOffload, OffloadAdapter) and issubclass(ShrunkOffload, OffloadAdapter)
-    assert not issubclass(ShrunkOffload, SGLangOffload) and not issubclass(SGLangOffload, ShrunkOffload)
+    assert issubclass(CopyAdapter, OffloadAdapter) and issubclass(ShrinkAdapter, OffloadAdapter)
+    assert not issubclass(ShrinkAdapter, CopyAdapter) and not issubclass(CopyAdapter, ShrinkAdapter)
 
 
 def test_the_base_defaults_are_no_ops() -> None:
@@ -70,7 +70,7 @@ def test_the_base_defaults_are_no_ops() -> None:
 def test_begin_step_crosses_into_the_core_once() -> None:
     """Every lifecycle call (finish, admit, tail page, warm start, add_pages, appends) runs inside one
     sync_batch: the adapter calls none of them itself."""
-    eng = SGLangOffload(fake_pool(), env())
+    eng = CopyAdapter(fake_pool(), env())
     core = eng.engine
     calls: list[str] = []
     inside = [False]

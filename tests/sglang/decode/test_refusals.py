@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from flashmemory.sglang import runtime as runtime_mod
-from flashmemory.sglang.refusals import layout_refusals, refusals, setting
-from flashmemory.sglang.runtime import Runtime
-from tests.sglang.test_engine_adapter import env, fake_pool
+from flashmemory.sglang.decode import runtime as runtime_mod
+from flashmemory.sglang.decode.refusals import layout_refusals, refusals, setting
+from flashmemory.sglang.decode.runtime import Runtime
+from tests.sglang.decode.test_copy_adapter import env, fake_pool
 
 pytestmark = pytest.mark.sglang
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PATH_P = ("level2", "path_p", "level1")
 PD = dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl")
 EAGLE = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=1)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashmemory.retriever.fp8 import chunks_to_pages, quantize_chunks
-from flashmemory.sglang.resident_topk import (
+from flashmemory.sglang.decode.resident_topk import (
     apply_resident_mask,
     paged_index_scores,
     pool_locs,

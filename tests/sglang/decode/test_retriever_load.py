@@ -12,7 +12,7 @@ from flashmemory.env import FlashMemoryEnv
 from flashmemory.retriever.checkpoint import CheckpointError, save_retriever
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
 from flashmemory.retriever.rope import RopeConfig, rope_angles, yarn_inv_freq
-from flashmemory.sglang.retriever_load import load_serving_retriever, model_hidden_size, served_model_path
+from flashmemory.sglang.decode.retriever_load import load_serving_retriever, model_hidden_size, served_model_path
 
 DIMS = RetrieverDims(hidden=32, rank=16, n_heads=4, head_dim=128, rope_dim=64)
 FAR = torch.tensor([300_000, 700_000, 1_048_575])

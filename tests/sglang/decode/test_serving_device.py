@@ -13,13 +13,13 @@ import torch
 from flashmemory.offload import OffloadLayout
 from flashmemory.offload import mirror as mirror_mod
 from flashmemory.offload.mirror import HostMirror, mirror_alloc_bytes, pinned_alloc_bytes
-from flashmemory.sglang import adapter_factory, hooks
-from flashmemory.sglang import runtime as runtime_mod
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.refusals import refusals
-from flashmemory.sglang.retriever_load import load_serving_retriever
-from flashmemory.sglang.runtime import Runtime, c4_page_table
-from tests.sglang.test_engine_adapter import PAGE, ckpt, env, fake_pool  # noqa: F401 (ckpt is a fixture)
+from flashmemory.sglang.decode import adapter_factory, hooks
+from flashmemory.sglang.decode import runtime as runtime_mod
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.refusals import refusals
+from flashmemory.sglang.decode.retriever_load import load_serving_retriever
+from flashmemory.sglang.decode.runtime import Runtime, c4_page_table
+from tests.sglang.decode.test_copy_adapter import PAGE, ckpt, env, fake_pool  # noqa: F401 (ckpt is a fixture)
 
 pytestmark = pytest.mark.sglang
 FEATURES = ("level2", "mask", "path_p", "level1")

@@ -12,15 +12,20 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload import check_invariants
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.context import ForwardContext
-from flashmemory.sglang.geometry import c4_counts, shrunk_kv_pages
-from flashmemory.sglang.runtime import RUNTIME
-from flashmemory.sglang.shrink import LandingOverflowError, ShrunkOffload, landing_chunks, shrink_blockers
+from flashmemory.sglang.decode import hooks, shrink_hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.context import ForwardContext
+from flashmemory.sglang.decode.geometry import c4_counts, shrunk_kv_pages
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.shrink_adapter import (
+    LandingOverflowError,
+    ShrinkAdapter,
+    landing_chunks,
+    shrink_blockers,
+)
 
 pytestmark = pytest.mark.sglang
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PAGE = 256
 C4_TOKENS = 32768  # c4 entries of the pool: 516 pages of 64 (64 MB of c4 KV per layer at most)
 
@@ -72,8 +77,8 @@ def make_pool(sa, monkeypatch, shrink: bool):
     monkeypatch.setattr(RUNTIME, "env", env())
     monkeypatch.setattr(RUNTIME, "_shrink", shrink)
     for name, hook in (
-        ("_init_compressed_pools", hooks.around_init_compressed_pools),
-        ("_make_kv_pool", hooks.around_make_kv_pool),
+        ("_init_compressed_pools", shrink_hooks.around_init_compressed_pools),
+        ("_make_kv_pool", shrink_hooks.around_make_kv_pool),
     ):
         orig = getattr(P, name)
         monkeypatch.setattr(P, name, lambda self, *a, _o=orig, _h=hook, **k: _h(_o, self, *a, **k))
@@ -132,15 +137,15 @@ def test_compressor_stores_at_core_metadata_out_loc():
     assert 'hasattr(compress_kv_pool, "translate_loc_to_hisparse_device")' in src
     mixin = compressor_v2.CompressorBackendMixin
     assert mixin.__dict__["forward_core_compressor"] is mixin.__dict__["forward_unified"]
-    from flashmemory.sglang.targets import SPECS
+    from flashmemory.sglang.plumbing.targets import SPECS
 
     rows = {(r.target.rsplit(".", 1)[1], r.impl) for r in SPECS if r.feature == "shrink" and r.kind == "around"}
-    assert ("forward_core_compressor", "flashmemory.sglang.hooks:around_compress") in rows
+    assert ("forward_core_compressor", "flashmemory.sglang.decode.shrink_hooks:around_compress") in rows
 
 
 def _stores_at(pool, eng, layer_id, out_loc, monkeypatch, in_indexer=False):
     """The locs sglang's compressor of `layer_id` stores at for pool locs out_loc [T], called through the shrink
-    rows' `hooks.around_compress` (as `forward_core_compressor` is); checks the swap is undone afterwards."""
+    rows' `shrink_hooks.around_compress` (as `forward_core_compressor` is); checks the swap is undone afterwards."""
     monkeypatch.setattr(RUNTIME, "engine", eng)
     monkeypatch.setattr(RUNTIME, "pool", pool)
     monkeypatch.setattr(RUNTIME, "fwd", ForwardContext())
@@ -149,7 +154,7 @@ def _stores_at(pool, eng, layer_id, out_loc, monkeypatch, in_indexer=False):
     fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False))
     comp = types.SimpleNamespace(is_in_indexer=in_indexer, ratio=4)
     seen = []
-    hooks.around_compress(
+    shrink_hooks.around_compress(
         lambda self, *a: seen.append(self.forward_metadata.core_metadata.c4_out_loc), backend, None, fb, layer_id, comp
     )
     assert cm.c4_out_loc is out_loc and len(seen) == 1
@@ -169,7 +174,7 @@ def test_only_the_shrunk_c4_pool_stores_at_reserve_cells(sa, monkeypatch):
     assert _stores_at(pool, eng, lid, locs, monkeypatch).tolist() == [sink] * 3
     assert _stores_at(pool, eng, lid, locs, monkeypatch, in_indexer=True) is locs
     other = make_pool(sa, monkeypatch, shrink=True)  # RUNTIME.pool stays `pool` (set by _stores_at)
-    cells = hooks.around_compress(
+    cells = shrink_hooks.around_compress(
         lambda self, *a: self.forward_metadata.core_metadata.c4_out_loc,
         types.SimpleNamespace(
             token_to_kv_pool=other,
@@ -194,7 +199,7 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
     assert not [k for k in vars(kvp) if k.startswith("flashmemory")]  # nothing of ours stored on the pool
     stock_infos = pool.get_contiguous_buf_infos()
     eng = build(pool, env(), sa.args, shrink=True)
-    assert isinstance(eng, ShrunkOffload) and eng.geo.n_pages == n_pages
+    assert isinstance(eng, ShrinkAdapter) and eng.geo.n_pages == n_pages
     res = eng.engine.reserve
     assert all(kvp.kv_buffer[l] is not None and kvp.kv_buffer[l].data_ptr() == res.kv[l].data_ptr() for l in range(2))
     assert eng.device_bytes_saved == 2 * n_pages * 37440 - res.kv.numel() and eng.stats()["device_bytes_saved"] > 0
@@ -211,7 +216,7 @@ def test_allocation_and_pd_regions(sa, monkeypatch):
     )
     assert ptrs[2:] == stock_infos[0][2:] and lens[2:] == stock_infos[1][2:]  # index-K, c128 untouched
     args = types.SimpleNamespace(kv_data_ptrs=ptrs, kv_data_mem_kinds=None)
-    hooks.before_nixl_manager_init(None, args, "decode")
+    shrink_hooks.before_nixl_manager_init(None, args, "decode")
     assert args.kv_data_mem_kinds == ["DRAM", "DRAM"] + ["VRAM"] * (len(ptrs) - 2)
 
 
@@ -345,16 +350,16 @@ def test_credit_hook_drops_only_the_c4_kv_term(monkeypatch):
     cfg = types.SimpleNamespace(c4_shrink_factor=1, _get_paged_kv_bytes_per_token=lambda r: 585.0)
     orig = lambda self, ratio: {4: 585.0 / 4 + 132 / 4, 128: 585.0 / 128}[ratio]  # noqa: E731
     monkeypatch.setattr(RUNTIME, "_shrink", True)
-    assert hooks.around_c4_bytes_per_token(orig, cfg, 4) == pytest.approx(33.0)
-    assert hooks.around_c4_bytes_per_token(orig, cfg, 128) == pytest.approx(585.0 / 128)
+    assert shrink_hooks.around_c4_bytes_per_token(orig, cfg, 4) == pytest.approx(33.0)
+    assert shrink_hooks.around_c4_bytes_per_token(orig, cfg, 128) == pytest.approx(585.0 / 128)
     monkeypatch.setattr(RUNTIME, "_shrink", False)
-    assert hooks.around_c4_bytes_per_token(orig, cfg, 4) == pytest.approx(585.0 / 4 + 33.0)
+    assert shrink_hooks.around_c4_bytes_per_token(orig, cfg, 4) == pytest.approx(585.0 / 4 + 33.0)
 
 
 def test_runtime_routes_forward_phases(sa, monkeypatch, caplog):
     """before_forward sets where stores land; a real extend on a shrink server is counted and logged once;
     after an extend forward the landing moves to the mirror."""
-    from flashmemory.sglang.runtime import Runtime
+    from flashmemory.sglang.decode.runtime import Runtime
 
     pool = make_pool(sa, monkeypatch, shrink=True)
     rt = Runtime()

@@ -24,14 +24,14 @@ from flashmemory.offload.disk.format import unpack_rows
 from flashmemory.offload.disk.sparse_mirror import OS_PAGE, SparseMirror, resident_bytes
 from flashmemory.offload.mirror import RELEASED, ReleasedPageError
 from flashmemory.offload.tiered_mirror import TieredEngine
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import c4_counts
-from flashmemory.sglang.guard import RequestFailure
-from tests.sglang import test_shrink
-from tests.sglang.test_shrink import PAGE, _rand, c4_layer_ids, env, make_pool
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.geometry import c4_counts
+from flashmemory.sglang.decode.guard import RequestFailure
+from tests.sglang.decode import test_shrink_adapter
+from tests.sglang.decode.test_shrink_adapter import PAGE, _rand, c4_layer_ids, env, make_pool
 
 pytestmark = pytest.mark.sglang
-sa = test_shrink.sa  # the PD decode server's sglang args (a module fixture)
+sa = test_shrink_adapter.sa  # the PD decode server's sglang args (a module fixture)
 CACHE_GB = 0.0001  # 100 KB: one disk page of this pool (2 c4 layers x 37,376 B + 1 Path-I layer x 8,448 B)
 
 

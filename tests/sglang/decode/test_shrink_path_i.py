@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from flashmemory.offload import check_invariants
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.context import ForwardContext
-from flashmemory.sglang.geometry import c4_counts
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_shrink import PAGE, _rand, c4_layer_ids, env, make_pool, sa  # noqa: F401  (sa: fixture)
+from flashmemory.sglang.decode import hooks, shrink_hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.context import ForwardContext
+from flashmemory.sglang.decode.geometry import c4_counts
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode.test_shrink_adapter import PAGE, _rand, c4_layer_ids, env, make_pool, sa  # noqa: F401  (sa: fixture)
 
 pytestmark = pytest.mark.sglang
 
@@ -30,8 +30,8 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     the full pool would over the resident columns, its picks being cells whose KV is the true KV."""
     from dataclasses import dataclass
 
-    from flashmemory.sglang.resident_topk import paged_index_scores
-    from flashmemory.sglang.runtime import Level2Buffers
+    from flashmemory.sglang.decode.resident_topk import paged_index_scores
+    from flashmemory.sglang.decode.runtime import Level2Buffers
 
     @dataclass
     class MD:
@@ -53,7 +53,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     assert ix[0].data_ptr() == res.index[0].data_ptr() and ix[1].shape[0] >= eng.geo.n_pages
     infos = hooks.around_contiguous_buf_infos(type(pool).get_contiguous_buf_infos, pool)
     args = types.SimpleNamespace(kv_data_ptrs=infos[0], kv_data_mem_kinds=None)
-    hooks.before_nixl_manager_init(None, args, "decode")
+    shrink_hooks.before_nixl_manager_init(None, args, "decode")
     assert args.kv_data_mem_kinds[:3] == ["DRAM"] * 3 and infos[0][2] == eng.engine.mirror.index[0].data_ptr()
     assert infos[1][2] == eng.geo.n_pages * 8448 and args.kv_data_mem_kinds[3] == "VRAM"  # target index-K
     pages = [30, 8, 41, 2, 19, 27, 33]
@@ -96,10 +96,10 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
                 self.token_to_kv_pool.get_index_k_with_scale_buffer(layer_id), loc // 64, loc % 64, ix0
             )
 
-        hooks.around_compress(indexer_store, backend, x=None, forward_batch=fb, layer_id=ids[0], compressor=comp)
+        shrink_hooks.around_compress(indexer_store, backend, x=None, forward_batch=fb, layer_id=ids[0], compressor=comp)
         assert backend.forward_metadata.core_metadata.c4_out_loc is out_loc  # restored after the call
         stored = []  # the c4 KV compressor's store locs, through the shrink row (one forward: same for each layer)
-        hooks.around_compress(
+        shrink_hooks.around_compress(
             lambda self, *a: stored.append(self.forward_metadata.core_metadata.c4_out_loc),
             backend,
             None,
@@ -222,7 +222,7 @@ def test_in_graph_paths_have_no_host_sync(sa, monkeypatch):
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
             m.setattr(torch.Tensor, name, _forbid)
         core = []
-        hooks.around_compress(
+        shrink_hooks.around_compress(
             lambda self, *a: core.append(self.forward_metadata.core_metadata.c4_out_loc),
             backend,
             None,
@@ -231,7 +231,7 @@ def test_in_graph_paths_have_no_host_sync(sa, monkeypatch):
             types.SimpleNamespace(is_in_indexer=False, ratio=4),
         )
         cells = core[0]
-        hooks.around_compress(
+        shrink_hooks.around_compress(
             lambda self, *a: seen.append(self.forward_metadata.core_metadata.c4_out_loc),
             backend,
             None,

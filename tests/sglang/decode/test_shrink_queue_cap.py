@@ -22,14 +22,14 @@ from flashmemory.offload import check_invariants
 from flashmemory.offload.disk import FaultyFileOps
 from flashmemory.offload.disk.queued import PARKED, READY
 from flashmemory.offload.disk.sparse_mirror import resident_bytes
-from flashmemory.sglang import queue_gate
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang import test_shrink
-from tests.sglang.test_shrink import PAGE
-from tests.sglang.test_shrink_disk_tier import PdDecode
+from flashmemory.sglang.decode import queue_gate
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode import test_shrink_adapter
+from tests.sglang.decode.test_shrink_adapter import PAGE
+from tests.sglang.decode.test_shrink_disk_tier import PdDecode
 
 pytestmark = pytest.mark.sglang
-sa = test_shrink.sa
+sa = test_shrink_adapter.sa
 CAP_GB = 0.0002  # 200 KB: two 83,200-B disk pages of this pool; the three requests land 15 pages
 REQS = {"a": ([9, 3, 40, 17, 22, 5], 5 * PAGE + 200), "b": ([11, 2, 50, 7, 31], 4 * PAGE + 12)}
 REQS["c"] = ([12, 4, 41, 18], 3 * PAGE + 100)

@@ -1,4 +1,4 @@
-"""Shrink mode's settle without a host wait (`ShrunkOffload.settle` / `_apply_staged`, with the CUDA stand-in on):
+"""Shrink mode's settle without a host wait (`ShrinkAdapter.settle` / `_apply_staged`, with the CUDA stand-in on):
 the entries sglang's store kernel wrote into reserve cells during a forward reach the host mirror at a later
 `begin_step`, byte for byte; a request that left the batch meanwhile gets nothing written (its pool pages may
 hold a new PD transfer by then)."""

@@ -8,12 +8,12 @@ import types
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.context import ForwardContext
-from flashmemory.sglang.runtime import RUNTIME
-from flashmemory.sglang.sideband import SidebandBuffers, SidebandError
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.context import ForwardContext
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.sideband import SidebandBuffers, SidebandError
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang
 HIDDEN = 16
@@ -132,7 +132,7 @@ def _forbid(*_a, **_k):
 
 def _fresh_guard(monkeypatch) -> list[str]:
     """A fresh hook guard whose server stop is recorded, not sent (the real one SIGQUITs the parent process)."""
-    from flashmemory.sglang import guard as guard_mod
+    from flashmemory.sglang.decode import guard as guard_mod
 
     stops: list[str] = []
     g = guard_mod.Guard(stop=stops.append, configured=True)

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_sideband import HIDDEN, _forward, live  # noqa: F401 (the fixture)
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode.test_sideband import HIDDEN, _forward, live  # noqa: F401 (the fixture)
 from tests.support.cuda_standin import install
 
 pytestmark = pytest.mark.sglang

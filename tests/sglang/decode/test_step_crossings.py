@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.geometry import c4_counts
-from flashmemory.sglang.guard import Guard
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_engine_adapter import N_C4, PAGE, env, fake_pool, write_chunk
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.geometry import c4_counts
+from flashmemory.sglang.decode.guard import Guard
+from flashmemory.sglang.decode.runtime import RUNTIME
+from tests.sglang.decode.test_copy_adapter import N_C4, PAGE, env, fake_pool, write_chunk
 
 pytestmark = pytest.mark.sglang
 PAGES = {"a": [5, 2], "b": [9, 7]}  # pool pages of each request, logical order

@@ -17,9 +17,9 @@ import torch
 from flashmemory.offload import recall as recall_mod
 from flashmemory.offload.lut import ChunkLUT
 from flashmemory.offload.rows import ResidentTables
-from flashmemory.sglang.adapter_factory import build
-from flashmemory.sglang.runtime import Runtime
-from tests.sglang.test_engine_adapter import PAGE, env, fake_pool
+from flashmemory.sglang.decode.adapter_factory import build
+from flashmemory.sglang.decode.runtime import Runtime
+from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 from tests.support.cuda_standin import install
 
 pytestmark = pytest.mark.sglang

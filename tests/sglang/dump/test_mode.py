@@ -7,7 +7,7 @@ from flashmemory.dump.protocol import DumpProtocolError, DumpRequest
 from flashmemory.dump.sglang_backend import merge_passes
 from flashmemory.dump.writer import DumpWriter
 from flashmemory.labels.golden import golden_labels
-from flashmemory.sglang.dump_mode import DumpRecorder, parse_request
+from flashmemory.sglang.dump.mode import DumpRecorder, parse_request
 
 pytestmark = pytest.mark.sglang
 
@@ -94,7 +94,7 @@ def test_a_bad_block_aborts_the_request_with_the_reason(tmp_path, monkeypatch):
     """The scheduler hook turns a refused block into sglang's own abort (the client gets HTTP 400)."""
     from types import SimpleNamespace
 
-    from flashmemory.sglang import hooks
+    from flashmemory.sglang.decode import hooks
 
     rec = DumpRecorder(index_topk=8, root=tmp_path)
     monkeypatch.setattr(hooks.RUNTIME, "dump", rec)
@@ -280,7 +280,7 @@ def test_merge_rejects_topk_steps_other_than_asked(tmp_path):
 
 def test_a_failing_document_does_not_raise_into_the_scheduler(tmp_path, monkeypatch, caplog):
     """A document whose write fails (here: the disk) is logged and listed in `failed`; the next one still writes."""
-    import flashmemory.sglang.dump_mode as dm
+    import flashmemory.sglang.dump.mode as dm
 
     g = torch.Generator().manual_seed(3)
     kv = _keys(g)

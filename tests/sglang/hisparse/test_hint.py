@@ -11,11 +11,11 @@ import torch
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.retriever.fp8 import dequantize_chunks, pages_to_chunks
 from flashmemory.retriever.model import JointRetriever, RetrieverDims
-from flashmemory.sglang import hisparse_prefetch as hp
-from flashmemory.sglang.context import HiSparseState
-from flashmemory.sglang.hisparse_prefetch_state import PrefetchState
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_hisparse_prefetch import K, _coordinator
+from flashmemory.sglang.decode.context import HiSparseState
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.hisparse import prefetch as hp
+from flashmemory.sglang.hisparse.state import PrefetchState
+from tests.sglang.hisparse.test_prefetch import K, _coordinator
 
 pytestmark = pytest.mark.sglang
 PAGE, N_PAGES, N_C4, HIDDEN = 256, 16, 2, 16  # full-KV page (64 c4 entries), c4 pool pages, c4 layers

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from flashmemory.env import EnvError, FlashMemoryEnv
-from flashmemory.sglang import hisparse_prefetch as hp
-from flashmemory.sglang.context import HiSparseState
 from flashmemory.sglang.cpu.ops import hisparse as hs
-from flashmemory.sglang.hisparse_prefetch_state import PrefetchState
-from flashmemory.sglang.patching import StartupError, select
-from flashmemory.sglang.runtime import RUNTIME
-from flashmemory.sglang.targets import features_for
+from flashmemory.sglang.decode.context import HiSparseState
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.hisparse import prefetch as hp
+from flashmemory.sglang.hisparse.state import PrefetchState
+from flashmemory.sglang.plumbing.patching import StartupError, select
+from flashmemory.sglang.plumbing.targets import features_for
 from tests.support.cuda_standin import install
 
 pytestmark = pytest.mark.sglang
@@ -115,7 +115,7 @@ def test_gate_env_refusal_features_and_rows():
 def test_no_target_is_hooked_by_both_the_cpu_layer_and_the_mode():
     """sglang's HookRegistry applies each target once: a hook the CPU layer (applied first) already holds would
     not apply for the mode, and the server would refuse to start."""
-    from flashmemory.sglang.patching import CPU_FEATURES, HOOK_KINDS
+    from flashmemory.sglang.plumbing.patching import CPU_FEATURES, HOOK_KINDS
 
     env = FlashMemoryEnv.from_environ(
         {
@@ -249,7 +249,7 @@ def test_gpu_path_forks_after_the_swap_in_and_joins_before_the_next_forward(mode
 
 def test_prefetch_patch_rows_match_the_installed_sglang():
     pytest.importorskip("sglang")
-    from flashmemory.sglang.patch_spec import check_signature
+    from flashmemory.sglang.plumbing.patch_spec import check_signature
 
     for p in hp.PREFETCH_PATCHES:
         check_signature(p)

@@ -1,4 +1,4 @@
-"""The HiSparse prefetch mode's process state (flashmemory/sglang/hisparse_prefetch_state.py): a Level-1 resident
+"""The HiSparse prefetch mode's process state (flashmemory/sglang/hisparse/state.py): a Level-1 resident
 set turned into hint positions."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmemory.sglang.hisparse_prefetch_state import resident_hint
+from flashmemory.sglang.hisparse.state import resident_hint
 
 pytestmark = pytest.mark.sglang
 

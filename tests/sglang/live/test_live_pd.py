@@ -337,7 +337,7 @@ def test_grafana_dashboard_charts_what_the_decode_servers_export(stacks):
     their names are checked against the exporter in tests/docs/test_grafana.py."""
     import json
 
-    from flashmemory.sglang.prometheus import (
+    from flashmemory.sglang.metrics.prometheus import (
         DISK_KEYS,
         HISPARSE_PREFETCH,
         HISPARSE_PREFETCH_PREFIX,

@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from flashmemory.sglang import hooks
-from flashmemory.sglang.exporter import MetricsExporter
-from flashmemory.sglang.runtime import RUNTIME
-from tests.sglang.test_step_crossings import SEQ, Recorder, _step
-from tests.sglang.test_step_crossings import served as served  # noqa: F401  (the fixture)
+from flashmemory.sglang.decode import hooks
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.metrics.exporter import MetricsExporter
+from tests.sglang.decode.test_step_crossings import SEQ, Recorder, _step
+from tests.sglang.decode.test_step_crossings import served as served  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.sglang
 prom = pytest.importorskip("prometheus_client")
@@ -38,7 +38,7 @@ def _scan_stats(adapter) -> dict[str, float]:
 
 @pytest.fixture
 def exported(served, monkeypatch, tmp_path):  # noqa: F811
-    from flashmemory.sglang.prometheus import FlashMemoryMetrics
+    from flashmemory.sglang.metrics.prometheus import FlashMemoryMetrics
 
     reg = prom.CollectorRegistry()
     monkeypatch.setattr(RUNTIME, "metrics", FlashMemoryMetrics.create(registry=reg))

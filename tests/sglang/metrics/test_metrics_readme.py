@@ -3,19 +3,21 @@ import os
 import pytest
 
 from flashmemory.env_doc import ENV_DOC
-from flashmemory.sglang.gates import gate_table
+from flashmemory.sglang.plumbing.gates import gate_table
 
 pytestmark = pytest.mark.sglang
-README = os.path.join(os.path.dirname(__file__), "../../flashmemory/sglang/README.md")
+README = os.path.join(os.path.dirname(__file__), "../../../flashmemory/sglang/README.md")
 
 
-ROOT = os.path.join(os.path.dirname(__file__), "../..")
+ROOT = os.path.join(os.path.dirname(__file__), "../../..")
 
 
 @pytest.mark.parametrize("readme", [README, os.path.join(ROOT, "docs/configuration.md")])
 def test_readme_gate_table_is_generated_and_complete(readme):
     text = open(readme).read()
-    assert gate_table() in text, "gate table is stale: regenerate with python -m flashmemory.sglang.gates --write FILE"
+    assert gate_table() in text, (
+        "gate table is stale: regenerate with python -m flashmemory.sglang.plumbing.gates --write FILE"
+    )
     for name in ENV_DOC:
         assert f"`{name}`" in text
 
@@ -27,7 +29,7 @@ def test_readme_names_the_router_endpoint():
 
 def test_metrics_export():
     prom = pytest.importorskip("prometheus_client")
-    from flashmemory.sglang.prometheus import FlashMemoryMetrics
+    from flashmemory.sglang.metrics.prometheus import FlashMemoryMetrics
 
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
@@ -41,7 +43,7 @@ def test_readme_metrics_table_is_generated_and_complete():
     """docs/metrics.md's metrics table is `metrics_table()` (regenerate it when a metric is added) and names every
     metric, the serving gauges an operator reads at idle, the guard's failure counter and HiSparse's swap-in
     counters included."""
-    from flashmemory.sglang.prometheus import (
+    from flashmemory.sglang.metrics.prometheus import (
         FAILURES,
         HISPARSE_SWAPIN,
         HISPARSE_SWAPIN_PREFIX,
@@ -52,7 +54,9 @@ def test_readme_metrics_table_is_generated_and_complete():
     )
 
     text = open(os.path.join(ROOT, "docs/metrics.md")).read()
-    assert metrics_table() in text, "metrics table is stale: paste flashmemory.sglang.prometheus.metrics_table()"
+    assert metrics_table() in text, (
+        "metrics table is stale: paste flashmemory.sglang.metrics.prometheus.metrics_table()"
+    )
     swapin = [HISPARSE_SWAPIN_PREFIX + k for k in HISPARSE_SWAPIN]
     for key in (*METRICS, *SERVING_METRICS, FAILURES[0], *swapin):
         assert f"`{PREFIX}{key}" in text, key
@@ -62,7 +66,7 @@ def test_readme_metrics_table_is_generated_and_complete():
 
 def test_serving_gauges_and_failure_counter_export():
     prom = pytest.importorskip("prometheus_client")
-    from flashmemory.sglang.prometheus import FlashMemoryMetrics, failure_counter
+    from flashmemory.sglang.metrics.prometheus import FlashMemoryMetrics, failure_counter
 
     reg = prom.CollectorRegistry()
     m = FlashMemoryMetrics.create(registry=reg)
@@ -76,15 +80,15 @@ def test_serving_gauges_and_failure_counter_export():
 def test_hisparse_swapin_table_rows_are_the_counters_the_cpu_layer_exports():
     """The metrics table's HiSparse rows name exactly the counters `SwapInCounter` creates, in its order."""
     from flashmemory.sglang.cpu.hisparse_record import SwapInCounter
-    from flashmemory.sglang.prometheus import HISPARSE_SWAPIN
+    from flashmemory.sglang.metrics.prometheus import HISPARSE_SWAPIN
 
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
 
 
 def test_hisparse_prefetch_table_rows_are_the_counters_the_mode_exports():
     """The metrics table names every counter `PrefetchCounter` creates, in its order."""
-    from flashmemory.sglang.hisparse_prefetch_state import PrefetchCounter
-    from flashmemory.sglang.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX, metrics_table
+    from flashmemory.sglang.hisparse.state import PrefetchCounter
+    from flashmemory.sglang.metrics.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX, metrics_table
 
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
     for k in HISPARSE_PREFETCH:

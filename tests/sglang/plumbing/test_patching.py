@@ -1,4 +1,4 @@
-"""The one apply-and-verify loop (`flashmemory.sglang.patching`): selection, the wrapping point, optional rows,
+"""The one apply-and-verify loop (`flashmemory.sglang.plumbing.patching`): selection, the wrapping point, optional rows,
 env rows, and a failure as one startup line. In-process tests use targets of a throwaway module, never sglang's."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from flashmemory.sglang import patching
-from flashmemory.sglang.patch_spec import KINDS, Patch
+from flashmemory.sglang.plumbing import patching
+from flashmemory.sglang.plumbing.patch_spec import KINDS, Patch
 
 MOD = "fm_patching_target"
 
@@ -27,7 +27,7 @@ def target_module(monkeypatch):
 
     mod.f, mod.around_f = f, around_f
     monkeypatch.setitem(sys.modules, MOD, mod)
-    from flashmemory.sglang.runtime import RUNTIME
+    from flashmemory.sglang.decode.runtime import RUNTIME
 
     monkeypatch.setattr(RUNTIME, "applied_patches", {})
     yield mod
@@ -106,9 +106,9 @@ def test_the_readme_table_is_the_generated_one():
     `flashmemory patches --write flashmemory/sglang/README.md`)."""
     from pathlib import Path
 
-    from flashmemory.sglang import patches_cli
+    from flashmemory.sglang.plumbing import patches_cli
 
-    text = (Path(__file__).resolve().parents[2] / "flashmemory" / "sglang" / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "flashmemory" / "sglang" / "README.md").read_text()
     block = text[text.index(patches_cli.BEGIN) : text.index(patches_cli.END) + len(patches_cli.END)]
     assert block == patches_cli.as_markdown(patches_cli.rows())
 

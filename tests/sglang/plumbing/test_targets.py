@@ -1,9 +1,9 @@
 import pytest
 
 from flashmemory.env import FlashMemoryEnv
-from flashmemory.sglang.patch_spec import Patch, TargetError, check_signature
-from flashmemory.sglang.patching import select
-from flashmemory.sglang.targets import SPECS, features_for
+from flashmemory.sglang.plumbing.patch_spec import Patch, TargetError, check_signature
+from flashmemory.sglang.plumbing.patching import select
+from flashmemory.sglang.plumbing.targets import SPECS, features_for
 
 pytestmark = pytest.mark.sglang
 

@@ -1,5 +1,5 @@
 """Prefetch into sglang's DeepSeek-V4 HiSparse hot buffer: the hint's sanitizing, the prefetch call and the
-attribution of its hits, as torch functions (no sglang import). Wired by `flashmemory.sglang.hisparse_prefetch`.
+attribution of its hits, as torch functions (no sglang import). Wired by `flashmemory.sglang.hisparse.prefetch`.
 
 A prefetch is the swap-in op itself (`ops.hisparse.load_cache_to_device_buffer_dsv4` on CPU, sglang's JIT kernel
 on a GPU) called with a hint matrix in place of the step's top-k picks, a scratch output and `num_top_k = W`:

@@ -1,0 +1,1 @@
+"""Tests of `flashmemory.sglang.metrics`."""
