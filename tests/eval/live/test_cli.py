@@ -59,3 +59,14 @@ def test_served_model_is_checked_with_the_window_the_servers_get(tmp_path, monke
     assert seen == [32, 0]
     with pytest.raises(UserError, match="--server-env SGLANG_FLASHMEMORY_CPU_SWA_WINDOW=x"):
         served_model(tmp_path, {"SGLANG_FLASHMEMORY_CPU_SWA_WINDOW": "x"})
+
+
+def test_flashmemory_eval_live_bad_flag_is_one_prefixed_line(capsys):
+    from flashmemory.cli import main
+
+    assert main(["eval", "live", "--arms", "Full", "--replay", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "flashmemory eval live: error: --arms: unknown Full; choose from stock, FlashMemory, HiSparse, "
+        "HiSparse+prefetch"
+    ]
