@@ -214,6 +214,44 @@ def cpu_threads_bind_set(env: Mapping[str, str] | None = None) -> bool:
     return ((os.environ if env is None else env).get(THREADS_BIND) or "all").strip() != "all"
 
 
+SWA_WINDOW_VAR = "SGLANG_FLASHMEMORY_CPU_SWA_WINDOW"
+SGLANG_DSV4_PAGE = 256  # sglang 0.5.23's DeepSeek-V4 page, in tokens (deepseek_v4_backend.py:1258)
+SGLANG_SWA_WINDOW = 128  # its sliding window (deepseek_v4_backend.py:161)
+
+
+@dataclass(frozen=True)
+class CpuTinyGeometry:
+    """Where a tiny trained model's geometry differs from what sglang 0.5.23 fixes; the CPU layer's rows for it
+    (`flashmemory.sglang.cpu.patches_tiny`) take this config.
+
+    swa_window: SGLANG_FLASHMEMORY_CPU_SWA_WINDOW, the sliding window sglang's DeepSeek-V4 backend attends instead
+    of its 128 (0 = unset: sglang's own). Needs SGLANG_FLASHMEMORY_CPU=1; a divisor of the 256-token page up to 128
+    (the backend asserts the SWA page is a multiple of the window)."""
+
+    swa_window: int = 0
+
+
+def cpu_tiny_geometry(env: Mapping[str, str] | None = None) -> CpuTinyGeometry:
+    """The tiny model's geometry rows' config (read on its own, like `cpu_enabled`: the CPU layer installs before
+    `FlashMemoryEnv` is read). A bad value is an EnvError naming the variable."""
+    e = os.environ if env is None else env
+    raw = (e.get(SWA_WINDOW_VAR) or "").strip()
+    if not raw:
+        return CpuTinyGeometry()
+    try:
+        w = int(raw)
+    except ValueError:
+        raise EnvError(f"{SWA_WINDOW_VAR}={raw!r}: expected a whole number of tokens") from None
+    if w < 0 or w > SGLANG_SWA_WINDOW or (w and SGLANG_DSV4_PAGE % w):
+        raise EnvError(
+            f"{SWA_WINDOW_VAR}={w}: expected a divisor of sglang's {SGLANG_DSV4_PAGE}-token page up to its "
+            f"{SGLANG_SWA_WINDOW}-token window (1, 2, 4, ..., 128; 0 = sglang's own)"
+        )
+    if w and not cpu_enabled(e):
+        raise EnvError(f"{SWA_WINDOW_VAR}={w} is a row of the CPU layer: it needs {CPU_GATE}=1")
+    return CpuTinyGeometry(w)
+
+
 MAX_DISK_GB = float(1 << 20)  # 1 PB of page store per rank: a larger value is a typo
 MAX_HOST_CACHE_GB = float(1 << 14)  # 16 TB of host page cache per rank
 

@@ -138,4 +138,9 @@ ENV_DOC: dict[str, tuple[str, str]] = {
         "Run sglang's DeepSeek-V4 path on CPU: torch fallbacks for the CUDA-only kernels "
         "(with --device cpu; independent of the FlashMemory gates)",
     ),
+    "SGLANG_FLASHMEMORY_CPU_SWA_WINDOW": (
+        "0",
+        "With SGLANG_FLASHMEMORY_CPU=1: the sliding window sglang's DeepSeek-V4 backend attends (its module constant "
+        "SWA_WINDOW, 128), for a tiny model trained narrower (the padded trained model: 32); 0 = sglang's own",
+    ),
 }

@@ -2,7 +2,7 @@
 
 Writes DIR with `config.json` (official keys, sglang's geometry: `flashmemory.hf.pad`), `model.safetensors` (fp32,
 official names, the source's function kept: the padded model's fp32 logits equal the source's within 1e-4),
-the task tokenizer with the DeepSeek special tokens parked on unused ids (`flashmemory.tasks.hf_export`),
+the task tokenizer with the DeepSeek special tokens parked on unused ids (`flashmemory.hf.task_tokenizer`),
 `generation_config.json`, with --retriever also `retriever.safetensors` (the retriever reading the padded model's
 128-wide index keys), and `flashmemory_build.json` (source and options by content, a SHA-256 per file).
 
@@ -60,7 +60,7 @@ def write_padded(tmp: Path, src: Path, index_topk: int, retriever: Path | None) 
     from flashmemory.hf.pad import pad_model, pad_retriever
     from flashmemory.hf.serving_build import _write_safetensors
     from flashmemory.hf.serving_model import official_state_dict
-    from flashmemory.tasks.hf_export import write_tokenizer
+    from flashmemory.hf.task_tokenizer import write_tokenizer
     from flashmemory.tasks.tokenizer import load_tokenizer
 
     model, config = load_model(str(src), dtype=torch.float32)
@@ -149,15 +149,13 @@ def build_padded(
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flashmemory.tiny.shipped import trained_model_dir
-
-    out = build_padded(args.src or trained_model_dir(), args.out, args.index_topk, args.retriever)
+    out = build_padded(args.src, args.out, args.index_topk, args.retriever)
     print(out)
     return 0
 
 
-def add_pad(model_sub) -> None:
-    """Add `pad` to the `flashmemory model` subparsers."""
+def add_pad(model_sub, default_src: str) -> None:
+    """Add `pad` to the `flashmemory model` subparsers; `default_src`: the shipped trained model's directory."""
     p = model_sub.add_parser(
         "pad",
         help="pad the trained tiny DeepSeek-V4 (and its retriever) into the geometry sglang serves",
@@ -165,7 +163,9 @@ def add_pad(model_sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", required=True, help="output directory (must not exist, or be the same build)")
-    p.add_argument("--src", default=None, help="trained checkpoint directory (default: the shipped dsv4-retrieval)")
+    p.add_argument(
+        "--src", default=default_src, help="trained checkpoint directory (default: the shipped dsv4-retrieval)"
+    )
     p.add_argument(
         "--index-topk",
         type=int,

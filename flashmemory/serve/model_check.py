@@ -6,6 +6,10 @@ sglang's DeepSeek-V4 code fixes much of the geometry (paths inside the installed
   backend asserts head 512), one KV head (`models/deepseek_v4.py`), index head 128 (`dsv4/indexer.py`);
 - a compress ratio per layer in {0, 1, 2, 4, 128} (`models/deepseek_v4.py`), index top-k 512 or 1024
   (`deepseek_v4_backend.py`);
+- a sliding window of 128 tokens, a module constant of the backend (`SWA_WINDOW`, `deepseek_v4_backend.py:161`)
+  that the config's `window_size` does not change: a checkpoint with another window (the padded trained model,
+  `flashmemory model pad`: 32) is served only with the CPU layer's window row set to it
+  (SGLANG_FLASHMEMORY_CPU_SWA_WINDOW, `flashmemory.sglang.cpu.patches_tiny`), and the row only with such a model;
 - weights: `model.safetensors` (or a sharded index) whose embedding is [vocab_size, hidden_size];
 - a fast tokenizer (`tokenizer.json`) holding, as added tokens, the DeepSeek special tokens the chat encoder
   needs to encode its start-up conversation (`entrypoints/openai/serving_deepseek_recipe.py`): without them the
@@ -34,6 +38,8 @@ FIXED_DIMS: tuple[tuple[str, int], ...] = (
 )
 COMPRESS_RATIOS = (0, 1, 2, 4, 128)
 INDEX_TOPKS = (512, 1024)
+SGLANG_SWA_WINDOW = 128
+WINDOW_VAR = "SGLANG_FLASHMEMORY_CPU_SWA_WINDOW"
 # What sglang's DeepSeek-V4 chat encoder looks up to encode its start-up conversation (measured: removing any
 # one of these from the serving-tiny tokenizer stops the start; the other special tokens are optional there).
 BOOT_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>")
@@ -87,6 +93,21 @@ def _check_config(cfg: Any, path: Path) -> dict:
     _int(cfg, "vocab_size", path)
     _int(cfg, "hidden_size", path)
     return cfg
+
+
+def _check_window(cfg: dict, path: Path, swa_window: int) -> None:
+    """The checkpoint's sliding window against the one sglang will attend (its 128, or the window row's)."""
+    key = "window_size" if "window_size" in cfg else "sliding_window"
+    window = cfg.get(key, SGLANG_SWA_WINDOW)
+    served = swa_window or SGLANG_SWA_WINDOW
+    if window == served:
+        return
+    if not swa_window:
+        raise UserError(
+            f"{path}: {key}={window!r}: sglang 0.5.23 attends {SGLANG_SWA_WINDOW} tokens whatever the config says "
+            f"(deepseek_v4_backend.py:161); serve it with the CPU layer's window row: {WINDOW_VAR}={window}"
+        )
+    raise UserError(f"{path}: {key}={window!r}, but {WINDOW_VAR}={swa_window} sets the served window to {served}")
 
 
 def safetensors_header(path: Path) -> dict:
@@ -152,12 +173,14 @@ def _check_tokenizer(model: Path) -> None:
         )
 
 
-def check_serving_model(model: Path) -> Path:
+def check_serving_model(model: Path, swa_window: int = 0) -> Path:
     """`model` if it is a DeepSeek-V4 serving checkpoint sglang 0.5.23 can load (see the module doc), else a
-    UserError naming the file and field. Reads config.json, the weights' headers and tokenizer.json only."""
+    UserError naming the file and field. swa_window: the window the servers' window row sets (0: none, sglang's
+    128). Reads config.json, the weights' headers and tokenizer.json only."""
     if not model.is_dir():
         raise UserError(f"--model {model}: not a directory")
     cfg = _check_config(_json(model / "config.json", "--model"), model / "config.json")
+    _check_window(cfg, model / "config.json", swa_window)
     _check_weights(model, cfg)
     _check_tokenizer(model)
     return model

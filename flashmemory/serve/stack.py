@@ -44,17 +44,23 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CPU_MODEL = REPO / "checkpoints" / "tiny-dsv4-sglang"  # FM_CPU_MODEL in scripts/launch_common.sh
 
 
-def ensure_model(path: Path) -> Path:
+def ensure_model(path: Path, swa_window: int | None = None) -> Path:
     """The serving-tiny checkpoint at `path`, built (seeded, deterministic) if it is not there yet. A directory
-    with a config.json must be a checkpoint sglang can serve (`model_check`), else UserError naming the field."""
-    if (path / "config.json").is_file():
-        from flashmemory.serve.model_check import check_serving_model
+    with a config.json must be a checkpoint sglang can serve (`model_check`), else UserError naming the field.
+    swa_window: the window the servers' CPU window row will set (0: none); None: this process's
+    SGLANG_FLASHMEMORY_CPU_SWA_WINDOW, which the servers inherit."""
+    from flashmemory.serve.model_check import check_serving_model
 
-        return check_serving_model(path)
-    from flashmemory.hf.serving_build import build_serving
+    if swa_window is None:
+        from flashmemory.env import cpu_tiny_geometry
 
-    print(f"building the tiny serving model at {path} (once) ...", flush=True)
-    return Path(build_serving(path))
+        swa_window = cpu_tiny_geometry().swa_window
+    if not (path / "config.json").is_file():
+        from flashmemory.hf.serving_build import build_serving
+
+        print(f"building the tiny serving model at {path} (once) ...", flush=True)
+        path = Path(build_serving(path))
+    return check_serving_model(path, swa_window)
 
 
 def retriever_dir(model: Path) -> Path:

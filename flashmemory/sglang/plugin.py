@@ -14,9 +14,9 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from flashmemory.env import EnvError, FlashMemoryEnv
+from flashmemory.env import EnvError, FlashMemoryEnv, cpu_tiny_geometry
 from flashmemory.sglang.plumbing.patch_spec import CODE_KINDS, TargetError
-from flashmemory.sglang.plumbing.patching import CPU_FEATURES, StartupError, apply, check_all, select
+from flashmemory.sglang.plumbing.patching import StartupError, apply, check_all, cpu_features, select
 from flashmemory.sglang.plumbing.targets import features_for
 
 if TYPE_CHECKING:
@@ -60,12 +60,13 @@ def register() -> None:
         return
     try:
         env = FlashMemoryEnv.from_environ()
+        geometry = cpu_tiny_geometry()
     except EnvError as e:
         raise PluginStartupError(str(e)) from None
     cpu_targets: list[str] = []
     if env.cpu:  # independent of the FlashMemory gates: CPU + all gates off = stock sglang on CPU
         cpu_targets = apply(
-            select(CPU_FEATURES, CODE_KINDS), context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it"
+            select(cpu_features(geometry), CODE_KINDS), context="; the CPU layer (SGLANG_FLASHMEMORY_CPU=1) needs it"
         )
     features = features_for(env)
     retriever = None

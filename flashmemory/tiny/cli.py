@@ -78,8 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_build_serving(msub)
     from flashmemory.hf.pad_build import add_pad
+    from flashmemory.tiny.shipped import trained_model_dir
 
-    add_pad(msub)
+    add_pad(msub, str(trained_model_dir()))
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 

@@ -117,3 +117,14 @@ def test_serve_refuses_the_trained_model_before_starting_anything(tmp_path, monk
     err = capsys.readouterr().err
     assert rc == 2 and "head_dim=128" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "logs").exists()
+
+
+def test_a_narrower_window_is_served_only_with_the_window_row(serving, tmp_path):
+    """sglang attends its SWA_WINDOW (128) whatever config.json says: a window-32 checkpoint (the padded trained
+    model) needs the CPU layer's window row at 32, and the row at 32 refuses a window-128 checkpoint."""
+    d = _variant(serving, tmp_path, lambda d: (_config("window_size", 32)(d), _config("sliding_window", 32)(d)))
+    with pytest.raises(UserError, match=r"window_size=32: sglang 0.5.23 attends 128 .*SWA_WINDOW=32$"):
+        check_serving_model(d)
+    assert check_serving_model(d, swa_window=32) == d
+    with pytest.raises(UserError, match="window_size=128, but SGLANG_FLASHMEMORY_CPU_SWA_WINDOW=32"):
+        check_serving_model(serving, swa_window=32)

@@ -47,11 +47,13 @@ TABLES: tuple[str, ...] = (
     "flashmemory.sglang.cpu.patches_kernels:KERNEL_PATCHES",  # CUDA-only kernels -> pure-torch drop-ins
     "flashmemory.sglang.cpu.patches_runtime:RUNTIME_PATCHES",  # CPU seams outside the kernels
     "flashmemory.sglang.cpu.patches_tp:TP_PATCHES",  # --tp N on CPU: thread groups, gloo, DSv4's KV head
+    "flashmemory.sglang.cpu.patches_tiny:TINY_PATCHES",  # a tiny trained model's sliding window
     "flashmemory.sglang.cpu.patches_hisparse:HISPARSE_PATCHES",  # HiSparse (--enable-hisparse) on CPU
     "flashmemory.sglang.cpu.pd:PD_PATCHES",  # PD on CPU: NIXL over DRAM, the `fake` backend
     "flashmemory.sglang.plumbing.targets:SPECS",  # FlashMemory's own hooks
     "flashmemory.sglang.hisparse.prefetch:PREFETCH_PATCHES",  # prefetch into sglang's HiSparse hot buffer
 )
+SWA_FEATURE = "cpu_swa_window"  # on with SGLANG_FLASHMEMORY_CPU_SWA_WINDOW (and the CPU layer)
 CPU_FEATURES = ("cpu", "cpu_pd")  # on with SGLANG_FLASHMEMORY_CPU=1, independent of the FlashMemory gates
 PLATFORM_KINDS = ("env", "import_stub")  # applied at platform activation, before sglang imports its kernels
 
@@ -62,6 +64,17 @@ def all_patches() -> tuple[Patch, ...]:
     for ref in TABLES:
         out.extend(pkgutil.resolve_name(ref))
     return tuple(out)
+
+
+def tiny_features(geometry: Any) -> tuple[str, ...]:
+    """The tiny-model rows of the CPU layer (`cpu/patches_tiny.py`) a `flashmemory.env.CpuTinyGeometry` turns on:
+    none unless SGLANG_FLASHMEMORY_CPU_SWA_WINDOW is set."""
+    return (SWA_FEATURE,) if geometry.swa_window else ()
+
+
+def cpu_features(geometry: Any) -> tuple[str, ...]:
+    """The CPU layer's features: CPU_FEATURES plus `tiny_features(geometry)`."""
+    return CPU_FEATURES + tiny_features(geometry)
 
 
 def active_features(env: Any) -> tuple[str, ...]:

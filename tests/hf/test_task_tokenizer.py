@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flashmemory.hf.serving_model import SPECIAL_TOKENS
+from flashmemory.hf.task_tokenizer import build_tokenizer, filler, parked_ids, write_tokenizer
 from flashmemory.tasks import generate, load_tokenizer
-from flashmemory.tasks.hf_export import build_tokenizer, filler, parked_ids, write_tokenizer
 
 
 @pytest.fixture(scope="module")

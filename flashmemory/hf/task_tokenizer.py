@@ -4,7 +4,7 @@ Ids 0..len(vocab.txt)-1 are the task tokenizer's own (`flashmemory.tasks.tokeniz
 splitting: lowercase, then pieces `\\n | [a-z]+ | one digit | one other non-space character`, spaces dropped; a
 newline is the `<nl>` id, an unknown piece `<unk>`; the bracketed entries (`<bos>`, `<|user|>`, `<|end|>`, ...) are
 added tokens, matched whole in the text. So the text `TinyTokenizer.decode` writes encodes back to the same ids
-(`tests/tasks/test_hf_export.py` checks every entry and whole task prompts).
+(`tests/hf/test_task_tokenizer.py` checks every entry and whole task prompts).
 
 sglang 0.5.23 refuses to start a DeepSeek-V4 model whose tokenizer lacks the DeepSeek special tokens: its chat
 renderer (`srt/parser/deepseek_recipe_renderer.py`, set up at boot by `serving_deepseek_recipe.py:74`) encodes a
