@@ -75,10 +75,12 @@ class CopyAdapter(OffloadAdapter):
         return self.layout.pages_for(n_chunks)
 
     def _admission(self, row: int, rid: str, pages: list[int], n: int) -> Admission:
-        """The first n chunks of the request, read from sglang's pool, into mirror pages of the core's own."""
+        """The first n chunks of the request, gathered from sglang's pool on its device (no host wait): the core
+        warms the request from these rows device to device and copies them into mirror pages of its own through
+        pinned staging (`flashmemory.offload.landing`)."""
         locs = page_locs(pages, 0, n, self.geo.page_chunks)
-        kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs)
-        ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs)
+        kv = read_chunk_rows(self.layout.kv, self.kv_bufs, locs, host=False)
+        ix = read_chunk_rows(self.layout.index, self.ix_bufs, locs, host=False)
         return Admission(row, rid, n, kv=kv, index=ix, warm_pages=self.level1_cfg.max_resident_pages)
 
     def _append_round(self, rows: list[int], locs: torch.Tensor) -> AppendRound:

@@ -108,18 +108,21 @@ def read_geometry(pool: Any) -> PoolGeometry:
 
 
 def read_chunk_rows(
-    fmt: PageFormat, bufs: Sequence[torch.Tensor], locs: torch.Tensor, layers: Sequence[int] | None = None
+    fmt: PageFormat,
+    bufs: Sequence[torch.Tensor],
+    locs: torch.Tensor,
+    layers: Sequence[int] | None = None,
+    host: bool = True,
 ) -> torch.Tensor:
-    """uint8 [len(layers), n, fmt.chunk_bytes]: chunk rows at pool locs [n] from per-layer page buffers."""
+    """uint8 [len(layers), n, fmt.chunk_bytes]: chunk rows at pool locs [n] from per-layer page buffers; in host
+    memory (a host read of device bytes), or with host=False where the buffers live (no host wait: host locs go
+    up through pinned staging, `PageFormat.read_chunks`)."""
     layers = range(len(bufs)) if layers is None else layers
     locs = locs.long()
-    out = [
-        fmt.read_chunks(
-            bufs[i], (locs // fmt.page_chunks).to(bufs[i].device), (locs % fmt.page_chunks).to(bufs[i].device)
-        )
-        for i in layers
-    ]
-    return torch.stack(out).cpu() if out else torch.zeros(0, locs.numel(), fmt.chunk_bytes, dtype=torch.uint8)
+    out = [fmt.read_chunks(bufs[i], locs // fmt.page_chunks, locs % fmt.page_chunks) for i in layers]
+    if not out:
+        return torch.zeros(0, locs.numel(), fmt.chunk_bytes, dtype=torch.uint8)
+    return torch.stack(out).cpu() if host else torch.stack(out)
 
 
 def c4_counts(seq_lens: torch.Tensor, ratio: int = RATIO) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,6 @@ hold a device value (cost on a GPU: one small synchronous copy / read on the ste
   `pool_pages` d2h (copy and shrink modes, admitting steps only): the new requests' pool page table
       ([B, P] int64) is read back: sglang keeps `req_to_token` on the device only, and the adapter must claim
       (shrink) or read (copy) those pages on the host before the request's first forward;
-  `_admission` / `read_chunk_rows` d2h (copy mode, admitting steps only): the new request's history bytes are
-      read from sglang's pool into the host mirror (copy mode runs without PD, where nothing lands in host
-      memory; its prompt is the c4 history: 21 x 584 B per chunk);
   `pool_chunks` / `read_chunk_rows` d2h (copy mode, the step after a chunk closes): the chunk's bytes, stored by
       the last forward, are read into the host mirror (21 x 584 B + index-K per closed chunk).
 These are `ALLOWED` below, by (kind, function); anything else fails the test with its file:line.
@@ -35,7 +32,7 @@ pytestmark = pytest.mark.sglang
 PAGE = sd.PAGE
 ALLOWED = {
     "copy": {
-        "admit": {("d2h", "pool_pages"), ("d2h", "read_chunk_rows")},
+        "admit": {("d2h", "pool_pages")},
         "settle": {("d2h", "read_chunk_rows"), ("d2h", "pool_chunks"), ("d2h", "store_chunks")},
     },
     "shrink": {"admit": {("d2h", "pool_pages")}, "settle": set()},
