@@ -18,6 +18,8 @@ allowed values (`flashmemory.env`) divide sglang's 256-token page.
 
 from __future__ import annotations
 
+import sys
+
 from flashmemory.sglang.plumbing.patch_spec import Patch
 from flashmemory.sglang.plumbing.patching import SWA_FEATURE
 
@@ -35,6 +37,13 @@ def swa_window(current: int) -> int:
     window = cpu_tiny_geometry().swa_window
     if not window:
         raise ValueError("SGLANG_FLASHMEMORY_CPU_SWA_WINDOW is unset: the row should not be active")
+    # stderr, the server's log: this runs at plugin load, before sglang configures logging (see plugin.announce)
+    print(
+        f"FlashMemory CPU layer: sglang's DeepSeek-V4 sliding window SWA_WINDOW {current} -> {window} "
+        "(SGLANG_FLASHMEMORY_CPU_SWA_WINDOW)",
+        file=sys.stderr,
+        flush=True,
+    )
     return window
 
 

@@ -56,11 +56,12 @@ def test_gate_off_selects_no_row_and_the_backend_keeps_128(fresh) -> None:
     assert backend.SWA_WINDOW == 128 and tail_capacity(2) == 256
 
 
-def test_the_builder_refuses_another_sglang_constant(fresh) -> None:
+def test_the_builder_refuses_another_sglang_constant_and_logs_the_change(fresh, capsys) -> None:
     fresh.setenv(VAR, "32")
     with pytest.raises(ValueError, match="expected sglang 0.5.23's 128"):
         swa_window(64)
     assert swa_window(128) == 32
+    assert "sliding window SWA_WINDOW 128 -> 32" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("raw", ["48", "0x", "256", "-32"])
