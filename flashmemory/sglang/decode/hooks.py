@@ -14,7 +14,8 @@ import torch
 
 from flashmemory.sglang.decode.guard import RequestFailure, batch_rids, guarded
 from flashmemory.sglang.decode.resident_topk import apply_resident_mask, resident_view
-from flashmemory.sglang.decode.runtime import RUNTIME, substitute_buf_infos
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.tables import substitute_buf_infos
 
 logger = logging.getLogger(__name__)
 

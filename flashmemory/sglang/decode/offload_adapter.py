@@ -35,7 +35,8 @@ from flashmemory.sglang.decode.core_config import core_config, serving_tp_size
 from flashmemory.sglang.decode.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
 from flashmemory.sglang.decode.loc_map import LocMap, pool_chunks
 from flashmemory.sglang.decode.page_reads import PageReads
-from flashmemory.sglang.metrics.miss_monitor import build_monitor, monitor_stats
+from flashmemory.sglang.metrics.miss_monitor import build_monitor
+from flashmemory.sglang.metrics.prometheus import adapter_stats
 
 
 class OffloadAdapter:
@@ -355,29 +356,9 @@ class OffloadAdapter:
         return int(self.engine.totals()["history_chunks"])
 
     def stats(self) -> dict[str, float]:
-        """The keys of `flashmemory.sglang.metrics.prometheus.METRICS`, from the core's running totals (O(1): no scan of
+        """The keys of `flashmemory.sglang.metrics.prometheus.METRICS` (`prometheus.adapter_stats`: O(1), no scan of
         requests, no device read; the exporter thread calls it)."""
-        eng = self.engine
-        snap = eng.totals()
-        hist = snap["history_chunks"]
-        rb = self.cfg.recall_blocks
-        return {
-            "recall_bytes": float(snap["recall_bytes"]),
-            "recall_pages": float(snap["recall_pages"]),
-            "warm_start_pages": float(snap["warm_start_pages"]),
-            "level1_cycles": float(snap["cycles"]),
-            "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
-            "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
-            "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
-            "device_bytes_saved": float(self.device_bytes_saved),
-            **self._monitor_stats(snap),
-            **(self.tier.tier_stats() if self.tier is not None else {}),
-        }
-
-    def _monitor_stats(self, snap: dict[str, Any]) -> dict[str, Any]:
-        if self.monitor is None:
-            return {}
-        return monitor_stats(snap, self.engine.recent_misses())
+        return adapter_stats(self)
 
     def check_level1_scores(self, check: Callable[[str, torch.Tensor], None]) -> None:
         """Run `check(rid, scores)` on every Level-1 score vector (float [n_hist]) before the page policy sees it;

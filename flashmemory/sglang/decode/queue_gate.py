@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.decode.guard import guarded
-from flashmemory.sglang.decode.runtime import RUNTIME, c4_page_table
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.tables import c4_page_table
 
 
 def landed_tokens(req: Any) -> int:
@@ -34,7 +35,7 @@ def pool_row(req: Any) -> int | None:
 
 
 def table_of(req_to_token_pool: Any) -> Callable[[int, int, int], list[int]]:
-    """(req_pool_idx, tokens, page_size) -> the request's c4 pool pages (`runtime.c4_page_table` of its row)."""
+    """(req_pool_idx, tokens, page_size) -> the request's c4 pool pages (`tables.c4_page_table` of its row)."""
 
     def pages(idx: int, tokens: int, page_size: int) -> list[int]:
         rows, lens = torch.tensor([idx]), torch.tensor([tokens])

@@ -7,7 +7,7 @@ becomes the request's prefetch hint (`hisparse_prefetch_state.resident_hint` -> 
 reserved or recalled:
 - rows: one per live request id, numbered once (never reused, so a row's generation is constant: 0);
   `n_chunks` = the request's complete c4 entries after the step; its c4 page table is the one sglang's indexer
-  reads (`runtime.c4_page_table` over `req_to_token`), refreshed each decode step.
+  reads (`tables.c4_page_table` over `req_to_token`), refreshed each decode step.
 - `target_keys(row, layer)`: the row's dequantized index keys fp32 [n_chunks, D], read from sglang's c4 index-K
   pool on the device (HiSparse keeps that pool full size: only the c4 KV lives in its hot buffer).
 - `recaller.recall(reqs)`: instead of copying pages, each request's pages in priority order (scored pages by

@@ -168,7 +168,7 @@ def after_forward(result: Any, self: Any, forward_batch: Any, *args: Any, **kwar
     src = hint()
     if src is None or getattr(self, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
         return
-    from flashmemory.sglang.decode.runtime import c4_page_table, host_seq_lens
+    from flashmemory.sglang.decode.tables import c4_page_table, host_seq_lens
 
     rids = [str(r) for r in (getattr(forward_batch, "rids", None) or [])]
     seq = host_seq_lens(forward_batch, rids)

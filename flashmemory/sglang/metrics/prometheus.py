@@ -138,6 +138,31 @@ def serving_gauges(adapter: Any) -> dict[str, float]:
     return {"live_requests": float(len(adapter.rows)), **adapter.engine.occupancy()}
 
 
+def adapter_stats(adapter: Any) -> dict[str, float]:
+    """The keys of `METRICS` for a Path-P adapter (`offload_adapter.OffloadAdapter.stats`), from its core's running
+    totals (O(1): no scan of requests, no device read; the exporter thread calls it): recall and warm-start
+    traffic, Level-1 cycles, residency, the reserve's use, the device bytes the mode saves, the miss monitor's
+    counters (with a monitor) and the disk tier's (with a tier)."""
+    snap = adapter.engine.totals()
+    hist = snap["history_chunks"]
+    rb = adapter.cfg.recall_blocks
+    from flashmemory.sglang.metrics.miss_monitor import monitor_stats  # torch and the core: only when serving
+
+    monitor = monitor_stats(snap, adapter.engine.recent_misses()) if adapter.monitor is not None else {}
+    return {
+        "recall_bytes": float(snap["recall_bytes"]),
+        "recall_pages": float(snap["recall_pages"]),
+        "warm_start_pages": float(snap["warm_start_pages"]),
+        "level1_cycles": float(snap["cycles"]),
+        "resident_fraction": snap["resident_chunks"] / hist if hist else 0.0,
+        "reserve_used_fraction": (rb - snap["free_blocks"]) / rb,
+        "level1_cycle_seconds": float(snap["last_cycle"]["latency_s"]),
+        "device_bytes_saved": float(adapter.device_bytes_saved),
+        **monitor,
+        **(adapter.tier.tier_stats() if adapter.tier is not None else {}),
+    }
+
+
 def metrics_table() -> str:
     """The metrics table of docs/metrics.md (Markdown), generated from METRICS, SERVING_METRICS, FAILURES,
     HISPARSE_SWAPIN and HISPARSE_PREFETCH."""

@@ -15,7 +15,8 @@ from flashmemory.sglang.decode import copy_adapter
 from flashmemory.sglang.decode.adapter_factory import build
 from flashmemory.sglang.decode.geometry import PoolGeometryError, c4_counts, read_chunk_rows
 from flashmemory.sglang.decode.resident_topk import apply_resident_mask, pool_locs, resident_view
-from flashmemory.sglang.decode.runtime import Runtime, c4_page_table
+from flashmemory.sglang.decode.runtime import Runtime
+from flashmemory.sglang.decode.tables import c4_page_table
 from flashmemory.sglang.metrics.prometheus import DISK_KEYS, METRICS, MONITOR_KEYS
 
 pytestmark = pytest.mark.sglang

@@ -74,7 +74,7 @@ def test_copy_mode_with_a_landing_window_serves_the_pool_bytes(tmp_path):
     from flashmemory.offload import check_invariants
     from flashmemory.sglang.decode.geometry import c4_counts, read_chunk_rows
     from flashmemory.sglang.decode.resident_topk import pool_locs
-    from flashmemory.sglang.decode.runtime import c4_page_table
+    from flashmemory.sglang.decode.tables import c4_page_table
     from tests.sglang.decode.test_copy_adapter import write_chunk
 
     pools = (fake_pool(1), fake_pool(1))

@@ -12,7 +12,8 @@ from flashmemory.sglang.decode import hooks
 from flashmemory.sglang.decode.adapter_factory import build
 from flashmemory.sglang.decode.context import ForwardContext
 from flashmemory.sglang.decode.geometry import c4_counts, read_chunk_rows
-from flashmemory.sglang.decode.runtime import RUNTIME, c4_page_table
+from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.tables import c4_page_table
 from tests.sglang.decode.test_copy_adapter import N_C4, PAGE, env, fake_pool, write_chunk
 
 pytestmark = pytest.mark.sglang

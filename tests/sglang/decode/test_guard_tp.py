@@ -9,7 +9,8 @@ import traceback
 
 import pytest
 
-from flashmemory.sglang.decode.guard import Guard, gloo_exchange
+from flashmemory.sglang.decode.guard import Guard
+from flashmemory.sglang.decode.guard_tp import gloo_exchange
 
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang")

@@ -82,7 +82,7 @@ def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
 
 def test_host_lengths_come_from_sglangs_host_copy_with_failed_rows_at_zero():
     from flashmemory.sglang.decode.guard import FAILED_PREFIX, _BatchView
-    from flashmemory.sglang.decode.runtime import host_seq_lens
+    from flashmemory.sglang.decode.tables import host_seq_lens
 
     fb = _batch([900, 1000])
     DeviceTensor.syncs = []

@@ -11,8 +11,8 @@ import torch
 
 from flashmemory.sglang.decode.copy_adapter import CopyAdapter
 from flashmemory.sglang.decode.offload_adapter import OffloadAdapter
-from flashmemory.sglang.decode.runtime import c4_page_table
 from flashmemory.sglang.decode.shrink_adapter import ShrinkAdapter
+from flashmemory.sglang.decode.tables import c4_page_table
 from tests.sglang.decode.test_copy_adapter import PAGE, env, fake_pool
 
 pytestmark = pytest.mark.sglang

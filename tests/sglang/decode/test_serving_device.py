@@ -18,7 +18,8 @@ from flashmemory.sglang.decode import runtime as runtime_mod
 from flashmemory.sglang.decode.adapter_factory import build
 from flashmemory.sglang.decode.refusals import refusals
 from flashmemory.sglang.decode.retriever_load import load_serving_retriever
-from flashmemory.sglang.decode.runtime import Runtime, c4_page_table
+from flashmemory.sglang.decode.runtime import Runtime
+from flashmemory.sglang.decode.tables import c4_page_table
 from tests.sglang.decode.test_copy_adapter import PAGE, ckpt, env, fake_pool  # noqa: F401 (ckpt is a fixture)
 
 pytestmark = pytest.mark.sglang

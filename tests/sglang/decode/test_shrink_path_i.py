@@ -31,7 +31,7 @@ def test_path_i_index_in_the_reserve(sa, monkeypatch):
     from dataclasses import dataclass
 
     from flashmemory.sglang.decode.resident_topk import paged_index_scores
-    from flashmemory.sglang.decode.runtime import Level2Buffers
+    from flashmemory.sglang.decode.tables import Level2Buffers
 
     @dataclass
     class MD:
