@@ -15,7 +15,7 @@ tests/sglang/test_core_boundary.py checks `flashmemory/sglang/`). It calls the l
                  `store_index_pages` (whole Path-I index-K pages into the mirror), `storage` (the tensors a
                  caller lends its own pool, e.g. the reserve as sglang's shrunk c4 pool).
   queries        `snapshot_rows`, `gen`, `n_chunks`, `cells`, `target_keys`, `metrics`, `totals`, `occupancy`,
-                 `free_blocks`, `free_mirror_pages`, `recent_misses`; counters `note`, `record`.
+                 `free_blocks`, `free_mirror_pages`, `recent_misses`, `queued_pages`; counters `note`, `record`.
 
 Every verb that reads or writes host bookkeeping takes the core's lock itself; none hands the lock out.
 Addresses are the core's own: mirror chunks (mirror page * page_chunks + offset), reserve cells (block *
@@ -35,6 +35,7 @@ from flashmemory.offload.sync import StagedSettle
 
 if TYPE_CHECKING:
     from flashmemory.offload.counters import OffloadMetrics
+    from flashmemory.offload.disk.queued import QueuedPages
     from flashmemory.offload.layout import OffloadLayout
     from flashmemory.offload.lut import ChunkLUT
     from flashmemory.offload.mirror import HostMirror
@@ -86,6 +87,7 @@ class CoreAccess:
     order: ForwardOrder
     tables: ResidentTables
     lock: Any
+    queued: QueuedPages | None = None  # shrink mode's DRAM cap on waiting requests (the disk tier sets it)
 
     def _live(self, row: int) -> RowState:  # engine.py
         raise NotImplementedError
@@ -331,6 +333,11 @@ class CoreAccess:
                 "host_mirror_bytes": float(mirror.physical_bytes),
                 "host_mirror_slots_in_use": float(mirror.slots_in_use),
             }
+
+    def queued_pages(self) -> QueuedPages | None:
+        """The waiting requests' pages under the disk tier's DRAM cap (shrink mode, SGLANG_PATHP_HOST_MIRROR_GB;
+        its verbs `known`, `update`, `refusal` lock the core themselves), None without a cap."""
+        return self.queued
 
     def recent_misses(self) -> list[float]:
         """The miss monitor's most recent miss-mass values (oldest first), read under the lock."""

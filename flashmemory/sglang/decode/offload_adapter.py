@@ -175,6 +175,13 @@ class OffloadAdapter:
     def settle(self) -> None:
         """After a decode forward: this step's new entries to the mirror (default: nothing)."""
 
+    def queue_gate(
+        self, waiting: Sequence[tuple[str, int, int]], n_next: int, table_of: Callable[[int, int, int], list[int]]
+    ) -> set[str]:
+        """Rids of sglang's decode waiting queue to hold back from admission (shrink mode under the disk tier's DRAM
+        cap: `ShrinkAdapter.queue_gate`); none here."""
+        return set()
+
     # --- the mode's part of begin_step ---------------------------------------------------------------
     def settle_before_step(self) -> ChunkStore | None:
         """First thing in `begin_step`: bytes of chunks appended earlier that the pool holds now, for the core to

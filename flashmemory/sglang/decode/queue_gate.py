@@ -46,14 +46,14 @@ def table_of(req_to_token_pool: Any) -> Callable[[int, int, int], list[int]]:
 
 @guarded("around_prebuilt_batch", None, RUNTIME)
 def around_prebuilt_batch(original: Callable, self: Any, running_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    gate = getattr(RUNTIME.engine, "queue_gate", None)
+    engine = RUNTIME.engine
     waiting = list(getattr(self, "waiting_queue", None) or ())
     pool = getattr(self, "req_to_token_pool", None)
-    if gate is None or not waiting or pool is None:
+    if engine is None or not waiting or pool is None:
         return original(self, running_batch, *args, **kwargs)
     n_next = max(0, min(pool.size, self.max_running_requests) - running_batch.batch_size())
     rows = [(str(r.rid), pool_row(r), landed_tokens(r)) for r in waiting]
-    held = gate([(rid, idx, n) for rid, idx, n in rows if idx is not None], n_next, table_of(pool))
+    held = engine.queue_gate([(rid, idx, n) for rid, idx, n in rows if idx is not None], n_next, table_of(pool))
     if not held:
         return original(self, running_batch, *args, **kwargs)
     back = [r for r in waiting if str(r.rid) in held]

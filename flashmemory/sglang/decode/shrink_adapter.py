@@ -337,7 +337,7 @@ class ShrinkAdapter(OffloadAdapter):
         `table_of(req_pool_idx, tokens, page_size)`, one page-table read each) and returns the rids to hold back
         from admission while their pages come back from disk. Nothing without the tier's cap
         (SGLANG_PATHP_HOST_MIRROR_GB)."""
-        q = getattr(self.engine, "queued", None)
+        q = self.engine.queued_pages()
         if q is None:
             return set()
         order: list[tuple[str, list[int] | None]] = []
@@ -354,7 +354,7 @@ class ShrinkAdapter(OffloadAdapter):
         """As `OffloadAdapter.admission_refusals`, and a new request whose queued pages did not come back from the
         tier (a read error or checksum mismatch, named) or are not in DRAM yet is refused: it fails alone."""
         out = super().admission_refusals(rids, seq_lens)
-        q = getattr(self.engine, "queued", None)
+        q = self.engine.queued_pages()
         if q is None:
             return out
         refused = {r for r, _ in out}
