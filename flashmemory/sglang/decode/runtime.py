@@ -57,6 +57,9 @@ class Runtime:
         self.indexers: dict[int, Any] = {}  # target c4 layer -> sglang's C4Indexer (miss monitor)
         self._sideband_frozen = False  # a graph has recorded the buffers: never reallocate
         self._sideband_checked: set[int] = set()  # batch sizes whose side band was verified fresh
+        # (batch size, side band, host copy of `written`, its event): freshness verdicts on their way to the host
+        self._sideband_pending: list[tuple[int, SidebandBuffers, torch.Tensor, Any]] = []
+        self._sideband_stale: set[int] = set()  # batch sizes whose last verdict was stale: Level 1 skips them
         self.fwd = ForwardContext()  # the current forward's scratch (built per forward)
         self.in_compressed_pools = False  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
         self._shrink: bool | None = None  # shrink decision, made once per process
@@ -229,6 +232,7 @@ class Runtime:
                 q_lora_rank=q_lora.shape[1] if monitor else 0,
                 q_lora_dtype=q_lora.dtype if monitor else None,
             )
+            self._sideband_pending, self._sideband_stale = [], set()  # verdicts were about the old buffers
             logger.info(
                 "FlashMemory: Level-1 side band [%d, %d] x %d layers allocated", rows, x.shape[1], len(sb.layers)
             )
@@ -238,25 +242,51 @@ class Runtime:
 
     def sideband_snapshot(self, n_rows: int) -> dict[str, torch.Tensor] | None:
         """Views of the side band's first n_rows (the real requests) after a decode forward; {} without a side
-        band (no retriever); None when a target layer did not write this forward (its hook is not in the graph:
-        the rows would be stale). Freshness is checked, with one host sync, on the first forward of each batch
-        size and on every forward while diagnostics are on."""
+        band (no retriever); None while this batch size is known stale (a target layer did not write: its hook is
+        not in the graph, the rows would be stale; Level 1 skips those steps).
+
+        Freshness is checked without a host wait, on the first forward of each batch size and on every forward
+        while diagnostics are on: the forward's per-layer `written` counts go to the host through pinned memory
+        and an event (`SidebandBuffers.stage_written`), and the verdict is read at a later step once the copy is
+        complete (at once without streams). So the first stale forward of a batch size still reaches Level 1 (one
+        cycle scores stale rows; attention is not affected); from its verdict on, that size skips Level 1 and
+        counts `sideband_stale` per forward checked, until a fresh verdict."""
         sb = self.sideband
         if sb is None or n_rows == 0:
             return {}
+        self._sideband_verdicts()
         if self.diag_path or n_rows not in self._sideband_checked:
-            stale = sb.stale_layers(n_rows)
-            if stale:
-                self.count("sideband_stale")
-                logger.error(
-                    "FlashMemory side band: c4 layers %s did not write their inputs this forward "
-                    "(batch %d); Level 1 skips the step",
-                    stale,
-                    n_rows,
-                )
-                return None
-            self._sideband_checked.add(n_rows)
+            host, done = sb.stage_written()
+            self._sideband_checked.add(n_rows)  # checked once the verdict lands (or re-checked if stale)
+            self._sideband_pending.append((n_rows, sb, host, done))
+            self._sideband_verdicts()  # without streams: now
+        if n_rows in self._sideband_stale:
+            return None
         return sb.read(n_rows)
+
+    def _sideband_verdicts(self) -> None:
+        """Read the staged `written` counts whose copies are complete (event query, no wait), in order."""
+        left = []
+        for n_rows, sb, host, done in self._sideband_pending:
+            if left or (done is not None and not done.query()):
+                left.append((n_rows, sb, host, done))
+                continue
+            if sb is not self.sideband:
+                continue  # the buffers were reallocated meanwhile: that forward's verdict says nothing now
+            stale = sb.stale_layers(n_rows, host)
+            if not stale:
+                self._sideband_stale.discard(n_rows)
+                continue
+            self._sideband_stale.add(n_rows)
+            self._sideband_checked.discard(n_rows)  # checked again at its next forward
+            self.count("sideband_stale")
+            logger.error(
+                "FlashMemory side band: c4 layers %s did not write their inputs in a forward of batch %d; "
+                "Level 1 skips that batch size until they do",
+                stale,
+                n_rows,
+            )
+        self._sideband_pending = left
 
     def before_forward(self, forward_batch: Any, req_to_token: torch.Tensor | None = None) -> None:
         """Decode: sync the engine's requests with the batch, then publish each row's resident pages into the

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from flashmemory.offload import streams
+
 
 class SidebandError(RuntimeError):
     """The side band cannot take this forward's inputs without a (capture-illegal) reallocation."""
@@ -123,8 +125,21 @@ class SidebandBuffers:
         out["positions"] = self.positions[:n]
         return out
 
-    def stale_layers(self, n_rows: int) -> list[int]:
-        """Target layers that wrote fewer than min(n_rows, capacity) rows this forward. Syncs the host."""
+    def stale_layers(self, n_rows: int, written: torch.Tensor | None = None) -> list[int]:
+        """Target layers that wrote fewer than min(n_rows, capacity) rows: in `written` (a host copy taken by
+        `stage_written`), or else in this forward's counts (a host sync on a device)."""
         need = min(n_rows, self.capacity)
-        got = self.written.tolist()
+        got = (self.written if written is None else written).tolist()
         return [l for l, w in zip(self.layers, got) if w < need]
+
+    def stage_written(self) -> tuple[torch.Tensor, Any]:
+        """This forward's `written` on its way to the host without a wait: (int64 [n_target] host tensor, a CUDA
+        event marking its copy, or None when it is already there). On a stream device the counts are copied into
+        page-locked memory with non_blocking=True on the current stream, after the forward enqueued there."""
+        if not (streams.is_device(self.written) and streams.streams_on(self.written.device)):
+            return self.written.clone(), None
+        host = streams.pinned_empty(tuple(self.written.shape), self.written.dtype)
+        host.copy_(self.written, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done

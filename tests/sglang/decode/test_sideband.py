@@ -72,6 +72,8 @@ def live(monkeypatch):
         ("sideband_rows_hint", 4),
         ("_sideband_frozen", False),
         ("_sideband_checked", set()),
+        ("_sideband_pending", []),
+        ("_sideband_stale", set()),
         ("fwd", ForwardContext()),
     ):
         monkeypatch.setattr(RUNTIME, name, val)
@@ -193,3 +195,32 @@ def test_the_first_decode_step_scores_what_is_resident(live):
     md = _IndexerMetadata(torch.tensor([[0, 1, 2, -1]], dtype=torch.int32), torch.tensor([129], dtype=torch.int32))
     view = hooks._resident_metadata(md, 0)
     assert view.compressed_seq_lens.tolist()[0] == sum(min(64, 129 - 64 * p) for p in resident)
+
+
+def test_freshness_is_checked_without_a_host_wait(monkeypatch):
+    """On a stream device the forward's `written` counts reach the host through pinned memory and an event, read
+    once the event says the copy is complete: no blocking operation on the decode thread. A stale batch size
+    skips Level 1 until a fresh verdict; while a verdict is still on its way, the step goes to Level 1."""
+    from tests.support.cuda_standin import count_blocking, on_device, on_thread, reset
+
+    count_blocking(monkeypatch)
+    sb = SidebandBuffers.allocate((1, 3), 4, HIDDEN, torch.float32, torch.device("cpu"))
+    for name, val in (("sideband", sb), ("diag_path", "on"), ("counters", {}), ("_sideband_checked", set()),
+                      ("_sideband_pending", []), ("_sideband_stale", set())):  # fmt: skip
+        monkeypatch.setattr(RUNTIME, name, val)
+    x, pos = on_device(torch.randn(2, HIDDEN)), on_device(torch.tensor([5, 6]))  # the forward's tensors
+    reset()
+    sb.begin_forward()
+    sb.write(1, x, pos)  # layer 3's hook did not run: stale (the stand-in's copy is complete at once)
+    assert RUNTIME.sideband_snapshot(2) is None and RUNTIME.counters.get("sideband_stale") == 1
+    event = type(RUNTIME._sideband_pending[0][3]) if RUNTIME._sideband_pending else None
+    sb.begin_forward()
+    sb.write(1, x, pos)
+    sb.write(3, x, pos)
+    assert RUNTIME.sideband_snapshot(2) is not None  # fresh again
+    assert not on_thread(), [b.where for b in on_thread()]
+    monkeypatch.setattr(torch.cuda.Event, "query", lambda self: False)  # a copy still in flight
+    sb.begin_forward()
+    sb.write(1, x, pos)
+    assert RUNTIME.sideband_snapshot(2) is not None and len(RUNTIME._sideband_pending) == 1
+    assert not on_thread() and event is None
