@@ -104,6 +104,15 @@ def served_model(model: Path, server_env: dict[str, str]) -> Path:
     return check_serving_model(model, swa_window=window)
 
 
+def retriever_layers(path: str) -> tuple[int, ...]:
+    """The c4 layers a retriever checkpoint reads (Level 1's LAYERS on D); () without one."""
+    if not path:
+        return ()
+    from flashmemory.retriever.checkpoint import load_retriever
+
+    return tuple(int(x) for x in load_retriever(path).layers)
+
+
 def run(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -136,6 +145,7 @@ def run(a: argparse.Namespace) -> int:
             tau=cfg.tau,
             threshold=cfg.threshold,
             tail_chunks=cfg.tail_chunks,
+            retriever_layers=retriever_layers(retriever),
             startup_timeout=cfg.startup_timeout,
             logs=Path(cfg.logs) if cfg.logs else Path(cfg.out_dir) / "logs",
         )

@@ -38,6 +38,7 @@ class StackSettings:
     tau: int = 16
     threshold: float = 0.5
     tail_chunks: int = 8
+    retriever_layers: tuple[int, ...] = ()  # the c4 layers Level 1 reads (the retriever's); () = the script's
     startup_timeout: float = 420.0
     logs: Path = Path("live_logs")
 
@@ -53,6 +54,8 @@ def pd_config(arm: LiveArm, st: StackSettings):
         "THRESH": f"{st.threshold:g}",
         "LAST_KEEP": str(st.tail_chunks),
     }
+    if st.retriever_layers:
+        level1["LAYERS"] = ",".join(map(str, st.retriever_layers))
     base = PDConfig(
         model=st.model,
         flashmemory=arm.kind == "FlashMemory",

@@ -53,6 +53,9 @@ def test_pd_config_per_arm():
     assert not hs.flashmemory and hs.transfer_backend == "mooncake" and "--enable-hisparse" in hs.decode_args
     conf = json.loads(hs.decode_args[hs.decode_args.index("--hisparse-config") + 1])
     assert conf == {"top_k": 64, "device_buffer_size": 128} and hs.decode_env["CKPT"] == ""
+    assert "LAYERS" not in fm.decode_env  # the launch script's default
+    three = pd_config(LiveArm("FlashMemory", 0.1), _st(retriever_layers=(0, 1, 2)))
+    assert three.decode_env["LAYERS"] == "0,1,2"  # Level 1 reads the retriever's layers
     pf = pd_config(LiveArm("HiSparse+prefetch", 0.1), _st())
     assert pf.decode_env["SGLANG_FLASHMEMORY_HISPARSE_PREFETCH"] == "1" and pf.decode_env["CKPT"] == "/r.safetensors"
     assert "flashmemory" in pf.decode_env["SGLANG_PLUGINS"].split(",")
