@@ -184,8 +184,8 @@ def show(a: argparse.Namespace, pl: Plan, r: dict[str, Any]) -> None:
         f"{others['stock']['admitted']} ({others['stock']['bound']}), HiSparse {others['hisparse']['admitted']} "
         f"({others['hisparse']['bound']}) requests of {label(pl.ctx)}"
         + (
-            f"; attention DP {sv.dp}: each rank holds only its own requests' KV (FlashMemory does not serve under "
-            "DP attention yet: a projection; tok/s is TP attention's step)"
+            f"; attention DP {sv.dp}: each rank holds only its own requests' KV (FlashMemory under DP attention "
+            "is run on CPU only: a projection; tok/s is TP attention's step)"
             if sv.dp > 1
             else ""
         )

@@ -213,7 +213,7 @@ def test_bad_context_and_settings() -> None:
 
 def test_attention_dp_holds_kv_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
     """--dp 8 (attention DP on 8 GPUs): each rank holds only its own requests' KV, so 1M x 64 fits; stock and
-    HiSparse are projected beside it, and the note says FlashMemory does not serve under DP attention yet."""
+    HiSparse are projected beside it, and the note says FlashMemory under DP attention is run on CPU only."""
     tp, dp = plan(h20_node(), DiskKnobs(), M1, 64), None
     assert main(["plan", "--json", "--dp", "8"]) == 0
     dp = json.loads(capsys.readouterr().out)

@@ -20,10 +20,10 @@ What is refused and why:
   set; neither has been run with FlashMemory.
 - `--max-running-requests` above SGLANG_PATHP_DECODE_MAX_CONC: the core has that many request rows and the
   Level-2 buffers are sized once before capture; more running requests would need rows that do not exist.
-- attention data parallelism (`--attn-dp-size N`, or the older `--dp N --enable-dp-attention`): each DP rank runs
-  its own batch. Level 1's lockstep and the guard's failure exchange span only the ranks that run one batch
-  (`core_config.batch_group`, sglang's attention-TP group), which gloo processes show, but no live server has run
-  it (on CPU sglang 0.5.23 needs two fixes the CPU layer does not carry: docs/serving.md, "Launch layouts").
+- attention data parallelism (`--attn-dp-size N`, or the older `--dp N --enable-dp-attention`) on a PD decode
+  server: a single server is served (each DP rank runs its own batch; Level 1's lockstep and the guard's failure
+  exchange span only its attention-TP group, `core_config.batch_group`), but a decode server taking KV from P into
+  DP ranks has not been run with FlashMemory.
 - attention context parallelism (`--attn-cp-size`, `--enable-prefill-cp`, `--dcp-size`): one request's KV is
   split across ranks; the mirror, reserve and Level-1 plan assume one rank holds its whole c4 history.
 - data-parallel replicas (`--dp N` without attention DP): each replica is a scheduler of its own with its own
@@ -70,19 +70,21 @@ def _int(server_args: Any, name: str) -> int:
 
 
 def layout_refusals(server_args: Any) -> list[str]:
-    """One line per sglang parallel layout FlashMemory does not serve: attention DP, attention CP (prefill, decode
-    or explicit), data-parallel replicas. Plain TP (any `--tp`) and PD disaggregation pass."""
+    """One line per sglang parallel layout FlashMemory does not serve: attention DP on a PD decode server, attention
+    CP (prefill, decode or explicit), data-parallel replicas. Plain TP (any `--tp`), attention DP on a single server
+    and PD disaggregation pass."""
     out: list[str] = []
     tp = _int(server_args, "tp_size")
     attn_dp = _int(server_args, "attn_dp_size")
     dp = _int(server_args, "dp_size")
     if attn_dp <= 1 and bool(getattr(server_args, "enable_dp_attention", False)) and dp > 1:
         attn_dp, dp = dp, 1  # a record not resolved yet: the deprecated spelling
-    if attn_dp > 1:
+    if attn_dp > 1 and str(setting(server_args, "disaggregation_mode", "null") or "null") == "decode":
         out.append(
-            f"--attn-dp-size {attn_dp} (or --dp {attn_dp} --enable-dp-attention): FlashMemory under attention "
-            "data parallelism (a batch per DP rank, lockstep and failure exchange over its attention-TP group) has "
-            f"not been run in a live server yet; serve with plain --tp {tp} (no attention DP) or turn FlashMemory off"
+            f"--attn-dp-size {attn_dp} (or --dp {attn_dp} --enable-dp-attention) with --disaggregation-mode decode: "
+            "FlashMemory serves attention data parallelism on a single server, but a PD decode server taking KV "
+            f"into DP ranks has not been run with it; serve D with plain --tp {tp} (no attention DP) or turn "
+            "FlashMemory off"
         )
     cp = _int(server_args, "attn_cp_size")
     dcp = _int(server_args, "dcp_size")

@@ -2,6 +2,9 @@
 
 sglang serves /metrics from prometheus_client's multiprocess directory when `--enable-metrics` is on, so
 plain prometheus_client metrics made here (gauges in "mostrecent" mode) show up there next to sglang's own.
+Every series carries its scheduler's place (`RANK_LABELS`): the attention-DP rank, whose requests it counts, and
+the rank in that DP rank's attention-TP group. Without the labels the multiprocess collector sums the counters of
+all schedulers and keeps the gauge of whichever wrote last, so DP ranks with different requests would read as one.
 """
 
 from __future__ import annotations
@@ -119,6 +122,24 @@ MONITOR_KEYS = (
 )
 DISK_KEYS = tuple(k for k in METRICS if k.startswith("disk_"))  # in stats() only with the disk tier on
 MISS_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)  # = flashmemory.offload.counters.MISS_BUCKETS
+# Labels of every `FlashMemoryMetrics` series: the scheduler's attention-DP rank (0 without attention DP) and its
+# rank among the ranks that run that DP rank's batch (its TP rank without attention DP). Ranks of one attention-TP
+# group hold the same requests in lockstep, so their series agree; each DP rank's series are its own requests'.
+RANK_LABELS = ("dp_rank", "attn_tp_rank")
+
+
+def scheduler_ranks() -> dict[str, str]:
+    """`RANK_LABELS` of this process from sglang's parallel context (`get_parallel()`: attn_dp_rank when attention
+    DP is on, attn_tp_rank); "0" for each outside a server or before sglang published its ranks."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        dp = int(p.attn_dp_rank) if p.attn_dp_enabled else 0
+        tp = int(p.attn_tp_rank)
+    except (ImportError, AttributeError, RuntimeError, ValueError, TypeError):
+        dp, tp = 0, 0
+    return {"dp_rank": str(dp), "attn_tp_rank": str(tp)}
 
 
 def failure_counter(registry: Any = None) -> Any:
@@ -184,18 +205,22 @@ class FlashMemoryMetrics:
     live_seen: float = -1.0  # live_requests at the last full publish
 
     @classmethod
-    def create(cls, registry: Any = None) -> "FlashMemoryMetrics":
+    def create(cls, registry: Any = None, ranks: Mapping[str, str] | None = None) -> "FlashMemoryMetrics":
+        """Every metric in `registry` (default prometheus_client's), each the child of this scheduler's
+        `RANK_LABELS` values `ranks` (default `scheduler_ranks()`)."""
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         reg = registry if registry is not None else REGISTRY
+        mine = dict(ranks) if ranks is not None else scheduler_ranks()
         m: dict[str, Any] = {}
         for key, (kind, doc) in {**METRICS, **SERVING_METRICS}.items():
             if kind == "counter":
-                m[key] = Counter(PREFIX + key, doc, registry=reg)
+                metric = Counter(PREFIX + key, doc, RANK_LABELS, registry=reg)
             elif kind == "histogram":
-                m[key] = Histogram(PREFIX + key, doc, registry=reg, buckets=MISS_BUCKETS)
+                metric = Histogram(PREFIX + key, doc, RANK_LABELS, registry=reg, buckets=MISS_BUCKETS)
             else:
-                m[key] = Gauge(PREFIX + key, doc, registry=reg, multiprocess_mode="mostrecent")
+                metric = Gauge(PREFIX + key, doc, RANK_LABELS, registry=reg, multiprocess_mode="mostrecent")
+            m[key] = metric.labels(**mine)
         return cls(m, {})
 
     def publish(self, stats: Mapping[str, float]) -> None:

@@ -1,7 +1,7 @@
 """sglang's DeepSeek-V4 launch layouts against FlashMemory's start-up refusals, on sglang's real `ServerArgs`
 (the tiny model's config, resolved by sglang 0.5.23's own pipeline on CPU): every layout FlashMemory does not
-serve stops start-up with one line naming the flag, the served ones (TP, PD decode) start, and with every gate off
-nothing is refused."""
+serve stops start-up with one line naming the flag, the served ones (TP, PD decode, attention DP on a single
+server) start, and with every gate off nothing is refused."""
 
 import json
 import os
@@ -23,10 +23,9 @@ EAGLE = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculativ
 
 # layout -> (extra ServerArgs fields, the refusal's leading words)
 REFUSED = {
-    "attention DP": (dict(attn_dp_size=2, tp_size=2), "--attn-dp-size 2 (or --dp 2 --enable-dp-attention)"),
-    "attention DP, deprecated spelling": (
-        dict(enable_dp_attention=True, dp_size=2, tp_size=2),
-        "--attn-dp-size 2 (or --dp 2 --enable-dp-attention)",
+    "attention DP on a PD decode server": (
+        dict(PD, attn_dp_size=2, tp_size=2),
+        "--attn-dp-size 2 (or --dp 2 --enable-dp-attention) with --disaggregation-mode decode:",
     ),
     "attention CP": (dict(attn_cp_size=2, tp_size=2), "--attn-cp-size 2:"),
     "DSv4 prefill CP recipe": (
@@ -44,7 +43,14 @@ REFUSED = {
     ),
     "two-batch overlap": (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap:"),
 }
-SERVED = {"TP 1": {}, "TP 2": dict(tp_size=2), "PD decode": PD}
+SERVED = {
+    "TP 1": {},
+    "TP 2": dict(tp_size=2),
+    "PD decode": PD,
+    "attention DP": dict(attn_dp_size=2, tp_size=2),
+    "attention DP, deprecated spelling": dict(enable_dp_attention=True, dp_size=2, tp_size=2),
+    "attention DP over attention-TP pairs": dict(attn_dp_size=2, tp_size=4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +107,23 @@ def test_the_served_layouts_are_not_refused(layout, build):
 
 def test_level1_without_path_p_is_refused_the_same_layouts(build):
     """The lockstep and the failure exchange are Level 1's and the guard's, not Path-P's alone."""
-    sa = build(attn_dp_size=2, tp_size=2)
+    sa = build(attn_dp_size=2, tp_size=2, **PD)
     assert refusals(sa, env("", decode_max_conc=4), ("level1",))[0].startswith("--attn-dp-size 2")
     assert refusals(sa, env("", decode_max_conc=4), ("dump",)) == []  # the dump server runs sglang's own decode
 
 
 def test_fields_are_read_as_sglang_resolved_them(build):
     """`--dp 2 --enable-dp-attention` keeps dp_size 2 on the record; sglang resolves it to one replica with two
-    attention-DP ranks, so it is refused as attention DP, not as data-parallel replicas."""
+    attention-DP ranks, so it is served as attention DP, not refused as data-parallel replicas (and on a PD decode
+    server it is refused as attention DP)."""
     sa = build(enable_dp_attention=True, dp_size=2, tp_size=2)
     assert (sa.dp_size, sa.attn_dp_size) == (2, 1)  # the raw record
     assert (setting(sa, "dp_size"), setting(sa, "attn_dp_size")) == (1, 2)
-    assert [l.split(":")[0] for l in layout_refusals(sa)] == ["--attn-dp-size 2 (or --dp 2 --enable-dp-attention)"]
+    assert layout_refusals(sa) == []
+    sa = build(enable_dp_attention=True, dp_size=2, tp_size=2, **PD)
+    assert [l.split(":")[0] for l in layout_refusals(sa)] == [
+        "--attn-dp-size 2 (or --dp 2 --enable-dp-attention) with --disaggregation-mode decode"
+    ]
 
 
 def test_mask_mode_with_the_radix_cache_is_refused_naming_the_flag(build):

@@ -20,6 +20,8 @@ from flashmemory.sglang.metrics.exporter import MetricsExporter
 from tests.sglang.decode.test_step_crossings import SEQ, Recorder, _step
 from tests.sglang.decode.test_step_crossings import served as served  # noqa: F401  (the fixture)
 
+RANKS = {"dp_rank": "0", "attn_tp_rank": "0"}  # the one scheduler of a server without attention DP or TP
+
 pytestmark = pytest.mark.sglang
 prom = pytest.importorskip("prometheus_client")
 EXPORT_READS = {"engine.metrics", "engine.cells", "engine.totals", "engine.occupancy", "engine.recent_misses"}
@@ -69,10 +71,10 @@ def test_decode_steps_read_no_metrics_and_the_export_thread_publishes_the_scan(e
     assert set(stats_calls) == {"exporter"} and RUNTIME.exporter.exports == 1
     want = _scan_stats(s.adapter)
     assert want["resident_fraction"] > 0 and want["level1_cycles"] > 0
-    got = {k: s.reg.get_sample_value("flashmemory_" + k) for k in ("resident_fraction",)}
-    got.update({k: s.reg.get_sample_value(f"flashmemory_{k}_total") for k in ("recall_pages", "level1_cycles")})
+    got = {k: s.reg.get_sample_value("flashmemory_" + k, RANKS) for k in ("resident_fraction",)}
+    got.update({k: s.reg.get_sample_value(f"flashmemory_{k}_total", RANKS) for k in ("recall_pages", "level1_cycles")})
     assert got == pytest.approx(want)
-    assert s.reg.get_sample_value("flashmemory_live_requests") == 1.0
+    assert s.reg.get_sample_value("flashmemory_live_requests", RANKS) == 1.0
     diag = json.loads(s.diag.read_text())
     assert diag["decode_forwards"] == 7 and diag["resident_fraction"] == pytest.approx(want["resident_fraction"])
 
@@ -101,5 +103,5 @@ def test_idle_publishes_at_once(exported):
     _step(s, ["a"], SEQ + 1)
     idle = type("Sched", (), {"running_batch": None, "last_batch": None, "result_queue": []})()
     hooks.after_on_idle(None, idle)
-    assert s.reg.get_sample_value("flashmemory_live_requests") == 0.0 and RUNTIME.exporter.exports == 1
-    assert torch.equal(torch.tensor(s.reg.get_sample_value("flashmemory_resident_fraction")), torch.tensor(0.0))
+    assert s.reg.get_sample_value("flashmemory_live_requests", RANKS) == 0.0 and RUNTIME.exporter.exports == 1
+    assert torch.equal(torch.tensor(s.reg.get_sample_value("flashmemory_resident_fraction", RANKS)), torch.tensor(0.0))

@@ -36,7 +36,8 @@ def test_metrics_export():
     m.publish({"recall_bytes": 1000, "resident_fraction": 0.25, "unknown": 1})
     m.publish({"recall_bytes": 1500})
     out = prom.generate_latest(reg).decode()
-    assert "flashmemory_recall_bytes_total 1500.0" in out and "flashmemory_resident_fraction 0.25" in out
+    assert 'flashmemory_recall_bytes_total{attn_tp_rank="0",dp_rank="0"} 1500.0' in out
+    assert 'flashmemory_resident_fraction{attn_tp_rank="0",dp_rank="0"} 0.25' in out
 
 
 def test_readme_metrics_table_is_generated_and_complete():
@@ -73,7 +74,8 @@ def test_serving_gauges_and_failure_counter_export():
     m.publish({"live_requests": 0, "free_reserve_blocks": 96, "reserve_blocks": 96, "host_mirror_bytes_in_use": 0})
     failure_counter(registry=reg).labels(hook="before_forward").inc()
     out = prom.generate_latest(reg).decode()
-    assert "flashmemory_free_reserve_blocks 96.0" in out and "flashmemory_live_requests 0.0" in out
+    ranks = '{attn_tp_rank="0",dp_rank="0"}'
+    assert f"flashmemory_free_reserve_blocks{ranks} 96.0" in out and f"flashmemory_live_requests{ranks} 0.0" in out
     assert 'flashmemory_request_failures_total{hook="before_forward"} 1.0' in out
 
 
