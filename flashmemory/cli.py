@@ -19,6 +19,7 @@ COMMANDS = [
     "flashmemory.train.cli",  # train (joint retriever on golden-label dumps)
     "flashmemory.eval.cli",  # eval (policies vs baselines on a dump)
     "flashmemory.demo.quality_cli",  # eval quality (the demo's pipeline over many held-out documents): after eval
+    "flashmemory.eval.live.cli",  # eval live (the task suite through live sglang stacks): after eval
     "flashmemory.train.verify",  # verify (native indexer / checkpoint vs float64 reference)
     "flashmemory.bench.cli",  # bench scorer|labels|recall|train|costmodel|all
     "flashmemory.costmodel.plan_cli",  # plan (a projected node plan: requests per tier, disks, tok/s)

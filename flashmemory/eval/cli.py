@@ -195,12 +195,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decode_args(p)
     add_residency_args(p)
     p.set_defaults(func=run, eval_parser=p)
-    # Subcommands of eval: frontier and live here; `flashmemory eval quality` (flashmemory.demo.quality_cli) joins
-    # the same set.
+    # Subcommands of eval: frontier here; `flashmemory eval quality` (flashmemory.demo.quality_cli) and
+    # `flashmemory eval live` (flashmemory.eval.live.cli, a user of `flashmemory serve`) join the same set.
     from flashmemory.eval.frontier.cli import register_frontier
-    from flashmemory.eval.live.cli import register_live
 
     p.fm_subcommands = p.add_subparsers(dest="eval_command", metavar="{quality,frontier,live}")
     register_frontier(p.fm_subcommands)
-    register_live(p.fm_subcommands)
     # `flashmemory eval quality` drives the demo pipeline (a floor above eval): flashmemory.demo.quality_cli adds it.

@@ -45,6 +45,7 @@ FLOORS: dict[str, int] = {
     "tiny": 5,
     "eval": 6,
     "serve": 7,
+    "eval.live": 8,  # `flashmemory eval live` drives `flashmemory serve`'s stacks: a user of serve, like demo
     "demo": 8,
     "bench": 9,
     "cli": 10,
@@ -146,6 +147,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def folder(mod: str) -> str:
     parts = mod.split(".")
+    if parts[1:3] == ["eval", "live"]:
+        return "eval.live"
     return parts[1] if len(parts) > 1 else parts[0]
 
 

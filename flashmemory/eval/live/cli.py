@@ -168,6 +168,12 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `live` as a subcommand of `flashmemory eval` (registered before this, by `flashmemory.eval.cli`). The
+    command starts `flashmemory serve` stacks, so it sits a floor above serve, not in eval's own CLI."""
+    register_live(subparsers.choices["eval"].fm_subcommands)
+
+
 def register_live(sub: argparse._SubParsersAction) -> None:
     """Add `live` to `flashmemory eval`'s subcommands."""
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO

@@ -262,7 +262,7 @@ def test_gauges_say_idle_once_nothing_runs(served):
     s.guard.configured = True
     _step(s, ["a", "bad-1"])
     assert RUNTIME.exporter.flush()  # the decode step only marked the export due
-    val = lambda k: _value(s.reg, "flashmemory_" + k)  # noqa: E731
+    val = lambda k: _value(s.reg, "flashmemory_" + k, dp_rank="0", attn_tp_rank="0")  # noqa: E731  # one process: rank 0
     total = val("reserve_blocks")
     assert val("live_requests") == 2 and val("free_reserve_blocks") < total and val("host_mirror_bytes_in_use") > 0
     assert val("resident_fraction") > 0 and val("reserve_used_fraction") > 0

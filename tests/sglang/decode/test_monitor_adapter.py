@@ -74,8 +74,9 @@ def test_copy_mode_monitor_counts_and_exports():
     m.publish(st)
     m.publish(st)  # no new observations: the histogram count stays
     out = prom.generate_latest(reg).decode()
-    assert f"flashmemory_miss_mass_count {float(tot['monitor_cycles'])}" in out
-    assert f"flashmemory_monitor_cycles_total {float(tot['monitor_cycles'])}" in out
+    rank = '{attn_tp_rank="0",dp_rank="0"}'  # outside sglang's process groups: rank 0 of both
+    assert f"flashmemory_miss_mass_count{rank} {float(tot['monitor_cycles'])}" in out
+    assert f"flashmemory_monitor_cycles_total{rank} {float(tot['monitor_cycles'])}" in out
     assert "flashmemory_escalations_total" in out and "flashmemory_budget_pages_mean" in out
     eng.begin_step([], table[:0], torch.zeros(0, dtype=torch.int64))
     eng.l1.on_step([-1], {}, torch.zeros(1, dtype=torch.long))
