@@ -93,7 +93,10 @@ def loopback_shim(tmp_path_factory):
     from flashmemory.serve.loopback import compiler, shim_path
 
     if compiler() is None:
-        pytest.skip("no C compiler: the shim cannot be built (the scripts then warn; see test_no_compiler_warns_what_stays_open)")
+        pytest.skip(
+            "no C compiler: the shim cannot be built "
+            "(the scripts then warn; see test_no_compiler_warns_what_stays_open)"
+        )
     return shim_path(cache=tmp_path_factory.mktemp("shim_cache"))
 
 
