@@ -21,8 +21,15 @@ STEPS = 24
 
 
 def _metric(text: str, name: str, labels: str = "") -> float | None:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
+    """The sample `name` whose label set contains every `labels` pair (e.g. 'hook="before_forward"'); series
+    also carry dp_rank/attn_tp_rank labels, so the match is by subset, summed over what matches; None when absent."""
+    want = set(re.findall(r'\w+="[^"]*"', labels))
+    hits = [
+        float(m.group(2))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M)
+        if want <= set(re.findall(r'\w+="[^"]*"', m.group(1) or ""))
+    ]
+    return sum(hits) if hits else None
 
 
 def _good(server, tag: str) -> list[list[int]]:
