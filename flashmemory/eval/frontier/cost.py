@@ -30,6 +30,8 @@ from flashmemory.costmodel.flops import CountRules, FlashShape, RetrieverShape, 
 KV_BYTES = EntryBytes().kv  # 584 B per c4 entry
 PROJECT_CONTEXTS = (131072, 262144, 1048576)
 LEVEL1_METHODS = ("FlashMemory", "FlashMemory+monitor", "FlashMemory-fill", "FlashMemory-threshold")
+HISPARSE_ARMS = ("HiSparse", "HiSparse+prefetch")  # HiSparse alone and with FlashMemory's set as a prefetch hint
+FULL_INDEX_METHODS = ("Full",) + HISPARSE_ARMS
 
 
 def tiny_shapes(engine, retriever, tau: int, page_chunks: int) -> tuple[FlashShape, RetrieverShape]:
@@ -67,6 +69,35 @@ def level1_flops(ctx_tokens: int, s: FlashShape, r: RetrieverShape) -> float:
     return sum(t.flops(rules) for t in level1_terms(ctx_tokens, s, r, rules))
 
 
+def full_index_costs(
+    method: str,
+    m: dict,
+    *,
+    n_c4: int,
+    n_final: int,
+    n_vis_mean: float,
+    n_steps: int,
+    index_bytes: int,
+    hot_slots: int | None = None,
+    swap_misses: float | None = None,
+) -> dict:
+    """The cost fields of Full or a HiSparse arm (`FULL_INDEX_METHODS`: every index key on the device, every visible
+    chunk scored). A HiSparse arm's H2D is its own on-demand misses plus the entries it prefetched (m["prefetched"],
+    0 without a hint), x 584 B over the decode steps; the record's stats are enough to recompute it
+    (`eval.frontier.recost`)."""
+    idx_full = n_c4 * n_final * index_bytes
+    kv = n_c4 * n_final * KV_BYTES if method == "Full" else n_c4 * (hot_slots + 1) * KV_BYTES
+    moved = (swap_misses or 0.0) + float(m.get("prefetched", 0.0))  # on-demand misses + prefetched entries
+    h2d = 0.0 if method == "Full" else moved * KV_BYTES / max(n_steps, 1)
+    return {
+        "device_bytes": kv + idx_full,
+        "device_parts": {"c4 kv": kv, "index keys": idx_full},
+        "h2d_per_token": h2d,
+        "scored_per_token": n_c4 * n_vis_mean,
+        "l1_flops_per_token": 0.0,
+    }
+
+
 def method_costs(
     method: str,
     m: dict,
@@ -86,19 +117,20 @@ def method_costs(
     """The cost fields of one method's metrics `m` (from `eval.harness.evaluate_doc`) on one document.
 
     n_final: chunks visible after the last step (N); n_vis_mean: mean visible chunks per step; index_bytes: one
-    stored index key (D + 4); hot_slots / swap_misses: HiSparse's H and its replayed misses over all c4 layers."""
-    idx_full = n_c4 * n_final * index_bytes
-    if method in ("Full", "HiSparse", "HiSparse+prefetch"):
-        kv = n_c4 * n_final * KV_BYTES if method == "Full" else n_c4 * (hot_slots + 1) * KV_BYTES
-        moved = (swap_misses or 0.0) + float(m.get("prefetched", 0.0))  # on-demand misses + prefetched entries
-        h2d = 0.0 if method == "Full" else moved * KV_BYTES / max(n_steps, 1)
-        return {
-            "device_bytes": kv + idx_full,
-            "device_parts": {"c4 kv": kv, "index keys": idx_full},
-            "h2d_per_token": h2d,
-            "scored_per_token": n_c4 * n_vis_mean,
-            "l1_flops_per_token": 0.0,
-        }
+    stored index key (D + 4); hot_slots / swap_misses: HiSparse's H and the replayed misses of this row's own arm
+    over all c4 layers."""
+    if method in FULL_INDEX_METHODS:
+        return full_index_costs(
+            method,
+            m,
+            n_c4=n_c4,
+            n_final=n_final,
+            n_vis_mean=n_vis_mean,
+            n_steps=n_steps,
+            index_bytes=index_bytes,
+            hot_slots=hot_slots,
+            swap_misses=swap_misses,
+        )
     pages = int(m.get("cap_pages") or m.get("kmax") or 0)
     reserve = min(pages * page_chunks, n_final)
     kv = n_c4 * reserve * KV_BYTES

@@ -260,7 +260,8 @@ class Sweep:
                 }
             for name, m in rows.items():
                 m.pop("miss_values", None)
-                m |= method_costs(name, m, hot_slots=slots, swap_misses=(hs or {}).get("misses"), **shape)
+                own = arms.get(name) or {}  # a HiSparse arm's own replay; no swap-in misses for any other row
+                m |= method_costs(name, m, hot_slots=slots, swap_misses=own.get("misses"), **shape)
                 m["resident_per_topk"] = (
                     n_final if name == "Full" else min(kmax * fc.page_chunks, n_final)
                 ) / eng.index_topk
