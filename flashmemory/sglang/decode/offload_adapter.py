@@ -32,7 +32,7 @@ from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dis
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
 from flashmemory.sglang.decode.core_config import core_config, serving_tp_size
-from flashmemory.sglang.decode.geometry import PoolGeometryError, c4_counts, pool_buffers, read_geometry
+from flashmemory.sglang.decode.geometry import RATIO, PoolGeometryError, c4_counts, pool_buffers, read_geometry
 from flashmemory.sglang.decode.loc_map import LocMap, pool_chunks
 from flashmemory.sglang.decode.page_reads import PageReads
 from flashmemory.sglang.metrics.miss_monitor import build_monitor
@@ -178,9 +178,12 @@ class OffloadAdapter:
     def queue_gate(
         self, waiting: Sequence[tuple[str, int, int]], n_next: int, table_of: Callable[[int, int, int], list[int]]
     ) -> set[str]:
-        """Rids of sglang's decode waiting queue to hold back from admission (shrink mode under the disk tier's DRAM
-        cap: `ShrinkAdapter.queue_gate`); none here."""
+        """Rids of sglang's decode waiting queue to hold back (the disk tier's cap: `ShrinkAdapter`); none here."""
         return set()
+
+    def warm_cost(self, tokens: int) -> int:
+        """Pages of `cfg.warm_step_pages` the warm start of a waiting request with `tokens` landed would take."""
+        return self.engine.warm_pages_of(tokens // RATIO, self.level1_cfg.max_resident_pages)
 
     # --- the mode's part of begin_step ---------------------------------------------------------------
     def settle_before_step(self) -> ChunkStore | None:
@@ -217,8 +220,7 @@ class OffloadAdapter:
         raise RuntimeError(f"Path-P: more than SGLANG_PATHP_DECODE_MAX_CONC={self.cfg.max_rows} concurrent requests")
 
     def _mirror_pages_needed(self, n_chunks: int) -> int:
-        """Host-mirror pages the core allocates to admit a history of n_chunks (default: none, the pages are the
-        request's own pool pages)."""
+        """Host-mirror pages the core allocates to admit n_chunks (default: none, its own pool pages are)."""
         return 0
 
     def admission_refusals(self, rids: Sequence[str], seq_lens: torch.Tensor) -> list[tuple[str, str]]:

@@ -1,22 +1,30 @@
-"""The decode waiting queue under shrink mode's disk-tier DRAM cap: hold back a request whose pages are on disk.
+"""The PD decode waiting queue: hold back the requests this decode step cannot warm-start, and (shrink mode under
+the disk tier's DRAM cap) the ones whose pages are on disk.
 
 On a PD decode server a request whose KV transfer completed waits in the scheduler's `waiting_queue` until
-`_get_new_prebuilt_batch` (sglang 0.5.23 `disaggregation/decode.py:3375`) moves the first free-slot's worth of
-it into the running batch. `around_prebuilt_batch` runs around that call: it hands the queue, in order, to the
-shrink adapter's `queue_gate` (which records new requests' landed pages, parks the queue's tail in the tier when
-the landed pages pass SGLANG_PATHP_HOST_MIRROR_GB, and starts reading back a parked request that is next), and
-takes the requests it names out of the queue for this call only: they go back to its front afterwards, so
-they run as soon as their pages are in host DRAM, in their order. Gated by the `shrink_cap` feature (shrink mode
-with the disk tier and the cap set); without an adapter or a cap the call is sglang's own.
+`_get_new_prebuilt_batch` (sglang 0.5.23 `disaggregation/decode.py:3375`, called once per scheduler iteration,
+before the decode batch it merges into) moves the first free-slot's worth of it into the running batch; each of
+those is admitted by the adapter at its first decode step, and its warm start copies up to KMAX - 1 pages x 21
+layers into the reserve on that step. `around_prebuilt_batch` runs around that call and takes requests out of the
+queue for the call only; they go back afterwards in their queue order, so they run on a later step:
+- the adapter's `queue_gate` names the ones to hold (shrink mode with SGLANG_PATHP_HOST_MIRROR_GB: a parked
+  request while its pages are read back from disk; none otherwise);
+- of the others, in order, the step admits the leading ones whose warm starts fit the step's warm-start budget
+  (`EngineConfig.warm_step_pages` pages; `offload.step.admit_within` over `OffloadAdapter.warm_cost`, at least one
+  a step) and holds the tail, in copy and shrink mode alike. The budget is per decode step (`Runtime.steps`): a
+  second call before the same decode forward spends what the first left.
+Its Patch row is on with Path-P (the `path_p` feature); without an adapter the call is sglang's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from flashmemory.offload.step import admit_within
 from flashmemory.sglang.decode.guard import guarded
 from flashmemory.sglang.decode.runtime import RUNTIME
 from flashmemory.sglang.decode.tables import c4_page_table
@@ -44,6 +52,33 @@ def table_of(req_to_token_pool: Any) -> Callable[[int, int, int], list[int]]:
     return pages
 
 
+@dataclass
+class StepBudget:
+    """The warm-start pages let out of the queue during one decode step: `passed` rid -> warm pages of the
+    requests let through since decode step `step` began (one still in the queue was not taken and is decided
+    again)."""
+
+    step: int = -1
+    passed: dict[str, int] = field(default_factory=dict)
+
+    def hold(self, step: int, budget: int, queue: Sequence[tuple[str, int]], n_next: int) -> set[str]:
+        """queue: (rid, warm pages) in order, of which sglang takes the first `n_next`. Returns the rids to hold
+        back: the tail after the leading requests whose warm pages, with those let through earlier in this step,
+        fit `budget` (the first of the step runs even over it); nothing when all `n_next` fit."""
+        if step != self.step:
+            self.step, self.passed = step, {}
+        waiting = {rid for rid, _ in queue}
+        spent = sum(c for rid, c in self.passed.items() if rid not in waiting)
+        self.passed = {rid: c for rid, c in self.passed.items() if rid not in waiting}
+        head = [c for _, c in queue[: max(n_next, 0)]]
+        k = admit_within([spent, *head], budget) - 1 if self.passed else admit_within(head, budget)
+        self.passed.update(queue[:k])
+        return {rid for rid, _ in queue[k:]} if k < len(head) else set()
+
+
+BUDGET = StepBudget()
+
+
 @guarded("around_prebuilt_batch", None, RUNTIME)
 def around_prebuilt_batch(original: Callable, self: Any, running_batch: Any, *args: Any, **kwargs: Any) -> Any:
     engine = RUNTIME.engine
@@ -53,12 +88,16 @@ def around_prebuilt_batch(original: Callable, self: Any, running_batch: Any, *ar
         return original(self, running_batch, *args, **kwargs)
     n_next = max(0, min(pool.size, self.max_running_requests) - running_batch.batch_size())
     rows = [(str(r.rid), pool_row(r), landed_tokens(r)) for r in waiting]
-    held = engine.queue_gate([(rid, idx, n) for rid, idx, n in rows if idx is not None], n_next, table_of(pool))
+    held = set(engine.queue_gate([(rid, i, n) for rid, i, n in rows if i is not None], n_next, table_of(pool)))
+    free = [(rid, engine.warm_cost(n)) for rid, _, n in rows if rid not in held]
+    held |= BUDGET.hold(RUNTIME.steps, engine.cfg.warm_step_pages, free, n_next)
     if not held:
         return original(self, running_batch, *args, **kwargs)
+    order = {id(r): i for i, r in enumerate(waiting)}
     back = [r for r in waiting if str(r.rid) in held]
     self.waiting_queue = [r for r in waiting if str(r.rid) not in held]
     try:
         return original(self, running_batch, *args, **kwargs)
-    finally:
-        self.waiting_queue = back + list(self.waiting_queue)
+    finally:  # the held requests back in their queue order (those sglang added meanwhile after them)
+        left = list(self.waiting_queue) + back
+        self.waiting_queue = sorted(left, key=lambda r: order.get(id(r), len(waiting)))

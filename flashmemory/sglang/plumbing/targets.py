@@ -212,15 +212,16 @@ SPECS: tuple[Patch, ...] = (
         "srt/layers/attention/dsv4/compressor_v2.py:227,361 the c4 KV compressor stores at reserve cells "
         "(where HiSparse translates its locs), not at pool locs",
     ),
-    # Shrink mode with the disk tier's cap (SGLANG_PATHP_HOST_MIRROR_GB): queued requests' pages may be on disk.
+    # The PD decode waiting queue (either mode): a step admits what its warm-start budget holds; under the disk
+    # tier's cap (SGLANG_PATHP_HOST_MIRROR_GB) a queued request whose pages are on disk waits for them.
     Patch(
-        "shrink_cap",
+        "path_p",
         "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._get_new_prebuilt_batch",
         "around",
         "flashmemory.sglang.decode.queue_gate:around_prebuilt_batch",
         ("self", "running_batch"),
-        "srt/disaggregation/decode.py:3375 the decode waiting queue -> running batch: hold back a request whose "
-        "pages are read back from disk",
+        "srt/disaggregation/decode.py:3375 the decode waiting queue -> running batch: hold back the requests "
+        "past the step's warm-start budget, and one whose pages are read back from disk",
     ),
     _h(
         "credit_c4",
@@ -320,8 +321,6 @@ def features_for(env: Any) -> tuple[str, ...]:
         f.append("path_p")
         if env.pd_c4_shrink:
             f.append("shrink")
-            if env.disk.enabled and env.disk.host_mirror_bytes is not None:
-                f.append("shrink_cap")
             if env.pd_credit_c4:
                 f.append("credit_c4")
     if env.index_k_offload:

@@ -6,7 +6,7 @@ store: the cache holds one page) and its mirror DRAM goes back. Checked: D's gre
 server's for histories of 5-10 pages (far beyond the one-page cache), pages were written to disk, the decode
 thread never waited on disk I/O, nothing is corrupt, and D's startup log states the tier's size and place.
 
-D runs with the queued-requests cap on (SGLANG_PATHP_HOST_MIRROR_GB, the `shrink_cap` Patch row around the decode
+D runs with the queued-requests cap on (SGLANG_PATHP_HOST_MIRROR_GB, read by the Patch row around the decode
 scheduler's admission from its waiting queue) and one running request. A long request runs first; two more are
 sent while it decodes, so both land and wait (a round in which P was too slow for that runs once more): the one
 at the queue's tail is over the cap, its landed pages are parked in the tier and their DRAM goes back; before it
