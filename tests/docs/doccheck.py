@@ -9,7 +9,8 @@
 - `make [VAR=value] TARGET...`: every target is a rule of the Makefile;
 - `bash SCRIPT` / `python SCRIPT` / `python -m MODULE`: the script exists / the module can be found; `VAR=value`
   knobs before a launch script must be read by that script (or `scripts/launch_common.sh`);
-- every `SGLANG_*` / `FLASHMEMORY_*` name in the page: one `flashmemory/env.py` reads (`strict_env`), or else one
+- every `SGLANG_*` / `FLASHMEMORY_*` name in the page: one the env modules read (`flashmemory/env.py` and its
+  `env_*` parts: `env_readers`; `strict_env`), or else one
   the project's sources or scripts mention (sglang's own switches that the launch scripts set);
 - repository paths in inline code and Markdown links: they exist (generated outputs and downloads excluded).
 """
@@ -63,14 +64,21 @@ SEPARATORS = {"&&", "||", ";", "|"}
 PROCESS_ENV = {"CUDA_VISIBLE_DEVICES"}  # read by CUDA in every process the scripts start, not by the scripts
 
 
+def env_readers(root: Path) -> list[Path]:
+    """The modules that read FlashMemory's environment: `flashmemory/env.py` and its `env_*.py` parts, less the
+    meaning table (`env_doc.py`, which names every variable without reading one) and the launch check (`env_check.py`,
+    which reads through env)."""
+    return [p for p in sorted((root / "flashmemory").glob("env*.py")) if p.name not in ("env_doc.py", "env_check.py")]
+
+
 @dataclass
 class Project:
     """What the pages are checked against. Fields are plain data so a test can take something away."""
 
     root: Path
     make_targets: set[str]
-    env_vars: set[str]  # names flashmemory/env.py reads
-    mentioned: str  # the project's sources and scripts, for names env.py does not read
+    env_vars: set[str]  # names the env modules read (env_readers)
+    mentioned: str  # the project's sources and scripts, for names the env modules do not read
     parser: Callable[[], argparse.ArgumentParser]
     exists: Callable[[str], bool] = field(default=lambda p: False)
 
@@ -80,7 +88,7 @@ class Project:
 
         make = (root / "Makefile").read_text()
         targets = set(re.findall(r"^([A-Za-z][\w-]*):", make, flags=re.M))
-        env_src = (root / "flashmemory" / "env.py").read_text()
+        env_src = "\n".join(p.read_text() for p in env_readers(root))
         env_vars = set(re.findall(r'"((?:SGLANG|FLASHMEMORY)_[A-Z0-9_]+)"', env_src))
         srcs = [
             *root.glob("*.sh"),
@@ -231,7 +239,7 @@ def check(text: str, project: Project, doc_dir: str = "", strict_env: bool = Tru
             problems += check_command(toks, project)
     for name in sorted(set(ENV_RE.findall(text))):
         if name not in project.env_vars and (strict_env or name not in project.mentioned):
-            problems.append(f"environment variable {name} is not one flashmemory/env.py reads")
+            problems.append(f"environment variable {name} is not one flashmemory/env.py (or its env_* parts) reads")
     for path in sorted(repo_paths(text)):
         if not path.startswith(GENERATED):
             problems += _path_problem(path, project, "path")

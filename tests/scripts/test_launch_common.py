@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from flashmemory.env import EnvError, _bool
+from flashmemory.env import EnvError, read_bool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPELLINGS = ["1", "true", "TRUE", " yes ", "on", "On", "0", "false", "no", "off", "", "maybe", "2"]
@@ -26,7 +26,7 @@ def _envs(out: str) -> dict[str, str]:
 
 def _plugin_on(v: str) -> bool | None:
     try:
-        return _bool({"X": v}, "X", False)
+        return read_bool({"X": v}, "X", False)
     except EnvError:
         return None
 
