@@ -16,12 +16,16 @@ land     The same rows go to the host mirror through page-locked staging (a non_
          (`ensure_landed`, the worker's wait, never the decode thread's in practice: lands are complete and applied
          a step after they are staged); the disk tier seals a row only once it has landed; `check_invariants`
          applies every land first. A land whose request finished (or whose row was reused) is dropped.
+settle   Copy mode's chunks closed by the last forward (sglang's pool holds their bytes from then on) travel the
+         same way (`stage_chunks`): gathered on the device, written there into their resident cells and the
+         target index pool, and staged for the mirror as one pinned copy and event, with one `PendingLand` per row
+         (a view of that copy), applied, waited for and dropped as an admission's land is.
 Without streams (CPU) the rows are written into the mirror at once: there is nothing to wait for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +37,9 @@ from flashmemory.offload.recall_types import RecallRequest
 if TYPE_CHECKING:
     from flashmemory.offload.layout import OffloadLayout
     from flashmemory.offload.lut import ChunkLUT
+    from flashmemory.offload.mirror import HostMirror
     from flashmemory.offload.recall import Recaller
-    from flashmemory.offload.reserve import DeviceReserve
+    from flashmemory.offload.reserve import DeviceReserve, TargetIndexPool
     from flashmemory.offload.rows import RowState
     from flashmemory.offload.streams import ForwardOrder
 
@@ -46,7 +51,9 @@ class PendingLand:
     """An admission's rows on their way to the host mirror: engine row and generation, mirror chunks m int64 [n]
     (host), kv uint8 [n_layers, n, kv_chunk_bytes] and index uint8 [n_layers, n, index_chunk_bytes] (or None) in
     pinned host buffers filled by a device copy that `done` (a CUDA event) marks complete; age: `apply_lands`
-    calls it has waited through."""
+    calls it has waited through. A settle (`stage_chunks`) holds only the Path-I layers' index-K
+    [n_path_i_layers, n, index_chunk_bytes] and is written into the mirror as it is (never the tier's landing
+    window: its chunks are a live row's newest)."""
 
     row: int
     gen: int
@@ -55,6 +62,7 @@ class PendingLand:
     index: torch.Tensor | None
     done: Any
     age: int = 0
+    settle: bool = False
 
 
 class DeviceLanding:
@@ -63,6 +71,8 @@ class DeviceLanding:
     layout: OffloadLayout
     reserve: DeviceReserve
     lut: ChunkLUT
+    mirror: HostMirror
+    target: TargetIndexPool
     order: ForwardOrder
     recaller: Recaller
     rows: list[RowState | None]
@@ -104,8 +114,76 @@ class DeviceLanding:
     def _land_now(self, p: PendingLand) -> None:
         """Write a complete land into the mirror (lock held); dropped if its request is gone."""
         st = self.rows[p.row]
-        if st is not None and st.gen == p.gen:
+        if st is None or st.gen != p.gen:
+            return
+        if not p.settle:
             self.land(p.row, st, p.m, p.kv, p.index)
+            return
+        pc = self.layout.page_chunks
+        mr = self.mirror.rows(p.m // pc, write=True)
+        self.layout.kv.write_chunks(self.mirror.kv, mr, p.m % pc, p.kv)
+        if p.index is not None:
+            self.layout.index.write_chunks(self.mirror.index, mr, p.m % pc, p.index)
+
+    def stage_chunks(
+        self, rows: Sequence[int], m: torch.Tensor, kv: torch.Tensor, index: Sequence[torch.Tensor | None]
+    ) -> None:
+        """`store_chunks` of every c4 layer without a host wait (copy mode's settle, see the module doc): chunk rows
+        the caller's device storage holds for mirror chunks m [n] (host int64) of engine rows `rows` [n]: kv uint8
+        [n_layers, n, kv_chunk_bytes] and index[l] uint8 [n, index_chunk_bytes] of c4 layer l (the target and
+        Path-I layers; None elsewhere), both where the reserve lives. On the forward stream they go into the cell
+        each chunk is resident in now (the sink cell otherwise: no mask read by the host) and the target index
+        pool; the mirror gets them once their pinned copy is complete (`apply_lands`)."""
+        if not len(rows):
+            return
+        lay, pc = self.layout, self.layout.page_chunks
+        order = sorted(range(len(rows)), key=lambda i: rows[i])  # each row's chunks side by side: one view each
+        rs, o = [rows[i] for i in order], torch.tensor(order, dtype=torch.int64)
+        m = m.long()[o]
+        with self.lock, self.order.on_stream():
+            od = streams.like(o, kv)
+            kv = kv.index_select(1, od)
+            ix = [None if t is None else t.index_select(0, od) for t in index]
+            md = streams.like(m, self.lut.table)
+            now = self.lut.table[md].long()
+            dst = torch.where(now >= 0, now, torch.full_like(now, self.reserve.sink_cell))
+            lay.kv.write_chunks(self.reserve.kv, dst // pc, dst % pc, kv)
+            for l in lay.target_layers:
+                if ix[l] is not None:
+                    buf = self.target.pages[self.target.layers.index(l)]
+                    mb = streams.like(md, buf)
+                    lay.index.write_chunks(buf, mb // pc, mb % pc, ix[l])
+            pix = None
+            if lay.offload_index_layers and all(ix[l] is not None for l in lay.offload_index_layers):
+                pix = torch.stack([ix[l] for l in lay.offload_index_layers])
+                if self.reserve.index.shape[0]:
+                    lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, pix)
+            done = None
+            if self.order.enabled and streams.is_device(kv):
+                kv_h = streams.pinned_empty(tuple(kv.shape), kv.dtype)
+                kv_h.copy_(kv, non_blocking=True)
+                ix_h = None
+                if pix is not None:
+                    ix_h = streams.pinned_empty(tuple(pix.shape), pix.dtype)
+                    ix_h.copy_(pix, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.order.stream)
+            else:
+                kv_h, ix_h = kv.cpu(), None if pix is None else pix.cpu()
+            a = 0
+            while a < len(rs):
+                b = a + 1
+                while b < len(rs) and rs[b] == rs[a]:
+                    b += 1
+                st = self.rows[rs[a]]
+                if st is not None:
+                    ixa = None if ix_h is None else ix_h[:, a:b]
+                    p = PendingLand(rs[a], st.gen, m[a:b], kv_h[:, a:b], ixa, done, settle=True)
+                    if done is None:
+                        self._land_now(p)
+                    else:
+                        self.lands.append(p)
+                a = b
 
     def apply_lands(self, wait_after: int = STAGED_STEPS) -> int:
         """Decode thread, at the start of a step: write the lands whose copies are complete into the mirror; one
@@ -127,12 +205,20 @@ class DeviceLanding:
             self.lands[:] = left
             return n
 
-    def ensure_landed(self, rows: Iterable[int]) -> None:
+    def ensure_landed(self, rows: Iterable[int], mpages: Iterable[int] | None = None) -> None:
         """Before reading the mirror pages of `rows` (any thread, lock not held): wait for their pending lands and
-        apply them. A no-op when none is pending (the usual case: lands are applied a step after admission)."""
+        apply them. A no-op when none is pending (the usual case: lands are applied a step after admission).
+        mpages: the mirror pages the reader reads; a settle of chunks on none of them is left pending (a recall
+        reads older pages than the newest one, where a settle's chunks usually are)."""
         want = set(rows)
+        pages = None if mpages is None else {int(x) for x in mpages}
+        pc = self.layout.page_chunks
         with self.lock:
-            mine = [p for p in self.lands if p.row in want]
+            mine = [
+                p
+                for p in self.lands
+                if p.row in want and (not p.settle or pages is None or any(int(c) // pc in pages for c in p.m.tolist()))
+            ]
         if not mine:
             return
         for p in mine:

@@ -92,7 +92,7 @@ class Recaller(RecallPlanner):
 
     def _copy_from_mirror(self, plan: RecallPlan, wait: bool = True) -> None:
         if self.state.before_read is not None:
-            self.state.before_read({e[0] for e in plan.entries})
+            self.state.before_read({e[0] for e in plan.entries}, {e[3] for e in plan.entries})
         src = self.state.mirror.rows(torch.tensor([e[3] for e in plan.entries], dtype=torch.int64))  # ids -> DRAM rows
         dst = torch.tensor([e[4] for e in plan.entries], dtype=torch.int64)
         side = self.side_stream

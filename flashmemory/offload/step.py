@@ -33,8 +33,8 @@ class StepSync:
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
         """One decode step's lifecycle in one call, in this order: admissions of earlier steps whose rows reached
-        the host mirror are written there (`apply_lands`); the caller's stores (`sync.stores`, one hold of the
-        lock), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then the
+        the host mirror are written there (`apply_lands`); the caller's stores (`sync.stores`: `store_chunks`, one
+        hold of the lock, or `stage_chunks` when they name their rows), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then the
         warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as the
         separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
         pages and history of the synced rows, resident pages of `sync.batch`.
@@ -53,7 +53,10 @@ class StepSync:
         self.apply_lands()
         if sync.stores is not None:
             s = sync.stores
-            self.store_chunks(s.m, s.layers, s.kv, s.index)
+            if s.rows is not None and s.kv is not None:  # device rows of every layer: staged, no host wait
+                self.stage_chunks(s.rows, s.m, s.kv, s.index or (None,) * len(s.layers))
+            else:
+                self.store_chunks(s.m, s.layers, s.kv, s.index)
         self.after_stores(sync)
         for row in sync.finished:
             self.finish(row)

@@ -21,13 +21,16 @@ class ChunkStore:
     """Bytes the caller's storage holds for mirror chunks m int64 [n] (on the core's device) of rows still
     admitted, for c4 `layers`: kv uint8 [len(layers), n, kv_chunk_bytes] or None; index[j] uint8 [n,
     index_chunk_bytes] of layer `layers[j]` or None. What `store_chunks` takes; in a `BatchSync` it is applied
-    before anything else (copy mode's settle of last step's appends, re-read from sglang's pool), so a page the
-    disk tier seals in the same step already holds these bytes."""
+    before anything else (copy mode's settle of last step's appends, read from sglang's pool), so a page the
+    disk tier seals in the same step already holds these bytes. With `rows` (engine row per chunk; m on the host,
+    every layer, kv and index where the reserve lives) it is staged instead (`stage_chunks`: no host wait; the
+    disk tier seals a row only once its staged bytes are in the mirror)."""
 
     m: torch.Tensor
     layers: tuple[int, ...]
     kv: torch.Tensor | None = None
     index: tuple[torch.Tensor | None, ...] | None = None
+    rows: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

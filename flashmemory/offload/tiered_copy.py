@@ -67,7 +67,7 @@ class TierCopy:
         one else reads or writes them). wait=False (the decode thread): the host does not wait for the device
         copy (`_to_reserve`); a read of a page not in host memory still waits for the disk (counted)."""
         rec, lay = self.recaller, self.layout
-        self.ensure_landed({e[0] for e in plan.entries})  # unsealed pages are read from the mirror below
+        self.ensure_landed({e[0] for e in plan.entries}, {e[3] for e in plan.entries})  # unsealed: mirror reads
         k, n_ix = len(plan.entries), self.mirror.index.shape[0]
         kv = torch.zeros((lay.n_layers, k, lay.kv_page_bytes), dtype=torch.uint8)
         ix = torch.zeros((n_ix, k, lay.index_page_bytes), dtype=torch.uint8)

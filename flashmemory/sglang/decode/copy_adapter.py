@@ -1,9 +1,10 @@
 """Copy mode: `CopyAdapter`, the `OffloadAdapter` that leaves sglang's c4 pool complete.
 
 The core allocates mirror pages of its own; a new request's history is copied from the pool at admission, each
-step's new chunks are appended with the pool's current bytes and re-read from the pool for every layer at the
-next step (`settle_before_step`, stored first by that step's `sync_batch`: sglang stores them during the
-forward), and before attention this step's entries are copied pool -> reserve cells (`refresh_from_pool`), so
+step's new chunks are appended as cells and read from the pool for every layer at the next step, on the device
+(`settle_before_step`: sglang stores them during the forward; the core writes them into the resident cells and
+the target index pool there and into the mirror through pinned staging, `OffloadEngine.stage_chunks`, with no
+host wait), and before attention this step's entries are copied pool -> reserve cells (`refresh_from_pool`), so
 attention can read the reserve. It saves no device memory; shrink mode (`shrink_adapter.ShrinkAdapter`) does. Shared
 behaviour and the protocol with its no-op defaults live in `offload_adapter.OffloadAdapter`;
 `adapter_factory.build` picks the mode.
@@ -43,7 +44,9 @@ class CopyAdapter(OffloadAdapter):
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         super().__init__(pool, env, retriever, device)
         self._kv_byte_map = self.layout.kv.byte_map_like(self._storage.reserve_kv)  # on the device: none under capture
-        self._unsettled: list[torch.Tensor] = []  # pool locs appended last step: re-read from the pool next step
+        # Chunks appended last step, read from the pool next step: (engine rows [n], pool locs [n], mirror chunks [n])
+        self._unsettled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        self._round_rows: list[list[int]] = []  # engine rows of this step's append rounds (`_append_round`)
 
     def refresh_from_pool(self, layer: int, locs: torch.Tensor) -> None:
         """Copy the c4 entries at pool locs [T] (this step's `c4_out_loc`) from the pool into their reserve cells.
@@ -63,13 +66,24 @@ class CopyAdapter(OffloadAdapter):
         self._copy_from_pool(locs.reshape(-1), [layer], kv=True, index=False)
 
     def settle_before_step(self) -> ChunkStore | None:
-        """Last step's appended chunks re-read from the pool for every layer, for the core to store first in this
-        step's `sync_batch` (mirror, reserve where resident, target index)."""
+        """Last step's appended chunks read from the pool for every layer on the device, for this step's
+        `sync_batch` to stage first (`ChunkStore.rows`: `stage_chunks`, resident cells and target index now, the
+        mirror once its pinned copy is complete); the host reads nothing back."""
+        self._round_rows = []
         if not self._unsettled:
             return None
-        locs = torch.cat(self._unsettled)
+        rows = [r for rr, _, _ in self._unsettled for r in rr]
+        locs = torch.cat([t for _, t, _ in self._unsettled])
+        m = torch.cat([t for _, _, t in self._unsettled])
         self._unsettled = []
-        return self._pool_chunks(locs, range(self.geo.n_c4_layers), kv=True, index=True)
+        lay = self.layout
+        kv = read_chunk_rows(lay.kv, self.kv_bufs, locs, host=False)
+        kept = set(lay.target_layers) | set(lay.offload_index_layers)
+        index = [
+            read_chunk_rows(lay.index, self.ix_bufs, locs, [l], host=False)[0] if l in kept else None
+            for l in range(self.geo.n_c4_layers)
+        ]
+        return ChunkStore(m, tuple(range(self.geo.n_c4_layers)), kv, tuple(index), rows=tuple(rows))
 
     def _mirror_pages_needed(self, n_chunks: int) -> int:
         return self.layout.pages_for(n_chunks)
@@ -87,7 +101,22 @@ class CopyAdapter(OffloadAdapter):
         """One chunk per row at pool locs [n]: cells only. sglang stores the bytes during this forward, so the
         pool holds nothing to read yet: `refresh_from_pool` copies them into the cells before attention, and the
         next step's `settle_before_step` reads them into the mirror and the target index pool."""
+        self._round_rows.append(list(rows))
         return AppendRound(tuple(rows))
 
     def _appended(self, locs: list[torch.Tensor], cells: Sequence[torch.Tensor]) -> None:
-        self._unsettled.extend(locs)
+        """Each round's chunks with their mirror chunks, from the adapter's own view of the rows' pool and mirror
+        pages (as the sync reported them): the next step settles them without reading the device."""
+        pc = self.geo.page_chunks
+        for rows, lt in zip(self._round_rows, locs):
+            keep, m = [], []
+            for i, (row, loc) in enumerate(zip(rows, lt.tolist())):
+                pages, mp = self.pages.get(row, []), self.mpages.get(row, ())
+                k = pages.index(loc // pc) if loc // pc in pages else len(mp)
+                if k < len(mp):
+                    keep.append(i)
+                    m.append(mp[k] * pc + loc % pc)
+            if keep:
+                sel = torch.tensor(keep, dtype=torch.int64)
+                self._unsettled.append(([rows[i] for i in keep], lt[sel], torch.tensor(m, dtype=torch.int64)))
+        self._round_rows = []

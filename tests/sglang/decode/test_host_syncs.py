@@ -37,8 +37,9 @@ def _batch(seqs):
 
 # Copy mode's pool -> host-mirror copies of the c4 chunks a step closed, read at the next step (the forward stores
 # them): bytes the host mirror must hold, so they are read by the host (the adapter reads the pool, the core's
-# `store_chunks` writes the mirror and the resident cells).
-MIRROR_COPIES = {"read_chunk_rows", "pool_chunks", "store_chunks"}
+# `store_chunks` writes the mirror and the resident cells). This pool has device tensors but no streams, so the
+# core's `stage_chunks` writes the mirror at once; with streams it reads nothing back (test_decode_blocking.py).
+MIRROR_COPIES = {"read_chunk_rows", "pool_chunks", "store_chunks", "stage_chunks"}
 
 
 def test_a_steady_decode_step_syncs_the_host_only_where_justified(monkeypatch):
