@@ -45,7 +45,14 @@ def run(a: argparse.Namespace) -> int:
     try:
         fc = config_from_args(a)
         fingerprint(fc)  # reads the retriever: a missing file is named before any model loads
-        run_frontier(fc, progress=not a.no_progress, report_only=a.report_only, max_docs=a.max_docs, compare=a.compare)
+        run_frontier(
+            fc,
+            progress=not a.no_progress,
+            report_only=a.report_only,
+            max_docs=a.max_docs,
+            compare=a.compare,
+            recost=a.recost,
+        )
     except (UserError, CheckpointError, ValueError, OSError) as e:
         return fail("eval frontier", e)
     return 0
@@ -96,5 +103,11 @@ def register_frontier(sub: argparse._SubParsersAction) -> None:
         "run): its extra methods beside FlashMemory, same documents",
     )
     p.add_argument("--report-only", action="store_true", help="only aggregate the documents already done")
+    p.add_argument(
+        "--recost",
+        action="store_true",
+        help="recompute the finished documents' HiSparse costs from their stored stats (no model runs), then "
+        "report; a run refuses records of an older cost revision until this is done",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)

@@ -47,7 +47,15 @@ def markdown(res: dict, command: str) -> str:
         f" (top-k {k}), retriever `{cfg['retriever']}`; documents of {cfg['doc_len']} prompt tokens (mean "
         f"{res['n_chunks_mean']:.0f} c4 chunks) + {cfg['gen_tokens']} decode steps; tau {cfg['tau']}, pages of "
         f"{cfg['page_chunks']} chunks, recency tail {cfg['tail_chunks']} chunks. Documents done: "
-        f"{res['docs_done']} of {res['docs_planned']} planned ({per_task}); fingerprint `{res['fingerprint']}`. "
+        f"{res['docs_done']} of {res['docs_planned']} planned ({per_task}); fingerprint `{res['fingerprint']}`"
+        + "".join(f" (records of the older fingerprint scheme: `{f}`)" for f in res.get("record_fingerprints", []))
+        + (
+            f"; HiSparse costs recomputed from the stored per-arm stats (`--recost`) in {res['recosted']} of "
+            f"{res['docs_done']} records"
+            if res.get("recosted")
+            else ""
+        )
+        + ". "
         f"Time per document (Full decode + every method at every budget, shared 2-core machine): "
         f"{res['doc_seconds_mean']:.1f} s.",
         "",

@@ -58,6 +58,8 @@ def aggregate(recs: list[dict], config: dict, fp: str, planned: int) -> dict:
         "format": "flashmemory-frontier-results/1",
         "config": config,
         "fingerprint": fp,
+        "record_fingerprints": sorted({r["fingerprint"] for r in recs} - {fp}),  # legacy records' own
+        "recosted": sum(bool(r.get("recosted")) for r in recs),  # records whose costs `--recost` recomputed
         "docs_done": len(recs),
         "docs_planned": planned,
         "docs_per_task": n_task,

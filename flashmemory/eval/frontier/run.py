@@ -23,7 +23,9 @@ fingerprint (everything its numbers depend on but the document count, the model 
 `eval.frontier.identity`); a rerun skips finished documents, a record of another configuration stops the run naming
 its file, the output dir is locked (`flashmemory.outdir.DirLock`) and marked as a frontier run's (an `eval quality`
 dir is refused, and the reverse). Records of the older fingerprint scheme are read for the report (--report-only)
-but never extended with new ones.
+but never extended with new ones. Records also carry the revision of the cost computation their cost fields come
+from (cost_rev); a run refuses records whose HiSparse costs are of an older revision, and `--recost` recomputes
+them from each record's stored per-arm stats without running a model (`eval.frontier.recost`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from flashmemory.errors import UserError
 from flashmemory.eval.budgets import budget_key, check_distinct
 from flashmemory.eval.frontier.hisparse import hisparse_stats, prefetch_hint
 from flashmemory.eval.frontier.identity import TRAINED_TASKS, harness_config
+from flashmemory.eval.frontier.recost import COST_REV
 from flashmemory.eval.records import DOCS_DIR, check_n_per_task, check_tasks, claim_run_dir, load_records
 
 FORMAT = "flashmemory-frontier/1"
@@ -272,6 +275,7 @@ class Sweep:
             "prompt_len": P,
             "index_topk": eng.index_topk,
             "forced_forwards": dec.forced_forwards,
+            "cost_rev": COST_REV,
         }
 
 
@@ -282,17 +286,19 @@ def run_frontier(
     report_only: bool = False,
     max_docs: int | None = None,
     compare: str | None = None,
+    recost: bool = False,
 ) -> dict:
     """Run (or continue) the sweep in fc.out_dir and write frontier.json / .md / .png from the finished
     documents; returns the aggregate. max_docs: stop after this many new documents (the rest stay pending);
     compare: another frontier out dir whose extra methods frontier.md sets beside FlashMemory
-    (`eval.frontier.compare`)."""
+    (`eval.frontier.compare`); recost: first recompute the finished records' HiSparse costs from their stats
+    (`eval.frontier.recost`), then report them (no document runs)."""
     from flashmemory.outdir import DirLock, prepare_dir
 
     out = prepare_dir(fc.out_dir, "--out")
     with DirLock(out, "frontier output directory"):
         claim_run_dir(out, FORMAT, "--out")
-        return _run(fc, out, log, progress, report_only, max_docs, compare)
+        return _run(fc, out, log, progress, report_only or recost, max_docs, compare, recost)
 
 
 def _run(
@@ -303,17 +309,21 @@ def _run(
     report_only: bool,
     max_docs: int | None,
     compare: str | None = None,
+    recost: bool = False,
 ) -> dict:
     from tqdm import tqdm
 
     from flashmemory.atomic import atomic_write_text
     from flashmemory.eval.frontier.identity import fingerprint_of, settings
+    from flashmemory.eval.frontier.recost import check_current, recost_run
     from flashmemory.eval.frontier.report import write_outputs
 
     key = settings(fc)
     fp = fingerprint_of(key)
     plan = doc_plan(fc)
     done = load_done(out, fp, fc)
+    if recost:
+        recost_run(out, done, log)
     todo = [(i, t) for i, t in plan if i not in done]
     if max_docs is not None:
         todo = todo[:max_docs]
@@ -323,6 +333,7 @@ def _run(
             f"--out {out}: its documents (e.g. {DOCS_DIR}/{old[0]:05d}.json) were written before records carried "
             "their settings; report them with --report-only, or run new documents into another --out"
         )
+    check_current(out, done)
     log(
         f"[frontier] {len(plan)} documents ({fc.n_per_task} per task), {len(done)} done earlier, "
         f"{len(todo)} to run now; budgets {', '.join(f'{b:g}' for b in fc.budgets)}; fingerprint {fp}"

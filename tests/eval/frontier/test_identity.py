@@ -119,7 +119,11 @@ def test_the_committed_runs_still_report_and_compare(tmp_path, monkeypatch):
     fc = fr.FrontierConfig(out_dir=str(main), retriever=RETRIEVER, n_per_task=1)
     rec = json.loads((main / "docs" / "00008.json").read_text())
     assert "settings" not in rec and rec["fingerprint"] == legacy_fingerprint(fc, "shipped")
-    res = fr.run_frontier(fc, log=lambda s: None, progress=False, report_only=True, compare=str(fill))
+    with pytest.raises(UserError, match="--recost"):  # its HiSparse rows took the prefetch arm's misses
+        fr.run_frontier(fc, log=lambda s: None, progress=False, report_only=True, compare=str(fill))
+    res = fr.run_frontier(fc, log=lambda s: None, progress=False, compare=str(fill), recost=True)
+    assert json.loads((main / "docs" / "00008.json").read_text())["fingerprint"] == rec["fingerprint"]
+    assert f"(records of the older fingerprint scheme: `{rec['fingerprint']}`)" in (main / "frontier.md").read_text()
     assert res["docs_done"] == 3 and "3 documents in both runs; FlashMemory-fill" in (main / "frontier.md").read_text()
     with pytest.raises(UserError, match="--report-only"):  # new documents never join the older records
         fr.run_frontier(fr.FrontierConfig(**{**fc.__dict__, "n_per_task": 2}), log=lambda s: None, progress=False)
