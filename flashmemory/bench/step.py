@@ -9,7 +9,8 @@ them close a c4 chunk per request; Level-1 cycles come due every tau steps). The
 through the queue's Patch row (`queue_gate.around_prebuilt_batch`, around a stand-in for sglang's
 `_get_new_prebuilt_batch` that takes every free slot's worth), which holds each step to its warm-start budget:
 the admitting step (the first) admits the leading requests whose warm pages fit `warm_step_pages`, the others
-join on the steps after it (columns `admitted`: at the first step, `queue steps`: until the queue is empty).
+join on the steps after it (columns `admitted`: at the first step, `queue steps`: until the queue is empty;
+`quiet us` and `quiet blocking`: the steps after that, which admit nothing).
 Modes: `off` (the runtime's hooks with no adapter: stock sglang, which admits the whole queue at once),
 `copy`, `shrink`, and `shrink-tp2` (shrink mode with tensor-parallel lockstep publishing, as one rank runs it).
 
@@ -107,12 +108,17 @@ def _run(mode: str, rows: int, history: int, steps: int, layers: int, tau: int, 
 
 
 def _stats(per_step: list[tuple]) -> dict[str, float]:
+    """Host µs of the admitting step and of the steps after it; of those, the quiet ones (after the last step a
+    request joined: no admission; nan when the queue never empties), and how the queue emptied."""
     rest = per_step[1:] or per_step
+    last = max(k for k, s in enumerate(per_step) if s[2])
+    quiet = per_step[last + 1 :]
     return {
         "admit_us": 1e6 * per_step[0][0],
         "step_us": 1e6 * sum(t for t, *_ in rest) / len(rest),
+        "quiet_us": 1e6 * sum(t for t, *_ in quiet) / len(quiet) if quiet else float("nan"),
         "admitted": per_step[0][2],
-        "queue_steps": max(k + 1 for k, s in enumerate(per_step) if s[2]),
+        "queue_steps": last + 1,
     }
 
 
@@ -126,10 +132,12 @@ def run(args: argparse.Namespace) -> int:
         timed = _stats(_run(mode, rows, history, steps, layers, args.tau, count=False))
         counted = _run(mode, rows, history, steps, layers, args.tau, count=True)
         rest = counted[1:] or counted
+        quiet = counted[timed["queue_steps"] :]
         res[mode] = {
             **timed,
             "admit_blocking": float(counted[0][1]),
             "step_blocking": sum(n for _, n, _ in rest) / len(rest),
+            "quiet_blocking": sum(n for _, n, _ in quiet) / len(quiet) if quiet else float("nan"),
         }
     print(
         f"decode-step hooks: {rows} requests x {history} tokens, {layers} c4 layers, {steps} steps after the "
@@ -139,12 +147,13 @@ def run(args: argparse.Namespace) -> int:
     off = res["off"]
     print(
         f"{'mode':11} {'step us':>9} {'x off':>7} {'blocking/step':>14} {'admit us':>10} {'x off':>7} "
-        f"{'blocking@admit':>15} {'admitted':>8} {'queue steps':>11}"
+        f"{'blocking@admit':>15} {'admitted':>8} {'queue steps':>11} {'quiet us':>9} {'quiet blocking':>14}"
     )
     for mode, r in res.items():
         print(
             f"{mode:11} {r['step_us']:9.0f} {r['step_us'] / max(off['step_us'], 1e-9):7.1f} "
             f"{r['step_blocking']:14.1f} {r['admit_us']:10.0f} {r['admit_us'] / max(off['admit_us'], 1e-9):7.1f} "
-            f"{r['admit_blocking']:15.0f} {r['admitted']:8d} {r['queue_steps']:11d}"
+            f"{r['admit_blocking']:15.0f} {r['admitted']:8d} {r['queue_steps']:11d} {r['quiet_us']:9.0f} "
+            f"{r['quiet_blocking']:14.1f}"
         )
     return 0

@@ -106,7 +106,7 @@ class OffloadEngine(StepSync, CoreAccess, DeviceLanding):
             reserve=self.reserve, tables=self.tables, stats=self.stats, order=self.order, lock=threading.RLock(),
         )  # fmt: skip
         self.recaller = Recaller(self.recall_state)
-        self.lands: list[PendingLand] = []  # admissions on their way to the mirror (`landing`)
+        self.lands: list[PendingLand] = []  # admissions and copy-mode settles on their way to the mirror (`landing`)
         self.recall_state.before_read = self.ensure_landed  # a recall reads a row's mirror pages once they landed
         self.staging, self.copy_lock = self.recaller.staging, self.recaller.copy_lock  # the recaller's
 

@@ -28,3 +28,4 @@ def test_step_bench_admits_a_burst_a_warm_start_budget_per_step(capsys):
     assert [rows["off"][7], rows["off"][8]] == ["8", "1"]
     for mode in ("copy", "shrink", "shrink-tp2"):
         assert [rows[mode][7], rows[mode][8]] == ["2", "4"], rows[mode]
+        assert float(rows[mode][10]) == 0.0  # the step after the queue emptied (it settles a chunk): no wait
