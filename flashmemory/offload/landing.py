@@ -116,14 +116,19 @@ class DeviceLanding:
         st = self.rows[p.row]
         if st is None or st.gen != p.gen:
             return
-        if not p.settle:
+        if p.settle:
+            self._write_settle(p.m, p.kv, p.index)
+        else:
             self.land(p.row, st, p.m, p.kv, p.index)
-            return
+
+    def _write_settle(self, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Host chunk rows of mirror chunks m [n] into the mirror (lock held): kv of every layer, index of the
+        Path-I layers."""
         pc = self.layout.page_chunks
-        mr = self.mirror.rows(p.m // pc, write=True)
-        self.layout.kv.write_chunks(self.mirror.kv, mr, p.m % pc, p.kv)
-        if p.index is not None:
-            self.layout.index.write_chunks(self.mirror.index, mr, p.m % pc, p.index)
+        mr = self.mirror.rows(m // pc, write=True)
+        self.layout.kv.write_chunks(self.mirror.kv, mr, m % pc, kv)
+        if index is not None:
+            self.layout.index.write_chunks(self.mirror.index, mr, m % pc, index)
 
     def stage_chunks(
         self, rows: Sequence[int], m: torch.Tensor, kv: torch.Tensor, index: Sequence[torch.Tensor | None]
@@ -137,13 +142,15 @@ class DeviceLanding:
         if not len(rows):
             return
         lay, pc = self.layout, self.layout.page_chunks
-        order = sorted(range(len(rows)), key=lambda i: rows[i])  # each row's chunks side by side: one view each
-        rs, o = [rows[i] for i in order], torch.tensor(order, dtype=torch.int64)
-        m = m.long()[o]
+        staged = self.order.enabled and streams.is_device(kv)
+        rs, m, ix = list(rows), m.long(), list(index)
         with self.lock, self.order.on_stream():
-            od = streams.like(o, kv)
-            kv = kv.index_select(1, od)
-            ix = [None if t is None else t.index_select(0, od) for t in index]
+            if staged:  # each row's chunks side by side: one view of the pinned copy each
+                order = sorted(range(len(rows)), key=lambda i: rows[i])
+                rs, o = [rows[i] for i in order], torch.tensor(order, dtype=torch.int64)
+                m, od = m[o], streams.like(o, kv)
+                kv = kv.index_select(1, od)
+                ix = [None if t is None else t.index_select(0, od) for t in ix]
             md = streams.like(m, self.lut.table)
             now = self.lut.table[md].long()
             dst = torch.where(now >= 0, now, torch.full_like(now, self.reserve.sink_cell))
@@ -158,8 +165,7 @@ class DeviceLanding:
                 pix = torch.stack([ix[l] for l in lay.offload_index_layers])
                 if self.reserve.index.shape[0]:
                     lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, pix)
-            done = None
-            if self.order.enabled and streams.is_device(kv):
+            if staged:
                 kv_h = streams.pinned_empty(tuple(kv.shape), kv.dtype)
                 kv_h.copy_(kv, non_blocking=True)
                 ix_h = None
@@ -168,8 +174,11 @@ class DeviceLanding:
                     ix_h.copy_(pix, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.order.stream)
-            else:
-                kv_h, ix_h = kv.cpu(), None if pix is None else pix.cpu()
+            else:  # nothing to wait for: one write of the chunks of live rows
+                live = torch.tensor([self.rows[r] is not None for r in rs], dtype=torch.bool)
+                ixs = None if pix is None else pix.cpu()[:, live]
+                self._write_settle(m[live], kv.cpu()[:, live], ixs)
+                return
             a = 0
             while a < len(rs):
                 b = a + 1
@@ -178,11 +187,7 @@ class DeviceLanding:
                 st = self.rows[rs[a]]
                 if st is not None:
                     ixa = None if ix_h is None else ix_h[:, a:b]
-                    p = PendingLand(rs[a], st.gen, m[a:b], kv_h[:, a:b], ixa, done, settle=True)
-                    if done is None:
-                        self._land_now(p)
-                    else:
-                        self.lands.append(p)
+                    self.lands.append(PendingLand(rs[a], st.gen, m[a:b], kv_h[:, a:b], ixa, done, settle=True))
                 a = b
 
     def apply_lands(self, wait_after: int = STAGED_STEPS) -> int:
