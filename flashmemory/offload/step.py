@@ -32,12 +32,13 @@ class StepSync:
         raise NotImplementedError
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
-        """One decode step's lifecycle in one call, in this order: admissions of earlier steps whose rows reached
-        the host mirror are written there (`apply_lands`); the caller's stores (`sync.stores`: `store_chunks`, one
-        hold of the lock, or `stage_chunks` when they name their rows), `after_stores`; finish `sync.finished`; per batch row, admit (newest page made resident, then the
-        warm start) and claim added mirror pages; then each append round. Each part takes the lock itself as the
-        separate calls do (the warm-start copy runs without it); the result is read in one last hold: mirror
-        pages and history of the synced rows, resident pages of `sync.batch`.
+        """One decode step's lifecycle in one call, in this order: admissions and settles of earlier steps whose
+        rows reached the host mirror are written there (`apply_lands`); the caller's stores (`sync.stores`:
+        `store_chunks`, one hold of the lock, or `stage_chunks` when they name their rows), `after_stores`; finish
+        `sync.finished`; per batch row, admit (newest page made resident, then the warm start) and claim added
+        mirror pages; then each append round. Each part takes the lock itself as the separate calls do (the
+        warm-start copy runs without it); the result is read in one last hold: mirror pages and history of the
+        synced rows, resident pages of `sync.batch`.
 
         The host never waits for the device here, and a new request never decodes with part of its warm set: from
         its first decode step on it attends its whole warm set (its newest `warm_pages` pages, the newest one in a
