@@ -2,9 +2,10 @@
 
 `refusals(server_args, env, features)` is a pure function of sglang's server args (sglang 0.5.23's
 `ServerArgs`, read as resolved) and the gates; `refuse` raises `StartupError` (a SystemExit: sglang's
-`load_plugins` and the scheduler's hook calls let it through, so the process stops with the message). They run
-where the server args are final: when the pool is attached in the scheduler process, and again before CUDA-graph
-capture with the model runner's own `max_running_requests`.
+`load_plugins`, its resolution pipeline and the scheduler's hook calls let it through, so the process stops with
+the message). They run where the server args are final: at the end of their resolution in the launcher, when the
+pool is attached in each scheduler process, and again before CUDA-graph capture with the model runner's own
+`max_running_requests` ("Where they run" below).
 
 What is refused and why:
 - `--enable-two-batch-overlap`: each micro-batch runs its own forward over half the rows, but the Level-2
@@ -31,13 +32,21 @@ What is refused and why:
 - HiCache (`--enable-hierarchical-cache`) with Path-P in either mode: it writes prefix c4 KV back into the device
   pool by pool loc, past the store hooks that fill the host mirror, so the mirror would miss that history.
 
+Where they run: `refusals` is the one function, called twice. First in the launcher process, inside sglang's own
+server-argument resolution (`refuse_at_resolution`, a `step` row of the hook table wrapping the pipeline's last
+step): before any scheduler, data-parallel controller or tokenizer starts, so the launcher exits with the line
+(sglang's data-parallel controller does not stop when its schedulers exit, so a refusal there alone would leave
+the server running). Then in each scheduler process when the pool is attached (`Runtime.check_refusals`): the
+second line of defence for a launcher that did not resolve the arguments itself (an embedding `Engine` given an
+already resolved record, a dummy model whose resolution stops early).
+
 Fields are read as sglang resolved them (`setting`): 0.5.23 keeps the raw input on the `ServerArgs` record and
 its resolution's decisions beside it (`--dp 2 --enable-dp-attention` resolves to attn_dp_size 2, dp_size 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flashmemory.env import FlashMemoryEnv
@@ -184,6 +193,17 @@ def radix_cache_on(server_args: Any) -> bool:
     if str(setting(server_args, "disaggregation_mode", "null") or "null") == "decode":
         return bool(setting(server_args, "disaggregation_decode_enable_radix_cache", False))
     return True
+
+
+def refuse_at_resolution(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """sglang's last server-argument resolution step, wrapped (`register_resolution_hook`): run it, then refuse
+    what the active features cannot serve (`refusals` with this process's gates, `RUNTIME.env` and
+    `RUNTIME.features`, which `plugin.register` set before applying this row). Raises StartupError, a SystemExit:
+    the launcher stops with the one line before it starts any other process."""
+    previous(server_args)
+    from flashmemory.sglang.decode.runtime import RUNTIME
+
+    refuse(refusals(server_args, RUNTIME.env, RUNTIME.features))
 
 
 def refuse(lines: Sequence[str]) -> None:

@@ -6,7 +6,8 @@
 1. check: every code target resolves and its leading parameters are as listed (`TargetError` otherwise);
    every impl loads. An `optional` patch whose package is absent is skipped.
 2. apply, by kind: `env` rows through `flashmemory.env.set_defaults` (the user's value wins, and is logged);
-   `import_stub` rows through their stub installer; `step` rows through sglang's `register_resolution_hook`;
+   `import_stub` rows through their stub installer; `step` rows through sglang's `register_resolution_hook`
+   (verified: sglang's list of wrappers for that step now holds ours);
    hook rows (`before/after/around/replace`) registered with sglang's `HookRegistry` and applied at once;
    `attr` rows set on their module to what their builder returns.
 3. verify: HookRegistry only logs a target that fails to apply (and sglang's `load_plugins` swallows
@@ -155,13 +156,17 @@ def _apply_stubs(rows: list[Patch]) -> None:
 def _apply_steps(rows: list[Patch]) -> None:
     if not rows:  # importing sglang here, from the platform plugin's activate(), would run sglang's platform
         return  # discovery again inside it (a first import of sglang does that)
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.arg_groups import resolution_hooks
 
     for p in rows:
+        name, fn = p.target.rsplit(".", 1)[1], load_impl(p)
         try:
-            register_resolution_hook(p.target.rsplit(".", 1)[1])(load_impl(p))
+            resolution_hooks.register_resolution_hook(name)(fn)
         except ValueError as e:  # not an overridable step in this sglang
             raise StartupError(f"{p.target}: {e}") from None
+        # verify: the wrappers `run_hook` chains for this step name must now include ours
+        if fn not in getattr(resolution_hooks, "_HOOKS", {}).get(name, ()):
+            raise StartupError(f"{p.target} is not wrapped (sglang's resolution hooks did not keep {p.impl})")
 
 
 def _apply_hooks(rows: list[Patch], originals: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ _ATTN = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 _COMP = "sglang.srt.layers.attention.dsv4.compressor_v2"
 _CFG = "sglang.srt.model_executor.pool_configurator"
+_RESOLVE_LAST = "sglang.srt.arg_groups.moe_hook.validate_deepep_v2_dispatch_token_budget"  # pipeline.py's last step
 _H = "flashmemory.sglang.decode.hooks"
 _S = "flashmemory.sglang.decode.shrink_hooks"  # shrink mode's hooks
 SHRINK_HOOKS = (
@@ -306,6 +307,20 @@ SPECS: tuple[Patch, ...] = (
         ("self",),
         "after_on_idle",
         "srt/managers/scheduler.py:5241 idle: release finished requests' rows, publish the gauges",
+    ),
+    # (7) The start-up refusals (`refusals.py`) in the launcher, at the end of server-argument resolution: before
+    # any scheduler starts. One hook; Level 1 without Level 2 is refused the same layouts, so both features list it.
+    *(
+        Patch(
+            feature,
+            _RESOLVE_LAST,
+            "step",
+            "flashmemory.sglang.decode.refusals:refuse_at_resolution",
+            ("server_args",),
+            "srt/arg_groups/pipeline.py:375 the last resolution step (resolve_once, in the launcher before any "
+            "scheduler or DP controller starts): refuse a layout FlashMemory cannot serve, one line, SystemExit",
+        )
+        for feature in ("level2", "level1")
     ),
 )
 

@@ -66,14 +66,15 @@ def build(tmp_path_factory):
     (d / "config.json").write_text(json.dumps(gpu_check_cases.tiny_config()))
     saved = dict(os.environ)
 
-    def make(**fields):
+    def make(resolve=True, **fields):
         kw = gpu_check_cases.engine_kwargs(str(d), 30000)
         kw.update(device="cpu", max_running_requests=4)
         if fields.get("enable_hierarchical_cache") and fields.get("disaggregation_mode") == "decode":
             kw["disaggregation_decode_enable_radix_cache"] = True  # HiCache needs the radix cache sglang drops on D
         kw.update(fields)
         sa = ServerArgs(**kw)
-        sa.resolve_once()
+        if resolve:
+            sa.resolve_once()
         return sa
 
     yield make
@@ -136,3 +137,67 @@ def test_mask_mode_with_the_radix_cache_is_refused_naming_the_flag(build):
     assert refusals(build(disable_radix_cache=True), e, mask) == []
     assert refusals(build(disable_radix_cache=False), e, PATH_P) == []
     assert refusals(build(**PD), e, mask) == []  # a PD decode server drops the radix cache
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """This process as sglang's launcher with the plugin registered for Path-P: the gates in `RUNTIME` and the
+    hook table's `step` rows applied through the one apply loop (sglang's resolution hooks and the applied set are
+    put back afterwards)."""
+    from sglang.srt.arg_groups import resolution_hooks
+
+    from flashmemory.sglang.plumbing import patching
+
+    monkeypatch.setattr(resolution_hooks, "_HOOKS", {})
+    monkeypatch.setattr(runtime_mod.RUNTIME, "applied_patches", {})
+    monkeypatch.setattr(runtime_mod.RUNTIME, "env", env("", decode_max_conc=4))
+    monkeypatch.setattr(runtime_mod.RUNTIME, "features", PATH_P)
+    rows = patching.select(PATH_P, ("step",))
+    assert [p.impl.rsplit(":", 1)[1] for p in rows] == ["refuse_at_resolution"]  # one hook for both features
+    patching.apply(rows)
+    return resolution_hooks
+
+
+@pytest.mark.parametrize("layout", list(REFUSED))
+def test_the_launcher_refuses_while_resolving_the_server_args(layout, build, launcher):
+    """Inside sglang's own resolution (`resolve_once`, which every launcher runs before it starts a scheduler or
+    the data-parallel controller) the same one line stops the process: the refusal does not depend on any
+    scheduler noticing."""
+    fields, flag = REFUSED[layout]
+    sa = build(resolve=False, **fields)
+    with pytest.raises(SystemExit, match="^FlashMemory startup error: " + re.escape(flag)) as ex:
+        sa.resolve_once()
+    ours = dict(launcher._HOOKS)
+    launcher._HOOKS.clear()  # resolved as a scheduler receives the record, then refused there
+    same = refusals(build(**fields), env("", decode_max_conc=4), PATH_P)
+    launcher._HOOKS.update(ours)
+    assert ex.value.code == "FlashMemory startup error: " + "; ".join(same) and len(same) == 1
+    assert getattr(sa, "_resolution_finished", False) is False  # the record never became a resolved one
+
+
+@pytest.mark.parametrize("layout", list(SERVED))
+def test_the_launcher_resolves_the_served_layouts(layout, build, launcher):
+    sa = build(resolve=False, **SERVED[layout])
+    sa.resolve_once()
+    assert sa._resolution_finished
+
+
+def test_the_launcher_refuses_nothing_with_the_gates_off(build, launcher, monkeypatch):
+    monkeypatch.setattr(runtime_mod.RUNTIME, "features", ())
+    sa = build(resolve=False, dp_size=2)
+    sa.resolve_once()
+    assert sa._resolution_finished
+
+
+def test_a_step_that_sglang_did_not_keep_stops_startup(monkeypatch):
+    """The apply loop verifies a `step` row like a hook: registered but not among the wrappers sglang's pipeline
+    runs is one startup line, not a silently missing refusal."""
+    from sglang.srt.arg_groups import resolution_hooks
+
+    from flashmemory.sglang.plumbing import patching
+
+    monkeypatch.setattr(resolution_hooks, "_HOOKS", {})
+    monkeypatch.setattr(runtime_mod.RUNTIME, "applied_patches", {})
+    monkeypatch.setattr(resolution_hooks, "register_resolution_hook", lambda name: lambda fn: fn)  # drops it
+    with pytest.raises(patching.StartupError, match="validate_deepep_v2_dispatch_token_budget is not wrapped"):
+        patching.apply(patching.select(PATH_P, ("step",)))
