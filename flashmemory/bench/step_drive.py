@@ -103,7 +103,7 @@ def batch(world: World) -> types.SimpleNamespace:
 
 def forward_layers(world: World, fb: types.SimpleNamespace) -> None:
     """What the hooks run per c4 layer inside the forward: the indexer's picks mapped to cells, then the store
-    seam (shrink) or the pool -> reserve refresh before attention (copy)."""
+    seam (shrink) or the pool -> reserve refresh before attention (copy); `pool_picks` where rows attend the pool."""
     ad = world.adapter
     if ad is None or not fb.rids:
         return
@@ -113,8 +113,9 @@ def forward_layers(world: World, fb: types.SimpleNamespace) -> None:
     loc = world.r2t.as_subclass(torch.Tensor)[torch.tensor([world.slot[r] for r in fb.rids]), pos]
     out_loc = on_device(torch.where((pos + 1) % 4 == 0, loc // 4, torch.zeros_like(loc)))
     picks = on_device(torch.full((n, 8), -1, dtype=torch.int64))
+    full = world.rt.fwd.pool_rows  # copy mode, rows before their first Level-1 plan: attention reads the pool
     for layer in range(ad.geo.n_c4_layers):
-        ad.cells_of(picks)
+        ad.cells_of(picks) if full is None else ad.pool_picks(picks, full)
         if ad.mode == "shrink":
             ad.store_cells(out_loc)
         else:

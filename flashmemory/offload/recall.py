@@ -133,6 +133,10 @@ class Recaller(RecallPlanner):
                 k, n = self._publish_slice(plan.entries, k, per_page, also_count)
                 done += n
                 if k >= len(plan.entries):
+                    for row, gen in plan.cycle:  # with its last slice: decode sees the pages and the flag together
+                        st = self.state.rows[row]
+                        if st is not None and st.gen == gen:
+                            st.planned = True
                     self.state.stats.cycle(done, plan.nbytes, time.perf_counter() - plan.t0)
                     break
         plan.staging.clear()

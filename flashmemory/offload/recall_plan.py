@@ -46,7 +46,9 @@ class RecallPlanner:
         concurrent callers the result equals one pass under one hold; with them, a request finished or replaced
         between the passes is skipped, and the victim scan keeps its LRU order from the start of pass 2 (a block
         touched since is judged by its current state, only its age is the older one)."""
-        plan = RecallPlan(t0=time.perf_counter())
+        plan = RecallPlan(
+            t0=time.perf_counter(), cycle=tuple((rq.row, rq.gen) for rq in requests) if count_cycle else ()
+        )
         need: list[tuple[int, int, int, float]] = []  # (row, gen, page, priority)
         # Order: (priority desc, page desc), duplicates merged; pages past the history are dropped under the lock.
         ranks = [

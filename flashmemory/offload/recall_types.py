@@ -85,6 +85,7 @@ class RecallPlan:
     staging: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None  # a request's failure found by the copy, raised by `recall` after publish
     ready: Any = None  # CUDA event after an unwaited copy (`copy(wait=False)`): the publish's stream waits on it
+    cycle: tuple[tuple[int, int], ...] = ()  # (row, gen) of a Level-1 cycle's requests: marked planned at publish
 
 
 class PageSource(Protocol):

@@ -31,6 +31,7 @@ class RowState:
     ring: list[int] = field(default_factory=list)  # decode slot -> logical page, -1 = empty
     ring_next: int = 0
     selection: frozenset[int] = frozenset()  # latest Level-1 selection: protected from eviction
+    planned: bool = False  # a Level-1 cycle's plan has published for this request (the warm start is not one)
 
 
 class ResidentTables:

@@ -30,6 +30,9 @@ class ForwardContext:
     view_cache / block_view_cache: (indexer metadata, c4 layer that built it, resident view): the score-resident
       view built by the first c4 layer and reused by the later ones (the block view: its Path-I reserve form).
     keep_alive: translated store locs (int64) whose kernels may still run on another stream in this forward.
+    pool_rows: bool [B] on the device, the rows that attend their whole c4 history from sglang's pool in this
+      forward (copy mode, before their request's first Level-1 plan: `Runtime.pool_rows`); None: every row
+      reads the reserve.
     """
 
     decode_active: bool = False
@@ -38,6 +41,7 @@ class ForwardContext:
     view_cache: tuple[Any, int, Any] | None = None
     block_view_cache: tuple[Any, int, Any] | None = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
+    pool_rows: torch.Tensor | None = None
 
     def next(self) -> "ForwardContext":
         """The context of the forward after this one (carries only `decode_active`, see above)."""

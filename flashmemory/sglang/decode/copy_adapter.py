@@ -40,6 +40,7 @@ class CopyAdapter(OffloadAdapter):
     mode = (
         "copy"  # the device pool stays complete; the mirror and reserve are copies (see shrink_adapter.ShrinkAdapter)
     )
+    pool_before_plan = True  # the pool holds every page: a request attends all of it until its first plan
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         super().__init__(pool, env, retriever, device)

@@ -38,11 +38,24 @@ def _resident_metadata(md: Any, layer: int) -> Any:
         return cache[2]
     bs = md.page_table.shape[0]
     RUNTIME.level2_buffers(bs, md.page_table.device)  # allocated once, before capture; never reallocated
-    table, lens = resident_view(md.page_table, md.compressed_seq_lens.reshape(-1)[:bs], RUNTIME.bufs.sel_pages[:bs])
+    full = RUNTIME.fwd.pool_rows
+    table, lens = resident_view(
+        md.page_table,
+        md.compressed_seq_lens.reshape(-1)[:bs],
+        RUNTIME.bufs.sel_pages[:bs],
+        full=None if full is None else _pad_rows(full, bs),
+    )
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
     RUNTIME.fwd.view_cache = (md, layer, view)
     return view
+
+
+def _pad_rows(flags: torch.Tensor, bs: int) -> torch.Tensor:
+    """Bool [bs]: per-row flags of the batch's real rows, False for padding rows past them."""
+    if flags.shape[0] >= bs:
+        return flags[:bs]
+    return torch.cat((flags, torch.zeros(bs - flags.shape[0], dtype=torch.bool, device=flags.device)))
 
 
 def _resident_block_metadata(md: Any, layer: int) -> Any:
@@ -113,6 +126,11 @@ def around_forward_c4_indexer(
         out = original(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs)
     if picks_are_cells:
         meta.core_metadata.c4_sparse_page_indices = engine.drop_sink(meta.core_metadata.c4_sparse_page_indices)
+    elif engine is not None and RUNTIME.fwd.pool_rows is not None:
+        # Attention reads sglang's pool this forward (`Runtime.pool_rows`): the picks stay pool locs.
+        picks = meta.core_metadata.c4_sparse_page_indices
+        full = _pad_rows(RUNTIME.fwd.pool_rows, picks.shape[0])
+        meta.core_metadata.c4_sparse_page_indices = engine.pool_picks(picks, full)
     elif engine is not None:
         # Attention reads the reserve (get_extra_key_buffer below), so the picks become reserve cells.
         meta.core_metadata.c4_sparse_page_indices = engine.cells_of(meta.core_metadata.c4_sparse_page_indices)
@@ -222,6 +240,9 @@ def around_get_extra_key_buffer(original: Callable, self: Any, layer_id: int, *a
     if engine is not None and self is RUNTIME.pool and RUNTIME.fwd.attn_layer is not None:
         layer = RUNTIME.c4_layer(self, layer_id)
         if layer is not None and layer == RUNTIME.fwd.attn_layer:
+            if RUNTIME.fwd.pool_rows is not None:  # a row before its first plan: this forward reads the pool
+                RUNTIME.count("pool_reads_before_plan")
+                return buf
             RUNTIME.count("reserve_reads_captured" if _capturing() else "reserve_reads_eager")
             # The pool hands out its uint8 page rows viewed as the KV dtype (fp8); so must the reserve.
             return engine.reserve_kv(layer).view(buf.dtype)

@@ -47,6 +47,9 @@ class OffloadAdapter:
     device_bytes_saved = 0  # stock c4 KV bytes minus what the mode keeps on the device (default: nothing saved)
     # An extend forward's c4 attention reads the reserve (shrink mode): the runtime counts such forwards.
     extend_reads_reserve = False
+    # sglang's pool holds every page of every request (copy mode), so a request whose first Level-1 plan has
+    # not published may attend its whole history there, as stock does (`Runtime.pool_rows`).
+    pool_before_plan = False
 
     def __init__(self, pool: Any, env: FlashMemoryEnv, retriever: Any = None, device: torch.device | str | None = None):
         self.pool, self.env = pool, env
@@ -120,6 +123,17 @@ class OffloadAdapter:
         """Top-k pool locs [B, K] (-1 empty) of the step's batch rows -> reserve cells [B, K] int32, -1 where not
         resident for that row's request (each row reads its own copy of a prefix page it shares). Graph safe."""
         return self._cells[self.locs.batch_chunks(locs)].to(torch.int32)
+
+    def pool_picks(self, locs: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Top-k pool locs [B, K] (-1 empty) for attention reading sglang's pool: rows where full [B] is True keep
+        every pick, the others only their resident ones (-1 elsewhere, as `cells_of`). Graph safe."""
+        keep = full.reshape(-1, 1).to(torch.bool) | (self.cells_of(locs) >= 0)
+        return torch.where(keep, locs, torch.full_like(locs, -1)).to(torch.int32)
+
+    def unplanned_rows(self) -> list[bool]:
+        """Per row of the step's batch: its request's first Level-1 plan has not published (the core's flags, read
+        after `begin_step`; the forward gate holds publishes back, so they agree with `step_resident_pages`)."""
+        return self.engine.unplanned(self.step_rows.tolist())
 
     def size_batch(self, rows: int) -> None:
         """Make room for decode batches of `rows` rows (CUDA-graph padding included); before any capture."""

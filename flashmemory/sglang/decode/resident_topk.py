@@ -46,6 +46,7 @@ def resident_view(
     sel_pages: torch.Tensor,
     tail_pages: int = 1,
     page_chunks: int = PAGE_CHUNKS,
+    full: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score-resident mode: the page table and lengths the native scorer sees instead of the full history.
 
@@ -62,6 +63,9 @@ def resident_view(
     table's, so the same width makes the logits and the picks bit-identical to stock (full budget = stock's
     tokens); a narrower view flipped tied picks past the 512th chunk. At most P pages can be valid (a row's
     history fits its table), so nothing is cut. Cost: the scorer's output buffer is as wide as stock's.
+
+    full: bool [B] or None; rows where it is True see their whole history (page_table and seq_lens as they
+    are: stock's view), whatever sel_pages holds (a request before its first Level-1 plan, in copy mode).
     """
     b, p = page_table.shape
     k_out = p
@@ -84,6 +88,10 @@ def resident_view(
     last = torch.gather(logical, 1, (count - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     last_fill = (seq_lens.long() - last * page_chunks).clamp(0, page_chunks)
     view_lens = torch.where(count > 0, (count - 1) * page_chunks + last_fill, torch.zeros_like(count))
+    if full is not None:
+        whole = full.to(torch.bool).reshape(-1, 1)
+        view_table = torch.where(whole, page_table.to(torch.int32), view_table)
+        view_lens = torch.where(whole.reshape(-1), seq_lens.long(), view_lens)
     return view_table, view_lens.to(torch.int32)
 
 

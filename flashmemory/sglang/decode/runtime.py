@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashmemory.env import FlashMemoryEnv, stats_file
+from flashmemory.offload import streams
 from flashmemory.sglang.decode.context import ForwardContext, HiSparseState
 from flashmemory.sglang.decode.guard import Guard
 from flashmemory.sglang.decode.server import server_args
@@ -333,6 +334,26 @@ class Runtime:
             self.bufs.back_pages[: len(rids)].fill_(-1)
             self.bufs.back_pages[: len(rids), :k] = pages[:, :k].to(self.bufs.back_pages.device)
             self.bufs.publish()
+            self.fwd.pool_rows = self.pool_rows()
+
+    def pool_rows(self) -> torch.Tensor | None:
+        """Bool [B] on the Level-2 buffers' device: the step's rows whose request has no published Level-1 plan yet,
+        which attend their whole c4 history from sglang's pool this forward (the indexer sees stock's view, the
+        picks stay pool locs, attention reads the pool; the other rows read only their resident pages there, the
+        same bytes as their reserve copies). Before its first plan a request would otherwise decode with its warm
+        start alone (the newest KMAX pages), and its first answer tokens could not see a needle further back.
+
+        None (every row reads the reserve) when no row is unplanned, or the mode cannot: shrink mode (the history
+        is in host DRAM), a decode CUDA graph (it bakes the reserve read in: such a request keeps its warm start
+        until the first plan), mask mode (its mask is per pool loc, not per row). Host flags only; the upload is
+        staged (`streams.like`), no host wait."""
+        eng = self.engine
+        if eng is None or not eng.pool_before_plan or self.on("cudagraph") or self.on("mask"):
+            return None
+        rows = eng.unplanned_rows()
+        if not any(rows):
+            return None
+        return streams.like(torch.tensor(rows, dtype=torch.bool), self.bufs.sel_pages)
 
     def admission_refusals(self, forward_batch: Any) -> list[tuple[str, str]]:
         """(rid, reason) of the decode batch's new requests the adapter cannot admit (see

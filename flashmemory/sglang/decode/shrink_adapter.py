@@ -98,6 +98,10 @@ class ShrinkAdapter(OffloadAdapter):
 
     mode = "shrink"
     extend_reads_reserve = True
+    # A PD transfer lands in the host mirror and the device keeps only the reserve (KMAX pages and the decode
+    # region per row), so before its first Level-1 plan a request attends its warm start (the newest KMAX pages)
+    # alone: full attention then would need the whole history on the device.
+    pool_before_plan = False
 
     def __init__(
         self,
