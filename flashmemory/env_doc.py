@@ -1,8 +1,9 @@
 """What every FlashMemory environment variable means: its default as a string and one line, in README order.
 
-The values are parsed in `flashmemory.env` (the only module that reads the environment); this table is what the
-gate table of `flashmemory/sglang/README.md` prints (`flashmemory.sglang.plumbing.gates`). `tests/test_env.py` checks
-that its defaults are `flashmemory.env`'s and that it names every variable `flashmemory.env` reads.
+The values are parsed in `flashmemory.env` (with its `env_*` parts, the only modules that read the environment);
+this table is what the gate table of `docs/configuration.md` prints (`flashmemory.sglang.plumbing.gates`).
+`tests/test_env.py` checks that its defaults are `flashmemory.env`'s and that it names every variable
+`flashmemory.env` reads.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def tiny_config() -> dict:
     they are built for; only depth, vocabulary and experts are cut (16 experts, top 6; ~5 GB of dummy bf16 weights).
     MQA head_dim 512 = 448 nope + 64 rope and one KV head (MQALayer asserts), index head 128, index_topk 512 (the
     backend asserts 512 or 1024), 2 c4 and 2 c128 layers, no quantization_config (bf16 experts). Checked on CPU
-    through ModelConfig and ServerArgs.resolve_once (flashmemory/sglang/README.md, Status)."""
+    through ModelConfig and ServerArgs.resolve_once (flashmemory/sglang/decode/README.md, "Verified against")."""
     ratios = [0, 4, 128, 4, 128, 0]
     return {
         "architectures": ["DeepseekV4ForCausalLM"],

@@ -1,7 +1,7 @@
-"""The gate table of `flashmemory/sglang/README.md`, generated from `flashmemory.env_doc.ENV_DOC`.
+"""The gate table of `docs/configuration.md`, generated from `flashmemory.env_doc.ENV_DOC`.
 
 `python -m flashmemory.sglang.plumbing.gates` prints it; `... gates --write FILE...` replaces the table inside each
-FILE in place; a test checks the README holds exactly this text.
+FILE in place; a test checks the page holds exactly this text.
 """
 
 from __future__ import annotations

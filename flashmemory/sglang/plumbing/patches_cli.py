@@ -3,7 +3,7 @@
 One row per `Patch` of `patching.all_patches()` (feature, kind, target, implementation, why). `--check` resolves
 every code target in the installed sglang and checks its leading parameters (exit 2 naming the first drifted
 target); `--markdown` prints the README block and `--write FILE` replaces that block in FILE in place (a test
-checks the committed block equals the generated one).
+checks the block in `flashmemory/sglang/plumbing/README.md` equals the generated one).
 """
 
 from __future__ import annotations
@@ -162,6 +162,6 @@ def register(sub: Any) -> None:
         "--write",
         nargs="+",
         metavar="FILE",
-        help="replace the patch table block of each FILE (e.g. flashmemory/sglang/README.md) in place",
+        help="replace the patch table block of each FILE (e.g. flashmemory/sglang/plumbing/README.md) in place",
     )
     p.set_defaults(func=run)

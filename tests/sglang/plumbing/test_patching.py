@@ -102,13 +102,13 @@ def test_env_rows_keep_the_users_value():
 
 
 def test_the_readme_table_is_the_generated_one():
-    """flashmemory/sglang/README.md holds exactly `flashmemory patches --markdown` (regenerate with
-    `flashmemory patches --write flashmemory/sglang/README.md`)."""
+    """flashmemory/sglang/plumbing/README.md holds exactly `flashmemory patches --markdown` (regenerate with
+    `flashmemory patches --write flashmemory/sglang/plumbing/README.md`)."""
     from pathlib import Path
 
     from flashmemory.sglang.plumbing import patches_cli
 
-    text = (Path(__file__).resolve().parents[3] / "flashmemory" / "sglang" / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "flashmemory" / "sglang" / "plumbing" / "README.md").read_text()
     block = text[text.index(patches_cli.BEGIN) : text.index(patches_cli.END) + len(patches_cli.END)]
     assert block == patches_cli.as_markdown(patches_cli.rows())
 
