@@ -7,26 +7,18 @@ the ones it wrote last (`OUTPUTS_MANIFEST`) so a rerun replaces its own files an
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
+from flashmemory.atomic import file_sha256
 from flashmemory.demo.config import WORK_MARKER
 from flashmemory.errors import UserError
 
 OUTPUTS = ("tasks.jsonl", "results.json", "report.md", "coverage.png")  # what a run writes into --out-dir
 OUTPUTS_MANIFEST = ".flashmemory-demo-outputs.json"  # {name: sha256} of the outputs the demo itself wrote last
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _own_outputs(out: Path) -> dict[str, str]:
@@ -41,7 +33,7 @@ def record_outputs(out: Path, names: tuple[str, ...]) -> None:
     """Note the sha256 of outputs the demo just wrote, so its next run knows them as its own (and replaces them)."""
     from flashmemory.atomic import atomic_write_text
 
-    own = _own_outputs(out) | {n: _sha256(out / n) for n in names if (out / n).is_file()}
+    own = _own_outputs(out) | {n: file_sha256(out / n) for n in names if (out / n).is_file()}
     atomic_write_text(out / OUTPUTS_MANIFEST, json.dumps(own, indent=1, sort_keys=True))
 
 
@@ -75,7 +67,7 @@ def move_aside_outputs(out: Path, names: tuple[str, ...], log=print) -> list[tup
         p = out / name
         if not (p.exists() or p.is_symlink()):
             continue
-        if p.is_file() and not p.is_symlink() and own.get(name) == _sha256(p):
+        if p.is_file() and not p.is_symlink() and own.get(name) == file_sha256(p):
             continue  # the demo's own output of its last run
         n = 1
         while True:

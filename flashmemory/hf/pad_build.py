@@ -18,14 +18,11 @@ existing DIR from the same source and options with intact files is kept; anythin
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from flashmemory.atomic import file_sha256, publish_dir
 from flashmemory.errors import UserError
 
 MANIFEST = "flashmemory_build.json"
@@ -37,18 +34,10 @@ class PadError(UserError):
     """The padded checkpoint cannot be written as asked; the message names the file or option and why."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _source_identity(src: Path, retriever: Path | None, index_topk: int) -> dict:
-    ident = {"model": _sha256(src / "model.safetensors"), "config": _sha256(src / "config.json")}
+    ident = {"model": file_sha256(src / "model.safetensors"), "config": file_sha256(src / "config.json")}
     ident["index_topk"] = int(index_topk)
-    ident["retriever"] = _sha256(retriever) if retriever is not None else None
+    ident["retriever"] = file_sha256(retriever) if retriever is not None else None
     return ident
 
 
@@ -84,10 +73,10 @@ def write_padded(tmp: Path, src: Path, index_topk: int, retriever: Path | None) 
             padded_ret = pad_retriever(ret, config)
         except ValueError as e:
             raise PadError(f"--retriever {retriever}: {e}") from None
-        save_retriever(padded_ret, tmp / RETRIEVER_FILE, {"padded_from": _sha256(retriever)})
+        save_retriever(padded_ret, tmp / RETRIEVER_FILE, {"padded_from": file_sha256(retriever)})
         files.append(RETRIEVER_FILE)
     manifest = {"kind": KIND, "source": _source_identity(src, retriever, index_topk)}
-    manifest["files"] = {f: _sha256(tmp / f) for f in files}
+    manifest["files"] = {f: file_sha256(tmp / f) for f in files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -101,7 +90,7 @@ def intact(out: Path, ident: dict) -> bool:
     if not isinstance(man, dict) or man.get("kind") != KIND or man.get("source") != ident:
         return False
     files = man.get("files")
-    return isinstance(files, dict) and all((out / f).is_file() and _sha256(out / f) == h for f, h in files.items())
+    return isinstance(files, dict) and all((out / f).is_file() and file_sha256(out / f) == h for f, h in files.items())
 
 
 def check_source(src: Path, retriever: Path | None, index_topk: int) -> None:
@@ -126,26 +115,15 @@ def build_padded(
         raise PadError(f"--out {out}: its parent is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     ident = _source_identity(src, ret, index_topk)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
-            if intact(out, ident):
-                return out
-            raise PadError(
-                f"--out {out}: exists and is not an intact padded build of this source and these options; "
-                "choose another --out (nothing was deleted)"
-            )
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-        try:
-            write_padded(tmp, src, index_topk, ret)
-            for f in tmp.iterdir():
-                os.chmod(f, 0o644)  # safetensors and mkdtemp create owner-only files
-            os.chmod(tmp, 0o755)
-            os.rename(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # our own temp dir only
-            raise
-    return out
+    return publish_dir(
+        out,
+        lambda tmp: write_padded(tmp, src, index_topk, ret),
+        lambda d: intact(d, ident),
+        lambda: PadError(
+            f"--out {out}: exists and is not an intact padded build of this source and these options; "
+            "choose another --out (nothing was deleted)"
+        ),
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -14,16 +14,13 @@ manifest, and `intact` only keeps a build whose seed and `init_std` both match. 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from flashmemory.atomic import file_sha256, publish_dir
 from flashmemory.hf.serving_model import SPECIAL_TOKENS, official_state_dict, serving_config
 
 MANIFEST = "flashmemory_build.json"
@@ -63,14 +60,6 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file({k: tensors[k] for k in sorted(tensors)}, str(path), metadata={"format": "pt"})
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _check_init_std(init_std: float | None) -> None:
     if init_std is not None and not (isinstance(init_std, (int, float)) and 0 < init_std < float("inf")):
         raise BuildError(f"init_std must be a finite number > 0, got {init_std!r}")
@@ -108,7 +97,7 @@ def write_checkpoint(tmp: Path, seed: int, init_std: float | None = None) -> dic
     manifest = {"kind": "flashmemory-serving-tiny", "seed": seed}
     if init_std is not None:
         manifest["init_std"] = float(init_std)
-    manifest["files"] = {f: _sha256(tmp / f) for f in FILES}
+    manifest["files"] = {f: file_sha256(tmp / f) for f in FILES}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -124,7 +113,7 @@ def intact(out: Path, seed: int, init_std: float | None = None) -> bool:
         return False
     if man.get("init_std") != (None if init_std is None else float(init_std)):
         return False
-    return all((out / f).is_file() and _sha256(out / f) == h for f, h in man.get("files", {}).items())
+    return all((out / f).is_file() and file_sha256(out / f) == h for f, h in man.get("files", {}).items())
 
 
 def build_serving(out: str | os.PathLike, seed: int = 0, init_std: float | None = None) -> Path:
@@ -133,27 +122,16 @@ def build_serving(out: str | os.PathLike, seed: int = 0, init_std: float | None 
     _check_init_std(init_std)
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
-            if intact(out, seed, init_std):
-                return out
-            what = f"seed {seed}" + ("" if init_std is None else f" and init_std {float(init_std)}")
-            raise BuildError(
-                f"{out}: exists and is not an intact serving-tiny build with {what}; "
-                "choose another --out (nothing was deleted)"
-            )
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-        try:
-            write_checkpoint(tmp, seed, init_std)
-            for f in tmp.iterdir():
-                os.chmod(f, 0o644)  # safetensors and mkdtemp create owner-only files
-            os.chmod(tmp, 0o755)
-            os.rename(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # our own temp dir only
-            raise
-    return out
+    what = f"seed {seed}" + ("" if init_std is None else f" and init_std {float(init_std)}")
+    return publish_dir(
+        out,
+        lambda tmp: write_checkpoint(tmp, seed, init_std),
+        lambda d: intact(d, seed, init_std),
+        lambda: BuildError(
+            f"{out}: exists and is not an intact serving-tiny build with {what}; "
+            "choose another --out (nothing was deleted)"
+        ),
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ by checking that no marked process is left. The tiny checkpoint is built once pe
 import importlib.metadata
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,40 @@ def prompt(n: int, seed: int) -> list[int]:
     """n token ids drawn from the ordinary (non-special) vocabulary of the serving-tiny tokenizer."""
     rng = random.Random(seed)
     return [rng.randrange(26, 1024) for _ in range(n)]
+
+
+def shm_segments() -> set[str]:
+    """sglang's shared-memory message queues in /dev/shm (a multi-rank server makes them)."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith("sgl_shm_mq_")}
+
+
+def small_init_model(tmp_path_factory, name: str) -> Path:
+    """A small-init copy of the tiny DSv4 (init_std 0.02: far less chaotic than the default weights, so bf16
+    rounding does not flip greedy tokens between runs that compute the same bits)."""
+    from flashmemory.hf.serving_build import build_serving
+
+    return build_serving(tmp_path_factory.mktemp(name) / "serving-tiny-std002", seed=0, init_std=0.02)
+
+
+@contextmanager
+def server_trio(model, logs, name: str, layout: tuple, full_env: dict, small_env: dict, small_layout: tuple = ()):
+    """Three servers of one multi-rank `layout`, started in parallel: `stock` (the CPU layer only), `full`
+    (LEVEL1_FULL + `full_env`) and `small` (a three-page budget, asynchronous Level 1, + `small_env`; launched
+    with `small_layout` when given, with SMALL_ARGS). Yields them by name; afterwards every one is stopped, and
+    none may leave a process or a shared-memory queue (the queues present before were not theirs)."""
+    before = shm_segments()  # CpuServer.stop removes the queues its servers leave; others' are not ours
+    stock = make_server(model, logs, f"{name}_stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"}, extra_args=layout)
+    full = make_server(model, logs, f"{name}_full", env={**LEVEL1_FULL, **full_env}, extra_args=layout)
+    small_base = {**SMALL_BUDGET, "SGLANG_PATHP_PAGE_KMAX": "3", "SGLANG_PATHP_ASYNC_RECALL": "1"}
+    small = make_server(
+        model, logs, f"{name}_small", env={**small_base, **small_env}, extra_args=(small_layout or layout) + SMALL_ARGS
+    )
+    servers = (stock, full, small)
+    try:
+        for s in servers:
+            s.wait_ready(STARTUP_S)
+        yield {"stock": stock, "full": full, "small": small}
+    finally:
+        side_by_side(*(s.stop for s in servers))
+    assert not any(s.leftovers() for s in servers)
+    assert shm_segments() <= before, f"shared-memory message queues of the {name} servers were left in /dev/shm"

@@ -14,30 +14,17 @@ of the layout (`--dp 2 --enable-dp-attention`, resolved to the same). Requests g
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.live.conftest import (
-    LEVEL1_FULL,
-    SMALL_ARGS,
-    SMALL_BUDGET,
-    STARTUP_S,
-    make_server,
-    prompt,
-    side_by_side,
-)
+from tests.sglang.live.conftest import prompt, server_trio, side_by_side, small_init_model
 
 ATTN_DP = ("--tp", "2", "--attn-dp-size", "2")
 ATTN_DP_OLD = ("--tp", "2", "--dp", "2", "--enable-dp-attention")
 PLAN = ("level1_cycles", "recall_pages", "warm_start_pages")
-
-
-def shm_segments() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("sgl_shm_mq_")}
 
 
 def body(ids: list[int], new: int, dp_rank: int, rid: str | None = None) -> dict:
@@ -72,43 +59,17 @@ def series(srv, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory, live_logs, tiny_retriever_ckpt):
-    from flashmemory.hf.serving_build import build_serving
-
-    model = build_serving(tmp_path_factory.mktemp("dp") / "serving-tiny-std002", seed=0, init_std=0.02)
+    model = small_init_model(tmp_path_factory, "dp")
     stats = tmp_path_factory.mktemp("dp_stats")
-    before = shm_segments()  # CpuServer.stop removes the queues its servers leave; others' are not ours
     ckpt = {"SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt}
-    stock = make_server(model, live_logs, "dp_stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"}, extra_args=ATTN_DP)
-    full = make_server(
-        model,
-        live_logs,
-        "dp_full",
-        env={**LEVEL1_FULL, **ckpt, "FLASHMEMORY_STATS_FILE": str(stats / "full.json")},
-        extra_args=ATTN_DP,
-    )
-    small = make_server(
-        model,
-        live_logs,
-        "dp_small",
-        env={
-            **SMALL_BUDGET,
-            "SGLANG_PATHP_PAGE_KMAX": "3",
-            "SGLANG_PATHP_ASYNC_RECALL": "1",
-            **ckpt,
-            "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-",
-            "FLASHMEMORY_STATS_FILE": str(stats / "small.json"),
-        },
-        extra_args=ATTN_DP_OLD + SMALL_ARGS,
-    )
-    servers = (stock, full, small)
-    try:
-        for s in servers:
-            s.wait_ready(STARTUP_S)
-        yield {"stock": stock, "full": full, "small": small, "stats": stats}
-    finally:
-        side_by_side(*(s.stop for s in servers))
-    assert not any(s.leftovers() for s in servers)
-    assert shm_segments() <= before, "shared-memory message queues of the attention-DP servers were left in /dev/shm"
+    full = {**ckpt, "FLASHMEMORY_STATS_FILE": str(stats / "full.json")}
+    small = {
+        **ckpt,
+        "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-",
+        "FLASHMEMORY_STATS_FILE": str(stats / "small.json"),
+    }
+    with server_trio(model, live_logs, "dp", ATTN_DP, full, small, small_layout=ATTN_DP_OLD) as servers:
+        yield {**servers, "stats": stats}
 
 
 def test_full_budget_equals_stock_dp_on_both_ranks(dp):

@@ -13,21 +13,12 @@ also faults requests named faulty-* on rank 1 only (FLASHMEMORY_FAULT_INJECT ...
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.live.conftest import (
-    LEVEL1_FULL,
-    SMALL_ARGS,
-    SMALL_BUDGET,
-    STARTUP_S,
-    make_server,
-    prompt,
-    side_by_side,
-)
+from tests.sglang.live.conftest import prompt, server_trio, side_by_side, small_init_model
 
 TP2 = ("--tp", "2")
 LATE_RANK1 = {"FLASHMEMORY_LEVEL1_DELAY": "ms=600,rank=1"}
@@ -42,44 +33,19 @@ PLAN_KEYS = (
 )
 
 
-def shm_segments() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("sgl_shm_mq_")}
-
-
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, live_logs, tiny_retriever_ckpt):
-    from flashmemory.hf.serving_build import build_serving
-
-    model = build_serving(tmp_path_factory.mktemp("tp2") / "serving-tiny-std002", seed=0, init_std=0.02)
+    model = small_init_model(tmp_path_factory, "tp2")
     stats = tmp_path_factory.mktemp("tp2_stats") / "small.json"
-    before = shm_segments()  # CpuServer.stop removes the queues its servers leave; others' are not ours
     ckpt = {"SGLANG_RETRIEVER_INLINE_CKPT": tiny_retriever_ckpt}
-    stock = make_server(model, live_logs, "tp2_stock", env={"SGLANG_PLUGINS": "flashmemory_cpu"}, extra_args=TP2)
-    full = make_server(model, live_logs, "tp2_full", env={**LEVEL1_FULL, **LATE_RANK1, **ckpt}, extra_args=TP2)
-    small = make_server(
-        model,
-        live_logs,
-        "tp2_small",
-        env={
-            **SMALL_BUDGET,
-            "SGLANG_PATHP_PAGE_KMAX": "3",
-            "SGLANG_PATHP_ASYNC_RECALL": "1",
-            **LATE_RANK1,
-            **ckpt,
-            "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-,rank=1",
-            "FLASHMEMORY_STATS_FILE": str(stats),
-        },
-        extra_args=TP2 + SMALL_ARGS,
-    )
-    servers = (stock, full, small)
-    try:
-        for s in servers:
-            s.wait_ready(STARTUP_S)
-        yield {"stock": stock, "full": full, "small": small, "stats": stats}
-    finally:
-        side_by_side(*(s.stop for s in servers))
-    assert not any(s.leftovers() for s in servers)
-    assert shm_segments() <= before, "shared-memory message queues of the TP=2 servers were left in /dev/shm"
+    small = {
+        **LATE_RANK1,
+        **ckpt,
+        "FLASHMEMORY_FAULT_INJECT": "hook=before_forward,rid=^faulty-,rank=1",
+        "FLASHMEMORY_STATS_FILE": str(stats),
+    }
+    with server_trio(model, live_logs, "tp2", TP2, {**LATE_RANK1, **ckpt}, small) as servers:
+        yield {**servers, "stats": stats}
 
 
 def test_full_budget_with_late_level1_on_one_rank_equals_stock(tp2):
