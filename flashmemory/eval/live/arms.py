@@ -3,7 +3,10 @@
 An arm is a kind and, except for stock, a page budget b (a share of the document's pages, as in the replay frontier):
 - `stock`: sglang's own decode (FLASHMEMORY=0), the live counterpart of the replay's Full.
 - `FlashMemory@b`: FlashMemory on D with Level 1 (the given retriever), KMAX = ceil(b x pages) of sglang's 256-token
-  pages (64 c4 chunks each), Level 1 every `tau` steps, threshold and recency tail as the replay's.
+  pages (64 c4 chunks each), Level 1 every `tau` steps, threshold and recency tail as the replay's; in copy mode by
+  default (`C4_MODES`: sglang's pool keeps every page, so a request attends its whole history until its first
+  Level-1 plan publishes, as stock does) or in shrink mode (the history in host DRAM: the warm start alone until
+  then).
 - `HiSparse@b`: sglang's HiSparse on D with a hot buffer of the chunks FlashMemory may keep at b (KMAX x 64), and never
   fewer than the model's index top-k (HiSparse's least), as the replay frontier sizes it (`hot_slots`).
 - `HiSparse+prefetch@b`: the same, with FlashMemory's Level-1 set as the buffer's prefetch hint each cycle.
@@ -22,6 +25,7 @@ from flashmemory.errors import UserError
 from flashmemory.eval.budgets import budget_key
 
 KINDS = ("stock", "FlashMemory", "HiSparse", "HiSparse+prefetch")
+C4_MODES = ("copy", "shrink")  # FlashMemory's Path-P mode on D (launch_decode.sh's C4_SHRINK 0 / 1)
 SERVE_PAGE_CHUNKS = 64  # sglang's DeepSeek-V4 page: 256 tokens = 64 c4 chunks (FlashMemory's KMAX counts these)
 REPLAY_ROW = {
     "stock": "Full",
@@ -53,7 +57,9 @@ class LiveArm:
         the top-k (sglang refuses a buffer below it)."""
         return max(self.kmax(doc_len) * SERVE_PAGE_CHUNKS, index_topk)
 
-    def settings(self, doc_len: int, index_topk: int, tau: int, threshold: float, tail_chunks: int) -> dict:
+    def settings(
+        self, doc_len: int, index_topk: int, tau: int, threshold: float, tail_chunks: int, c4_mode: str = "copy"
+    ) -> dict:
         """What this arm's servers are started with (JSON-ready): part of every record's fingerprint."""
         s: dict = {"kind": self.kind, "budget": self.budget, "top_k": index_topk}
         if self.kind in ("FlashMemory", "HiSparse+prefetch"):
@@ -61,6 +67,7 @@ class LiveArm:
         if self.kind == "FlashMemory":
             s["kmax_pages"] = self.kmax(doc_len)
             s["resident_chunks"] = s["kmax_pages"] * SERVE_PAGE_CHUNKS
+            s["c4_mode"] = c4_mode
         if self.kind.startswith("HiSparse"):
             s["hot_slots"] = self.hot_slots(doc_len, index_topk)
         return s

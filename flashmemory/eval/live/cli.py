@@ -81,6 +81,8 @@ def config_from_args(a: argparse.Namespace):
         lock=a.lock,
         hold_s=a.hold_minutes * 60.0,
         max_docs=0 if a.report_only else a.max_docs,
+        replace=a.replace,
+        c4_mode=a.c4_mode,
         startup_timeout=a.startup_timeout,
         logs=a.logs,
         budgets=budgets,
@@ -146,6 +148,7 @@ def run(a: argparse.Namespace) -> int:
             threshold=cfg.threshold,
             tail_chunks=cfg.tail_chunks,
             retriever_layers=retriever_layers(retriever),
+            c4_mode=cfg.c4_mode,
             startup_timeout=cfg.startup_timeout,
             logs=Path(cfg.logs) if cfg.logs else Path(cfg.out_dir) / "logs",
         )
@@ -176,6 +179,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def register_live(sub: argparse._SubParsersAction) -> None:
     """Add `live` to `flashmemory eval`'s subcommands."""
+    from flashmemory.eval.live.arms import C4_MODES
     from flashmemory.serve.stack import DEFAULT_CPU_MODEL, REPO
 
     replay = REPO / "docs" / "quality" / "frontier_run_budget"
@@ -242,4 +246,16 @@ def register_live(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds each server may take to start")
     p.add_argument("--logs", default="", help="server logs dir (default --out/logs)")
     p.add_argument("--report-only", action="store_true", help="start nothing; report the documents already done")
+    p.add_argument(
+        "--c4-mode",
+        choices=C4_MODES,
+        default="copy",
+        help="FlashMemory's Path-P mode on D (default %(default)s: sglang's pool keeps every page, so a request "
+        "attends its whole history until its first Level-1 plan; shrink: the warm start alone until then)",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="run again and overwrite a document whose record has another configuration (default: stop there)",
+    )
     p.set_defaults(func=run)

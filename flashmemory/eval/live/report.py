@@ -3,7 +3,8 @@
 Per arm: task accuracy with a 95% Wilson interval over documents, the replay's accuracy on the same documents with
 its interval and whether the two intervals overlap; per-document agreement (the same task score live and in the
 replay); documents whose 24 tokens equal live stock's, and equal the replay's; D's counted costs per document
-(/metrics deltas: recall bytes, HiSparse swap-in misses and bytes, prefetch bytes; the resident fraction gauge).
+(/metrics deltas: recall bytes, HiSparse swap-in misses and bytes, prefetch bytes; the resident fraction gauge as
+sampled while the document decoded, `gauges_live`: read after it, with no request live, it says 0).
 Then every document where live and replay differ (task score or tokens), with the first differing token and the
 tokens on both sides at that position.
 """
@@ -32,6 +33,14 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _sample(rec: dict, name: str) -> float:
+    """A record's value of D's series `name`: a counter's delta over the document, a gauge's mean while it decoded
+    (records without live samples: NaN, so an idle gauge read after the document never counts)."""
+    if name.endswith("_total"):
+        return rec.get("metrics", {}).get(name, float("nan"))
+    return (rec.get("gauges_live") or {}).get(name, float("nan"))
+
+
 def _acc(scores: list[float]) -> dict:
     from flashmemory.eval.intervals import interval
 
@@ -56,7 +65,7 @@ def arm_summary(arm: str, recs: dict[int, dict], stock: dict[int, dict], replay:
     with_tok = [i for i in idx if ref in rtoks.get(i, {})]
     eq_replay = [i for i in with_tok if recs[i]["output_ids"] == rtoks[i][ref]]
     gen = max(1, len(recs[idx[0]]["output_ids"])) if idx else 1
-    costs = {k: _mean([recs[i].get("metrics", {}).get(m, float("nan")) for i in idx]) for k, m in COSTS.items()}
+    costs = {k: _mean([_sample(recs[i], m) for i in idx]) for k, m in COSTS.items()}
     per_token = {
         f"{k}_per_token": (v / gen if v is not None else None) for k, v in costs.items() if k.endswith("bytes")
     }
@@ -189,7 +198,9 @@ def markdown(res: dict, command: str, notes: list[str], words) -> str:
     ]
     for k, a in res["arms"].items():
         c, s = a["costs"], a["settings"]
-        what = ", ".join(f"{n} {s[n]}" for n in ("kmax_pages", "resident_chunks", "hot_slots", "top_k") if n in s)
+        what = ", ".join(
+            f"{n} {s[n]}" for n in ("kmax_pages", "resident_chunks", "hot_slots", "top_k", "c4_mode") if n in s
+        )
         L.append(
             f"| {k} | {what or '-'} | {_kib(c.get('recall_bytes_per_token'))} | {_f(c.get('resident_fraction'))} | "
             f"{_f(c.get('level1_cycles'), 1)} | {_f(c.get('swapin_misses'), 0)} | "

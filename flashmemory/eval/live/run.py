@@ -5,8 +5,13 @@ Records: `out/docs/<arm>/<i>.json`, written atomically as each document finishes
 sha256 of everything its numbers depend on, by content (the served model's config, weights and tokenizer files, the
 arm's server settings, the extra server environment, the decode length, and the document itself: its prompt ids,
 answers and task). A rerun skips every document whose record has its fingerprint, redoes a record that does not
-parse (a torn write), and stops, naming the file, at a record of another configuration (use another --out). The
-output dir is locked (`flashmemory.outdir.DirLock`) and marked as `eval live`'s.
+parse (a torn write), and stops, naming the file, at a record of another configuration (use another --out, or
+`replace` to run that document again and overwrite it). The output dir is locked (`flashmemory.outdir.DirLock`) and
+marked as `eval live`'s.
+
+Gauges: D's gauges (resident fraction, reserve use) describe the requests live when they are read, and after a
+document none is, so they are sampled on a thread while the document decodes (`GaugeSampler`); a record keeps their
+mean over the samples taken with a request live (`gauges_live`) beside the counters' deltas (`metrics`).
 
 Chunks: `max_docs` caps the new documents per arm in one invocation; a stack hands the live lock back after
 `hold_s` seconds (it is stopped and started again for the arm's remaining documents), so other users of the
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +66,8 @@ class LiveConfig:
     lock: str = "/tmp/fm-live.lock"
     hold_s: float = 600.0
     max_docs: int | None = None
+    replace: bool = False  # a record of another configuration is run again and overwritten (else: stop)
+    c4_mode: str = "copy"  # FlashMemory's Path-P mode on D (`arms.C4_MODES`)
     startup_timeout: float = 420.0
     logs: str = ""  # server logs ("" = out/logs)
     budgets: tuple[float, ...] = field(default=(0.1, 0.2))
@@ -121,7 +129,7 @@ def served_model_digest(model: str) -> str:
 
 def arm_settings(cfg: LiveConfig, arm: LiveArm, model_digest: str, retriever_digest: str, topk: int) -> dict:
     """Everything an arm's records depend on but the document (JSON-ready)."""
-    s = arm.settings(cfg.doc_len, topk, cfg.tau, cfg.threshold, cfg.tail_chunks)
+    s = arm.settings(cfg.doc_len, topk, cfg.tau, cfg.threshold, cfg.tail_chunks, cfg.c4_mode)
     uses_l1 = arm.kind in ("FlashMemory", "HiSparse+prefetch")
     return {
         "arm": arm.key,
@@ -144,9 +152,10 @@ def record_path(out: Path, arm: LiveArm, i: int) -> Path:
     return out / DOCS_DIR / arm.key / f"{i:05d}.json"
 
 
-def read_done(path: Path, fp: str) -> dict | None:
-    """The finished record at `path` when it is this configuration's; None when missing or torn (redone);
-    UserError naming the file and field for another command's, another configuration's or an unreadable body."""
+def read_done(path: Path, fp: str, replace: bool = False) -> dict | None:
+    """The finished record at `path` when it is this configuration's; None when missing or torn (redone), or of
+    another configuration with `replace`; UserError naming the file and field for another command's, another
+    configuration's (without `replace`) or an unreadable body."""
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -157,9 +166,11 @@ def read_done(path: Path, fp: str) -> dict | None:
         got = rec.get("format") if isinstance(rec, dict) else type(rec).__name__
         raise UserError(f"{path}: field format is {got!r}, not {FORMAT!r}: not a record of `flashmemory eval live`")
     if rec.get("fingerprint") != fp:
+        if replace:
+            return None
         raise UserError(
             f"{path}: written with another configuration (fingerprint {rec.get('fingerprint')}, this run {fp}: another "
-            "model, arm setting, server environment or document); use another --out"
+            "model, arm setting, server environment or document); use another --out, or --replace to run it again"
         )
     for f, kind in (("output_ids", list), ("task_score", (int, float)), ("seconds", (int, float))):
         if not isinstance(rec.get(f), kind) or isinstance(rec.get(f), bool):
@@ -174,6 +185,44 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     for k, v in after.items():
         out[k] = v - before.get(k, 0.0) if k.endswith("_total") else v
     return out
+
+
+LIVE_GAUGE = "flashmemory_live_requests"  # FlashMemory's gauge of live requests on D
+
+
+class GaugeSampler:
+    """`read()` (D's /metrics as {name: value}) every `period` s on its own thread while a document runs (`with`);
+    `means()`: each gauge's mean over the samples taken while a request was live (`LIVE_GAUGE` > 0), {} when none
+    was (stock and HiSparse arms export no FlashMemory gauges). A failed read is skipped."""
+
+    def __init__(self, read: Callable[[], dict[str, float]], period: float = 1.0):
+        self.read, self.period = read, period
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GaugeSampler:
+        self._thread = threading.Thread(target=self._loop, name="live-gauges", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                m = self.read()
+            except Exception:  # noqa: BLE001 - a sample lost; the counters are read apart
+                continue
+            if m.get(LIVE_GAUGE, 0.0) > 0:
+                self.samples.append({k: v for k, v in m.items() if not k.endswith("_total")})
+
+    def means(self) -> dict[str, float]:
+        keys = sorted({k for s in self.samples for k in s})
+        return {k: sum(s[k] for s in self.samples if k in s) / sum(k in s for s in self.samples) for k in keys}
 
 
 Opener = Callable[[LiveArm], object]  # arm -> a session with complete(prompt, n), metrics(), held_s(), close()
@@ -222,7 +271,11 @@ def _run(cfg: LiveConfig, out: Path, opener: Opener, log) -> dict[str, dict[int,
     for arm in cfg.arms:
         st = arm_settings(cfg, arm, mdig, rdig, topk)
         fps = {d.index: record_fingerprint(st, d.digest) for d in docs}
-        done = {d.index: r for d in docs if (r := read_done(record_path(out, arm, d.index), fps[d.index])) is not None}
+        done = {
+            d.index: r
+            for d in docs
+            if (r := read_done(record_path(out, arm, d.index), fps[d.index], cfg.replace)) is not None
+        }
         todo = [d for d in docs if d.index not in done]
         if cfg.max_docs is not None:
             todo = todo[: cfg.max_docs]
@@ -241,7 +294,8 @@ def _run(cfg: LiveConfig, out: Path, opener: Opener, log) -> dict[str, dict[int,
                     session = opener(arm)
                 t0 = time.perf_counter()
                 before = session.metrics()
-                c = session.complete(d.prompt, cfg.gen_tokens)
+                with GaugeSampler(lambda s=session: s.metrics(settle_s=0.0)) as gauges:
+                    c = session.complete(d.prompt, cfg.gen_tokens)
                 after = session.metrics()
                 text = decode_ids(tok, c.output_ids)
                 rec = {
@@ -259,6 +313,7 @@ def _run(cfg: LiveConfig, out: Path, opener: Opener, log) -> dict[str, dict[int,
                     "task_score": float(score(d.item, text)),
                     "seconds": time.perf_counter() - t0,
                     "metrics": counter_delta(before, after),
+                    "gauges_live": gauges.means(),
                 }
                 atomic_write_text(record_path(out, arm, d.index), json.dumps(rec))
                 done[d.index] = rec

@@ -39,6 +39,7 @@ class StackSettings:
     threshold: float = 0.5
     tail_chunks: int = 8
     retriever_layers: tuple[int, ...] = ()  # the c4 layers Level 1 reads (the retriever's); () = the script's
+    c4_mode: str = "copy"  # FlashMemory's Path-P mode on D (`arms.C4_MODES`)
     startup_timeout: float = 420.0
     logs: Path = Path("live_logs")
 
@@ -67,7 +68,8 @@ def pd_config(arm: LiveArm, st: StackSettings):
         return base
     kmax = {"KMAX": str(arm.kmax(st.doc_len))}
     if arm.kind == "FlashMemory":
-        return replace(base, decode_env={**base.decode_env, **level1, **kmax})
+        shrink = {"C4_SHRINK": "1" if st.c4_mode == "shrink" else "0"}
+        return replace(base, decode_env={**base.decode_env, **level1, **kmax, **shrink})
     cfg = hisparse_config(base, arm.hot_slots(st.doc_len, st.index_topk), st.index_topk)
     if arm.kind == "HiSparse+prefetch":
         cfg = replace(

@@ -66,7 +66,7 @@ class FakeSession:
         self.clock += 1.0
         return Completion(prompt_ids, out, "")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, settle_s: float = 10.0) -> dict[str, float]:
         return {"flashmemory_recall_bytes_total": self.recall, "flashmemory_resident_fraction": 0.125}
 
     def held_s(self) -> float:
