@@ -27,20 +27,19 @@ def exported_samples() -> set[str]:
         PREFIX,
         FlashMemoryMetrics,
         failure_counter,
+        ranked_counters,
     )
 
     reg = prom.CollectorRegistry()
     FlashMemoryMetrics.create(registry=reg)
-    failure_counter(registry=reg).labels(hook="before_forward").inc()
+    failure_counter(registry=reg).labels(hook="before_forward", dp_rank="0", attn_tp_rank="0").inc()
     assert tuple(HISPARSE_SWAPIN) == SwapInCounter.KEYS
-    for k in HISPARSE_SWAPIN:  # the names SwapInCounter._export creates, in a registry of the test's own
-        prom.Counter(PREFIX + HISPARSE_SWAPIN_PREFIX + k, k, registry=reg)
+    ranked_counters({PREFIX + HISPARSE_SWAPIN_PREFIX + k: k for k in HISPARSE_SWAPIN}, reg)  # as SwapInCounter
     from flashmemory.sglang.hisparse.state import PrefetchCounter
     from flashmemory.sglang.metrics.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX
 
     assert tuple(HISPARSE_PREFETCH) == PrefetchCounter.KEYS
-    for k in HISPARSE_PREFETCH:  # the names PrefetchCounter._export creates
-        prom.Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, k, registry=reg)
+    ranked_counters({PREFIX + HISPARSE_PREFETCH_PREFIX + k: k for k in HISPARSE_PREFETCH}, reg)  # as PrefetchCounter
     text = prom.generate_latest(reg).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

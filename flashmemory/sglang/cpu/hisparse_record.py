@@ -48,13 +48,15 @@ class SwapInCounter:
         if self.prom is None:
             self.prom = {}
             try:
-                from prometheus_client import Counter
+                from flashmemory.sglang.metrics.prometheus import (
+                    HISPARSE_SWAPIN,
+                    HISPARSE_SWAPIN_PREFIX,
+                    PREFIX,
+                    ranked_counters,
+                )
 
-                for k in self.KEYS:
-                    self.prom[k] = Counter(
-                        f"flashmemory_hisparse_swapin_{k}",
-                        f"HiSparse CPU swap-in {k} (torch swap-in, per c4 layer call)",
-                    )
+                made = ranked_counters({PREFIX + HISPARSE_SWAPIN_PREFIX + k: HISPARSE_SWAPIN[k] for k in self.KEYS})
+                self.prom = {k: made[PREFIX + HISPARSE_SWAPIN_PREFIX + k] for k in self.KEYS}
             except (ImportError, ValueError) as e:  # no prometheus_client, or registered twice in this process
                 logger.warning("FlashMemory HiSparse: swap-in counters not exported (%s)", e)
         for k, m in self.prom.items():

@@ -137,7 +137,7 @@ class Guard:
     hook_names: tuple[str, ...] = ()  # what FLASHMEMORY_FAULT_INJECT may name (every `guarded` hook)
     configured: bool = False  # `configure` ran (first guarded call)
     stop: Callable[[str], None] = _stop_server
-    counter: Any = None  # flashmemory_request_failures_total{hook}
+    counter: Any = None  # flashmemory_request_failures_total{hook, dp_rank, attn_tp_rank}
     idle_published: bool = False
     # (args, kwargs) of the first hook -> [(rid, reason)]: requests to fail before the body runs (the adapter's
     # admission check: no free row, host mirror full), so nothing of them is half done when the body starts.
@@ -244,7 +244,9 @@ class Guard:
             "FlashMemory: request %s failed in %s (%s); it is aborted, the server keeps serving", rid, hook, reason
         )
         if self.counter is not None:
-            self.counter.labels(hook=hook).inc()
+            from flashmemory.sglang.metrics.prometheus import scheduler_ranks
+
+            self.counter.labels(hook=hook, **scheduler_ranks()).inc()
 
     def _stop(self, name: str, e: BaseException) -> None:
         self.stopping = True

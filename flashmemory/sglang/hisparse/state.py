@@ -50,12 +50,15 @@ class PrefetchCounter:
         if self.prom is None:
             self.prom = {}
             try:
-                from prometheus_client import Counter
+                from flashmemory.sglang.metrics.prometheus import (
+                    HISPARSE_PREFETCH,
+                    HISPARSE_PREFETCH_PREFIX,
+                    PREFIX,
+                    ranked_counters,
+                )
 
-                from flashmemory.sglang.metrics.prometheus import HISPARSE_PREFETCH, HISPARSE_PREFETCH_PREFIX, PREFIX
-
-                for k in self.KEYS:
-                    self.prom[k] = Counter(PREFIX + HISPARSE_PREFETCH_PREFIX + k, HISPARSE_PREFETCH[k])
+                made = ranked_counters({PREFIX + HISPARSE_PREFETCH_PREFIX + k: HISPARSE_PREFETCH[k] for k in self.KEYS})
+                self.prom = {k: made[PREFIX + HISPARSE_PREFETCH_PREFIX + k] for k in self.KEYS}
             except (ImportError, ValueError) as e:  # no prometheus_client, or registered twice in this process
                 logger.warning("FlashMemory HiSparse prefetch: counters not exported (%s)", e)
         for k, v in step.items():

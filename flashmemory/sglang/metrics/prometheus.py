@@ -143,14 +143,27 @@ def scheduler_ranks() -> dict[str, str]:
 
 
 def failure_counter(registry: Any = None) -> Any:
-    """flashmemory_request_failures_total{hook=...} in `registry` (default: prometheus_client's), None without
-    prometheus_client. The process keeps the one it made in its guard (`RUNTIME.guard.counter`); a second in the
-    same registry raises ValueError (prometheus_client refuses a duplicate name)."""
+    """flashmemory_request_failures_total{hook, dp_rank, attn_tp_rank} in `registry` (default: prometheus_client's),
+    None without prometheus_client; a failure is counted as `.labels(hook=..., **scheduler_ranks())`. The process
+    keeps the one it made in its guard (`RUNTIME.guard.counter`); a second in the same registry raises ValueError
+    (prometheus_client refuses a duplicate name)."""
     try:
         from prometheus_client import REGISTRY, Counter
     except ImportError:
         return None
-    return Counter(PREFIX + FAILURES[0], FAILURES[1], ["hook"], registry=registry if registry is not None else REGISTRY)
+    reg = registry if registry is not None else REGISTRY
+    return Counter(PREFIX + FAILURES[0], FAILURES[1], ["hook", *RANK_LABELS], registry=reg)
+
+
+def ranked_counters(docs: Mapping[str, str], registry: Any = None) -> dict[str, Any]:
+    """{name: Counter `name` with `RANK_LABELS`, as this scheduler's child (`scheduler_ranks()`)} in `registry`
+    (default prometheus_client's): the HiSparse counters, one series per scheduler like every FlashMemory series.
+    Raises ImportError without prometheus_client, ValueError for a name already registered."""
+    from prometheus_client import REGISTRY, Counter
+
+    reg = registry if registry is not None else REGISTRY
+    mine = scheduler_ranks()
+    return {name: Counter(name, doc, RANK_LABELS, registry=reg).labels(**mine) for name, doc in docs.items()}
 
 
 def serving_gauges(adapter: Any) -> dict[str, float]:
@@ -193,7 +206,7 @@ def metrics_table() -> str:
     for key, (kind, doc) in {**METRICS, **SERVING_METRICS, FAILURES[0]: ("counter", FAILURES[1]), **swapin}.items():
         name = PREFIX + key + ("_total" if kind == "counter" else "")
         if key == FAILURES[0]:
-            name += "{hook}"
+            name += "{hook}"  # besides the rank labels every series carries
         rows.append(f"| `{name}` | {kind} | {doc} |")
     return "\n".join(rows)
 

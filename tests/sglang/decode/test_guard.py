@@ -98,7 +98,8 @@ def served(monkeypatch):
 
 
 def _value(reg, name, **labels):
-    v = reg.get_sample_value(name, labels or None)
+    """The sample `name` of this (non-server) process's series: its rank labels are dp_rank 0, attn_tp_rank 0."""
+    v = reg.get_sample_value(name, {"dp_rank": "0", "attn_tp_rank": "0", **labels})
     return None if v is None else float(v)
 
 

@@ -75,3 +75,33 @@ def parallel(**fields) -> types.ModuleType:
 def test_scheduler_ranks_read_sglangs_parallel_context(fields, want, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", parallel(**fields))
     assert tuple(scheduler_ranks()[k] for k in RANK_LABELS) == want
+
+
+def test_the_guard_and_hisparse_counters_carry_the_rank_labels(monkeypatch):
+    """The guard's failure counter and the HiSparse swap-in and prefetch counters are one series per scheduler too,
+    labelled from sglang's parallel context where they count (DP rank 1 here), as the code that serves makes them."""
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from flashmemory.sglang.cpu.hisparse_record import SwapInCounter
+    from flashmemory.sglang.cpu.ops.hisparse import SwapInCounts
+    from flashmemory.sglang.decode.guard import Guard
+    from flashmemory.sglang.hisparse.state import PrefetchCounter
+    from flashmemory.sglang.metrics.prometheus import failure_counter
+
+    reg = CollectorRegistry()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", reg)  # the counters' default registry, this test's own
+    ctx = parallel(attn_dp_enabled=True, attn_dp_rank=1, attn_tp_rank=0)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", ctx)
+    guard = Guard()
+    guard.counter = failure_counter(reg)
+    guard.fail("r1", "before_forward", "test")
+    SwapInCounter().add(SwapInCounts(lookups=4, hits=3, misses=1, bytes_h2d=584))
+    PrefetchCounter().add(calls=1, loaded=2)
+    ranks = {"dp_rank": "1", "attn_tp_rank": "0"}
+    got = lambda name, **labels: reg.get_sample_value(name, {**ranks, **labels})  # noqa: E731
+    assert got("flashmemory_request_failures_total", hook="before_forward") == 1.0
+    assert got("flashmemory_hisparse_swapin_misses_total") == 1.0 and got("flashmemory_hisparse_swapin_calls_total")
+    assert got("flashmemory_hisparse_prefetch_loaded_total") == 2.0
+    samples = [s for fam in reg.collect() for s in fam.samples if s.name.endswith("_total")]
+    assert len(samples) >= 3 and all(ranks.items() <= s.labels.items() for s in samples)
