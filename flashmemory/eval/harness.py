@@ -34,6 +34,11 @@ class HarnessConfig:
     seed: int = 0  # random baseline
     methods: tuple[str, ...] = METHODS
     monitor: MonitorEvalConfig = MonitorEvalConfig()
+    # How a request is attended before its first Level-1 plan (`replay.FIRST_PLANS`): "prompt" (a step-0 cycle on
+    # the prompt's last position, what the published frontier models); "full" / "recency": the live server's copy /
+    # shrink mode, the first plan seen first_plan_lag steps after the first decode step.
+    first_plan: str = "prompt"
+    first_plan_lag: int = 0
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
@@ -100,6 +105,8 @@ def evaluate_doc(
                 target_layers=targets,
                 monitor=monitor,
                 page_cap=cap,
+                first_plan=hc.first_plan,
+                first_plan_lag=hc.first_plan_lag,
             )
 
         extra: dict = {}

@@ -11,6 +11,12 @@ The replay admits a row with nothing resident, and its step-0 cycle runs on the 
 prefill attended the full history densely): no decode step has attended a resident set yet, so the miss monitor
 takes no reading there (its native scorer gets the first decode position and returns None before it). A cycle at
 step t > 0 measures the native logits of position P + t - 1 against the set decode step t - 1 attended.
+How a request starts (`first_plan`; `FIRST_PLANS`): "prompt" (the default, what the published frontier models) runs
+the step-0 cycle on the prompt's last position, as above. The live server cannot: its first cycle needs the hidden
+state of the request's first decode forward (position P), so "full" and "recency" call Level 1 from step 1 on
+(position P first), and until that plan is seen (`first_plan_lag` steps after step 1) the request attends every
+visible chunk ("full": copy mode, sglang's pool holds every page) or its warm start, the newest kmax pages, and
+the chunks decoded since ("recency": shrink mode).
 Payload bytes: index-K rows are the real fp8 chunks; c4 KV rows are a deterministic pattern at the real
 584-byte DeepSeek-V4 entry size (the tiny model's KV is not in sglang's layout), so byte counts are real.
 """
@@ -34,6 +40,7 @@ MonitorFactory = Callable[[OffloadEngine, int], object]
 
 KV_WIDTHS = (576, 8)  # DeepSeek-V4 c4 entry: 448 fp8 nope + 128 bf16 rope | 7 scales + 1 pad
 KV_ALIGN = 576
+FIRST_PLANS = ("prompt", "full", "recency")  # how a request is attended before its first Level-1 plan (module doc)
 
 
 @dataclass
@@ -71,6 +78,8 @@ def replay_doc(
     device: str | torch.device = "cpu",
     monitor: MonitorFactory | None = None,
     page_cap: int | None = None,
+    first_plan: str = "prompt",
+    first_plan_lag: int = 0,
 ) -> ReplayResult:
     """Replay `n_steps` decode steps of one document.
 
@@ -80,7 +89,11 @@ def replay_doc(
     because the retriever scorer reads the engine's target keys.
     monitor: (engine, prompt_len) -> MissMonitor (escalation; `kmax` is then its base budget); page_cap: the
     engine's per-request page cap (escalation's cap; default kmax).
+    first_plan: one of FIRST_PLANS; first_plan_lag: decode steps between the first cycle (step 1) and the step
+    whose attention sees its plan (live: the worker's publish), for "full" and "recency".
     """
+    if first_plan not in FIRST_PLANS or first_plan_lag < 0:
+        raise ValueError(f"first_plan {first_plan!r} / lag {first_plan_lag}: one of {FIRST_PLANS}, lag >= 0")
     n_layers, n_total, cb = index_chunks.shape
     layout = OffloadLayout(
         n_layers=n_layers,
@@ -115,6 +128,9 @@ def replay_doc(
     )
     n0 = prompt_len // ratio
     engine.admit(0, kv[:, :n0], index_chunks[:, :n0], rid="doc")
+    late = first_plan != "prompt"  # Level 1 from step 1 on; steps before 1 + first_plan_lag are attended apart
+    warm = torch.zeros(n_total, dtype=torch.bool)  # the live warm start: the prompt's newest kmax pages
+    warm[max(0, -(-n0 // page_chunks) - kmax) * page_chunks : n0] = True
     resident = torch.zeros(n_steps, n_total, dtype=torch.bool)
     n_vis = torch.zeros(n_steps, dtype=torch.int64)
     rows = torch.tensor([0])
@@ -126,7 +142,8 @@ def replay_doc(
             pos = prompt_len + t - 1
             n_read = engine.stats.miss_n
             t0 = time.perf_counter()
-            level1.on_step([0], {lid: hidden[lid][pos : pos + 1] for lid in target_layers}, torch.tensor([pos]))
+            if not late or t >= 1:
+                level1.on_step([0], {lid: hidden[lid][pos : pos + 1] for lid in target_layers}, torch.tensor([pos]))
             spent += time.perf_counter() - t0
             if engine.stats.miss_n > n_read:  # one row: at most one reading per step
                 values.append(engine.stats.miss_recent[-1])
@@ -137,6 +154,11 @@ def replay_doc(
                 engine.decode_append(rows, kv[:, j : j + 1], index_chunks[:, j : j + 1])
             cells = engine.cells(rows, torch.arange(n_t).view(1, -1))[0]
             resident[t, :n_t] = (cells >= 0).cpu()
+            if late and t < 1 + first_plan_lag:  # the first plan is not seen yet
+                if first_plan == "full":
+                    resident[t, :n_t] = True
+                else:  # the warm start and every chunk decoded since (the decode region)
+                    resident[t, :n_t] = warm[:n_t] | (torch.arange(n_t) >= n0)
             n_vis[t] = n_t
         metrics = engine.metrics()["total"]
         metrics["miss_values"], metrics["miss_steps"] = values, steps  # the monitor's readings, in cycle order

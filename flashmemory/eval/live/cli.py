@@ -78,6 +78,7 @@ def config_from_args(a: argparse.Namespace):
         replay=a.replay,
         replay_retriever=a.replay_retriever,
         replay_tokens=a.replay_tokens,
+        replay_first_plan=a.replay_first_plan,
         lock=a.lock,
         hold_s=a.hold_minutes * 60.0,
         max_docs=0 if a.report_only else a.max_docs,
@@ -232,6 +233,14 @@ def register_live(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="recompute the replay's tokens per document (the shipped model, ~10 s a document, cached in --out) "
         "to find the first token where live and replay part",
+    )
+    p.add_argument(
+        "--replay-first-plan",
+        choices=("prompt", "full", "recency"),
+        default="prompt",
+        help="how --replay-tokens starts a request: prompt (default, as the published frontier: a step-0 plan on "
+        "the prompt's last position), full (as live copy mode: every chunk until the first plan, made on the first "
+        "decode position), recency (as live shrink mode: the warm start until then)",
     )
     p.add_argument(
         "--lock",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from flashmemory.errors import UserError
@@ -136,7 +137,9 @@ class ReplayTokens:
         if self._fp is None:
             from flashmemory.eval.frontier.identity import fingerprint_of, settings
 
-            self._fp = fingerprint_of(settings(self._frontier_config()))
+            s = settings(self._frontier_config())
+            plan = getattr(self.cfg, "replay_first_plan", "prompt")
+            self._fp = fingerprint_of(s if plan == "prompt" else {**s, "first_plan": plan})
         return self._fp
 
     def tokens(self, index: int, task: str, doc_digest: str) -> dict[str, list[int]]:
@@ -179,6 +182,8 @@ class ReplayTokens:
         if self._sweep is None:
             self.log("[live] loading the replay engine (the shipped trained model) for the replay's tokens ...")
             self._sweep = _CapturingSweep(self._frontier_config())
+            plan = getattr(self.cfg, "replay_first_plan", "prompt")  # how the replay starts a request (live's mode)
+            self._sweep.hc = replace(self._sweep.hc, first_plan=plan)
         sw = self._sweep
         sw.seen.clear()
         body = Sweep.doc(sw, index, task)

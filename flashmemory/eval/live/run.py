@@ -63,6 +63,7 @@ class LiveConfig:
     replay: str = ""
     replay_retriever: str = ""  # the replay's retriever, to recompute its tokens (`eval.live.replay.ReplayTokens`)
     replay_tokens: bool = False
+    replay_first_plan: str = "prompt"  # how the recomputed replay starts a request (`eval.replay.FIRST_PLANS`)
     lock: str = "/tmp/fm-live.lock"
     hold_s: float = 600.0
     max_docs: int | None = None

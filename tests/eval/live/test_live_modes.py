@@ -74,3 +74,15 @@ def test_report_reads_gauges_sampled_live_not_the_idle_value_after():
     assert arm_summary("FlashMemory@0.1", recs, {}, {}, {})["costs"]["resident_fraction"] == 0.5
     old = {8: rec(None)}  # a record from before the sampling: no value, not the idle 0
     assert arm_summary("FlashMemory@0.1", old, {}, {}, {})["costs"]["resident_fraction"] is None
+
+
+def test_replay_tokens_cache_keys_on_the_replays_first_plan(tmp_path, model_dir, retriever):
+    from flashmemory.eval.live.replay import ReplayTokens
+
+    cfg = small_config(tmp_path / "out", model_dir, retriever)
+    fp = {
+        plan: ReplayTokens(tmp_path, retriever, (0.1,), replace(cfg, replay_first_plan=plan)).fingerprint()
+        for plan in ("prompt", "full", "recency")
+    }
+    assert len(set(fp.values())) == 3
+    assert fp["prompt"] == ReplayTokens(tmp_path, retriever, (0.1,), cfg).fingerprint()  # the published default
