@@ -135,12 +135,6 @@ class CoreAccess:
             p = self.tables.pages[r.clamp_min(0)].long()
         return torch.where(r.unsqueeze(1) >= 0, p, torch.full_like(p, -1))
 
-    def unplanned(self, rows: Sequence[int]) -> list[bool]:
-        """Per engine row (-1: none): it holds a request whose first Level-1 plan has not published yet (it is
-        resident by its warm start alone). Host state only, read under the lock."""
-        with self.lock:
-            return [r >= 0 and self.rows[r] is not None and not self.rows[r].planned for r in rows]
-
     # ---- stores of bytes the caller holds -------------------------------------------------------------
     def store_chunks(
         self,

@@ -8,6 +8,7 @@ lifecycle verbs (engine.py), with the admissions' warm starts: from the admissio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ class StepSync:
     cfg: Any
     recaller: Recaller
     lock: Any
+    rows: list[RowState | None]
 
     def _live(self, row: int) -> RowState:  # engine.py
         raise NotImplementedError
@@ -77,8 +79,14 @@ class StepSync:
         with self.lock:
             sts = {rs.row: self._live(rs.row) for rs in sync.rows}
             res = None if sync.batch is None else self.resident_pages(torch.tensor(sync.batch, dtype=torch.int64))
+            rows = [None if r < 0 else self.rows[r] for r in sync.batch or ()]
+            unplanned = tuple(st is not None and not st.planned for st in rows)
             return SyncResult(
-                cells, {r: tuple(st.mpages) for r, st in sts.items()}, {r: st.n_chunks for r, st in sts.items()}, res
+                cells,
+                {r: tuple(st.mpages) for r, st in sts.items()},
+                {r: st.n_chunks for r, st in sts.items()},
+                res,
+                unplanned,
             )
 
     def warm_pages_of(self, n_chunks: int, warm_pages: int) -> int:
@@ -101,3 +109,27 @@ def admit_within(costs: Sequence[int], budget: int) -> int:
         if total > budget and i > 0:
             return i
     return len(costs)
+
+
+@dataclass
+class StepBudget:
+    """The warm-start pages let out of the queue during one decode step: `passed` rid -> warm pages of the
+    requests let through since decode step `step` began (one still in the queue was not taken and is decided
+    again)."""
+
+    step: int = -1
+    passed: dict[str, int] = field(default_factory=dict)
+
+    def hold(self, step: int, budget: int, queue: Sequence[tuple[str, int]], n_next: int) -> set[str]:
+        """queue: (rid, warm pages) in order, of which sglang takes the first `n_next`. Returns the rids to hold
+        back: the tail after the leading requests whose warm pages, with those let through earlier in this step,
+        fit `budget` (the first of the step runs even over it); nothing when all `n_next` fit."""
+        if step != self.step:
+            self.step, self.passed = step, {}
+        waiting = {rid for rid, _ in queue}
+        spent = sum(c for rid, c in self.passed.items() if rid not in waiting)
+        self.passed = {rid: c for rid, c in self.passed.items() if rid not in waiting}
+        head = [c for _, c in queue[: max(n_next, 0)]]
+        k = admit_within([spent, *head], budget) - 1 if self.passed else admit_within(head, budget)
+        self.passed.update(queue[:k])
+        return {rid for rid, _ in queue[k:]} if k < len(head) else set()

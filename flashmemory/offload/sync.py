@@ -85,12 +85,14 @@ class SyncResult:
     """cells: per append round, int64 [len(rows)] reserve cells written; mpages: mirror pages (logical order)
     and n_chunks: history length of every row in `BatchSync.rows` after the sync; resident: int64 [len(batch),
     max_resident_pages + decode_pages] resident logical pages of `BatchSync.batch` (`resident_pages`), None when
-    no batch was given."""
+    no batch was given; unplanned: per `BatchSync.batch` row, its request's first Level-1 plan has not published
+    (resident by its warm start alone; False for row -1), read in the same hold of the lock as `resident`."""
 
     cells: tuple[torch.Tensor, ...] = ()
     mpages: dict[int, tuple[int, ...]] = field(default_factory=dict)
     n_chunks: dict[int, int] = field(default_factory=dict)
     resident: torch.Tensor | None = None
+    unplanned: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

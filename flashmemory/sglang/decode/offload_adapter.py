@@ -99,6 +99,7 @@ class OffloadAdapter:
         self.hist: dict[int, int] = {}  # engine row -> history chunks, as the core last reported them
         self.step_rows = torch.full((0,), -1, dtype=torch.int64)
         self._step_pages: torch.Tensor | None = None  # resident pages of step_rows, read by the step's sync
+        self._step_unplanned: tuple[bool, ...] = ()  # per step row: no Level-1 plan published yet (same sync)
 
     def landing_blocks(self) -> int:
         """Reserve scratch blocks for extend stores (none unless the mode lands extends in the reserve)."""
@@ -131,9 +132,9 @@ class OffloadAdapter:
         return torch.where(keep, locs, torch.full_like(locs, -1)).to(torch.int32)
 
     def unplanned_rows(self) -> list[bool]:
-        """Per row of the step's batch: its request's first Level-1 plan has not published (the core's flags, read
-        after `begin_step`; the forward gate holds publishes back, so they agree with `step_resident_pages`)."""
-        return self.engine.unplanned(self.step_rows.tolist())
+        """Per row of the step's batch: its request's first Level-1 plan has not published (the core's flags from
+        this step's `sync_batch`, read with `step_resident_pages`; the forward gate holds publishes back)."""
+        return list(self._step_unplanned)
 
     def size_batch(self, rows: int) -> None:
         """Make room for decode batches of `rows` rows (CUDA-graph padding included); before any capture."""
@@ -301,9 +302,9 @@ class OffloadAdapter:
             locs = torch.tensor([self.pages[r][n // pc] * pc + n % pc for _, r, n in lag], dtype=torch.int64)
             rounds.append(self._append_round([r for _, r, _ in lag], locs))
             round_locs.append(locs)
-        self._step_pages = None  # unknown if the sync raises
+        self._step_pages, self._step_unplanned = None, ()  # unknown if the sync raises
         res = self.engine.sync_batch(BatchSync(tuple(finished), tuple(syncs), tuple(rounds), tuple(rows), stores))
-        self._step_pages = res.resident
+        self._step_pages, self._step_unplanned = res.resident, res.unplanned
         self.mpages.update(res.mpages)
         self.hist.update(res.n_chunks)
         for rs in syncs:

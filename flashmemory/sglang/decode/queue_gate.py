@@ -18,13 +18,11 @@ Its Patch row is on with Path-P (the `path_p` feature); without an adapter the c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flashmemory.offload.step import admit_within
 from flashmemory.sglang.decode.guard import guarded
 from flashmemory.sglang.decode.runtime import RUNTIME
 from flashmemory.sglang.decode.tables import c4_page_table
@@ -52,33 +50,6 @@ def table_of(req_to_token_pool: Any) -> Callable[[int, int, int], list[int]]:
     return pages
 
 
-@dataclass
-class StepBudget:
-    """The warm-start pages let out of the queue during one decode step: `passed` rid -> warm pages of the
-    requests let through since decode step `step` began (one still in the queue was not taken and is decided
-    again)."""
-
-    step: int = -1
-    passed: dict[str, int] = field(default_factory=dict)
-
-    def hold(self, step: int, budget: int, queue: Sequence[tuple[str, int]], n_next: int) -> set[str]:
-        """queue: (rid, warm pages) in order, of which sglang takes the first `n_next`. Returns the rids to hold
-        back: the tail after the leading requests whose warm pages, with those let through earlier in this step,
-        fit `budget` (the first of the step runs even over it); nothing when all `n_next` fit."""
-        if step != self.step:
-            self.step, self.passed = step, {}
-        waiting = {rid for rid, _ in queue}
-        spent = sum(c for rid, c in self.passed.items() if rid not in waiting)
-        self.passed = {rid: c for rid, c in self.passed.items() if rid not in waiting}
-        head = [c for _, c in queue[: max(n_next, 0)]]
-        k = admit_within([spent, *head], budget) - 1 if self.passed else admit_within(head, budget)
-        self.passed.update(queue[:k])
-        return {rid for rid, _ in queue[k:]} if k < len(head) else set()
-
-
-BUDGET = StepBudget()
-
-
 @guarded("around_prebuilt_batch", None, RUNTIME)
 def around_prebuilt_batch(original: Callable, self: Any, running_batch: Any, *args: Any, **kwargs: Any) -> Any:
     engine = RUNTIME.engine
@@ -90,7 +61,7 @@ def around_prebuilt_batch(original: Callable, self: Any, running_batch: Any, *ar
     rows = [(str(r.rid), pool_row(r), landed_tokens(r)) for r in waiting]
     held = set(engine.queue_gate([(rid, i, n) for rid, i, n in rows if i is not None], n_next, table_of(pool)))
     free = [(rid, engine.warm_cost(n)) for rid, _, n in rows if rid not in held]
-    held |= BUDGET.hold(RUNTIME.steps, engine.cfg.warm_step_pages, free, n_next)
+    held |= RUNTIME.step_budget.hold(RUNTIME.steps, engine.cfg.warm_step_pages, free, n_next)
     if not held:
         return original(self, running_batch, *args, **kwargs)
     order = {id(r): i for i, r in enumerate(waiting)}

@@ -33,12 +33,12 @@ What is refused and why:
   pool by pool loc, past the store hooks that fill the host mirror, so the mirror would miss that history.
 
 Where they run: `refusals` is the one function, called twice. First in the launcher process, inside sglang's own
-server-argument resolution (`refuse_at_resolution`, a `step` row of the hook table wrapping the pipeline's last
-step): before any scheduler, data-parallel controller or tokenizer starts, so the launcher exits with the line
-(sglang's data-parallel controller does not stop when its schedulers exit, so a refusal there alone would leave
-the server running). Then in each scheduler process when the pool is attached (`Runtime.check_refusals`): the
-second line of defence for a launcher that did not resolve the arguments itself (an embedding `Engine` given an
-already resolved record, a dummy model whose resolution stops early).
+server-argument resolution (`resolution_step.refuse_at_resolution`, a `step` row of the hook table wrapping the
+pipeline's last step): before any scheduler, data-parallel controller or tokenizer starts, so the launcher exits
+with the line (sglang's data-parallel controller does not stop when its schedulers exit, so a refusal there alone
+would leave the server running). Then in each scheduler process when the pool is attached
+(`Runtime.check_refusals`): the second line of defence for a launcher that did not resolve the arguments itself
+(an embedding `Engine` given an already resolved record, a dummy model whose resolution stops early).
 
 Fields are read as sglang resolved them (`setting`): 0.5.23 keeps the raw input on the `ServerArgs` record and
 its resolution's decisions beside it (`--dp 2 --enable-dp-attention` resolves to attn_dp_size 2, dp_size 1).
@@ -46,7 +46,7 @@ its resolution's decisions beside it (`--dp 2 --enable-dp-attention` resolves to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from flashmemory.env import FlashMemoryEnv
@@ -193,17 +193,6 @@ def radix_cache_on(server_args: Any) -> bool:
     if str(setting(server_args, "disaggregation_mode", "null") or "null") == "decode":
         return bool(setting(server_args, "disaggregation_decode_enable_radix_cache", False))
     return True
-
-
-def refuse_at_resolution(server_args: Any, previous: Callable[[Any], None]) -> None:
-    """sglang's last server-argument resolution step, wrapped (`register_resolution_hook`): run it, then refuse
-    what the active features cannot serve (`refusals` with this process's gates, `RUNTIME.env` and
-    `RUNTIME.features`, which `plugin.register` set before applying this row). Raises StartupError, a SystemExit:
-    the launcher stops with the one line before it starts any other process."""
-    previous(server_args)
-    from flashmemory.sglang.decode.runtime import RUNTIME
-
-    refuse(refusals(server_args, RUNTIME.env, RUNTIME.features))
 
 
 def refuse(lines: Sequence[str]) -> None:

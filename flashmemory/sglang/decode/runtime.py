@@ -18,6 +18,7 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv, stats_file
 from flashmemory.offload import streams
+from flashmemory.offload.step import StepBudget
 from flashmemory.sglang.decode.context import ForwardContext, HiSparseState
 from flashmemory.sglang.decode.guard import Guard
 from flashmemory.sglang.decode.server import server_args
@@ -65,6 +66,7 @@ class Runtime:
         self.in_compressed_pools = False  # inside DeepSeekV4TokenToKVPool._init_compressed_pools
         self._shrink: bool | None = None  # shrink decision, made once per process
         self.steps = 0
+        self.step_budget = StepBudget()  # warm-start pages the PD waiting queue let out this step (queue_gate)
         self.counters: dict[str, int] = {}
         self.diag_path = stats_file()  # diagnostics for scripts/gpu_check.py
         # (target, kind, impl) -> target of every Patch row applied in this process (`patching.apply`: once each)

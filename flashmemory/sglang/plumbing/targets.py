@@ -315,7 +315,7 @@ SPECS: tuple[Patch, ...] = (
             feature,
             _RESOLVE_LAST,
             "step",
-            "flashmemory.sglang.decode.refusals:refuse_at_resolution",
+            "flashmemory.sglang.decode.resolution_step:refuse_at_resolution",
             ("server_args",),
             "srt/arg_groups/pipeline.py:375 the last resolution step (resolve_once, in the launcher before any "
             "scheduler or DP controller starts): refuse a layout FlashMemory cannot serve, one line, SystemExit",

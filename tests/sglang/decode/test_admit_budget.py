@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashmemory.bench import step_drive as sd
+from flashmemory.offload.step import StepBudget
 from flashmemory.sglang.decode import queue_gate
 from flashmemory.sglang.decode.runtime import RUNTIME
 
@@ -62,7 +63,7 @@ def _take(running: list[str]):
 
 @pytest.fixture
 def gate(monkeypatch):
-    monkeypatch.setattr(queue_gate, "BUDGET", queue_gate.StepBudget())
+    monkeypatch.setattr(queue_gate.RUNTIME, "step_budget", StepBudget())
 
     def use(adapter: Adapter) -> None:
         monkeypatch.setattr(RUNTIME, "engine", adapter)

@@ -26,7 +26,10 @@ from flashmemory.sglang.decode.runtime import RUNTIME
 g = RUNTIME.guard
 print(json.dumps(None if g is None else {"names": list(g.hook_names), "precheck": g.precheck is not None}))
 """
-HOOK_MODULES = sorted({p.impl.split(":")[0] for p in SPECS})
+# `step` rows run in the launcher process, before any scheduler exists: outside the guard by design (a refusal
+# must reach the launcher as the SystemExit it is); test_launcher_step_is_not_guarded pins that.
+SCHEDULER_SPECS = tuple(p for p in SPECS if p.kind != "step")
+HOOK_MODULES = sorted({p.impl.split(":")[0] for p in SCHEDULER_SPECS})
 
 
 def _guard_after_importing(*modules: str) -> dict | None:
@@ -37,7 +40,7 @@ def _guard_after_importing(*modules: str) -> dict | None:
 
 
 def _hooks_of(module: str) -> set[str]:
-    return {p.impl.split(":")[1] for p in SPECS if p.impl.split(":")[0] == module}
+    return {p.impl.split(":")[1] for p in SCHEDULER_SPECS if p.impl.split(":")[0] == module}
 
 
 def test_the_table_names_more_than_one_hook_module() -> None:
@@ -56,4 +59,24 @@ def test_every_order_ends_with_one_guard_over_every_hook() -> None:
     and runs the precheck."""
     got = _guard_after_importing(*reversed(HOOK_MODULES))
     assert got is not None and got["precheck"], got
-    assert {p.impl.split(":")[1] for p in SPECS} <= set(got["names"]), got
+    assert {p.impl.split(":")[1] for p in SCHEDULER_SPECS} <= set(got["names"]), got
+
+
+def test_launcher_step_is_not_guarded() -> None:
+    """The launcher's refusal raises its StartupError itself: no guard turns it into a scheduler stop."""
+    from flashmemory.sglang.decode.refusals import StartupError
+    from flashmemory.sglang.decode.resolution_step import refuse_at_resolution
+
+    steps = {p.impl for p in SPECS if p.kind == "step"}
+    assert steps == {"flashmemory.sglang.decode.resolution_step:refuse_at_resolution"}, steps
+    assert not hasattr(refuse_at_resolution, "__wrapped__")  # functools.wraps of `guarded` would set it
+    args = type("Args", (), {"enable_two_batch_overlap": True})()
+    import flashmemory.sglang.decode.resolution_step as rs
+
+    old = rs.RUNTIME.features
+    try:
+        rs.RUNTIME.features = ("level2",)
+        with pytest.raises(StartupError, match="--enable-two-batch-overlap"):
+            refuse_at_resolution(args, lambda a: None)
+    finally:
+        rs.RUNTIME.features = old

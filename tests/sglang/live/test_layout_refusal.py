@@ -1,6 +1,6 @@
 """On the live CPU server, a layout FlashMemory does not serve stops start-up with its one line: data-parallel
 replicas (`--dp 2` without attention DP) with Path-P on are refused by the launcher process itself, while sglang
-resolves the server arguments (`refusals.refuse_at_resolution`), so the launcher exits with the line before it
+resolves the server arguments (`resolution_step.refuse_at_resolution`), so the launcher exits with the line before it
 starts the data-parallel controller or any scheduler, and leaves no process and no shared-memory queue. (sglang
 0.5.23's data-parallel controller does not notice its schedulers exiting: a refusal only there would leave the
 server running.) Attention DP, served, runs in test_attention_dp_live."""

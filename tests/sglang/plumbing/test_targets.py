@@ -33,7 +33,7 @@ def test_features():
     assert len({(s.target, s.kind) for s in specs}) == len(specs)  # shared indexer hook registered once
     assert [s.feature for s in specs] == ["level2", "dump", "dump", "level2"]  # the last: the start-up refusals
     refusal_steps = select(("level2", "level1"), ("step",))
-    assert [s.impl for s in refusal_steps] == ["flashmemory.sglang.decode.refusals:refuse_at_resolution"]
+    assert [s.impl for s in refusal_steps] == ["flashmemory.sglang.decode.resolution_step:refuse_at_resolution"]
     assert select(("path_i", "dump", "hisparse_prefetch"), ("step",)) == []  # nothing they refuse
 
 
