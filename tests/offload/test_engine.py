@@ -167,9 +167,10 @@ class EngineMachine(RuleBasedStateMachine):
 # derandomize + no example database: the same examples on every machine, so the step count below is stable
 # (a local .hypothesis database would replay shrunk, shorter examples first). (examples, checked-step floor) per
 # size: measured 1,067 steps for 15 examples and 3,510 for 60. The count still moves with what ran earlier in
-# the same process (979 with all of tests/offload in one process), so the floor sits below both.
+# the same process (979 with all of tests/offload in one process, 899 once in a `make test` worker), so the floor
+# sits well below every count seen.
 THOROUGH = os.environ.get("FLASHMEMORY_TEST_THOROUGH", "") == "1"
-EXAMPLES, STEP_FLOOR = (60, 2000) if THOROUGH else (15, 900)
+EXAMPLES, STEP_FLOOR = (60, 2000) if THOROUGH else (15, 700)
 EngineMachine.TestCase.settings = settings(
     max_examples=EXAMPLES,
     stateful_step_count=70,

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from flashmemory.sglang.decode.guard import RequestFailure, batch_rids, guarded
-from flashmemory.sglang.decode.resident_topk import apply_resident_mask, resident_view
+from flashmemory.sglang.decode.resident_topk import apply_resident_mask, pad_rows, resident_view
 from flashmemory.sglang.decode.runtime import RUNTIME
+from flashmemory.sglang.decode.server import scheduler_idle
 from flashmemory.sglang.decode.tables import substitute_buf_infos
 
 logger = logging.getLogger(__name__)
@@ -43,19 +44,12 @@ def _resident_metadata(md: Any, layer: int) -> Any:
         md.page_table,
         md.compressed_seq_lens.reshape(-1)[:bs],
         RUNTIME.bufs.sel_pages[:bs],
-        full=None if full is None else _pad_rows(full, bs),
+        full=None if full is None else pad_rows(full, bs),
     )
     # dataclasses.replace reruns __post_init__, which rebuilds the DeepGEMM schedule and top-k plan for the view.
     view = dataclasses.replace(md, page_table=table, compressed_seq_lens=lens)
     RUNTIME.fwd.view_cache = (md, layer, view)
     return view
-
-
-def _pad_rows(flags: torch.Tensor, bs: int) -> torch.Tensor:
-    """Bool [bs]: per-row flags of the batch's real rows, False for padding rows past them."""
-    if flags.shape[0] >= bs:
-        return flags[:bs]
-    return torch.cat((flags, torch.zeros(bs - flags.shape[0], dtype=torch.bool, device=flags.device)))
 
 
 def _resident_block_metadata(md: Any, layer: int) -> Any:
@@ -129,7 +123,7 @@ def around_forward_c4_indexer(
     elif engine is not None and RUNTIME.fwd.pool_rows is not None:
         # Attention reads sglang's pool this forward (`Runtime.pool_rows`): the picks stay pool locs.
         picks = meta.core_metadata.c4_sparse_page_indices
-        full = _pad_rows(RUNTIME.fwd.pool_rows, picks.shape[0])
+        full = pad_rows(RUNTIME.fwd.pool_rows, picks.shape[0])
         meta.core_metadata.c4_sparse_page_indices = engine.pool_picks(picks, full)
     elif engine is not None:
         # Attention reads the reserve (get_extra_key_buffer below), so the picks become reserve cells.
@@ -338,16 +332,6 @@ def before_process_batch_result(self: Any, batch: Any, result: Any, *args: Any, 
     RUNTIME.guard.abort_failed(list(getattr(batch, "reqs", None) or []))
 
 
-def _scheduler_idle(sched: Any) -> bool:
-    """No request runs or has a forward whose result is still to be processed (so none holds an engine row)."""
-    running, last = getattr(sched, "running_batch", None), getattr(sched, "last_batch", None)
-    return (
-        (running is None or running.is_empty())
-        and (last is None or last.is_empty())
-        and not getattr(sched, "result_queue", None)
-    )
-
-
 def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     """Scheduler.on_idle: flush dump documents; with nothing running, release the engine rows of requests that
     finished after the last decode forward (normally released by the next `begin_step`) and publish the gauges
@@ -355,7 +339,7 @@ def after_on_idle(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     if RUNTIME.dump is not None and RUNTIME.dump.docs:
         RUNTIME.dump.flush_all()
     engine = RUNTIME.engine
-    if engine is None or not _scheduler_idle(self):
+    if engine is None or not scheduler_idle(self):
         return
     if engine.rows:
         engine.close_forward()  # a forward that raised never released the gate the worker waits for

@@ -28,9 +28,10 @@ import torch
 
 from flashmemory.env import FlashMemoryEnv
 from flashmemory.offload.sync import Admission, AppendRound, BatchSync, ChunkStore, RowSync
-from flashmemory.offload.tiered_mirror import build_engine, corrupt_page_in, dist_rank, engine_tier
+from flashmemory.offload.tiered_mirror import build_engine, dist_rank, engine_tier
 from flashmemory.residency.level1 import AllPass, Level1, retriever_scorer
 from flashmemory.residency.policy import ThresholdPagePolicy
+from flashmemory.sglang.decode.adapter_level1 import Level1Calls
 from flashmemory.sglang.decode.core_config import core_config, serving_tp_size
 from flashmemory.sglang.decode.geometry import RATIO, PoolGeometryError, c4_counts, pool_buffers, read_geometry
 from flashmemory.sglang.decode.loc_map import LocMap, pool_chunks
@@ -39,7 +40,7 @@ from flashmemory.sglang.metrics.miss_monitor import build_monitor
 from flashmemory.sglang.metrics.prometheus import adapter_stats
 
 
-class OffloadAdapter:
+class OffloadAdapter(Level1Calls):
     """Every method the hooks and the runtime call. Subclasses supply the mode: `_admission`, `_append_round`,
     `_appended`, and override the no-op defaults their mode needs."""
 
@@ -329,41 +330,7 @@ class OffloadAdapter:
         """sglang stored index-K of `layer` at pool locs (HIP path): mirror / target pool / reserve."""
         self._copy_from_pool(locs.reshape(-1), [layer], kv=False, index=True)
 
-    # --- Level 1 / Level 2 / stats -------------------------------------------------------------------
-    def level1(self, snapshot: dict[str, torch.Tensor]) -> None:
-        """One decode step's Level-1 call (cadence and async are Level1's). snapshot: hidden_{layer} [B, hidden]
-        for the target layers (absent without a retriever), positions [B]. The cycle's pages appear in the core's
-        tables when it publishes (read them with `resident_pages`).
-
-        The tensors may be views of the runtime's static side band: `Level1.on_step` copies the due rows
-        (index_select + clone) on the caller's stream, so the next forward may overwrite them. A snapshot
-        shorter than the batch (side band capacity) leaves the rows beyond it out of this step's cycle."""
-        rows = self.step_rows
-        n = rows.numel()
-        if "positions" in snapshot:
-            n = min(n, snapshot["positions"].shape[0])
-        try:
-            if n and bool((rows[:n] >= 0).any()):
-                hidden: dict[Any, torch.Tensor] = {
-                    l: snapshot[f"hidden_{l}"][:n] for l in self.layout.target_layers if f"hidden_{l}" in snapshot
-                }
-                hidden.update(
-                    {
-                        ("q_lora", l): snapshot[f"q_lora_{l}"][:n]
-                        for l in self.layout.target_layers
-                        if f"q_lora_{l}" in snapshot
-                    }
-                )  # the miss monitor's native query input
-                positions = snapshot.get("positions", torch.zeros(n, dtype=torch.int64))[:n]
-                self.l1.on_step(rows[:n].tolist(), hidden, positions)
-            else:
-                self.l1.tick()  # lockstep (TP): this step counts on every rank, rows or not
-        except Exception as e:
-            bad = corrupt_page_in(e)
-            if bad is None or self.make_failure is None:
-                raise
-            raise self.make_failure(bad.rid, "level1", str(bad)) from e  # the guard fails that request alone
-
+    # --- Level 2 / stats (Level 1: `adapter_level1.Level1Calls`) ---------------------------------------
     def resident_pages(self, rows: torch.Tensor) -> torch.Tensor:
         """Int64 [B, kmax + decode_pages] resident logical pages per row, ascending, -1 padded (-1 rows: all -1)."""
         return self.engine.resident_pages(rows)
@@ -383,21 +350,6 @@ class OffloadAdapter:
         """The keys of `flashmemory.sglang.metrics.prometheus.METRICS` (`prometheus.adapter_stats`: O(1), no scan of
         requests, no device read; the exporter thread calls it)."""
         return adapter_stats(self)
-
-    def check_level1_scores(self, check: Callable[[str, torch.Tensor], None]) -> None:
-        """Run `check(rid, scores)` on every Level-1 score vector (float [n_hist]) before the page policy sees it;
-        `check` raises to refuse them (the guard fails that request). Applied once: a second call is a no-op."""
-        inner = self.l1.scorer
-        if getattr(inner, "flashmemory_checked", False):
-            return
-
-        def scorer(row: int, n_hist: int, hidden: Any, position: Any) -> torch.Tensor:
-            scores = inner(row, n_hist, hidden, position)
-            check(next((rid for rid, r in self.rows.items() if r == row), f"row {row}"), scores)
-            return scores
-
-        scorer.flashmemory_checked = True
-        self.l1.scorer = scorer
 
     def open_forward(self, is_decode: bool) -> None:
         """Before any non-idle forward: the core learns the forward's stream and holds Level-1 table writes until

@@ -126,3 +126,10 @@ def paged_index_scores(
     out = relu_head_scores(q.float(), w.float(), vals) * scale
     valid = torch.arange(p * page_chunks, device=out.device).unsqueeze(0) < seq_lens.unsqueeze(1)
     return out.masked_fill(~valid, 0.0)
+
+
+def pad_rows(flags: torch.Tensor, bs: int) -> torch.Tensor:
+    """Bool [bs]: per-row flags of the batch's real rows, False for padding rows past them."""
+    if flags.shape[0] >= bs:
+        return flags[:bs]
+    return torch.cat((flags, torch.zeros(bs - flags.shape[0], dtype=torch.bool, device=flags.device)))
