@@ -245,12 +245,7 @@ class CoreAccess:
                 ix = index if index is not None else lay.index.read_chunks(self.reserve.index, cells // pc, cells % pc)
                 dst = torch.where(now >= 0, now, sink)
                 lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, ix)
-            kv_host = streams.pinned_empty(tuple(rows.shape), rows.dtype)
-            kv_host.copy_(rows, non_blocking=True)
-            ix_host = None
-            if ix is not None:
-                ix_host = streams.pinned_empty(tuple(ix.shape), ix.dtype)
-                ix_host.copy_(ix, non_blocking=True)
+            kv_host, ix_host = streams.download(rows), streams.download(ix)
             done = torch.cuda.Event()
             done.record(self.order.stream)
         return StagedSettle(m.long(), kv_host, ix_host, done)

@@ -101,12 +101,7 @@ class DeviceLanding:
             self.land(row, st, m, kv.cpu(), None if index is None else index.cpu())
             return
         with self.order.on_stream():
-            kv_h = streams.pinned_empty(tuple(kv.shape), kv.dtype)
-            kv_h.copy_(kv, non_blocking=True)
-            ix_h = None
-            if index is not None:
-                ix_h = streams.pinned_empty(tuple(index.shape), index.dtype)
-                ix_h.copy_(index, non_blocking=True)
+            kv_h, ix_h = streams.download(kv), streams.download(index)
             done = torch.cuda.Event()
             done.record(self.order.stream)
         self.lands.append(PendingLand(row, st.gen, m.cpu().long(), kv_h, ix_h, done))
@@ -166,12 +161,7 @@ class DeviceLanding:
                 if self.reserve.index.shape[0]:
                     lay.index.write_chunks(self.reserve.index, dst // pc, dst % pc, pix)
             if staged:
-                kv_h = streams.pinned_empty(tuple(kv.shape), kv.dtype)
-                kv_h.copy_(kv, non_blocking=True)
-                ix_h = None
-                if pix is not None:
-                    ix_h = streams.pinned_empty(tuple(pix.shape), pix.dtype)
-                    ix_h.copy_(pix, non_blocking=True)
+                kv_h, ix_h = streams.download(kv), streams.download(pix)
                 done = torch.cuda.Event()
                 done.record(self.order.stream)
             else:  # nothing to wait for: one write of the chunks of live rows

@@ -54,6 +54,16 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return buf.to(device, non_blocking=True)
 
 
+def download(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A pinned host copy of device tensor `t` enqueued on the current stream with non_blocking=True (the host does
+    not wait): its bytes are valid once an event recorded after it on that stream has completed. None for None."""
+    if t is None:
+        return None
+    host = pinned_empty(tuple(t.shape), t.dtype)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """`t` where `ref` lives: a host tensor for a device `ref` goes up through `upload` (no host wait); a device
     tensor for a host `ref` comes down with `.cpu()` (a host read: the caller means it); else `t` itself."""
