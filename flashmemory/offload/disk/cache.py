@@ -249,6 +249,7 @@ class HostPageCache(WriteBehind):
             gone = [k for k, e in self._lru.items() if not e.dirty]
             for k in gone:
                 del self._lru[k]
+            self._ahead.difference_update(gone)  # read ahead and gone unused: a later prefetch reads it again
             self.counters.evictions += len(gone)
             return len(gone)
 

@@ -70,6 +70,7 @@ class WriteBehind:
     _pinned: dict[Key, CacheEntry]
     _writing: OrderedDict[Key, CacheEntry]
     _ver: dict[Key, int]
+    _ahead: set[Key]
     _writer: threading.Thread | None
     _retry: bool
     _stop: bool
@@ -124,6 +125,7 @@ class WriteBehind:
         written now without a writer). Then back-pressure: wait while the queue is over its bound."""
         while len(self._lru) > self.capacity_pages:
             key, ent = self._lru.popitem(last=False)
+            self._ahead.discard(key)  # read ahead and gone unused: a later prefetch reads it again
             if not ent.dirty:
                 self.counters.evictions += 1
             elif self._writer is not None:

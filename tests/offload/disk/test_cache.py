@@ -194,3 +194,28 @@ def test_open_tier_from_the_environment(tmp_path, caplog) -> None:
     assert list(tmp_path.iterdir()) == []  # the store of the failed start was removed
     with pytest.raises(DiskTierError, match="SGLANG_PATHP_DISK_DIR is not set"):
         open_tier(DiskTierConfig(), PB)
+
+
+@pytest.mark.parametrize("evict", ["drop_clean", "lru"])
+def test_a_read_ahead_page_evicted_before_use_can_be_read_ahead_again(tmp_path, evict) -> None:
+    """A page read ahead and evicted before any `get` (a cold cache, or the LRU bound) is read ahead again on the
+    next `prefetch` (a stale read-ahead mark once made the next prefetch skip it: the page never landed)."""
+    store = PageStore(str(tmp_path), 16 * 8192, PB, ops=FaultyFileOps())
+    cache = HostPageCache(store, 2 * PB, worker=False)  # prefetch reads at once, in this thread
+    try:
+        for i in range(4):
+            cache.put("a", i, page("a", i))
+        cache.flush()
+        cache.drop_clean()
+        assert cache.prefetch("a", [0]) == 1 and cache.resident("a", 0)
+        if evict == "drop_clean":
+            cache.drop_clean()
+        else:
+            cache.prefetch("a", [1, 2])  # two more pages through a 2-page cache: page 0 leaves
+        assert not cache.resident("a", 0)
+        assert cache.prefetch("a", [0]) == 1 and cache.resident("a", 0)
+        assert bytes(cache.get("a", 0)) == page("a", 0)
+        cache.check()
+    finally:
+        cache.close()
+        store.close()
