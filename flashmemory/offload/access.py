@@ -24,7 +24,7 @@ page_chunks + offset), engine rows; the caller translates its own (sglang's pool
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,11 +89,8 @@ class CoreAccess:
     lock: Any
     queued: QueuedPages | None = None  # shrink mode's DRAM cap on waiting requests (the disk tier sets it)
 
-    def _live(self, row: int) -> RowState:  # engine.py
-        raise NotImplementedError
-
-    def _mchunks(self, st: RowState, start: int, stop: int) -> torch.Tensor:  # engine.py
-        raise NotImplementedError
+    _live: Callable[[int], RowState]  # engine.py
+    _mchunks: Callable[[RowState, int, int], torch.Tensor]  # engine.py
 
     # ---- forward order ---------------------------------------------------------------------------------
     def begin_forward(self) -> None:

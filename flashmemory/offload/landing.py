@@ -25,7 +25,7 @@ Without streams (CPU) the rows are written into the mirror at once: there is not
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,14 +79,9 @@ class DeviceLanding:
     lands: list[PendingLand]
     lock: Any
 
-    def _live(self, row: int) -> RowState:  # engine.py
-        raise NotImplementedError
-
-    def _ring_block(self, row: int, st: RowState, page: int, upto: int | None = None, src: Any = None) -> int:
-        raise NotImplementedError  # engine.py
-
-    def land(self, row: int, st: RowState, m: torch.Tensor, kv: torch.Tensor, index: torch.Tensor | None) -> None:
-        raise NotImplementedError  # engine.py (the disk tier overrides it)
+    _live: Callable[[int], RowState]  # engine.py
+    _ring_block: Callable[..., int]  # engine.py: (row, st, page, upto=None, src=None) -> reserve block
+    land: Callable[[int, RowState, torch.Tensor, torch.Tensor, torch.Tensor | None], None]  # engine.py, disk tier
 
     def near(self, t: torch.Tensor | None) -> bool:
         """Whether chunk rows `t` live where the reserve does (device rows for a device reserve; any rows on CPU):

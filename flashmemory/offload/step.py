@@ -7,7 +7,7 @@ lifecycle verbs (engine.py), with the admissions' warm starts: from the admissio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +30,7 @@ class StepSync:
     lock: Any
     rows: list[RowState | None]
 
-    def _live(self, row: int) -> RowState:  # engine.py
-        raise NotImplementedError
+    _live: Callable[[int], RowState]  # engine.py
 
     def sync_batch(self, sync: BatchSync) -> SyncResult:
         """One decode step's lifecycle in one call, in this order: admissions and settles of earlier steps whose

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,7 @@ class WriteBehind:
     _stop: bool
     _busy: Key | None
 
-    def _note_wait(self) -> None:  # cache.py
-        raise NotImplementedError
+    _note_wait: Callable[[], None]  # cache.py
 
     def retry_pinned(self) -> int:
         """Try again to write pages kept in DRAM by a failed write-behind; returns how many are still pinned."""
