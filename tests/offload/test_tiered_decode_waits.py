@@ -36,15 +36,11 @@ def on_worker(fn, *args) -> None:
 
 
 def landed(eng, picks: dict[int, list[int]], timeout: float = 30.0) -> None:
-    """Wait until the picked pages are in host memory. The read-ahead is asked again once a second: about one run in
-    four under load, one page of a first read-ahead never lands (neither queued, loading nor in DRAM; not yet
-    explained), which costs the copy a counted disk wait, never a wrong byte."""
-    end, again = time.monotonic() + timeout, time.monotonic() + 1.0
+    """Wait until the picked pages are in host memory (asked once: a page then still queued for the writer stays in
+    DRAM once written, for the read-ahead that asked for it)."""
+    end = time.monotonic() + timeout
     keys = [(str(eng.rows[r].rid), p) for r, ps in picks.items() for p in ps]
     while not all(eng.tier.resident(*k) for k in keys) and time.monotonic() < end:
-        if time.monotonic() > again:
-            eng.recaller.prefetch(requests(eng, picks))  # only queues reads: no wait on this thread
-            again = time.monotonic() + 1.0
         time.sleep(0.005)
     c = eng.tier
     assert all(c.resident(*k) for k in keys), (
@@ -75,7 +71,7 @@ def test_decode_thread_waits_are_zero_normally_and_counted_when_forced(tmp_path)
         on_worker(eng.recaller.prefetch, requests(eng, picks))
         landed(eng, picks)
         hits = eng.tier_stats()["disk_cache_hits"]
-        assert eng.tier_stats()["disk_readahead_pages"] >= 4
+        assert eng.tier_stats()["disk_readahead_pages"] >= 1  # the picks not in DRAM (some may wait for the writer)
         eng.recaller.recall(requests(eng, picks))  # this (decode) thread copies: all in host memory
         st = eng.tier_stats()
         assert st["disk_decode_waits"] == 0 and st["disk_cache_hits"] == hits + 4

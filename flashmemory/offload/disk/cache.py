@@ -196,14 +196,17 @@ class HostPageCache(WriteBehind):
             return bytes(self.store.read(rid, page))
 
     def prefetch(self, rid: str, pages: list[int]) -> int:
-        """Queue read-ahead of these pages into the cache; returns how many were queued (not already in DRAM)."""
+        """Queue read-ahead of these pages into the cache; returns how many reads were queued (pages not in DRAM). A
+        page queued for the writer or pinned is in DRAM: it is only marked, and stays in DRAM once written."""
         n = 0
         with self._lock:
             live = self._live.get(rid, set())
             for p in pages:
                 key = (rid, p)
-                if p in live and not self.resident(rid, p) and key not in self._loading and key not in self._ahead:
-                    self._ahead.add(key)
+                if p not in live or key in self._loading or key in self._ahead or key in self._lru:
+                    continue
+                self._ahead.add(key)  # queued for the writer or pinned: marked, so it stays in DRAM once written
+                if key not in self._writing and key not in self._pinned:
                     self._q.put(key)
                     n += 1
         if not self._threads:  # no worker (tests, single-threaded tools): read ahead now

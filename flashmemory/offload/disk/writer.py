@@ -187,9 +187,8 @@ class WriteBehind:
             return
         if err is None:
             del src[key]
-            ent.dirty = False
             self.counters.disk_bytes_written += self.page_bytes
-            self.counters.evictions += 1
+            self._written_out(key, ent)
             return
         self.counters.write_errors += 1
         if pinned:
@@ -208,5 +207,16 @@ class WriteBehind:
         for key, ent in list(self._pinned.items()):
             if not self._write_behind(key, ent):
                 break  # the disk still refuses: keep the rest pinned, try at the next release
-            del self._pinned[key]  # on disk now: leaves DRAM
+            del self._pinned[key]  # on disk now: leaves DRAM (unless read-ahead wants it)
+            self._written_out(key, ent)
+
+    def _written_out(self, key: Key, ent: CacheEntry) -> None:
+        """`ent` (out of the write queue or the pinned set) is on disk now: it leaves DRAM, unless read-ahead asked
+        for it while it waited (`prefetch` marks such a page without reading it: it was in DRAM); then it stays,
+        clean, as the most recently used page, so the read-ahead is not lost."""
+        ent.dirty = False
+        if key in self._ahead:
+            self._lru[key] = ent
+            self._shrink()
+        else:
             self.counters.evictions += 1

@@ -219,3 +219,35 @@ def test_a_read_ahead_page_evicted_before_use_can_be_read_ahead_again(tmp_path, 
     finally:
         cache.close()
         store.close()
+
+
+@pytest.mark.parametrize("where", ["write queue", "pinned"])
+def test_a_read_ahead_of_a_page_waiting_to_be_written_stays_in_dram(tmp_path, where) -> None:
+    """A page queued for the writer (or pinned by a failed write) is in DRAM, so `prefetch` reads nothing; once
+    written it must stay in DRAM for the read-ahead that asked for it (it once left DRAM with the write and the
+    read-ahead never landed: the next `get` waited on the disk)."""
+    gate, ops = threading.Event(), FaultyFileOps()
+    store = PageStore(str(tmp_path), 16 * 8192, PB, ops=ops)
+    ops.plan.write_gate = gate  # the writer's writes block until set
+    ops.plan.full = where == "pinned"  # every write fails: the page is pinned in DRAM
+    cache = HostPageCache(store, 1 * PB, write_queue_pages=4)
+    try:
+        cache.put("a", 0, page("a", 0))
+        cache.put("a", 1, page("a", 1))  # page 0 leaves the 1-page LRU for the write queue
+        if where == "pinned":
+            gate.set()
+            assert cache.settle() and cache.pinned_pages == 1
+        assert cache.resident("a", 0) and cache.prefetch("a", [0]) == 0  # in DRAM: nothing to read
+        ops.plan.full = False
+        gate.set()
+        if where == "pinned":
+            assert cache.retry_pinned() == 0
+        assert cache.settle() and cache.counters.disk_bytes_written >= PB
+        assert cache.resident("a", 0)  # written, and still in DRAM for the read-ahead
+        misses = cache.counters.cache_misses
+        assert bytes(cache.get("a", 0)) == page("a", 0) and cache.counters.cache_misses == misses
+        cache.check()
+    finally:
+        gate.set()
+        cache.close()
+        store.close()
