@@ -134,7 +134,37 @@ def aggregate(cfg, done: dict[str, dict[int, dict]], replay: dict[str, dict[int,
         "planned_per_arm": cfg.n_per_task * len(cfg.tasks),
         "arms": arms,
         "tasks": tasks,
+        "iso": {a.kind: iso_budgets(tasks, cfg.arms, a.kind) for a in cfg.arms if a.budget is not None},
+        "budgets": sorted({a.budget for a in cfg.arms if a.budget is not None}),
     }
+
+
+RATIOS = (0.95, 0.99)
+
+
+def _mean_of(cells: dict[str, dict], arm: str, side: str) -> float | None:
+    return ((cells.get(arm) or {}).get(side) or {}).get("mean")
+
+
+def iso_budgets(tasks: dict[str, dict[str, dict]], arms, kind: str) -> dict[str, dict[str, dict]]:
+    """{task: {"0.95": {"live": budget | None, "replay": budget | None}, ...}}: the smallest budget of the run
+    where `kind`'s task accuracy reaches ratio x stock's, live against live stock and replay against the replay's
+    Full on the same documents (the frontier's iso-quality rule, point estimates). None: no budget of the run
+    reaches it (or stock scores 0 there: no fraction of it to reach)."""
+    keys = {a.budget: a.key for a in arms if a.kind == kind and a.budget is not None}
+    out: dict[str, dict[str, dict]] = {}
+    for t, cells in tasks.items():
+        out[t] = {}
+        for r in RATIOS:
+            pick: dict = {}
+            for side in ("live", "replay"):
+                base = _mean_of(cells, "stock", side)
+                reached = [
+                    b for b in sorted(keys) if base and (_mean_of(cells, keys[b], side) or 0) >= r * base - 1e-12
+                ]
+                pick[side] = reached[0] if reached else None
+            out[t][f"{r:g}"] = pick
+    return out
 
 
 def _f(v, nd: int = 3) -> str:
@@ -188,6 +218,20 @@ def markdown(res: dict, command: str, notes: list[str], words) -> str:
             + " | ".join(f"{_f(cells[a]['live']['mean'])} / {_f(cells[a]['replay']['mean'])}" for a in arms)
             + " |"
         )
+    for kind, per_task in res.get("iso", {}).items():
+        top = max(res.get("budgets") or [0])
+        L += [
+            "",
+            f"## Iso-quality: the smallest budget where {kind} reaches 0.95x / 0.99x of stock (live / replay)",
+            "",
+        ]
+        L += ["| task | 0.95x | 0.99x |", "|---|---:|---:|"]
+        cell = lambda b: "-" if b is None else f"{b:.0%}"  # noqa: E731
+        for t, picks in per_task.items():
+            L.append(
+                f"| {t} | " + " | ".join(f"{cell(p['live'])} / {cell(p['replay'])}" for p in picks.values()) + " |"
+            )
+        L += ["", f"- '-': not reached at the budgets run (up to {top:.0%}), or stock scores 0 on the task."]
     L += [
         "",
         "## Counted costs (D's /metrics, mean per document)",

@@ -117,3 +117,21 @@ def test_replay_tokens_whose_scores_are_not_the_replay_runs_are_named(tmp_path):
     replay = {"stock": {8: {"task_score": 1.0}, 9: {"task_score": 1.0}}, "FlashMemory@0.1": {8: {"task_score": 0.5}}}
     (line,) = rt.check(replay)
     assert line.startswith("Replay tokens of document 9 score 0.000 as Full; the replay run's record 1.000 (stock)")
+
+
+def test_iso_quality_picks_the_smallest_budget_reaching_the_ratio_live_and_replay(tmp_path, model_dir, retriever):
+    fm2 = LiveArm("FlashMemory", 0.2)
+    cfg = small_config(tmp_path / "out", model_dir, retriever, arms=(STOCK, FM, fm2), tasks=("niah_single",))
+    # live: stock 1.0, FM@0.1 0.5, FM@0.2 1.0; replay: Full 0.5, FM 0.5 at both budgets
+    live = {"stock": (1.0, 1.0), "FlashMemory@0.1": (1.0, 0.0), "FlashMemory@0.2": (1.0, 1.0)}
+    arm = {"stock": STOCK, "FlashMemory@0.1": FM, "FlashMemory@0.2": fm2}
+    done = {k: {i: rec(arm[k], i, "niah_single", s, [1]) for i, s in zip((8, 9), v)} for k, v in live.items()}
+    replay = {k: {8: {"task_score": 1.0}, 9: {"task_score": 0.0}} for k in live}
+    res = aggregate(cfg, done, replay, {})
+    picks = res["iso"]["FlashMemory"]["niah_single"]
+    assert picks["0.95"] == {"live": 0.2, "replay": 0.1} and picks["0.99"] == {"live": 0.2, "replay": 0.1}
+    done["FlashMemory@0.2"][9]["task_score"] = 0.9  # 0.95 of stock's 1.0 reached at 20%, 0.99 at no budget run
+    picks = aggregate(cfg, done, replay, {})["iso"]["FlashMemory"]["niah_single"]
+    assert picks["0.95"]["live"] == 0.2 and picks["0.99"]["live"] is None
+    md = markdown(aggregate(cfg, done, replay, {}), "cmd", [], lambda ids: "w")
+    assert "| niah_single | 20% / 10% | - / 10% |" in md and "(up to 20%)" in md
