@@ -54,8 +54,10 @@ class LiveArm:
 
     def hot_slots(self, doc_len: int, index_topk: int) -> int:
         """HiSparse's hot buffer per c4 layer and request: FlashMemory's resident chunks at this budget, at least
-        the top-k (sglang refuses a buffer below it)."""
-        return max(self.kmax(doc_len) * SERVE_PAGE_CHUNKS, index_topk)
+        the top-k (sglang refuses a buffer below it); with prefetch, at least one page of hinted chunks beside the
+        top-k picks (the plugin refuses a buffer the picks fill)."""
+        least = index_topk + (SERVE_PAGE_CHUNKS if self.kind == "HiSparse+prefetch" else 0)
+        return max(self.kmax(doc_len) * SERVE_PAGE_CHUNKS, least)
 
     def settings(
         self, doc_len: int, index_topk: int, tau: int, threshold: float, tail_chunks: int, c4_mode: str = "copy"

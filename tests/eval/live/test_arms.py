@@ -30,6 +30,7 @@ def test_kmax_and_hot_buffer_follow_the_budget():
     assert [LiveArm("FlashMemory", b).kmax(4096) for b in (0.05, 0.1, 0.2, 1.0)] == [1, 2, 4, 16]
     assert LiveArm("HiSparse", 0.1).hot_slots(4096, 512) == 512  # never below the top-k
     assert LiveArm("HiSparse", 0.2).hot_slots(4096, 64) == 256  # 4 pages x 64 chunks
+    assert LiveArm("HiSparse+prefetch", 0.1).hot_slots(4096, 512) == 576  # a page of hints beside the picks
 
 
 def _st(**kw):
